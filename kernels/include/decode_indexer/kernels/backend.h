@@ -1,0 +1,206 @@
+// The one interface every compute backend implements (CPU reference, CUDA).
+//
+// A Backend instance serves one rank: it owns that rank's memory space and (on a GPU) its
+// streams. Every pointer handed to a kernel entry point lives in the backend's memory
+// (host memory for the CPU backend, device memory for CUDA), allocated with Allocate().
+// Entry points are ordered on the backend's main stream and may return before the work is
+// done; Synchronize() waits. Argument checks belong to the caller (the server's edge and
+// executor); entry points assert only what is cheap and return a Status on failure.
+//
+// The math is spec/indexer.md; the CPU backend is the oracle every other backend is tested
+// against (identical answers except at near-ties, spec section 6).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "decode_indexer/kernels/types.h"
+
+namespace decode_indexer::kernels {
+
+// Quantize-and-cache of keys into the paged layout (spec sections 2 and 4).
+struct KeyInsertArgs {
+  CacheView cache;
+  int32_t num_keys = 0;
+  // kF32 / kBF16: unquantized [n, D], quantized here to the cache's format.
+  // kFp8E4M3: [n, D] codes with float key_scales [n] (FP8 cache only).
+  // kFp4E2M1: [n, D/2] packed bytes with ue8m0 key_scales [n, D/32] (FP4 cache only).
+  ElemType key_type = ElemType::kF32;
+  const void* keys = nullptr;
+  const void* key_scales = nullptr;
+  // [n] destination of key i: page * page_size + slot.
+  const int64_t* slots = nullptr;
+  // Rotate unquantized keys by the normalised Hadamard matrix before quantizing.
+  bool hadamard = false;
+};
+
+// rope_quant_q: RoPE (when positions is given), optional Hadamard, quantize q to the cache's
+// format and fold the weights (spec sections 2 and 3).
+struct QPrepArgs {
+  int32_t num_rows = 0;
+  int32_t num_heads = 0;
+  int32_t head_dim = 0;
+  ElemType q_type = ElemType::kF32;  // kF32 or kBF16, [rows, H, D]
+  const void* q = nullptr;
+  const float* weights_raw = nullptr;  // [rows, H]
+  const int64_t* positions = nullptr;  // [rows] or null: q already rotated
+  RopeConfig rope;
+  bool hadamard = false;
+  CacheFormat format = CacheFormat::kFp8;
+  // Outputs. FP8: q_codes [rows, H, D], weights_out = w_raw * c * q_scale with
+  // c = float(1 / sqrt(H * D)). FP4: q_codes [rows, H, D/2] packed, q_scales
+  // [rows, H, D/32] ue8m0, weights_out = w_raw * c.
+  uint8_t* q_codes = nullptr;
+  uint8_t* q_scales = nullptr;
+  float* weights_out = nullptr;
+};
+
+// The rows of one decode step (or a contiguous slice of them). Rows of one request are
+// adjacent; row r belongs to request row_request[r] and scores positions [0, row_length[r]).
+struct RowBatch {
+  int32_t num_rows = 0;
+  const int32_t* row_request = nullptr;  // [num_rows]
+  const int32_t* row_length = nullptr;   // [num_rows], each >= 1
+  // [num_requests, page_table_stride]: request b's position p lives in page
+  // page_table[b * stride + p / page_size], slot p % page_size.
+  const int32_t* page_table = nullptr;
+  int32_t page_table_stride = 0;
+  int32_t num_requests = 0;
+  // Host-known bound on row_length (workspace and grid sizing; no device read needed).
+  int32_t max_row_length = 0;
+};
+
+// Quantized q of the rows of a RowBatch (row r's q at codes + r * H * value_bytes).
+struct QView {
+  const uint8_t* codes = nullptr;   // FP8 [rows, H, D]; FP4 [rows, H, D/2]
+  const uint8_t* scales = nullptr;  // FP4 only: [rows, H, D/32] ue8m0
+  const float* weights = nullptr;   // [rows, H] folded
+  int32_t num_heads = 0;
+};
+
+// Dense paged logits over [0, L_r) and the row's top-k (spec sections 3 and 6); at a
+// candidate source also the row's candidate blocks (spec section 7).
+struct DenseArgs {
+  CacheView cache;
+  RowBatch rows;
+  QView q;
+  int32_t topk = 0;
+  int32_t* topk_out = nullptr;  // [num_rows, topk]: ascending, -1 padded
+  // Optional: candidate blocks [num_rows, num_candidate_blocks], ascending, -1 padded.
+  int32_t* candidates_out = nullptr;
+  int32_t num_candidate_blocks = 0;
+  int32_t candidate_block_size = 0;
+};
+
+// The positions a consumer row scores: its candidate blocks expanded, below its length,
+// ascending. Depends only on candidates and lengths, so one expansion serves every consumer
+// layer of a step.
+struct CandidateExpansion {
+  int32_t* positions = nullptr;  // [num_rows, max_positions]
+  int32_t* counts = nullptr;     // [num_rows]
+  int32_t max_positions = 0;     // num_candidate_blocks * candidate_block_size
+};
+
+struct ExpandArgs {
+  int32_t num_rows = 0;
+  const int32_t* candidates = nullptr;  // [num_rows, num_candidate_blocks]
+  const int32_t* row_length = nullptr;  // [num_rows]
+  int32_t num_candidate_blocks = 0;
+  int32_t candidate_block_size = 0;
+  CandidateExpansion out;
+};
+
+// A consumer: logits over the expanded candidate positions only, top-k among them.
+struct SparseArgs {
+  CacheView cache;  // the source layer's cache
+  RowBatch rows;
+  QView q;
+  const int32_t* positions = nullptr;  // CandidateExpansion::positions of these rows
+  const int32_t* counts = nullptr;     // CandidateExpansion::counts of these rows
+  int32_t max_positions = 0;
+  int32_t topk = 0;
+  int32_t* topk_out = nullptr;
+};
+
+// The fallback consumer: dense logits with every position outside the row's candidate blocks
+// masked out. Must answer exactly as the sparse consumer.
+struct MaskedArgs {
+  CacheView cache;
+  RowBatch rows;
+  QView q;
+  const int32_t* candidates = nullptr;  // [num_rows, num_candidate_blocks]
+  int32_t num_candidate_blocks = 0;
+  int32_t candidate_block_size = 0;
+  int32_t topk = 0;
+  int32_t* topk_out = nullptr;
+};
+
+// Copies num_rows rows of row_elems int32 each: dst[dst_index ? dst_index[i] : i] =
+// src[src_index ? src_index[i] : i]. Index arrays live in backend memory.
+struct CopyRowsArgs {
+  int32_t num_rows = 0;
+  int32_t row_elems = 0;
+  int32_t* dst = nullptr;
+  const int32_t* dst_index = nullptr;
+  const int32_t* src = nullptr;
+  const int32_t* src_index = nullptr;
+};
+
+// Bounds known at start-up; a backend sizes its workspaces from them once.
+struct BackendLimits {
+  int32_t max_rows = 0;        // rows in one step
+  int32_t max_requests = 0;    // requests in one step
+  int64_t max_context = 0;     // longest row
+  int32_t num_heads = 0;
+  int32_t head_dim = 0;
+  int32_t max_topk = 0;
+  int32_t max_candidate_positions = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // "cpu" or "cuda".
+  virtual std::string_view name() const = 0;
+  // A one-line description for logs and ServerInfo ("cpu (2 threads)", "cuda:0 NVIDIA H200").
+  virtual std::string description() const = 0;
+
+  // Memory in this backend's address space, zero-filled.
+  virtual absl::StatusOr<void*> Allocate(size_t bytes) = 0;
+  virtual void Free(void* ptr) = 0;
+  // Ordered on the main stream; host memory must stay valid until Synchronize().
+  virtual absl::Status CopyToDevice(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes) = 0;
+  virtual absl::Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes) = 0;
+  virtual absl::Status Synchronize() = 0;
+
+  virtual absl::Status InsertKeys(const KeyInsertArgs& args) = 0;
+  virtual absl::Status RopeQuantQ(const QPrepArgs& args) = 0;
+  virtual absl::Status DenseTopK(const DenseArgs& args) = 0;
+  virtual absl::Status SparseTopK(const SparseArgs& args) = 0;
+  virtual absl::Status MaskedTopK(const MaskedArgs& args) = 0;
+  virtual absl::Status CopyRows(const CopyRowsArgs& args) = 0;
+
+  // CandidateOverlap (seed): the expansion may run on a side stream. ForkExpand orders the
+  // side stream after the main stream's work so far, then expands there; JoinExpand makes
+  // the main stream wait for it. Backends without streams run it inline.
+  virtual absl::Status ForkExpand(const ExpandArgs& args) = 0;
+  virtual absl::Status JoinExpand() = 0;
+};
+
+// The CPU reference backend. threads <= 0: one per hardware thread.
+std::unique_ptr<Backend> MakeCpuBackend(const BackendLimits& limits, int threads);
+
+// Whether this build has the CUDA backend and a usable GPU.
+bool CudaBackendAvailable();
+int CudaDeviceCount();
+// The CUDA backend on `device`; an error where the build has no CUDA or no such device.
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const BackendLimits& limits, int device);
+
+}  // namespace decode_indexer::kernels

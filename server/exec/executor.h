@@ -1,0 +1,133 @@
+// The executor: runs every state-changing operation in arrival order across the ranks.
+//
+// The service edge decodes a request into the plain structs below, having checked everything
+// that needs no state (dtypes, shapes, byte counts, NaN/Inf, layer ids, duplicate sequences,
+// keys sent to a consumer). The executor checks what needs state (unknown sequence, lengths,
+// pages, candidates), reserves pages all-or-nothing, fans the step out to its rank threads
+// (each with a Backend and a replica of every cache), row-shards it when the gate
+// (row_shard_bounds) allows, all-gathers the answer rows through a Collective, and commits
+// the new lengths only when every rank succeeded. A rejected call changes nothing.
+//
+// Status messages name the request field at fault in the proto's terms
+// ("sequences[2].row_lengths[1]: ...") so the edge can pass them through unchanged.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "decode_indexer/kernels/types.h"
+#include "server/config/profile.h"
+
+namespace decode_indexer::exec {
+
+struct ExecutorOptions {
+  std::string backend = "auto";  // "auto" | "cpu" | "cuda"
+  int32_t ranks = 0;             // 0: every visible GPU (cuda) or 1 (cpu)
+  int64_t cache_pages = 4096;    // pages in each cache's pool
+  int32_t row_shard_min_requests = 8;
+  int64_t max_sequences = 4096;
+  int32_t max_requests_per_step = 256;
+  int32_t cpu_threads = 0;  // per rank; 0: hardware threads / ranks
+  // CandidateOverlap: build the consumers' expansion when the source publishes candidates.
+  bool candidate_overlap = true;
+  // Consumers score the expansion (sparse) or run the dense masked fallback.
+  bool masked_consumer = false;
+};
+
+// Keys in one of the accepted forms (AppendKeys.keys / SequenceStep.new_keys).
+struct KeysInput {
+  kernels::ElemType type = kernels::ElemType::kF32;  // kF32, kBF16, kFp8E4M3, kFp4E2M1
+  int32_t count = 0;                                  // n (0: no keys)
+  const void* keys = nullptr;                         // host bytes, validated size
+  const void* scales = nullptr;                       // FP8: float[n]; FP4: uint8[n, D/32]
+};
+
+struct SequenceStepInput {
+  uint64_t sequence_id = 0;
+  int32_t num_rows = 0;  // >= 1
+  KeysInput new_keys;
+  std::vector<int32_t> row_lengths;  // empty (causal) or num_rows entries
+};
+
+struct QInput {
+  // kF32 / kBF16: unquantized (quantized and folded by the server); kFp8E4M3 / kFp4E2M1:
+  // quantized in the layer's cache format with folded weights.
+  kernels::ElemType type = kernels::ElemType::kFp8E4M3;
+  const void* q = nullptr;                  // [rows, H, D] (FP4 packed [rows, H, D/2])
+  const uint8_t* scales = nullptr;          // FP4 only: [rows, H, D/32]
+  const float* weights = nullptr;           // [rows, H] fp32
+  const int64_t* positions = nullptr;       // [rows] or null
+};
+
+struct StepInput {
+  int32_t layer = 0;
+  std::vector<SequenceStepInput> sequences;
+  int32_t num_rows = 0;  // sum of sequences[i].num_rows
+  QInput q;
+  uint64_t step_id = 0;
+  bool return_candidates = false;
+};
+
+struct StepResult {
+  uint64_t step_id = 0;
+  int32_t num_rows = 0;
+  int32_t topk = 0;
+  std::vector<int32_t> topk_indices;  // [num_rows, topk]
+  int32_t num_candidate_blocks = 0;
+  std::vector<int32_t> candidate_blocks;  // [num_rows, num_candidate_blocks] when asked
+  bool sharded = false;
+  int64_t queue_us = 0;
+  int64_t compute_us = 0;
+  std::vector<int64_t> lengths;  // per sequence, after the step
+};
+
+struct CachePoolStatus {
+  int32_t cache_layer = 0;
+  int64_t pages_total = 0;
+  int64_t pages_free = 0;
+};
+
+struct ExecutorStatus {
+  std::string backend;       // "cpu" | "cuda"
+  std::string backend_desc;  // one line
+  int32_t num_ranks = 0;
+  int32_t row_shard_min_requests = 0;
+  int64_t max_sequences = 0;
+  int64_t sequences = 0;
+  std::vector<CachePoolStatus> caches;
+  uint64_t steps = 0;
+  uint64_t steps_sharded = 0;
+  uint64_t steps_unsharded = 0;
+  uint64_t rows_scored = 0;
+  double queue_us_total = 0;
+  double compute_us_total = 0;
+};
+
+class Executor {
+ public:
+  static absl::StatusOr<std::unique_ptr<Executor>> Create(const config::Profile& profile,
+                                                          const ExecutorOptions& options);
+  virtual ~Executor() = default;
+
+  // ALREADY_EXISTS if taken; RESOURCE_EXHAUSTED past max_sequences.
+  virtual absl::Status CreateSequence(uint64_t sequence_id) = 0;
+  // Appends prefill keys to the cache `layer` owns; answers the new length.
+  virtual absl::StatusOr<int64_t> AppendKeys(uint64_t sequence_id, int32_t layer,
+                                             const KeysInput& keys) = 0;
+  // Frees the sequence's pages in every cache; answers how many.
+  virtual absl::StatusOr<int64_t> ReleaseSequence(uint64_t sequence_id) = 0;
+  virtual absl::StatusOr<StepResult> DecodeStep(const StepInput& step) = 0;
+
+  virtual ExecutorStatus Status() const = 0;
+  virtual const config::Profile& profile() const = 0;
+
+  // Stops taking work (later calls fail UNAVAILABLE), finishes what was queued, joins the
+  // rank threads. Idempotent.
+  virtual void Shutdown() = 0;
+};
+
+}  // namespace decode_indexer::exec
