@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs, from Debian 12's packages, everything decode-indexer needs to build, test and run
+# its demo. Idempotent: installs only what is missing. The CUDA toolkit is not a package here;
+# where /usr/local/cuda/bin/nvcc exists the CUDA backend is built too.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build pkg-config git
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev
+  libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libyaml-cpp-dev
+  python3 python3-grpcio python3-protobuf python3-numpy
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+echo "install-deps: installing ${missing[*]}"
+sudo_cmd=()
+[ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+export DEBIAN_FRONTEND=noninteractive
+"${sudo_cmd[@]}" apt-get update -qq
+"${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
