@@ -1,0 +1,34 @@
+"""decode_indexer: the Python client of the decode-indexer service.
+
+    import decode_indexer as di
+    client = di.Client("localhost:50051")
+    seq = client.create_sequence()
+    client.append_keys(seq, layer=0, keys=keys)          # [n, D] float32, or di.quant codes
+    result = client.decode_step(0, [di.SequenceStep(seq)], q, weights, positions=pos)
+    result.topk                                          # int32 [rows, K]
+"""
+
+from ._generate import ensure_generated as _ensure_generated
+
+# The Protobuf modules are generated, not checked in: make them before the client imports them.
+_ensure_generated()
+
+from . import quant  # noqa: E402
+from ._wire import DType, TypedArray, typed  # noqa: E402
+from .client import (  # noqa: E402
+    Client,
+    DecodeResult,
+    DecodeStream,
+    LayerInfo,
+    SequenceStep,
+    ServerInfo,
+    Timing,
+)
+from .errors import IndexerError  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Client", "DecodeResult", "DecodeStream", "DType", "IndexerError", "LayerInfo",
+    "SequenceStep", "ServerInfo", "Timing", "TypedArray", "quant", "typed",
+]

@@ -1,0 +1,410 @@
+"""The typed client: a thin layer over the decode_indexer.v1 gRPC API.
+
+Requests carrying tensors (AppendKeys, DecodeStep, DecodeStream) are encoded by `_wire` so the
+payload is copied once; everything else goes through the generated message classes.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import grpc
+import numpy as np
+
+from . import _wire
+from ._gen import indexer_pb2 as pb
+from .errors import IndexerError
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["DecodeIndexer"].full_name
+
+# Answers grow with rows x K (128 rows x 2048 x 4 B = 1 MiB at v32) and prefill requests with
+# the keys sent; gRPC's default 4 MiB receive cap is an accident waiting to happen.
+_DEFAULT_OPTIONS = (("grpc.max_receive_message_length", -1),
+                    ("grpc.max_send_message_length", -1))
+
+
+@dataclass
+class SequenceStep:
+    """One request (sequence) of a decode step.
+
+    num_rows: rows it brings (1 + speculative tokens); with `row_lengths`, their count (or 0).
+    new_keys / new_key_scales: keys inserted into the layer's own cache before scoring, in the
+      forms `append_keys` takes; leave None at a layer that reads another layer's cache.
+    row_lengths: optional explicit length of each row (default causal).
+    """
+
+    sequence_id: int
+    num_rows: int = 1
+    new_keys: Any = None
+    new_key_scales: Any = None
+    row_lengths: Sequence[int] | None = None
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Where a step's time went, in microseconds: the server's queue and compute time, and the
+    client's wall time from sending the request to holding the decoded answer."""
+
+    queue_us: int
+    compute_us: int
+    client_us: float
+
+
+@dataclass
+class DecodeResult:
+    """A decode step's answer.
+
+    topk: int32 [rows, K], each row's positions ascending, -1 padded (read-only view of the
+      response bytes; .copy() it to write).
+    candidate_blocks: int32 [rows, num_candidate_blocks] when asked at a source layer, else None.
+    lengths: int64 [requests], each sequence's cache length after the step.
+    """
+
+    step_id: int
+    topk: np.ndarray
+    candidate_blocks: np.ndarray | None
+    timing: Timing
+    lengths: np.ndarray
+    sharded: bool
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    layer: int
+    role: str  # "dense", "candidate_source" or "candidate_consumer"
+    cache_layer: int  # the layer whose cache it reads (itself if it owns one)
+    cache_format: str  # "fp8" or "fp4"
+
+    @property
+    def owns_cache(self) -> bool:
+        return self.cache_layer == self.layer
+
+
+class ServerInfo:
+    """The server's profile and state. Every field of decode_indexer.v1.ServerInfo is an
+    attribute (info.num_heads, info.topk, info.hadamard, ...); `layers` is typed."""
+
+    def __init__(self, raw: pb.ServerInfo):
+        self.raw = raw
+        self.layers = [
+            LayerInfo(l.layer, pb.LayerRole.Name(l.role).removeprefix("LAYER_ROLE_").lower(),
+                      l.cache_layer,
+                      pb.CacheFormat.Name(l.cache_format).removeprefix("CACHE_FORMAT_").lower())
+            for l in raw.layers
+        ]
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "raw":  # not set yet (copy/pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.raw, name)
+
+    @property
+    def cache_layers(self) -> list[int]:
+        """Layers that own a cache (the ones keys are appended to), in layer order."""
+        return [l.layer for l in self.layers if l.owns_cache]
+
+    def layer(self, layer: int) -> LayerInfo:
+        for l in self.layers:
+            if l.layer == layer:
+                return l
+        raise KeyError(f"layer {layer} is not in profile {self.raw.profile!r}")
+
+    def __repr__(self) -> str:
+        r = self.raw
+        return (f"ServerInfo(profile={r.profile!r}, backend={r.backend!r}, H={r.num_heads}, "
+                f"D={r.head_dim}, K={r.topk}, layers={len(r.layers)}, ranks={r.num_ranks})")
+
+
+def _decode_array(t: pb.Tensor, what: str) -> np.ndarray:
+    dtypes = {pb.DTYPE_INT32: "<i4", pb.DTYPE_INT64: "<i8", pb.DTYPE_FP32: "<f4"}
+    if t.dtype not in dtypes:
+        raise IndexerError(grpc.StatusCode.INTERNAL,
+                           f"{what}: unexpected dtype {pb.DType.Name(t.dtype)} in the response")
+    return np.frombuffer(t.data, dtype=dtypes[t.dtype]).reshape(tuple(t.shape))
+
+
+def _result(resp: pb.DecodeStepResponse, client_us: float) -> DecodeResult:
+    return DecodeResult(
+        step_id=resp.step_id,
+        topk=_decode_array(resp.topk, "topk"),
+        candidate_blocks=(_decode_array(resp.candidate_blocks, "candidate_blocks")
+                          if resp.HasField("candidate_blocks") else None),
+        timing=Timing(resp.timing.queue_us, resp.timing.compute_us, client_us),
+        lengths=np.asarray(resp.lengths, dtype=np.int64),
+        sharded=resp.sharded,
+    )
+
+
+def _encode_append(sequence_id: int, layer: int, keys: Any, key_scales: Any) -> bytes:
+    parts: list = [pb.AppendKeysRequest(sequence_id=sequence_id, layer=layer).SerializeToString()]
+    parts += _wire.encode_tensor_field(3, _wire.to_wire(keys, "keys"))
+    if key_scales is not None:
+        parts += _wire.encode_tensor_field(4, _wire.to_wire(key_scales, "key_scales"))
+    return _wire.join(parts)
+
+
+def encode_decode_step(layer: int, steps: Sequence[SequenceStep], q: Any, weights: Any,
+                       q_scales: Any = None, positions: Any = None, step_id: int = 0,
+                       return_candidates: bool = False) -> bytes:
+    """The serialized DecodeStepRequest (a valid message of the generated class)."""
+    if isinstance(steps, SequenceStep):
+        steps = [steps]
+    parts: list = [pb.DecodeStepRequest(layer=layer, step_id=step_id,
+                                        return_candidates=return_candidates).SerializeToString()]
+    for i, s in enumerate(steps):
+        if not isinstance(s, SequenceStep):
+            raise TypeError(f"steps[{i}]: expected a SequenceStep, got {type(s).__name__}")
+        sub: list = [pb.SequenceStep(sequence_id=s.sequence_id, num_rows=s.num_rows,
+                                     row_lengths=list(s.row_lengths or ())).SerializeToString()]
+        if s.new_keys is not None:
+            sub += _wire.encode_tensor_field(3, _wire.to_wire(s.new_keys,
+                                                              f"sequences[{i}].new_keys"))
+        if s.new_key_scales is not None:
+            sub += _wire.encode_tensor_field(
+                4, _wire.to_wire(s.new_key_scales, f"sequences[{i}].new_key_scales"))
+        parts += _wire.encode_message_field(2, sub)
+    parts += _wire.encode_tensor_field(3, _wire.to_wire(q, "q"))
+    if q_scales is not None:
+        parts += _wire.encode_tensor_field(4, _wire.to_wire(q_scales, "q_scales"))
+    parts += _wire.encode_tensor_field(5, _wire.to_wire(weights, "weights"))
+    if positions is not None:
+        parts += _wire.encode_tensor_field(6, _wire.to_wire(positions, "positions"))
+    return _wire.join(parts)
+
+
+class Client:
+    """A connection to a decode-indexer server.
+
+    target: "host:port". timeout: default deadline in seconds for every call (None: none).
+    options: extra gRPC channel options, e.g. [("grpc.max_receive_message_length", n)].
+    Thread-safe: calls may come from several threads at once (steps still run in arrival order).
+    """
+
+    def __init__(self, target: str, *, timeout: float | None = None,
+                 options: Sequence[tuple[str, Any]] | None = None):
+        self.target = target
+        self.timeout = timeout
+        given = dict(options or ())
+        opts = [o for o in _DEFAULT_OPTIONS if o[0] not in given] + list(given.items())
+        self._channel = grpc.insecure_channel(target, options=opts)
+
+        def unary(name: str, response: Any, request: Any = None):
+            # request None: the caller hands over already-serialized bytes (see _wire).
+            return self._channel.unary_unary(
+                f"/{_SERVICE}/{name}",
+                request_serializer=request.SerializeToString if request else None,
+                response_deserializer=response.FromString)
+
+        self._get_server_info = unary("GetServerInfo", pb.ServerInfo, pb.GetServerInfoRequest)
+        self._create = unary("CreateSequence", pb.CreateSequenceResponse, pb.CreateSequenceRequest)
+        self._append = unary("AppendKeys", pb.AppendKeysResponse)
+        self._release = unary("ReleaseSequence", pb.ReleaseSequenceResponse,
+                              pb.ReleaseSequenceRequest)
+        self._decode = unary("DecodeStep", pb.DecodeStepResponse)
+        self._stats = unary("GetStatistics", pb.Statistics, pb.GetStatisticsRequest)
+        self._decode_stream = self._channel.stream_stream(
+            f"/{_SERVICE}/DecodeStream", request_serializer=None,
+            response_deserializer=pb.DecodeStepResponse.FromString)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """Blocks until the channel connects; IndexerError(UNAVAILABLE) after `timeout` s."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise IndexerError(grpc.StatusCode.UNAVAILABLE,
+                               f"no server at {self.target} after {timeout} s", "connect") from None
+
+    def _call(self, method: str, fn: Any, request: Any, timeout: float | None) -> Any:
+        try:
+            return fn(request, timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as e:
+            raise IndexerError.from_rpc_error(e, method) from None
+
+    # -- the API -----------------------------------------------------------------------------
+
+    def server_info(self, *, timeout: float | None = None) -> ServerInfo:
+        return ServerInfo(self._call("GetServerInfo", self._get_server_info,
+                                     pb.GetServerInfoRequest(), timeout))
+
+    def create_sequence(self, sequence_id: int | None = None, *,
+                        timeout: float | None = None) -> int:
+        """Creates an empty sequence and returns its id (a random 63-bit one if not given)."""
+        if sequence_id is None:
+            sequence_id = random.getrandbits(63)
+        self._call("CreateSequence", self._create,
+                   pb.CreateSequenceRequest(sequence_id=sequence_id), timeout)
+        return sequence_id
+
+    def append_keys(self, sequence_id: int, layer: int, keys: Any, key_scales: Any = None, *,
+                    timeout: float | None = None) -> int:
+        """Appends prefill keys to the cache `layer` owns; returns the cache's new length.
+
+        keys: [n, D] float32 / bfloat16 (the server quantizes), or pre-quantized in the cache's
+        format: typed FP8 codes [n, D] with float32 key_scales [n], or typed FP4 codes (packed,
+        logical [n, D]) with typed UE8M0 key_scales [n, D/32] (see decode_indexer.quant).
+        """
+        resp = self._call("AppendKeys", self._append,
+                          _encode_append(sequence_id, layer, keys, key_scales), timeout)
+        return resp.length
+
+    def release_sequence(self, sequence_id: int, *, timeout: float | None = None) -> int:
+        """Frees every page of the sequence; returns how many were freed."""
+        return self._call("ReleaseSequence", self._release,
+                          pb.ReleaseSequenceRequest(sequence_id=sequence_id), timeout).pages_freed
+
+    def decode_step(self, layer: int, steps: Sequence[SequenceStep], q: Any, weights: Any,
+                    q_scales: Any = None, positions: Any = None, step_id: int = 0,
+                    return_candidates: bool = False, *,
+                    timeout: float | None = None) -> DecodeResult:
+        """Runs one decode step of one layer and returns each row's top-k positions.
+
+        q: [rows, H, D] float32/bfloat16 (raw weights; the server quantizes, folds and, given
+          positions, applies RoPE), or typed FP8 codes with folded weights, or typed FP4 codes
+          with UE8M0 q_scales [rows, H, D/32]. weights: [rows, H] float32.
+        positions: [rows] int32/int64 when q is pre-RoPE.
+        """
+        request = encode_decode_step(layer, steps, q, weights, q_scales, positions, step_id,
+                                     return_candidates)
+        start = time.perf_counter()
+        resp = self._call("DecodeStep", self._decode, request, timeout)
+        return _result(resp, (time.perf_counter() - start) * 1e6)
+
+    def statistics(self, *, timeout: float | None = None) -> pb.Statistics:
+        """The server's cumulative counters (a decode_indexer.v1.Statistics message)."""
+        return self._call("GetStatistics", self._stats, pb.GetStatisticsRequest(), timeout)
+
+    def stream(self, *, timeout: float | None = None) -> "DecodeStream":
+        """Opens a DecodeStream session: send steps without waiting, receive answers in order.
+
+        timeout: a deadline for the whole session, in seconds (the client's per-call default
+        does not apply: a session lives for many steps)."""
+        return DecodeStream(self, timeout)
+
+
+_END = object()
+
+
+class DecodeStream:
+    """A pipelined session over the DecodeStream RPC.
+
+    `send()` queues a step and returns at once (the request goes out on gRPC's own thread);
+    `recv()` returns the next answer, in the order the steps were sent. A frontend sends the
+    layer-l+1 step while layer l is still being scored, so the network and the server's queue
+    overlap with its own work. The server ends the stream at the first failing step: that
+    step's `recv()` raises IndexerError, and so does every later one. Use as a context manager;
+    one thread may send while another receives.
+    """
+
+    def __init__(self, client: Client, timeout: float | None):
+        self._requests: queue.Queue = queue.Queue()
+        self._call = client._decode_stream(iter(self._requests.get, _END), timeout=timeout)
+        self._pending: collections.deque = collections.deque()  # (step_id, send time)
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._error: IndexerError | None = None
+
+    def send(self, layer: int, steps: Sequence[SequenceStep], q: Any, weights: Any,
+             q_scales: Any = None, positions: Any = None, step_id: int | None = None,
+             return_candidates: bool = False) -> int:
+        """Queues one step (arguments as Client.decode_step); returns its step_id, which is
+        numbered 1, 2, ... within the session when not given."""
+        sid = next(self._ids) if step_id is None else step_id
+        request = encode_decode_step(layer, steps, q, weights, q_scales, positions, sid,
+                                     return_candidates)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("DecodeStream: send() after close()")
+            self._pending.append((sid, time.perf_counter()))
+            self._requests.put(request)
+        return sid
+
+    @property
+    def pending(self) -> int:
+        """Steps sent and not yet received."""
+        return len(self._pending)
+
+    def recv(self) -> DecodeResult:
+        """The next answer in send order; blocks until it arrives."""
+        if self._error is not None:
+            raise self._error
+        with self._lock:
+            if not self._pending:
+                raise RuntimeError("DecodeStream: recv() with no step in flight")
+            expected, sent = self._pending[0]
+        try:
+            resp = next(self._call)
+        except grpc.RpcError as e:
+            self._error = IndexerError.from_rpc_error(e, "DecodeStream")
+            raise self._error from None
+        except StopIteration:
+            self._error = IndexerError(grpc.StatusCode.UNKNOWN,
+                                       "the server ended the stream with steps unanswered",
+                                       "DecodeStream")
+            raise self._error from None
+        with self._lock:
+            self._pending.popleft()
+        if resp.step_id != expected:
+            self._error = IndexerError(grpc.StatusCode.INTERNAL,
+                                       f"answer for step {resp.step_id} arrived where step "
+                                       f"{expected} was due", "DecodeStream")
+            raise self._error
+        return _result(resp, (time.perf_counter() - sent) * 1e6)
+
+    def step(self, *args: Any, **kwargs: Any) -> DecodeResult:
+        """send() then recv(): one step, unpipelined (the earlier steps' answers first)."""
+        if self._pending:
+            raise RuntimeError("DecodeStream.step(): receive the steps in flight first")
+        self.send(*args, **kwargs)
+        return self.recv()
+
+    def __iter__(self) -> Iterator[DecodeResult]:
+        """Receives every step in flight, in order."""
+        while self._pending:
+            yield self.recv()
+
+    def close(self) -> None:
+        """Ends the sending side; answers in flight can still be received."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._requests.put(_END)
+
+    def cancel(self) -> None:
+        """Abandons the session and every step in flight."""
+        self.close()
+        self._call.cancel()
+
+    def __enter__(self) -> "DecodeStream":
+        return self
+
+    def __del__(self) -> None:
+        # Unblock gRPC's request-reading thread if the session is dropped without close().
+        if not getattr(self, "_closed", True):
+            self._requests.put(_END)
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if exc_type is not None or self._error is not None:
+            self.cancel()  # the failure is already on its way to the caller
+            return
+        self.close()
+        for _ in self:  # drain, so a failure of an unreceived step is not lost
+            pass
