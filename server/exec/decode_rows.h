@@ -1,0 +1,70 @@
+// The rank side of a step: what one rank does with a planned step (decode_rows in the seed)
+// and with an append of prefill keys. The executor builds the plan on the host, having checked
+// it against the sequence table and reserved its pages; every rank runs the same plan.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "decode_indexer/kernels/types.h"
+#include "server/config/profile.h"
+#include "server/exec/collective.h"
+#include "server/exec/executor.h"
+#include "server/exec/rank.h"
+
+namespace decode_indexer::exec {
+
+// One sequence's new keys and the cache slots they go to.
+struct KeyWrite {
+  kernels::ElemType type = kernels::ElemType::kF32;
+  int32_t count = 0;
+  const void* keys = nullptr;
+  const void* scales = nullptr;
+  const int64_t* slots = nullptr;  // [count] page * page_size + slot
+};
+
+struct StepPlan {
+  config::LayerRole role = config::LayerRole::kDense;
+  int32_t pool = 0;  // the cache pool the layer reads (and writes, unless a consumer)
+  int32_t num_rows = 0;
+  int32_t num_requests = 0;
+  std::vector<int32_t> row_request;  // [rows]
+  std::vector<int32_t> row_length;   // [rows]
+  int32_t max_row_length = 0;
+  std::vector<int32_t> page_table;  // [requests, stride]
+  int32_t page_table_stride = 0;
+  std::vector<KeyWrite> key_writes;
+  bool hadamard = false;
+  QInput q;
+  kernels::RopeConfig rope;  // inv_freq filled in per rank
+  bool sharded = false;
+  int32_t row_shard_min_requests = 0;
+  // Candidate store rows of the step's rows: where a source writes, where a consumer reads.
+  std::vector<int32_t> store_rows;
+  bool masked_consumer = false;
+  bool reuse_expansion = false;  // consumer: every rank's expansion already holds these rows
+  bool fork_expansion = false;   // source: fork the expansion after writing candidates
+  // Host outputs, written by the answering rank.
+  int32_t answer_rank = 0;
+  int32_t* topk_out = nullptr;        // [rows, topk]
+  int32_t* candidates_out = nullptr;  // [rows, NB] or null
+
+  // Back to an empty plan, keeping the vectors' capacity: the executor reuses one plan for
+  // every step, so the per-step path does not reallocate its host arrays.
+  void Reset();
+};
+
+// Runs the step on one rank. Every rank runs it, and every rank calls the same collectives
+// whatever fails locally, so that none waits forever.
+absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& collective);
+
+// Writes keys into one pool of this rank's replica, in chunks of the staging size.
+absl::Status InsertKeysOnRank(Rank& rank, int32_t pool, const std::vector<KeyWrite>& writes,
+                              bool hadamard);
+
+// Bytes of one key (values) and of its scale in a given input form.
+int64_t KeyValueBytes(kernels::ElemType type, int32_t head_dim);
+int64_t KeyScaleBytes(kernels::ElemType type, int32_t head_dim);
+
+}  // namespace decode_indexer::exec

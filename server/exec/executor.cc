@@ -1,0 +1,704 @@
+// The executor: a FIFO of state-changing calls, each checked against the sequence table,
+// planned on the host, run on every rank and committed only when every rank succeeded.
+#include "server/exec/executor.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <unordered_set>
+
+#include "absl/strings/str_cat.h"
+#include "decode_indexer/kernels/backend.h"
+#include "decode_indexer/kernels/rope.h"
+#include "server/exec/candidate_overlap.h"
+#include "server/exec/collective.h"
+#include "server/exec/decode_rows.h"
+#include "server/exec/executor_internal.h"
+#include "server/exec/rank.h"
+#include "server/exec/row_shard.h"
+#include "server/state/page_allocator.h"
+#include "server/state/sequence_table.h"
+#include "spdlog/spdlog.h"
+
+namespace decode_indexer::exec {
+namespace {
+
+using config::LayerRole;
+using config::LayerSpec;
+using kernels::CacheFormat;
+using kernels::ElemType;
+using Clock = std::chrono::steady_clock;
+
+int64_t Micros(Clock::duration d) {
+  return std::chrono::duration_cast<std::chrono::microseconds>(d).count();
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Calls run in arrival order: each takes a ticket and waits until it is served.
+class FifoTurns {
+ public:
+  class Turn {
+   public:
+    explicit Turn(FifoTurns* owner) : owner_(owner) {}
+    Turn(const Turn&) = delete;
+    ~Turn() {
+      std::lock_guard lock(owner_->mu_);
+      ++owner_->serving_;
+      owner_->cv_.notify_all();
+    }
+
+   private:
+    FifoTurns* owner_;
+  };
+
+  // Blocks until every earlier ticket has finished.
+  Turn Wait() {
+    std::unique_lock lock(mu_);
+    const uint64_t ticket = next_++;
+    cv_.wait(lock, [&] { return serving_ == ticket; });
+    return Turn(this);
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t next_ = 0;
+  uint64_t serving_ = 0;
+};
+
+// Checks a key input against the cache it goes to.
+absl::Status CheckKeys(const KeysInput& keys, CacheFormat format, const std::string& field) {
+  if (keys.count < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": negative key count ", keys.count));
+  }
+  if (keys.count == 0) return absl::OkStatus();
+  if (keys.keys == nullptr) return absl::InvalidArgumentError(absl::StrCat(field, ": no data"));
+  switch (keys.type) {
+    case ElemType::kF32:
+    case ElemType::kBF16:
+      return absl::OkStatus();
+    case ElemType::kFp8E4M3:
+    case ElemType::kFp4E2M1: {
+      const bool fp8 = keys.type == ElemType::kFp8E4M3;
+      if (fp8 != (format == CacheFormat::kFp8)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ": pre-quantized keys must be in the cache's format (",
+                         format == CacheFormat::kFp8 ? "FP8" : "FP4", ")"));
+      }
+      if (keys.scales == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ": quantized keys need scales"));
+      }
+      return absl::OkStatus();
+    }
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(field, ": unsupported key type"));
+  }
+}
+
+class ExecutorImpl final : public Executor {
+ public:
+  ExecutorImpl(const config::Profile& profile, const ExecutorOptions& options)
+      : profile_(profile),
+        options_(options),
+        table_(static_cast<int32_t>(profile.CacheLayers().size()), options.max_sequences),
+        overlap_(options.candidate_overlap) {}
+
+  ~ExecutorImpl() override { Shutdown(); }
+
+  absl::Status Init(int32_t num_ranks, const BackendFactory& factory);
+
+  absl::Status CreateSequence(uint64_t sequence_id) override;
+  absl::StatusOr<int64_t> AppendKeys(uint64_t sequence_id, int32_t layer,
+                                     const KeysInput& keys) override;
+  absl::StatusOr<int64_t> ReleaseSequence(uint64_t sequence_id) override;
+  absl::StatusOr<StepResult> DecodeStep(const StepInput& step) override;
+  ExecutorStatus Status() const override;
+  const config::Profile& profile() const override { return profile_; }
+  void Shutdown() override;
+
+ private:
+  absl::Status Unavailable() const { return absl::UnavailableError("the executor is shut down"); }
+  // The failing rank's status, or OK when every rank succeeded.
+  static absl::Status FirstError(const std::vector<absl::Status>& statuses) {
+    for (size_t r = 0; r < statuses.size(); ++r) {
+      if (!statuses[r].ok()) {
+        return absl::Status(statuses[r].code(),
+                            absl::StrCat("rank ", r, ": ", statuses[r].message()));
+      }
+    }
+    return absl::OkStatus();
+  }
+  std::vector<absl::Status> RunOnAllRanks(const Rank::Job& job) { return RunOnRanks(ranks_, job); }
+  absl::StatusOr<StepResult> DecodeStepLocked(const StepInput& step, StepPlan& plan,
+                                              std::vector<std::vector<int32_t>>& new_pages,
+                                              std::vector<int32_t>& new_blocks);
+
+  const config::Profile profile_;
+  const ExecutorOptions options_;
+  std::string backend_name_;
+  std::string backend_desc_;
+  std::vector<int32_t> pool_of_layer_;  // cache layer -> pool index (-1: owns none)
+  std::vector<kernels::CacheGeometry> pool_geometry_;
+  std::vector<std::unique_ptr<Rank>> ranks_;
+  std::unique_ptr<Collective> collective_;
+
+  FifoTurns turns_;
+  std::atomic<bool> shut_down_{false};
+  StepPlan plan_;  // reused by every step (under the turn)
+
+  // Host truth. Changed only by the call holding the turn, under mu_ so Status() can read.
+  mutable std::mutex mu_;
+  std::vector<state::PageAllocator> pools_;
+  std::optional<state::PageAllocator> store_blocks_;
+  state::SequenceTable table_;
+  CandidateOverlap overlap_;
+  uint64_t next_candidate_version_ = 1;
+  ExecutorStatus stats_;
+};
+
+absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory) {
+  const config::Profile& p = profile_;
+  const int32_t M = p.max_rows_per_sequence;
+  pool_of_layer_.assign(p.layers.size(), -1);
+  for (int32_t layer : p.CacheLayers()) {
+    pool_of_layer_[layer] = static_cast<int32_t>(pool_geometry_.size());
+    pool_geometry_.push_back({p.layers[layer].cache_format, p.head_dim, p.page_size});
+    pools_.emplace_back(absl::StrCat("cache layer ", layer), "pages", options_.cache_pages);
+  }
+  int32_t num_sources = 0;
+  for (const LayerSpec& l : p.layers) num_sources += l.role == LayerRole::kCandidateSource;
+  int64_t store_blocks = 0;
+  if (num_sources > 0) {
+    // One block of M rows per (sequence, source), plus room for one step's fresh blocks: a
+    // source writes new candidates into fresh blocks and retires the old ones on commit.
+    store_blocks = int64_t{num_sources} * options_.max_sequences + options_.max_requests_per_step;
+    store_blocks_.emplace("candidate store", "blocks", store_blocks);
+  }
+
+  RankSizes sizes;
+  sizes.max_rows = options_.max_requests_per_step * M;
+  sizes.max_requests = options_.max_requests_per_step;
+  sizes.max_pages_per_sequence = static_cast<int32_t>(CeilDiv(p.max_context, p.page_size));
+  sizes.num_heads = p.num_heads;
+  sizes.head_dim = p.head_dim;
+  sizes.topk = p.topk;
+  sizes.num_candidate_blocks = p.num_candidate_blocks;
+  sizes.candidate_block_size = p.candidate_block_size;
+  sizes.candidate_store_rows = store_blocks * M;
+  sizes.key_chunk = std::max(sizes.max_rows, 4096);
+  sizes.pools = pool_geometry_;
+  sizes.pages_per_pool = options_.cache_pages;
+  if (p.rope.style != kernels::RopeStyle::kNone) sizes.inv_freq = kernels::ComputeInvFreq(p.rope);
+
+  kernels::BackendLimits limits;
+  limits.max_rows = sizes.max_rows;
+  limits.max_requests = sizes.max_requests;
+  limits.max_context = p.max_context;
+  limits.num_heads = p.num_heads;
+  limits.head_dim = p.head_dim;
+  limits.max_topk = p.topk;
+  limits.max_candidate_positions = p.num_candidate_blocks * p.candidate_block_size;
+
+  std::vector<kernels::Backend*> backends;
+  for (int32_t r = 0; r < num_ranks; ++r) {
+    absl::StatusOr<std::unique_ptr<kernels::Backend>> made = factory(r, limits);
+    if (!made.ok()) {
+      return absl::Status(made.status().code(),
+                          absl::StrCat("backend for rank ", r, ": ", made.status().message()));
+    }
+    std::unique_ptr<kernels::Backend> backend = *std::move(made);
+    if (backend == nullptr) return absl::InternalError(absl::StrCat("no backend for rank ", r));
+    if (r == 0) {
+      backend_name_ = std::string(backend->name());
+      backend_desc_ = backend->description();
+    }
+    backends.push_back(backend.get());
+    absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Create(r, std::move(backend), sizes);
+    if (!rank.ok()) return rank.status();
+    ranks_.push_back(*std::move(rank));
+  }
+  const size_t gather_bytes =
+      size_t(sizes.max_rows) * std::max(sizes.topk, sizes.num_candidate_blocks) * sizeof(int32_t);
+  collective_ = MakeInProcessCollective(backends, gather_bytes);
+
+  stats_.backend = backend_name_;
+  stats_.backend_desc = backend_desc_;
+  stats_.num_ranks = num_ranks;
+  stats_.row_shard_min_requests = options_.row_shard_min_requests;
+  stats_.max_sequences = options_.max_sequences;
+  spdlog::info(
+      "executor: profile {} ({} layers, {} cache pools), backend {} x{} ranks, {} pages per "
+      "pool, candidate overlap {}, {} consumers",
+      p.name, p.layers.size(), pools_.size(), backend_desc_, num_ranks, options_.cache_pages,
+      options_.candidate_overlap ? "on" : "off", options_.masked_consumer ? "masked" : "sparse");
+  return absl::OkStatus();
+}
+
+absl::Status ExecutorImpl::CreateSequence(uint64_t sequence_id) {
+  if (shut_down_) return Unavailable();
+  FifoTurns::Turn turn = turns_.Wait();
+  if (shut_down_) return Unavailable();
+  std::lock_guard lock(mu_);
+  return table_.Create(sequence_id);
+}
+
+absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(uint64_t sequence_id, int32_t layer,
+                                                 const KeysInput& keys) {
+  if (shut_down_) return Unavailable();
+  FifoTurns::Turn turn = turns_.Wait();
+  if (shut_down_) return Unavailable();
+
+  std::unique_lock lock(mu_);
+  const LayerSpec* spec = profile_.FindLayer(layer);
+  if (spec == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer: no layer ", layer, " (the profile has ", profile_.layers.size(), ")"));
+  }
+  if (spec->role == LayerRole::kCandidateConsumer) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer: layer ", layer, " is a candidate consumer and reads layer ",
+                     spec->cache_layer, "'s cache; append keys to layer ", spec->cache_layer));
+  }
+  state::SequenceState* seq = table_.Find(sequence_id);
+  if (seq == nullptr) {
+    return absl::NotFoundError(absl::StrCat("sequence_id: no sequence ", sequence_id));
+  }
+  const int32_t pool = pool_of_layer_[layer];
+  if (absl::Status s = CheckKeys(keys, spec->cache_format, "keys"); !s.ok()) return s;
+  state::CachePages& cp = seq->caches[pool];
+  const int64_t new_length = cp.length + keys.count;
+  if (new_length > profile_.max_context) {
+    return absl::OutOfRangeError(absl::StrCat("keys: length ", new_length,
+                                              " would exceed max_context ", profile_.max_context));
+  }
+  if (keys.count == 0) return cp.length;
+  const int32_t P = profile_.page_size;
+  const int64_t need = std::max<int64_t>(0, CeilDiv(new_length, P) - int64_t(cp.pages.size()));
+  absl::StatusOr<std::vector<int32_t>> fresh = pools_[pool].Reserve(need);
+  if (!fresh.ok()) return fresh.status();
+
+  std::vector<int32_t> pages = cp.pages;
+  pages.insert(pages.end(), fresh->begin(), fresh->end());
+  std::vector<int64_t> slots(keys.count);
+  for (int64_t i = 0; i < keys.count; ++i) {
+    const int64_t p = cp.length + i;
+    slots[i] = int64_t{pages[p / P]} * P + p % P;
+  }
+  std::vector<KeyWrite> writes = {{keys.type, keys.count, keys.keys, keys.scales, slots.data()}};
+  lock.unlock();
+  absl::Status status = FirstError(RunOnAllRanks([&](Rank& rank) -> absl::Status {
+    if (absl::Status s = JoinExpansion(rank); !s.ok()) return s;
+    if (absl::Status s = InsertKeysOnRank(rank, pool, writes, profile_.hadamard); !s.ok()) return s;
+    return rank.backend().Synchronize();
+  }));
+  lock.lock();
+  if (!status.ok()) {
+    // The keys written lie beyond the committed length, in pages handed back.
+    pools_[pool].Release(*fresh);
+    return status;
+  }
+  cp.pages = std::move(pages);
+  cp.length = new_length;
+  spdlog::debug("append: sequence {} layer {} +{} keys -> {}", sequence_id, layer, keys.count,
+                new_length);
+  return new_length;
+}
+
+absl::StatusOr<int64_t> ExecutorImpl::ReleaseSequence(uint64_t sequence_id) {
+  if (shut_down_) return Unavailable();
+  FifoTurns::Turn turn = turns_.Wait();
+  if (shut_down_) return Unavailable();
+  std::lock_guard lock(mu_);
+  state::SequenceState removed;
+  if (absl::Status s = table_.Remove(sequence_id, &removed); !s.ok()) return s;
+  int64_t freed = 0;
+  for (size_t pool = 0; pool < removed.caches.size(); ++pool) {
+    freed += static_cast<int64_t>(removed.caches[pool].pages.size());
+    pools_[pool].Release(removed.caches[pool].pages);
+  }
+  for (const auto& [layer, record] : removed.candidates) {
+    const int32_t block = record.store_block;
+    store_blocks_->Release({&block, 1});
+  }
+  return freed;
+}
+
+absl::StatusOr<StepResult> ExecutorImpl::DecodeStep(const StepInput& step) {
+  if (shut_down_) return Unavailable();
+  const Clock::time_point arrived = Clock::now();
+  FifoTurns::Turn turn = turns_.Wait();
+  if (shut_down_) return Unavailable();
+  const Clock::time_point started = Clock::now();
+
+  // Only the turn holder touches the reused plan.
+  StepPlan& plan = plan_;
+  plan.Reset();
+  std::vector<std::vector<int32_t>> new_pages;
+  std::vector<int32_t> new_blocks;
+  absl::StatusOr<StepResult> result = DecodeStepLocked(step, plan, new_pages, new_blocks);
+  if (result.ok()) {
+    result->queue_us = Micros(started - arrived);
+    result->compute_us = Micros(Clock::now() - started);
+    std::lock_guard lock(mu_);
+    stats_.queue_us_total += double(result->queue_us);
+    stats_.compute_us_total += double(result->compute_us);
+    spdlog::debug("step {}: layer {} {} rows {} requests {} queue {}us compute {}us", step.step_id,
+                  step.layer, plan.num_rows, plan.num_requests,
+                  result->sharded ? "sharded" : "unsharded", result->queue_us, result->compute_us);
+  }
+  return result;
+}
+
+absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
+    const StepInput& step, StepPlan& plan, std::vector<std::vector<int32_t>>& new_pages,
+    std::vector<int32_t>& new_blocks) {
+  std::unique_lock lock(mu_);
+  const config::Profile& p = profile_;
+  const LayerSpec* spec = p.FindLayer(step.layer);
+  if (spec == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer: no layer ", step.layer, " (the profile has ", p.layers.size(), ")"));
+  }
+  const bool source = spec->role == LayerRole::kCandidateSource;
+  const bool consumer = spec->role == LayerRole::kCandidateConsumer;
+  const int32_t pool = pool_of_layer_[spec->cache_layer];
+  const CacheFormat format = pool_geometry_[pool].format;
+  const int32_t num_requests = static_cast<int32_t>(step.sequences.size());
+  if (num_requests == 0) {
+    return absl::InvalidArgumentError("sequences: a step needs at least one sequence");
+  }
+  if (num_requests > options_.max_requests_per_step) {
+    return absl::InvalidArgumentError(absl::StrCat("sequences: at most ",
+                                                   options_.max_requests_per_step,
+                                                   " sequences a step, got ", num_requests));
+  }
+  if (step.return_candidates && !source) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("return_candidates: layer ", step.layer, " is not a candidate source"));
+  }
+  const QInput& q = step.q;
+  if (q.q == nullptr || q.weights == nullptr) {
+    return absl::InvalidArgumentError("q: q and weights are required");
+  }
+  if (q.type == ElemType::kFp8E4M3 || q.type == ElemType::kFp4E2M1) {
+    if ((q.type == ElemType::kFp8E4M3) != (format == CacheFormat::kFp8)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("q: quantized q must be in layer ", step.layer, "'s cache format (",
+                       format == CacheFormat::kFp8 ? "FP8" : "FP4", ")"));
+    }
+    if (format == CacheFormat::kFp4 && q.scales == nullptr) {
+      return absl::InvalidArgumentError("q_scales: FP4 q needs its scales");
+    }
+  } else if (q.type != ElemType::kF32 && q.type != ElemType::kBF16) {
+    return absl::InvalidArgumentError("q: unsupported dtype");
+  }
+
+  const int32_t P = p.page_size;
+  const int32_t M = p.max_rows_per_sequence;
+  int32_t num_rows = 0;
+  int64_t pages_needed = 0;
+  int32_t stride = 1;
+  std::vector<state::SequenceState*> seqs(num_requests);
+  std::vector<int64_t> lengths(num_requests);
+  std::unordered_set<uint64_t> seen;
+  plan.row_length.clear();
+  std::vector<ExpansionRow> expansion;
+  for (int32_t i = 0; i < num_requests; ++i) {
+    const SequenceStepInput& in = step.sequences[i];
+    const std::string field = absl::StrCat("sequences[", i, "]");
+    if (in.num_rows < 1 || in.num_rows > M) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".num_rows: must be in [1, ", M, "], got ", in.num_rows));
+    }
+    if (!in.row_lengths.empty() && static_cast<int32_t>(in.row_lengths.size()) != in.num_rows) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".row_lengths: ", in.row_lengths.size(),
+                                                     " entries for ", in.num_rows, " rows"));
+    }
+    if (!seen.insert(in.sequence_id).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".sequence_id: sequence ", in.sequence_id, " appears twice"));
+    }
+    state::SequenceState* seq = table_.Find(in.sequence_id);
+    if (seq == nullptr) {
+      return absl::NotFoundError(absl::StrCat(field, ".sequence_id: no sequence ", in.sequence_id));
+    }
+    seqs[i] = seq;
+    if (consumer && in.new_keys.count > 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".new_keys: layer ", step.layer, " reads layer ", spec->cache_layer,
+                       "'s cache; send keys to layer ", spec->cache_layer));
+    }
+    if (absl::Status s = CheckKeys(in.new_keys, format, field + ".new_keys"); !s.ok()) return s;
+    const state::CachePages& cp = seq->caches[pool];
+    const int64_t L = cp.length + in.new_keys.count;
+    if (L > p.max_context) {
+      return absl::OutOfRangeError(absl::StrCat(field, ".new_keys: length ", L,
+                                                " would exceed max_context ", p.max_context));
+    }
+    lengths[i] = L;
+    const size_t first_row = plan.row_length.size();
+    if (in.row_lengths.empty()) {
+      if (in.num_rows > L) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ".num_rows: more rows than context (",
+                                                       in.num_rows, " rows, length ", L, ")"));
+      }
+      for (int32_t j = 0; j < in.num_rows; ++j) {
+        plan.row_length.push_back(static_cast<int32_t>(L - in.num_rows + j + 1));
+      }
+    } else {
+      for (int32_t j = 0; j < in.num_rows; ++j) {
+        const int32_t rl = in.row_lengths[j];
+        if (rl < 1 || rl > L) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(field, ".row_lengths[", j, "]: must be in [1, ", L, "], got ", rl));
+        }
+        plan.row_length.push_back(rl);
+      }
+    }
+    const std::vector<int32_t> row_lengths(plan.row_length.begin() + first_row,
+                                           plan.row_length.end());
+    if (consumer) {
+      const int32_t src_layer = spec->cache_layer;
+      auto it = seq->candidates.find(src_layer);
+      if (it == seq->candidates.end() || it->second.length != L ||
+          it->second.row_lengths != row_lengths) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(field, ": no candidates for sequence ", in.sequence_id, " at length ", L,
+                         "; run the source layer ", src_layer, " first"));
+      }
+      for (int32_t j = 0; j < in.num_rows; ++j) {
+        plan.store_rows.push_back(it->second.store_block * M + j);
+        expansion.push_back({in.sequence_id, j, it->second.version, row_lengths[j]});
+      }
+    }
+    for (int32_t j = 0; j < in.num_rows; ++j) plan.row_request.push_back(i);
+    num_rows += in.num_rows;
+    const int64_t pages = CeilDiv(L, P);
+    pages_needed += std::max<int64_t>(0, pages - int64_t(cp.pages.size()));
+    stride = std::max<int32_t>(stride, static_cast<int32_t>(pages));
+  }
+  if (num_rows != step.num_rows) {
+    return absl::InvalidArgumentError(absl::StrCat("num_rows: the sequences bring ", num_rows,
+                                                   " rows, the step says ", step.num_rows));
+  }
+
+  // Reserve all-or-nothing: a step that does not fit leaves no trace.
+  absl::StatusOr<std::vector<int32_t>> fresh = pools_[pool].Reserve(pages_needed);
+  if (!fresh.ok()) return fresh.status();
+  if (source) {
+    absl::StatusOr<std::vector<int32_t>> blocks = store_blocks_->Reserve(num_requests);
+    if (!blocks.ok()) {
+      pools_[pool].Release(*fresh);
+      return blocks.status();
+    }
+    new_blocks = *std::move(blocks);
+  }
+
+  // The plan: page tables with the fresh pages, key slots, store rows.
+  plan.role = spec->role;
+  plan.pool = pool;
+  plan.num_rows = num_rows;
+  plan.num_requests = num_requests;
+  plan.max_row_length = *std::max_element(plan.row_length.begin(), plan.row_length.end());
+  plan.page_table_stride = stride;
+  plan.page_table.assign(size_t(num_requests) * stride, 0);
+  plan.hadamard = p.hadamard;
+  plan.q = q;
+  plan.rope.style = p.rope.style;
+  plan.rope.dim_offset = p.rope.dim_offset;
+  plan.rope.rope_dim = p.rope.rope_dim;
+  plan.row_shard_min_requests = options_.row_shard_min_requests;
+  plan.masked_consumer = options_.masked_consumer;
+  new_pages.resize(num_requests);
+  std::vector<std::vector<int64_t>> slots(num_requests);
+  std::vector<uint64_t> versions(num_requests, 0);
+  size_t next_fresh = 0;
+  int32_t row = 0;
+  for (int32_t i = 0; i < num_requests; ++i) {
+    const SequenceStepInput& in = step.sequences[i];
+    const state::CachePages& cp = seqs[i]->caches[pool];
+    const int64_t want = CeilDiv(lengths[i], P) - int64_t(cp.pages.size());
+    for (int64_t k = 0; k < want; ++k) new_pages[i].push_back((*fresh)[next_fresh++]);
+    auto page_at = [&](int64_t index) {
+      return index < int64_t(cp.pages.size()) ? cp.pages[index]
+                                              : new_pages[i][index - cp.pages.size()];
+    };
+    for (int64_t k = 0; k < CeilDiv(lengths[i], P); ++k) {
+      plan.page_table[size_t(i) * stride + k] = page_at(k);
+    }
+    if (in.new_keys.count > 0) {
+      slots[i].resize(in.new_keys.count);
+      for (int32_t k = 0; k < in.new_keys.count; ++k) {
+        const int64_t pos = cp.length + k;
+        slots[i][k] = int64_t{page_at(pos / P)} * P + pos % P;
+      }
+      plan.key_writes.push_back({in.new_keys.type, in.new_keys.count, in.new_keys.keys,
+                                 in.new_keys.scales, slots[i].data()});
+    }
+    if (source) {
+      versions[i] = next_candidate_version_++;
+      for (int32_t j = 0; j < in.num_rows; ++j) {
+        plan.store_rows.push_back(new_blocks[i] * M + j);
+        expansion.push_back({in.sequence_id, j, versions[i], plan.row_length[row + j]});
+      }
+    }
+    row += in.num_rows;
+  }
+  const int32_t world = static_cast<int32_t>(ranks_.size());
+  plan.sharded =
+      RowShardBounds(num_rows, num_requests, world, 0, options_.row_shard_min_requests).has_value();
+  plan.reuse_expansion = consumer && !options_.masked_consumer && overlap_.Holds(expansion);
+  plan.fork_expansion = source && overlap_.enabled() && !options_.masked_consumer;
+
+  StepResult result;
+  result.step_id = step.step_id;
+  result.num_rows = num_rows;
+  result.topk = p.topk;
+  result.topk_indices.resize(size_t(num_rows) * p.topk);
+  result.sharded = plan.sharded;
+  plan.topk_out = result.topk_indices.data();
+  if (step.return_candidates) {
+    result.num_candidate_blocks = p.num_candidate_blocks;
+    result.candidate_blocks.resize(size_t(num_rows) * p.num_candidate_blocks);
+    plan.candidates_out = result.candidate_blocks.data();
+  }
+
+  lock.unlock();
+  absl::Status status = FirstError(
+      RunOnAllRanks([&](Rank& rank) { return DecodeRowsOnRank(rank, plan, *collective_); }));
+  lock.lock();
+
+  if (!status.ok()) {
+    pools_[pool].Release(*fresh);
+    if (source) store_blocks_->Release(new_blocks);
+    // The ranks may have rewritten their expansion buffers.
+    if (source || consumer) overlap_.Invalidate();
+    spdlog::debug("step {}: layer {} failed: {}", step.step_id, step.layer, status.ToString());
+    return status;
+  }
+
+  // Commit: every rank succeeded.
+  for (int32_t i = 0; i < num_requests; ++i) {
+    state::CachePages& cp = seqs[i]->caches[pool];
+    cp.pages.insert(cp.pages.end(), new_pages[i].begin(), new_pages[i].end());
+    cp.length = lengths[i];
+  }
+  if (source) {
+    row = 0;
+    for (int32_t i = 0; i < num_requests; ++i) {
+      const int32_t n = step.sequences[i].num_rows;
+      state::CandidateRecord& rec = seqs[i]->candidates[step.layer];
+      if (rec.store_block >= 0) store_blocks_->Release({&rec.store_block, 1});
+      rec.version = versions[i];
+      rec.length = lengths[i];
+      rec.rows = n;
+      rec.row_lengths.assign(plan.row_length.begin() + row, plan.row_length.begin() + row + n);
+      rec.store_block = new_blocks[i];
+      row += n;
+    }
+    if (plan.fork_expansion) overlap_.Commit(std::move(expansion));
+  } else if (consumer && !options_.masked_consumer && !plan.reuse_expansion) {
+    overlap_.Commit(std::move(expansion));
+  }
+  result.lengths = lengths;
+  ++stats_.steps;
+  ++(plan.sharded ? stats_.steps_sharded : stats_.steps_unsharded);
+  stats_.rows_scored += uint64_t(num_rows);
+  return result;
+}
+
+ExecutorStatus ExecutorImpl::Status() const {
+  std::lock_guard lock(mu_);
+  ExecutorStatus s = stats_;
+  s.sequences = table_.size();
+  for (const LayerSpec& l : profile_.layers) {
+    const int32_t pool = pool_of_layer_[l.layer];
+    if (l.role == LayerRole::kCandidateConsumer || pool < 0) continue;
+    s.caches.push_back({l.layer, pools_[pool].total(), pools_[pool].free()});
+  }
+  return s;
+}
+
+void ExecutorImpl::Shutdown() {
+  if (shut_down_.exchange(true)) return;
+  // Calls that already hold tickets finish first; later ones see shut_down_.
+  FifoTurns::Turn turn = turns_.Wait();
+  collective_.reset();
+  ranks_.clear();  // joins the rank threads and frees their memory
+  spdlog::info("executor: shut down");
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Executor>> Executor::Create(const config::Profile& profile,
+                                                           const ExecutorOptions& options) {
+  if (absl::Status s = config::ValidateProfile(profile); !s.ok()) return s;
+  auto bad = [](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat("executor options: ", parts...));
+  };
+  if (options.cache_pages < 1 || options.cache_pages > INT32_MAX) {
+    return bad("cache_pages must be in [1, 2^31 - 1], got ", options.cache_pages);
+  }
+  if (options.max_sequences < 1) return bad("max_sequences must be >= 1");
+  if (options.max_requests_per_step < 1 || options.max_requests_per_step > 65536) {
+    return bad("max_requests_per_step must be in [1, 65536], got ", options.max_requests_per_step);
+  }
+  if (options.ranks < 0 || options.ranks > 64) {
+    return bad("ranks must be in [0, 64], got ", options.ranks);
+  }
+  std::string backend = options.backend;
+  if (backend == "auto") backend = kernels::CudaBackendAvailable() ? "cuda" : "cpu";
+  if (backend != "cpu" && backend != "cuda") {
+    return bad("backend must be auto, cpu or cuda, got \"", options.backend, "\"");
+  }
+  int32_t ranks = options.ranks;
+  if (backend == "cuda") {
+    if (!kernels::CudaBackendAvailable()) {
+      return absl::FailedPreconditionError(
+          "executor options: backend cuda, but this build has no CUDA backend or no GPU");
+    }
+    const int32_t devices = kernels::CudaDeviceCount();
+    if (ranks == 0) ranks = devices;
+    if (ranks > devices) {
+      return bad(ranks, " cuda ranks, but only ", devices, " GPUs are visible");
+    }
+  } else if (ranks == 0) {
+    ranks = 1;
+  }
+  int32_t threads = options.cpu_threads;
+  if (threads <= 0) {
+    threads = std::max(1, static_cast<int32_t>(std::thread::hardware_concurrency()) / ranks);
+  }
+  ExecutorOptions resolved = options;
+  resolved.backend = backend;
+  resolved.ranks = ranks;
+  BackendFactory factory;
+  if (backend == "cuda") {
+    factory = [](int32_t rank, const kernels::BackendLimits& limits) {
+      return kernels::MakeCudaBackend(limits, rank);
+    };
+  } else {
+    factory = [threads](int32_t, const kernels::BackendLimits& limits)
+        -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
+      return kernels::MakeCpuBackend(limits, threads);
+    };
+  }
+  return CreateExecutorWithBackends(profile, resolved, std::move(factory));
+}
+
+absl::StatusOr<std::unique_ptr<Executor>> CreateExecutorWithBackends(const config::Profile& profile,
+                                                                     const ExecutorOptions& options,
+                                                                     BackendFactory factory) {
+  if (absl::Status s = config::ValidateProfile(profile); !s.ok()) return s;
+  if (options.ranks < 1) return absl::InvalidArgumentError("executor options: ranks must be >= 1");
+  auto executor = std::make_unique<ExecutorImpl>(profile, options);
+  if (absl::Status s = executor->Init(options.ranks, factory); !s.ok()) return s;
+  return executor;
+}
+
+}  // namespace decode_indexer::exec

@@ -1,0 +1,36 @@
+#include "server/state/page_allocator.h"
+
+#include <cassert>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace decode_indexer::state {
+
+PageAllocator::PageAllocator(std::string owner, std::string unit, int64_t count)
+    : owner_(std::move(owner)), unit_(std::move(unit)), total_(count) {
+  assert(count >= 0 && count <= INT32_MAX);
+  free_.reserve(count);
+  // Unit 0 on top, so a fresh pool hands out 0, 1, 2, ...
+  for (int64_t i = count; i-- > 0;) free_.push_back(static_cast<int32_t>(i));
+}
+
+absl::StatusOr<std::vector<int32_t>> PageAllocator::Reserve(int64_t n) {
+  if (n < 0 || n > free()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(owner_, ": need ", n, " ", unit_, ", only ", free(), " of ", total_, " free"));
+  }
+  std::vector<int32_t> out(free_.end() - n, free_.end());
+  free_.resize(free_.size() - n);
+  return out;
+}
+
+void PageAllocator::Release(std::span<const int32_t> units) {
+  for (int32_t u : units) {
+    assert(u >= 0 && u < total_);
+    free_.push_back(u);
+  }
+  assert(free() <= total_);
+}
+
+}  // namespace decode_indexer::state

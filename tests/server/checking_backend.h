@@ -1,0 +1,181 @@
+// A Backend decorator for tests: forwards to a real backend, and checks that every pointer a
+// kernel entry point receives lies inside memory this backend allocated, and that copies go
+// between host memory and its own memory in the stated direction. On a CPU backend host and
+// "device" memory are one address space, so without this a host pointer handed to a kernel
+// (fatal on a GPU) would pass every CPU test.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "decode_indexer/kernels/backend.h"
+
+namespace decode_indexer::testing {
+
+class CheckingBackend final : public kernels::Backend {
+ public:
+  // With fail_rank: while *fail_rank == rank, every kernel after key insertion (scoring,
+  // CopyRows, ForkExpand) fails, to test a rank failing after the step's keys were written.
+  CheckingBackend(std::unique_ptr<kernels::Backend> inner, std::atomic<int64_t>* violations,
+                  int32_t rank = 0, const std::atomic<int32_t>* fail_rank = nullptr)
+      : inner_(std::move(inner)), violations_(violations), rank_(rank), fail_rank_(fail_rank) {}
+
+  std::string_view name() const override { return inner_->name(); }
+  std::string description() const override { return inner_->description(); }
+
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    absl::StatusOr<void*> p = inner_->Allocate(bytes);
+    if (p.ok()) {
+      std::lock_guard lock(mu_);
+      owned_[reinterpret_cast<uintptr_t>(*p)] = bytes;
+    }
+    return p;
+  }
+  void Free(void* ptr) override {
+    {
+      std::lock_guard lock(mu_);
+      owned_.erase(reinterpret_cast<uintptr_t>(ptr));
+    }
+    inner_->Free(ptr);
+  }
+  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
+    if (absl::Status s = Mine(dst, bytes, "CopyToDevice dst"); !s.ok()) return s;
+    if (absl::Status s = NotMine(src, "CopyToDevice src"); !s.ok()) return s;
+    return inner_->CopyToDevice(dst, src, bytes);
+  }
+  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
+    if (absl::Status s = Mine(src, bytes, "CopyToHost src"); !s.ok()) return s;
+    if (absl::Status s = NotMine(dst, "CopyToHost dst"); !s.ok()) return s;
+    return inner_->CopyToHost(dst, src, bytes);
+  }
+  absl::Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes) override {
+    if (absl::Status s = Mine(dst, bytes, "CopyDeviceToDevice dst"); !s.ok()) return s;
+    if (absl::Status s = Mine(src, bytes, "CopyDeviceToDevice src"); !s.ok()) return s;
+    return inner_->CopyDeviceToDevice(dst, src, bytes);
+  }
+  absl::Status Synchronize() override { return inner_->Synchronize(); }
+
+  absl::Status InsertKeys(const kernels::KeyInsertArgs& a) override {
+    return Check(
+        {{a.cache.base, "cache"},
+         {a.keys, "keys"},
+         {a.key_scales, "key_scales"},
+         {a.slots, "slots"}},
+        [&] { return inner_->InsertKeys(a); }, /*injectable=*/false);
+  }
+  absl::Status RopeQuantQ(const kernels::QPrepArgs& a) override {
+    return Check(
+        {{a.q, "q"},
+         {a.weights_raw, "weights_raw"},
+         {a.positions, "positions"},
+         {a.rope.inv_freq, "inv_freq"},
+         {a.q_codes, "q_codes"},
+         {a.q_scales, "q_scales"},
+         {a.weights_out, "weights_out"}},
+        [&] { return inner_->RopeQuantQ(a); }, /*injectable=*/false);
+  }
+  absl::Status DenseTopK(const kernels::DenseArgs& a) override {
+    return Check({{a.cache.base, "cache"},
+                  {a.rows.row_request, "row_request"},
+                  {a.rows.row_length, "row_length"},
+                  {a.rows.page_table, "page_table"},
+                  {a.q.codes, "q.codes"},
+                  {a.q.scales, "q.scales"},
+                  {a.q.weights, "q.weights"},
+                  {a.topk_out, "topk_out"},
+                  {a.candidates_out, "candidates_out"}},
+                 [&] { return inner_->DenseTopK(a); });
+  }
+  absl::Status SparseTopK(const kernels::SparseArgs& a) override {
+    return Check({{a.cache.base, "cache"},
+                  {a.rows.row_request, "row_request"},
+                  {a.rows.row_length, "row_length"},
+                  {a.rows.page_table, "page_table"},
+                  {a.q.codes, "q.codes"},
+                  {a.q.scales, "q.scales"},
+                  {a.q.weights, "q.weights"},
+                  {a.positions, "positions"},
+                  {a.counts, "counts"},
+                  {a.topk_out, "topk_out"}},
+                 [&] { return inner_->SparseTopK(a); });
+  }
+  absl::Status MaskedTopK(const kernels::MaskedArgs& a) override {
+    return Check({{a.cache.base, "cache"},
+                  {a.rows.row_request, "row_request"},
+                  {a.rows.row_length, "row_length"},
+                  {a.rows.page_table, "page_table"},
+                  {a.q.codes, "q.codes"},
+                  {a.q.scales, "q.scales"},
+                  {a.q.weights, "q.weights"},
+                  {a.candidates, "candidates"},
+                  {a.topk_out, "topk_out"}},
+                 [&] { return inner_->MaskedTopK(a); });
+  }
+  absl::Status CopyRows(const kernels::CopyRowsArgs& a) override {
+    return Check(
+        {{a.dst, "dst"}, {a.dst_index, "dst_index"}, {a.src, "src"}, {a.src_index, "src_index"}},
+        [&] { return inner_->CopyRows(a); });
+  }
+  absl::Status ForkExpand(const kernels::ExpandArgs& a) override {
+    return Check({{a.candidates, "candidates"},
+                  {a.row_length, "row_length"},
+                  {a.out.positions, "positions"},
+                  {a.out.counts, "counts"}},
+                 [&] { return inner_->ForkExpand(a); });
+  }
+  absl::Status JoinExpand() override { return inner_->JoinExpand(); }
+
+ private:
+  struct Arg {
+    const void* ptr;
+    const char* what;
+  };
+
+  bool Owns(const void* p, size_t bytes) {
+    std::lock_guard lock(mu_);
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    auto it = owned_.upper_bound(a);
+    if (it == owned_.begin()) return false;
+    --it;
+    return a >= it->first && a + bytes <= it->first + it->second;
+  }
+  absl::Status Violation(const std::string& what) {
+    violations_->fetch_add(1);
+    return absl::InternalError(absl::StrCat("CheckingBackend: ", what));
+  }
+  absl::Status Mine(const void* p, size_t bytes, const char* what) {
+    if (bytes == 0 || Owns(p, bytes)) return absl::OkStatus();
+    return Violation(absl::StrCat(what, " is not this backend's memory"));
+  }
+  absl::Status NotMine(const void* p, const char* what) {
+    if (!Owns(p, 1)) return absl::OkStatus();
+    return Violation(absl::StrCat(what, " is this backend's memory, not host memory"));
+  }
+  template <typename F>
+  absl::Status Check(std::initializer_list<Arg> args, F&& call, bool injectable = true) {
+    if (injectable && fail_rank_ != nullptr && fail_rank_->load() == rank_) {
+      return absl::InternalError(absl::StrCat("injected fault on rank ", rank_));
+    }
+    for (const Arg& a : args) {
+      // Optional arguments are null; every non-null one must be ours.
+      if (a.ptr != nullptr && !Owns(a.ptr, 1)) {
+        return Violation(absl::StrCat(a.what, " is not this backend's memory"));
+      }
+    }
+    return call();
+  }
+
+  std::unique_ptr<kernels::Backend> inner_;
+  std::atomic<int64_t>* violations_;
+  int32_t rank_;
+  const std::atomic<int32_t>* fail_rank_;
+  std::mutex mu_;
+  std::map<uintptr_t, size_t> owned_;
+};
+
+}  // namespace decode_indexer::testing

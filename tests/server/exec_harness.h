@@ -1,0 +1,103 @@
+// Test harness for the executor: small profiles, random steps, and an oracle that recomputes
+// every answer with the kernels' CPU free functions on its own contiguous caches (no pages,
+// no ranks, no staging), so the executor's paging, sharding and plumbing are checked against
+// an independent path.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "decode_indexer/kernels/types.h"
+#include "server/config/profile.h"
+#include "server/exec/executor.h"
+
+namespace decode_indexer::testing {
+
+// A fresh seed per run, printed by the tests (SCOPED_TRACE) so a failure can be replayed.
+uint64_t FreshSeed();
+
+// v41-style: H 4, D 128, K 24, page 16, FP4, candidate block 4 x 10 blocks; layers 0 dense,
+// 1 source, 2 and 3 consumers of 1.
+config::Profile SmallV41();
+// v32-style: H 4, D 128, K 32, page 16, FP8, NeoX YaRN RoPE, Hadamard on; 2 dense layers.
+config::Profile SmallV32();
+
+exec::ExecutorOptions CpuOptions(int32_t ranks);
+
+// One sequence's part of a step to build.
+struct SeqPlan {
+  uint64_t id = 0;
+  int32_t rows = 1;
+  int32_t new_keys = 0;              // keys inserted (0 at a consumer)
+  std::vector<int32_t> row_lengths;  // empty: causal
+};
+
+// A step with the buffers its StepInput points into.
+struct StepData {
+  exec::StepInput input;
+  std::vector<std::vector<uint8_t>> keys;    // per sequence
+  std::vector<std::vector<uint8_t>> scales;  // per sequence
+  std::vector<uint8_t> q;
+  std::vector<uint8_t> q_scales;
+  std::vector<float> weights;
+  std::vector<int64_t> positions;
+
+  StepData() = default;
+  StepData(const StepData&) = delete;
+  StepData& operator=(const StepData&) = delete;
+};
+
+enum class QForm { kF32, kBF16, kQuantized };
+enum class KeyForm { kF32, kBF16, kQuantized };
+
+class Harness {
+ public:
+  Harness(config::Profile profile, uint64_t seed);
+
+  const config::Profile& profile() const { return profile_; }
+  std::mt19937_64& rng() { return rng_; }
+
+  // Random keys of the given form for the cache `layer` owns.
+  void RandomKeys(int32_t layer, int32_t count, KeyForm form, std::vector<uint8_t>* keys,
+                  std::vector<uint8_t>* scales, kernels::ElemType* type);
+  std::unique_ptr<StepData> MakeStep(int32_t layer, const std::vector<SeqPlan>& seqs,
+                                     QForm q_form = QForm::kF32, KeyForm key_form = KeyForm::kF32,
+                                     bool with_positions = true);
+
+  // The oracle's record of what a successful call did.
+  void RecordAppend(uint64_t id, int32_t layer, const exec::KeysInput& keys);
+  void RecordStep(const StepData& step);
+  void Release(uint64_t id) { model_.erase(id); }
+  int64_t Length(uint64_t id, int32_t cache_layer) const;
+
+  // The oracle's answer for a step already recorded with RecordStep. At a source it also
+  // keeps the candidates that later consumer steps use.
+  struct Answer {
+    std::vector<int32_t> topk;        // [rows, K]
+    std::vector<int32_t> candidates;  // [rows, NB] at a source
+  };
+  Answer Oracle(const StepData& step);
+
+ private:
+  struct KeyBatch {
+    kernels::ElemType type;
+    int32_t count;
+    std::vector<uint8_t> keys;
+    std::vector<uint8_t> scales;
+  };
+  struct SeqModel {
+    std::map<int32_t, std::vector<KeyBatch>> inserts;  // by cache layer
+    std::map<int32_t, int64_t> length;
+    std::vector<int32_t> candidates;  // the last source answer's rows, [rows, NB]
+  };
+
+  config::Profile profile_;
+  std::mt19937_64 rng_;
+  std::vector<double> inv_freq_;
+  std::map<uint64_t, SeqModel> model_;
+};
+
+}  // namespace decode_indexer::testing

@@ -1,0 +1,344 @@
+// The executor's state rules: every rejected call leaves lengths, pages and candidates as they
+// were (later steps answer as if it never happened); release frees pages; sequence limits;
+// shutdown.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/exec/executor.h"
+#include "server/exec/executor_internal.h"
+#include "tests/server/checking_backend.h"
+#include "tests/server/exec_harness.h"
+
+namespace decode_indexer::testing {
+namespace {
+
+using config::LayerRole;
+using exec::Executor;
+using exec::ExecutorOptions;
+using exec::KeysInput;
+using exec::StepResult;
+using ::testing::HasSubstr;
+
+std::unique_ptr<Executor> MakeExecutor(const config::Profile& profile,
+                                       const ExecutorOptions& options) {
+  absl::StatusOr<std::unique_ptr<Executor>> e = Executor::Create(profile, options);
+  EXPECT_TRUE(e.ok()) << e.status();
+  return e.ok() ? *std::move(e) : nullptr;
+}
+
+struct Snapshot {
+  int64_t sequences = 0;
+  std::vector<int64_t> pages_free;
+  uint64_t steps = 0;
+  bool operator==(const Snapshot&) const = default;
+};
+
+Snapshot Take(const Executor& e) {
+  exec::ExecutorStatus s = e.Status();
+  Snapshot out{s.sequences, {}, s.steps};
+  for (const exec::CachePoolStatus& c : s.caches) out.pages_free.push_back(c.pages_free);
+  return out;
+}
+
+class ExecutorState : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    seed_ = FreshSeed();
+    h_ = std::make_unique<Harness>(SmallV41(), seed_);
+    ExecutorOptions o = CpuOptions(2);
+    o.cache_pages = 64;  // 1024 entries a pool: small enough to exhaust
+    // Backends that check every kernel pointer and can fail one rank on demand.
+    absl::StatusOr<std::unique_ptr<Executor>> e = exec::CreateExecutorWithBackends(
+        h_->profile(), o,
+        [this](int32_t rank, const kernels::BackendLimits& limits)
+            -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
+          return std::make_unique<CheckingBackend>(kernels::MakeCpuBackend(limits, 1), &violations_,
+                                                   rank, &fail_rank_);
+        });
+    ASSERT_TRUE(e.ok()) << e.status();
+    e_ = *std::move(e);
+  }
+  void TearDown() override { EXPECT_EQ(violations_.load(), 0); }
+
+  void Append(uint64_t id, int32_t layer, int32_t count) {
+    std::vector<uint8_t> keys, scales;
+    KeysInput in;
+    h_->RandomKeys(layer, count, KeyForm::kF32, &keys, &scales, &in.type);
+    in.count = count;
+    in.keys = keys.data();
+    absl::StatusOr<int64_t> len = e_->AppendKeys(id, layer, in);
+    ASSERT_TRUE(len.ok()) << len.status();
+    h_->RecordAppend(id, layer, in);
+  }
+
+  // A valid step, checked against the oracle.
+  void Step(int32_t layer, const std::vector<SeqPlan>& plans) {
+    std::unique_ptr<StepData> step = h_->MakeStep(layer, plans);
+    step->input.return_candidates = h_->profile().layers[layer].role == LayerRole::kCandidateSource;
+    absl::StatusOr<StepResult> r = e_->DecodeStep(step->input);
+    ASSERT_TRUE(r.ok()) << r.status();
+    h_->RecordStep(*step);
+    const int32_t cache_layer = h_->profile().layers[layer].cache_layer;
+    ASSERT_EQ(r->lengths.size(), plans.size());
+    for (size_t i = 0; i < plans.size(); ++i) {
+      EXPECT_EQ(r->lengths[i], h_->Length(plans[i].id, cache_layer)) << "sequence " << plans[i].id;
+    }
+    Harness::Answer want = h_->Oracle(*step);
+    EXPECT_EQ(r->topk_indices, want.topk);
+    if (step->input.return_candidates) {
+      EXPECT_EQ(r->candidate_blocks, want.candidates);
+    }
+  }
+
+  // A rejected step: its code, its message, and no change of state.
+  void Reject(int32_t layer, const std::vector<SeqPlan>& plans, absl::StatusCode code,
+              const std::string& message, KeyForm key_form = KeyForm::kF32) {
+    std::unique_ptr<StepData> step = h_->MakeStep(layer, plans, QForm::kF32, key_form);
+    RejectStep(*step, code, message);
+  }
+  void RejectStep(const StepData& step, absl::StatusCode code, const std::string& message) {
+    SCOPED_TRACE(absl::StrCat("expecting: ", message));
+    const Snapshot before = Take(*e_);
+    absl::StatusOr<StepResult> r = e_->DecodeStep(step.input);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), code) << r.status();
+    EXPECT_THAT(r.status().message(), HasSubstr(message));
+    EXPECT_EQ(Take(*e_), before);
+  }
+
+  // One full round over every layer for these sequences, checked against the oracle.
+  void Round(const std::vector<uint64_t>& ids, int32_t n) {
+    std::vector<SeqPlan> plans;
+    for (uint64_t id : ids) plans.push_back({id, n, n, {}});
+    std::vector<SeqPlan> consumer = plans;
+    for (SeqPlan& p : consumer) p.new_keys = 0;
+    for (const config::LayerSpec& l : h_->profile().layers) {
+      SCOPED_TRACE(absl::StrCat("layer ", l.layer));
+      Step(l.layer, l.role == LayerRole::kCandidateConsumer ? consumer : plans);
+    }
+  }
+
+  uint64_t seed_ = 0;
+  std::atomic<int64_t> violations_{0};
+  std::atomic<int32_t> fail_rank_{-1};
+  std::unique_ptr<Harness> h_;
+  std::unique_ptr<Executor> e_;
+};
+
+TEST_F(ExecutorState, RejectedCallsChangeNothing) {
+  SCOPED_TRACE(absl::StrCat("seed ", seed_));
+  const config::Profile& p = h_->profile();
+  for (uint64_t id = 1; id <= 4; ++id) {
+    ASSERT_TRUE(e_->CreateSequence(id).ok());
+    for (int32_t layer : p.CacheLayers()) Append(id, layer, 30 + int32_t(h_->rng()() % 90));
+  }
+  // Consumers before any source step.
+  Reject(2, {{1, 1, 0, {}}}, absl::StatusCode::kFailedPrecondition,
+         "sequences[0]: no candidates for sequence 1 at length");
+  Reject(2, {{1, 1, 0, {}}}, absl::StatusCode::kFailedPrecondition, "run the source layer 1");
+  Round({1, 2, 3, 4}, 2);
+
+  // A good sequence followed by an unknown one: the good one's keys must not land.
+  Reject(0, {{1, 2, 2, {}}, {77, 1, 1, {}}}, absl::StatusCode::kNotFound,
+         "sequences[1].sequence_id");
+  Reject(0, {{1, 2, 2, {}}, {1, 1, 1, {}}}, absl::StatusCode::kInvalidArgument,
+         "sequences[1].sequence_id: sequence 1 appears twice");
+  Reject(0, {{1, p.max_rows_per_sequence + 1, 1, {}}}, absl::StatusCode::kInvalidArgument,
+         "sequences[0].num_rows");
+  // Past max_context.
+  const int64_t L1 = h_->Length(1, 0);
+  Reject(0, {{2, 1, 1, {}}, {1, 1, int32_t(p.max_context - L1 + 1), {}}},
+         absl::StatusCode::kOutOfRange, "sequences[1].new_keys: length");
+  // More rows than context: a sequence with one key.
+  ASSERT_TRUE(e_->CreateSequence(5).ok());
+  Append(5, 0, 1);
+  Reject(0, {{5, 3, 0, {}}}, absl::StatusCode::kInvalidArgument, "more rows than context");
+  Reject(0, {{5, 3, 1, {}}}, absl::StatusCode::kInvalidArgument, "more rows than context");
+  // Row lengths out of [1, L].
+  const int32_t L2 = int32_t(h_->Length(2, 0)) + 1;
+  Reject(0, {{2, 2, 1, {3, 0}}}, absl::StatusCode::kInvalidArgument,
+         "sequences[0].row_lengths[1]: must be in [1, ");
+  Reject(0, {{2, 1, 1, {L2 + 1}}}, absl::StatusCode::kInvalidArgument,
+         "sequences[0].row_lengths[0]");
+  // Pages: one sequence asking for more than the pool holds.
+  Reject(0, {{3, 1, 900, {}}}, absl::StatusCode::kResourceExhausted, "cache layer 0: need");
+  // Keys at a consumer, and keys in the wrong quantized format.
+  Reject(2, {{1, 2, 2, {}}}, absl::StatusCode::kInvalidArgument,
+         "sequences[0].new_keys: layer 2 reads layer 1's cache");
+  {
+    std::unique_ptr<StepData> step = h_->MakeStep(0, {{1, 1, 1, {}}});
+    step->input.sequences[0].new_keys.type = kernels::ElemType::kFp8E4M3;  // FP4 cache
+    RejectStep(*step, absl::StatusCode::kInvalidArgument, "cache's format");
+  }
+  // return_candidates away from the source.
+  {
+    std::unique_ptr<StepData> step = h_->MakeStep(0, {{1, 1, 1, {}}});
+    step->input.return_candidates = true;
+    RejectStep(*step, absl::StatusCode::kInvalidArgument, "not a candidate source");
+  }
+  // Consumers whose rows differ from the source's last step (2 rows a sequence).
+  Reject(3, {{1, 1, 0, {}}}, absl::StatusCode::kFailedPrecondition, "no candidates");
+  Reject(3, {{1, 2, 0, {5, 6}}}, absl::StatusCode::kFailedPrecondition, "no candidates");
+  // AppendKeys to a consumer layer, to an unknown sequence, past max_context.
+  {
+    const Snapshot before = Take(*e_);
+    std::vector<uint8_t> keys, scales;
+    KeysInput in;
+    h_->RandomKeys(1, 4, KeyForm::kF32, &keys, &scales, &in.type);
+    in.count = 4;
+    in.keys = keys.data();
+    absl::StatusOr<int64_t> r = e_->AppendKeys(1, 2, in);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(r.status().message(), HasSubstr("layer 2 is a candidate consumer"));
+    r = e_->AppendKeys(99, 1, in);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
+    r = e_->AppendKeys(1, 7, in);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(Take(*e_), before);
+  }
+  // The consumers still see the candidates of the last good source step ...
+  for (int32_t layer : {2, 3}) Step(layer, {{2, 2, 0, {}}, {4, 2, 0, {}}, {1, 2, 0, {}}});
+  // ... until the source's cache grows: then the candidates are stale.
+  Append(1, 1, 3);
+  Reject(2, {{1, 2, 0, {}}}, absl::StatusCode::kFailedPrecondition,
+         "no candidates for sequence 1 at length");
+  // And everything answers as if the rejected calls never happened.
+  Round({4, 3, 2, 1}, 1);
+  Round({1, 2, 3, 4}, 4);
+}
+
+// A rank failing after the step's keys were written (in the scoring, the candidate scatter
+// or the expansion): the step fails on every layer role, sharded or not, without a hang;
+// lengths, pages and candidates stay; later steps answer as if it never ran.
+TEST_F(ExecutorState, RankFailureAfterKeysChangesNothing) {
+  SCOPED_TRACE(absl::StrCat("seed ", seed_));
+  const config::Profile& p = h_->profile();
+  std::vector<uint64_t> ids;
+  for (uint64_t id = 1; id <= 8; ++id) {
+    ASSERT_TRUE(e_->CreateSequence(id).ok());
+    for (int32_t layer : p.CacheLayers()) Append(id, layer, 20 + int32_t(h_->rng()() % 60));
+    ids.push_back(id);
+  }
+  Round(ids, 2);
+  for (int32_t failing : {1, 0}) {
+    for (bool sharded : {true, false}) {
+      SCOPED_TRACE(absl::StrCat("failing rank ", failing, sharded ? " sharded" : " unsharded"));
+      std::vector<SeqPlan> plans;
+      // Sharded: 8 requests of 2 rows. Unsharded: one sequence brings 1 row.
+      for (uint64_t id : ids) plans.push_back({id, 2, 2, {}});
+      if (!sharded) plans.back() = {ids.back(), 1, 1, {}};
+      for (const config::LayerSpec& l : p.layers) {
+        SCOPED_TRACE(absl::StrCat("layer ", l.layer));
+        std::vector<SeqPlan> step_plans = plans;
+        if (l.role == LayerRole::kCandidateConsumer) {
+          // Rows as the last good source step had them, so the step passes validation.
+          step_plans.clear();
+          for (uint64_t id : ids) step_plans.push_back({id, 2, 0, {}});
+        }
+        std::unique_ptr<StepData> step = h_->MakeStep(l.layer, step_plans);
+        fail_rank_ = failing;
+        RejectStep(*step, absl::StatusCode::kInternal, "injected fault");
+        fail_rank_ = -1;
+      }
+    }
+  }
+  // The consumers still read the candidates of the last good source step.
+  std::vector<SeqPlan> consumer_plans;
+  for (uint64_t id : ids) consumer_plans.push_back({id, 2, 0, {}});
+  for (int32_t layer : {2, 3}) Step(layer, consumer_plans);
+  Round(ids, 2);
+  Round(ids, 1);
+}
+
+TEST_F(ExecutorState, ReleaseFreesPagesAndCandidates) {
+  SCOPED_TRACE(absl::StrCat("seed ", seed_));
+  const Snapshot empty = Take(*e_);
+  for (uint64_t id = 1; id <= 3; ++id) {
+    ASSERT_TRUE(e_->CreateSequence(id).ok());
+    for (int32_t layer : h_->profile().CacheLayers()) Append(id, layer, 1 + h_->rng()() % 100);
+  }
+  Round({1, 2, 3}, 2);
+  const Snapshot used = Take(*e_);
+  EXPECT_NE(used.pages_free, empty.pages_free);
+  int64_t freed = 0;
+  for (uint64_t id = 1; id <= 3; ++id) {
+    absl::StatusOr<int64_t> r = e_->ReleaseSequence(id);
+    ASSERT_TRUE(r.ok()) << r.status();
+    freed += *r;
+    h_->Release(id);
+  }
+  int64_t used_pages = 0;
+  for (size_t i = 0; i < used.pages_free.size(); ++i) {
+    used_pages += empty.pages_free[i] - used.pages_free[i];
+  }
+  EXPECT_EQ(freed, used_pages);
+  Snapshot after = Take(*e_);
+  EXPECT_EQ(after.pages_free, empty.pages_free);
+  EXPECT_EQ(after.sequences, 0);
+  EXPECT_EQ(e_->ReleaseSequence(1).status().code(), absl::StatusCode::kNotFound);
+  // A re-created sequence starts empty, without candidates.
+  ASSERT_TRUE(e_->CreateSequence(2).ok());
+  EXPECT_EQ(e_->CreateSequence(2).code(), absl::StatusCode::kAlreadyExists);
+  Append(2, 1, 10);
+  Reject(2, {{2, 1, 0, {}}}, absl::StatusCode::kFailedPrecondition, "no candidates");
+  Append(2, 0, 12);
+  Round({2}, 1);
+}
+
+// Many sequences coming and going: the candidate store and the pools never leak.
+TEST_F(ExecutorState, ChurnDoesNotLeak) {
+  SCOPED_TRACE(absl::StrCat("seed ", seed_));
+  const Snapshot empty = Take(*e_);
+  for (int cycle = 0; cycle < 3; ++cycle) {
+    std::vector<uint64_t> ids;
+    for (uint64_t id = 10 * cycle + 1; id <= uint64_t(10 * cycle + 5); ++id) {
+      ASSERT_TRUE(e_->CreateSequence(id).ok());
+      for (int32_t layer : h_->profile().CacheLayers()) Append(id, layer, 1 + h_->rng()() % 40);
+      ids.push_back(id);
+    }
+    Round(ids, 1 + cycle);
+    Round(ids, 1);
+    for (uint64_t id : ids) {
+      ASSERT_TRUE(e_->ReleaseSequence(id).ok());
+      h_->Release(id);
+    }
+    EXPECT_EQ(Take(*e_).pages_free, empty.pages_free);
+  }
+}
+
+TEST(ExecutorLimits, SequencesAndShutdown) {
+  ExecutorOptions o = CpuOptions(1);
+  o.max_sequences = 2;
+  std::unique_ptr<Executor> e = MakeExecutor(SmallV32(), o);
+  ASSERT_NE(e, nullptr);
+  EXPECT_TRUE(e->CreateSequence(1).ok());
+  EXPECT_TRUE(e->CreateSequence(2).ok());
+  EXPECT_EQ(e->CreateSequence(3).code(), absl::StatusCode::kResourceExhausted);
+  exec::ExecutorStatus s = e->Status();
+  EXPECT_EQ(s.backend, "cpu");
+  EXPECT_EQ(s.num_ranks, 1);
+  EXPECT_EQ(s.sequences, 2);
+  EXPECT_EQ(s.caches.size(), 2u);
+  e->Shutdown();
+  e->Shutdown();
+  EXPECT_EQ(e->CreateSequence(4).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(e->ReleaseSequence(1).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(e->Status().sequences, 2);
+}
+
+TEST(ExecutorLimits, BadOptions) {
+  ExecutorOptions o = CpuOptions(1);
+  o.backend = "tpu";
+  EXPECT_EQ(Executor::Create(SmallV32(), o).status().code(), absl::StatusCode::kInvalidArgument);
+  o = CpuOptions(1);
+  o.cache_pages = 0;
+  EXPECT_EQ(Executor::Create(SmallV32(), o).status().code(), absl::StatusCode::kInvalidArgument);
+  config::Profile p = SmallV32();
+  p.head_dim = 100;
+  EXPECT_EQ(Executor::Create(p, CpuOptions(1)).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace decode_indexer::testing

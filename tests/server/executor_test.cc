@@ -1,0 +1,412 @@
+// The executor on the CPU backend: every answer against the oracle (the kernels' CPU free
+// functions on contiguous caches), bit-identity across rank counts, sharded and unsharded,
+// batch composition, and the candidate paths (overlap on/off, sparse/masked).
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/exec/executor.h"
+#include "server/exec/executor_internal.h"
+#include "tests/server/checking_backend.h"
+#include "tests/server/exec_harness.h"
+
+namespace decode_indexer::testing {
+namespace {
+
+using config::LayerRole;
+using exec::Executor;
+using exec::ExecutorOptions;
+using exec::KeysInput;
+using exec::StepResult;
+
+std::unique_ptr<Executor> MakeExecutor(const config::Profile& profile,
+                                       const ExecutorOptions& options) {
+  absl::StatusOr<std::unique_ptr<Executor>> e = Executor::Create(profile, options);
+  EXPECT_TRUE(e.ok()) << e.status();
+  return e.ok() ? *std::move(e) : nullptr;
+}
+
+// Appends `count` random keys to `layer` for `id` and records them in the oracle.
+void Append(Harness& h, Executor& e, uint64_t id, int32_t layer, int32_t count, KeyForm form) {
+  std::vector<uint8_t> keys, scales;
+  KeysInput in;
+  h.RandomKeys(layer, count, form, &keys, &scales, &in.type);
+  in.count = count;
+  in.keys = keys.data();
+  in.scales = scales.empty() ? nullptr : scales.data();
+  absl::StatusOr<int64_t> len = e.AppendKeys(id, layer, in);
+  ASSERT_TRUE(len.ok()) << len.status();
+  h.RecordAppend(id, layer, in);
+  EXPECT_EQ(*len, h.Length(id, layer));
+}
+
+KeyForm RandomKeyForm(std::mt19937_64& rng) { return static_cast<KeyForm>(rng() % 3); }
+QForm RandomQForm(std::mt19937_64& rng) { return static_cast<QForm>(rng() % 3); }
+
+// Scatters the free lists: sequences come and go before the real ones, so page lists are
+// not 0, 1, 2, ...
+void ScatterPages(Harness& h, Executor& e) {
+  for (uint64_t id = 1000; id < 1006; ++id) {
+    ASSERT_TRUE(e.CreateSequence(id).ok());
+    for (int32_t layer : h.profile().CacheLayers()) {
+      Append(h, e, id, layer, 1 + int32_t(h.rng()() % 60), KeyForm::kF32);
+    }
+  }
+  for (uint64_t id : {1001, 1003, 1004}) {
+    ASSERT_TRUE(e.ReleaseSequence(id).ok());
+    h.Release(id);
+  }
+}
+
+struct ScenarioResult {
+  std::vector<std::vector<int32_t>> answers;  // every step's topk, then candidates
+  int32_t steps = 0;
+  int32_t sharded = 0;
+};
+
+// A scripted run with random content: prefill (lengths below and above K), then rounds of
+// steps through every layer with next_n 1, 2 and 4, uniform and mixed, with causal and
+// explicit row lengths. Everything random comes from the harness' seed, so two runs with
+// the same seed send the same calls whatever the executor options.
+ScenarioResult RunScenario(const config::Profile& profile, const ExecutorOptions& options,
+                           uint64_t seed, bool check_oracle,
+                           exec::BackendFactory factory = nullptr) {
+  ScenarioResult out;
+  Harness h(profile, seed);
+  std::unique_ptr<Executor> e;
+  if (factory) {
+    absl::StatusOr<std::unique_ptr<Executor>> made =
+        exec::CreateExecutorWithBackends(profile, options, factory);
+    EXPECT_TRUE(made.ok()) << made.status();
+    if (made.ok()) e = *std::move(made);
+  } else {
+    e = MakeExecutor(profile, options);
+  }
+  if (e == nullptr) return out;
+  std::mt19937_64& rng = h.rng();
+  ScatterPages(h, *e);
+  const int32_t K = profile.topk;
+  std::vector<uint64_t> ids;
+  for (uint64_t id = 1; id <= 8; ++id) {
+    EXPECT_TRUE(e->CreateSequence(id).ok());
+    ids.push_back(id);
+    for (int32_t layer : profile.CacheLayers()) {
+      // Lengths around K: some rows below it (answer 0..L-1), most above.
+      const int32_t total = 4 + int32_t(rng() % (3 * K));
+      const int32_t first = 1 + int32_t(rng() % total);
+      Append(h, *e, id, layer, first, RandomKeyForm(rng));
+      if (total > first) Append(h, *e, id, layer, total - first, RandomKeyForm(rng));
+    }
+  }
+  const int32_t next_ns[] = {1, 2, 4, 2, 1, 4};
+  for (int round = 0; round < 6; ++round) {
+    const int32_t n = next_ns[round];
+    // Even rounds: all 8 sequences, uniform (shardable); odd rounds: a shuffled subset with
+    // mixed row counts (unsharded).
+    std::vector<uint64_t> chosen = ids;
+    std::shuffle(chosen.begin(), chosen.end(), rng);
+    if (round % 2 == 1) chosen.resize(3 + rng() % 5);
+    std::vector<SeqPlan> plans;
+    for (uint64_t id : chosen) {
+      SeqPlan p;
+      p.id = id;
+      p.rows = round % 2 == 1 ? 1 + int32_t(rng() % 4) : n;
+      p.new_keys = p.rows + (rng() % 4 == 0 ? int32_t(rng() % 3) : 0);
+      plans.push_back(p);
+    }
+    const bool explicit_lengths = round == 3;
+    std::vector<SeqPlan> source_plans;
+    for (const config::LayerSpec& layer : profile.layers) {
+      std::vector<SeqPlan> step_plans = plans;
+      if (layer.role == LayerRole::kCandidateConsumer) {
+        step_plans = source_plans;
+        for (SeqPlan& p : step_plans) p.new_keys = 0;
+      } else if (explicit_lengths) {
+        for (SeqPlan& p : step_plans) {
+          const int64_t L = h.Length(p.id, layer.layer) + p.new_keys;
+          p.row_lengths.clear();
+          for (int32_t j = 0; j < p.rows; ++j) {
+            p.row_lengths.push_back(1 + int32_t(rng() % L));
+          }
+        }
+      }
+      if (layer.role == LayerRole::kCandidateSource) source_plans = step_plans;
+      std::unique_ptr<StepData> step =
+          h.MakeStep(layer.layer, step_plans, RandomQForm(rng), RandomKeyForm(rng), rng() % 4 != 0);
+      step->input.return_candidates = layer.role == LayerRole::kCandidateSource;
+      SCOPED_TRACE(absl::StrCat("round ", round, " layer ", layer.layer));
+      absl::StatusOr<StepResult> r = e->DecodeStep(step->input);
+      EXPECT_TRUE(r.ok()) << r.status();
+      if (!r.ok()) return out;
+      h.RecordStep(*step);
+      ++out.steps;
+      out.sharded += r->sharded;
+      EXPECT_EQ(r->step_id, step->input.step_id);
+      EXPECT_EQ(r->num_rows, step->input.num_rows);
+      EXPECT_EQ(r->topk, K);
+      for (size_t i = 0; i < step_plans.size(); ++i) {
+        EXPECT_EQ(r->lengths[i], h.Length(step_plans[i].id, layer.cache_layer));
+      }
+      if (check_oracle) {
+        Harness::Answer want = h.Oracle(*step);
+        EXPECT_EQ(r->topk_indices, want.topk);
+        if (layer.role == LayerRole::kCandidateSource) {
+          EXPECT_EQ(r->num_candidate_blocks, profile.num_candidate_blocks);
+          EXPECT_EQ(r->candidate_blocks, want.candidates);
+        }
+      }
+      out.answers.push_back(r->topk_indices);
+      if (layer.role == LayerRole::kCandidateSource) out.answers.push_back(r->candidate_blocks);
+    }
+  }
+  return out;
+}
+
+TEST(Executor, DenseLayersMatchOracle) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  ScenarioResult r = RunScenario(SmallV32(), CpuOptions(1), seed, /*check_oracle=*/true);
+  EXPECT_EQ(r.steps, 12);
+}
+
+TEST(Executor, CandidateLayersMatchOracle) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  ScenarioResult r = RunScenario(SmallV41(), CpuOptions(1), seed, /*check_oracle=*/true);
+  EXPECT_EQ(r.steps, 24);
+}
+
+// 1, 2 and 4 ranks, sharded where the gate allows and with the gate closed, answer
+// bit-identically; and the sharded runs do shard.
+TEST(Executor, RanksAreBitIdentical) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  for (const config::Profile& profile : {SmallV41(), SmallV32()}) {
+    SCOPED_TRACE(profile.name);
+    ScenarioResult base = RunScenario(profile, CpuOptions(1), seed, /*check_oracle=*/true);
+    EXPECT_EQ(base.sharded, 0);
+    for (int32_t ranks : {2, 4}) {
+      for (int32_t min_requests : {2, 1000}) {
+        SCOPED_TRACE(absl::StrCat(ranks, " ranks, min requests ", min_requests));
+        ExecutorOptions o = CpuOptions(ranks);
+        o.row_shard_min_requests = min_requests;
+        ScenarioResult r = RunScenario(profile, o, seed, /*check_oracle=*/false);
+        EXPECT_EQ(r.answers, base.answers);
+        if (min_requests == 2) {
+          EXPECT_GT(r.sharded, 0);
+          EXPECT_LT(r.sharded, r.steps);  // the mixed rounds stay unsharded
+        } else {
+          EXPECT_EQ(r.sharded, 0);
+        }
+      }
+    }
+  }
+}
+
+// CandidateOverlap on or off, sparse or masked consumers: the same answers.
+TEST(Executor, CandidateVariantsAgree) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  ScenarioResult base = RunScenario(SmallV41(), CpuOptions(1), seed, /*check_oracle=*/false);
+  ASSERT_EQ(base.steps, 24);
+  struct Variant {
+    bool overlap, masked;
+    int32_t ranks;
+  };
+  for (const Variant& v :
+       {Variant{false, false, 1}, Variant{true, true, 1}, Variant{false, true, 1},
+        Variant{false, false, 2}, Variant{true, true, 2}}) {
+    SCOPED_TRACE(absl::StrCat("overlap ", v.overlap, " masked ", v.masked, " ranks ", v.ranks));
+    ExecutorOptions o = CpuOptions(v.ranks);
+    o.candidate_overlap = v.overlap;
+    o.masked_consumer = v.masked;
+    EXPECT_EQ(RunScenario(SmallV41(), o, seed, /*check_oracle=*/false).answers, base.answers);
+  }
+}
+
+// Every pointer the kernels receive is the backend's own memory and copies go the stated
+// way, for every layer role, q form, key form, and sharded and unsharded steps; the answers
+// are the plain backend's.
+TEST(Executor, KernelsOnlySeeBackendMemory) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::atomic<int64_t> violations{0};
+  exec::BackendFactory checked = [&](int32_t, const kernels::BackendLimits& limits)
+      -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
+    return std::make_unique<CheckingBackend>(kernels::MakeCpuBackend(limits, 1), &violations);
+  };
+  for (bool masked : {false, true}) {
+    ExecutorOptions o = CpuOptions(2);
+    o.masked_consumer = masked;
+    ScenarioResult plain = RunScenario(SmallV41(), o, seed, /*check_oracle=*/false);
+    ScenarioResult r = RunScenario(SmallV41(), o, seed, /*check_oracle=*/false, checked);
+    EXPECT_EQ(r.answers, plain.answers);
+    EXPECT_GT(r.sharded, 0);
+  }
+  ScenarioResult plain = RunScenario(SmallV32(), CpuOptions(1), seed, /*check_oracle=*/false);
+  ScenarioResult r = RunScenario(SmallV32(), CpuOptions(1), seed, /*check_oracle=*/false, checked);
+  EXPECT_EQ(r.answers, plain.answers);
+  EXPECT_EQ(violations.load(), 0);
+}
+
+// The sub-step of `full` holding its sequences `order` (in that order), with the very same
+// keys, q, weights and positions.
+std::unique_ptr<StepData> SubStep(const StepData& full, const std::vector<size_t>& order,
+                                  const config::Profile& profile) {
+  auto step = std::make_unique<StepData>();
+  const exec::StepInput& in = full.input;
+  const int32_t H = profile.num_heads;
+  const int32_t D = profile.head_dim;
+  std::vector<int32_t> first_row(in.sequences.size() + 1, 0);
+  for (size_t i = 0; i < in.sequences.size(); ++i) {
+    first_row[i + 1] = first_row[i] + in.sequences[i].num_rows;
+  }
+  const size_t q_row = full.q.size() / in.num_rows;
+  const size_t s_row = full.q_scales.empty() ? 0 : full.q_scales.size() / in.num_rows;
+  step->input = in;
+  step->input.sequences.clear();
+  step->input.num_rows = 0;
+  for (size_t k : order) {
+    step->input.sequences.push_back(in.sequences[k]);
+    step->input.num_rows += in.sequences[k].num_rows;
+    for (int32_t r = first_row[k]; r < first_row[k + 1]; ++r) {
+      step->q.insert(step->q.end(), full.q.begin() + r * q_row, full.q.begin() + (r + 1) * q_row);
+      if (s_row > 0) {
+        step->q_scales.insert(step->q_scales.end(), full.q_scales.begin() + r * s_row,
+                              full.q_scales.begin() + (r + 1) * s_row);
+      }
+      step->weights.insert(step->weights.end(), full.weights.begin() + size_t(r) * H,
+                           full.weights.begin() + size_t(r + 1) * H);
+      if (!full.positions.empty()) step->positions.push_back(full.positions[r]);
+    }
+  }
+  (void)D;
+  step->input.q.q = step->q.data();
+  step->input.q.scales = s_row > 0 ? step->q_scales.data() : nullptr;
+  step->input.q.weights = step->weights.data();
+  step->input.q.positions = full.input.q.positions ? step->positions.data() : nullptr;
+  return step;
+}
+
+// A sequence's rows answer the same alone, inside a bigger batch, and in another order.
+TEST(Executor, BatchCompositionIndependence) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  const config::Profile profile = SmallV41();
+  const int32_t K = profile.topk;
+  const int32_t NB = profile.num_candidate_blocks;
+  // Two executors with the same history; A runs whole batches (sharded on 2 ranks), B runs
+  // the same sequences as a reordered part-batch and then one at a time.
+  Harness h(profile, seed);
+  ExecutorOptions options = CpuOptions(2);
+  std::unique_ptr<Executor> a = MakeExecutor(profile, options);
+  std::unique_ptr<Executor> b = MakeExecutor(profile, options);
+  ASSERT_TRUE(a && b);
+  const int32_t S = 8;
+  for (uint64_t id = 1; id <= S; ++id) {
+    ASSERT_TRUE(a->CreateSequence(id).ok());
+    ASSERT_TRUE(b->CreateSequence(id).ok());
+    for (int32_t layer : profile.CacheLayers()) {
+      std::vector<uint8_t> keys, scales;
+      KeysInput in;
+      in.count = 1 + int32_t(h.rng()() % (3 * K));
+      h.RandomKeys(layer, in.count, KeyForm::kF32, &keys, &scales, &in.type);
+      in.keys = keys.data();
+      ASSERT_TRUE(a->AppendKeys(id, layer, in).ok());
+      ASSERT_TRUE(b->AppendKeys(id, layer, in).ok());
+    }
+  }
+  for (int32_t n : {1, 2, 4}) {
+    SCOPED_TRACE(absl::StrCat("next_n ", n));
+    std::vector<SeqPlan> plans;
+    for (uint64_t id = 1; id <= S; ++id) plans.push_back({id, n, n, {}});
+    std::vector<size_t> order(S);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), h.rng());
+    // B: the first 3 (shuffled) together, then the rest one by one.
+    std::vector<std::vector<size_t>> parts = {{order[0], order[1], order[2]}};
+    for (int32_t i = 3; i < S; ++i) parts.push_back({order[i]});
+    std::vector<StepData*> source_steps;
+    std::unique_ptr<StepData> source_full;
+    for (const config::LayerSpec& layer : profile.layers) {
+      SCOPED_TRACE(absl::StrCat("layer ", layer.layer));
+      std::vector<SeqPlan> step_plans = plans;
+      if (layer.role == LayerRole::kCandidateConsumer) {
+        for (SeqPlan& p : step_plans) p.new_keys = 0;
+      }
+      std::unique_ptr<StepData> full = h.MakeStep(layer.layer, step_plans);
+      full->input.return_candidates = layer.role == LayerRole::kCandidateSource;
+      absl::StatusOr<StepResult> ra = a->DecodeStep(full->input);
+      ASSERT_TRUE(ra.ok()) << ra.status();
+      EXPECT_TRUE(ra->sharded);
+      for (const std::vector<size_t>& part : parts) {
+        std::unique_ptr<StepData> sub = SubStep(*full, part, profile);
+        absl::StatusOr<StepResult> rb = b->DecodeStep(sub->input);
+        ASSERT_TRUE(rb.ok()) << rb.status();
+        int32_t row = 0;
+        for (size_t k : part) {
+          // Sequence k holds rows [k * n, (k + 1) * n) of the full batch.
+          for (int32_t j = 0; j < n; ++j, ++row) {
+            const auto want = ra->topk_indices.begin() + (size_t(k) * n + j) * K;
+            EXPECT_TRUE(std::equal(want, want + K, rb->topk_indices.begin() + size_t(row) * K))
+                << "sequence " << k + 1 << " row " << j;
+            if (layer.role == LayerRole::kCandidateSource) {
+              const auto wc = ra->candidate_blocks.begin() + (size_t(k) * n + j) * NB;
+              EXPECT_TRUE(std::equal(wc, wc + NB, rb->candidate_blocks.begin() + size_t(row) * NB));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Concurrent callers are served one at a time; each thread's steps answer as the oracle says.
+TEST(Executor, ConcurrentCallersAreServedInOrder) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  const config::Profile profile = SmallV32();
+  Harness h(profile, seed);
+  std::unique_ptr<Executor> e = MakeExecutor(profile, CpuOptions(2));
+  ASSERT_NE(e, nullptr);
+  const int32_t T = 4, steps = 4;
+  std::vector<std::vector<std::unique_ptr<StepData>>> work(T);
+  for (int32_t t = 0; t < T; ++t) {
+    const uint64_t id = 100 + t;
+    ASSERT_TRUE(e->CreateSequence(id).ok());
+    Append(h, *e, id, 0, 20 + int32_t(h.rng()() % 60), KeyForm::kF32);
+    for (int32_t s = 0; s < steps; ++s) {
+      work[t].push_back(h.MakeStep(0, {{id, 1 + s % 4, 1 + s % 4, {}}}));
+    }
+  }
+  std::vector<std::vector<StepResult>> results(T);
+  std::vector<std::thread> threads;
+  for (int32_t t = 0; t < T; ++t) {
+    threads.emplace_back([&, t] {
+      for (auto& step : work[t]) {
+        absl::StatusOr<StepResult> r = e->DecodeStep(step->input);
+        if (r.ok()) results[t].push_back(*std::move(r));
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  // Sequences are disjoint, so each thread's history replays on its own.
+  for (int32_t t = 0; t < T; ++t) {
+    ASSERT_EQ(results[t].size(), size_t(steps));
+    for (int32_t s = 0; s < steps; ++s) {
+      h.RecordStep(*work[t][s]);
+      EXPECT_EQ(results[t][s].topk_indices, h.Oracle(*work[t][s]).topk);
+      EXPECT_GE(results[t][s].queue_us, 0);
+    }
+  }
+  exec::ExecutorStatus st = e->Status();
+  EXPECT_EQ(st.steps, uint64_t(T * steps));
+  EXPECT_EQ(st.num_ranks, 2);
+}
+
+}  // namespace
+}  // namespace decode_indexer::testing
