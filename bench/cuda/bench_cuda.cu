@@ -1,0 +1,319 @@
+// decode-indexer-bench-cuda: times the CUDA backend's dense layer step on the GPU (a binary,
+// not a test). For each (requests, next_n, average context) of the issue's grid: microseconds
+// per layer step for logits (schedule + paged logits), for top-k alone, and for both; the
+// key bytes each step must read and the achieved key-read bandwidth against a large
+// device-to-device copy measured in the same run. Writes one JSON object per configuration
+// (with the lengths drawn, so torch_baseline.py times the PyTorch path on the same shapes).
+//
+// Timing: CUDA events around a batch of back-to-back steps (the steady state a server sees
+// when it adds no host work between launches), median of several batches after warm-up; each
+// step of a batch uses another of several input sets (page tables over distinct pages, q and
+// weights), so that no step finds its keys in L2.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/sm90_launchers.h"
+
+namespace di = decode_indexer::kernels;
+namespace dc = decode_indexer::kernels::cuda;
+
+#define CHECK_CUDA(expr, what)                                                      \
+  do {                                                                              \
+    cudaError_t e_ = (expr);                                                        \
+    if (e_ != cudaSuccess) {                                                        \
+      std::fprintf(stderr, "CUDA error in %s: %s\n", what, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                 \
+    }                                                                               \
+  } while (0)
+#define CHECK_OK(expr, what)                                                     \
+  do {                                                                           \
+    absl::Status s_ = (expr);                                                    \
+    if (!s_.ok()) {                                                              \
+      std::fprintf(stderr, "%s: %s\n", what, std::string(s_.message()).c_str()); \
+      std::exit(1);                                                              \
+    }                                                                            \
+  } while (0)
+
+namespace {
+
+constexpr int kHeads = 64;  // v32
+constexpr int kTopK = 2048;
+constexpr int kPage = 64;
+constexpr int64_t kPageBytes = 64 * 132;
+
+// Random finite e4m3 codes (|code| < 0x78) and power-of-two scales, by a hash of the index.
+__global__ void FillPages(uint8_t* pool, int64_t pages, uint64_t seed) {
+  const int64_t n = pages * kPageBytes / 4;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint64_t h = (i + seed) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 31;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 29;
+    const int64_t byte = i * 4;
+    const int64_t in_page = byte % kPageBytes;
+    uint32_t v;
+    if (in_page < 64 * 128) {
+      v = (static_cast<uint32_t>(h) & 0x77777777u) | (static_cast<uint32_t>(h >> 32) & 0x80808080u);
+    } else {
+      const int e = 120 + static_cast<int>(h % 8);  // 2^-7 .. 2^0
+      v = static_cast<uint32_t>(e) << 23;
+    }
+    reinterpret_cast<uint32_t*>(pool)[i] = v;
+  }
+}
+
+__global__ void FillQ(uint8_t* q, int64_t n, float* w, int64_t nw, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint64_t h = (i + seed) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 29;
+    q[i] = static_cast<uint8_t>(h & 0x77) | static_cast<uint8_t>((h >> 8) & 0x80);
+    if (i < nw) w[i] = (static_cast<int>((h >> 16) & 1023) - 512) / 4096.0f;
+  }
+}
+
+struct InputSet {
+  int32_t* page_table = nullptr;
+  uint8_t* q = nullptr;
+  float* w = nullptr;
+};
+
+float Median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string out_path = "cuda_bench.json";
+  int batches = 7, per_batch = 10;
+  int only_requests = 0, only_next_n = 0, only_avg = 0;  // --only R N AVG: one configuration
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--out" && i + 1 < argc) out_path = argv[++i];
+    if (a == "--batches" && i + 1 < argc) batches = std::atoi(argv[++i]);
+    if (a == "--only" && i + 3 < argc) {
+      only_requests = std::atoi(argv[++i]);
+      only_next_n = std::atoi(argv[++i]);
+      only_avg = std::atoi(argv[++i]);
+    }
+  }
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0), "device properties");
+  const int sms = prop.multiProcessorCount;
+  cudaStream_t st;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0), "event");
+  CHECK_CUDA(cudaEventCreate(&e1), "event");
+
+  // The copy ceiling: a 2 GiB device-to-device copy, counting bytes read plus written.
+  const size_t copy_bytes = size_t{2} << 30;
+  void *ca, *cb;
+  CHECK_CUDA(cudaMalloc(&ca, copy_bytes), "copy src");
+  CHECK_CUDA(cudaMalloc(&cb, copy_bytes), "copy dst");
+  CHECK_CUDA(cudaMemsetAsync(ca, 1, copy_bytes, st), "memset");
+  std::vector<float> copy_ms;
+  for (int i = 0; i < 12; ++i) {
+    CHECK_CUDA(cudaEventRecord(e0, st), "record");
+    CHECK_CUDA(cudaMemcpyAsync(cb, ca, copy_bytes, cudaMemcpyDeviceToDevice, st), "copy");
+    CHECK_CUDA(cudaEventRecord(e1, st), "record");
+    CHECK_CUDA(cudaEventSynchronize(e1), "sync");
+    float ms;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
+    if (i >= 2) copy_ms.push_back(ms);
+  }
+  const double copy_gbs = 2.0 * copy_bytes / (Median(copy_ms) * 1e-3) / 1e9;
+  CHECK_CUDA(cudaFree(ca), "free");
+  CHECK_CUDA(cudaFree(cb), "free");
+  std::printf("device %s, %d SMs; D2D copy %.0f GB/s (read + write)\n", prop.name, sms, copy_gbs);
+
+  // One pool for every configuration: at least 2.5 GB so that rotated sets never share pages.
+  const int64_t pool_pages = (int64_t{3} << 30) / kPageBytes;
+  uint8_t* pool;
+  CHECK_CUDA(cudaMalloc(&pool, pool_pages * kPageBytes), "pool");
+  FillPages<<<4 * sms, 256, 0, st>>>(pool, pool_pages, 12345);
+  CHECK_CUDA(cudaGetLastError(), "fill pages");
+
+  const int max_requests = 128, max_rows = 256;
+  const int64_t max_ctx = 131072 * 13 / 10 + 64;
+  float* logits;
+  CHECK_CUDA(cudaMalloc(&logits, sizeof(float) * max_rows * ((max_ctx + 3) / 4 * 4)), "logits");
+  int32_t *topk, *sched_ws, *row_request, *row_length;
+  CHECK_CUDA(cudaMalloc(&topk, sizeof(int32_t) * max_rows * kTopK), "topk");
+  CHECK_CUDA(cudaMalloc(&sched_ws, sizeof(int32_t) * dc::MqaScheduleInts(max_requests)), "ws");
+  CHECK_CUDA(cudaMalloc(&row_request, sizeof(int32_t) * max_rows), "rows");
+  CHECK_CUDA(cudaMalloc(&row_length, sizeof(int32_t) * max_rows), "lengths");
+  const dc::MqaSchedule sched = dc::CarveMqaSchedule(sched_ws, max_requests);
+
+  std::mt19937_64 rng(2026);
+  FILE* out = std::fopen(out_path.c_str(), "w");
+  if (out == nullptr) {
+    std::perror(out_path.c_str());
+    return 1;
+  }
+  std::printf("%5s %3s %7s | %9s %9s %9s | %8s %6s | %8s %8s %8s | %4s\n", "req", "n", "avg",
+              "logits_us", "topk_us", "both_us", "GB/s", "%copy", "fp8wgmma", "mmasync", "f16hdsM",
+              "sets");
+  for (int requests : {1, 8, 64, 128}) {
+    for (int next_n : {1, 2}) {
+      for (int avg : {8192, 32768, 65536, 131072}) {
+        if (only_requests != 0 &&
+            (requests != only_requests || next_n != only_next_n || avg != only_avg)) {
+          continue;
+        }
+        std::uniform_real_distribution<double> u(0.7, 1.3);
+        std::vector<int32_t> lengths(requests);
+        for (auto& l : lengths) l = std::max(next_n, static_cast<int32_t>(avg * u(rng)));
+        const int32_t max_len = *std::max_element(lengths.begin(), lengths.end());
+        const int32_t stride = (max_len + kPage - 1) / kPage;
+        int64_t step_pages = 0;
+        double key_bytes = 0;
+        for (int32_t l : lengths) {
+          step_pages += (l + kPage - 1) / kPage;
+          key_bytes += double{l} * 132;
+        }
+        // Enough sets that their keys together are several times the 60 MB L2.
+        const int sets = static_cast<int>(
+            std::min<int64_t>(std::min<int64_t>(32, pool_pages / std::max<int64_t>(1, step_pages)),
+                              std::max<int64_t>(1, (int64_t{400} << 20) / int64_t(key_bytes) + 1)));
+        std::vector<int32_t> perm(pool_pages);
+        std::iota(perm.begin(), perm.end(), 0);
+        std::shuffle(perm.begin(), perm.end(), rng);
+        const int rows = requests * next_n;
+        std::vector<int32_t> rr, rl;
+        for (int b = 0; b < requests; ++b) {
+          for (int j = 0; j < next_n; ++j) {
+            rr.push_back(b);
+            rl.push_back(lengths[b] - next_n + j + 1);
+          }
+        }
+        CHECK_CUDA(cudaMemcpyAsync(row_request, rr.data(), 4 * rows, cudaMemcpyHostToDevice, st),
+                   "copy rows");
+        CHECK_CUDA(cudaMemcpyAsync(row_length, rl.data(), 4 * rows, cudaMemcpyHostToDevice, st),
+                   "copy lengths");
+        std::vector<InputSet> in(sets);
+        int64_t next_page = 0;
+        for (auto& s : in) {
+          std::vector<int32_t> pt(int64_t{requests} * stride, 0);
+          for (int b = 0; b < requests; ++b) {
+            for (int j = 0; j < (lengths[b] + kPage - 1) / kPage; ++j) {
+              pt[int64_t{b} * stride + j] = perm[next_page++];
+            }
+          }
+          CHECK_CUDA(cudaMalloc(&s.page_table, 4 * pt.size()), "page table");
+          CHECK_CUDA(
+              cudaMemcpyAsync(s.page_table, pt.data(), 4 * pt.size(), cudaMemcpyHostToDevice, st),
+              "copy page table");
+          const int64_t qn = int64_t{rows} * kHeads * 128;
+          CHECK_CUDA(cudaMalloc(&s.q, qn), "q");
+          CHECK_CUDA(cudaMalloc(&s.w, 4 * int64_t{rows} * kHeads), "w");
+          FillQ<<<256, 256, 0, st>>>(s.q, qn, s.w, int64_t{rows} * kHeads, rng());
+          CHECK_CUDA(cudaGetLastError(), "fill q");
+        }
+        CHECK_CUDA(cudaStreamSynchronize(st), "setup");
+
+        const int64_t lstride = (max_len + 3) / 4 * 4;
+        auto rows_of = [&](const InputSet& s) {
+          di::RowBatch b;
+          b.num_rows = rows;
+          b.row_request = row_request;
+          b.row_length = row_length;
+          b.page_table = s.page_table;
+          b.page_table_stride = stride;
+          b.num_requests = requests;
+          b.max_row_length = max_len;
+          return b;
+        };
+        dc::MqaMath math = dc::MqaMath::kWgmmaKeysM;
+        auto run_logits = [&](int i) {
+          const InputSet& s = in[i % sets];
+          dc::PagedLogitsArgs a;
+          a.cache = {pool, pool_pages, {di::CacheFormat::kFp8, 128, kPage}};
+          a.rows = rows_of(s);
+          a.q = {s.q, nullptr, s.w, kHeads};
+          a.schedule = sched;
+          a.logits = logits;
+          a.logits_stride = lstride;
+          a.math = math;
+          CHECK_OK(dc::LaunchMqaSchedule(a.rows, sched, st), "schedule");
+          CHECK_OK(dc::LaunchPagedMqaLogits(a, sms, st), "logits");
+        };
+        auto run_topk = [&]() {
+          dc::TopKArgs t;
+          t.num_rows = rows;
+          t.values = logits;
+          t.stride = lstride;
+          t.lengths = row_length;
+          t.k = kTopK;
+          t.out = topk;
+          t.max_length = max_len;
+          CHECK_OK(dc::LaunchRadixTopK(t, sms, st), "topk");
+        };
+        auto time_batches = [&](auto&& step) {
+          for (int i = 0; i < 3; ++i) step(i);  // warm-up
+          std::vector<float> per_step;
+          for (int bt = 0; bt < batches; ++bt) {
+            CHECK_CUDA(cudaEventRecord(e0, st), "record");
+            for (int i = 0; i < per_batch; ++i) step(bt * per_batch + i);
+            CHECK_CUDA(cudaEventRecord(e1, st), "record");
+            CHECK_CUDA(cudaEventSynchronize(e1), "sync");
+            float ms;
+            CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
+            per_step.push_back(ms * 1000.f / per_batch);
+          }
+          return Median(per_step);
+        };
+        // The other tensor-core paths, logits only, for comparison; then the default.
+        math = dc::MqaMath::kWgmmaFp8;
+        const float t_fp8 = time_batches([&](int i) { run_logits(i); });
+        math = dc::MqaMath::kMmaSync;
+        const float t_mma = time_batches([&](int i) { run_logits(i); });
+        math = dc::MqaMath::kWgmmaF16;
+        const float t_f16 = time_batches([&](int i) { run_logits(i); });
+        math = dc::MqaMath::kWgmmaKeysM;
+        const float t_logits = time_batches([&](int i) { run_logits(i); });
+        run_logits(0);
+        const float t_topk = time_batches([&](int) { run_topk(); });
+        const float t_both = time_batches([&](int i) {
+          run_logits(i);
+          run_topk();
+        });
+        CHECK_CUDA(cudaStreamSynchronize(st), "sync");
+        CHECK_CUDA(cudaGetLastError(), "after timing");
+        const double gbs = key_bytes / (t_logits * 1e-6) / 1e9;
+        std::printf("%5d %3d %6dK | %9.1f %9.1f %9.1f | %8.0f %5.1f%% | %8.1f %8.1f %8.1f | %4d\n",
+                    requests, next_n, avg / 1024, t_logits, t_topk, t_both, gbs,
+                    100.0 * gbs / copy_gbs, t_fp8, t_mma, t_f16, sets);
+        std::fprintf(out,
+                     "{\"requests\": %d, \"next_n\": %d, \"avg\": %d, \"logits_us\": %.2f, "
+                     "\"topk_us\": %.2f, \"both_us\": %.2f, \"key_bytes\": %.0f, "
+                     "\"key_gbs\": %.1f, \"copy_gbs\": %.1f, \"sets\": %d, "
+                     "\"logits_fp8_wgmma_us\": %.2f, \"logits_mma_sync_us\": %.2f, "
+                     "\"logits_f16_heads_m_us\": %.2f, \"lengths\": [",
+                     requests, next_n, avg, t_logits, t_topk, t_both, key_bytes, gbs, copy_gbs,
+                     sets, t_fp8, t_mma, t_f16);
+        for (int b = 0; b < requests; ++b) std::fprintf(out, "%s%d", b ? ", " : "", lengths[b]);
+        std::fprintf(out, "]}\n");
+        std::fflush(out);
+        for (auto& s : in) {
+          CHECK_CUDA(cudaFree(s.page_table), "free");
+          CHECK_CUDA(cudaFree(s.q), "free");
+          CHECK_CUDA(cudaFree(s.w), "free");
+        }
+      }
+    }
+  }
+  std::fclose(out);
+  return 0;
+}

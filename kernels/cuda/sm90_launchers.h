@@ -1,0 +1,104 @@
+// Launchers of the SM90 kernels. Device code takes raw pointers; each launcher checks what is
+// cheap, enqueues its kernel(s) on `stream` and returns a Status (never synchronises). The
+// Backend (cuda_backend.cc) owns workspaces and streams and strings these together; the
+// benchmark calls them one by one to time each stage.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "decode_indexer/kernels/backend.h"
+#include "decode_indexer/kernels/types.h"
+
+namespace decode_indexer::kernels::cuda {
+
+// ---- Key insert (sm90_insert_keys.cu) ------------------------------------------------------
+absl::Status LaunchInsertKeys(const KeyInsertArgs& args, cudaStream_t stream);
+
+// ---- rope_quant_q (sm90_rope_quant_q.cu) ---------------------------------------------------
+// weight_scale is float(1 / sqrt(double(H * D))), computed once on the host.
+absl::Status LaunchRopeQuantQ(const QPrepArgs& args, float weight_scale, cudaStream_t stream);
+
+// ---- Work schedule of the paged logits (sm90_mqa_schedule.cu) -------------------------------
+// Per request of a RowBatch: its first row, its row count, its longest row and an inclusive
+// prefix of its key tiles. Computed on the device from the step's lengths (no host sync).
+struct MqaSchedule {
+  int32_t* request_first_row = nullptr;  // [max_requests]
+  int32_t* request_num_rows = nullptr;   // [max_requests]
+  int32_t* request_max_len = nullptr;    // [max_requests]
+  int32_t* tile_prefix = nullptr;        // [max_requests + 1]: tiles of requests < b
+};
+// Workspace ints an MqaSchedule for `max_requests` requests needs.
+int64_t MqaScheduleInts(int32_t max_requests);
+MqaSchedule CarveMqaSchedule(int32_t* workspace, int32_t max_requests);
+absl::Status LaunchMqaSchedule(const RowBatch& rows, const MqaSchedule& schedule,
+                               cudaStream_t stream);
+
+// ---- Paged MQA logits (sm90_paged_mqa_logits.cu) -------------------------------------------
+// logits[r * logits_stride + t] for t < row_length[r]; other entries are left alone.
+// rows_per_request: the host's expectation of rows per request (num_rows / num_requests,
+// rounded up); requests with more rows are scored in several passes over each key tile.
+// Tensor-core variants of the FP8 / 64-head logits (see the kernels' file comments).
+// kWgmmaKeysM is the default: keys as M, f16 products (exact), full fp32 sums.
+enum class MqaMath { kMmaSync, kWgmmaF16, kWgmmaFp8, kWgmmaKeysM };
+struct PagedLogitsArgs {
+  CacheView cache;
+  RowBatch rows;
+  QView q;
+  MqaSchedule schedule;
+  float* logits = nullptr;
+  int64_t logits_stride = 0;
+  // FP8 with 64 heads: which tensor-core path (see sm90_paged_mqa_logits.cu). Other shapes
+  // always run kMmaSync.
+  MqaMath math = MqaMath::kWgmmaKeysM;
+};
+absl::Status LaunchPagedMqaLogits(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream);
+// The keys-as-M kernel (sm90_paged_mqa_logits_keys_m.cu), FP8 with 64 heads only; reached
+// through LaunchPagedMqaLogits.
+absl::Status LaunchPagedMqaLogitsKeysM(const PagedLogitsArgs& args, int num_sms,
+                                       cudaStream_t stream);
+
+// ---- Radix top-k (sm90_radix_topk.cu) ------------------------------------------------------
+// Per row r: the top k of values[r * stride + i], i < lengths[r] (or `fixed_length` when
+// lengths is null), by (value desc, index asc); out[r * k ...] holds the indices ascending
+// (mapped through index_map[r * index_map_stride + i] when given), -1 padded.
+struct TopKArgs {
+  int32_t num_rows = 0;
+  const float* values = nullptr;
+  int64_t stride = 0;
+  const int32_t* lengths = nullptr;
+  int32_t fixed_length = 0;
+  // Candidate blocks: lengths are entry counts and the row's length in blocks is
+  // ceil(length / length_divisor) (1 for plain rows).
+  int32_t length_divisor = 1;
+  int32_t k = 0;
+  int32_t* out = nullptr;
+  const int32_t* index_map = nullptr;
+  int64_t index_map_stride = 0;
+  // Host-known bound on a row's length in entries (0: unknown); sizes the clusters.
+  int32_t max_length = 0;
+};
+absl::Status LaunchRadixTopK(const TopKArgs& args, int num_sms, cudaStream_t stream);
+
+// ---- Candidate-block scores (sm90_candidate_scores.cu) ------------------------------------
+// scores[r * scores_stride + j] = max logit of block j below row_length[r]; the newest block
+// scores +inf (spec section 7).
+absl::Status LaunchCandidateScores(int32_t num_rows, const float* logits, int64_t logits_stride,
+                                   const int32_t* row_length, int32_t block_size, float* scores,
+                                   int64_t scores_stride, int32_t max_blocks, cudaStream_t stream);
+
+// ---- Candidate expansion (sm90_expand_candidates.cu) ---------------------------------------
+absl::Status LaunchExpandCandidates(const ExpandArgs& args, cudaStream_t stream);
+
+// ---- Sparse logits at given positions (sm90_sparse_logits.cu) ------------------------------
+// logits[r * max_positions + i] for i < counts[r], of position positions[r * max_positions + i].
+absl::Status LaunchSparseLogits(const CacheView& cache, const RowBatch& rows, const QView& q,
+                                const int32_t* positions, const int32_t* counts,
+                                int32_t max_positions, float* logits, cudaStream_t stream);
+
+// ---- Row copies (sm90_copy_rows.cu) --------------------------------------------------------
+absl::Status LaunchCopyRows(const CopyRowsArgs& args, cudaStream_t stream);
+
+}  // namespace decode_indexer::kernels::cuda

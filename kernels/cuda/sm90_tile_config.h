@@ -1,0 +1,55 @@
+// Tile and launch heuristics of the SM90 kernels, kept apart from the launch code so that a
+// tuning change touches one file. Numbers here are choices, not contracts.
+#pragma once
+
+#include <cstdint>
+
+namespace decode_indexer::kernels::cuda {
+
+// Paged MQA logits: one key tile is one cache page (64 entries), so each tile's bytes are two
+// contiguous runs (values, scales) and the page table is read once per tile.
+inline constexpr int kMqaTileKeys = 64;
+// Pages in flight per block (cp.async stages). 4 x 8.4 KB per block with several blocks per
+// SM keeps well over the ~32 KB per SM that HBM latency x bandwidth asks for.
+inline constexpr int kMqaStages = 4;
+inline constexpr int kMqaHeadDim = 128;
+// The keys-as-M FP8 kernel keeps q (16 KB a row) in shared memory too. Measured at 64 x 32K
+// (H200): 4 stages / 3 blocks per SM 135 us, 3 / 4 blocks 143 us, 6 / 3 blocks 174 us - the
+// kernel is latency bound (docs/notes/cuda.md); 3 is what the recorded runs used.
+inline constexpr int kKeysMStages = 3;
+
+// Rows of one request scored together from each key tile (next_n 1-4 share every key read).
+// Requests with more rows take several passes over the tile in shared memory.
+inline constexpr int RowsPerPass(int32_t num_rows, int32_t num_requests) {
+  if (num_requests <= 0) return 1;
+  const int32_t per_request = (num_rows + num_requests - 1) / num_requests;
+  return per_request <= 1 ? 1 : per_request >= 4 ? 4 : per_request;
+}
+
+// Radix top-k: one cluster of blocks per row; 11 + 11 + 10 key bits in three passes.
+inline constexpr int kTopKThreads = 1024;
+inline constexpr int kTopKBins = 2048;
+inline constexpr int kTopKMaxCluster = 8;     // portable cluster size
+inline constexpr int kTopKMinSegment = 8192;  // entries per block worth a block
+
+// Blocks per row: clusters only when rows are few (a quarter of the SMs or less: measured, 64
+// rows of 32K ran 1.6x slower in clusters of 4 than one block a row), never segments below
+// kTopKMinSegment entries. The answer does not depend on it (the tests check).
+inline constexpr int TopKClusterSize(int32_t num_rows, int32_t max_length, int num_sms) {
+  if (num_rows <= 0 || max_length <= 0) return 1;
+  int c = 1;
+  while (c < kTopKMaxCluster && 4 * num_rows * (2 * c) <= 2 * num_sms &&
+         max_length / (2 * c) >= kTopKMinSegment) {
+    c *= 2;
+  }
+  return c;
+}
+
+// Devices one process may drive (per-device launch setup is cached in fixed arrays).
+inline constexpr int kMaxDevices = 16;
+
+// Small elementwise kernels.
+inline constexpr int kWarpKernelThreads = 256;  // one warp per key / head / position
+inline constexpr int kScheduleThreads = 1024;
+
+}  // namespace decode_indexer::kernels::cuda

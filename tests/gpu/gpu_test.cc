@@ -1,0 +1,768 @@
+// The CUDA backend against the CPU reference (the oracle), on fresh random inputs at several
+// sizes: shuffled page tables, poisoned outputs, rows shorter than K, long rows, next_n 1-4,
+// FP8 and FP4. Quantizers and rope_quant_q must be bit-identical to the CPU; logits may differ
+// by rounding (the tensor cores sum in another order), so top-k answers are checked against
+// the CPU logits allowing only near-tie differences; the top-k and candidate selection kernels
+// fed the CPU's own logits must agree with it exactly. The GPU must also be deterministic:
+// bit-identical across runs, grid sizes and batch compositions.
+//
+// Skipped (visibly) where no GPU is visible, as in CI.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "decode_indexer/kernels/backend.h"
+#include "decode_indexer/kernels/cpu_reference.h"
+#include "decode_indexer/kernels/rope.h"
+#include "gtest/gtest.h"
+#include "kernels/cuda/sm90_launchers.h"
+#include "tests/kernels/kernel_test_util.h"
+#include "tests/kernels/topk_check.h"
+
+namespace decode_indexer::testing {
+namespace {
+
+using kernels::Backend;
+using kernels::CacheFormat;
+using kernels::ElemType;
+using kernels::RopeStyle;
+
+constexpr int32_t kPoisonI32 = 0x5A5A5A5A;
+
+// Tolerance on a GPU logit vs the CPU one, relative to the row's largest |logit|: the tensor
+// cores sum the 128-term dot in fp32 and the head sum runs in float in another order. Seen on
+// the H200: <= 1.8e-7 (about 3 float ulps); 1e-5 leaves room for longer sums without letting
+// a wrong key, head or scale through. The tests print the largest error seen.
+constexpr double kLogitRelTol = 1e-5;
+// The fp8-wgmma variant (not the default): Hopper's fp8 tensor cores sum in reduced precision;
+// seen up to 2.8e-4 of the row's max on the H200.
+constexpr double kFp8WgmmaRelTol = 2e-3;
+
+int NumSms() {
+  int n = 0;
+  EXPECT_EQ(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  return n;
+}
+
+std::mt19937_64& Rng() {
+  static std::mt19937_64 rng(std::random_device{}());
+  return rng;
+}
+
+// A buffer in the backend's (device) memory.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(Backend* b, size_t bytes) : backend_(b), bytes_(bytes) {
+    auto p = b->Allocate(bytes);
+    EXPECT_TRUE(p.ok()) << p.status();
+    ptr_ = p.ok() ? *p : nullptr;
+  }
+  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    std::swap(backend_, o.backend_);
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~DeviceBuffer() {
+    if (ptr_ != nullptr) backend_->Free(ptr_);
+  }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  Backend* backend_ = nullptr;
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+class GpuTest : public ::testing::Test {
+ public:
+  void SetUp() override {
+    if (!kernels::CudaBackendAvailable()) {
+      GTEST_SKIP() << "no CUDA GPU visible: the CUDA backend tests are skipped here";
+    }
+    kernels::BackendLimits limits;
+    limits.max_rows = 256;
+    limits.max_requests = 128;
+    limits.max_context = 1 << 20;
+    limits.num_heads = 64;
+    limits.head_dim = 128;
+    limits.max_topk = 2048;
+    limits.max_candidate_positions = 2048 * 8;
+    auto b = kernels::MakeCudaBackend(limits, 0);
+    ASSERT_TRUE(b.ok()) << b.status();
+    backend_ = std::move(*b);
+  }
+
+  template <typename T>
+  DeviceBuffer Upload(const std::vector<T>& host) {
+    DeviceBuffer d(backend_.get(), std::max<size_t>(1, host.size() * sizeof(T)));
+    EXPECT_TRUE(backend_->CopyToDevice(d.as<void>(), host.data(), host.size() * sizeof(T)).ok());
+    return d;
+  }
+  template <typename T>
+  DeviceBuffer Poisoned(size_t n, T poison) {
+    return Upload(std::vector<T>(n, poison));
+  }
+  template <typename T>
+  std::vector<T> Download(const DeviceBuffer& d, size_t n) {
+    std::vector<T> host(n);
+    EXPECT_TRUE(backend_->CopyToHost(host.data(), d.as<void>(), n * sizeof(T)).ok());
+    EXPECT_TRUE(backend_->Synchronize().ok());
+    return host;
+  }
+
+  std::unique_ptr<Backend> backend_;
+};
+
+// A scene's buffers in device memory, and the views over them.
+struct DeviceScene {
+  DeviceBuffer pool, page_table, row_request, row_length, q_codes, q_scales, weights;
+  kernels::CacheView cache;
+  kernels::RowBatch rows;
+  kernels::QView q;
+};
+
+std::unique_ptr<DeviceScene> UploadScene(GpuTest* t, Scene& s,
+                                         std::unique_ptr<DeviceScene> ds = nullptr) {
+  if (ds == nullptr) ds = std::make_unique<DeviceScene>();
+  ds->pool = t->Upload(s.pool);
+  ds->page_table = t->Upload(s.page_table);
+  ds->row_request = t->Upload(s.row_request);
+  ds->row_length = t->Upload(s.row_length);
+  ds->q_codes = t->Upload(s.q_codes);
+  ds->q_scales = t->Upload(s.q_scales);
+  ds->weights = t->Upload(s.weights);
+  ds->cache = s.cache();
+  ds->cache.base = ds->pool.as<uint8_t>();
+  ds->rows = s.rows();
+  ds->rows.page_table = ds->page_table.as<int32_t>();
+  ds->rows.row_request = ds->row_request.as<int32_t>();
+  ds->rows.row_length = ds->row_length.as<int32_t>();
+  ds->q = s.q();
+  ds->q.codes = ds->q_codes.as<uint8_t>();
+  ds->q.scales = s.spec.format == CacheFormat::kFp4 ? ds->q_scales.as<uint8_t>() : nullptr;
+  ds->q.weights = ds->weights.as<float>();
+  return ds;
+}
+
+// CPU logits of one row, split over threads (RowLogitsAt is bit-identical to RowLogits).
+std::vector<float> CpuRowLogits(Scene& s, int32_t r) {
+  const int32_t len = s.row_length[r];
+  std::vector<float> out(len);
+  const std::vector<int32_t> pos = Iota(len);
+  const int threads = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
+  const int32_t chunk = (len + threads - 1) / threads;
+  std::vector<std::thread> pool;
+  const kernels::CacheView cache = s.cache();
+  const kernels::RowBatch rows = s.rows();
+  const kernels::QView q = s.q();
+  for (int i = 0; i < threads; ++i) {
+    const int32_t lo = i * chunk, hi = std::min(len, lo + chunk);
+    if (lo >= hi) break;
+    pool.emplace_back([&, lo, hi] {
+      kernels::cpu::RowLogitsAt(cache, rows, q, r, pos.data() + lo, hi - lo, out.data() + lo);
+    });
+  }
+  for (auto& th : pool) th.join();
+  return out;
+}
+
+std::vector<double> ToDouble(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+double RowTol(const std::vector<float>& cpu) {
+  double m = 0.0;
+  for (float v : cpu) m = std::max(m, std::fabs(double{v}));
+  return kLogitRelTol * m + 1e-30;
+}
+
+// Random lengths around `avg` (0.7x - 1.3x).
+std::vector<int32_t> Lengths(int n, int32_t avg) {
+  std::uniform_real_distribution<double> u(0.7, 1.3);
+  std::vector<int32_t> v(n);
+  for (auto& l : v) l = std::max(1, static_cast<int32_t>(avg * u(Rng())));
+  return v;
+}
+
+SceneSpec Spec(CacheFormat f, int32_t heads, std::vector<int32_t> lengths, int32_t next_n) {
+  SceneSpec sp;
+  sp.format = f;
+  sp.heads = heads;
+  sp.lengths = std::move(lengths);
+  sp.next_n = next_n;
+  sp.seed = Rng()();
+  return sp;
+}
+
+// ---- Quantizers: bit-identical -------------------------------------------------------------
+
+TEST_F(GpuTest, InsertKeysMatchesCpuBitForBit) {
+  for (CacheFormat f : {CacheFormat::kFp8, CacheFormat::kFp4}) {
+    for (ElemType type :
+         {ElemType::kF32, ElemType::kBF16, ElemType::kFp8E4M3, ElemType::kFp4E2M1}) {
+      if ((type == ElemType::kFp8E4M3 && f != CacheFormat::kFp8) ||
+          (type == ElemType::kFp4E2M1 && f != CacheFormat::kFp4)) {
+        continue;
+      }
+      for (bool hadamard : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "format " << static_cast<int>(f) << " type "
+                                          << static_cast<int>(type) << " hadamard " << hadamard);
+        const kernels::CacheGeometry geo{f, 128, 64};
+        const int64_t pages = 40;
+        const int32_t n = 1000;
+        std::vector<uint8_t> pool(pages * geo.page_bytes());
+        for (auto& b : pool) b = static_cast<uint8_t>(Rng()());  // poison: untouched bytes stay
+        std::vector<int64_t> slots(pages * 64);
+        std::iota(slots.begin(), slots.end(), 0);
+        std::shuffle(slots.begin(), slots.end(), Rng());
+        slots.resize(n);
+        std::vector<float> keys(int64_t{n} * 128);
+        FillVectors(Rng(), n, 128, keys.data());
+        std::vector<uint8_t> raw;  // the bytes handed to InsertKeys
+        std::vector<uint8_t> scales;
+        if (type == ElemType::kF32) {
+          raw.resize(keys.size() * 4);
+          std::memcpy(raw.data(), keys.data(), raw.size());
+        } else if (type == ElemType::kBF16) {
+          raw.resize(keys.size() * 2);
+          for (size_t i = 0; i < keys.size(); ++i) {
+            uint32_t u;
+            std::memcpy(&u, &keys[i], 4);
+            const uint16_t h = static_cast<uint16_t>(u >> 16);
+            std::memcpy(raw.data() + 2 * i, &h, 2);
+          }
+        } else {
+          raw.resize(type == ElemType::kFp8E4M3 ? n * 128 : n * 64);
+          for (auto& b : raw) b = static_cast<uint8_t>(Rng()()) & 0x77;  // finite codes
+          scales.resize(n * 4);  // FP8: one float; FP4: four ue8m0 bytes
+          for (int i = 0; i < n; ++i) {
+            if (type == ElemType::kFp8E4M3) {
+              const float s = std::ldexp(1.0f, static_cast<int>(Rng()() % 20) - 10);
+              std::memcpy(scales.data() + 4 * i, &s, 4);
+            } else {
+              for (int g = 0; g < 4; ++g) scales[4 * i + g] = 110 + Rng()() % 30;
+            }
+          }
+        }
+        kernels::KeyInsertArgs a;
+        a.cache = {pool.data(), pages, geo};
+        a.num_keys = n;
+        a.key_type = type;
+        a.keys = raw.data();
+        a.key_scales = scales.empty() ? nullptr : scales.data();
+        a.slots = slots.data();
+        a.hadamard = hadamard;
+        DeviceBuffer dpool = Upload(pool), draw = Upload(raw), dscales = Upload(scales),
+                     dslots = Upload(slots);
+        ASSERT_TRUE(kernels::cpu::InsertKeys(a).ok());
+        a.cache.base = dpool.as<uint8_t>();
+        a.keys = draw.as<void>();
+        a.key_scales = scales.empty() ? nullptr : dscales.as<void>();
+        a.slots = dslots.as<int64_t>();
+        ASSERT_TRUE(backend_->InsertKeys(a).ok());
+        const std::vector<uint8_t> gpu = Download<uint8_t>(dpool, pool.size());
+        int64_t diff = 0;
+        for (size_t i = 0; i < pool.size(); ++i) diff += gpu[i] != pool[i];
+        EXPECT_EQ(diff, 0) << "bytes differing from the CPU's cache";
+      }
+    }
+  }
+}
+
+TEST_F(GpuTest, RopeQuantQMatchesCpuBitForBit) {
+  struct RopeCase {
+    RopeStyle style;
+    int32_t offset, dim;
+    bool yarn;
+  };
+  const RopeCase cases[] = {{RopeStyle::kNeox, 0, 64, true},
+                            {RopeStyle::kInterleaved, 64, 64, false},
+                            {RopeStyle::kNone, 0, 0, false}};
+  for (CacheFormat f : {CacheFormat::kFp8, CacheFormat::kFp4}) {
+    for (const RopeCase& rc : cases) {
+      for (bool hadamard : {false, true}) {
+        for (ElemType type : {ElemType::kF32, ElemType::kBF16}) {
+          SCOPED_TRACE(::testing::Message()
+                       << "format " << static_cast<int>(f) << " rope " << static_cast<int>(rc.style)
+                       << " hadamard " << hadamard << " type " << static_cast<int>(type));
+          const int32_t rows = 37, heads = f == CacheFormat::kFp8 ? 64 : 32;
+          std::vector<float> q(int64_t{rows} * heads * 128);
+          FillVectors(Rng(), int64_t{rows} * heads, 128, q.data());
+          std::vector<uint16_t> qbf(q.size());
+          for (size_t i = 0; i < q.size(); ++i) {
+            uint32_t u;
+            std::memcpy(&u, &q[i], 4);
+            qbf[i] = static_cast<uint16_t>(u >> 16);
+          }
+          std::vector<float> w(int64_t{rows} * heads);
+          std::normal_distribution<float> normal(0.f, 1.f);
+          for (auto& x : w) x = normal(Rng());
+          std::vector<int64_t> pos(rows);
+          for (auto& p : pos) p = static_cast<int64_t>(Rng()() % 1000000);
+          kernels::RopeParams rp;
+          rp.style = rc.style;
+          rp.dim_offset = rc.offset;
+          rp.rope_dim = rc.dim;
+          rp.yarn = rc.yarn;
+          if (rc.yarn) {
+            rp.yarn_factor = 40;
+            rp.yarn_original_max_position = 4096;
+          }
+          std::vector<double> inv = rc.style == RopeStyle::kNone ? std::vector<double>(1, 0.0)
+                                                                 : kernels::ComputeInvFreq(rp);
+          const size_t code_bytes = int64_t{rows} * heads * (f == CacheFormat::kFp8 ? 128 : 64);
+          std::vector<uint8_t> codes(code_bytes), qs(int64_t{rows} * heads * 4);
+          std::vector<float> wout(w.size());
+          kernels::QPrepArgs a;
+          a.num_rows = rows;
+          a.num_heads = heads;
+          a.head_dim = 128;
+          a.q_type = type;
+          a.q = type == ElemType::kF32 ? static_cast<const void*>(q.data()) : qbf.data();
+          a.weights_raw = w.data();
+          a.positions = pos.data();
+          a.rope = {rc.style, rc.offset, rc.dim, inv.data()};
+          a.hadamard = hadamard;
+          a.format = f;
+          a.q_codes = codes.data();
+          a.q_scales = qs.data();
+          a.weights_out = wout.data();
+          ASSERT_TRUE(kernels::cpu::RopeQuantQ(a).ok());
+          DeviceBuffer dq = type == ElemType::kF32 ? Upload(q) : Upload(qbf);
+          DeviceBuffer dw = Upload(w), dpos = Upload(pos), dinv = Upload(inv);
+          DeviceBuffer dcodes = Poisoned<uint8_t>(codes.size(), 0xA5);
+          DeviceBuffer dqs = Poisoned<uint8_t>(qs.size(), 0xA5);
+          DeviceBuffer dwout = Poisoned<float>(w.size(), NAN);
+          a.q = dq.as<void>();
+          a.weights_raw = dw.as<float>();
+          a.positions = dpos.as<int64_t>();
+          a.rope.inv_freq = dinv.as<double>();
+          a.q_codes = dcodes.as<uint8_t>();
+          a.q_scales = dqs.as<uint8_t>();
+          a.weights_out = dwout.as<float>();
+          ASSERT_TRUE(backend_->RopeQuantQ(a).ok());
+          EXPECT_EQ(Download<uint8_t>(dcodes, codes.size()), codes);
+          if (f == CacheFormat::kFp4) {
+            EXPECT_EQ(Download<uint8_t>(dqs, qs.size()), qs);
+          }
+          const std::vector<float> gw = Download<float>(dwout, w.size());
+          EXPECT_EQ(0, std::memcmp(gw.data(), wout.data(), w.size() * 4)) << "folded weights";
+        }
+      }
+    }
+  }
+}
+
+// ---- Top-k and candidate selection on the CPU's own logits: exact --------------------------
+
+// Logits with many exact ties (few distinct values), some negative zeros, some rows <= K.
+std::vector<float> TieHeavyLogits(int32_t n) {
+  std::vector<float> v(n);
+  const int levels = 1 + static_cast<int>(Rng()() % 5000);
+  std::normal_distribution<float> normal(0.f, 3.f);
+  std::vector<float> pool(levels);
+  for (auto& x : pool) x = normal(Rng());
+  pool[0] = -0.0f;
+  if (levels > 1) pool[1] = 0.0f;
+  for (auto& x : v) x = pool[Rng()() % levels];
+  return v;
+}
+
+TEST_F(GpuTest, RadixTopKMatchesCpuExactly) {
+  struct Case {
+    int32_t k;
+    std::vector<int32_t> lengths;
+  };
+  const Case cases[] = {{2048, {1, 100, 2047, 2048, 2049, 4096, 30000, 131072 + 17}},
+                        {512, {511, 512, 513, 7777, 65536, 1 << 20}}};
+  for (const Case& c : cases) {
+    for (bool ties : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "k " << c.k << " ties " << ties);
+      const int32_t rows = static_cast<int32_t>(c.lengths.size());
+      const int32_t maxlen = *std::max_element(c.lengths.begin(), c.lengths.end());
+      const int64_t stride = (maxlen + 3) / 4 * 4;
+      std::vector<float> logits(rows * stride, NAN);  // beyond a row's length: never read
+      std::vector<int32_t> expect(int64_t{rows} * c.k);
+      for (int32_t r = 0; r < rows; ++r) {
+        std::vector<float> row = ties ? TieHeavyLogits(c.lengths[r]) : [&] {
+          std::vector<float> x(c.lengths[r]);
+          FillVectors(Rng(), 1, c.lengths[r], x.data());
+          return x;
+        }();
+        std::copy(row.begin(), row.end(), logits.begin() + r * stride);
+        kernels::cpu::TopK(row.data(), c.lengths[r], c.k, expect.data() + int64_t{r} * c.k);
+      }
+      DeviceBuffer dl = Upload(logits), dlen = Upload(c.lengths);
+      // max_length 0: one block per row; the real bound: clusters of up to 8 blocks a row.
+      for (int32_t hint : {0, maxlen}) {
+        DeviceBuffer dout = Poisoned<int32_t>(expect.size(), kPoisonI32);
+        ASSERT_TRUE(backend_->Synchronize().ok());
+        kernels::cuda::TopKArgs a;
+        a.num_rows = rows;
+        a.values = dl.as<float>();
+        a.stride = stride;
+        a.lengths = dlen.as<int32_t>();
+        a.k = c.k;
+        a.out = dout.as<int32_t>();
+        a.max_length = hint;
+        ASSERT_TRUE(kernels::cuda::LaunchRadixTopK(a, NumSms(), nullptr).ok());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<int32_t> got = Download<int32_t>(dout, expect.size());
+        for (int32_t r = 0; r < rows; ++r) {
+          EXPECT_TRUE(std::equal(got.begin() + int64_t{r} * c.k, got.begin() + int64_t{r + 1} * c.k,
+                                 expect.begin() + int64_t{r} * c.k))
+              << "row " << r << " length " << c.lengths[r] << " max_length hint " << hint;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(GpuTest, CandidateBlocksMatchCpuExactly) {
+  const int32_t block = 8, num_blocks = 2048;
+  const std::vector<int32_t> lengths = {5, 8, 9, 16383, 16384, 16385, 100000, 1 << 20};
+  const int32_t rows = static_cast<int32_t>(lengths.size());
+  const int64_t stride = (1 << 20);
+  std::vector<float> logits(rows * stride, NAN);
+  std::vector<int32_t> expect(int64_t{rows} * num_blocks);
+  for (int32_t r = 0; r < rows; ++r) {
+    std::vector<float> row = TieHeavyLogits(lengths[r]);
+    std::copy(row.begin(), row.end(), logits.begin() + r * stride);
+    kernels::cpu::SelectCandidateBlocks(row.data(), lengths[r], num_blocks, block,
+                                        expect.data() + int64_t{r} * num_blocks);
+  }
+  DeviceBuffer dl = Upload(logits), dlen = Upload(lengths);
+  const int64_t sstride = stride / block;
+  DeviceBuffer dscores = Poisoned<float>(rows * sstride, NAN);
+  DeviceBuffer dout = Poisoned<int32_t>(expect.size(), kPoisonI32);
+  ASSERT_TRUE(backend_->Synchronize().ok());
+  ASSERT_TRUE(kernels::cuda::LaunchCandidateScores(rows, dl.as<float>(), stride, dlen.as<int32_t>(),
+                                                   block, dscores.as<float>(), sstride,
+                                                   static_cast<int32_t>(sstride), nullptr)
+                  .ok());
+  kernels::cuda::TopKArgs a;
+  a.num_rows = rows;
+  a.values = dscores.as<float>();
+  a.stride = sstride;
+  a.lengths = dlen.as<int32_t>();
+  a.length_divisor = block;
+  a.k = num_blocks;
+  a.out = dout.as<int32_t>();
+  a.max_length = static_cast<int32_t>(sstride);
+  ASSERT_TRUE(kernels::cuda::LaunchRadixTopK(a, NumSms(), nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(Download<int32_t>(dout, expect.size()), expect);
+}
+
+// ---- Paged logits and the dense top-k: vs the CPU, near-ties only --------------------------
+
+struct DenseCase {
+  CacheFormat format;
+  int32_t heads;
+  int32_t k;
+  std::vector<int32_t> lengths;
+  int32_t next_n;
+};
+
+std::vector<DenseCase> DenseCases() {
+  return {
+      {CacheFormat::kFp8, 64, 2048, {100, 2047, 2048, 2049, 5000}, 1},
+      {CacheFormat::kFp8, 64, 2048, Lengths(6, 12000), 2},
+      {CacheFormat::kFp8, 64, 2048, Lengths(3, 4000), 3},
+      {CacheFormat::kFp8, 64, 2048, Lengths(4, 3000), 4},
+      {CacheFormat::kFp8, 64, 2048, {131072 + 77}, 1},  // a long v32 row
+      {CacheFormat::kFp4, 32, 512, Lengths(5, 9000), 2},
+      {CacheFormat::kFp4, 32, 512, {300, 513, 70}, 4},
+      {CacheFormat::kFp4, 32, 512, {1 << 20}, 1},  // one row at the v41 maximum
+      {CacheFormat::kFp8, 32, 512, Lengths(3, 3000), 1},
+      {CacheFormat::kFp4, 64, 2048, Lengths(3, 5000), 2},
+  };
+}
+
+// Runs the paged logits launcher into a NaN-poisoned workspace; returns [rows, stride].
+std::vector<float> GpuLogits(GpuTest* t, DeviceScene& ds, int64_t stride, int num_sms,
+                             kernels::cuda::MqaMath math = kernels::cuda::MqaMath::kWgmmaKeysM) {
+  const int32_t rows = ds.rows.num_rows;
+  DeviceBuffer out = t->Poisoned<float>(rows * stride, NAN);
+  DeviceBuffer sched(t->backend_.get(), 4 * kernels::cuda::MqaScheduleInts(ds.rows.num_requests));
+  const auto s = kernels::cuda::CarveMqaSchedule(sched.as<int32_t>(), ds.rows.num_requests);
+  EXPECT_TRUE(t->backend_->Synchronize().ok());
+  EXPECT_TRUE(kernels::cuda::LaunchMqaSchedule(ds.rows, s, nullptr).ok());
+  kernels::cuda::PagedLogitsArgs a;
+  a.cache = ds.cache;
+  a.rows = ds.rows;
+  a.q = ds.q;
+  a.schedule = s;
+  a.logits = out.as<float>();
+  a.logits_stride = stride;
+  a.math = math;
+  EXPECT_TRUE(kernels::cuda::LaunchPagedMqaLogits(a, num_sms, nullptr).ok());
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return t->Download<float>(out, rows * stride);
+}
+
+TEST_F(GpuTest, PagedLogitsAndDenseTopKMatchCpu) {
+  int num_sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  for (const DenseCase& c : DenseCases()) {
+    SCOPED_TRACE(::testing::Message() << "format " << static_cast<int>(c.format) << " heads "
+                                      << c.heads << " next_n " << c.next_n << " requests "
+                                      << c.lengths.size() << " first length " << c.lengths[0]);
+    Scene s = MakeScene(Spec(c.format, c.heads, c.lengths, c.next_n));
+    auto ds = UploadScene(this, s);
+    const int32_t rows = s.num_rows();
+    const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
+    const std::vector<float> gl = GpuLogits(this, *ds, stride, num_sms);
+    // FP8 with 64 heads runs wgmma (keys as M, f16 products, fp32 sums); the other f16-exact
+    // variants must be as close to the CPU, the fp8-wgmma one within its reduced precision.
+    const bool twin = c.format == CacheFormat::kFp8 && c.heads == 64;
+    using kernels::cuda::MqaMath;
+    const std::vector<float> gl_mma =
+        twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kMmaSync) : std::vector<float>();
+    const std::vector<float> gl_f16 =
+        twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaF16) : std::vector<float>();
+    const std::vector<float> gl_fp8 =
+        twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaFp8) : std::vector<float>();
+    double worst_fp8 = 0.0;
+
+    kernels::DenseArgs d;
+    d.cache = ds->cache;
+    d.rows = ds->rows;
+    d.q = ds->q;
+    d.topk = c.k;
+    DeviceBuffer dout = Poisoned<int32_t>(int64_t{rows} * c.k, kPoisonI32);
+    d.topk_out = dout.as<int32_t>();
+    ASSERT_TRUE(backend_->DenseTopK(d).ok());
+    const std::vector<int32_t> topk = Download<int32_t>(dout, int64_t{rows} * c.k);
+
+    double worst = 0.0;
+    for (int32_t r = 0; r < rows; ++r) {
+      const std::vector<float> cpu = CpuRowLogits(s, r);
+      const double tol = RowTol(cpu);
+      int64_t bad = 0;
+      for (int32_t t = 0; t < s.row_length[r]; ++t) {
+        const float g = gl[r * stride + t];
+        const double err = std::fabs(double{g} - cpu[t]);
+        if (!(err <= tol)) ++bad;  // NaN (unwritten) counts as bad
+        worst = std::max(worst, err / (tol / kLogitRelTol));
+        if (twin) {
+          if (!(std::fabs(double{gl_mma[r * stride + t]} - cpu[t]) <= tol)) ++bad;
+          if (!(std::fabs(double{gl_f16[r * stride + t]} - cpu[t]) <= tol)) ++bad;
+          const double e8 = std::fabs(double{gl_fp8[r * stride + t]} - cpu[t]);
+          if (!(e8 <= tol * kFp8WgmmaRelTol / kLogitRelTol)) ++bad;
+          worst_fp8 = std::max(worst_fp8, e8 / (tol / kLogitRelTol));
+        }
+      }
+      for (int64_t t = s.row_length[r]; t < stride; ++t) {
+        if (!std::isnan(gl[r * stride + t])) ++bad;  // written past the row's length
+      }
+      EXPECT_EQ(bad, 0) << "row " << r;
+      EXPECT_TRUE(CheckTopKRow(topk.data() + int64_t{r} * c.k, c.k, ToDouble(cpu), 2 * tol))
+          << "row " << r << " length " << s.row_length[r];
+    }
+    std::printf(
+        "  [dense] format %d heads %d next_n %d rows %d: max |gpu-cpu| / row max = %.3g"
+        " (fp8 wgmma variant %.3g)\n",
+        static_cast<int>(c.format), c.heads, c.next_n, rows, worst, worst_fp8);
+  }
+}
+
+TEST_F(GpuTest, DenseCandidatesMatchCpuNearTies) {
+  Scene s = MakeScene(Spec(CacheFormat::kFp4, 32, {20000, 16385, 90, 70000}, 2));
+  auto ds = UploadScene(this, s);
+  const int32_t rows = s.num_rows(), k = 512, nb = 2048, bs = 8;
+  kernels::DenseArgs d;
+  d.cache = ds->cache;
+  d.rows = ds->rows;
+  d.q = ds->q;
+  d.topk = k;
+  DeviceBuffer dout = Poisoned<int32_t>(int64_t{rows} * k, kPoisonI32);
+  DeviceBuffer dcand = Poisoned<int32_t>(int64_t{rows} * nb, kPoisonI32);
+  d.topk_out = dout.as<int32_t>();
+  d.candidates_out = dcand.as<int32_t>();
+  d.num_candidate_blocks = nb;
+  d.candidate_block_size = bs;
+  ASSERT_TRUE(backend_->DenseTopK(d).ok());
+  const std::vector<int32_t> cand = Download<int32_t>(dcand, int64_t{rows} * nb);
+  for (int32_t r = 0; r < rows; ++r) {
+    const std::vector<float> cpu = CpuRowLogits(s, r);
+    const int32_t len = s.row_length[r], blocks = (len + bs - 1) / bs;
+    std::vector<double> score(blocks, -INFINITY);
+    for (int32_t t = 0; t < len; ++t) score[t / bs] = std::max(score[t / bs], double{cpu[t]});
+    score[blocks - 1] = INFINITY;
+    EXPECT_TRUE(CheckTopKRow(cand.data() + int64_t{r} * nb, nb, score, 2 * RowTol(cpu)))
+        << "row " << r;
+  }
+}
+
+// ---- Determinism ----------------------------------------------------------------------------
+
+TEST_F(GpuTest, LogitsBitIdenticalAcrossGridsAndBatchCompositions) {
+  // Batch A: requests {x (2 rows), y (2 rows)}; batch B: {z (4 rows), x (2 rows)} changes the
+  // rows-per-pass choice and the schedule; x's logits must not move by a bit.
+  for (CacheFormat f : {CacheFormat::kFp8, CacheFormat::kFp4}) {
+    const int32_t heads = f == CacheFormat::kFp8 ? 64 : 32;
+    Scene s = MakeScene(Spec(f, heads, {9000, 3000, 7000}, 2));
+    auto ds = UploadScene(this, s);
+    const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
+    const std::vector<float> full_a = GpuLogits(this, *ds, stride, 132);
+    const std::vector<float> full_b = GpuLogits(this, *ds, stride, 7);
+    EXPECT_EQ(0, std::memcmp(full_a.data(), full_b.data(), full_a.size() * 4))
+        << "grid size changed the logits";
+
+    // Rebuild as {request 2 with 4 rows, request 0 with 2 rows}: same cache, new page table.
+    Scene s2 = s;
+    s2.spec.lengths = {s.spec.lengths[2], s.spec.lengths[0]};
+    s2.page_table.assign(2 * s.stride, 0);
+    std::copy_n(s.page_table.begin() + 2 * s.stride, s.stride, s2.page_table.begin());
+    std::copy_n(s.page_table.begin(), s.stride, s2.page_table.begin() + s.stride);
+    s2.row_request = {0, 0, 0, 0, 1, 1};
+    const int32_t l2 = s.spec.lengths[2];
+    s2.row_length = {l2 - 3, l2 - 2, l2 - 1, l2, s.row_length[0], s.row_length[1]};
+    const int64_t qrow = int64_t{heads} * (f == CacheFormat::kFp8 ? 128 : 64);
+    std::vector<uint8_t> qc(6 * qrow), qs(6 * heads * 4);
+    std::vector<float> w(6 * heads);
+    for (int r = 0; r < 6; ++r) {
+      const int src = r < 4 ? 4 + (r % 2) : r - 4;  // z borrows request 2's q rows
+      std::copy_n(s.q_codes.begin() + src * qrow, qrow, qc.begin() + r * qrow);
+      std::copy_n(s.q_scales.begin() + src * heads * 4, heads * 4, qs.begin() + r * heads * 4);
+      std::copy_n(s.weights.begin() + src * heads, heads, w.begin() + r * heads);
+    }
+    s2.q_codes = qc;
+    s2.q_scales = qs;
+    s2.weights = w;
+    auto ds2 = UploadScene(this, s2);
+    const int64_t stride2 = (ds2->rows.max_row_length + 3) / 4 * 4;
+    const std::vector<float> part = GpuLogits(this, *ds2, stride2, 132);
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(0, std::memcmp(full_a.data() + r * stride, part.data() + (4 + r) * stride2,
+                               4 * s.row_length[r]))
+          << "row " << r << " changed with the batch composition";
+    }
+  }
+}
+
+TEST_F(GpuTest, DenseTopKBitIdenticalAcrossRuns) {
+  Scene s = MakeScene(Spec(CacheFormat::kFp8, 64, Lengths(8, 20000), 2));
+  auto ds = UploadScene(this, s);
+  const int32_t rows = s.num_rows(), k = 2048;
+  std::vector<int32_t> first;
+  for (int run = 0; run < 3; ++run) {
+    kernels::DenseArgs d;
+    d.cache = ds->cache;
+    d.rows = ds->rows;
+    d.q = ds->q;
+    d.topk = k;
+    DeviceBuffer dout = Poisoned<int32_t>(int64_t{rows} * k, kPoisonI32);
+    d.topk_out = dout.as<int32_t>();
+    ASSERT_TRUE(backend_->DenseTopK(d).ok());
+    const std::vector<int32_t> got = Download<int32_t>(dout, int64_t{rows} * k);
+    if (run == 0) {
+      first = got;
+    } else {
+      EXPECT_EQ(got, first) << "run " << run;
+    }
+  }
+}
+
+// ---- Candidate pipeline (simple versions) ---------------------------------------------------
+
+TEST_F(GpuTest, ExpandSparseMaskedAndCopyRowsMatchCpu) {
+  Scene s = MakeScene(Spec(CacheFormat::kFp4, 32, {5000, 77, 20000}, 2));
+  auto ds = UploadScene(this, s);
+  const int32_t rows = s.num_rows(), nb = 2048, bs = 8, k = 512, maxp = nb * bs;
+  // Candidates: the CPU's own selection from its logits (ascending, -1 padded).
+  std::vector<int32_t> cand(int64_t{rows} * nb);
+  for (int32_t r = 0; r < rows; ++r) {
+    const std::vector<float> cpu = CpuRowLogits(s, r);
+    kernels::cpu::SelectCandidateBlocks(cpu.data(), s.row_length[r], nb, bs,
+                                        cand.data() + int64_t{r} * nb);
+  }
+  DeviceBuffer dcand = Upload(cand);
+  DeviceBuffer dpos = Poisoned<int32_t>(int64_t{rows} * maxp, kPoisonI32);
+  DeviceBuffer dcnt = Poisoned<int32_t>(rows, kPoisonI32);
+  kernels::ExpandArgs e;
+  e.num_rows = rows;
+  e.candidates = cand.data();
+  e.row_length = s.row_length.data();
+  e.num_candidate_blocks = nb;
+  e.candidate_block_size = bs;
+  std::vector<int32_t> cpos(int64_t{rows} * maxp), ccnt(rows);
+  e.out = {cpos.data(), ccnt.data(), maxp};
+  ASSERT_TRUE(kernels::cpu::ExpandCandidates(e).ok());
+  e.candidates = dcand.as<int32_t>();
+  e.row_length = ds->rows.row_length;
+  e.out = {dpos.as<int32_t>(), dcnt.as<int32_t>(), maxp};
+  ASSERT_TRUE(backend_->ForkExpand(e).ok());
+  ASSERT_TRUE(backend_->JoinExpand().ok());
+  EXPECT_EQ(Download<int32_t>(dpos, cpos.size()), cpos);
+  EXPECT_EQ(Download<int32_t>(dcnt, rows), ccnt);
+
+  kernels::SparseArgs sp;
+  sp.cache = ds->cache;
+  sp.rows = ds->rows;
+  sp.q = ds->q;
+  sp.positions = dpos.as<int32_t>();
+  sp.counts = dcnt.as<int32_t>();
+  sp.max_positions = maxp;
+  sp.topk = k;
+  DeviceBuffer dsparse = Poisoned<int32_t>(int64_t{rows} * k, kPoisonI32);
+  sp.topk_out = dsparse.as<int32_t>();
+  ASSERT_TRUE(backend_->SparseTopK(sp).ok());
+  kernels::MaskedArgs m;
+  m.cache = ds->cache;
+  m.rows = ds->rows;
+  m.q = ds->q;
+  m.candidates = dcand.as<int32_t>();
+  m.num_candidate_blocks = nb;
+  m.candidate_block_size = bs;
+  m.topk = k;
+  DeviceBuffer dmasked = Poisoned<int32_t>(int64_t{rows} * k, kPoisonI32);
+  m.topk_out = dmasked.as<int32_t>();
+  ASSERT_TRUE(backend_->MaskedTopK(m).ok());
+  const std::vector<int32_t> sparse = Download<int32_t>(dsparse, int64_t{rows} * k);
+  EXPECT_EQ(Download<int32_t>(dmasked, int64_t{rows} * k), sparse)
+      << "masked and sparse consumers differ";
+  for (int32_t r = 0; r < rows; ++r) {
+    const std::vector<int32_t> pos(cpos.begin() + int64_t{r} * maxp,
+                                   cpos.begin() + int64_t{r} * maxp + ccnt[r]);
+    std::vector<float> at(pos.size());
+    kernels::cpu::RowLogitsAt(s.cache(), s.rows(), s.q(), r, pos.data(),
+                              static_cast<int32_t>(pos.size()), at.data());
+    EXPECT_TRUE(CheckTopKRow(sparse.data() + int64_t{r} * k, k, ToDouble(at), 2 * RowTol(at), &pos))
+        << "row " << r;
+  }
+
+  // CopyRows: scatter the sparse answer rows in reverse order.
+  std::vector<int32_t> dst_index(rows);
+  for (int32_t r = 0; r < rows; ++r) dst_index[r] = rows - 1 - r;
+  DeviceBuffer didx = Upload(dst_index);
+  DeviceBuffer dcopy = Poisoned<int32_t>(int64_t{rows} * k, kPoisonI32);
+  kernels::CopyRowsArgs cr;
+  cr.num_rows = rows;
+  cr.row_elems = k;
+  cr.dst = dcopy.as<int32_t>();
+  cr.dst_index = didx.as<int32_t>();
+  cr.src = dsparse.as<int32_t>();
+  ASSERT_TRUE(backend_->CopyRows(cr).ok());
+  const std::vector<int32_t> copied = Download<int32_t>(dcopy, int64_t{rows} * k);
+  for (int32_t r = 0; r < rows; ++r) {
+    EXPECT_TRUE(std::equal(sparse.begin() + int64_t{r} * k, sparse.begin() + int64_t{r + 1} * k,
+                           copied.begin() + int64_t{rows - 1 - r} * k));
+  }
+}
+
+}  // namespace
+}  // namespace decode_indexer::testing
