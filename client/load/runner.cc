@@ -1,0 +1,678 @@
+#include "client/load/runner.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <latch>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "client/load/server_model.h"
+#include "client/load/verify.h"
+#include "decode_indexer/v1/indexer.grpc.pb.h"
+
+namespace decode_indexer::load {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Stream = grpc::ClientReaderWriter<v1::DecodeStepRequest, v1::DecodeStepResponse>;
+
+double Micros(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
+
+absl::Status FromGrpc(const grpc::Status& status, const std::string& what) {
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      absl::StrCat(what, ": ", status.error_message()));
+}
+
+// Counters the progress line reads while workers run.
+struct Live {
+  std::atomic<uint64_t> steps{0};
+  std::atomic<uint64_t> failed{0};
+  std::atomic<uint64_t> rpcs{0};
+  std::atomic<uint64_t> step_us_total{0};
+};
+
+struct Sequence {
+  uint64_t id = 0;
+  int64_t length = 0;  // entries in the first cache, for positions and row lengths
+};
+
+struct Worker {
+  int32_t index = 0;
+  std::unique_ptr<v1::DecodeIndexer::Stub> stub;
+  std::vector<Sequence> sequences;
+  std::mt19937_64 rng;
+  std::unique_ptr<Verifier> verifier;  // null unless it tracks sequences
+  uint64_t verify_steps = 0;
+  Samples samples;
+  VerifyCounts verify;
+  std::unique_ptr<grpc::ClientContext> stream_context;
+  std::unique_ptr<Stream> stream;
+  std::vector<v1::DecodeStepRequest> requests;  // one per layer, reused every step
+  uint64_t next_step_id = 0;
+  Clock::time_point last_done;
+  absl::Status fatal;  // set when prefill fails
+};
+
+class LoadRun {
+ public:
+  LoadRun(const LoadOptions& options, ServerModel model, PayloadPool pool)
+      : options_(options), model_(std::move(model)), pool_(std::move(pool)) {}
+
+  absl::Status Prefill(Worker& w) {
+    std::uniform_real_distribution<double> spread(1.0 - options_.context_spread,
+                                                  1.0 + options_.context_spread);
+    for (Sequence& seq : w.sequences) {
+      {
+        grpc::ClientContext context;
+        PrepareContext(options_.channel, &context);
+        v1::CreateSequenceRequest request;
+        request.set_sequence_id(seq.id);
+        v1::CreateSequenceResponse response;
+        grpc::Status status = w.stub->CreateSequence(&context, request, &response);
+        if (!status.ok()) {
+          return FromGrpc(status, absl::StrCat("CreateSequence ", seq.id));
+        }
+      }
+      const int64_t length =
+          std::max<int64_t>(1, std::llround(double(options_.context) * spread(w.rng)));
+      for (int32_t layer : model_.cache_layers) {
+        const v1::CacheFormat format = FormatOf(layer);
+        for (int64_t done = 0; done < length; done += options_.prefill_chunk) {
+          const int32_t n =
+              static_cast<int32_t>(std::min<int64_t>(options_.prefill_chunk, length - done));
+          grpc::ClientContext context;
+          PrepareContext(options_.channel, &context);
+          v1::AppendKeysRequest request;
+          request.set_sequence_id(seq.id);
+          request.set_layer(layer);
+          FillKeys(pool_, w.rng, model_, format, options_.key_format, n, request.mutable_keys(),
+                   request.mutable_key_scales());
+          v1::AppendKeysResponse response;
+          grpc::Status status = w.stub->AppendKeys(&context, request, &response);
+          if (!status.ok()) {
+            return FromGrpc(status, absl::StrCat("AppendKeys sequence ", seq.id, " layer ", layer));
+          }
+          if (w.verifier && w.verifier->Tracks(seq.id)) {
+            absl::Status s =
+                w.verifier->AppendKeys(seq.id, layer, request.keys(), request.key_scales());
+            if (!s.ok()) return s;
+          }
+        }
+      }
+      seq.length = length;
+    }
+    return absl::OkStatus();
+  }
+
+  // One token step through every layer of the plan; false when an RPC failed.
+  bool TokenStep(Worker& w, bool measured, Clock::time_point intended_start) {
+    const bool verifying = w.verifier != nullptr;
+    bool score = false;
+    if (verifying) {
+      w.verifier->BeginTokenStep();
+      score = w.verify_steps++ % std::max(1, options_.verify_every) == 0;
+    }
+    const int32_t rows_per_seq = options_.next_n;
+    const int32_t rows = rows_per_seq * static_cast<int32_t>(w.sequences.size());
+    for (size_t li = 0; li < model_.plan.size(); ++li) {
+      const LayerStep& layer = model_.plan[li];
+      v1::DecodeStepRequest& request = w.requests[li];
+      BuildStep(w, layer, rows, verifying && score, &request);
+
+      v1::DecodeStepResponse response;
+      const Clock::time_point sent = Clock::now();
+      grpc::Status status = Call(w, request, &response);
+      const Clock::time_point answered = Clock::now();
+      if (status.ok()) status = CheckShape(request, response, rows);
+      if (!status.ok()) {
+        if (measured) {
+          w.samples.rpcs_failed++;
+          w.samples.steps_failed++;
+          w.samples.errors[StatusCodeName(status.error_code())]++;
+        }
+        live_.failed++;
+        LogFirstError(status);
+        if (verifying) {
+          // The server may or may not have taken the step's keys: the mirror is stale.
+          w.verifier.reset();
+          w.verify.groups_abandoned++;
+        }
+        return false;
+      }
+      live_.rpcs++;
+      if (measured) {
+        Samples& s = w.samples;
+        const double us = Micros(answered - sent);
+        s.rpc_us[RoleName(layer.role)].push_back(us);
+        s.rows += rows;
+        s.request_bytes += request.ByteSizeLong();
+        s.response_bytes += response.ByteSizeLong();
+        s.server_queue_us += double(response.timing().queue_us());
+        s.server_compute_us += double(response.timing().compute_us());
+        s.client_rpc_us += us;
+        s.timed_rpcs++;
+        if (response.sharded()) s.sharded_rpcs++;
+      }
+      if (layer.owns_cache && layer.layer == model_.cache_layers.front()) {
+        for (int i = 0; i < response.lengths_size(); ++i) {
+          w.sequences[i].length = response.lengths(i);
+        }
+      }
+      if (w.verifier) {
+        absl::Status s = w.verifier->CheckStep(request, response, score, &w.verify);
+        if (!s.ok()) {
+          LogFirstError(grpc::Status(grpc::StatusCode::INTERNAL, s.ToString()));
+          w.verifier.reset();
+          w.verify.groups_abandoned++;
+        }
+      }
+    }
+    const Clock::time_point done = Clock::now();
+    w.last_done = done;
+    live_.steps++;
+    live_.step_us_total += static_cast<uint64_t>(Micros(done - intended_start));
+    if (measured) w.samples.step_us.push_back(Micros(done - intended_start));
+    return true;
+  }
+
+  void ClosedLoop(Worker& w) {
+    while (true) {
+      const int64_t ticket = tickets_.fetch_add(1);
+      const bool measured = ticket >= warmup_;
+      if (measured) {
+        MarkMeasureStart();
+        if (options_.steps > 0 && ticket >= warmup_ + options_.steps) return;
+        if (options_.duration_s > 0 && Clock::now() >= MeasureEnd()) return;
+      }
+      const Clock::time_point start = Clock::now();
+      TokenStep(w, measured, start);
+    }
+  }
+
+  void OpenLoop(Worker& w) {
+    while (true) {
+      int64_t index;
+      Clock::time_point intended;
+      {
+        std::lock_guard<std::mutex> lock(schedule_mu_);
+        index = schedule_index_++;
+        intended = schedule_next_;
+        schedule_next_ += NextGap();
+      }
+      const bool measured = index >= warmup_;
+      if (measured) {
+        MarkMeasureStart(intended);
+        if (options_.steps > 0 && index >= warmup_ + options_.steps) return;
+        if (options_.duration_s > 0 && intended >= MeasureEnd()) return;
+      }
+      std::this_thread::sleep_until(intended);
+      const double lag = Micros(Clock::now() - intended);
+      // A start more than a millisecond behind schedule had to wait for a free worker.
+      if (measured && lag > 1000) w.samples.late_starts++;
+      if (measured) w.samples.max_start_lag_us = std::max(w.samples.max_start_lag_us, lag);
+      TokenStep(w, measured, intended);
+    }
+  }
+
+  void StartSchedule() {
+    schedule_next_ = Clock::now();
+    schedule_rng_.seed(options_.seed ^ 0x5bd1e995u);
+  }
+
+  void set_warmup(int64_t warmup) { warmup_ = warmup; }
+  Live& live() { return live_; }
+  Clock::time_point measure_start() const { return measure_start_.load(); }
+  bool measure_started() const { return measure_started_.load(); }
+
+  void ReleaseAll(Worker& w) {
+    for (const Sequence& seq : w.sequences) {
+      grpc::ClientContext context;
+      PrepareContext(options_.channel, &context);
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      v1::ReleaseSequenceRequest request;
+      request.set_sequence_id(seq.id);
+      v1::ReleaseSequenceResponse response;
+      w.stub->ReleaseSequence(&context, request, &response);  // best effort
+    }
+  }
+
+  void CloseStream(Worker& w) {
+    if (!w.stream) return;
+    w.stream->WritesDone();
+    w.stream->Finish();
+    w.stream.reset();
+    w.stream_context.reset();
+  }
+
+  std::string first_error() {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    return first_error_;
+  }
+
+ private:
+  v1::CacheFormat FormatOf(int32_t layer) const {
+    for (const LayerStep& step : model_.plan) {
+      if (step.layer == layer) return step.format;
+    }
+    return v1::CACHE_FORMAT_FP8;
+  }
+
+  void BuildStep(Worker& w, const LayerStep& layer, int32_t rows, bool want_candidates,
+                 v1::DecodeStepRequest* request) {
+    request->set_layer(layer.layer);
+    request->set_step_id((uint64_t(w.index) << 40) | w.next_step_id++);
+    request->set_return_candidates(want_candidates && layer.role == Role::kSource);
+    const int n = static_cast<int>(w.sequences.size());
+    while (request->sequences_size() < n) request->add_sequences();
+    for (int i = 0; i < n; ++i) {
+      v1::SequenceStep* seq = request->mutable_sequences(i);
+      seq->set_sequence_id(w.sequences[i].id);
+      seq->set_num_rows(options_.next_n);
+      if (layer.owns_cache) {
+        FillKeys(pool_, w.rng, model_, layer.format, options_.key_format, options_.next_n,
+                 seq->mutable_new_keys(), seq->mutable_new_key_scales());
+      } else {
+        seq->clear_new_keys();
+        seq->clear_new_key_scales();
+      }
+    }
+    FillQuery(pool_, w.rng, model_, layer.format, options_.q_format, rows, request);
+    if (options_.positions) {
+      v1::Tensor* positions = request->mutable_positions();
+      positions->set_dtype(v1::DTYPE_INT64);
+      positions->clear_shape();
+      positions->add_shape(rows);
+      std::string* data = positions->mutable_data();
+      data->resize(size_t(rows) * sizeof(int64_t));
+      int64_t* out = reinterpret_cast<int64_t*>(data->data());
+      for (int i = 0; i < n; ++i) {
+        // The new tokens follow the sequence's current length.
+        for (int j = 0; j < options_.next_n; ++j) {
+          *out++ = w.sequences[i].length + j;
+        }
+      }
+    } else {
+      request->clear_positions();
+    }
+  }
+
+  grpc::Status Call(Worker& w, const v1::DecodeStepRequest& request,
+                    v1::DecodeStepResponse* response) {
+    if (!options_.streaming) {
+      grpc::ClientContext context;
+      PrepareContext(options_.channel, &context);
+      if (options_.deadline_ms > 0) {
+        context.set_deadline(
+            std::chrono::system_clock::now() +
+            std::chrono::microseconds(static_cast<int64_t>(options_.deadline_ms * 1e3)));
+      }
+      return w.stub->DecodeStep(&context, request, response);
+    }
+    if (!w.stream) {
+      w.stream_context = std::make_unique<grpc::ClientContext>();
+      PrepareContext(options_.channel, w.stream_context.get());
+      w.stream = w.stub->DecodeStream(w.stream_context.get());
+    }
+    if (w.stream->Write(request) && w.stream->Read(response)) return grpc::Status::OK;
+    // The stream ended: its status says why; the next step opens a new one.
+    w.stream->WritesDone();
+    grpc::Status status = w.stream->Finish();
+    w.stream.reset();
+    w.stream_context.reset();
+    if (status.ok()) {
+      status = grpc::Status(grpc::StatusCode::UNAVAILABLE, "stream closed without an answer");
+    }
+    return status;
+  }
+
+  grpc::Status CheckShape(const v1::DecodeStepRequest& request,
+                          const v1::DecodeStepResponse& response, int32_t rows) const {
+    const v1::Tensor& topk = response.topk();
+    const size_t want = size_t(rows) * model_.topk * sizeof(int32_t);
+    if (response.step_id() != request.step_id() || topk.data().size() != want ||
+        response.lengths_size() != request.sequences_size()) {
+      return grpc::Status(grpc::StatusCode::DATA_LOSS,
+                          absl::StrCat("malformed answer to step ", request.step_id(), ": ",
+                                       topk.data().size(), " topk bytes, expected ", want));
+    }
+    return grpc::Status::OK;
+  }
+
+  void LogFirstError(const grpc::Status& status) {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    if (first_error_.empty()) {
+      first_error_ =
+          absl::StrCat(StatusCodeName(status.error_code()), ": ", status.error_message());
+    }
+  }
+
+  Clock::duration NextGap() {
+    double seconds = 1.0 / options_.rate;
+    if (options_.poisson)
+      seconds = std::exponential_distribution<double>(options_.rate)(schedule_rng_);
+    return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  }
+
+  void MarkMeasureStart(Clock::time_point at = Clock::now()) {
+    bool expected = false;
+    if (measure_started_.compare_exchange_strong(expected, true)) measure_start_.store(at);
+  }
+  Clock::time_point MeasureEnd() const {
+    return measure_start_.load() + std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double>(options_.duration_s));
+  }
+
+  const LoadOptions& options_;
+  const ServerModel model_;
+  const PayloadPool pool_;
+  Live live_;
+  int64_t warmup_ = 0;
+  std::atomic<int64_t> tickets_{0};
+  std::atomic<bool> measure_started_{false};
+  std::atomic<Clock::time_point> measure_start_{Clock::time_point{}};
+  std::mutex schedule_mu_;
+  int64_t schedule_index_ = 0;
+  Clock::time_point schedule_next_;
+  std::mt19937_64 schedule_rng_;
+  std::mutex error_mu_;
+  std::string first_error_;
+};
+
+nlohmann::json StatisticsJson(const v1::Statistics& s) {
+  nlohmann::json rpcs = nlohmann::json::object();
+  for (const v1::RpcStatistics& r : s.rpcs()) {
+    rpcs[r.method()] = {
+        {"count", r.count()}, {"errors", r.errors()}, {"latency_us_total", r.latency_us_total()}};
+  }
+  return {{"steps", s.steps()},
+          {"steps_sharded", s.steps_sharded()},
+          {"rows_scored", s.rows_scored()},
+          {"queue_us_total", s.queue_us_total()},
+          {"compute_us_total", s.compute_us_total()},
+          {"rpcs", rpcs}};
+}
+
+// after - before, field by field (counts and totals only).
+nlohmann::json StatisticsDelta(const nlohmann::json& before, const nlohmann::json& after) {
+  nlohmann::json delta = after;
+  for (const char* key : {"steps", "steps_sharded", "rows_scored"}) {
+    delta[key] = after[key].get<uint64_t>() - before[key].get<uint64_t>();
+  }
+  for (const char* key : {"queue_us_total", "compute_us_total"}) {
+    delta[key] = after[key].get<double>() - before[key].get<double>();
+  }
+  for (auto& [method, r] : delta["rpcs"].items()) {
+    if (!before["rpcs"].contains(method)) continue;
+    const auto& b = before["rpcs"][method];
+    r["count"] = r["count"].get<uint64_t>() - b["count"].get<uint64_t>();
+    r["errors"] = r["errors"].get<uint64_t>() - b["errors"].get<uint64_t>();
+    r["latency_us_total"] =
+        r["latency_us_total"].get<double>() - b["latency_us_total"].get<double>();
+    const double count = r["count"].get<double>();
+    r["latency_us_mean"] = count > 0 ? r["latency_us_total"].get<double>() / count : 0.0;
+  }
+  return delta;
+}
+
+absl::StatusOr<nlohmann::json> FetchStatistics(v1::DecodeIndexer::Stub& stub,
+                                               const ChannelConfig& channel) {
+  grpc::ClientContext context;
+  PrepareContext(channel, &context);
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::Statistics stats;
+  grpc::Status status = stub.GetStatistics(&context, v1::GetStatisticsRequest(), &stats);
+  if (!status.ok()) return FromGrpc(status, "GetStatistics");
+  return StatisticsJson(stats);
+}
+
+absl::Status CheckOptions(const LoadOptions& o) {
+  if (o.concurrency < 1) return absl::InvalidArgumentError("--concurrency must be >= 1");
+  if (o.channels < 1) return absl::InvalidArgumentError("--channels must be >= 1");
+  if (o.requests_per_step < 1) {
+    return absl::InvalidArgumentError("--requests-per-step must be >= 1");
+  }
+  if (o.next_n < 1) return absl::InvalidArgumentError("--next-n must be >= 1");
+  if (o.context < 1) return absl::InvalidArgumentError("--context must be >= 1");
+  if (o.context_spread < 0 || o.context_spread >= 1) {
+    return absl::InvalidArgumentError("--context-spread must be in [0, 1)");
+  }
+  if ((o.steps > 0) == (o.duration_s > 0)) {
+    return absl::InvalidArgumentError("give exactly one of --steps and --duration");
+  }
+  if (o.rate < 0) return absl::InvalidArgumentError("--rate must be >= 0");
+  if (o.positions && o.q_format != PayloadFormat::kFp32) {
+    return absl::InvalidArgumentError("--positions needs --q-format fp32 (RoPE before quant)");
+  }
+  if (o.verify && o.positions) {
+    return absl::InvalidArgumentError(
+        "--verify cannot mirror the server's RoPE (its frequencies are not in ServerInfo); "
+        "drop --positions");
+  }
+  if (o.prefill_chunk < 1) return absl::InvalidArgumentError("--prefill-chunk must be >= 1");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<Report> RunLoad(const LoadOptions& options_in) {
+  LoadOptions options = options_in;
+  if (absl::Status s = CheckOptions(options); !s.ok()) return s;
+  if (options.seed == 0) {
+    options.seed = static_cast<uint64_t>(Clock::now().time_since_epoch().count());
+  }
+  std::mt19937_64 seeder(options.seed);
+  if (options.sequence_id_base == 0) {
+    // High bits random so that runs sharing a server do not collide.
+    options.sequence_id_base = (seeder() | 1) << 20;
+  }
+
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  for (int32_t i = 0; i < options.channels; ++i) {
+    ChannelConfig config = options.channel;
+    config.channel_index = i;
+    auto channel = MakeChannel(config);
+    if (!channel.ok()) return channel.status();
+    channels.push_back(*std::move(channel));
+  }
+  auto control = v1::DecodeIndexer::NewStub(channels[0]);
+
+  v1::ServerInfo info;
+  {
+    grpc::ClientContext context;
+    PrepareContext(options.channel, &context);
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    grpc::Status status = control->GetServerInfo(&context, v1::GetServerInfoRequest(), &info);
+    if (!status.ok()) {
+      return FromGrpc(status, absl::StrCat("GetServerInfo from ", options.channel.target));
+    }
+  }
+  auto model = BuildServerModel(info, options.max_layers);
+  if (!model.ok()) return model.status();
+  if (info.max_rows_per_sequence() > 0 && options.next_n > info.max_rows_per_sequence()) {
+    return absl::InvalidArgumentError(absl::StrCat("--next-n ", options.next_n,
+                                                   " exceeds the server's max_rows_per_sequence ",
+                                                   info.max_rows_per_sequence()));
+  }
+  // Refuse a run that cannot fit: every cache pool holds every sequence's prefill.
+  const int64_t sequences = int64_t{options.concurrency} * options.requests_per_step;
+  const int64_t longest = std::llround(double(options.context) * (1 + options.context_spread));
+  const int64_t pages_each = (longest + model->page_size - 1) / model->page_size + 1;
+  const int64_t pools = std::max<int64_t>(1, info.caches_size());
+  const int64_t pool_pages = info.pages_total() / pools;
+  if (pool_pages > 0 && sequences * pages_each > pool_pages) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(sequences, " sequences of up to ", longest, " entries need about ",
+                     sequences * pages_each, " pages per cache; the server has ", pool_pages,
+                     " (raise --cache-pages on the server or lower --context/--concurrency)"));
+  }
+
+  const size_t q_bytes =
+      size_t(options.requests_per_step) * options.next_n * model->num_heads * model->head_dim * 4;
+  PayloadPool pool(seeder(), std::max<size_t>(q_bytes + (1 << 20), 4 << 20));
+  LoadRun run(options, *model, std::move(pool));
+  run.set_warmup(options.warmup_steps >= 0 ? options.warmup_steps : options.concurrency);
+
+  std::vector<std::unique_ptr<Worker>> workers;
+  int32_t tracked = 0;
+  for (int32_t i = 0; i < options.concurrency; ++i) {
+    auto w = std::make_unique<Worker>();
+    w->index = i;
+    w->stub = v1::DecodeIndexer::NewStub(channels[i % channels.size()]);
+    w->rng.seed(seeder());
+    for (int32_t r = 0; r < options.requests_per_step; ++r) {
+      w->sequences.push_back(
+          {options.sequence_id_base + uint64_t(i) * options.requests_per_step + uint64_t(r), 0});
+    }
+    w->requests.resize(model->plan.size());
+    w->verify.enabled = options.verify;
+    workers.push_back(std::move(w));
+  }
+  if (options.verify) {
+    // Tracked sequences spread over workers: sequence 0 of worker 0, 1, ... then sequence 1.
+    for (int32_t t = 0; t < options.verify_sequences; ++t) {
+      Worker& w = *workers[t % workers.size()];
+      const size_t slot = t / workers.size();
+      if (slot >= w.sequences.size()) break;
+      if (!w.verifier) {
+        auto verifier = Verifier::Create(*model, options.next_n, options.verify_tolerance);
+        if (!verifier.ok()) return verifier.status();
+        w.verifier = *std::move(verifier);
+      }
+      w.verifier->Track(w.sequences[slot].id);
+      ++tracked;
+    }
+  }
+
+  nlohmann::json stats_before;
+  std::latch prefilled(options.concurrency);
+  std::latch go(1);
+  std::atomic<bool> abort{false};
+  std::vector<std::thread> threads;
+  for (auto& wp : workers) {
+    threads.emplace_back([&, w = wp.get()] {
+      w->fatal = run.Prefill(*w);
+      if (!w->fatal.ok()) abort = true;
+      prefilled.count_down();
+      go.wait();
+      if (abort) return;
+      if (options.rate > 0) {
+        run.OpenLoop(*w);
+      } else {
+        run.ClosedLoop(*w);
+      }
+      run.CloseStream(*w);
+    });
+  }
+  prefilled.wait();
+  if (auto before = FetchStatistics(*control, options.channel); before.ok()) {
+    stats_before = *before;
+  }
+  run.StartSchedule();
+  const Clock::time_point started = Clock::now();
+  go.count_down();
+
+  // The live line: elapsed, steps done, rate and mean step latency since the last line.
+  std::atomic<bool> finished{false};
+  std::thread progress;
+  if (options.progress && !abort) {
+    progress = std::thread([&] {
+      uint64_t last_steps = 0, last_us = 0;
+      Clock::time_point last = Clock::now();
+      while (!finished) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        const uint64_t steps = run.live().steps, us = run.live().step_us_total;
+        const Clock::time_point now = Clock::now();
+        const double dt = std::chrono::duration<double>(now - last).count();
+        const uint64_t ds = steps - last_steps;
+        std::fprintf(stderr,
+                     "\r[%7.1fs] steps %-8llu %8.1f steps/s  mean step %8.3f ms  rpcs %-9llu "
+                     "errors %-6llu",
+                     std::chrono::duration<double>(now - started).count(),
+                     static_cast<unsigned long long>(steps), dt > 0 ? ds / dt : 0.0,
+                     ds ? double(us - last_us) / ds / 1e3 : 0.0,
+                     static_cast<unsigned long long>(run.live().rpcs.load()),
+                     static_cast<unsigned long long>(run.live().failed.load()));
+        std::fflush(stderr);
+        last_steps = steps;
+        last_us = us;
+        last = now;
+      }
+      std::fprintf(stderr, "\n");
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  finished = true;
+  if (progress.joinable()) progress.join();
+
+  Report report;
+  for (auto& w : workers) {
+    if (!w->fatal.ok()) {
+      for (auto& other : workers) run.ReleaseAll(*other);
+      return w->fatal;
+    }
+  }
+  Clock::time_point last_done = started;
+  for (auto& w : workers) {
+    report.samples.Merge(w->samples);
+    last_done = std::max(last_done, w->last_done);
+    report.verify.enabled = options.verify;
+    report.verify.rows_checked += w->verify.rows_checked;
+    report.verify.rows_mismatched += w->verify.rows_mismatched;
+    report.verify.rows_near_tie += w->verify.rows_near_tie;
+    report.verify.candidate_rows_near_tie += w->verify.candidate_rows_near_tie;
+    report.verify.candidate_rows_checked += w->verify.candidate_rows_checked;
+    report.verify.candidate_rows_mismatched += w->verify.candidate_rows_mismatched;
+    report.verify.groups_abandoned += w->verify.groups_abandoned;
+    for (const std::string& m : w->verify.first_mismatches) {
+      if (report.verify.first_mismatches.size() < 8) report.verify.first_mismatches.push_back(m);
+    }
+  }
+  if (run.measure_started()) {
+    report.measured_s =
+        std::max(0.0, std::chrono::duration<double>(last_done - run.measure_start()).count());
+  }
+  if (auto after = FetchStatistics(*control, options.channel);
+      after.ok() && !stats_before.is_null()) {
+    report.server_statistics = StatisticsDelta(stats_before, *after);
+  }
+  if (!options.keep_sequences) {
+    for (auto& w : workers) run.ReleaseAll(*w);
+  }
+
+  report.config = {
+      {"target", options.channel.target},
+      {"concurrency", options.concurrency},
+      {"channels", options.channels},
+      {"rate", options.rate},
+      {"poisson", options.poisson},
+      {"duration_s", options.duration_s},
+      {"steps", options.steps},
+      {"warmup_steps", options.warmup_steps >= 0 ? options.warmup_steps : options.concurrency},
+      {"streaming", options.streaming},
+      {"deadline_ms", options.deadline_ms},
+      {"requests_per_step", options.requests_per_step},
+      {"next_n", options.next_n},
+      {"context", options.context},
+      {"sequences", sequences},
+      {"layers", model->plan.size()},
+      {"q_format", options.q_format == PayloadFormat::kFp32 ? "fp32" : "quantized"},
+      {"key_format", options.key_format == PayloadFormat::kFp32 ? "fp32" : "quantized"},
+      {"verify_sequences", tracked},
+      {"seed", options.seed}};
+  report.server = {{"profile", info.profile()},     {"backend", info.backend()},
+                   {"num_ranks", info.num_ranks()}, {"num_heads", info.num_heads()},
+                   {"head_dim", info.head_dim()},   {"topk", info.topk()},
+                   {"layers", info.layers_size()},  {"version", info.version()}};
+  report.first_error = run.first_error();
+  return report;
+}
+
+}  // namespace decode_indexer::load

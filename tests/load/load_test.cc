@@ -1,0 +1,327 @@
+// decode-indexer-load and decode-indexer-health, run as a user runs them: as processes,
+// against a fake server whose answers the test controls (the verifier and the error
+// accounting must notice what is wrong) and against the real CPU server (where --verify must
+// find every answer exact).
+#include <signal.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "decode_indexer/v1/indexer.grpc.pb.h"
+#include "fake_server.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "process.h"
+
+namespace decode_indexer::load_test {
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+class LoadTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = std::filesystem::temp_directory_path() /
+           ("di-load-test-" + std::to_string(getpid()) + "-" + info->name());
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override {
+    if (!HasFailure()) std::filesystem::remove_all(dir_);
+  }
+
+  std::string Path(const std::string& name) const { return (dir_ / name).string(); }
+
+  // Runs decode-indexer-load with `args`; answers its exit code (-999 if it hung).
+  int RunLoad(const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {DI_LOAD_BINARY, "--progress", "off"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto rc = RunProcess(argv, Path("load.log"), seconds(90));
+    return rc.value_or(-999);
+  }
+
+  nlohmann::json ReadJson(const std::string& name) const {
+    return nlohmann::json::parse(ReadText(Path(name)));  // throws (fails the test) if bad
+  }
+
+  std::string Log() const { return ReadText(Path("load.log")); }
+
+  // A fresh seed per run: the payloads differ every time the test runs.
+  static std::string Seed() { return std::to_string(std::random_device{}() | 1u); }
+
+  std::filesystem::path dir_;
+};
+
+TEST_F(LoadTest, HealthProbeFollowsServingStatus) {
+  FakeServer server(0);
+  EXPECT_EQ(RunProcess({DI_HEALTH_BINARY, "--addr", server.target()}, Path("h.log"), seconds(10)),
+            0)
+      << ReadText(Path("h.log"));
+  server.SetServing(false);
+  EXPECT_EQ(RunProcess({DI_HEALTH_BINARY, "--addr", server.target()}, Path("h.log"), seconds(10)),
+            1)
+      << ReadText(Path("h.log"));
+  server.SetServing(true);
+  EXPECT_EQ(RunProcess({DI_HEALTH_BINARY, "--addr", server.target()}, Path("h.log"), seconds(10)),
+            0);
+  // Nobody listens on a port just found free: the probe fails within its timeout.
+  const int port = PickFreePort();
+  ASSERT_GT(port, 0);
+  EXPECT_EQ(RunProcess({DI_HEALTH_BINARY, "--addr", "127.0.0.1:" + std::to_string(port),
+                        "--timeout", "0.5"},
+                       Path("h.log"), seconds(10)),
+            1);
+}
+
+TEST_F(LoadTest, VerifyCatchesWrongAnswers) {
+  FakeServer server(0);
+  const int rc = RunLoad({"--target", server.target(), "--concurrency", "2", "--requests-per-step",
+                          "3", "--next-n", "2", "--context", "200", "--steps", "4", "--verify",
+                          "--verify-sequences", "3", "--seed", Seed(), "--json", Path("r.json")});
+  EXPECT_EQ(rc, 1) << Log();
+  const nlohmann::json report = ReadJson("r.json");
+  // Every row is longer than K, so the fake's "first K positions" is wrong on each one.
+  const uint64_t checked = report["verify"]["rows_checked"];
+  EXPECT_GT(checked, 0u);
+  EXPECT_EQ(report["verify"]["rows_mismatched"].get<uint64_t>(), checked);
+  EXPECT_FALSE(report["verify"]["first_mismatches"].empty());
+  EXPECT_EQ(report["steps"]["ok"].get<uint64_t>(), 4u);
+}
+
+TEST_F(LoadTest, ErrorsAreCountedByStatusCode) {
+  std::mt19937 rng(std::random_device{}());
+  const int fail_every = 2 + static_cast<int>(rng() % 4);
+  FakeServer server(fail_every);
+  const std::vector<std::string> args = {"--target",
+                                         server.target(),
+                                         "--concurrency",
+                                         "2",
+                                         "--requests-per-step",
+                                         "2",
+                                         "--context",
+                                         "64",
+                                         "--steps",
+                                         "9",
+                                         "--warmup-steps",
+                                         "0",
+                                         "--seed",
+                                         Seed(),
+                                         "--json",
+                                         Path("r.json")};
+  EXPECT_EQ(RunLoad(args), 1) << Log();  // an RPC failed and errors were not allowed
+  nlohmann::json report = ReadJson("r.json");
+  const int64_t failures = server.indexer().steps() / fail_every;
+  ASSERT_GT(failures, 0);
+  EXPECT_EQ(report["errors"]["RESOURCE_EXHAUSTED"].get<int64_t>(), failures);
+  EXPECT_EQ(report["rpcs"]["failed"].get<int64_t>(), failures);
+  EXPECT_EQ(report["steps"]["failed"].get<int64_t>(), failures);
+  EXPECT_EQ(report["steps"]["count"].get<int64_t>(), 9);
+  EXPECT_EQ(report["rpcs"]["ok"].get<int64_t>() + failures, server.indexer().steps());
+
+  std::vector<std::string> allowed = args;
+  allowed.push_back("--allow-errors");
+  EXPECT_EQ(RunLoad(allowed), 0) << Log();
+}
+
+TEST_F(LoadTest, OpenLoopWritesJsonAndCsv) {
+  FakeServer server(0);
+  const int rc = RunLoad({"--target", server.target(), "--rate", "400", "--arrival", "poisson",
+                          "--concurrency", "3", "--steps", "12", "--context", "50", "--seed",
+                          Seed(), "--streaming", "--json", Path("r.json"), "--csv", Path("r.csv")});
+  ASSERT_EQ(rc, 0) << Log();
+  const nlohmann::json report = ReadJson("r.json");
+  EXPECT_EQ(report["steps"]["ok"].get<int>(), 12);
+  EXPECT_GT(report["config"]["rate"].get<double>(), 0);
+  EXPECT_TRUE(report.contains("open_loop"));
+  const auto& latency = report["steps"]["latency_ms"];
+  EXPECT_GT(latency["p50"].get<double>(), 0);
+  EXPECT_LE(latency["p50"].get<double>(), latency["p99"].get<double>());
+  EXPECT_LE(latency["p99"].get<double>(), latency["max"].get<double>());
+  // Each step visits both layers.
+  EXPECT_EQ(report["rpcs"]["ok"].get<int>(), 12 * FakeIndexer::kLayers);
+
+  const std::string csv = ReadText(Path("r.csv"));
+  const size_t newline = csv.find('\n');
+  ASSERT_NE(newline, std::string::npos);
+  const std::string header = csv.substr(0, newline), values = csv.substr(newline + 1);
+  EXPECT_EQ(std::count(header.begin(), header.end(), ','),
+            std::count(values.begin(), values.end(), ','));
+  EXPECT_NE(header.find("step_p99_ms"), std::string::npos);
+}
+
+#ifdef DI_SERVER_BINARY
+
+// A real CPU server on a free loopback port, stopped with SIGTERM.
+class RealServer {
+ public:
+  RealServer(const std::string& profile, const std::string& log) {
+    port_ = PickFreePort();
+    process_ = Process::Spawn(
+        {DI_SERVER_BINARY, "--listen", target(), "--backend", "cpu", "--profile", profile,
+         "--cache-pages", "1024", "--drain-seconds", "2", "--log-level", "warn"},
+        log);
+  }
+  std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
+
+  // Waits until GetServerInfo answers; `info` gets the answer.
+  bool WaitReady(v1::ServerInfo* info = nullptr) {
+    v1::ServerInfo scratch;
+    if (info == nullptr) info = &scratch;
+    const auto end = std::chrono::steady_clock::now() + seconds(30);
+    while (std::chrono::steady_clock::now() < end) {
+      if (!process_ || !process_->running()) return false;
+      // A fresh channel with its own subchannel each try: a refused first connection would
+      // otherwise put the shared subchannel into reconnect backoff (a second or more).
+      grpc::ChannelArguments args;
+      args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+      auto stub = v1::DecodeIndexer::NewStub(
+          grpc::CreateCustomChannel(target(), grpc::InsecureChannelCredentials(), args));
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + milliseconds(500));
+      if (stub->GetServerInfo(&context, v1::GetServerInfoRequest(), info).ok()) return true;
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+    return false;
+  }
+
+  std::optional<int> Stop() {
+    process_->Signal(SIGTERM);
+    return process_->Wait(seconds(20));
+  }
+
+ private:
+  int port_ = 0;
+  std::optional<Process> process_;
+};
+
+void ExpectCleanVerifiedRun(const nlohmann::json& report, int steps) {
+  EXPECT_EQ(report["steps"]["ok"].get<int>(), steps);
+  EXPECT_EQ(report["steps"]["failed"].get<int>(), 0);
+  EXPECT_TRUE(report["errors"].empty());
+  EXPECT_GT(report["verify"]["rows_checked"].get<int>(), 0);
+  EXPECT_EQ(report["verify"]["rows_mismatched"].get<int>(), 0);
+  // The CPU server is the oracle's own code: not even near-tie differences are allowed.
+  EXPECT_EQ(report["verify"]["rows_near_tie"].get<int>(), 0);
+  EXPECT_EQ(report["verify"]["groups_abandoned"].get<int>(), 0);
+  EXPECT_GT(report["split_us_per_rpc"]["server_compute"].get<double>(), 0);
+  EXPECT_GE(report["split_us_per_rpc"]["client"].get<double>(),
+            report["split_us_per_rpc"]["server_compute"].get<double>());
+}
+
+TEST_F(LoadTest, RealServerCandidateProfileVerifies) {
+  RealServer server(std::string(DI_LOAD_TEST_DIR) + "/v41-tiny.toml", Path("server.log"));
+  ASSERT_TRUE(server.WaitReady()) << ReadText(Path("server.log"));
+  const int rc = RunLoad({"--target",
+                          server.target(),
+                          "--concurrency",
+                          "2",
+                          "--requests-per-step",
+                          "2",
+                          "--next-n",
+                          "2",
+                          "--context",
+                          "300",
+                          "--steps",
+                          "4",
+                          "--verify",
+                          "--verify-sequences",
+                          "4",
+                          "--verify-tolerance",
+                          "0",
+                          "--seed",
+                          Seed(),
+                          "--json",
+                          Path("r.json")});
+  EXPECT_EQ(rc, 0) << Log() << ReadText(Path("server.log"));
+  const nlohmann::json report = ReadJson("r.json");
+  ExpectCleanVerifiedRun(report, 4);
+  EXPECT_GT(report["verify"]["candidate_rows_checked"].get<int>(), 0);
+  EXPECT_EQ(report["verify"]["candidate_rows_mismatched"].get<int>(), 0);
+  for (const char* role : {"dense", "source", "consumer"}) {
+    EXPECT_TRUE(report["rpcs"]["by_role"].contains(role)) << role;
+  }
+  EXPECT_EQ(report["server"]["layers"].get<int>(), 4);
+  // The container health check's probe agrees that the real server is serving.
+  EXPECT_EQ(RunProcess({DI_HEALTH_BINARY, "--addr", server.target()}, Path("h.log"), seconds(10)),
+            0)
+      << ReadText(Path("h.log"));
+  const std::optional<int> stopped = server.Stop();
+  ASSERT_TRUE(stopped.has_value()) << "server ignored SIGTERM";
+  EXPECT_EQ(*stopped, 0) << ReadText(Path("server.log"));
+}
+
+TEST_F(LoadTest, RealServerDenseStreamingFp32Verifies) {
+  RealServer server(std::string(DI_LOAD_TEST_DIR) + "/v32-tiny.toml", Path("server.log"));
+  ASSERT_TRUE(server.WaitReady()) << ReadText(Path("server.log"));
+  const int rc = RunLoad({"--target",
+                          server.target(),
+                          "--streaming",
+                          "--rate",
+                          "100",
+                          "--concurrency",
+                          "2",
+                          "--requests-per-step",
+                          "3",
+                          "--context",
+                          "250",
+                          "--q-format",
+                          "fp32",
+                          "--key-format",
+                          "fp32",
+                          "--steps",
+                          "5",
+                          "--verify",
+                          "--verify-sequences",
+                          "3",
+                          "--verify-tolerance",
+                          "0",
+                          "--seed",
+                          Seed(),
+                          "--json",
+                          Path("r.json")});
+  EXPECT_EQ(rc, 0) << Log() << ReadText(Path("server.log"));
+  ExpectCleanVerifiedRun(ReadJson("r.json"), 5);
+  EXPECT_TRUE(server.Stop().has_value());
+}
+
+// The example deployment profile loads, and the server reports what it says.
+TEST_F(LoadTest, RealServerLoadsDeployExampleProfile) {
+  RealServer server(std::string(DI_LOAD_TEST_DIR) + "/../../deploy/profiles/v41-example.toml",
+                    Path("server.log"));
+  v1::ServerInfo info;
+  ASSERT_TRUE(server.WaitReady(&info)) << ReadText(Path("server.log"));
+  EXPECT_EQ(info.profile(), "v41-example");
+  EXPECT_EQ(info.layers_size(), 61);
+  int sources = 0, consumers = 0;
+  for (const v1::LayerInfo& layer : info.layers()) {
+    sources += layer.role() == v1::LAYER_ROLE_CANDIDATE_SOURCE;
+    consumers += layer.role() == v1::LAYER_ROLE_CANDIDATE_CONSUMER;
+  }
+  EXPECT_EQ(sources, 1);
+  EXPECT_EQ(consumers, 57);
+  EXPECT_EQ(info.max_rows_per_sequence(), 4);
+  // And the load tester gets through a step of all 61 layers against it.
+  const int rc =
+      RunLoad({"--target", server.target(), "--concurrency", "1", "--requests-per-step", "1",
+               "--context", "100", "--steps", "1", "--seed", Seed(), "--json", Path("r.json")});
+  EXPECT_EQ(rc, 0) << Log();
+  EXPECT_EQ(ReadJson("r.json")["rpcs"]["ok"].get<int>(), 61);
+  EXPECT_TRUE(server.Stop().has_value());
+}
+
+#else
+
+TEST_F(LoadTest, RealServer) { GTEST_SKIP() << "decode-indexer-server is not part of this build"; }
+
+#endif  // DI_SERVER_BINARY
+
+}  // namespace
+}  // namespace decode_indexer::load_test

@@ -1,0 +1,180 @@
+// Unit tests of the load tester's pieces that need no server: the near-tie rule --verify
+// applies to other backends, the layer plan, and the percentile summary.
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "client/load/report.h"
+#include "client/load/server_model.h"
+#include "client/load/verify.h"
+#include "gtest/gtest.h"
+
+namespace decode_indexer::load {
+namespace {
+
+// The canonical top-k (logit desc, position asc), ascending, -1 padded.
+std::vector<int32_t> CanonicalTopK(const std::vector<float>& logits,
+                                   const std::vector<int32_t>& positions, int32_t k) {
+  std::vector<size_t> order(logits.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return logits[a] != logits[b] ? logits[a] > logits[b] : positions[a] < positions[b];
+  });
+  std::vector<int32_t> out;
+  for (size_t i = 0; i < order.size() && out.size() < size_t(k); ++i) {
+    out.push_back(positions[order[i]]);
+  }
+  std::sort(out.begin(), out.end());
+  out.resize(k, -1);
+  return out;
+}
+
+class ToleranceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::mt19937 rng(std::random_device{}());
+    std::normal_distribution<float> normal(0, 1);
+    const int n = 200 + static_cast<int>(rng() % 200);
+    // A sparse, shuffled subset of positions, as a consumer scores.
+    for (int p = 0; p < 3 * n; ++p) {
+      if (rng() % 3 == 0) positions_.push_back(p);
+    }
+    for (size_t i = 0; i < positions_.size(); ++i) logits_.push_back(normal(rng));
+    k_ = 16 + static_cast<int>(rng() % 32);
+    answer_ = CanonicalTopK(logits_, positions_, k_);
+  }
+
+  // Index (into positions_) of the chosen entry with the smallest logit, and of the left-out
+  // one with the largest.
+  std::pair<size_t, size_t> Boundary() const {
+    size_t worst_in = 0, best_out = 0;
+    float lo = 1e30f, hi = -1e30f;
+    for (size_t i = 0; i < positions_.size(); ++i) {
+      const bool in = std::binary_search(answer_.begin(), answer_.end() - Padding(), positions_[i]);
+      if (in && logits_[i] < lo) lo = logits_[i], worst_in = i;
+      if (!in && logits_[i] > hi) hi = logits_[i], best_out = i;
+    }
+    return {worst_in, best_out};
+  }
+  long Padding() const { return std::count(answer_.begin(), answer_.end(), -1); }
+
+  std::vector<int32_t> Swapped(size_t out_index, size_t in_index) const {
+    std::vector<int32_t> a = answer_;
+    std::replace(a.begin(), a.end(), positions_[out_index], positions_[in_index]);
+    std::sort(a.begin(), a.end() - Padding());
+    return a;
+  }
+
+  std::vector<int32_t> positions_;
+  std::vector<float> logits_;
+  int32_t k_ = 0;
+  std::vector<int32_t> answer_;
+};
+
+TEST_F(ToleranceTest, ExactAnswerPasses) {
+  EXPECT_TRUE(TopKWithinTolerance(logits_, positions_, answer_.data(), k_, 0.0));
+}
+
+TEST_F(ToleranceTest, NearTieSwapPassesOnlyWithinTolerance) {
+  auto [worst_in, best_out] = Boundary();
+  // Make the best left-out position a near-tie of the K-th: just below it.
+  logits_[best_out] = logits_[worst_in] * (1 - 1e-6f) - 1e-7f;
+  answer_ = CanonicalTopK(logits_, positions_, k_);
+  std::tie(worst_in, best_out) = Boundary();
+  const std::vector<int32_t> swapped = Swapped(worst_in, best_out);
+  EXPECT_TRUE(TopKWithinTolerance(logits_, positions_, swapped.data(), k_, 1e-3));
+  EXPECT_FALSE(TopKWithinTolerance(logits_, positions_, swapped.data(), k_, 0.0));
+}
+
+TEST_F(ToleranceTest, ClearlyWrongAnswersFail) {
+  // Swap the best chosen position for the worst left-out one.
+  size_t best_in = 0, worst_out = 0;
+  float hi = -1e30f, lo = 1e30f;
+  for (size_t i = 0; i < positions_.size(); ++i) {
+    const bool in = std::binary_search(answer_.begin(), answer_.end(), positions_[i]);
+    if (in && logits_[i] > hi) hi = logits_[i], best_in = i;
+    if (!in && logits_[i] < lo) lo = logits_[i], worst_out = i;
+  }
+  const std::vector<int32_t> bad = Swapped(best_in, worst_out);
+  EXPECT_FALSE(TopKWithinTolerance(logits_, positions_, bad.data(), k_, 1e-3));
+  // A position that was never scored, a duplicate, and a descending order all fail.
+  std::vector<int32_t> unscored = answer_;
+  unscored[0] = positions_.back() + 1;
+  std::sort(unscored.begin(), unscored.end());
+  EXPECT_FALSE(TopKWithinTolerance(logits_, positions_, unscored.data(), k_, 1e-3));
+  std::vector<int32_t> duplicate = answer_;
+  duplicate[1] = duplicate[0];
+  EXPECT_FALSE(TopKWithinTolerance(logits_, positions_, duplicate.data(), k_, 1e-3));
+  std::vector<int32_t> descending = answer_;
+  std::reverse(descending.begin(), descending.end());
+  EXPECT_FALSE(TopKWithinTolerance(logits_, positions_, descending.data(), k_, 1e-3));
+}
+
+TEST_F(ToleranceTest, ShortRowsMustReturnEverything) {
+  const int32_t k = static_cast<int32_t>(positions_.size()) + 5;
+  std::vector<int32_t> all = positions_;
+  all.resize(k, -1);
+  EXPECT_TRUE(TopKWithinTolerance(logits_, positions_, all.data(), k, 0.0));
+  all[0] = -1;  // one missing
+  std::rotate(all.begin(), all.begin() + 1, all.end());
+  EXPECT_FALSE(TopKWithinTolerance(logits_, positions_, all.data(), k, 1.0));
+}
+
+v1::LayerInfo Layer(int layer, v1::LayerRole role, int cache_layer) {
+  v1::LayerInfo l;
+  l.set_layer(layer);
+  l.set_role(role);
+  l.set_cache_layer(cache_layer);
+  l.set_cache_format(v1::CACHE_FORMAT_FP4);
+  return l;
+}
+
+TEST(ServerModelTest, ConsumersRunAfterTheirSource) {
+  // A plan (listed out of order) where consumer 1 reads source 3: it must wait for it.
+  v1::ServerInfo info;
+  info.set_num_heads(8);
+  info.set_head_dim(128);
+  info.set_topk(64);
+  info.set_page_size(64);
+  *info.add_layers() = Layer(4, v1::LAYER_ROLE_CANDIDATE_CONSUMER, 3);
+  *info.add_layers() = Layer(0, v1::LAYER_ROLE_DENSE, 0);
+  *info.add_layers() = Layer(1, v1::LAYER_ROLE_CANDIDATE_CONSUMER, 3);
+  *info.add_layers() = Layer(3, v1::LAYER_ROLE_CANDIDATE_SOURCE, 3);
+  *info.add_layers() = Layer(2, v1::LAYER_ROLE_DENSE, 2);
+  auto model = BuildServerModel(info, 0);
+  ASSERT_TRUE(model.ok()) << model.status();
+  std::vector<int32_t> order;
+  for (const LayerStep& s : model->plan) order.push_back(s.layer);
+  EXPECT_EQ(order, (std::vector<int32_t>{0, 2, 3, 1, 4}));
+  EXPECT_EQ(model->cache_layers, (std::vector<int32_t>{0, 2, 3}));
+  EXPECT_FALSE(model->plan[3].owns_cache);
+
+  auto cut = BuildServerModel(info, 3);
+  ASSERT_TRUE(cut.ok());
+  EXPECT_EQ(cut->plan.size(), 3u);
+
+  *info.add_layers() = Layer(5, v1::LAYER_ROLE_CANDIDATE_CONSUMER, 9);  // no such source
+  EXPECT_FALSE(BuildServerModel(info, 0).ok());
+}
+
+TEST(ReportTest, PercentilesAreNearestRank) {
+  std::mt19937 rng(std::random_device{}());
+  std::vector<double> us(1000 + rng() % 1000);
+  for (double& v : us) v = 1 + rng() % 1000000;
+  std::vector<double> sorted = us;
+  std::sort(sorted.begin(), sorted.end());
+  auto rank = [&](double p) {
+    return sorted[static_cast<size_t>(std::ceil(p / 100 * sorted.size())) - 1] / 1e3;
+  };
+  const LatencySummary s = Summarize(us);
+  EXPECT_EQ(s.count, us.size());
+  EXPECT_DOUBLE_EQ(s.p50, rank(50));
+  EXPECT_DOUBLE_EQ(s.p99, rank(99));
+  EXPECT_DOUBLE_EQ(s.p999, rank(99.9));
+  EXPECT_DOUBLE_EQ(s.max, sorted.back() / 1e3);
+  EXPECT_NEAR(s.mean, std::accumulate(us.begin(), us.end(), 0.0) / us.size() / 1e3, 1e-9);
+}
+
+}  // namespace
+}  // namespace decode_indexer::load
