@@ -1,0 +1,222 @@
+#include "client/indexer_client.h"
+
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/support/channel_arguments.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/tensor.h"
+
+namespace decode_indexer::client {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+}  // namespace
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+absl::StatusOr<StepAnswer> ParseStepResponse(const v1::DecodeStepResponse& response) {
+  StepAnswer a;
+  a.step_id = response.step_id();
+  if (response.topk().shape_size() != 2) {
+    return absl::InternalError(absl::StrCat("topk.shape: expected [rows, k], got ",
+                                            response.topk().shape_size(), " dims"));
+  }
+  absl::StatusOr<std::vector<int32_t>> topk = ParseI32(response.topk());
+  if (!topk.ok()) return topk.status();
+  a.rows = static_cast<int32_t>(response.topk().shape(0));
+  a.k = static_cast<int32_t>(response.topk().shape(1));
+  a.topk = std::move(*topk);
+  if (response.has_candidate_blocks()) {
+    if (response.candidate_blocks().shape_size() != 2 ||
+        response.candidate_blocks().shape(0) != a.rows) {
+      return absl::InternalError("candidate_blocks.shape: expected [rows, blocks]");
+    }
+    absl::StatusOr<std::vector<int32_t>> cand = ParseI32(response.candidate_blocks());
+    if (!cand.ok()) return cand.status();
+    a.num_candidate_blocks = static_cast<int32_t>(response.candidate_blocks().shape(1));
+    a.candidates = std::move(*cand);
+  }
+  a.sharded = response.sharded();
+  a.queue_us = response.timing().queue_us();
+  a.compute_us = response.timing().compute_us();
+  a.lengths.assign(response.lengths().begin(), response.lengths().end());
+  return a;
+}
+
+IndexerClient::IndexerClient(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options)
+    : channel_(std::move(channel)),
+      stub_(v1::DecodeIndexer::NewStub(channel_)),
+      options_(options) {}
+
+absl::StatusOr<std::unique_ptr<IndexerClient>> IndexerClient::Connect(
+    const std::string& target, const ClientOptions& options) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  args.SetMaxSendMessageSize(options.max_message_bytes);
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  if (channel == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("target: cannot create a channel to ", target));
+  }
+  if (options.connect_timeout.count() > 0 &&
+      !channel->WaitForConnected(std::chrono::system_clock::now() + options.connect_timeout)) {
+    return absl::UnavailableError(absl::StrCat("cannot connect to ", target, " within ",
+                                               options.connect_timeout.count(), " ms"));
+  }
+  return std::unique_ptr<IndexerClient>(new IndexerClient(std::move(channel), options));
+}
+
+void IndexerClient::Prepare(grpc::ClientContext& context) const {
+  context.set_deadline(std::chrono::system_clock::now() + options_.timeout);
+}
+
+absl::StatusOr<v1::ServerInfo> IndexerClient::ServerInfo() {
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::ServerInfo info;
+  grpc::Status s = stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return info;
+}
+
+absl::Status IndexerClient::CreateSequence(uint64_t sequence_id) {
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::CreateSequenceRequest request;
+  request.set_sequence_id(sequence_id);
+  v1::CreateSequenceResponse response;
+  return FromGrpcStatus(stub_->CreateSequence(&context, request, &response));
+}
+
+absl::StatusOr<int64_t> IndexerClient::AppendKeys(const v1::AppendKeysRequest& request) {
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::AppendKeysResponse response;
+  grpc::Status s = stub_->AppendKeys(&context, request, &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response.length();
+}
+
+absl::StatusOr<int64_t> IndexerClient::AppendKeys(uint64_t sequence_id, int32_t layer,
+                                                  std::span<const float> keys, int32_t head_dim) {
+  if (head_dim <= 0 || keys.size() % head_dim != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("keys: ", keys.size(), " values are not [n, ", head_dim, "]"));
+  }
+  v1::AppendKeysRequest request;
+  request.set_sequence_id(sequence_id);
+  request.set_layer(layer);
+  *request.mutable_keys() =
+      F32Tensor(keys, {static_cast<int64_t>(keys.size() / head_dim), head_dim});
+  return AppendKeys(request);
+}
+
+absl::StatusOr<int64_t> IndexerClient::AppendKeys(uint64_t sequence_id, int32_t layer,
+                                                  v1::Tensor keys, v1::Tensor key_scales) {
+  v1::AppendKeysRequest request;
+  request.set_sequence_id(sequence_id);
+  request.set_layer(layer);
+  *request.mutable_keys() = std::move(keys);
+  *request.mutable_key_scales() = std::move(key_scales);
+  return AppendKeys(request);
+}
+
+absl::StatusOr<int64_t> IndexerClient::ReleaseSequence(uint64_t sequence_id) {
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::ReleaseSequenceRequest request;
+  request.set_sequence_id(sequence_id);
+  v1::ReleaseSequenceResponse response;
+  grpc::Status s = stub_->ReleaseSequence(&context, request, &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response.pages_freed();
+}
+
+absl::StatusOr<StepAnswer> IndexerClient::DecodeStep(const v1::DecodeStepRequest& request) {
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::DecodeStepResponse response;
+  const auto start = Clock::now();
+  grpc::Status s = stub_->DecodeStep(&context, request, &response);
+  const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+  if (!s.ok()) return FromGrpcStatus(s);
+  absl::StatusOr<StepAnswer> answer = ParseStepResponse(response);
+  if (answer.ok()) answer->client_us = us;
+  return answer;
+}
+
+absl::StatusOr<std::unique_ptr<StepStream>> IndexerClient::OpenStream() {
+  std::unique_ptr<StepStream> stream(new StepStream());
+  stream->context_ = std::make_unique<grpc::ClientContext>();
+  Prepare(*stream->context_);
+  stream->stream_ = stub_->DecodeStream(stream->context_.get());
+  if (stream->stream_ == nullptr) return absl::UnavailableError("DecodeStream: cannot open");
+  return stream;
+}
+
+absl::StatusOr<v1::Statistics> IndexerClient::GetStatistics() {
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::Statistics stats;
+  grpc::Status s = stub_->GetStatistics(&context, v1::GetStatisticsRequest(), &stats);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return stats;
+}
+
+StepStream::~StepStream() {
+  if (stream_ != nullptr && !finished_) {
+    context_->TryCancel();
+    (void)stream_->Finish();
+  }
+}
+
+absl::Status StepStream::Write(const v1::DecodeStepRequest& request) {
+  if (finished_ || writes_done_) return absl::FailedPreconditionError("stream: already closed");
+  if (!stream_->Write(request)) {
+    // The server ended the stream (a failed step); its status says why.
+    absl::Status s = Finish();
+    return s.ok() ? absl::UnavailableError("stream: closed by the server") : s;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepAnswer> StepStream::Read() {
+  if (finished_) {
+    return final_.ok() ? absl::OutOfRangeError("stream: finished") : final_;
+  }
+  v1::DecodeStepResponse response;
+  if (!stream_->Read(&response)) {
+    absl::Status s = Finish();
+    return s.ok() ? absl::OutOfRangeError("stream: ended") : s;
+  }
+  return ParseStepResponse(response);
+}
+
+absl::StatusOr<StepAnswer> StepStream::Step(const v1::DecodeStepRequest& request) {
+  if (absl::Status s = Write(request); !s.ok()) return s;
+  return Read();
+}
+
+absl::Status StepStream::Finish() {
+  if (finished_) return final_;
+  if (!writes_done_) {
+    stream_->WritesDone();
+    writes_done_ = true;
+  }
+  // Drain answers the caller did not read, so Finish can complete.
+  v1::DecodeStepResponse unread;
+  while (stream_->Read(&unread)) {
+  }
+  final_ = FromGrpcStatus(stream_->Finish());
+  finished_ = true;
+  return final_;
+}
+
+}  // namespace decode_indexer::client

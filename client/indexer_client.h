@@ -1,0 +1,113 @@
+// A typed C++ client of the DecodeIndexer service. Depends only on the API (di_proto) and
+// gRPC. Every call answers an absl::Status carrying the server's gRPC code and message.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <grpcpp/channel.h>
+#include <grpcpp/client_context.h>
+#include <grpcpp/support/sync_stream.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "decode_indexer/v1/indexer.grpc.pb.h"
+
+namespace decode_indexer::client {
+
+// grpc::Status -> absl::Status, code and message unchanged.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// One step's answer, parsed.
+struct StepAnswer {
+  uint64_t step_id = 0;
+  int32_t rows = 0;
+  int32_t k = 0;
+  std::vector<int32_t> topk;  // [rows, k]
+  int32_t num_candidate_blocks = 0;
+  std::vector<int32_t> candidates;  // [rows, num_candidate_blocks] when asked
+  bool sharded = false;
+  int64_t queue_us = 0;
+  int64_t compute_us = 0;
+  std::vector<int64_t> lengths;  // per sequence, after the step
+  double client_us = 0;          // round trip seen by the client (0 for stream answers)
+
+  std::span<const int32_t> Row(int32_t r) const {
+    return std::span<const int32_t>(topk).subspan(static_cast<size_t>(r) * k, k);
+  }
+  std::span<const int32_t> CandidateRow(int32_t r) const {
+    return std::span<const int32_t>(candidates)
+        .subspan(static_cast<size_t>(r) * num_candidate_blocks, num_candidate_blocks);
+  }
+};
+
+// Parses and shape-checks a DecodeStepResponse.
+absl::StatusOr<StepAnswer> ParseStepResponse(const v1::DecodeStepResponse& response);
+
+struct ClientOptions {
+  // Per-call deadline.
+  std::chrono::milliseconds timeout = std::chrono::seconds(120);
+  // How long Connect waits for the channel to come up (0: do not wait).
+  std::chrono::milliseconds connect_timeout = std::chrono::seconds(10);
+  int max_message_bytes = 512 << 20;
+};
+
+// A DecodeStream session: steps answered in order; the stream ends with the first failing
+// step's status (Read then fails and Finish answers it).
+class StepStream {
+ public:
+  ~StepStream();
+  absl::Status Write(const v1::DecodeStepRequest& request);
+  absl::StatusOr<StepAnswer> Read();
+  // Write then Read.
+  absl::StatusOr<StepAnswer> Step(const v1::DecodeStepRequest& request);
+  // Half-closes and answers the stream's final status.
+  absl::Status Finish();
+
+ private:
+  friend class IndexerClient;
+  StepStream() = default;
+  std::unique_ptr<grpc::ClientContext> context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeStepRequest, v1::DecodeStepResponse>> stream_;
+  bool writes_done_ = false;
+  bool finished_ = false;
+  absl::Status final_;
+};
+
+class IndexerClient {
+ public:
+  // Creates a channel to `target` ("host:port") and waits for it to connect.
+  static absl::StatusOr<std::unique_ptr<IndexerClient>> Connect(const std::string& target,
+                                                                const ClientOptions& options = {});
+
+  absl::StatusOr<v1::ServerInfo> ServerInfo();
+  absl::Status CreateSequence(uint64_t sequence_id);
+  // Unquantized fp32 keys [n, head_dim]; answers the cache's new length.
+  absl::StatusOr<int64_t> AppendKeys(uint64_t sequence_id, int32_t layer,
+                                     std::span<const float> keys, int32_t head_dim);
+  // Pre-quantized keys in the cache's format (or any Tensor form the API accepts).
+  absl::StatusOr<int64_t> AppendKeys(uint64_t sequence_id, int32_t layer, v1::Tensor keys,
+                                     v1::Tensor key_scales);
+  absl::StatusOr<int64_t> AppendKeys(const v1::AppendKeysRequest& request);
+  // Answers the pages freed.
+  absl::StatusOr<int64_t> ReleaseSequence(uint64_t sequence_id);
+  absl::StatusOr<StepAnswer> DecodeStep(const v1::DecodeStepRequest& request);
+  absl::StatusOr<std::unique_ptr<StepStream>> OpenStream();
+  absl::StatusOr<v1::Statistics> GetStatistics();
+
+  grpc::Channel& channel() { return *channel_; }
+
+ private:
+  IndexerClient(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
+  void Prepare(grpc::ClientContext& context) const;
+
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::DecodeIndexer::Stub> stub_;
+  ClientOptions options_;
+};
+
+}  // namespace decode_indexer::client

@@ -1,0 +1,138 @@
+// decode-indexer-server: flags -> Profile + ExecutorOptions -> Server. SIGTERM/SIGINT drain
+// and exit 0. The signal handler only writes a byte to a pipe; a thread reads it and runs
+// the (non-async-signal-safe) shutdown.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "CLI/CLI.hpp"
+#include "server/config/profile.h"
+#include "server/service/server.h"
+#include "spdlog/spdlog.h"
+
+namespace {
+
+int g_signal_pipe[2] = {-1, -1};
+
+extern "C" void OnSignal(int signo) {
+  const int saved = errno;
+  const char byte = static_cast<char>(signo);
+  // Nothing else is async-signal-safe enough to do here.
+  [[maybe_unused]] ssize_t n = write(g_signal_pipe[1], &byte, 1);
+  errno = saved;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  namespace service = decode_indexer::service;
+  std::string profile_name = "v32";
+  std::string log_level = "info";
+  int drain_seconds = 10;
+  service::ServerOptions options;
+  CLI::App app{"decode-indexer-server: the sparse-attention lightning indexer over gRPC"};
+  app.add_option("--listen", options.listen, "host:port to serve on (port 0: pick one)")
+      ->capture_default_str();
+  app.add_option("--backend", options.executor.backend, "compute backend")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->capture_default_str();
+  app.add_option("--ranks", options.executor.ranks, "ranks (0: every GPU for cuda, 1 for cpu)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--profile", profile_name, "built-in profile (v32, v41) or a profile file")
+      ->capture_default_str();
+  app.add_option("--cache-pages", options.executor.cache_pages, "pages in each cache pool")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--row-shard-min-requests", options.executor.row_shard_min_requests,
+                 "fewest requests in a step for row sharding")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-sequences", options.executor.max_sequences, "live sequences at most")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--cpu-threads", options.executor.cpu_threads,
+                 "CPU backend threads per rank (0: hardware threads / ranks)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--collective-timeout", options.executor.collective_timeout_ms,
+                 "ms a rank waits for the others at a collective before the executor turns "
+                 "unhealthy")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-message-bytes", options.max_message_bytes, "gRPC message size limit")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--drain-seconds", drain_seconds, "how long in-flight calls get on shutdown")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error, critical, off")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  spdlog::set_level(spdlog::level::from_str(log_level));
+
+  absl::StatusOr<decode_indexer::config::Profile> profile =
+      decode_indexer::config::LoadProfile(profile_name);
+  if (!profile.ok()) {
+    spdlog::critical("--profile {}: {}", profile_name, profile.status().ToString());
+    return 2;
+  }
+  options.profile = *profile;
+
+  // The pipe exists before any handler can fire; the write end never blocks the handler.
+  if (pipe(g_signal_pipe) != 0 || fcntl(g_signal_pipe[1], F_SETFL, O_NONBLOCK) != 0) {
+    spdlog::critical("signal pipe: {}", std::strerror(errno));
+    return 1;
+  }
+  struct sigaction sa = {};
+  sa.sa_handler = OnSignal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+
+  absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(options);
+  if (!server.ok()) {
+    spdlog::critical("cannot start: {}", server.status().ToString());
+    return 1;
+  }
+  const decode_indexer::exec::ExecutorStatus st = (*server)->executor().Status();
+  int64_t pages = 0;
+  for (const auto& c : st.caches) pages += c.pages_total;
+  spdlog::info(
+      "decode-indexer-server started: profile {} ({} layers, {} cache pools), backend {} ({}), "
+      "{} rank(s), {} pages ({} per pool), listening on {} (port {})",
+      profile->name, profile->layers.size(), st.caches.size(), st.backend, st.backend_desc,
+      st.num_ranks, pages, options.executor.cache_pages, options.listen, (*server)->port());
+
+  std::atomic<bool> stopping{false};
+  std::thread waiter([&] {
+    char byte = 0;
+    ssize_t n;
+    do {
+      n = read(g_signal_pipe[0], &byte, 1);
+    } while (n < 0 && errno == EINTR);
+    if (n == 1 && byte != 0) {
+      spdlog::info("signal {}: draining (up to {} s)", static_cast<int>(byte), drain_seconds);
+    }
+    stopping = true;
+    (*server)->Shutdown(std::chrono::seconds(drain_seconds));
+  });
+  (*server)->Wait();
+  if (!stopping) {
+    // The server stopped on its own; wake the waiter so it can be joined.
+    const char zero = 0;
+    [[maybe_unused]] ssize_t n = write(g_signal_pipe[1], &zero, 1);
+  }
+  waiter.join();
+  (*server)->Shutdown();  // idempotent: makes sure the executor is down
+  spdlog::info("decode-indexer-server stopped");
+  return 0;
+}

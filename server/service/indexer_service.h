@@ -1,0 +1,93 @@
+// The DecodeIndexer gRPC service (sync API): decode + validate at the edge, run on the
+// executor, encode the answer, and keep per-RPC statistics. Handlers never throw and answer
+// every failure through ToGrpcStatus.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+
+#include "decode_indexer/v1/indexer.grpc.pb.h"
+#include "server/exec/executor.h"
+
+namespace decode_indexer::service {
+
+// Count, errors and a latency histogram of one RPC method. The histogram has fixed
+// log-spaced buckets (four per octave from 1 µs), so recording is O(1) and the
+// percentiles are bucket upper bounds (within 19 %), capped at the observed maximum.
+class LatencyStats {
+ public:
+  void Record(double latency_us, bool error);
+  void Fill(v1::RpcStatistics& out) const;
+
+ private:
+  static constexpr int kBuckets = 128;  // up to 2^32 µs
+  mutable std::mutex mu_;
+  uint64_t count_ = 0;
+  uint64_t errors_ = 0;
+  double total_us_ = 0;
+  double max_us_ = 0;
+  std::array<uint64_t, kBuckets> buckets_{};
+
+  double Percentile(double q) const;  // mu_ held
+};
+
+class IndexerService final : public v1::DecodeIndexer::Service {
+ public:
+  // `executor` must outlive the service.
+  IndexerService(exec::Executor& executor, std::string version);
+
+  grpc::Status GetServerInfo(grpc::ServerContext* context, const v1::GetServerInfoRequest* request,
+                             v1::ServerInfo* response) override;
+  grpc::Status CreateSequence(grpc::ServerContext* context,
+                              const v1::CreateSequenceRequest* request,
+                              v1::CreateSequenceResponse* response) override;
+  grpc::Status AppendKeys(grpc::ServerContext* context, const v1::AppendKeysRequest* request,
+                          v1::AppendKeysResponse* response) override;
+  grpc::Status ReleaseSequence(grpc::ServerContext* context,
+                               const v1::ReleaseSequenceRequest* request,
+                               v1::ReleaseSequenceResponse* response) override;
+  grpc::Status DecodeStep(grpc::ServerContext* context, const v1::DecodeStepRequest* request,
+                          v1::DecodeStepResponse* response) override;
+  // Each step of a stream counts once under "DecodeStream".
+  grpc::Status DecodeStream(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<v1::DecodeStepResponse, v1::DecodeStepRequest>* stream) override;
+  grpc::Status GetStatistics(grpc::ServerContext* context, const v1::GetStatisticsRequest* request,
+                             v1::Statistics* response) override;
+
+  void FillServerInfo(v1::ServerInfo& info) const;
+
+  // Called with false once the executor reports itself unhealthy (a device or collective
+  // fault): the Server points it at the health service (NOT_SERVING).
+  void SetHealthSink(std::function<void(bool serving)> sink);
+
+ private:
+  enum Method {
+    kGetServerInfo,
+    kCreateSequence,
+    kAppendKeys,
+    kReleaseSequence,
+    kDecodeStep,
+    kDecodeStream,
+    kGetStatistics,
+    kNumMethods
+  };
+  static const char* MethodName(Method m);
+
+  // One decode step: validate, execute, encode.
+  absl::Status RunStep(const v1::DecodeStepRequest& request, v1::DecodeStepResponse& response);
+  // After a failed call: whether the executor turned unhealthy; if so, tell the sink once.
+  void CheckHealth(const absl::Status& status);
+
+  exec::Executor& executor_;
+  std::string version_;
+  std::array<LatencyStats, kNumMethods> stats_;
+  std::mutex health_mu_;
+  std::function<void(bool)> health_sink_;
+  bool reported_unhealthy_ = false;
+};
+
+}  // namespace decode_indexer::service

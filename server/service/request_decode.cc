@@ -1,0 +1,513 @@
+#include "server/service/request_decode.h"
+
+#include <cstring>
+#include <limits>
+#include <span>
+#include <utility>
+#include "absl/strings/string_view.h"
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace decode_indexer::service {
+namespace {
+
+using kernels::CacheFormat;
+using kernels::ElemType;
+
+absl::Status Invalid(absl::string_view field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
+}
+
+absl::string_view DTypeName(v1::DType dtype) {
+  const std::string& name = v1::DType_Name(dtype);
+  return name.empty() ? absl::string_view("DTYPE_<unknown>") : absl::string_view(name);
+}
+
+absl::string_view FormatName(CacheFormat format) {
+  return format == CacheFormat::kFp8 ? "FP8" : "FP4";
+}
+
+bool IsAbsent(const v1::Tensor& t) {
+  return t.dtype() == v1::DTYPE_UNSPECIFIED && t.shape_size() == 0 && t.data().empty();
+}
+
+// Bytes of `elements` values of `dtype` (FP4: two a byte; the caller keeps elements even).
+int64_t DataBytes(v1::DType dtype, int64_t elements) {
+  switch (dtype) {
+    case v1::DTYPE_FP32:
+    case v1::DTYPE_INT32:
+      return elements * 4;
+    case v1::DTYPE_BF16:
+      return elements * 2;
+    case v1::DTYPE_FP8_E4M3:
+    case v1::DTYPE_UE8M0:
+      return elements;
+    case v1::DTYPE_FP4_E2M1:
+      return elements / 2;
+    case v1::DTYPE_INT64:
+      return elements * 8;
+    default:
+      return -1;
+  }
+}
+
+// One expected dimension: a fixed value, or free (kFree) up to `bound` and printed by name.
+constexpr int64_t kFree = -1;
+struct Dim {
+  int64_t value = kFree;
+  absl::string_view name = "n";
+  int64_t bound = 0;
+};
+
+std::string ExpectedString(std::span<const Dim> dims) {
+  std::vector<std::string> parts;
+  for (const Dim& d : dims) {
+    parts.push_back(d.value == kFree ? std::string(d.name) : absl::StrCat(d.value));
+  }
+  return absl::StrCat("[", absl::StrJoin(parts, ", "), "]");
+}
+
+// Checks presence, dtype, shape and byte count; answers the shape. `field` is the tensor's
+// proto path ("sequences[1].new_keys").
+absl::StatusOr<std::vector<int64_t>> CheckTensor(const v1::Tensor& t, absl::string_view field,
+                                                 std::span<const v1::DType> allowed,
+                                                 std::span<const Dim> dims) {
+  if (t.dtype() == v1::DTYPE_UNSPECIFIED) {
+    return Invalid(absl::StrCat(field, ".dtype"), "required");
+  }
+  bool ok = false;
+  for (v1::DType d : allowed) ok = ok || d == t.dtype();
+  if (!ok) {
+    std::vector<std::string> names;
+    for (v1::DType d : allowed) names.emplace_back(DTypeName(d));
+    return Invalid(
+        absl::StrCat(field, ".dtype"),
+        absl::StrCat("expected ", absl::StrJoin(names, " or "), ", got ", DTypeName(t.dtype())));
+  }
+  bool shape_ok = t.shape_size() == static_cast<int>(dims.size());
+  for (int i = 0; shape_ok && i < t.shape_size(); ++i) {
+    shape_ok = dims[i].value == kFree ? t.shape(i) >= 0 : t.shape(i) == dims[i].value;
+  }
+  if (!shape_ok) {
+    return Invalid(absl::StrCat(field, ".shape"),
+                   absl::StrCat("expected ", ExpectedString(dims), ", got ", ShapeString(t)));
+  }
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (dims[i].value == kFree && t.shape(i) > dims[i].bound) {
+      return Invalid(absl::StrCat(field, ".shape[", i, "]"),
+                     absl::StrCat(dims[i].name, " = ", t.shape(i), " exceeds ", dims[i].bound));
+    }
+  }
+  // Every dim is now bounded (fixed dims come from the profile, free dims by `bound`), so
+  // the product cannot overflow.
+  int64_t elements = 1;
+  std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
+  for (int64_t v : shape) elements *= v;
+  if (t.dtype() == v1::DTYPE_FP4_E2M1 && elements % 2 != 0) {
+    return Invalid(
+        absl::StrCat(field, ".shape"),
+        absl::StrCat("DTYPE_FP4_E2M1 needs an even element count, got ", ShapeString(t)));
+  }
+  const int64_t bytes = DataBytes(t.dtype(), elements);
+  if (static_cast<int64_t>(t.data().size()) != bytes) {
+    return Invalid(absl::StrCat(field, ".data"),
+                   absl::StrCat("expected ", bytes, " bytes for ", DTypeName(t.dtype()), " ",
+                                ShapeString(t), ", got ", t.data().size()));
+  }
+  return shape;
+}
+
+// "[row 2, head 3, dim 5]" for a flat element index of a tensor of `shape`.
+std::string IndexString(int64_t flat, const std::vector<int64_t>& shape) {
+  std::vector<int64_t> idx(shape.size(), 0);
+  for (int i = static_cast<int>(shape.size()) - 1; i >= 0; --i) {
+    if (shape[i] > 0) {
+      idx[i] = flat % shape[i];
+      flat /= shape[i];
+    }
+  }
+  return absl::StrCat("[", absl::StrJoin(idx, ", "), "]");
+}
+
+// NaN/Inf (and, for scales, non-positive values) in a checked tensor.
+absl::Status CheckValues(const v1::Tensor& t, absl::string_view field,
+                         const std::vector<int64_t>& shape, bool positive) {
+  const std::string& data = t.data();
+  const char* p = data.data();
+  auto bad = [&](int64_t i, absl::string_view what) {
+    return Invalid(absl::StrCat(field, ".data"),
+                   absl::StrCat(what, " at element ", i, " ", IndexString(i, shape)));
+  };
+  switch (t.dtype()) {
+    case v1::DTYPE_FP32: {
+      const int64_t n = static_cast<int64_t>(data.size() / 4);
+      for (int64_t i = 0; i < n; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, p + 4 * i, 4);
+        if ((bits & 0x7F800000u) == 0x7F800000u) return bad(i, "NaN or Inf");
+        if (positive) {
+          float v;
+          std::memcpy(&v, &bits, 4);
+          if (!(v > 0.0f)) return bad(i, "non-positive scale");
+        }
+      }
+      return absl::OkStatus();
+    }
+    case v1::DTYPE_BF16: {
+      const int64_t n = static_cast<int64_t>(data.size() / 2);
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t bits;
+        std::memcpy(&bits, p + 2 * i, 2);
+        if ((bits & 0x7F80u) == 0x7F80u) return bad(i, "NaN or Inf");
+      }
+      return absl::OkStatus();
+    }
+    case v1::DTYPE_FP8_E4M3: {
+      // e4m3fn has no Inf; S.1111.111 is its NaN.
+      for (int64_t i = 0; i < static_cast<int64_t>(data.size()); ++i) {
+        if ((static_cast<uint8_t>(p[i]) & 0x7F) == 0x7F) return bad(i, "NaN code");
+      }
+      return absl::OkStatus();
+    }
+    case v1::DTYPE_UE8M0: {
+      for (int64_t i = 0; i < static_cast<int64_t>(data.size()); ++i) {
+        if (static_cast<uint8_t>(p[i]) == 0xFF) return bad(i, "NaN scale (0xFF)");
+      }
+      return absl::OkStatus();
+    }
+    default:  // FP4 codes are all finite; integers have no NaN.
+      return absl::OkStatus();
+  }
+}
+
+ElemType ToElemType(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_FP32:
+      return ElemType::kF32;
+    case v1::DTYPE_BF16:
+      return ElemType::kBF16;
+    case v1::DTYPE_FP8_E4M3:
+      return ElemType::kFp8E4M3;
+    case v1::DTYPE_FP4_E2M1:
+      return ElemType::kFp4E2M1;
+    case v1::DTYPE_UE8M0:
+      return ElemType::kUE8M0;
+    case v1::DTYPE_INT32:
+      return ElemType::kI32;
+    default:
+      return ElemType::kI64;
+  }
+}
+
+// The request's bytes when suitably aligned for `align`, else a copy kept in `storage`.
+const void* AlignedView(const std::string& data, size_t align,
+                        std::vector<std::vector<uint8_t>>& storage) {
+  if (reinterpret_cast<uintptr_t>(data.data()) % align == 0) return data.data();
+  storage.emplace_back(data.begin(), data.end());  // operator new aligns for any scalar
+  return storage.back().data();
+}
+
+const float* AlignedFloats(const std::string& data, std::vector<float>& storage) {
+  if (reinterpret_cast<uintptr_t>(data.data()) % alignof(float) == 0) {
+    return reinterpret_cast<const float*>(data.data());
+  }
+  storage.resize(data.size() / sizeof(float));
+  std::memcpy(storage.data(), data.data(), storage.size() * sizeof(float));
+  return storage.data();
+}
+
+float Bf16ToFloat(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+const config::LayerSpec* LayerOf(const config::Profile& profile, int32_t layer) {
+  for (const config::LayerSpec& spec : profile.layers) {
+    if (spec.layer == layer) return &spec;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<const config::LayerSpec*> CheckLayer(const config::Profile& profile, int32_t layer) {
+  const config::LayerSpec* spec = LayerOf(profile, layer);
+  if (spec == nullptr) {
+    return Invalid("layer",
+                   absl::StrCat(layer, " is not a layer of profile ", profile.name, " (0..",
+                                static_cast<int64_t>(profile.layers.size()) - 1, ")"));
+  }
+  return spec;
+}
+
+bool OwnsCache(const config::LayerSpec& spec) {
+  return spec.role != config::LayerRole::kCandidateConsumer && spec.cache_layer == spec.layer;
+}
+
+// Keys in any accepted form for a cache of `format` (AppendKeys.keys / new_keys).
+absl::StatusOr<exec::KeysInput> DecodeKeys(const v1::Tensor& keys, const v1::Tensor& scales,
+                                           absl::string_view keys_field,
+                                           absl::string_view scales_field, CacheFormat format,
+                                           const config::Profile& profile,
+                                           std::vector<float>& scale_storage,
+                                           std::vector<std::vector<uint8_t>>& realigned) {
+  const int32_t d = profile.head_dim;
+  const v1::DType quantized = format == CacheFormat::kFp8 ? v1::DTYPE_FP8_E4M3 : v1::DTYPE_FP4_E2M1;
+  if (keys.dtype() == v1::DTYPE_FP8_E4M3 || keys.dtype() == v1::DTYPE_FP4_E2M1) {
+    if (keys.dtype() != quantized) {
+      return Invalid(absl::StrCat(keys_field, ".dtype"),
+                     absl::StrCat(DTypeName(keys.dtype()), " keys do not match the layer's ",
+                                  FormatName(format), " cache (send ", DTypeName(quantized),
+                                  ", DTYPE_FP32 or DTYPE_BF16)"));
+    }
+  }
+  const v1::DType allowed[] = {v1::DTYPE_FP32, v1::DTYPE_BF16, quantized};
+  const Dim dims[] = {{kFree, "n", profile.max_context}, {d}};
+  absl::StatusOr<std::vector<int64_t>> shape = CheckTensor(keys, keys_field, allowed, dims);
+  if (!shape.ok()) return shape.status();
+  const int64_t n = (*shape)[0];
+  if (n == 0) return Invalid(absl::StrCat(keys_field, ".shape"), "no keys (n = 0)");
+  if (absl::Status s = CheckValues(keys, keys_field, *shape, false); !s.ok()) return s;
+
+  exec::KeysInput out;
+  out.type = ToElemType(keys.dtype());
+  out.count = static_cast<int32_t>(n);
+  const bool pre_quantized = keys.dtype() == quantized;
+  if (!pre_quantized) {
+    if (!IsAbsent(scales)) {
+      return Invalid(scales_field,
+                     absl::StrCat("only with pre-quantized keys; ", DTypeName(keys.dtype()),
+                                  " keys are quantized by the server"));
+    }
+    out.keys = AlignedView(keys.data(), keys.dtype() == v1::DTYPE_FP32 ? 4 : 2, realigned);
+    return out;
+  }
+  out.keys = keys.data().data();
+  if (IsAbsent(scales)) {
+    return Invalid(scales_field, absl::StrCat("required with ", DTypeName(quantized), " keys"));
+  }
+  if (format == CacheFormat::kFp8) {
+    const v1::DType scale_types[] = {v1::DTYPE_FP32};
+    const Dim scale_dims[] = {{n}};
+    absl::StatusOr<std::vector<int64_t>> sshape =
+        CheckTensor(scales, scales_field, scale_types, scale_dims);
+    if (!sshape.ok()) return sshape.status();
+    if (absl::Status s = CheckValues(scales, scales_field, *sshape, true); !s.ok()) return s;
+    out.scales = AlignedFloats(scales.data(), scale_storage);
+  } else {
+    const v1::DType scale_types[] = {v1::DTYPE_UE8M0};
+    const Dim scale_dims[] = {{n}, {d / 32}};
+    absl::StatusOr<std::vector<int64_t>> sshape =
+        CheckTensor(scales, scales_field, scale_types, scale_dims);
+    if (!sshape.ok()) return sshape.status();
+    if (absl::Status s = CheckValues(scales, scales_field, *sshape, false); !s.ok()) return s;
+    out.scales = scales.data().data();
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string ShapeString(const v1::Tensor& tensor) {
+  return absl::StrCat("[", absl::StrJoin(tensor.shape(), ", "), "]");
+}
+
+absl::StatusOr<DecodedAppend> DecodeAppendKeys(const v1::AppendKeysRequest& request,
+                                               const config::Profile& profile) {
+  absl::StatusOr<const config::LayerSpec*> spec = CheckLayer(profile, request.layer());
+  if (!spec.ok()) return spec.status();
+  if (!OwnsCache(**spec)) {
+    return Invalid("layer", absl::StrCat(request.layer(), " reads layer ", (*spec)->cache_layer,
+                                         "'s cache; append keys to layer ", (*spec)->cache_layer));
+  }
+  if (IsAbsent(request.keys())) return Invalid("keys", "required");
+  DecodedAppend out;
+  out.sequence_id = request.sequence_id();
+  out.layer = request.layer();
+  absl::StatusOr<exec::KeysInput> keys =
+      DecodeKeys(request.keys(), request.key_scales(), "keys", "key_scales", (*spec)->cache_format,
+                 profile, out.scale_storage, out.realigned);
+  if (!keys.ok()) return keys.status();
+  out.keys = *keys;
+  return out;
+}
+
+absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& request,
+                                              const config::Profile& profile) {
+  absl::StatusOr<const config::LayerSpec*> spec_or = CheckLayer(profile, request.layer());
+  if (!spec_or.ok()) return spec_or.status();
+  const config::LayerSpec& spec = **spec_or;
+  const CacheFormat format = spec.cache_format;
+  const int32_t h = profile.num_heads;
+  const int32_t d = profile.head_dim;
+
+  if (request.sequences_size() == 0) return Invalid("sequences", "at least one required");
+  if (request.return_candidates() && spec.role != config::LayerRole::kCandidateSource) {
+    return Invalid("return_candidates",
+                   absl::StrCat("layer ", spec.layer, " is not a candidate source"));
+  }
+
+  DecodedStep out;
+  out.step.layer = request.layer();
+  out.step.step_id = request.step_id();
+  out.step.return_candidates = request.return_candidates();
+  out.step.sequences.reserve(request.sequences_size());
+  out.key_scales.resize(request.sequences_size());
+  absl::flat_hash_map<uint64_t, int> seen;
+  int64_t total_rows = 0;
+  for (int i = 0; i < request.sequences_size(); ++i) {
+    const v1::SequenceStep& seq = request.sequences(i);
+    const std::string prefix = absl::StrCat("sequences[", i, "]");
+    auto [it, inserted] = seen.emplace(seq.sequence_id(), i);
+    if (!inserted) {
+      return Invalid(absl::StrCat(prefix, ".sequence_id"),
+                     absl::StrCat(seq.sequence_id(), " appears twice in one step (also sequences[",
+                                  it->second, "])"));
+    }
+    if (seq.num_rows() < 0) {
+      return Invalid(absl::StrCat(prefix, ".num_rows"), absl::StrCat("negative: ", seq.num_rows()));
+    }
+    const int64_t rows = seq.num_rows() == 0 ? seq.row_lengths_size() : seq.num_rows();
+    if (rows == 0) {
+      return Invalid(absl::StrCat(prefix, ".num_rows"), "0 rows (set num_rows or row_lengths)");
+    }
+    if (seq.row_lengths_size() != 0 && seq.row_lengths_size() != rows) {
+      return Invalid(absl::StrCat(prefix, ".row_lengths"),
+                     absl::StrCat(seq.row_lengths_size(), " entries for num_rows ", rows));
+    }
+    if (rows > profile.max_rows_per_sequence) {
+      return Invalid(
+          absl::StrCat(prefix, ".num_rows"),
+          absl::StrCat(rows, " rows exceed max_rows_per_sequence ", profile.max_rows_per_sequence));
+    }
+    exec::SequenceStepInput in;
+    in.sequence_id = seq.sequence_id();
+    in.num_rows = static_cast<int32_t>(rows);
+    for (int j = 0; j < seq.row_lengths_size(); ++j) {
+      const int64_t len = seq.row_lengths(j);
+      if (len < 1 || len > profile.max_context) {
+        return Invalid(absl::StrCat(prefix, ".row_lengths[", j, "]"),
+                       absl::StrCat(len, " is out of range [1, ", profile.max_context, "]"));
+      }
+      in.row_lengths.push_back(static_cast<int32_t>(len));
+    }
+    const bool has_keys = !IsAbsent(seq.new_keys()) || !IsAbsent(seq.new_key_scales());
+    if (has_keys) {
+      if (!OwnsCache(spec)) {
+        return Invalid(absl::StrCat(prefix, ".new_keys"),
+                       absl::StrCat("layer ", spec.layer, " reads layer ", spec.cache_layer,
+                                    "'s cache and takes no keys"));
+      }
+      absl::StatusOr<exec::KeysInput> keys =
+          DecodeKeys(seq.new_keys(), seq.new_key_scales(), absl::StrCat(prefix, ".new_keys"),
+                     absl::StrCat(prefix, ".new_key_scales"), format, profile, out.key_scales[i],
+                     out.realigned);
+      if (!keys.ok()) return keys.status();
+      in.new_keys = *keys;
+    }
+    total_rows += rows;
+    out.step.sequences.push_back(std::move(in));
+  }
+  // Bounded by sequences * max_rows_per_sequence; still refuse what an int32 cannot count.
+  if (total_rows > std::numeric_limits<int32_t>::max() / (int64_t{h} * d)) {
+    return Invalid("sequences", absl::StrCat(total_rows, " rows in one step are too many"));
+  }
+  out.step.num_rows = static_cast<int32_t>(total_rows);
+
+  // q: unquantized (fp32/bf16) or pre-quantized in the layer's cache format.
+  const v1::Tensor& q = request.q();
+  if (IsAbsent(q)) return Invalid("q", "required");
+  const v1::DType quantized = format == CacheFormat::kFp8 ? v1::DTYPE_FP8_E4M3 : v1::DTYPE_FP4_E2M1;
+  if ((q.dtype() == v1::DTYPE_FP8_E4M3 || q.dtype() == v1::DTYPE_FP4_E2M1) &&
+      q.dtype() != quantized) {
+    return Invalid("q.dtype", absl::StrCat(DTypeName(q.dtype()), " q does not match layer ",
+                                           spec.layer, "'s ", FormatName(format), " cache"));
+  }
+  const v1::DType q_types[] = {v1::DTYPE_FP32, v1::DTYPE_BF16, quantized};
+  const Dim q_dims[] = {{total_rows}, {h}, {d}};
+  absl::StatusOr<std::vector<int64_t>> q_shape = CheckTensor(q, "q", q_types, q_dims);
+  if (!q_shape.ok()) return q_shape.status();
+  if (absl::Status s = CheckValues(q, "q", *q_shape, false); !s.ok()) return s;
+  const bool q_quantized = q.dtype() == quantized;
+  out.step.q.type = ToElemType(q.dtype());
+  out.step.q.q = q_quantized
+                     ? static_cast<const void*>(q.data().data())
+                     : AlignedView(q.data(), q.dtype() == v1::DTYPE_FP32 ? 4 : 2, out.realigned);
+  if (q.dtype() == v1::DTYPE_FP4_E2M1) {
+    if (IsAbsent(request.q_scales())) return Invalid("q_scales", "required with DTYPE_FP4_E2M1 q");
+    const v1::DType s_types[] = {v1::DTYPE_UE8M0};
+    const Dim s_dims[] = {{total_rows}, {h}, {d / 32}};
+    absl::StatusOr<std::vector<int64_t>> s_shape =
+        CheckTensor(request.q_scales(), "q_scales", s_types, s_dims);
+    if (!s_shape.ok()) return s_shape.status();
+    if (absl::Status s = CheckValues(request.q_scales(), "q_scales", *s_shape, false); !s.ok()) {
+      return s;
+    }
+    out.step.q.scales = reinterpret_cast<const uint8_t*>(request.q_scales().data().data());
+  } else if (!IsAbsent(request.q_scales())) {
+    return Invalid("q_scales",
+                   absl::StrCat("only with DTYPE_FP4_E2M1 q, got ", DTypeName(q.dtype()), " q"));
+  }
+
+  // weights [rows, H]: fp32 viewed in place, bf16 widened into owned storage.
+  if (IsAbsent(request.weights())) return Invalid("weights", "required");
+  const v1::DType w_types[] = {v1::DTYPE_FP32, v1::DTYPE_BF16};
+  const Dim w_dims[] = {{total_rows}, {h}};
+  absl::StatusOr<std::vector<int64_t>> w_shape =
+      CheckTensor(request.weights(), "weights", w_types, w_dims);
+  if (!w_shape.ok()) return w_shape.status();
+  if (absl::Status s = CheckValues(request.weights(), "weights", *w_shape, false); !s.ok()) {
+    return s;
+  }
+  if (request.weights().dtype() == v1::DTYPE_BF16) {
+    const std::string& data = request.weights().data();
+    out.weights.resize(data.size() / 2);
+    for (size_t i = 0; i < out.weights.size(); ++i) {
+      uint16_t bits;
+      std::memcpy(&bits, data.data() + 2 * i, 2);
+      out.weights[i] = Bf16ToFloat(bits);
+    }
+    out.step.q.weights = out.weights.data();
+  } else {
+    out.step.q.weights = AlignedFloats(request.weights().data(), out.weights);
+  }
+
+  // positions [rows]: RoPE needs the unrotated q, so only with unquantized q.
+  if (!IsAbsent(request.positions())) {
+    if (q_quantized) {
+      return Invalid("positions", absl::StrCat("only with unquantized (DTYPE_FP32 or DTYPE_BF16) "
+                                               "q; ",
+                                               DTypeName(q.dtype()), " q is already rotated"));
+    }
+    const v1::DType p_types[] = {v1::DTYPE_INT32, v1::DTYPE_INT64};
+    const Dim p_dims[] = {{total_rows}};
+    absl::StatusOr<std::vector<int64_t>> p_shape =
+        CheckTensor(request.positions(), "positions", p_types, p_dims);
+    if (!p_shape.ok()) return p_shape.status();
+    const std::string& data = request.positions().data();
+    const bool is32 = request.positions().dtype() == v1::DTYPE_INT32;
+    out.positions.resize(total_rows);
+    for (int64_t r = 0; r < total_rows; ++r) {
+      int64_t v;
+      if (is32) {
+        int32_t v32;
+        std::memcpy(&v32, data.data() + 4 * r, 4);
+        v = v32;
+      } else {
+        std::memcpy(&v, data.data() + 8 * r, 8);
+      }
+      if (v < 0 || v >= profile.max_context) {
+        return Invalid(absl::StrCat("positions[", r, "]"),
+                       absl::StrCat(v, " is out of range [0, ", profile.max_context, ")"));
+      }
+      out.positions[r] = v;
+    }
+    out.step.q.positions = out.positions.data();
+  }
+  return out;
+}
+
+}  // namespace decode_indexer::service

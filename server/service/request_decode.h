@@ -1,0 +1,52 @@
+// The edge's decoding: proto requests -> the executor's plain structs, checking everything
+// that needs no state against the Profile (dtypes, shapes, byte counts, NaN/Inf, layer ids,
+// row counts, duplicate sequences, keys at a consumer). What needs state (unknown sequence,
+// lengths, pages, candidates) is the executor's to check.
+//
+// Zero-copy where possible: the decoded structs point into the request's bytes, so the
+// request must outlive them. Only what must change form (bf16 weights -> fp32, int32
+// positions -> int64, a misaligned fp32/int64 buffer) is copied into storage the decoded
+// object owns. Error messages name the field the proto way:
+// "sequences[1].new_keys.shape: expected [n, 128], got [3, 64]".
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "decode_indexer/v1/indexer.pb.h"
+#include "server/config/profile.h"
+#include "server/exec/executor.h"
+
+namespace decode_indexer::service {
+
+// A decoded AppendKeys request. `keys` points into the request (or into `storage`).
+struct DecodedAppend {
+  uint64_t sequence_id = 0;
+  int32_t layer = 0;
+  exec::KeysInput keys;
+  std::vector<float> scale_storage;             // realigned fp32 key scales where needed
+  std::vector<std::vector<uint8_t>> realigned;  // realigned unquantized keys where needed
+};
+
+// A decoded DecodeStep request. Movable: the pointers into owned storage stay valid because
+// they point into vector buffers, which a move does not relocate.
+struct DecodedStep {
+  exec::StepInput step;
+  std::vector<float> weights;                   // fp32 weights when converted or realigned
+  std::vector<int64_t> positions;               // int64 positions (always owned)
+  std::vector<std::vector<float>> key_scales;   // realigned fp32 key scales, per sequence
+  std::vector<std::vector<uint8_t>> realigned;  // realigned fp32 q / keys where needed
+};
+
+absl::StatusOr<DecodedAppend> DecodeAppendKeys(const v1::AppendKeysRequest& request,
+                                               const config::Profile& profile);
+
+absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& request,
+                                              const config::Profile& profile);
+
+// "[3, 64]" — shapes in messages.
+std::string ShapeString(const v1::Tensor& tensor);
+
+}  // namespace decode_indexer::service

@@ -1,0 +1,490 @@
+// The edge's validation, without an executor: every stateless bad-input case is rejected
+// with INVALID_ARGUMENT naming the field; valid requests decode into views of the request's
+// bytes; random corruptions never crash.
+#include "server/service/request_decode.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "client/tensor.h"
+#include "server/config/profile.h"
+
+namespace decode_indexer::service {
+namespace {
+
+using client::Bf16Tensor;
+using client::CodesTensor;
+using client::F32Tensor;
+using client::I32Tensor;
+using client::I64Tensor;
+
+class RequestDecodeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto v32 = config::BuiltinProfile("v32");
+    ASSERT_TRUE(v32.ok()) << v32.status();
+    v32_ = *v32;
+    auto v41 = config::BuiltinProfile("v41");
+    ASSERT_TRUE(v41.ok()) << v41.status();
+    v41_ = *v41;
+    rng_.seed(std::random_device{}());
+  }
+
+  std::vector<float> Random(size_t n) {
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    std::vector<float> v(n);
+    for (float& x : v) x = dist(rng_);
+    return v;
+  }
+  std::vector<uint8_t> RandomBytes(size_t n, uint8_t mask = 0xFF) {
+    std::vector<uint8_t> v(n);
+    for (uint8_t& b : v) b = static_cast<uint8_t>(rng_() & mask);
+    return v;
+  }
+  // Valid FP8 codes: never the NaN pattern S.1111.111.
+  std::vector<uint8_t> RandomFp8(size_t n) {
+    std::vector<uint8_t> v = RandomBytes(n);
+    for (uint8_t& b : v) {
+      if ((b & 0x7F) == 0x7F) b &= 0xFE;
+    }
+    return v;
+  }
+  // Valid ue8m0 scales around 2^0.
+  std::vector<uint8_t> RandomUe8m0(size_t n) {
+    std::vector<uint8_t> v(n);
+    for (uint8_t& b : v) b = static_cast<uint8_t>(120 + rng_() % 12);
+    return v;
+  }
+
+  // A valid step at `layer`: sequences with rows_per_seq rows each, fp32 q and keys where the
+  // layer owns a cache, fp32 weights, int64 positions.
+  v1::DecodeStepRequest ValidStep(const config::Profile& p, int layer,
+                                  const std::vector<int>& rows_per_seq) {
+    v1::DecodeStepRequest req;
+    req.set_layer(layer);
+    const config::LayerSpec& spec = p.layers[layer];
+    const bool owns = spec.role != config::LayerRole::kCandidateConsumer;
+    int rows = 0;
+    for (size_t i = 0; i < rows_per_seq.size(); ++i) {
+      v1::SequenceStep* s = req.add_sequences();
+      s->set_sequence_id(1000 + rng_() % 1000 * 10 + i);
+      s->set_num_rows(rows_per_seq[i]);
+      if (owns) {
+        *s->mutable_new_keys() =
+            F32Tensor(Random(rows_per_seq[i] * p.head_dim), {rows_per_seq[i], p.head_dim});
+      }
+      rows += rows_per_seq[i];
+    }
+    *req.mutable_q() = F32Tensor(Random(size_t{1} * rows * p.num_heads * p.head_dim),
+                                 {rows, p.num_heads, p.head_dim});
+    *req.mutable_weights() = F32Tensor(Random(size_t{1} * rows * p.num_heads), {rows, p.num_heads});
+    std::vector<int64_t> pos(rows);
+    for (int64_t& x : pos) x = rng_() % 5000;
+    *req.mutable_positions() = I64Tensor(pos, {rows});
+    return req;
+  }
+
+  // Expects INVALID_ARGUMENT whose message starts with `field` + ":".
+  void ExpectRejected(const v1::DecodeStepRequest& req, const config::Profile& p,
+                      const std::string& field) {
+    absl::StatusOr<DecodedStep> d = DecodeStepRequest(req, p);
+    ASSERT_FALSE(d.ok()) << "accepted; expected a complaint about " << field;
+    EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument) << d.status();
+    EXPECT_EQ(std::string(d.status().message()).rfind(field + ":", 0), 0u)
+        << "message does not start with \"" << field << ":\": " << d.status().message();
+  }
+
+  config::Profile v32_, v41_;
+  std::mt19937_64 rng_;
+};
+
+TEST_F(RequestDecodeTest, ValidStepDecodesIntoViews) {
+  v1::DecodeStepRequest req = ValidStep(v32_, 5, {1, 2, 1});
+  absl::StatusOr<DecodedStep> d = DecodeStepRequest(req, v32_);
+  ASSERT_TRUE(d.ok()) << d.status();
+  const exec::StepInput& s = d->step;
+  EXPECT_EQ(s.layer, 5);
+  EXPECT_EQ(s.num_rows, 4);
+  ASSERT_EQ(s.sequences.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(s.sequences[i].sequence_id, req.sequences(i).sequence_id());
+    EXPECT_EQ(s.sequences[i].num_rows, req.sequences(i).num_rows());
+    EXPECT_EQ(s.sequences[i].new_keys.type, kernels::ElemType::kF32);
+    EXPECT_EQ(s.sequences[i].new_keys.count, req.sequences(i).num_rows());
+    EXPECT_EQ(std::memcmp(s.sequences[i].new_keys.keys, req.sequences(i).new_keys().data().data(),
+                          req.sequences(i).new_keys().data().size()),
+              0);
+  }
+  EXPECT_EQ(s.q.type, kernels::ElemType::kF32);
+  EXPECT_EQ(std::memcmp(s.q.q, req.q().data().data(), req.q().data().size()), 0);
+  EXPECT_EQ(std::memcmp(s.q.weights, req.weights().data().data(), req.weights().data().size()), 0);
+  ASSERT_NE(s.q.positions, nullptr);
+  for (int r = 0; r < 4; ++r) {
+    int64_t want;
+    std::memcpy(&want, req.positions().data().data() + 8 * r, 8);
+    EXPECT_EQ(s.q.positions[r], want);
+  }
+  // Aligned request bytes are used in place (zero copy).
+  if (reinterpret_cast<uintptr_t>(req.q().data().data()) % 4 == 0) {
+    EXPECT_EQ(s.q.q, req.q().data().data());
+  }
+  // A move keeps every pointer valid.
+  DecodedStep moved = std::move(*d);
+  EXPECT_EQ(moved.step.q.positions, moved.positions.data());
+}
+
+TEST_F(RequestDecodeTest, Bf16WeightsAndInt32PositionsAreConverted) {
+  v1::DecodeStepRequest req = ValidStep(v41_, 1, {2, 1});
+  std::vector<float> w = Random(3 * v41_.num_heads);
+  *req.mutable_weights() = Bf16Tensor(w, {3, v41_.num_heads});
+  std::vector<int32_t> pos = {static_cast<int32_t>(rng_() % 100), 7,
+                              static_cast<int32_t>(v41_.max_context - 1)};
+  *req.mutable_positions() = I32Tensor(pos, {3});
+  *req.mutable_q() =
+      Bf16Tensor(Random(3 * v41_.num_heads * v41_.head_dim), {3, v41_.num_heads, v41_.head_dim});
+  absl::StatusOr<DecodedStep> d = DecodeStepRequest(req, v41_);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->step.q.type, kernels::ElemType::kBF16);
+  for (size_t i = 0; i < w.size(); ++i) {
+    EXPECT_EQ(d->step.q.weights[i], client::Bf16ToFloat(client::FloatToBf16(w[i])));
+  }
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(d->step.q.positions[r], pos[r]);
+}
+
+TEST_F(RequestDecodeTest, PreQuantizedForms) {
+  // FP8 q and keys at a v32 layer.
+  const int H = v32_.num_heads, D = v32_.head_dim;
+  v1::DecodeStepRequest req = ValidStep(v32_, 0, {2});
+  req.clear_positions();
+  *req.mutable_q() = CodesTensor(v1::DTYPE_FP8_E4M3, RandomFp8(2 * H * D), {2, H, D});
+  *req.mutable_sequences(0)->mutable_new_keys() =
+      CodesTensor(v1::DTYPE_FP8_E4M3, RandomFp8(2 * D), {2, D});
+  std::vector<float> ks = {std::ldexp(1.0f, -3), std::ldexp(1.0f, -5)};
+  *req.mutable_sequences(0)->mutable_new_key_scales() = F32Tensor(ks, {2});
+  absl::StatusOr<DecodedStep> d = DecodeStepRequest(req, v32_);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->step.q.type, kernels::ElemType::kFp8E4M3);
+  EXPECT_EQ(d->step.q.q, req.q().data().data());
+  const exec::KeysInput& k = d->step.sequences[0].new_keys;
+  EXPECT_EQ(k.type, kernels::ElemType::kFp8E4M3);
+  EXPECT_EQ(static_cast<const float*>(k.scales)[1], ks[1]);
+
+  // FP4 q (+ q_scales) and keys (+ ue8m0 scales) at a v41 (FP4) layer.
+  const int H4 = v41_.num_heads;
+  int fp4_layer = -1;
+  for (const auto& l : v41_.layers) {
+    if (l.role != config::LayerRole::kCandidateConsumer &&
+        l.cache_format == kernels::CacheFormat::kFp4) {
+      fp4_layer = l.layer;
+      break;
+    }
+  }
+  ASSERT_GE(fp4_layer, 0) << "v41 has no FP4 cache layer";
+  v1::DecodeStepRequest r4 = ValidStep(v41_, fp4_layer, {1, 3});
+  r4.clear_positions();
+  *r4.mutable_q() = CodesTensor(v1::DTYPE_FP4_E2M1, RandomBytes(4 * H4 * D / 2), {4, H4, D});
+  *r4.mutable_q_scales() =
+      CodesTensor(v1::DTYPE_UE8M0, RandomUe8m0(4 * H4 * D / 32), {4, H4, D / 32});
+  *r4.mutable_sequences(1)->mutable_new_keys() =
+      CodesTensor(v1::DTYPE_FP4_E2M1, RandomBytes(3 * D / 2), {3, D});
+  *r4.mutable_sequences(1)->mutable_new_key_scales() =
+      CodesTensor(v1::DTYPE_UE8M0, RandomUe8m0(3 * D / 32), {3, D / 32});
+  absl::StatusOr<DecodedStep> d4 = DecodeStepRequest(r4, v41_);
+  ASSERT_TRUE(d4.ok()) << d4.status();
+  EXPECT_EQ(d4->step.q.type, kernels::ElemType::kFp4E2M1);
+  EXPECT_EQ(d4->step.q.scales, reinterpret_cast<const uint8_t*>(r4.q_scales().data().data()));
+  EXPECT_EQ(d4->step.sequences[1].new_keys.count, 3);
+  EXPECT_EQ(d4->step.sequences[0].new_keys.type, kernels::ElemType::kF32);
+}
+
+TEST_F(RequestDecodeTest, ShapeMessageNamesTheField) {
+  v1::DecodeStepRequest req = ValidStep(v32_, 3, {1, 1});
+  *req.mutable_sequences(1)->mutable_new_keys() = F32Tensor(Random(3 * 64), {3, 64});
+  absl::StatusOr<DecodedStep> d = DecodeStepRequest(req, v32_);
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().message(), "sequences[1].new_keys.shape: expected [n, 128], got [3, 64]");
+}
+
+TEST_F(RequestDecodeTest, RejectsBadSequences) {
+  auto req = ValidStep(v32_, 0, {1, 2, 1});
+  req.set_layer(static_cast<int>(v32_.layers.size()));
+  ExpectRejected(req, v32_, "layer");
+  req.set_layer(-1);
+  ExpectRejected(req, v32_, "layer");
+
+  req = ValidStep(v32_, 0, {1});
+  req.clear_sequences();
+  ExpectRejected(req, v32_, "sequences");
+
+  req = ValidStep(v32_, 0, {1, 2, 1});
+  req.mutable_sequences(2)->set_sequence_id(req.sequences(0).sequence_id());
+  ExpectRejected(req, v32_, "sequences[2].sequence_id");
+
+  req = ValidStep(v32_, 0, {2, 1});
+  req.mutable_sequences(0)->add_row_lengths(5);  // one entry for num_rows 2
+  ExpectRejected(req, v32_, "sequences[0].row_lengths");
+
+  req = ValidStep(v32_, 0, {2, 1});
+  req.mutable_sequences(0)->add_row_lengths(5);
+  req.mutable_sequences(0)->add_row_lengths(0);
+  ExpectRejected(req, v32_, "sequences[0].row_lengths[1]");
+
+  req = ValidStep(v32_, 0, {1, 1});
+  req.mutable_sequences(1)->set_num_rows(0);  // and no row_lengths
+  ExpectRejected(req, v32_, "sequences[1].num_rows");
+  req.mutable_sequences(1)->set_num_rows(-3);
+  ExpectRejected(req, v32_, "sequences[1].num_rows");
+
+  const int too_many = v32_.max_rows_per_sequence + 1;
+  req = ValidStep(v32_, 0, {1, too_many});
+  ExpectRejected(req, v32_, "sequences[1].num_rows");
+
+  // num_rows 0 with row_lengths: the row count comes from row_lengths.
+  req = ValidStep(v32_, 0, {1, 2});
+  req.mutable_sequences(1)->set_num_rows(0);
+  req.mutable_sequences(1)->add_row_lengths(3);
+  req.mutable_sequences(1)->add_row_lengths(4);
+  EXPECT_TRUE(DecodeStepRequest(req, v32_).ok());
+
+  // Sum of rows must match q.
+  req = ValidStep(v32_, 0, {1, 2});
+  req.mutable_sequences(1)->set_num_rows(1);
+  *req.mutable_sequences(1)->mutable_new_keys() = F32Tensor(Random(128), {1, 128});
+  ExpectRejected(req, v32_, "q.shape");
+}
+
+TEST_F(RequestDecodeTest, RejectsBadKeys) {
+  const int D = v32_.head_dim;
+  auto req = ValidStep(v32_, 2, {2});
+  auto* s = req.mutable_sequences(0);
+  *s->mutable_new_keys() = I32Tensor(std::vector<int32_t>(2 * D, 1), {2, D});
+  ExpectRejected(req, v32_, "sequences[0].new_keys.dtype");
+
+  *s->mutable_new_keys() = F32Tensor(Random(2 * D), {2, D});
+  s->mutable_new_keys()->mutable_data()->pop_back();
+  ExpectRejected(req, v32_, "sequences[0].new_keys.data");
+
+  std::vector<float> k = Random(2 * D);
+  k[rng_() % k.size()] = std::numeric_limits<float>::quiet_NaN();
+  *s->mutable_new_keys() = F32Tensor(k, {2, D});
+  ExpectRejected(req, v32_, "sequences[0].new_keys.data");
+  k = Random(2 * D);
+  k[rng_() % k.size()] = -std::numeric_limits<float>::infinity();
+  *s->mutable_new_keys() = Bf16Tensor(k, {2, D});
+  ExpectRejected(req, v32_, "sequences[0].new_keys.data");
+
+  // FP4 keys at an FP8 cache; FP8 keys without / with bad scales.
+  *s->mutable_new_keys() = CodesTensor(v1::DTYPE_FP4_E2M1, RandomBytes(D), {2, D});
+  ExpectRejected(req, v32_, "sequences[0].new_keys.dtype");
+  *s->mutable_new_keys() = CodesTensor(v1::DTYPE_FP8_E4M3, RandomFp8(2 * D), {2, D});
+  ExpectRejected(req, v32_, "sequences[0].new_key_scales");
+  for (float bad : {0.0f, -0.25f, std::numeric_limits<float>::infinity(),
+                    std::numeric_limits<float>::quiet_NaN()}) {
+    std::vector<float> sc = {0.5f, bad};
+    if (rng_() & 1) std::swap(sc[0], sc[1]);
+    *s->mutable_new_key_scales() = F32Tensor(sc, {2});
+    ExpectRejected(req, v32_, "sequences[0].new_key_scales.data");
+  }
+  *s->mutable_new_key_scales() = F32Tensor(std::vector<float>{0.5f, 0.25f, 1.0f}, {3});
+  ExpectRejected(req, v32_, "sequences[0].new_key_scales.shape");
+  // NaN code in FP8 keys.
+  std::vector<uint8_t> codes = RandomFp8(2 * D);
+  codes[rng_() % codes.size()] = 0xFF;
+  *s->mutable_new_keys() = CodesTensor(v1::DTYPE_FP8_E4M3, codes, {2, D});
+  *s->mutable_new_key_scales() = F32Tensor(std::vector<float>{0.5f, 0.25f}, {2});
+  ExpectRejected(req, v32_, "sequences[0].new_keys.data");
+  // Scales with unquantized keys.
+  *s->mutable_new_keys() = F32Tensor(Random(2 * D), {2, D});
+  ExpectRejected(req, v32_, "sequences[0].new_key_scales");
+
+  // Keys at a consumer layer (v41).
+  int consumer = -1;
+  for (const auto& l : v41_.layers) {
+    if (l.role == config::LayerRole::kCandidateConsumer) consumer = l.layer;
+  }
+  ASSERT_GE(consumer, 0);
+  auto creq = ValidStep(v41_, consumer, {1, 1});
+  EXPECT_TRUE(DecodeStepRequest(creq, v41_).ok());
+  *creq.mutable_sequences(1)->mutable_new_keys() = F32Tensor(Random(D), {1, D});
+  ExpectRejected(creq, v41_, "sequences[1].new_keys");
+}
+
+TEST_F(RequestDecodeTest, RejectsBadQWeightsPositions) {
+  const int H = v32_.num_heads, D = v32_.head_dim;
+  auto base = ValidStep(v32_, 1, {1, 1});
+  auto req = base;
+  req.clear_q();
+  ExpectRejected(req, v32_, "q");
+  req = base;
+  *req.mutable_q() = F32Tensor(Random(2 * H * 64), {2, H, 64});
+  ExpectRejected(req, v32_, "q.shape");
+  req = base;
+  std::vector<float> q = Random(2 * H * D);
+  q[rng_() % q.size()] = std::numeric_limits<float>::infinity();
+  *req.mutable_q() = F32Tensor(q, {2, H, D});
+  ExpectRejected(req, v32_, "q.data");
+  req = base;
+  req.mutable_q()->mutable_data()->append("xx");
+  ExpectRejected(req, v32_, "q.data");
+  req = base;
+  req.mutable_q()->set_dtype(v1::DTYPE_INT64);
+  ExpectRejected(req, v32_, "q.dtype");
+  req = base;
+  req.clear_positions();
+  *req.mutable_q() = CodesTensor(v1::DTYPE_FP4_E2M1, RandomBytes(2 * H * D / 2), {2, H, D});
+  ExpectRejected(req, v32_, "q.dtype");  // FP4 q at an FP8 layer
+  req = base;
+  *req.mutable_q_scales() = CodesTensor(v1::DTYPE_UE8M0, RandomUe8m0(2 * H * 4), {2, H, 4});
+  ExpectRejected(req, v32_, "q_scales");  // q_scales only with FP4
+  req = base;
+  *req.mutable_q() = CodesTensor(v1::DTYPE_FP8_E4M3, RandomFp8(2 * H * D), {2, H, D});
+  ExpectRejected(req, v32_, "positions");  // RoPE needs unquantized q
+
+  req = base;
+  req.clear_weights();
+  ExpectRejected(req, v32_, "weights");
+  req = base;
+  *req.mutable_weights() = F32Tensor(Random(2 * (H + 1)), {2, H + 1});
+  ExpectRejected(req, v32_, "weights.shape");
+  req = base;
+  std::vector<float> w = Random(2 * H);
+  w[rng_() % w.size()] = std::numeric_limits<float>::quiet_NaN();
+  *req.mutable_weights() = Bf16Tensor(w, {2, H});
+  ExpectRejected(req, v32_, "weights.data");
+
+  req = base;
+  *req.mutable_positions() = I64Tensor(std::vector<int64_t>{4, -1}, {2});
+  ExpectRejected(req, v32_, "positions[1]");
+  req = base;
+  *req.mutable_positions() =
+      I32Tensor(std::vector<int32_t>{static_cast<int32_t>(v32_.max_context), 2}, {2});
+  ExpectRejected(req, v32_, "positions[0]");
+  req = base;
+  *req.mutable_positions() = F32Tensor(std::vector<float>{1, 2}, {2});
+  ExpectRejected(req, v32_, "positions.dtype");
+  req = base;
+  *req.mutable_positions() = I64Tensor(std::vector<int64_t>{1, 2, 3}, {3});
+  ExpectRejected(req, v32_, "positions.shape");
+
+  req = base;
+  req.set_return_candidates(true);
+  ExpectRejected(req, v32_, "return_candidates");
+
+  // FP4 q at an FP4 layer needs valid q_scales.
+  int fp4_layer = -1;
+  for (const auto& l : v41_.layers) {
+    if (l.cache_format == kernels::CacheFormat::kFp4) fp4_layer = l.layer;
+  }
+  ASSERT_GE(fp4_layer, 0);
+  const int H4 = v41_.num_heads;
+  auto r4 = ValidStep(v41_, fp4_layer, {1});
+  r4.clear_positions();
+  *r4.mutable_q() = CodesTensor(v1::DTYPE_FP4_E2M1, RandomBytes(H4 * D / 2), {1, H4, D});
+  ExpectRejected(r4, v41_, "q_scales");
+  std::vector<uint8_t> qs = RandomUe8m0(H4 * D / 32);
+  *r4.mutable_q_scales() = CodesTensor(v1::DTYPE_UE8M0, qs, {1, H4, D / 16});
+  ExpectRejected(r4, v41_, "q_scales.shape");
+  qs[rng_() % qs.size()] = 0xFF;
+  *r4.mutable_q_scales() = CodesTensor(v1::DTYPE_UE8M0, qs, {1, H4, D / 32});
+  ExpectRejected(r4, v41_, "q_scales.data");
+  *r4.mutable_q() = CodesTensor(v1::DTYPE_FP8_E4M3, RandomFp8(H4 * D), {1, H4, D});
+  r4.clear_q_scales();
+  ExpectRejected(r4, v41_, "q.dtype");  // FP8 q at an FP4 layer
+}
+
+TEST_F(RequestDecodeTest, HugeShapesAreRejectedNotOverflowed) {
+  auto req = ValidStep(v32_, 0, {1});
+  req.mutable_sequences(0)->mutable_new_keys()->set_shape(0, int64_t{1} << 62);
+  ExpectRejected(req, v32_, "sequences[0].new_keys.shape[0]");
+  req = ValidStep(v32_, 0, {1});
+  req.mutable_q()->set_shape(0, std::numeric_limits<int64_t>::max());
+  ExpectRejected(req, v32_, "q.shape");
+}
+
+TEST_F(RequestDecodeTest, AppendKeys) {
+  const int D = v41_.head_dim;
+  v1::AppendKeysRequest req;
+  req.set_sequence_id(rng_());
+  req.set_layer(0);
+  const int n = 1 + rng_() % 50;
+  *req.mutable_keys() = F32Tensor(Random(n * D), {n, D});
+  absl::StatusOr<DecodedAppend> d = DecodeAppendKeys(req, v41_);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->keys.count, n);
+  EXPECT_EQ(d->sequence_id, req.sequence_id());
+
+  auto expect = [&](const v1::AppendKeysRequest& r, const std::string& field) {
+    absl::StatusOr<DecodedAppend> x = DecodeAppendKeys(r, v41_);
+    ASSERT_FALSE(x.ok()) << field;
+    EXPECT_EQ(x.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(std::string(x.status().message()).rfind(field + ":", 0), 0u) << x.status();
+  };
+  auto bad = req;
+  bad.set_layer(static_cast<int>(v41_.layers.size()) + 3);
+  expect(bad, "layer");
+  for (const auto& l : v41_.layers) {
+    if (l.role == config::LayerRole::kCandidateConsumer) {
+      bad = req;
+      bad.set_layer(l.layer);
+      expect(bad, "layer");
+      break;
+    }
+  }
+  bad = req;
+  bad.clear_keys();
+  expect(bad, "keys");
+  bad = req;
+  *bad.mutable_keys() = F32Tensor({}, {0, D});
+  expect(bad, "keys.shape");
+  bad = req;
+  *bad.mutable_key_scales() = F32Tensor(std::vector<float>(n, 1.0f), {n});
+  expect(bad, "key_scales");
+}
+
+// Random corruptions of valid requests: decoding answers OK or INVALID_ARGUMENT, never
+// crashes (ASan/UBSan builds check the memory side).
+TEST_F(RequestDecodeTest, RandomCorruptionsNeverCrash) {
+  for (int iter = 0; iter < 400; ++iter) {
+    const config::Profile& p = (iter & 1) ? v41_ : v32_;
+    auto req = ValidStep(p, static_cast<int>(rng_() % p.layers.size()), {1, 2});
+    v1::Tensor* targets[] = {req.mutable_q(),
+                             req.mutable_weights(),
+                             req.mutable_positions(),
+                             req.mutable_q_scales(),
+                             req.mutable_sequences(0)->mutable_new_keys(),
+                             req.mutable_sequences(1)->mutable_new_key_scales()};
+    v1::Tensor* t = targets[rng_() % 6];
+    switch (rng_() % 5) {
+      case 0:
+        t->set_dtype(static_cast<v1::DType>(rng_() % 9));
+        break;
+      case 1:
+        if (t->shape_size() > 0) {
+          t->set_shape(rng_() % t->shape_size(), static_cast<int64_t>(rng_()) >> (rng_() % 64));
+        }
+        break;
+      case 2:
+        t->add_shape(rng_() % 4);
+        break;
+      case 3:
+        t->mutable_data()->resize(rng_() % (t->data().size() + 64), static_cast<char>(rng_()));
+        break;
+      default:
+        req.mutable_sequences(rng_() % 2)->set_num_rows(static_cast<int32_t>(rng_() % 20) - 4);
+        break;
+    }
+    absl::StatusOr<DecodedStep> d = DecodeStepRequest(req, p);
+    if (!d.ok()) {
+      EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument) << d.status();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace decode_indexer::service
