@@ -36,14 +36,17 @@ struct ExecutorOptions {
   bool candidate_overlap = true;
   // Consumers score the expansion (sparse) or run the dense masked fallback.
   bool masked_consumer = false;
+  // How long a rank may wait for the others at a collective before the collective is aborted
+  // and the executor turns unhealthy (--collective-timeout).
+  int32_t collective_timeout_ms = 30000;
 };
 
 // Keys in one of the accepted forms (AppendKeys.keys / SequenceStep.new_keys).
 struct KeysInput {
   kernels::ElemType type = kernels::ElemType::kF32;  // kF32, kBF16, kFp8E4M3, kFp4E2M1
-  int32_t count = 0;                                  // n (0: no keys)
-  const void* keys = nullptr;                         // host bytes, validated size
-  const void* scales = nullptr;                       // FP8: float[n]; FP4: uint8[n, D/32]
+  int32_t count = 0;                                 // n (0: no keys)
+  const void* keys = nullptr;                        // host bytes, validated size
+  const void* scales = nullptr;                      // FP8: float[n]; FP4: uint8[n, D/32]
 };
 
 struct SequenceStepInput {
@@ -57,10 +60,10 @@ struct QInput {
   // kF32 / kBF16: unquantized (quantized and folded by the server); kFp8E4M3 / kFp4E2M1:
   // quantized in the layer's cache format with folded weights.
   kernels::ElemType type = kernels::ElemType::kFp8E4M3;
-  const void* q = nullptr;                  // [rows, H, D] (FP4 packed [rows, H, D/2])
-  const uint8_t* scales = nullptr;          // FP4 only: [rows, H, D/32]
-  const float* weights = nullptr;           // [rows, H] fp32
-  const int64_t* positions = nullptr;       // [rows] or null
+  const void* q = nullptr;             // [rows, H, D] (FP4 packed [rows, H, D/2])
+  const uint8_t* scales = nullptr;     // FP4 only: [rows, H, D/32]
+  const float* weights = nullptr;      // [rows, H] fp32
+  const int64_t* positions = nullptr;  // [rows] or null
 };
 
 struct StepInput {
@@ -105,6 +108,14 @@ struct ExecutorStatus {
   uint64_t rows_scored = 0;
   double queue_us_total = 0;
   double compute_us_total = 0;
+  // Of compute_us_total: rank 0's time in the sharded steps' collectives (all-gathers).
+  double collective_us_total = 0;
+  // False once a device or collective fault (a CUDA/NCCL error, an aborted communicator, a
+  // collective timeout) has left the ranks in an unknown state: every later AppendKeys and
+  // DecodeStep fails UNAVAILABLE, and the service reports NOT_SERVING.
+  bool healthy = true;
+  std::string health_detail;  // why not healthy
+  std::string collective;     // "in-process" | "nccl"
 };
 
 class Executor {
