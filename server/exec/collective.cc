@@ -1,19 +1,29 @@
 #include "server/exec/collective.h"
 
-#include <condition_variable>
-#include <mutex>
-
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 
 namespace decode_indexer::exec {
 namespace {
 
+constexpr char kPeerPayload[] = "decode_indexer/peer_failure";
+
+absl::Status PeerFailure(int32_t failed_rank, const absl::Status& failed) {
+  absl::Status s(failed.code(), absl::StrCat("rank ", failed_rank, " failed: ", failed.message()));
+  s.SetPayload(kPeerPayload, absl::Cord("1"));
+  return s;
+}
+
 class InProcessCollective final : public Collective {
  public:
-  InProcessCollective(std::vector<kernels::Backend*> backends, size_t max_bytes)
-      : backends_(std::move(backends)), host_(max_bytes) {}
+  InProcessCollective(std::vector<kernels::Backend*> backends, size_t max_bytes,
+                      std::chrono::milliseconds timeout)
+      : backends_(std::move(backends)),
+        host_(max_bytes),
+        rendezvous_(static_cast<int32_t>(backends_.size()), timeout) {}
 
   int32_t world_size() const override { return static_cast<int32_t>(backends_.size()); }
+  std::string_view name() const override { return "in-process"; }
 
   absl::Status AllGather(int32_t rank, const void* send, void* recv,
                          size_t bytes_per_rank) override {
@@ -28,48 +38,111 @@ class InProcessCollective final : public Collective {
     if (status.ok())
       status = b.CopyToHost(host_.data() + rank * bytes_per_rank, send, bytes_per_rank);
     if (status.ok()) status = b.Synchronize();
-    // The barriers run whatever happened, so that a failing rank never strands the others.
-    absl::Status sync = Barrier(rank);
-    if (status.ok()) status = sync;
+    // The rendezvous runs whatever happened, so that a failing rank never strands the others;
+    // after a failure nobody reads the bounce buffer.
+    status = rendezvous_.Exchange(rank, status);
     if (status.ok()) status = b.CopyToDevice(recv, host_.data(), total);
     if (status.ok()) status = b.Synchronize();
     // Nobody may refill the bounce buffer (the next collective) before everyone has read it.
-    sync = Barrier(rank);
-    if (status.ok()) status = sync;
+    status = rendezvous_.Exchange(rank, status);
     if (!status.ok()) {
+      if (IsPeerFailure(status)) return status;
       return absl::Status(status.code(),
                           absl::StrCat("all-gather on rank ", rank, ": ", status.message()));
     }
     return absl::OkStatus();
   }
 
-  absl::Status Barrier(int32_t /*rank*/) override {
-    std::unique_lock lock(mu_);
-    const uint64_t generation = generation_;
-    if (++arrived_ == world_size()) {
-      arrived_ = 0;
-      ++generation_;
-      cv_.notify_all();
-    } else {
-      cv_.wait(lock, [&] { return generation_ != generation; });
-    }
-    return absl::OkStatus();
+  absl::Status Barrier(int32_t rank) override {
+    return rendezvous_.Exchange(rank, absl::OkStatus());
   }
+  absl::Status Agree(int32_t rank, const absl::Status& local) override {
+    return rendezvous_.Exchange(rank, local);
+  }
+  void Abort(const absl::Status& why) override { rendezvous_.Break(why); }
+  bool aborted() const override { return rendezvous_.broken(); }
 
  private:
   std::vector<kernels::Backend*> backends_;
   std::vector<uint8_t> host_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int32_t arrived_ = 0;
-  uint64_t generation_ = 0;
+  HostRendezvous rendezvous_;
 };
 
 }  // namespace
 
+absl::Status MarkPeerFailure(absl::Status status) {
+  if (!status.ok()) status.SetPayload(kPeerPayload, absl::Cord("1"));
+  return status;
+}
+
+bool IsPeerFailure(const absl::Status& status) {
+  return !status.ok() && status.GetPayload(kPeerPayload).has_value();
+}
+
+absl::Status Collective::Broadcast(int32_t /*rank*/, void* /*buf*/, size_t /*bytes*/) {
+  return absl::UnimplementedError(
+      absl::StrCat(std::string(name()), " collective: no device broadcast"));
+}
+
+absl::Status HostRendezvous::Exchange(int32_t rank, const absl::Status& local) {
+  std::unique_lock lock(mu_);
+  if (broken_) return broken_why_;
+  const uint64_t generation = generation_;
+  posted_[rank] = local;
+  if (++arrived_ == world_) {
+    // The last to arrive settles the generation; nobody can post into the next one before
+    // every waiter of this one has read the outcome (they all must arrive there first).
+    failed_rank_ = -1;
+    for (int32_t r = 0; r < world_; ++r) {
+      if (!posted_[r].ok()) {
+        failed_rank_ = r;
+        failed_ = posted_[r];
+        break;
+      }
+    }
+    arrived_ = 0;
+    ++generation_;
+    cv_.notify_all();
+  } else if (!cv_.wait_for(lock, timeout_, [&] { return broken_ || generation_ != generation; })) {
+    // The others never came: a rank is stuck. Break the rendezvous (its counts are now
+    // meaningless) so that every later call fails fast instead of waiting again.
+    broken_ = true;
+    broken_why_ = MarkPeerFailure(absl::InternalError(
+        absl::StrCat("rank ", rank, " waited ", timeout_.count(),
+                     " ms for the other ranks at a collective; the collective is aborted")));
+    cv_.notify_all();
+    return broken_why_;
+  }
+  if (generation_ == generation) return broken_why_;  // woken by Break
+  // A rank that failed itself reports its own failure, not the lowest rank's.
+  if (!local.ok()) return local;
+  if (failed_rank_ < 0) return absl::OkStatus();
+  return PeerFailure(failed_rank_, failed_);
+}
+
+void HostRendezvous::Break(const absl::Status& why) {
+  std::lock_guard lock(mu_);
+  if (broken_) return;
+  broken_ = true;
+  broken_why_ =
+      MarkPeerFailure(absl::InternalError(absl::StrCat("collective aborted: ", why.message())));
+  cv_.notify_all();
+}
+
+bool HostRendezvous::broken() const {
+  std::lock_guard lock(mu_);
+  return broken_;
+}
+
+absl::Status HostRendezvous::broken_status() const {
+  std::lock_guard lock(mu_);
+  return broken_why_;
+}
+
 std::unique_ptr<Collective> MakeInProcessCollective(std::vector<kernels::Backend*> backends,
-                                                    size_t max_bytes) {
-  return std::make_unique<InProcessCollective>(std::move(backends), max_bytes);
+                                                    size_t max_bytes,
+                                                    std::chrono::milliseconds timeout) {
+  return std::make_unique<InProcessCollective>(std::move(backends), max_bytes, timeout);
 }
 
 }  // namespace decode_indexer::exec

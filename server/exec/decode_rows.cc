@@ -1,6 +1,7 @@
 #include "server/exec/decode_rows.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "server/exec/candidate_overlap.h"
@@ -236,6 +237,50 @@ absl::Status InsertKeysOnRank(Rank& rank, int32_t pool, const std::vector<KeyWri
   return absl::OkStatus();
 }
 
+absl::Status BroadcastInsertKeysOnRank(Rank& rank, int32_t pool,
+                                       const std::vector<KeyWrite>& writes, bool hadamard,
+                                       Collective& collective) {
+  kernels::Backend& be = rank.backend();
+  RankBuffers& b = rank.buffers();
+  const int32_t D = rank.sizes().head_dim;
+  const int32_t chunk = rank.sizes().key_chunk;
+  const bool root = rank.index() == 0;
+  for (const KeyWrite& w : writes) {
+    const int64_t vb = KeyValueBytes(w.type, D);
+    const int64_t sb = KeyScaleBytes(w.type, D);
+    for (int32_t done = 0; done < w.count; done += chunk) {
+      const int32_t c = std::min(chunk, w.count - done);
+      absl::Status st;
+      if (root) {
+        st = be.CopyToDevice(b.keys, static_cast<const uint8_t*>(w.keys) + done * vb, c * vb);
+        if (st.ok() && sb > 0) {
+          st = be.CopyToDevice(b.key_scales, static_cast<const uint8_t*>(w.scales) + done * sb,
+                               c * sb);
+        }
+      }
+      // The slots are small (8 bytes a key): every rank copies them itself.
+      if (st.ok()) st = be.CopyToDevice(b.slots, w.slots + done, c * sizeof(int64_t));
+      // The previous chunk's insert has read the staging buffers the broadcast overwrites.
+      if (st.ok()) st = be.Synchronize();
+      DI_RETURN_IF_ERROR(collective.Agree(rank.index(), st));
+      DI_RETURN_IF_ERROR(collective.Broadcast(rank.index(), b.keys, size_t(c) * vb));
+      if (sb > 0) {
+        DI_RETURN_IF_ERROR(collective.Broadcast(rank.index(), b.key_scales, size_t(c) * sb));
+      }
+      kernels::KeyInsertArgs args;
+      args.cache = b.caches[pool];
+      args.num_keys = c;
+      args.key_type = w.type;
+      args.keys = b.keys;
+      args.key_scales = sb > 0 ? b.key_scales : nullptr;
+      args.slots = b.slots;
+      args.hadamard = hadamard;
+      DI_RETURN_IF_ERROR(be.InsertKeys(args));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& collective) {
   kernels::Backend& be = rank.backend();
   RankBuffers& b = rank.buffers();
@@ -244,6 +289,12 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   // A step that fails the gate runs unsharded on every rank: each rank computes every row, so
   // every rank holds the whole answer (and, at a source, every candidate for its store)
   // without a collective.
+  const auto step_start = std::chrono::steady_clock::now();
+  auto since = [](std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                                t)
+        .count();
+  };
   RowRange range{0, plan.num_rows};
   absl::Status status = JoinExpansion(rank);
   if (plan.sharded) {
@@ -260,18 +311,34 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   const bool source = plan.role == config::LayerRole::kCandidateSource;
   const int32_t NB = s.num_candidate_blocks;
 
+  const bool injected = plan.fault_rank == rank.index();
+  if (injected && plan.fault == StepPlan::Fault::kError && status.ok()) {
+    status = absl::InternalError(absl::StrCat("injected fault on rank ", rank.index()));
+  }
   if (status.ok()) status = ScoreRows(rank, plan, range);
+  rank.last_collective_ns = 0;
   if (plan.sharded) {
-    // Called whatever happened above: the other ranks are waiting in them.
-    const int32_t rows_per_rank = plan.num_rows / world;
-    absl::Status g = collective.AllGather(rank.index(), b.topk + int64_t{range.start} * s.topk,
-                                          b.topk, size_t(rows_per_rank) * s.topk * sizeof(int32_t));
-    if (status.ok()) status = g;
-    if (source) {
-      g = collective.AllGather(rank.index(), b.candidates + int64_t{range.start} * NB, b.candidates,
-                               size_t(rows_per_rank) * NB * sizeof(int32_t));
-      if (status.ok()) status = g;
+    // The rank's own work first, so the time below is the collectives' alone.
+    if (status.ok()) status = be.Synchronize();
+    const auto gather_start = std::chrono::steady_clock::now();
+    rank.last_score_ns = since(step_start);
+    // Every rank reaches the agreement whatever happened above, and all skip the all-gathers
+    // if any failed: a device collective would otherwise wait for the failed rank.
+    status = collective.Agree(rank.index(), status);
+    if (status.ok() && injected && plan.fault == StepPlan::Fault::kHang) {
+      return absl::InternalError(
+          absl::StrCat("injected hang: rank ", rank.index(), " skipped the all-gather"));
     }
+    const int32_t rows_per_rank = plan.num_rows / world;
+    if (status.ok()) {
+      status = collective.AllGather(rank.index(), b.topk + int64_t{range.start} * s.topk, b.topk,
+                                    size_t(rows_per_rank) * s.topk * sizeof(int32_t));
+    }
+    if (status.ok() && source) {
+      status = collective.AllGather(rank.index(), b.candidates + int64_t{range.start} * NB,
+                                    b.candidates, size_t(rows_per_rank) * NB * sizeof(int32_t));
+    }
+    rank.last_collective_ns = since(gather_start);
   }
   if (!status.ok()) return status;
 
@@ -297,7 +364,9 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
                                        size_t(plan.num_rows) * NB * sizeof(int32_t)));
     }
   }
-  return be.Synchronize();
+  absl::Status done = be.Synchronize();
+  if (!plan.sharded) rank.last_score_ns = since(step_start);
+  return done;
 }
 
 #undef DI_RETURN_IF_ERROR

@@ -45,6 +45,11 @@ struct StepPlan {
   bool masked_consumer = false;
   bool reuse_expansion = false;  // consumer: every rank's expansion already holds these rows
   bool fork_expansion = false;   // source: fork the expansion after writing candidates
+  // Test hook (DI_INJECT_FAULT): this rank fails the step, as a kernel error would
+  // (kError), or passes the host agreement and then never joins the all-gather, as a stuck
+  // device would (kHang). -1: none.
+  int32_t fault_rank = -1;
+  enum class Fault { kError, kHang } fault = Fault::kError;
   // Host outputs, written by the answering rank.
   int32_t answer_rank = 0;
   int32_t* topk_out = nullptr;        // [rows, topk]
@@ -62,6 +67,13 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
 // Writes keys into one pool of this rank's replica, in chunks of the staging size.
 absl::Status InsertKeysOnRank(Rank& rank, int32_t pool, const std::vector<KeyWrite>& writes,
                               bool hadamard);
+
+// InsertKeysOnRank for prefill with a device broadcast: rank 0 uploads each chunk of keys
+// once and the collective broadcasts it (NVLink) into every rank's staging buffer, instead of
+// one host copy per rank. Every rank calls it with the same writes.
+absl::Status BroadcastInsertKeysOnRank(Rank& rank, int32_t pool,
+                                       const std::vector<KeyWrite>& writes, bool hadamard,
+                                       Collective& collective);
 
 // Bytes of one key (values) and of its scale in a given input form.
 int64_t KeyValueBytes(kernels::ElemType type, int32_t head_dim);

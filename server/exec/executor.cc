@@ -6,6 +6,8 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -18,6 +20,9 @@
 #include "server/exec/collective.h"
 #include "server/exec/decode_rows.h"
 #include "server/exec/executor_internal.h"
+#ifdef DI_HAVE_NCCL
+#include "server/exec/nccl_collective.h"
+#endif
 #include "server/exec/rank.h"
 #include "server/exec/row_shard.h"
 #include "server/state/page_allocator.h"
@@ -123,20 +128,67 @@ class ExecutorImpl final : public Executor {
 
  private:
   absl::Status Unavailable() const { return absl::UnavailableError("the executor is shut down"); }
-  // The failing rank's status, or OK when every rank succeeded.
+  // The failing rank's status, or OK when every rank succeeded. A rank's own failure wins
+  // over a copy of another rank's (Collective::Agree), so the answer names where it began.
   static absl::Status FirstError(const std::vector<absl::Status>& statuses) {
-    for (size_t r = 0; r < statuses.size(); ++r) {
-      if (!statuses[r].ok()) {
-        return absl::Status(statuses[r].code(),
-                            absl::StrCat("rank ", r, ": ", statuses[r].message()));
+    for (bool peers : {false, true}) {
+      for (size_t r = 0; r < statuses.size(); ++r) {
+        if (!statuses[r].ok() && IsPeerFailure(statuses[r]) == peers) {
+          return absl::Status(statuses[r].code(),
+                              absl::StrCat("rank ", r, ": ", statuses[r].message()));
+        }
       }
     }
     return absl::OkStatus();
   }
-  std::vector<absl::Status> RunOnAllRanks(const Rank::Job& job) { return RunOnRanks(ranks_, job); }
+  // Runs the job on every rank, keeps the statuses (for tests) and notes faults.
+  std::vector<absl::Status> RunOnAllRanks(const Rank::Job& job) {
+    std::vector<absl::Status> statuses = RunOnRanks(ranks_, job);
+    NoteFaults(statuses);
+    std::lock_guard lock(mu_);
+    last_rank_statuses_ = statuses;
+    return statuses;
+  }
+  // A device error (INTERNAL from a CUDA backend) may be sticky and leaves the replicas in an
+  // unknown state; an aborted collective cannot be used again. Either way the executor stops
+  // taking work. A CPU backend's failure is an ordinary, recoverable step failure.
+  void NoteFaults(const std::vector<absl::Status>& statuses) {
+    absl::Status fault;
+    if (collective_->aborted()) {
+      fault = FirstError(statuses);
+      if (fault.ok()) fault = absl::InternalError("the collective was aborted");
+    } else if (backend_name_ == "cuda") {
+      for (size_t r = 0; r < statuses.size() && fault.ok(); ++r) {
+        if (statuses[r].code() == absl::StatusCode::kInternal && !IsPeerFailure(statuses[r])) {
+          fault = absl::Status(statuses[r].code(),
+                               absl::StrCat("rank ", r, ": ", statuses[r].message()));
+        }
+      }
+    }
+    if (fault.ok()) return;
+    collective_->Abort(fault);  // ncclCommAbort: nobody may wait on it again
+    std::lock_guard lock(mu_);
+    if (!healthy_) return;
+    healthy_ = false;
+    stats_.healthy = false;
+    stats_.health_detail = std::string(fault.message());
+    spdlog::error("executor: unhealthy after a fault: {}", stats_.health_detail);
+  }
+  absl::Status CheckHealthy() const {
+    std::lock_guard lock(mu_);
+    if (healthy_) return absl::OkStatus();
+    return absl::UnavailableError(
+        absl::StrCat("the executor is unhealthy after a fault: ", stats_.health_detail));
+  }
   absl::StatusOr<StepResult> DecodeStepLocked(const StepInput& step, StepPlan& plan,
                                               std::vector<std::vector<int32_t>>& new_pages,
                                               std::vector<int32_t>& new_blocks);
+
+  friend void ::decode_indexer::exec::InjectFault(Executor& executor, const FaultInjection& fault);
+  friend std::vector<RankStepTimes>(::decode_indexer::exec::LastRankStepTimes)(
+      const Executor& executor);
+  friend std::vector<absl::Status>(::decode_indexer::exec::LastRankStatuses)(
+      const Executor& executor);
 
   const config::Profile profile_;
   const ExecutorOptions options_;
@@ -159,7 +211,33 @@ class ExecutorImpl final : public Executor {
   CandidateOverlap overlap_;
   uint64_t next_candidate_version_ = 1;
   ExecutorStatus stats_;
+  bool healthy_ = true;
+  std::vector<absl::Status> last_rank_statuses_;
+  FaultInjection fault_;         // test hook (DI_INJECT_FAULT)
+  uint64_t steps_to_ranks_ = 0;  // decode steps that reached the ranks
 };
+
+// DI_INJECT_FAULT=RANK:KIND[:STEP], KIND error|hang, STEP the 0-based index of the decode step
+// (among those that reach the ranks) to fail; default 0.
+FaultInjection FaultFromEnv() {
+  FaultInjection f;
+  const char* env = std::getenv("DI_INJECT_FAULT");
+  if (env == nullptr || *env == 0) return f;
+  int rank = -1;
+  char kind[16] = {0};
+  unsigned long long step = 0;
+  const int n = std::sscanf(env, "%d:%15[a-z]:%llu", &rank, kind, &step);
+  if (n < 2 || (std::string(kind) != "error" && std::string(kind) != "hang")) {
+    spdlog::warn("DI_INJECT_FAULT=\"{}\" ignored: want RANK:error|hang[:STEP]", env);
+    return f;
+  }
+  f.rank = rank;
+  f.hang = std::string(kind) == "hang";
+  f.step = step;
+  spdlog::warn("DI_INJECT_FAULT: rank {} will {} at decode step {}", rank, f.hang ? "hang" : "fail",
+               step);
+  return f;
+}
 
 absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory) {
   const config::Profile& p = profile_;
@@ -224,18 +302,36 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
   }
   const size_t gather_bytes =
       size_t(sizes.max_rows) * std::max(sizes.topk, sizes.num_candidate_blocks) * sizeof(int32_t);
-  collective_ = MakeInProcessCollective(backends, gather_bytes);
+  const std::chrono::milliseconds timeout(std::max(1, options_.collective_timeout_ms));
+  if (options_.backend == "cuda" && num_ranks > 1) {
+#ifdef DI_HAVE_NCCL
+    std::vector<int> devices(num_ranks);
+    for (int32_t r = 0; r < num_ranks; ++r) devices[r] = r;  // the factory's rank -> device
+    absl::StatusOr<std::unique_ptr<Collective>> nccl =
+        MakeNcclCollective(backends, std::move(devices), timeout);
+    if (!nccl.ok()) return nccl.status();
+    collective_ = *std::move(nccl);
+#else
+    spdlog::warn("executor: built without NCCL; the cuda ranks gather through host memory");
+#endif
+  }
+  if (collective_ == nullptr) {
+    collective_ = MakeInProcessCollective(backends, gather_bytes, timeout);
+  }
+  fault_ = FaultFromEnv();
 
   stats_.backend = backend_name_;
   stats_.backend_desc = backend_desc_;
   stats_.num_ranks = num_ranks;
+  stats_.collective = std::string(collective_->name());
   stats_.row_shard_min_requests = options_.row_shard_min_requests;
   stats_.max_sequences = options_.max_sequences;
   spdlog::info(
-      "executor: profile {} ({} layers, {} cache pools), backend {} x{} ranks, {} pages per "
-      "pool, candidate overlap {}, {} consumers",
-      p.name, p.layers.size(), pools_.size(), backend_desc_, num_ranks, options_.cache_pages,
-      options_.candidate_overlap ? "on" : "off", options_.masked_consumer ? "masked" : "sparse");
+      "executor: profile {} ({} layers, {} cache pools), backend {} x{} ranks ({} collective), "
+      "{} pages per pool, candidate overlap {}, {} consumers",
+      p.name, p.layers.size(), pools_.size(), backend_desc_, num_ranks, collective_->name(),
+      options_.cache_pages, options_.candidate_overlap ? "on" : "off",
+      options_.masked_consumer ? "masked" : "sparse");
   return absl::OkStatus();
 }
 
@@ -252,6 +348,7 @@ absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(uint64_t sequence_id, int32_t l
   if (shut_down_) return Unavailable();
   FifoTurns::Turn turn = turns_.Wait();
   if (shut_down_) return Unavailable();
+  if (absl::Status s = CheckHealthy(); !s.ok()) return s;
 
   std::unique_lock lock(mu_);
   const LayerSpec* spec = profile_.FindLayer(layer);
@@ -293,7 +390,13 @@ absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(uint64_t sequence_id, int32_t l
   lock.unlock();
   absl::Status status = FirstError(RunOnAllRanks([&](Rank& rank) -> absl::Status {
     if (absl::Status s = JoinExpansion(rank); !s.ok()) return s;
-    if (absl::Status s = InsertKeysOnRank(rank, pool, writes, profile_.hadamard); !s.ok()) return s;
+    // Bulk prefill crosses NVLink once per rank (broadcast from rank 0) where the collective
+    // can; otherwise every rank copies the keys from host memory.
+    const absl::Status s =
+        ranks_.size() > 1 && collective_->device_broadcast()
+            ? BroadcastInsertKeysOnRank(rank, pool, writes, profile_.hadamard, *collective_)
+            : InsertKeysOnRank(rank, pool, writes, profile_.hadamard);
+    if (!s.ok()) return s;
     return rank.backend().Synchronize();
   }));
   lock.lock();
@@ -333,6 +436,7 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStep(const StepInput& step) {
   const Clock::time_point arrived = Clock::now();
   FifoTurns::Turn turn = turns_.Wait();
   if (shut_down_) return Unavailable();
+  if (absl::Status s = CheckHealthy(); !s.ok()) return s;
   const Clock::time_point started = Clock::now();
 
   // Only the turn holder touches the reused plan.
@@ -568,6 +672,13 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
     plan.candidates_out = result.candidate_blocks.data();
   }
 
+  if (fault_.rank >= 0 && steps_to_ranks_ == fault_.step) {
+    plan.fault_rank = fault_.rank;
+    plan.fault = fault_.hang ? StepPlan::Fault::kHang : StepPlan::Fault::kError;
+    fault_ = FaultInjection{};  // once
+  }
+  ++steps_to_ranks_;
+
   lock.unlock();
   absl::Status status = FirstError(
       RunOnAllRanks([&](Rank& rank) { return DecodeRowsOnRank(rank, plan, *collective_); }));
@@ -608,6 +719,7 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
   result.lengths = lengths;
   ++stats_.steps;
   ++(plan.sharded ? stats_.steps_sharded : stats_.steps_unsharded);
+  stats_.collective_us_total += double(ranks_[0]->last_collective_ns) / 1000.0;
   stats_.rows_scored += uint64_t(num_rows);
   return result;
 }
@@ -689,6 +801,27 @@ absl::StatusOr<std::unique_ptr<Executor>> Executor::Create(const config::Profile
     };
   }
   return CreateExecutorWithBackends(profile, resolved, std::move(factory));
+}
+
+void InjectFault(Executor& executor, const FaultInjection& fault) {
+  auto& e = dynamic_cast<ExecutorImpl&>(executor);
+  std::lock_guard lock(e.mu_);
+  e.fault_ = fault;
+  e.fault_.step += e.steps_to_ranks_;
+}
+
+std::vector<RankStepTimes> LastRankStepTimes(const Executor& executor) {
+  const auto& e = dynamic_cast<const ExecutorImpl&>(executor);
+  std::vector<RankStepTimes> out;
+  // Written by the rank threads inside a step; read between steps.
+  for (const auto& r : e.ranks_) out.push_back({r->last_score_ns, r->last_collective_ns});
+  return out;
+}
+
+std::vector<absl::Status> LastRankStatuses(const Executor& executor) {
+  const auto& e = dynamic_cast<const ExecutorImpl&>(executor);
+  std::lock_guard lock(e.mu_);
+  return e.last_rank_statuses_;
 }
 
 absl::StatusOr<std::unique_ptr<Executor>> CreateExecutorWithBackends(const config::Profile& profile,

@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "decode_indexer/kernels/backend.h"
@@ -17,9 +18,32 @@ namespace decode_indexer::exec {
 using BackendFactory = std::function<absl::StatusOr<std::unique_ptr<kernels::Backend>>(
     int32_t rank, const kernels::BackendLimits& limits)>;
 
-// options.ranks must be >= 1; options.backend is ignored.
+// options.ranks must be >= 1. options.backend "cuda" with ranks > 1 makes the ranks gather
+// through NCCL (rank r on device r, in NCCL builds); anything else through host memory.
 absl::StatusOr<std::unique_ptr<Executor>> CreateExecutorWithBackends(const config::Profile& profile,
                                                                      const ExecutorOptions& options,
                                                                      BackendFactory factory);
+
+// Test hook, also reachable as DI_INJECT_FAULT=RANK:error|hang[:STEP]: the decode step `step`
+// calls from now (0: the next one to reach the ranks) fails on `rank`: with an error before
+// scoring (as a kernel error would), or, in a sharded step, by passing the host agreement and
+// then skipping the all-gather (as a stuck device would), which the collective's timeout ends.
+struct FaultInjection {
+  int32_t rank = -1;  // -1: none
+  bool hang = false;
+  uint64_t step = 0;
+};
+void InjectFault(Executor& executor, const FaultInjection& fault);
+
+// Every rank's status of the last job that ran on the ranks.
+std::vector<absl::Status> LastRankStatuses(const Executor& executor);
+
+// Per rank, the last decode step's time before its collectives and in them (ns): where a
+// sharded step's time goes (benchmarks).
+struct RankStepTimes {
+  int64_t score_ns = 0;
+  int64_t collective_ns = 0;
+};
+std::vector<RankStepTimes> LastRankStepTimes(const Executor& executor);
 
 }  // namespace decode_indexer::exec

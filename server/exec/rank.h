@@ -80,6 +80,12 @@ class Rank {
   RankBuffers& buffers() { return buffers_; }
   // Whether a ForkExpand is in flight on the side stream (JoinExpand not yet called).
   bool fork_pending = false;
+  // Time the last decode step spent in its collectives (agreement and all-gathers, after the
+  // rank's own work had finished): the all-gather's share of a step.
+  int64_t last_collective_ns = 0;
+  // Time the last decode step spent before its collectives: uploads, keys, q prep and scoring,
+  // up to the rank's own work finishing (the whole step when unsharded).
+  int64_t last_score_ns = 0;
 
   // Job handoff: Start hands the job to the rank's thread; Wait returns its status.
   void Start(const Job* job);

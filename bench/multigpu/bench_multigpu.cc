@@ -1,0 +1,361 @@
+// decode-indexer-bench-multigpu: the executor's per-layer decode step time at --ranks 1 vs 2
+// (or any list), driven directly (no gRPC), so the numbers are the executor's own: host
+// planning, uploads, the kernels on every rank, the all-gather and the answer's copy back.
+//
+//   v32 dense: requests x context x next_n, step time, steps/s, the collectives' share.
+//   v41: one round of the candidate source and four consumers, overlap on vs off.
+//
+// Keys and q are pre-quantized random codes (FP8 e4m3 / FP4 e2m1, never NaN), appended once
+// per executor; the timed steps carry no new keys and score explicit causal row lengths, so
+// one prefill at the longest context serves every shorter one. Prints markdown tables.
+//
+// Usage: decode-indexer-bench-multigpu [--backend cuda|cpu] [--ranks 1,2] [--requests 64,128]
+//        [--contexts 32768,65536] [--next-n 1,2] [--steps 20] [--v41-requests 64]
+//        [--v41-context 32768] [--skip-v32] [--skip-v41]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "server/config/profile.h"
+#include "server/exec/executor.h"
+#include "server/exec/executor_internal.h"
+
+namespace di = decode_indexer;
+using di::config::LayerRole;
+using di::exec::Executor;
+using di::exec::ExecutorOptions;
+using di::kernels::CacheFormat;
+using di::kernels::ElemType;
+
+namespace {
+
+struct Args {
+  std::string backend = "cuda";
+  std::vector<int> ranks = {1, 2};
+  std::vector<int> requests = {64, 128};
+  std::vector<int> contexts = {32768, 65536};
+  std::vector<int> next_n = {1, 2};
+  int steps = 20;
+  int warmup = 3;
+  int v41_requests = 64;
+  int v41_context = 32768;
+  bool v32 = true;
+  bool v41 = true;
+};
+
+std::vector<int> IntList(const char* s) {
+  std::vector<int> out;
+  for (absl::string_view part : absl::StrSplit(s, ',')) {
+    int v = 0;
+    if (absl::SimpleAtoi(part, &v)) out.push_back(v);
+  }
+  return out;
+}
+
+Args Parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string f = argv[i];
+    auto next = [&]() -> const char* {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", f.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (f == "--backend")
+      a.backend = next();
+    else if (f == "--ranks")
+      a.ranks = IntList(next());
+    else if (f == "--requests")
+      a.requests = IntList(next());
+    else if (f == "--contexts")
+      a.contexts = IntList(next());
+    else if (f == "--next-n")
+      a.next_n = IntList(next());
+    else if (f == "--steps")
+      a.steps = std::atoi(next());
+    else if (f == "--v41-requests")
+      a.v41_requests = std::atoi(next());
+    else if (f == "--v41-context")
+      a.v41_context = std::atoi(next());
+    else if (f == "--skip-v32")
+      a.v32 = false;
+    else if (f == "--skip-v41")
+      a.v41 = false;
+    else {
+      std::fprintf(stderr, "unknown flag %s (see the source's header)\n", f.c_str());
+      std::exit(2);
+    }
+  }
+  return a;
+}
+
+// Random bytes that are never an e4m3 NaN (S.1111.111).
+void FillFp8(std::mt19937_64& rng, std::vector<uint8_t>& v) {
+  for (uint8_t& b : v) {
+    b = static_cast<uint8_t>(rng());
+    if ((b & 0x7F) == 0x7F) b ^= 1;
+  }
+}
+// ue8m0 scales near 1 (2^-6 .. 2^3), so products stay finite.
+void FillScales(std::mt19937_64& rng, std::vector<uint8_t>& v) {
+  for (uint8_t& b : v) b = static_cast<uint8_t>(121 + rng() % 10);
+}
+
+struct Data {
+  std::vector<uint8_t> keys, key_scales;  // one sequence's worth, reused by every sequence
+  std::vector<uint8_t> q, q_scales;
+  std::vector<float> weights;
+};
+
+// Appends `length` keys to every sequence's cache `layer`, in calls of up to 64K keys.
+bool Prefill(Executor& e, const di::config::Profile& p, int32_t layer, int requests, int64_t length,
+             const Data& d) {
+  const bool fp8 = p.layers[layer].cache_format == CacheFormat::kFp8;
+  const int64_t vb = fp8 ? p.head_dim : p.head_dim / 2;
+  const int64_t sb = fp8 ? 4 : p.head_dim / 32;
+  for (int i = 0; i < requests; ++i) {
+    for (int64_t done = 0; done < length;) {
+      const int64_t n = std::min<int64_t>(65536, length - done);
+      di::exec::KeysInput in;
+      in.type = fp8 ? ElemType::kFp8E4M3 : ElemType::kFp4E2M1;
+      in.count = static_cast<int32_t>(n);
+      in.keys = d.keys.data();
+      in.scales = d.key_scales.data();
+      absl::StatusOr<int64_t> r = e.AppendKeys(i + 1, layer, in);
+      if (!r.ok()) {
+        std::fprintf(stderr, "append: %s\n", r.status().ToString().c_str());
+        return false;
+      }
+      done += n;
+    }
+    (void)vb;
+    (void)sb;
+  }
+  return true;
+}
+
+Data MakeData(const di::config::Profile& p, CacheFormat format, int64_t keys, int rows,
+              uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Data d;
+  const bool fp8 = format == CacheFormat::kFp8;
+  const int64_t H = p.num_heads, D = p.head_dim;
+  d.keys.resize(keys * (fp8 ? D : D / 2));
+  if (fp8) {
+    FillFp8(rng, d.keys);
+    std::vector<float> s(keys);
+    std::uniform_real_distribution<float> u(0.001f, 0.01f);
+    for (float& x : s) x = u(rng);
+    d.key_scales.resize(keys * 4);
+    std::memcpy(d.key_scales.data(), s.data(), keys * 4);
+  } else {
+    for (uint8_t& b : d.keys) b = static_cast<uint8_t>(rng());
+    d.key_scales.resize(keys * D / 32);
+    FillScales(rng, d.key_scales);
+  }
+  d.q.resize(int64_t(rows) * H * (fp8 ? D : D / 2));
+  if (fp8) {
+    FillFp8(rng, d.q);
+  } else {
+    for (uint8_t& b : d.q) b = static_cast<uint8_t>(rng());
+    d.q_scales.resize(int64_t(rows) * H * D / 32);
+    FillScales(rng, d.q_scales);
+  }
+  d.weights.resize(int64_t(rows) * H);
+  std::normal_distribution<float> n(0.0f, 0.05f);
+  for (float& w : d.weights) w = n(rng);
+  return d;
+}
+
+// A step of `requests` sequences x next_n rows over context `context` (explicit causal row
+// lengths, no new keys).
+di::exec::StepInput MakeStep(int32_t layer, int requests, int next_n, int context, const Data& d,
+                             bool fp4, uint64_t step_id) {
+  di::exec::StepInput in;
+  in.layer = layer;
+  in.step_id = step_id;
+  for (int i = 0; i < requests; ++i) {
+    di::exec::SequenceStepInput s;
+    s.sequence_id = i + 1;
+    s.num_rows = next_n;
+    for (int j = 0; j < next_n; ++j) s.row_lengths.push_back(context - next_n + 1 + j);
+    in.sequences.push_back(std::move(s));
+  }
+  in.num_rows = requests * next_n;
+  in.q.type = fp4 ? ElemType::kFp4E2M1 : ElemType::kFp8E4M3;
+  in.q.q = d.q.data();
+  in.q.scales = fp4 ? d.q_scales.data() : nullptr;
+  in.q.weights = d.weights.data();
+  return in;
+}
+
+struct Timing {
+  double step_us = 0;        // mean executor compute time per step
+  double collective_us = 0;  // of which the collectives
+  double score_us = 0;       // of which the slowest rank's own work, before the collectives
+  bool sharded = false;
+  bool ok = false;
+};
+
+Timing TimeSteps(Executor& e, const std::vector<di::exec::StepInput>& round, int warmup,
+                 int steps) {
+  Timing t;
+  for (int i = 0; i < warmup; ++i) {
+    for (const auto& s : round) {
+      absl::StatusOr<di::exec::StepResult> r = e.DecodeStep(s);
+      if (!r.ok()) {
+        std::fprintf(stderr, "step: %s\n", r.status().ToString().c_str());
+        return t;
+      }
+    }
+  }
+  const di::exec::ExecutorStatus before = e.Status();
+  for (int i = 0; i < steps; ++i) {
+    for (const auto& s : round) {
+      absl::StatusOr<di::exec::StepResult> r = e.DecodeStep(s);
+      if (!r.ok()) {
+        std::fprintf(stderr, "step: %s\n", r.status().ToString().c_str());
+        return t;
+      }
+      t.sharded = r->sharded;
+      int64_t slowest = 0;
+      for (const auto& rt : di::exec::LastRankStepTimes(e))
+        slowest = std::max(slowest, rt.score_ns);
+      t.score_us += slowest / 1000.0;
+    }
+  }
+  const di::exec::ExecutorStatus after = e.Status();
+  t.step_us = (after.compute_us_total - before.compute_us_total) / steps;
+  t.collective_us = (after.collective_us_total - before.collective_us_total) / steps;
+  t.score_us /= steps;
+  t.ok = true;
+  return t;
+}
+
+std::unique_ptr<Executor> MakeExecutor(const di::config::Profile& p, const Args& a, int ranks,
+                                       int requests, int64_t pages, bool overlap) {
+  ExecutorOptions o;
+  o.backend = a.backend;
+  o.ranks = ranks;
+  o.cache_pages = pages;
+  o.max_sequences = requests;
+  o.max_requests_per_step = requests;
+  o.row_shard_min_requests = 2;
+  o.candidate_overlap = overlap;
+  absl::StatusOr<std::unique_ptr<Executor>> e = Executor::Create(p, o);
+  if (!e.ok()) {
+    std::fprintf(stderr, "executor: %s\n", e.status().ToString().c_str());
+    return nullptr;
+  }
+  for (int i = 0; i < requests; ++i) (void)(*e)->CreateSequence(i + 1);
+  return *std::move(e);
+}
+
+void BenchV32(const Args& a) {
+  di::config::Profile p = *di::config::BuiltinProfile("v32");
+  const int max_ctx = *std::max_element(a.contexts.begin(), a.contexts.end());
+  const int max_req = *std::max_element(a.requests.begin(), a.requests.end());
+  const int max_n = *std::max_element(a.next_n.begin(), a.next_n.end());
+  p.layers.resize(1);
+  p.max_context = max_ctx;
+  p.max_rows_per_sequence = max_n;
+  const int64_t pages = int64_t(max_req) * ((max_ctx + p.page_size - 1) / p.page_size) + 16;
+  const Data d = MakeData(p, CacheFormat::kFp8, 65536, max_req * max_n, 7);
+  std::printf("\n## v32 dense layer (H %d, D %d, K %d, FP8), %s backend\n\n", p.num_heads,
+              p.head_dim, p.topk, a.backend.c_str());
+  std::printf(
+      "| ranks | requests | context | next_n | rows | sharded | step us | steps/s | "
+      "collective us | collective share | slowest rank's scoring us |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (int ranks : a.ranks) {
+    std::unique_ptr<Executor> e = MakeExecutor(p, a, ranks, max_req, pages, true);
+    if (e == nullptr) continue;
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!Prefill(*e, p, 0, max_req, max_ctx, d)) continue;
+    std::fprintf(stderr, "ranks %d: prefill of %d x %d keys took %.2f s\n", ranks, max_req, max_ctx,
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    for (int req : a.requests) {
+      for (int ctx : a.contexts) {
+        for (int n : a.next_n) {
+          const Timing t =
+              TimeSteps(*e, {MakeStep(0, req, n, ctx, d, false, 1)}, a.warmup, a.steps);
+          if (!t.ok) continue;
+          std::printf("| %d | %d | %d | %d | %d | %s | %.1f | %.0f | %.1f | %.1f%% | %.1f |\n",
+                      ranks, req, ctx, n, req * n, t.sharded ? "yes" : "no", t.step_us,
+                      1e6 / t.step_us, t.collective_us, 100.0 * t.collective_us / t.step_us,
+                      t.score_us);
+          std::fflush(stdout);
+        }
+      }
+    }
+  }
+}
+
+void BenchV41(const Args& a) {
+  di::config::Profile p = *di::config::BuiltinProfile("v41");
+  p.max_context = a.v41_context;
+  p.max_rows_per_sequence = 2;
+  p.layers.resize(5);
+  p.layers[0] = {0, LayerRole::kCandidateSource, 0, CacheFormat::kFp4};
+  for (int i = 1; i < 5; ++i)
+    p.layers[i] = {i, LayerRole::kCandidateConsumer, 0, CacheFormat::kFp4};
+  const int req = a.v41_requests;
+  const int ctx = a.v41_context;
+  const int64_t pages = int64_t(req) * ((ctx + p.page_size - 1) / p.page_size) + 16;
+  const Data d = MakeData(p, CacheFormat::kFp4, 65536, req * 2, 11);
+  std::printf(
+      "\n## v41 round: candidate source + 4 consumers (H %d, D %d, K %d, FP4, %d x %d "
+      "candidate blocks), %d requests x %d, %s backend\n\n",
+      p.num_heads, p.head_dim, p.topk, p.num_candidate_blocks, p.candidate_block_size, req, ctx,
+      a.backend.c_str());
+  std::printf(
+      "| ranks | next_n | overlap | source us | consumer us (mean of 4) | round us | "
+      "rounds/s | collective us |\n");
+  std::printf("|---|---|---|---|---|---|---|---|\n");
+  for (int ranks : a.ranks) {
+    for (bool overlap : {true, false}) {
+      std::unique_ptr<Executor> e = MakeExecutor(p, a, ranks, req, pages, overlap);
+      if (e == nullptr) continue;
+      if (!Prefill(*e, p, 0, req, ctx, d)) continue;
+      for (int n : a.next_n) {
+        std::vector<di::exec::StepInput> round;
+        for (int layer = 0; layer < 5; ++layer) {
+          round.push_back(MakeStep(layer, req, n, ctx, d, true, layer));
+        }
+        round[0].return_candidates = false;
+        // The source alone, then the whole round: the consumers' mean is the difference.
+        const Timing src = TimeSteps(*e, {round[0]}, a.warmup, a.steps);
+        const Timing all = TimeSteps(*e, round, a.warmup, a.steps);
+        if (!src.ok || !all.ok) continue;
+        std::printf("| %d | %d | %s | %.1f | %.1f | %.1f | %.0f | %.1f |\n", ranks, n,
+                    overlap ? "on" : "off", src.step_us, (all.step_us - src.step_us) / 4,
+                    all.step_us, 1e6 / all.step_us, all.collective_us);
+        std::fflush(stdout);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args a = Parse(argc, argv);
+  std::printf(
+      "# decode-indexer-bench-multigpu\n\nmean over %d steps after %d warm-up steps; "
+      "executor compute time per step (host planning, uploads, kernels on every rank, "
+      "all-gather, answer copy-back)\n",
+      a.steps, a.warmup);
+  if (a.v32) BenchV32(a);
+  if (a.v41) BenchV41(a);
+  return 0;
+}

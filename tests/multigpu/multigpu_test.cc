@@ -1,0 +1,335 @@
+// One rank per device: the executor's row sharding and collectives at several rank counts.
+//
+// CPU (runs everywhere, CI included): the CPU backend at 1, 2, 4 and 8 ranks answers
+// bit-identically on batches that shard at every one of those counts; an injected rank error
+// fails a sharded step with INTERNAL on every rank and leaves the executor usable (a CPU
+// failure is an ordinary step failure); an injected hang (a rank that never joins the
+// all-gather) is ended by the collective timeout with INTERNAL on every rank and turns the
+// executor unhealthy.
+//
+// CUDA (two GPUs and NCCL, else skipped visibly): the same executor with backend cuda at
+// --ranks 2 (NCCL) against --ranks 1, bit-identical on a v32 and a v41-like profile (dense,
+// candidate source and four consumers), overlap on and off alike; fault injection (error and
+// hang) on one rank: INTERNAL on every rank, no hang, unhealthy, later calls UNAVAILABLE.
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "decode_indexer/kernels/backend.h"
+#include "gtest/gtest.h"
+#include "server/config/profile.h"
+#include "server/exec/executor.h"
+#include "server/exec/executor_internal.h"
+#include "tests/server/exec_harness.h"
+
+namespace decode_indexer::testing {
+namespace {
+
+using config::LayerRole;
+using exec::Executor;
+using exec::ExecutorOptions;
+using exec::StepResult;
+
+struct Script {
+  config::Profile profile;
+  int32_t requests = 16;
+  std::vector<int32_t> next_ns = {1, 2};
+  int32_t min_length = 1;  // prefill lengths per cache layer, uniform in [min, max]
+  int32_t max_length = 100;
+};
+
+struct RunResult {
+  std::vector<std::vector<int32_t>> answers;  // every step's top-k, and candidates at a source
+  int32_t steps = 0;
+  int32_t sharded = 0;
+  int64_t answered = 0;  // answer entries that are positions (not -1 padding)
+};
+
+void AppendRandom(Harness& h, Executor& e, uint64_t id, int32_t layer, int32_t count) {
+  std::vector<uint8_t> keys, scales;
+  exec::KeysInput in;
+  h.RandomKeys(layer, count, KeyForm::kF32, &keys, &scales, &in.type);
+  in.count = count;
+  in.keys = keys.data();
+  in.scales = scales.empty() ? nullptr : scales.data();
+  absl::StatusOr<int64_t> len = e.AppendKeys(id, layer, in);
+  ASSERT_TRUE(len.ok()) << len.status();
+  h.RecordAppend(id, layer, in);
+}
+
+// Prefill, then for each next_n one step through every layer with every request (uniform,
+// so the gate shards it where the world size divides the request count). Everything random
+// comes from the seed, so runs with the same seed send the same calls.
+RunResult RunScript(const Script& s, const ExecutorOptions& options, uint64_t seed) {
+  RunResult out;
+  absl::StatusOr<std::unique_ptr<Executor>> made = Executor::Create(s.profile, options);
+  EXPECT_TRUE(made.ok()) << made.status();
+  if (!made.ok()) return out;
+  Executor& e = **made;
+  Harness h(s.profile, seed);
+  std::mt19937_64& rng = h.rng();
+  std::vector<uint64_t> ids;
+  for (int32_t i = 0; i < s.requests; ++i) {
+    const uint64_t id = 100 + i;
+    EXPECT_TRUE(e.CreateSequence(id).ok());
+    ids.push_back(id);
+    for (int32_t layer : s.profile.CacheLayers()) {
+      AppendRandom(h, e, id, layer,
+                   s.min_length + int32_t(rng() % (s.max_length - s.min_length + 1)));
+    }
+  }
+  for (int32_t n : s.next_ns) {
+    std::vector<SeqPlan> plans;
+    for (uint64_t id : ids) plans.push_back({id, n, n, {}});
+    for (const config::LayerSpec& l : s.profile.layers) {
+      std::vector<SeqPlan> step_plans = plans;
+      if (l.role == LayerRole::kCandidateConsumer) {
+        for (SeqPlan& p : step_plans) p.new_keys = 0;
+      }
+      std::unique_ptr<StepData> step = h.MakeStep(l.layer, step_plans);
+      step->input.return_candidates = l.role == LayerRole::kCandidateSource;
+      SCOPED_TRACE(absl::StrCat("next_n ", n, " layer ", l.layer));
+      absl::StatusOr<StepResult> r = e.DecodeStep(step->input);
+      EXPECT_TRUE(r.ok()) << r.status();
+      if (!r.ok()) return out;
+      h.RecordStep(*step);
+      ++out.steps;
+      out.sharded += r->sharded;
+      for (int32_t v : r->topk_indices) out.answered += v >= 0;
+      out.answers.push_back(r->topk_indices);
+      if (l.role == LayerRole::kCandidateSource) out.answers.push_back(r->candidate_blocks);
+    }
+  }
+  EXPECT_TRUE(e.Status().healthy);
+  return out;
+}
+
+// Runs `s` at every rank count and expects the answers of the first, and sharding elsewhere.
+void ExpectRanksAgree(const Script& s, ExecutorOptions options, const std::vector<int32_t>& ranks,
+                      uint64_t seed) {
+  options.ranks = ranks[0];
+  const RunResult base = RunScript(s, options, seed);
+  ASSERT_GT(base.steps, 0);
+  // Real answers, not padding: the comparison below means something.
+  EXPECT_GT(base.answered, base.steps * s.requests);
+  for (size_t i = 1; i < ranks.size(); ++i) {
+    SCOPED_TRACE(absl::StrCat(ranks[i], " ranks"));
+    options.ranks = ranks[i];
+    const RunResult r = RunScript(s, options, seed);
+    EXPECT_EQ(r.steps, base.steps);
+    EXPECT_EQ(r.sharded, r.steps) << "every step of the script should shard";
+    EXPECT_TRUE(r.answers == base.answers) << "answers differ from " << ranks[0] << " rank(s)";
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// CPU backend: issue 6's "what the CPUs allow".
+
+TEST(MultiRankCpu, RanksOneTwoFourEightAreBitIdentical) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  for (const config::Profile& p : {SmallV32(), SmallV41()}) {
+    SCOPED_TRACE(p.name);
+    Script s{p, 16, {1, 2}, 1, 3 * p.topk};
+    ExpectRanksAgree(s, CpuOptions(1), {1, 2, 4, 8}, seed);
+  }
+}
+
+// A sharded step with one rank failing: INTERNAL on every rank, the others' copy naming it.
+void ExpectFaultOnEveryRank(Executor& e, Harness& h, const std::vector<uint64_t>& ids,
+                            int32_t failing, bool hang, absl::StatusCode later) {
+  std::vector<SeqPlan> plans;
+  for (uint64_t id : ids) plans.push_back({id, 2, 2, {}});
+  std::unique_ptr<StepData> step = h.MakeStep(0, plans);
+  exec::InjectFault(e, {failing, hang, 0});
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<StepResult> r = e.DecodeStep(step->input);
+  const double waited_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal) << r.status();
+  EXPECT_NE(r.status().message().find(absl::StrCat("rank ", failing)), std::string::npos)
+      << r.status();
+  const std::vector<absl::Status> per_rank = exec::LastRankStatuses(e);
+  ASSERT_EQ(per_rank.size(), size_t(e.Status().num_ranks));
+  for (size_t rank = 0; rank < per_rank.size(); ++rank) {
+    EXPECT_EQ(per_rank[rank].code(), absl::StatusCode::kInternal)
+        << "rank " << rank << ": " << per_rank[rank];
+  }
+  // Bounded: a hang ends at the collective timeout, an error at once (generous bound: the
+  // point is that it returns, not how fast).
+  EXPECT_LT(waited_s, 60.0);
+  // What comes next.
+  std::unique_ptr<StepData> again = h.MakeStep(0, plans);
+  absl::StatusOr<StepResult> next = e.DecodeStep(again->input);
+  if (later == absl::StatusCode::kOk) {
+    EXPECT_TRUE(next.ok()) << next.status();
+    EXPECT_TRUE(e.Status().healthy);
+  } else {
+    EXPECT_EQ(next.status().code(), later) << next.status();
+    EXPECT_FALSE(e.Status().healthy);
+    EXPECT_FALSE(e.Status().health_detail.empty());
+    std::vector<uint8_t> keys, scales;
+    exec::KeysInput in;
+    h.RandomKeys(0, 4, KeyForm::kF32, &keys, &scales, &in.type);
+    in.count = 4;
+    in.keys = keys.data();
+    EXPECT_EQ(e.AppendKeys(ids[0], 0, in).status().code(), later);
+  }
+}
+
+std::unique_ptr<Executor> Prefilled(const config::Profile& p, const ExecutorOptions& o, Harness& h,
+                                    std::vector<uint64_t>* ids, int32_t requests, int32_t length) {
+  absl::StatusOr<std::unique_ptr<Executor>> made = Executor::Create(p, o);
+  EXPECT_TRUE(made.ok()) << made.status();
+  if (!made.ok()) return nullptr;
+  for (int32_t i = 0; i < requests; ++i) {
+    EXPECT_TRUE((*made)->CreateSequence(i + 1).ok());
+    ids->push_back(i + 1);
+    for (int32_t layer : p.CacheLayers()) {
+      AppendRandom(h, **made, i + 1, layer, length + int32_t(h.rng()() % length));
+    }
+  }
+  return *std::move(made);
+}
+
+TEST(MultiRankCpu, InjectedErrorFailsEveryRankAndIsRecoverable) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  Harness h(SmallV32(), seed);
+  for (int32_t failing : {1, 0}) {
+    SCOPED_TRACE(absl::StrCat("failing rank ", failing));
+    std::vector<uint64_t> ids;
+    std::unique_ptr<Executor> e = Prefilled(h.profile(), CpuOptions(2), h, &ids, 8, 40);
+    ASSERT_NE(e, nullptr);
+    ExpectFaultOnEveryRank(*e, h, ids, failing, /*hang=*/false, absl::StatusCode::kOk);
+  }
+}
+
+TEST(MultiRankCpu, InjectedHangEndsAtTheTimeoutAndTurnsUnhealthy) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  Harness h(SmallV32(), seed);
+  ExecutorOptions o = CpuOptions(4);
+  // Long enough that a slow (sanitized, loaded) rank still reaches the agreement in time.
+  o.collective_timeout_ms = 1500;
+  std::vector<uint64_t> ids;
+  std::unique_ptr<Executor> e = Prefilled(h.profile(), o, h, &ids, 8, 40);
+  ASSERT_NE(e, nullptr);
+  ExpectFaultOnEveryRank(*e, h, ids, 2, /*hang=*/true, absl::StatusCode::kUnavailable);
+}
+
+// ---------------------------------------------------------------------------------------
+// CUDA backend with NCCL, two GPUs.
+
+#define SKIP_WITHOUT_TWO_GPUS()                                                            \
+  do {                                                                                     \
+    if (!kHaveNccl) GTEST_SKIP() << "built without NCCL: the multi-GPU tests are skipped"; \
+    if (kernels::CudaDeviceCount() < 2) {                                                  \
+      GTEST_SKIP() << "fewer than 2 GPUs visible (" << kernels::CudaDeviceCount()          \
+                   << "): the multi-GPU tests are skipped";                                \
+    }                                                                                      \
+  } while (0)
+
+#ifdef DI_HAVE_NCCL
+constexpr bool kHaveNccl = true;
+#else
+constexpr bool kHaveNccl = false;
+#endif
+
+ExecutorOptions GpuOptions(int32_t ranks) {
+  ExecutorOptions o;
+  o.backend = "cuda";
+  o.ranks = ranks;
+  o.cache_pages = 4096;
+  o.row_shard_min_requests = 2;
+  o.max_sequences = 64;
+  o.max_requests_per_step = 32;
+  o.collective_timeout_ms = 5000;
+  return o;
+}
+
+// v32 at full width (H 64, D 128, K 2048, FP8, YaRN NeoX RoPE), two layers, short context.
+config::Profile GpuV32() {
+  config::Profile p = *config::BuiltinProfile("v32");
+  p.max_context = 8192;
+  p.layers.resize(2);
+  return p;
+}
+
+// v41-like: H 32, D 128, K 512, FP4, blocks of 8; a dense layer, the source and four
+// consumers; 256 candidate blocks so consumers score a real subset of a 4-6K context.
+config::Profile GpuV41() {
+  config::Profile p = *config::BuiltinProfile("v41");
+  p.max_context = 8192;
+  p.num_candidate_blocks = 256;
+  p.layers.resize(6);
+  p.layers[0] = {0, LayerRole::kDense, 0, kernels::CacheFormat::kFp4};
+  p.layers[1] = {1, LayerRole::kCandidateSource, 1, kernels::CacheFormat::kFp4};
+  for (int32_t i = 2; i < 6; ++i) {
+    p.layers[i] = {i, LayerRole::kCandidateConsumer, 1, kernels::CacheFormat::kFp4};
+  }
+  return p;
+}
+
+TEST(MultiGpu, ShardedTwoRanksMatchOneRankV32) {
+  SKIP_WITHOUT_TWO_GPUS();
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  Script s{GpuV32(), 16, {1, 2}, 2500, 5000};
+  ExpectRanksAgree(s, GpuOptions(1), {1, 2}, seed);
+}
+
+TEST(MultiGpu, ShardedTwoRanksMatchOneRankV41AndOverlapOnOffAgree) {
+  SKIP_WITHOUT_TWO_GPUS();
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  Script s{GpuV41(), 16, {1, 2}, 2500, 5000};
+  ExecutorOptions o = GpuOptions(1);
+  o.candidate_overlap = true;
+  ExpectRanksAgree(s, o, {1, 2}, seed);
+  // Overlap off, on one and two ranks, against overlap on at one rank.
+  o.ranks = 1;
+  const RunResult on = RunScript(s, o, seed);
+  for (int32_t ranks : {1, 2}) {
+    SCOPED_TRACE(absl::StrCat("overlap off, ", ranks, " ranks"));
+    ExecutorOptions off = GpuOptions(ranks);
+    off.candidate_overlap = false;
+    EXPECT_TRUE(RunScript(s, off, seed).answers == on.answers);
+  }
+}
+
+TEST(MultiGpu, InjectedErrorFailsEveryRankAndTurnsUnhealthy) {
+  SKIP_WITHOUT_TWO_GPUS();
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  Harness h(GpuV32(), seed);
+  std::vector<uint64_t> ids;
+  std::unique_ptr<Executor> e = Prefilled(h.profile(), GpuOptions(2), h, &ids, 8, 600);
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->Status().collective, "nccl");
+  ExpectFaultOnEveryRank(*e, h, ids, 1, /*hang=*/false, absl::StatusCode::kUnavailable);
+}
+
+TEST(MultiGpu, InjectedHangIsAbortedByTheWatchdog) {
+  SKIP_WITHOUT_TWO_GPUS();
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  Harness h(GpuV32(), seed);
+  ExecutorOptions o = GpuOptions(2);
+  o.collective_timeout_ms = 1000;
+  std::vector<uint64_t> ids;
+  std::unique_ptr<Executor> e = Prefilled(h.profile(), o, h, &ids, 8, 600);
+  ASSERT_NE(e, nullptr);
+  ExpectFaultOnEveryRank(*e, h, ids, 0, /*hang=*/true, absl::StatusCode::kUnavailable);
+  // Rank 1 waited inside ncclAllGather for rank 0: only the watchdog's abort can end that.
+  const std::vector<absl::Status> per_rank = exec::LastRankStatuses(*e);
+  ASSERT_EQ(per_rank.size(), 2u);
+  EXPECT_NE(per_rank[1].message().find("did not finish within 1000 ms"), std::string::npos)
+      << per_rank[1];
+}
+
+}  // namespace
+}  // namespace decode_indexer::testing
