@@ -1,9 +1,10 @@
 // decode-indexer-bench-cuda: times the CUDA backend's dense layer step on the GPU (a binary,
 // not a test). For each (requests, next_n, average context) of the issue's grid: microseconds
-// per layer step for logits (schedule + paged logits), for top-k alone, and for both; the
-// key bytes each step must read and the achieved key-read bandwidth against a large
-// device-to-device copy measured in the same run. Writes one JSON object per configuration
-// (with the lengths drawn, so torch_baseline.py times the PyTorch path on the same shapes).
+// per layer step for logits (the schedule launch where the variant needs one + paged logits), for
+// top-k alone, and for both; the key bytes each step must read and the achieved key-read bandwidth
+// against a large device-to-device copy measured in the same run. Writes one JSON object per
+// configuration (with the lengths drawn, so torch_baseline.py times the PyTorch path on the same
+// shapes).
 //
 // Timing: CUDA events around a batch of back-to-back steps (the steady state a server sees
 // when it adds no host work between launches), median of several batches after warm-up; each
@@ -98,10 +99,12 @@ int main(int argc, char** argv) {
   std::string out_path = "cuda_bench.json";
   int batches = 7, per_batch = 10;
   int only_requests = 0, only_next_n = 0, only_avg = 0;  // --only R N AVG: one configuration
+  bool subset = false;  // --subset: issue 3's headline shapes only (short device sessions)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--out" && i + 1 < argc) out_path = argv[++i];
     if (a == "--batches" && i + 1 < argc) batches = std::atoi(argv[++i]);
+    if (a == "--subset") subset = true;
     if (a == "--only" && i + 3 < argc) {
       only_requests = std::atoi(argv[++i]);
       only_next_n = std::atoi(argv[++i]);
@@ -162,15 +165,20 @@ int main(int argc, char** argv) {
     std::perror(out_path.c_str());
     return 1;
   }
-  std::printf("%5s %3s %7s | %9s %9s %9s | %8s %6s | %8s %8s %8s | %4s\n", "req", "n", "avg",
-              "logits_us", "topk_us", "both_us", "GB/s", "%copy", "fp8wgmma", "mmasync", "f16hdsM",
-              "sets");
+  std::printf("%5s %3s %7s | %9s %9s %9s | %8s %6s | %8s %8s %8s | %8s %8s %8s | %4s\n", "req", "n",
+              "avg", "logits_us", "topk_us", "both_us", "GB/s", "%copy", "fp8wgmma", "mmasync",
+              "f16hdsM", "split", "keysM", "bitmove", "sets");
   for (int requests : {1, 8, 64, 128}) {
     for (int next_n : {1, 2}) {
       for (int avg : {8192, 32768, 65536, 131072}) {
         if (only_requests != 0 &&
             (requests != only_requests || next_n != only_next_n || avg != only_avg)) {
           continue;
+        }
+        if (subset) {
+          const bool pick = (requests == 1 && avg == 131072) || (requests == 8 && avg == 32768) ||
+                            (requests == 64 && avg >= 32768) || (requests == 128 && avg == 65536);
+          if (!pick) continue;
         }
         std::uniform_real_distribution<double> u(0.7, 1.3);
         std::vector<int32_t> lengths(requests);
@@ -181,7 +189,7 @@ int main(int argc, char** argv) {
         double key_bytes = 0;
         for (int32_t l : lengths) {
           step_pages += (l + kPage - 1) / kPage;
-          key_bytes += double{l} * 132;
+          key_bytes += static_cast<double>(l) * 132;
         }
         // Enough sets that their keys together are several times the 60 MB L2.
         const int sets = static_cast<int>(
@@ -235,7 +243,7 @@ int main(int argc, char** argv) {
           b.max_row_length = max_len;
           return b;
         };
-        dc::MqaMath math = dc::MqaMath::kWgmmaKeysM;
+        dc::MqaMath math = dc::PagedLogitsArgs{}.math;
         auto run_logits = [&](int i) {
           const InputSet& s = in[i % sets];
           dc::PagedLogitsArgs a;
@@ -246,7 +254,9 @@ int main(int argc, char** argv) {
           a.logits = logits;
           a.logits_stride = lstride;
           a.math = math;
-          CHECK_OK(dc::LaunchMqaSchedule(a.rows, sched, st), "schedule");
+          if (dc::PagedLogitsNeedsSchedule(a)) {
+            CHECK_OK(dc::LaunchMqaSchedule(a.rows, sched, st), "schedule");
+          }
           CHECK_OK(dc::LaunchPagedMqaLogits(a, sms, st), "logits");
         };
         auto run_topk = [&]() {
@@ -281,7 +291,13 @@ int main(int argc, char** argv) {
         const float t_mma = time_batches([&](int i) { run_logits(i); });
         math = dc::MqaMath::kWgmmaF16;
         const float t_f16 = time_batches([&](int i) { run_logits(i); });
-        math = dc::MqaMath::kWgmmaKeysM;
+        math = dc::MqaMath::kWgmmaKeysMSplit;
+        const float t_split = time_batches([&](int i) { run_logits(i); });
+        math = dc::MqaMath::kWgmmaKeysM;  // v4, the default until the 08:20 run
+        const float t_keysm = time_batches([&](int i) { run_logits(i); });
+        math = dc::MqaMath::kWgmmaKeysMBitMove;
+        const float t_bitmove = time_batches([&](int i) { run_logits(i); });
+        math = dc::PagedLogitsArgs{}.math;
         const float t_logits = time_batches([&](int i) { run_logits(i); });
         run_logits(0);
         const float t_topk = time_batches([&](int) { run_topk(); });
@@ -292,17 +308,21 @@ int main(int argc, char** argv) {
         CHECK_CUDA(cudaStreamSynchronize(st), "sync");
         CHECK_CUDA(cudaGetLastError(), "after timing");
         const double gbs = key_bytes / (t_logits * 1e-6) / 1e9;
-        std::printf("%5d %3d %6dK | %9.1f %9.1f %9.1f | %8.0f %5.1f%% | %8.1f %8.1f %8.1f | %4d\n",
-                    requests, next_n, avg / 1024, t_logits, t_topk, t_both, gbs,
-                    100.0 * gbs / copy_gbs, t_fp8, t_mma, t_f16, sets);
+        std::printf(
+            "%5d %3d %6dK | %9.1f %9.1f %9.1f | %8.0f %5.1f%% | %8.1f %8.1f %8.1f | %8.1f %8.1f "
+            "%8.1f | %4d\n",
+            requests, next_n, avg / 1024, t_logits, t_topk, t_both, gbs, 100.0 * gbs / copy_gbs,
+            t_fp8, t_mma, t_f16, t_split, t_keysm, t_bitmove, sets);
         std::fprintf(out,
                      "{\"requests\": %d, \"next_n\": %d, \"avg\": %d, \"logits_us\": %.2f, "
                      "\"topk_us\": %.2f, \"both_us\": %.2f, \"key_bytes\": %.0f, "
                      "\"key_gbs\": %.1f, \"copy_gbs\": %.1f, \"sets\": %d, "
                      "\"logits_fp8_wgmma_us\": %.2f, \"logits_mma_sync_us\": %.2f, "
-                     "\"logits_f16_heads_m_us\": %.2f, \"lengths\": [",
+                     "\"logits_f16_heads_m_us\": %.2f, \"logits_keys_m_split_us\": %.2f, "
+                     "\"logits_keys_m_us\": %.2f, \"logits_keys_m_bitmove_us\": %.2f, "
+                     "\"lengths\": [",
                      requests, next_n, avg, t_logits, t_topk, t_both, key_bytes, gbs, copy_gbs,
-                     sets, t_fp8, t_mma, t_f16);
+                     sets, t_fp8, t_mma, t_f16, t_split, t_keysm, t_bitmove);
         for (int b = 0; b < requests; ++b) std::fprintf(out, "%s%d", b ? ", " : "", lengths[b]);
         std::fprintf(out, "]}\n");
         std::fflush(out);

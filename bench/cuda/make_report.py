@@ -2,7 +2,10 @@
 """Turns one run's cuda_bench.json + torch_bench.json into docs/results/cuda-bench.md tables.
 
     python3 make_report.py --cuda cuda_bench.json --torch torch_bench.json --date ... \
-        --gpu ... --command ... > docs/results/cuda-bench.md
+        --gpu ... --command ... [--section TITLE] > section.md
+
+With --section the output is one dated section (## TITLE, ### subsections) to put above the
+older runs' sections in docs/results/cuda-bench.md.
 """
 import argparse
 import json
@@ -24,11 +27,23 @@ def main():
     ap.add_argument("--gpu", required=True)
     ap.add_argument("--command", required=True)
     ap.add_argument("--commit", required=True)
+    ap.add_argument("--section", default="")
     a = ap.parse_args()
     cu, to = load(a.cuda), load(a.torch)
     copy = next(iter(cu.values()))["copy_gbs"]
-    p = print
-    p("# CUDA backend benchmark (issue 3)\n")
+    # Runs from the 08:27 bench on: the default is the fused keys-M kernel and the JSON has the
+    # keys-M (v4) / split / bit-move columns.
+    new = "logits_keys_m_us" in next(iter(cu.values()))
+
+    def p(line=""):
+        if a.section and line.lstrip("\n").startswith("#"):
+            line = line.replace("#", "##", 1)
+        print(line)
+
+    if a.section:
+        print(f"## {a.section}\n")
+    else:
+        p("# CUDA backend benchmark (issue 3)\n")
     p(f"- date: {a.date}; GPU: {a.gpu}; commit: {a.commit}")
     p(f"- device-to-device copy measured in the same run: **{copy:.0f} GB/s** (bytes read + "
       "written, 2 GiB copy, median)")
@@ -39,8 +54,12 @@ def main():
       "rotated per step so that no step finds its keys in L2 (`sets`). Times are microseconds "
       "per layer step: CUDA events around batches of 10 back-to-back steps (what a server that "
       "adds no host work between launches sees), median of 7 batches after warm-up. "
-      "`logits` = device schedule + paged logits kernel (the default path: wgmma, keys as M, "
-      "f16 products, exact to rounding); `top-k` = radix top-k on those logits; `both` = the "
+      + ("`logits` = the default paged logits kernel (fused keys-M: wgmma, keys as M, f16 "
+         "products, exact to rounding, its schedule computed in the kernel, no schedule launch); "
+         if new else
+         "`logits` = device schedule + paged logits kernel (the default path: wgmma, keys as M, "
+         "f16 products, exact to rounding); ")
+      + "`top-k` = radix top-k on those logits; `both` = the "
       "two together. Key bytes = sum of L_b * 132 (each key read once per request). "
       "PyTorch = gather pages, dequantize (e4m3 -> bf16), bmm, relu, weights, head sum, key "
       "scale, mask, torch.topk, sort (CUDA events, median of 5).\n")
@@ -59,6 +78,35 @@ def main():
           f"| {100 * c['key_gbs'] / copy:.1f}% | {ts} | {tt} | {r_topk} "
           f"| {c['both_us'] / c['logits_us']:.2f} | {r_step} |")
     p("\n## Logits: the tensor-core variants in the same run\n")
+    if new:
+        p("Same steps, logits only (us). All keys-M columns give bit-identical logits (gpu_test "
+          "checks it): `fused` (the default) = in-kernel schedule + split widening at next_n 1; "
+          "`keys-M v4` = the previous default (schedule launch + cvt widening); `split` = half "
+          "the e4m3 -> f16 widening by integer bit moves (schedule launch); `bit move` = all of "
+          "it by bit moves. `fp8 wgmma` sums in the tensor cores' reduced precision (not exact, "
+          "not the default).\n")
+        p("| req | next_n | avg ctx | fused (default) | % copy | keys-M v4 | % copy | split "
+          "| bit move | fp8 wgmma | % copy | heads-M f16 | mma.sync |")
+        p("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for key in sorted(cu):
+            c = cu[key]
+            kb = c["key_bytes"]
+
+            def pct(us):
+                return f"{100 * kb / (us * 1e-6) / 1e9 / copy:.1f}%"
+
+            p(f"| {key[0]} | {key[1]} | {key[2] // 1024}K | {c['logits_us']:.1f} "
+              f"| {pct(c['logits_us'])} | {c['logits_keys_m_us']:.1f} "
+              f"| {pct(c['logits_keys_m_us'])} | {c['logits_keys_m_split_us']:.1f} "
+              f"| {c['logits_keys_m_bitmove_us']:.1f} | {c['logits_fp8_wgmma_us']:.1f} "
+              f"| {pct(c['logits_fp8_wgmma_us'])} | {c['logits_f16_heads_m_us']:.1f} "
+              f"| {c['logits_mma_sync_us']:.1f} |")
+    else:
+        old_variant_table(cu, copy, p)
+    goals(cu, to, copy, p)
+
+
+def old_variant_table(cu, copy, p):
     p("Same steps, logits only (us). `keys-M f16` is the default; `fp8 wgmma` sums the fp8 "
       "products in the tensor cores' reduced precision (logits off by up to ~4e-4 of the row's "
       "max, measured), so it is not the default; `mma.sync` is the m16n8k32 e4m3 path, which "
@@ -74,8 +122,13 @@ def main():
           f"| {100 * kb / (c['logits_us'] * 1e-6) / 1e9 / copy:.1f}% | {f8:.1f} "
           f"| {100 * kb / (f8 * 1e-6) / 1e9 / copy:.1f}% | {c['logits_f16_heads_m_us']:.1f} "
           f"| {c['logits_mma_sync_us']:.1f} |")
+
+
+def goals(cu, to, copy, p):
     p("\n## The issue's goals\n")
     big = [k for k in cu if k[0] >= 64 and k[2] >= 32768]
+    if not big or (64, 1, 32768) not in cu:
+        return
     worst_bw = min(100 * cu[k]["key_gbs"] / copy for k in big)
     p(f"- Dense logits >= 85% of copy bandwidth at 64 x 32K and above: **not met** "
       f"(lowest {worst_bw:.0f}%, best "

@@ -150,8 +150,6 @@ class CudaBackend final : public Backend {
     if (rows.num_rows == 0) return absl::OkStatus();
     if (absl::Status s = CheckRows(rows); !s.ok()) return s;
     const int64_t stride = RoundUp4(rows.max_row_length);
-    absl::Status s = cuda::LaunchMqaSchedule(rows, schedule_, main_);
-    if (!s.ok()) return s;
     cuda::PagedLogitsArgs la;
     la.cache = args.cache;
     la.rows = rows;
@@ -159,6 +157,11 @@ class CudaBackend final : public Backend {
     la.schedule = schedule_;
     la.logits = logits_;
     la.logits_stride = stride;
+    absl::Status s;
+    // The fused logits variant derives its schedule itself: one launch fewer per step.
+    if (cuda::PagedLogitsNeedsSchedule(la)) {
+      if (s = cuda::LaunchMqaSchedule(rows, schedule_, main_); !s.ok()) return s;
+    }
     if (s = cuda::LaunchPagedMqaLogits(la, num_sms_, main_); !s.ok()) return s;
     cuda::TopKArgs tk;
     tk.num_rows = rows.num_rows;

@@ -41,8 +41,21 @@ absl::Status LaunchMqaSchedule(const RowBatch& rows, const MqaSchedule& schedule
 // rows_per_request: the host's expectation of rows per request (num_rows / num_requests,
 // rounded up); requests with more rows are scored in several passes over each key tile.
 // Tensor-core variants of the FP8 / 64-head logits (see the kernels' file comments).
-// kWgmmaKeysM is the default: keys as M, f16 products (exact), full fp32 sums.
-enum class MqaMath { kMmaSync, kWgmmaF16, kWgmmaFp8, kWgmmaKeysM };
+// kWgmmaKeysM: keys as M, f16 products (exact), full fp32 sums. kWgmmaKeysMSplit: the same
+// logits bit for bit, half the fp8 -> f16 widening done with integer ops
+// (sm90_paged_mqa_logits_keys_m.cu). kWgmmaKeysMFused, the default: the same logits again,
+// the schedule computed inside the logits kernel (no schedule launch needed, see
+// PagedLogitsNeedsSchedule), split widening at one row per pass. kWgmmaKeysMBitMove: all of
+// the widening by integer ops (a measurement).
+enum class MqaMath {
+  kMmaSync,
+  kWgmmaF16,
+  kWgmmaFp8,
+  kWgmmaKeysM,
+  kWgmmaKeysMSplit,
+  kWgmmaKeysMFused,
+  kWgmmaKeysMBitMove
+};
 struct PagedLogitsArgs {
   CacheView cache;
   RowBatch rows;
@@ -52,9 +65,14 @@ struct PagedLogitsArgs {
   int64_t logits_stride = 0;
   // FP8 with 64 heads: which tensor-core path (see sm90_paged_mqa_logits.cu). Other shapes
   // always run kMmaSync.
-  MqaMath math = MqaMath::kWgmmaKeysM;
+  MqaMath math = MqaMath::kWgmmaKeysMFused;
 };
 absl::Status LaunchPagedMqaLogits(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream);
+// False when this launch derives the schedule itself (kWgmmaKeysMFused on FP8 / 64 heads with
+// few enough requests): then args.schedule is not read and LaunchMqaSchedule may be skipped.
+bool PagedLogitsNeedsSchedule(const PagedLogitsArgs& args);
+// The keys-as-M half of that decision (sm90_paged_mqa_logits_keys_m.cu).
+bool KeysMComputesOwnSchedule(const PagedLogitsArgs& args);
 // The keys-as-M kernel (sm90_paged_mqa_logits_keys_m.cu), FP8 with 64 heads only; reached
 // through LaunchPagedMqaLogits.
 absl::Status LaunchPagedMqaLogitsKeysM(const PagedLogitsArgs& args, int num_sms,

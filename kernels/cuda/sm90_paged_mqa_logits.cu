@@ -401,6 +401,13 @@ absl::Status LaunchRows(const PagedLogitsArgs& args, int num_sms, cudaStream_t s
 
 }  // namespace
 
+bool PagedLogitsNeedsSchedule(const PagedLogitsArgs& args) {
+  const CacheGeometry& geo = args.cache.geometry;
+  const bool keys_m = geo.format == CacheFormat::kFp8 && args.q.num_heads == 64 &&
+                      geo.page_size == kMqaTileKeys && geo.head_dim == kMqaHeadDim;
+  return !(keys_m && KeysMComputesOwnSchedule(args));
+}
+
 absl::Status LaunchPagedMqaLogits(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
   const CacheGeometry& geo = args.cache.geometry;
   if (geo.page_size != kMqaTileKeys || geo.head_dim != kMqaHeadDim) {
@@ -418,6 +425,9 @@ absl::Status LaunchPagedMqaLogits(const PagedLogitsArgs& args, int num_sms, cuda
       if (fp4) return LaunchRows<64, true>(args, num_sms, stream);
       switch (args.math) {
         case MqaMath::kWgmmaKeysM:
+        case MqaMath::kWgmmaKeysMSplit:
+        case MqaMath::kWgmmaKeysMFused:
+        case MqaMath::kWgmmaKeysMBitMove:
           return LaunchPagedMqaLogitsKeysM(args, num_sms, stream);
         case MqaMath::kWgmmaF16:
           return LaunchRows<64, false, kMathWgmmaF16>(args, num_sms, stream);

@@ -13,7 +13,23 @@
 // The MMA's k order inside each 16-dim step is permuted (ldmatrix hands each thread dims
 // 4c..4c+3; the f16 A fragment wants pairs 2c and 2c + 8): q is written to shared memory with
 // the same permutation, so the products pair the same dims.
+//
+// Variants (MqaMath, same math, bit-identical logits):
+// - kWgmmaKeysMSplit: the widening cvt (F2FP, a 16/clk/SM pipe: 4096 of them per page, 256
+//   cycles per page per SM, ~45% of the ~590-cycle budget a page has at 85% of copy
+//   bandwidth) is done for half the k-steps with integer ops instead: the bits of an e4m3
+//   code moved into an f16 ((b & 0x80) << 8 | (b & 0x7f) << 7) are exactly its value times
+//   2^-8 (normals and subnormals alike). Those steps pair with q in plain f16, the cvt steps
+//   with q times 2^-8 (the same bit move on q's codes), so every product is the true one
+//   times 2^-8 and the fp32 sums are the cvt path's sums times 2^-8, exactly (power-of-two
+//   scaling, far from fp32's range ends); the epilogue's key scale times 256 undoes it.
+// - kWgmmaKeysMFused (the default): each block derives the schedule from the row table itself
+//   (shared memory; up to kOwnScheduleMaxRequests requests), so the separate schedule launch
+//   (a kernel boundary on the critical path of small steps) is not needed; split widening
+//   where a page serves one row per pass (next_n 1), cvt otherwise (measured, see below).
+// - kWgmmaKeysMBitMove: every k-step by the bit move (a measurement: one pipe alone).
 #include <algorithm>
+#include <climits>
 #include <mutex>
 
 #include "kernels/cuda/cuda_check.h"
@@ -32,23 +48,88 @@ constexpr int kScales = kMqaTileKeys * 4;            // 256: its fp32 scales
 constexpr int kPageBytes = kValues + kScales;        // 8448
 constexpr int kQBytes = kHeads * kMqaHeadDim * 2;    // one row's q in f16: 16 KB
 constexpr int kHalfBytes = kHeads * 128;             // 64 dims of q: one swizzled tile
+constexpr int kOwnScheduleMaxRequests = 256;
+// The in-kernel schedule: first_row, num_rows, max_len [max requests], prefix [+1], scratch.
+constexpr int kOwnScheduleBytes = (4 * kOwnScheduleMaxRequests + 1 + 32) * 4;
 
-template <int kRowsPerPass>
+template <int kRowsPerPass, bool kOwnSchedule>
 constexpr int SmemBytes() {
   return kKeysMStages * kValues + kRowsPerPass * kQBytes + kKeysMStages * kScales +
-         kRowsPerPass * kHeads * 4 + 1024;
+         kRowsPerPass * kHeads * 4 + (kOwnSchedule ? kOwnScheduleBytes : 0) + 1024;
 }
 
+// How the keys are widened: all by cvt (the default), half the k-steps (2, 3, 6, 7) by the
+// integer bit move (kWgmmaKeysMSplit / Fused: the two pipes share the work), or all of them
+// (kWgmmaKeysMBitMove: the measurement that says whether the integer pipe alone keeps up).
+enum Widen { kWidenCvt = 0, kWidenSplit = 1, kWidenBitMove = 2 };
+__host__ __device__ constexpr bool BitMoveStep(int widen, int ks) {
+  return widen == kWidenBitMove || (widen == kWidenSplit && ((ks >> 1) & 1));
+}
+
+// e4m3 code -> f16 bits of its value times 2^-8 (exact; see the file comment).
+__device__ __forceinline__ uint32_t E4M3ToF16BitsScaled(uint32_t b) {
+  return ((b & 0x80u) << 8) | ((b & 0x7Fu) << 7);
+}
+// Four e4m3 codes b0..b3 (b0 lowest) -> f16x2 (b0, b2) and (b1, b3), each value times 2^-8.
+__device__ __forceinline__ void E4M3x4ToF16x2ScaledBitMove(uint32_t q, uint32_t& even,
+                                                           uint32_t& odd) {
+  odd = (q & 0x80008000u) | ((q >> 1) & 0x3F803F80u);
+  const uint32_t q8 = q << 8;
+  even = (q8 & 0x80008000u) | ((q8 >> 1) & 0x3F803F80u);
+}
+
+// A schedule entry: read-only global loads for the schedule kernel's output (as before), plain
+// loads where the block built it in shared memory.
+template <bool kShared>
+__device__ __forceinline__ int32_t Ld(const int32_t* v) {
+  if constexpr (kShared) {
+    return *v;
+  } else {
+    return __ldg(v);
+  }
+}
+
+// TileCursor over a schedule that may live in shared memory.
+template <bool kShared>
+struct ScheduleCursor {
+  int tile, request, request_end;
+  __device__ __forceinline__ void Seek(const int32_t* prefix, int num_requests, int t) {
+    int lo = 0, hi = num_requests - 1;  // the last b with prefix[b] <= t
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (Ld<kShared>(&prefix[mid]) <= t) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    tile = t;
+    request = lo;
+    request_end = Ld<kShared>(&prefix[lo + 1]);
+  }
+  __device__ __forceinline__ void Next(const int32_t* prefix) {
+    ++tile;
+    while (tile >= request_end) {
+      ++request;
+      request_end = Ld<kShared>(&prefix[request + 1]);
+    }
+  }
+};
+
 // Byte offset of q[head][dim] (f16) inside a row's q tile: half dim / 64, 128-byte row per
-// head, k index permuted inside each 16-dim step (see the file comment), 128B swizzle.
-__device__ __forceinline__ int QOffset(int head, int dim) {
+// head, k index permuted inside each 16-dim step (see the file comment), 128B swizzle. The
+// bit-move steps pair dims (4c, 4c + 2) and (4c + 1, 4c + 3) instead.
+__device__ __forceinline__ int QOffset(int head, int dim, bool bit_move) {
   const int step = dim >> 4, p = dim & 15;
-  const int kk = (p & 3) < 2 ? 2 * (p >> 2) + (p & 3) : 8 + 2 * (p >> 2) + (p & 3) - 2;
+  const int e = p & 3;
+  const int kk = bit_move ? ((e & 1) ? 8 : 0) + 2 * (p >> 2) + (e >> 1)
+                 : e < 2  ? 2 * (p >> 2) + e
+                          : 8 + 2 * (p >> 2) + e - 2;
   const int byte = ((step & 3) * 16 + kk) * 2;
   return (step >> 2) * kHalfBytes + head * 128 + ((((byte >> 4) ^ (head & 7))) << 4) + (byte & 15);
 }
 
-template <int kRowsPerPass>
+template <int kRowsPerPass, int kWiden, bool kOwnSchedule>
 __global__ void __launch_bounds__(kThreads, 4) PagedMqaLogitsKeysMKernel(const PagedLogitsArgs p) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
@@ -57,6 +138,7 @@ __global__ void __launch_bounds__(kThreads, 4) PagedMqaLogitsKeysMKernel(const P
   uint8_t* q_tile = smem + kKeysMStages * kValues;          // [rows][2][64][128 B]
   uint8_t* stage_scales = q_tile + kRowsPerPass * kQBytes;  // [stages][64] fp32
   float* w_smem = reinterpret_cast<float*>(stage_scales + kKeysMStages * kScales);  // [rows][64]
+  int32_t* own = reinterpret_cast<int32_t*>(w_smem + kRowsPerPass * kHeads);
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -65,23 +147,65 @@ __global__ void __launch_bounds__(kThreads, 4) PagedMqaLogitsKeysMKernel(const P
   const int c = lane & 3;
 
   const int num_requests = p.rows.num_requests;
-  const int32_t* __restrict__ prefix = p.schedule.tile_prefix;
-  const int total_tiles = __ldg(&prefix[num_requests]);
+  const int32_t* prefix = p.schedule.tile_prefix;
+  const int32_t* req_first_row = p.schedule.request_first_row;
+  const int32_t* req_num_rows = p.schedule.request_num_rows;
+  const int32_t* req_max_len = p.schedule.request_max_len;
+  if constexpr (kOwnSchedule) {
+    // The schedule kernel's work, per block in shared memory (the launcher checks that
+    // num_requests <= kOwnScheduleMaxRequests). Same numbers: min / count / max are order-free.
+    int32_t* first = own;
+    int32_t* count = own + kOwnScheduleMaxRequests;
+    int32_t* maxlen = own + 2 * kOwnScheduleMaxRequests;
+    int32_t* pre = own + 3 * kOwnScheduleMaxRequests;
+    uint32_t* scratch = reinterpret_cast<uint32_t*>(pre + kOwnScheduleMaxRequests + 1);
+    for (int b = tid; b < num_requests; b += kThreads) {
+      first[b] = INT_MAX;
+      count[b] = 0;
+      maxlen[b] = 0;
+    }
+    __syncthreads();
+    for (int r = tid; r < p.rows.num_rows; r += kThreads) {
+      const int b = __ldg(&p.rows.row_request[r]);
+      atomicMin(&first[b], r);
+      atomicAdd(&count[b], 1);
+      atomicMax(&maxlen[b], __ldg(&p.rows.row_length[r]));
+    }
+    __syncthreads();
+    const int per_thread = (num_requests + kThreads - 1) / kThreads;
+    const int lo = min(num_requests, tid * per_thread);
+    const int hi = min(num_requests, lo + per_thread);
+    uint32_t local = 0;
+    for (int b = lo; b < hi; ++b) local += (maxlen[b] + kMqaTileKeys - 1) / kMqaTileKeys;
+    uint32_t total = 0;
+    uint32_t run = BlockExclusiveScan(local, scratch, &total);
+    for (int b = lo; b < hi; ++b) {
+      pre[b] = static_cast<int32_t>(run);
+      run += (maxlen[b] + kMqaTileKeys - 1) / kMqaTileKeys;
+    }
+    if (tid == 0) pre[num_requests] = static_cast<int32_t>(total);
+    __syncthreads();
+    prefix = pre;
+    req_first_row = first;
+    req_num_rows = count;
+    req_max_len = maxlen;
+  }
+  const int total_tiles = Ld<kOwnSchedule>(&prefix[num_requests]);
   const int begin = static_cast<int>(int64_t{total_tiles} * blockIdx.x / gridDim.x);
   const int end = static_cast<int>(int64_t{total_tiles} * (blockIdx.x + 1) / gridDim.x);
   if (begin >= end) return;
   const int num_tiles = end - begin;
   const uint8_t* __restrict__ cache = p.cache.base;
 
-  TileCursor load;
+  ScheduleCursor<kOwnSchedule> load;
   load.Seek(prefix, num_requests, begin);
   int load_i = 0;
   auto issue = [&]() {
     if (load_i < num_tiles) {
       const int b = load.request;
-      const int j = load.tile - __ldg(&prefix[b]);
+      const int j = load.tile - Ld<kOwnSchedule>(&prefix[b]);
       const int page = __ldg(&p.rows.page_table[int64_t{b} * p.rows.page_table_stride + j]);
-      const int valid = min(kMqaTileKeys, __ldg(&p.schedule.request_max_len[b]) - j * kMqaTileKeys);
+      const int valid = min(kMqaTileKeys, Ld<kOwnSchedule>(&req_max_len[b]) - j * kMqaTileKeys);
       const uint8_t* src = cache + int64_t{page} * kPageBytes;
       const int st = load_i % kKeysMStages;
       uint8_t* dv = stage_values + st * kValues;
@@ -106,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 4) PagedMqaLogitsKeysMKernel(const P
   for (int s = 0; s < kKeysMStages - 1; ++s) issue();
 
   int loaded_request = -1, loaded_pass = -1;
-  TileCursor cur;
+  ScheduleCursor<kOwnSchedule> cur;
   cur.Seek(prefix, num_requests, begin);
   for (int i = 0; i < num_tiles; ++i) {
     CpAsyncWait<kKeysMStages - 2>();
@@ -114,9 +238,9 @@ __global__ void __launch_bounds__(kThreads, 4) PagedMqaLogitsKeysMKernel(const P
     issue();
 
     const int b = cur.request;
-    const int base_pos = (cur.tile - __ldg(&prefix[b])) * kMqaTileKeys;
-    const int first_row = __ldg(&p.schedule.request_first_row[b]);
-    const int nrows = __ldg(&p.schedule.request_num_rows[b]);
+    const int base_pos = (cur.tile - Ld<kOwnSchedule>(&prefix[b])) * kMqaTileKeys;
+    const int first_row = Ld<kOwnSchedule>(&req_first_row[b]);
+    const int nrows = Ld<kOwnSchedule>(&req_num_rows[b]);
     const int st = i % kKeysMStages;
     const uint8_t* kv = stage_values + st * kValues;
     const float* ksc = reinterpret_cast<const float*>(stage_scales + st * kScales);
@@ -130,6 +254,13 @@ __global__ void __launch_bounds__(kThreads, 4) PagedMqaLogitsKeysMKernel(const P
       const int key = warp * 16 + (lane & 7) + 8 * (mi & 1);
       const int chunk = 2 * sp + (mi >> 1);
       LdMatrixX4(r, kv + key * 128 + ((chunk ^ (key & 7)) << 4));
+      if (BitMoveStep(kWiden, 2 * sp)) {
+        E4M3x4ToF16x2ScaledBitMove(r[0], a[2 * sp][0], a[2 * sp][2]);
+        E4M3x4ToF16x2ScaledBitMove(r[1], a[2 * sp][1], a[2 * sp][3]);
+        E4M3x4ToF16x2ScaledBitMove(r[2], a[2 * sp + 1][0], a[2 * sp + 1][2]);
+        E4M3x4ToF16x2ScaledBitMove(r[3], a[2 * sp + 1][1], a[2 * sp + 1][3]);
+        continue;
+      }
       a[2 * sp][0] = E4M3x2ToF16x2(r[0]);
       a[2 * sp][2] = E4M3x2ToF16x2(r[0] >> 16);
       a[2 * sp][1] = E4M3x2ToF16x2(r[1]);
@@ -140,7 +271,10 @@ __global__ void __launch_bounds__(kThreads, 4) PagedMqaLogitsKeysMKernel(const P
       a[2 * sp + 1][3] = E4M3x2ToF16x2(r[3] >> 16);
     }
     const int key0 = warp * 16 + g;
-    const float ks0 = ksc[key0], ks1 = ksc[key0 + 8];
+    // Bit moves: the sums are 2^-8 times the true ones (exactly); 256 * ks is exact too.
+    constexpr bool kSplit = kWiden != kWidenCvt;
+    const float ks0 = kSplit ? 256.f * ksc[key0] : ksc[key0];
+    const float ks1 = kSplit ? 256.f * ksc[key0 + 8] : ksc[key0 + 8];
 
     const int passes = (nrows + kRowsPerPass - 1) / kRowsPerPass;
     for (int pass = 0; pass < passes; ++pass) {
@@ -160,9 +294,25 @@ __global__ void __launch_bounds__(kThreads, 4) PagedMqaLogitsKeysMKernel(const P
           const uint32_t codes = __ldg(reinterpret_cast<const uint32_t*>(
               p.q.codes + (row * kHeads + head) * kMqaHeadDim + 4 * quad));
           uint8_t* qt = q_tile + rr * kQBytes;
-          *reinterpret_cast<uint32_t*>(qt + QOffset(head, 4 * quad)) = E4M3x2ToF16x2(codes);
-          *reinterpret_cast<uint32_t*>(qt + QOffset(head, 4 * quad + 2)) =
-              E4M3x2ToF16x2(codes >> 16);
+          if (!kSplit) {
+            *reinterpret_cast<uint32_t*>(qt + QOffset(head, 4 * quad, false)) =
+                E4M3x2ToF16x2(codes);
+            *reinterpret_cast<uint32_t*>(qt + QOffset(head, 4 * quad + 2, false)) =
+                E4M3x2ToF16x2(codes >> 16);
+          } else {
+            // Bit-move steps: keys carry the 2^-8, q is plain f16 (cvt); the other steps:
+            // q carries it (the bit move on q's own codes). One f16 at a time: the pairing
+            // differs between the two kinds of step.
+            const bool bit_move = BitMoveStep(kWiden, (4 * quad) >> 4);
+            const uint32_t lo = E4M3x2ToF16x2(codes), hi = E4M3x2ToF16x2(codes >> 16);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const uint32_t f16 = bit_move ? (((e < 2 ? lo : hi) >> (16 * (e & 1))) & 0xFFFFu)
+                                            : E4M3ToF16BitsScaled((codes >> (8 * e)) & 0xFFu);
+              *reinterpret_cast<uint16_t*>(qt + QOffset(head, 4 * quad + e, bit_move)) =
+                  static_cast<uint16_t>(f16);
+            }
+          }
           if (quad == 0) w_smem[rr * kHeads + head] = __ldg(&p.q.weights[row * kHeads + head]);
         }
         FenceProxyAsyncShared();
@@ -213,10 +363,10 @@ __global__ void __launch_bounds__(kThreads, 4) PagedMqaLogitsKeysMKernel(const P
   CpAsyncWait<0>();
 }
 
-template <int kRowsPerPass>
+template <int kRowsPerPass, int kWiden, bool kOwnSchedule>
 absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
-  auto kernel = PagedMqaLogitsKeysMKernel<kRowsPerPass>;
-  constexpr int kSmem = SmemBytes<kRowsPerPass>();
+  auto kernel = PagedMqaLogitsKeysMKernel<kRowsPerPass, kWiden, kOwnSchedule>;
+  constexpr int kSmem = SmemBytes<kRowsPerPass, kOwnSchedule>();
   // The shared-memory opt-in and the occupancy are per device and per instantiation: set
   // them once for each device a rank uses.
   struct PerDevice {
@@ -244,19 +394,47 @@ absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t 
   return absl::OkStatus();
 }
 
+template <int kWiden, bool kOwnSchedule>
+absl::Status LaunchVariant(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
+  switch (RowsPerPass(args.rows.num_rows, args.rows.num_requests)) {
+    case 1:
+      return LaunchTyped<1, kWiden, kOwnSchedule>(args, num_sms, stream);
+    case 2:
+      return LaunchTyped<2, kWiden, kOwnSchedule>(args, num_sms, stream);
+    case 3:
+      return LaunchTyped<3, kWiden, kOwnSchedule>(args, num_sms, stream);
+    default:
+      return LaunchTyped<4, kWiden, kOwnSchedule>(args, num_sms, stream);
+  }
+}
+
 }  // namespace
+
+bool KeysMComputesOwnSchedule(const PagedLogitsArgs& args) {
+  return args.math == MqaMath::kWgmmaKeysMFused &&
+         args.rows.num_requests <= kOwnScheduleMaxRequests;
+}
 
 absl::Status LaunchPagedMqaLogitsKeysM(const PagedLogitsArgs& args, int num_sms,
                                        cudaStream_t stream) {
-  switch (RowsPerPass(args.rows.num_rows, args.rows.num_requests)) {
-    case 1:
-      return LaunchTyped<1>(args, num_sms, stream);
-    case 2:
-      return LaunchTyped<2>(args, num_sms, stream);
-    case 3:
-      return LaunchTyped<3>(args, num_sms, stream);
+  // Fused: the split widening only where a page serves one row per pass. Measured on the H200
+  // (docs/results/cuda-bench.md, 08:20): split is 7-10% faster than cvt at next_n 1 and
+  // 1-3% slower at next_n 2, where two wgmma rounds per page hide the widening anyway.
+  const bool one_row = RowsPerPass(args.rows.num_rows, args.rows.num_requests) == 1;
+  if (KeysMComputesOwnSchedule(args)) {
+    return one_row ? LaunchVariant<kWidenSplit, true>(args, num_sms, stream)
+                   : LaunchVariant<kWidenCvt, true>(args, num_sms, stream);
+  }
+  switch (args.math) {
+    case MqaMath::kWgmmaKeysMSplit:
+      return LaunchVariant<kWidenSplit, false>(args, num_sms, stream);
+    case MqaMath::kWgmmaKeysMFused:
+      return one_row ? LaunchVariant<kWidenSplit, false>(args, num_sms, stream)
+                     : LaunchVariant<kWidenCvt, false>(args, num_sms, stream);
+    case MqaMath::kWgmmaKeysMBitMove:
+      return LaunchVariant<kWidenBitMove, false>(args, num_sms, stream);
     default:
-      return LaunchTyped<4>(args, num_sms, stream);
+      return LaunchVariant<kWidenCvt, false>(args, num_sms, stream);
   }
 }
 

@@ -94,8 +94,8 @@ class GpuTest : public ::testing::Test {
       GTEST_SKIP() << "no CUDA GPU visible: the CUDA backend tests are skipped here";
     }
     kernels::BackendLimits limits;
-    limits.max_rows = 256;
-    limits.max_requests = 128;
+    limits.max_rows = 320;  // room for the > 256-request dense case below
+    limits.max_requests = 320;
     limits.max_context = 1 << 20;
     limits.num_heads = 64;
     limits.head_dim = 128;
@@ -483,6 +483,8 @@ std::vector<DenseCase> DenseCases() {
       {CacheFormat::kFp8, 64, 2048, Lengths(3, 4000), 3},
       {CacheFormat::kFp8, 64, 2048, Lengths(4, 3000), 4},
       {CacheFormat::kFp8, 64, 2048, {131072 + 77}, 1},  // a long v32 row
+      // More requests than the fused logits kernel schedules in shared memory: its fallback.
+      {CacheFormat::kFp8, 64, 2048, Lengths(300, 150), 1},
       {CacheFormat::kFp4, 32, 512, Lengths(5, 9000), 2},
       {CacheFormat::kFp4, 32, 512, {300, 513, 70}, 4},
       {CacheFormat::kFp4, 32, 512, {1 << 20}, 1},  // one row at the v41 maximum
@@ -493,13 +495,11 @@ std::vector<DenseCase> DenseCases() {
 
 // Runs the paged logits launcher into a NaN-poisoned workspace; returns [rows, stride].
 std::vector<float> GpuLogits(GpuTest* t, DeviceScene& ds, int64_t stride, int num_sms,
-                             kernels::cuda::MqaMath math = kernels::cuda::MqaMath::kWgmmaKeysM) {
+                             kernels::cuda::MqaMath math = kernels::cuda::PagedLogitsArgs{}.math) {
   const int32_t rows = ds.rows.num_rows;
   DeviceBuffer out = t->Poisoned<float>(rows * stride, NAN);
   DeviceBuffer sched(t->backend_.get(), 4 * kernels::cuda::MqaScheduleInts(ds.rows.num_requests));
   const auto s = kernels::cuda::CarveMqaSchedule(sched.as<int32_t>(), ds.rows.num_requests);
-  EXPECT_TRUE(t->backend_->Synchronize().ok());
-  EXPECT_TRUE(kernels::cuda::LaunchMqaSchedule(ds.rows, s, nullptr).ok());
   kernels::cuda::PagedLogitsArgs a;
   a.cache = ds.cache;
   a.rows = ds.rows;
@@ -508,6 +508,14 @@ std::vector<float> GpuLogits(GpuTest* t, DeviceScene& ds, int64_t stride, int nu
   a.logits = out.as<float>();
   a.logits_stride = stride;
   a.math = math;
+  // A variant that derives its own schedule must not read this one: poison it (-1 everywhere).
+  EXPECT_EQ(cudaMemset(sched.as<int32_t>(), 0xFF,
+                       4 * kernels::cuda::MqaScheduleInts(ds.rows.num_requests)),
+            cudaSuccess);
+  EXPECT_TRUE(t->backend_->Synchronize().ok());
+  if (kernels::cuda::PagedLogitsNeedsSchedule(a)) {
+    EXPECT_TRUE(kernels::cuda::LaunchMqaSchedule(ds.rows, s, nullptr).ok());
+  }
   EXPECT_TRUE(kernels::cuda::LaunchPagedMqaLogits(a, num_sms, nullptr).ok());
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   return t->Download<float>(out, rows * stride);
@@ -535,6 +543,41 @@ TEST_F(GpuTest, PagedLogitsAndDenseTopKMatchCpu) {
         twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaF16) : std::vector<float>();
     const std::vector<float> gl_fp8 =
         twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaFp8) : std::vector<float>();
+    // The split / fused / bit-move variants compute keys-M's sums scaled by 2^-8 (exactly) and
+    // undo it; the fused one derives its own schedule: all must equal keys-M bit for bit.
+    const std::vector<float> gl_keysm =
+        twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaKeysM) : std::vector<float>();
+    const std::vector<float> gl_split =
+        twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaKeysMSplit)
+             : std::vector<float>();
+    const std::vector<float> gl_fused =
+        twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaKeysMFused)
+             : std::vector<float>();
+    const std::vector<float> gl_bitmove =
+        twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaKeysMBitMove)
+             : std::vector<float>();
+    if (twin) {
+      int64_t default_diff = 0, split_diff = 0, fused_diff = 0, bitmove_diff = 0;
+      for (int32_t r = 0; r < rows; ++r) {
+        for (int32_t t = 0; t < s.row_length[r]; ++t) {
+          const int64_t i = r * stride + t;
+          default_diff += std::memcmp(&gl[i], &gl_keysm[i], sizeof(float)) != 0;
+          split_diff += std::memcmp(&gl_split[i], &gl_keysm[i], sizeof(float)) != 0;
+          fused_diff += std::memcmp(&gl_fused[i], &gl_keysm[i], sizeof(float)) != 0;
+          bitmove_diff += std::memcmp(&gl_bitmove[i], &gl_keysm[i], sizeof(float)) != 0;
+        }
+        for (int64_t t = s.row_length[r]; t < stride; ++t) {  // never written past the length
+          default_diff += !std::isnan(gl_keysm[r * stride + t]);
+          split_diff += !std::isnan(gl_split[r * stride + t]);
+          fused_diff += !std::isnan(gl_fused[r * stride + t]);
+          bitmove_diff += !std::isnan(gl_bitmove[r * stride + t]);
+        }
+      }
+      EXPECT_EQ(default_diff, 0) << "default vs keys-M: entries not bit-identical";
+      EXPECT_EQ(split_diff, 0) << "keys-M split vs keys-M: entries not bit-identical";
+      EXPECT_EQ(fused_diff, 0) << "keys-M fused vs keys-M: entries not bit-identical";
+      EXPECT_EQ(bitmove_diff, 0) << "keys-M bit move vs keys-M: entries not bit-identical";
+    }
     double worst_fp8 = 0.0;
 
     kernels::DenseArgs d;
