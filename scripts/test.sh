@@ -8,13 +8,14 @@ start=$(date +%s)
 scripts/install-deps.sh
 
 echo "=== build (CUDA where nvcc exists) ==="
-scripts/build.sh build
+scripts/build.sh build -DCMAKE_BUILD_TYPE=Release
 echo "=== tests ==="
 ctest --test-dir build --output-on-failure -j "${DI_JOBS:-$(nproc)}"
 
 if [ "${DI_SKIP_SANITIZERS:-0}" != 1 ]; then
   echo "=== build with ASan + UBSan (CPU path) ==="
-  scripts/build.sh build-asan -DDI_CUDA=OFF -DDI_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
+  scripts/build.sh build-asan -DDI_CUDA=OFF -DDI_SANITIZE=ON -DDI_BUILD_BENCH=OFF \
+    -DCMAKE_BUILD_TYPE=Debug
   echo "=== tests under ASan + UBSan ==="
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build-asan --output-on-failure -j "${DI_JOBS:-$(nproc)}"
