@@ -93,18 +93,153 @@ float Median(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
+// The v41 consumer layer step (docs/results/multigpu.md): 64 rows (one request each, contexts
+// around 64K) x 2048 candidate blocks of 8 = 16K positions, FP4 cache, 32 heads, top 512.
+// Times the sparse logits in both variants, the radix top-k over them, and the step (logits
+// + top-k) as SparseTopK runs it. The pool's bytes read as FP4 pages are valid codes and
+// scales (FillPages never writes 0xFF). Each step uses another of several page tables.
+int RunConsumer(uint8_t* pool, int64_t pool_bytes, int sms, cudaStream_t st, cudaEvent_t e0,
+                cudaEvent_t e1, std::mt19937_64& rng, FILE* out) {
+  constexpr int kRows = 64, kHeads32 = 32, kBlocks = 2048, kBlock = 8, kK = 512, kCtx = 65536;
+  constexpr int kMaxPos = kBlocks * kBlock;
+  const di::CacheGeometry geo{di::CacheFormat::kFp4, 128, kPage};
+  const int64_t pages = pool_bytes / geo.page_bytes();
+  const int ctx_pages = kCtx / kPage;
+  const int sets = static_cast<int>(std::min<int64_t>(8, pages / (int64_t{kRows} * ctx_pages)));
+  std::vector<int32_t> perm(pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<int32_t*> tables(sets);
+  for (int s = 0; s < sets; ++s) {
+    std::vector<int32_t> pt(perm.begin() + int64_t{s} * kRows * ctx_pages,
+                            perm.begin() + int64_t{s + 1} * kRows * ctx_pages);
+    CHECK_CUDA(cudaMalloc(&tables[s], 4 * pt.size()), "page table");
+    CHECK_CUDA(cudaMemcpy(tables[s], pt.data(), 4 * pt.size(), cudaMemcpyHostToDevice), "pt");
+  }
+  // Candidates: 2048 distinct random blocks of each row's 8192, ascending, expanded.
+  std::vector<int32_t> rr(kRows), rl(kRows, kCtx), pos(int64_t{kRows} * kMaxPos),
+      cnt(kRows, kMaxPos);
+  std::vector<int32_t> blocks(kCtx / kBlock);
+  for (int r = 0; r < kRows; ++r) {
+    rr[r] = r;
+    std::iota(blocks.begin(), blocks.end(), 0);
+    std::shuffle(blocks.begin(), blocks.end(), rng);
+    std::sort(blocks.begin(), blocks.begin() + kBlocks);
+    for (int j = 0; j < kBlocks; ++j) {
+      for (int o = 0; o < kBlock; ++o)
+        pos[int64_t{r} * kMaxPos + j * kBlock + o] = blocks[j] * kBlock + o;
+    }
+  }
+  int32_t *d_rr, *d_rl, *d_pos, *d_cnt, *d_out;
+  uint8_t *d_q, *d_qs;
+  float *d_w, *d_logits;
+  CHECK_CUDA(cudaMalloc(&d_rr, 4 * kRows), "rows");
+  CHECK_CUDA(cudaMalloc(&d_rl, 4 * kRows), "lengths");
+  CHECK_CUDA(cudaMalloc(&d_cnt, 4 * kRows), "counts");
+  CHECK_CUDA(cudaMalloc(&d_pos, 4 * pos.size()), "positions");
+  CHECK_CUDA(cudaMalloc(&d_out, 4 * kRows * kK), "out");
+  CHECK_CUDA(cudaMalloc(&d_logits, 4 * pos.size()), "logits");
+  CHECK_CUDA(cudaMalloc(&d_q, kRows * kHeads32 * 64), "q");
+  CHECK_CUDA(cudaMalloc(&d_qs, kRows * kHeads32 * 4), "q scales");
+  CHECK_CUDA(cudaMalloc(&d_w, 4 * kRows * kHeads32), "w");
+  CHECK_CUDA(cudaMemcpy(d_rr, rr.data(), 4 * kRows, cudaMemcpyHostToDevice), "rows");
+  CHECK_CUDA(cudaMemcpy(d_rl, rl.data(), 4 * kRows, cudaMemcpyHostToDevice), "lengths");
+  CHECK_CUDA(cudaMemcpy(d_cnt, cnt.data(), 4 * kRows, cudaMemcpyHostToDevice), "counts");
+  CHECK_CUDA(cudaMemcpy(d_pos, pos.data(), 4 * pos.size(), cudaMemcpyHostToDevice), "positions");
+  FillQ<<<64, 256, 0, st>>>(d_q, kRows * kHeads32 * 64, d_w, kRows * kHeads32, rng());
+  // q scales 2^-40: with the pool's key scale bytes (up to 2^120) every logit stays finite.
+  CHECK_CUDA(cudaMemsetAsync(d_qs, 87, kRows * kHeads32 * 4, st), "q scales");
+  CHECK_CUDA(cudaGetLastError(), "fill q");
+  CHECK_CUDA(cudaStreamSynchronize(st), "setup");
+  auto logits_step = [&](int i, dc::SparseLogitsMath math) {
+    di::RowBatch b;
+    b.num_rows = kRows;
+    b.row_request = d_rr;
+    b.row_length = d_rl;
+    b.page_table = tables[i % sets];
+    b.page_table_stride = ctx_pages;
+    b.num_requests = kRows;
+    b.max_row_length = kCtx;
+    const di::QView q{d_q, d_qs, d_w, kHeads32};
+    CHECK_OK(
+        dc::LaunchSparseLogits({pool, pages, geo}, b, q, d_pos, d_cnt, kMaxPos, d_logits, st, math),
+        "sparse logits");
+  };
+  auto topk_step = [&]() {
+    dc::TopKArgs t;
+    t.num_rows = kRows;
+    t.values = d_logits;
+    t.stride = kMaxPos;
+    t.lengths = d_cnt;
+    t.k = kK;
+    t.out = d_out;
+    t.index_map = d_pos;
+    t.index_map_stride = kMaxPos;
+    t.max_length = kMaxPos;
+    CHECK_OK(dc::LaunchRadixTopK(t, sms, st), "topk");
+  };
+  auto time_steps = [&](auto&& step, int batches, int per_batch) {
+    for (int i = 0; i < 2; ++i) step(i);  // warm-up
+    std::vector<float> per_step;
+    for (int bt = 0; bt < batches; ++bt) {
+      CHECK_CUDA(cudaEventRecord(e0, st), "record");
+      for (int i = 0; i < per_batch; ++i) step(bt * per_batch + i);
+      CHECK_CUDA(cudaEventRecord(e1, st), "record");
+      CHECK_CUDA(cudaEventSynchronize(e1), "sync");
+      float ms;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
+      per_step.push_back(ms * 1000.f / per_batch);
+    }
+    return Median(per_step);
+  };
+  const float t_warp =
+      time_steps([&](int i) { logits_step(i, dc::SparseLogitsMath::kWarpPerPosition); }, 3, 2);
+  const float t_grid =
+      time_steps([&](int i) { logits_step(i, dc::SparseLogitsMath::kGrid); }, 7, 10);
+  const float t_topk = time_steps([&](int) { topk_step(); }, 7, 10);
+  const float t_step = time_steps(
+      [&](int i) {
+        logits_step(i, dc::SparseLogitsMath::kGrid);
+        topk_step();
+      },
+      7, 10);
+  CHECK_CUDA(cudaStreamSynchronize(st), "sync");
+  CHECK_CUDA(cudaGetLastError(), "after timing");
+  const double key_bytes = double{kRows} * kMaxPos * geo.entry_bytes();
+  std::printf(
+      "consumer %d rows x %d positions, FP4, %d heads, K %d: logits warp-per-position %.1f us, "
+      "grid %.1f us (%.0f GB/s of keys); top-k %.1f us; step (grid + top-k) %.1f us; %d sets\n",
+      kRows, kMaxPos, kHeads32, kK, t_warp, t_grid, key_bytes / (t_grid * 1e-6) / 1e9, t_topk,
+      t_step, sets);
+  std::fprintf(out,
+               "{\"consumer\": true, \"rows\": %d, \"positions\": %d, \"heads\": %d, "
+               "\"k\": %d, \"logits_warp_us\": %.2f, \"logits_grid_us\": %.2f, "
+               "\"topk_us\": %.2f, \"step_us\": %.2f, \"key_bytes\": %.0f, \"sets\": %d}\n",
+               kRows, kMaxPos, kHeads32, kK, t_warp, t_grid, t_topk, t_step, key_bytes, sets);
+  for (int32_t* t : tables) CHECK_CUDA(cudaFree(t), "free");
+  for (void* p :
+       {static_cast<void*>(d_rr), static_cast<void*>(d_rl), static_cast<void*>(d_pos),
+        static_cast<void*>(d_cnt), static_cast<void*>(d_out), static_cast<void*>(d_logits),
+        static_cast<void*>(d_q), static_cast<void*>(d_qs), static_cast<void*>(d_w)}) {
+    CHECK_CUDA(cudaFree(p), "free");
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string out_path = "cuda_bench.json";
   int batches = 7, per_batch = 10;
   int only_requests = 0, only_next_n = 0, only_avg = 0;  // --only R N AVG: one configuration
-  bool subset = false;  // --subset: issue 3's headline shapes only (short device sessions)
+  bool subset = false;    // --subset: issue 3's headline shapes only (short device sessions)
+  bool consumer = false;  // --consumer: time the v41 consumer layer step instead
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--out" && i + 1 < argc) out_path = argv[++i];
     if (a == "--batches" && i + 1 < argc) batches = std::atoi(argv[++i]);
     if (a == "--subset") subset = true;
+    if (a == "--consumer") consumer = true;
     if (a == "--only" && i + 3 < argc) {
       only_requests = std::atoi(argv[++i]);
       only_next_n = std::atoi(argv[++i]);
@@ -164,6 +299,11 @@ int main(int argc, char** argv) {
   if (out == nullptr) {
     std::perror(out_path.c_str());
     return 1;
+  }
+  if (consumer) {
+    const int rc = RunConsumer(pool, pool_pages * kPageBytes, sms, st, e0, e1, rng, out);
+    std::fclose(out);
+    return rc;
   }
   std::printf("%5s %3s %7s | %9s %9s %9s | %8s %6s | %8s %8s %8s | %8s %8s %8s | %4s\n", "req", "n",
               "avg", "logits_us", "topk_us", "both_us", "GB/s", "%copy", "fp8wgmma", "mmasync",

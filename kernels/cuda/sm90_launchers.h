@@ -111,10 +111,16 @@ absl::Status LaunchCandidateScores(int32_t num_rows, const float* logits, int64_
 absl::Status LaunchExpandCandidates(const ExpandArgs& args, cudaStream_t stream);
 
 // ---- Sparse logits at given positions (sm90_sparse_logits.cu) ------------------------------
-// logits[r * max_positions + i] for i < counts[r], of position positions[r * max_positions + i].
+// logits[r * max_positions + i] for i < counts[r], of position positions[r * max_positions + i];
+// entries at i >= counts[r] are left alone (the top-k reads counts[r] entries).
+// kGrid, the default: blocks over (row, 256 positions), one thread per position, q in shared
+// memory (FP8/FP4, up to 64 heads, 16-byte aligned pages; other shapes fall back).
+// kWarpPerPosition: the first version, one block per row (kept to time against).
+enum class SparseLogitsMath { kGrid, kWarpPerPosition };
 absl::Status LaunchSparseLogits(const CacheView& cache, const RowBatch& rows, const QView& q,
                                 const int32_t* positions, const int32_t* counts,
-                                int32_t max_positions, float* logits, cudaStream_t stream);
+                                int32_t max_positions, float* logits, cudaStream_t stream,
+                                SparseLogitsMath math = SparseLogitsMath::kGrid);
 
 // ---- Row copies (sm90_copy_rows.cu) --------------------------------------------------------
 absl::Status LaunchCopyRows(const CopyRowsArgs& args, cudaStream_t stream);

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <thread>
 #include <vector>
@@ -804,6 +805,68 @@ TEST_F(GpuTest, ExpandSparseMaskedAndCopyRowsMatchCpu) {
   for (int32_t r = 0; r < rows; ++r) {
     EXPECT_TRUE(std::equal(sparse.begin() + int64_t{r} * k, sparse.begin() + int64_t{r + 1} * k,
                            copied.begin() + int64_t{rows - 1 - r} * k));
+  }
+}
+
+// The grid sparse-logits kernel over both formats and a head count that is not a multiple of
+// its 16-head group: each row scores a random ascending subset of its positions; answers match
+// the CPU at the row's own logits, repeat bit for bit, and a row's answer does not move when
+// another row of the batch scores nothing (batch composition).
+TEST_F(GpuTest, SparseTopKGridMatchesCpuAndIgnoresBatch) {
+  struct Case {
+    CacheFormat format;
+    int32_t heads;
+  };
+  for (const Case c :
+       {Case{CacheFormat::kFp8, 64}, Case{CacheFormat::kFp4, 32}, Case{CacheFormat::kFp8, 40}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "format " << static_cast<int>(c.format) << " heads " << c.heads);
+    Scene s = MakeScene(Spec(c.format, c.heads, {12000, 300, 6000}, 2));
+    auto ds = UploadScene(this, s);
+    const int32_t rows = s.num_rows(), maxp = 2048 * 8, k = 512;
+    std::vector<int32_t> pos(int64_t{rows} * maxp, -1), cnt(rows);
+    for (int32_t r = 0; r < rows; ++r) {
+      std::vector<int32_t> all(s.row_length[r]);
+      std::iota(all.begin(), all.end(), 0);
+      std::shuffle(all.begin(), all.end(), Rng());
+      cnt[r] = std::min<int32_t>(maxp, s.row_length[r] * 3 / 4 + 1);
+      std::sort(all.begin(), all.begin() + cnt[r]);
+      std::copy_n(all.begin(), cnt[r], pos.begin() + int64_t{r} * maxp);
+    }
+    DeviceBuffer dpos = Upload(pos);
+    DeviceBuffer dcnt = Upload(cnt);
+    auto run = [&](const DeviceBuffer& counts) {
+      kernels::SparseArgs sp;
+      sp.cache = ds->cache;
+      sp.rows = ds->rows;
+      sp.q = ds->q;
+      sp.positions = dpos.as<int32_t>();
+      sp.counts = counts.as<int32_t>();
+      sp.max_positions = maxp;
+      sp.topk = k;
+      DeviceBuffer dout = Poisoned<int32_t>(int64_t{rows} * k, kPoisonI32);
+      sp.topk_out = dout.as<int32_t>();
+      EXPECT_TRUE(backend_->SparseTopK(sp).ok());
+      return Download<int32_t>(dout, int64_t{rows} * k);
+    };
+    const std::vector<int32_t> got = run(dcnt);
+    EXPECT_EQ(run(dcnt), got) << "sparse top-k not bit-identical across runs";
+    for (int32_t r = 0; r < rows; ++r) {
+      const std::vector<int32_t> p(pos.begin() + int64_t{r} * maxp,
+                                   pos.begin() + int64_t{r} * maxp + cnt[r]);
+      std::vector<float> at(p.size());
+      kernels::cpu::RowLogitsAt(s.cache(), s.rows(), s.q(), r, p.data(), cnt[r], at.data());
+      EXPECT_TRUE(CheckTopKRow(got.data() + int64_t{r} * k, k, ToDouble(at), 2 * RowTol(at), &p))
+          << "row " << r;
+    }
+    std::vector<int32_t> cnt0 = cnt;
+    cnt0[0] = 0;
+    DeviceBuffer dcnt0 = Upload(cnt0);
+    const std::vector<int32_t> other = run(dcnt0);
+    EXPECT_TRUE(std::equal(got.begin() + k, got.end(), other.begin() + k))
+        << "a row's answer moved when another row changed";
+    EXPECT_TRUE(std::all_of(other.begin(), other.begin() + k, [](int32_t v) { return v == -1; }))
+        << "a row with no positions must answer -1 only";
   }
 }
 
