@@ -4,6 +4,12 @@
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -28,12 +34,23 @@ absl::StatusOr<StepAnswer> ParseStepResponse(const v1::DecodeStepResponse& respo
     return absl::InternalError(absl::StrCat("topk.shape: expected [rows, k], got ",
                                             response.topk().shape_size(), " dims"));
   }
-  absl::StatusOr<std::vector<int32_t>> topk = ParseI32(response.topk());
-  if (!topk.ok()) return topk.status();
   a.rows = static_cast<int32_t>(response.topk().shape(0));
   a.k = static_cast<int32_t>(response.topk().shape(1));
-  a.topk = std::move(*topk);
-  if (response.has_candidate_blocks()) {
+  const bool shape_only = NumElements(response.topk()) > 0 && response.topk().data().empty();
+  if (shape_only && !response.topk_delta().empty()) {
+    absl::StatusOr<std::vector<int32_t>> topk = DecodeTopkDelta(response.topk_delta(), a.rows, a.k);
+    if (!topk.ok()) return topk.status();
+    a.topk = std::move(*topk);
+  } else if (shape_only) {
+    a.in_shared_memory = true;
+  } else {
+    absl::StatusOr<std::vector<int32_t>> topk = ParseI32(response.topk());
+    if (!topk.ok()) return topk.status();
+    a.topk = std::move(*topk);
+  }
+  if (a.in_shared_memory && response.has_candidate_blocks()) {
+    a.num_candidate_blocks = static_cast<int32_t>(response.candidate_blocks().shape(1));
+  } else if (response.has_candidate_blocks()) {
     if (response.candidate_blocks().shape_size() != 2 ||
         response.candidate_blocks().shape(0) != a.rows) {
       return absl::InternalError("candidate_blocks.shape: expected [rows, blocks]");
@@ -60,8 +77,25 @@ absl::StatusOr<std::unique_ptr<IndexerClient>> IndexerClient::Connect(
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
-  std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  if (options.keepalive_time_ms > 0) {
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, options.keepalive_time_ms);
+    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  }
+  if (options.keepalive_timeout_ms > 0) {
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, options.keepalive_timeout_ms);
+  }
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (!options.tls_root_ca.empty() || !options.tls_cert.empty()) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls_root_ca;
+    ssl.pem_private_key = options.tls_key;
+    ssl.pem_cert_chain = options.tls_cert;
+    credentials = grpc::SslCredentials(ssl);
+    if (!options.tls_target_name.empty()) {
+      args.SetSslTargetNameOverride(options.tls_target_name);
+    }
+  }
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(target, credentials, args);
   if (channel == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("target: cannot create a channel to ", target));
   }
@@ -75,6 +109,9 @@ absl::StatusOr<std::unique_ptr<IndexerClient>> IndexerClient::Connect(
 
 void IndexerClient::Prepare(grpc::ClientContext& context) const {
   context.set_deadline(std::chrono::system_clock::now() + options_.timeout);
+  if (!options_.auth_token.empty()) {
+    context.AddMetadata("authorization", "Bearer " + options_.auth_token);
+  }
 }
 
 absl::StatusOr<v1::ServerInfo> IndexerClient::ServerInfo() {
@@ -168,6 +205,59 @@ absl::StatusOr<v1::Statistics> IndexerClient::GetStatistics() {
   grpc::Status s = stub_->GetStatistics(&context, v1::GetStatisticsRequest(), &stats);
   if (!s.ok()) return FromGrpcStatus(s);
   return stats;
+}
+
+absl::StatusOr<uint64_t> IndexerClient::RegisterSharedMemory(const std::string& name,
+                                                             uint64_t size) {
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::RegisterSharedMemoryRequest request;
+  request.set_name(name);
+  request.set_size(size);
+  v1::RegisterSharedMemoryResponse response;
+  grpc::Status s = stub_->RegisterSharedMemory(&context, request, &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response.region_id();
+}
+
+absl::Status IndexerClient::UnregisterSharedMemory(uint64_t region_id) {
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::UnregisterSharedMemoryRequest request;
+  request.set_region_id(region_id);
+  v1::UnregisterSharedMemoryResponse response;
+  return FromGrpcStatus(stub_->UnregisterSharedMemory(&context, request, &response));
+}
+
+absl::StatusOr<std::unique_ptr<SharedMemory>> SharedMemory::Create(const std::string& name,
+                                                                   uint64_t size) {
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) {
+    return absl::UnavailableError(absl::StrCat("shm_open ", name, ": ", std::strerror(errno)));
+  }
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    const int err = errno;
+    close(fd);
+    shm_unlink(name.c_str());
+    return absl::ResourceExhaustedError(absl::StrCat("ftruncate ", name, ": ", std::strerror(err)));
+  }
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
+  close(fd);
+  if (base == MAP_FAILED) {
+    shm_unlink(name.c_str());
+    return absl::ResourceExhaustedError(absl::StrCat("mmap ", name, ": ", std::strerror(err)));
+  }
+  std::unique_ptr<SharedMemory> shm(new SharedMemory());
+  shm->base_ = static_cast<uint8_t*>(base);
+  shm->size_ = size;
+  shm->name_ = name;
+  return shm;
+}
+
+SharedMemory::~SharedMemory() {
+  if (base_ != nullptr) munmap(base_, size_);
+  shm_unlink(name_.c_str());
 }
 
 StepStream::~StepStream() {

@@ -35,6 +35,9 @@ struct StepAnswer {
   int64_t compute_us = 0;
   std::vector<int64_t> lengths;  // per sequence, after the step
   double client_us = 0;          // round trip seen by the client (0 for stream answers)
+  // The step went through shared memory: topk/candidates were written into the region at
+  // the request's offsets and are empty here.
+  bool in_shared_memory = false;
 
   std::span<const int32_t> Row(int32_t r) const {
     return std::span<const int32_t>(topk).subspan(static_cast<size_t>(r) * k, k);
@@ -54,6 +57,39 @@ struct ClientOptions {
   // How long Connect waits for the channel to come up (0: do not wait).
   std::chrono::milliseconds connect_timeout = std::chrono::seconds(10);
   int max_message_bytes = 512 << 20;
+  // Sent as "authorization: Bearer <token>" on every call when set.
+  std::string auth_token;
+  // PEM contents (not paths). tls_root_ca set: TLS, verifying the server against it;
+  // tls_cert + tls_key add a client certificate (mutual TLS). tls_target_name overrides the
+  // name checked against the server certificate (e.g. "localhost" when dialing an IP).
+  std::string tls_root_ca;
+  std::string tls_cert;
+  std::string tls_key;
+  std::string tls_target_name;
+  // HTTP/2 keepalive pings on the channel; 0 leaves gRPC's default (off).
+  int keepalive_time_ms = 0;
+  int keepalive_timeout_ms = 0;
+};
+
+// A POSIX shared-memory object the client creates (shm_open + ftruncate + mmap) for
+// RegisterSharedMemory; unlinked and unmapped on destruction.
+class SharedMemory {
+ public:
+  // `name` "/di-..." (the server accepts only that prefix).
+  static absl::StatusOr<std::unique_ptr<SharedMemory>> Create(const std::string& name,
+                                                              uint64_t size);
+  ~SharedMemory();
+  SharedMemory(const SharedMemory&) = delete;
+  SharedMemory& operator=(const SharedMemory&) = delete;
+  uint8_t* data() { return base_; }
+  uint64_t size() const { return size_; }
+  const std::string& name() const { return name_; }
+
+ private:
+  SharedMemory() = default;
+  uint8_t* base_ = nullptr;
+  uint64_t size_ = 0;
+  std::string name_;
 };
 
 // A DecodeStream session: steps answered in order; the stream ends with the first failing
@@ -98,6 +134,9 @@ class IndexerClient {
   absl::StatusOr<StepAnswer> DecodeStep(const v1::DecodeStepRequest& request);
   absl::StatusOr<std::unique_ptr<StepStream>> OpenStream();
   absl::StatusOr<v1::Statistics> GetStatistics();
+  // Answers the region id for DecodeStepRequest.shared_memory.region_id.
+  absl::StatusOr<uint64_t> RegisterSharedMemory(const std::string& name, uint64_t size);
+  absl::Status UnregisterSharedMemory(uint64_t region_id);
 
   grpc::Channel& channel() { return *channel_; }
 

@@ -110,4 +110,37 @@ inline absl::StatusOr<std::vector<float>> ParseF32(const v1::Tensor& t) {
   return ParseTensor<float>(t, v1::DTYPE_FP32);
 }
 
+// Decodes ANSWER_ENCODING_DELTA_VARINT (see the proto) into rows x k positions, -1 padded.
+inline absl::StatusOr<std::vector<int32_t>> DecodeTopkDelta(const std::string& bytes, int64_t rows,
+                                                            int64_t k) {
+  std::vector<int32_t> out(static_cast<size_t>(rows * k), -1);
+  size_t at = 0;
+  auto next = [&](uint64_t& v) {
+    v = 0;
+    for (int shift = 0; shift < 35; shift += 7) {
+      if (at >= bytes.size()) return false;
+      const uint8_t b = static_cast<uint8_t>(bytes[at++]);
+      v |= static_cast<uint64_t>(b & 0x7F) << shift;
+      if ((b & 0x80) == 0) return true;
+    }
+    return false;
+  };
+  for (int64_t r = 0; r < rows; ++r) {
+    uint64_t valid = 0;
+    if (!next(valid) || valid > static_cast<uint64_t>(k)) {
+      return absl::DataLossError(absl::StrCat("topk_delta: row ", r, ": bad count"));
+    }
+    int64_t prev = -1;
+    for (uint64_t i = 0; i < valid; ++i) {
+      uint64_t gap = 0;
+      if (!next(gap)) return absl::DataLossError(absl::StrCat("topk_delta: row ", r, ": cut"));
+      prev += static_cast<int64_t>(gap) + 1;
+      if (prev > INT32_MAX) return absl::DataLossError("topk_delta: position overflows int32");
+      out[static_cast<size_t>(r * k + static_cast<int64_t>(i))] = static_cast<int32_t>(prev);
+    }
+  }
+  if (at != bytes.size()) return absl::DataLossError("topk_delta: trailing bytes");
+  return out;
+}
+
 }  // namespace decode_indexer::client

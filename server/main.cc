@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -70,13 +71,37 @@ int main(int argc, char** argv) {
   app.add_option("--max-message-bytes", options.max_message_bytes, "gRPC message size limit")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--drain-seconds", drain_seconds, "how long in-flight calls get on shutdown")
+  app.add_option("--drain-timeout,--drain-seconds", drain_seconds,
+                 "seconds in-flight calls get on SIGTERM/SIGINT before they are cancelled")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_option("--metrics-listen", options.metrics_listen,
+                 "host:port for Prometheus GET /metrics (empty: off)");
+  app.add_option("--auth-token", options.auth_token,
+                 "bearer token every call must carry (default: env DI_AUTH_TOKEN; empty: off)");
+  app.add_option("--tls-cert", options.tls_cert, "PEM server certificate (enables TLS)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-key", options.tls_key, "PEM server private key")->check(CLI::ExistingFile);
+  app.add_option("--tls-client-ca", options.tls_client_ca,
+                 "PEM CA that client certificates must chain to (enables mutual TLS)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--keepalive-time-ms", options.keepalive_time_ms,
+                 "ping idle connections this often (0: gRPC default)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--keepalive-timeout-ms", options.keepalive_timeout_ms,
+                 "drop a connection whose ping is not acked within this (0: gRPC default)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--keepalive-min-ping-ms", options.keepalive_min_ping_ms,
+                 "shortest client ping interval accepted, also without calls (0: gRPC default)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error, critical, off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  if (options.auth_token.empty()) {
+    // From the environment so the token stays out of `ps`.
+    if (const char* env = std::getenv("DI_AUTH_TOKEN")) options.auth_token = env;
+  }
   spdlog::set_level(spdlog::level::from_str(log_level));
 
   absl::StatusOr<decode_indexer::config::Profile> profile =
@@ -111,6 +136,9 @@ int main(int argc, char** argv) {
       "{} rank(s), {} pages ({} per pool), listening on {} (port {})",
       profile->name, profile->layers.size(), st.caches.size(), st.backend, st.backend_desc,
       st.num_ranks, pages, options.executor.cache_pages, options.listen, (*server)->port());
+  if ((*server)->metrics_port() != 0) {
+    spdlog::info("metrics on {} (port {})", options.metrics_listen, (*server)->metrics_port());
+  }
 
   std::atomic<bool> stopping{false};
   std::thread waiter([&] {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <exception>
 #include <utility>
 
@@ -55,6 +56,55 @@ void SetInt32Tensor(const std::vector<int32_t>& values, int64_t rows, int64_t co
   out.set_data(values.data(), values.size() * sizeof(int32_t));
 }
 
+// Bytes of a tensor sent with its data in shared memory (dtype and shape only on the wire);
+// absurd shapes are refused before any multiplication can overflow.
+absl::StatusOr<uint64_t> ShapeBytes(const v1::Tensor& t, const char* field) {
+  uint64_t n = 1;
+  for (int64_t d : t.shape()) {
+    if (d < 0 || d > (int64_t{1} << 32) || n > (uint64_t{1} << 40) / (uint64_t(d) + 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".shape: out of range"));
+    }
+    n *= static_cast<uint64_t>(d);
+  }
+  switch (t.dtype()) {
+    case v1::DTYPE_FP32:
+    case v1::DTYPE_INT32:
+      return n * 4;
+    case v1::DTYPE_BF16:
+      return n * 2;
+    case v1::DTYPE_FP8_E4M3:
+    case v1::DTYPE_UE8M0:
+      return n;
+    case v1::DTYPE_FP4_E2M1:
+      return (n + 1) / 2;
+    case v1::DTYPE_INT64:
+      return n * 8;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: unsupported"));
+  }
+}
+
+// Points `t`'s bytes at the region (copied into the staged request).
+absl::Status StageFromRegion(const SharedMemoryRegion& region, v1::Tensor& t, const char* field,
+                             const char* offset_field, uint64_t offset) {
+  if (!t.data().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".data: must be empty when shared_memory is set"));
+  }
+  absl::StatusOr<uint64_t> bytes = ShapeBytes(t, field);
+  if (!bytes.ok()) return bytes.status();
+  absl::StatusOr<uint8_t*> at = region.Span(offset_field, offset, *bytes);
+  if (!at.ok()) return at.status();
+  t.set_data(*at, *bytes);
+  return absl::OkStatus();
+}
+
+void SetShapeOnly(int64_t rows, int64_t cols, v1::Tensor& out) {
+  out.set_dtype(v1::DTYPE_INT32);
+  out.add_shape(rows);
+  out.add_shape(cols);
+}
+
 // Handlers never let an exception (e.g. bad_alloc) escape into gRPC.
 template <typename F>
 absl::Status Guarded(F&& f) {
@@ -69,13 +119,17 @@ absl::Status Guarded(F&& f) {
 
 }  // namespace
 
-void LatencyStats::Record(double latency_us, bool error) {
+void LatencyStats::Record(double latency_us, absl::StatusCode code) {
+  const bool error = code != absl::StatusCode::kOk;
+  int c = static_cast<int>(code);
+  if (c < 0 || c >= kCodes) c = static_cast<int>(absl::StatusCode::kUnknown);
   // Bucket b holds latencies in (2^((b-1)/4), 2^(b/4)] µs; bucket 0 everything <= 1 µs.
   int b = latency_us <= 1.0 ? 0 : static_cast<int>(std::ceil(4.0 * std::log2(latency_us)));
   b = std::clamp(b, 0, kBuckets - 1);
   std::lock_guard<std::mutex> lock(mu_);
   ++count_;
   if (error) ++errors_;
+  ++codes_[c];
   total_us_ += latency_us;
   max_us_ = std::max(max_us_, latency_us);
   ++buckets_[b];
@@ -92,6 +146,11 @@ double LatencyStats::Percentile(double q) const {
   return max_us_;
 }
 
+std::array<uint64_t, LatencyStats::kCodes> LatencyStats::Codes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return codes_;
+}
+
 void LatencyStats::Fill(v1::RpcStatistics& out) const {
   std::lock_guard<std::mutex> lock(mu_);
   out.set_count(count_);
@@ -102,8 +161,25 @@ void LatencyStats::Fill(v1::RpcStatistics& out) const {
   out.set_latency_us_p99(Percentile(0.99));
 }
 
-IndexerService::IndexerService(exec::Executor& executor, std::string version)
-    : executor_(executor), version_(std::move(version)) {}
+IndexerService::IndexerService(exec::Executor& executor, std::string version,
+                               ServiceOptions options)
+    : executor_(executor), version_(std::move(version)), options_(std::move(options)) {}
+
+absl::Status IndexerService::Authorize(const grpc::ServerContext* context) const {
+  if (options_.auth_token.empty()) return absl::OkStatus();
+  const std::string want = absl::StrCat("Bearer ", options_.auth_token);
+  const auto& md = context->client_metadata();
+  auto it = md.find("authorization");
+  if (it != md.end() && it->second.size() == want.size()) {
+    // Constant time in the token's bytes: no early exit a timing probe could read.
+    unsigned char diff = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      diff |= static_cast<unsigned char>(it->second.data()[i] ^ want[i]);
+    }
+    if (diff == 0) return absl::OkStatus();
+  }
+  return absl::UnauthenticatedError("missing or wrong bearer token (authorization metadata)");
+}
 
 void IndexerService::SetHealthSink(std::function<void(bool serving)> sink) {
   std::lock_guard<std::mutex> lock(health_mu_);
@@ -130,9 +206,10 @@ void IndexerService::CheckHealth(const absl::Status& status) {
 }
 
 const char* IndexerService::MethodName(Method m) {
-  static constexpr const char* kNames[] = {"GetServerInfo",   "CreateSequence", "AppendKeys",
-                                           "ReleaseSequence", "DecodeStep",     "DecodeStream",
-                                           "GetStatistics"};
+  static constexpr const char* kNames[] = {
+      "GetServerInfo",   "CreateSequence",       "AppendKeys",
+      "ReleaseSequence", "DecodeStep",           "DecodeStream",
+      "GetStatistics",   "RegisterSharedMemory", "UnregisterSharedMemory"};
   return kNames[m];
 }
 
@@ -158,6 +235,9 @@ void IndexerService::FillServerInfo(v1::ServerInfo& info) const {
   info.set_rope_dim_offset(p.rope.dim_offset);
   info.set_rope_dim(p.rope.rope_dim);
   info.set_hadamard(p.hadamard);
+  info.set_healthy(st.healthy);
+  info.set_health_detail(st.health_detail);
+  info.set_collective(st.collective);
   for (const config::LayerSpec& l : p.layers) {
     v1::LayerInfo* li = info.add_layers();
     li->set_layer(l.layer);
@@ -178,30 +258,37 @@ void IndexerService::FillServerInfo(v1::ServerInfo& info) const {
   info.set_pages_free(free);
 }
 
-grpc::Status IndexerService::GetServerInfo(grpc::ServerContext*, const v1::GetServerInfoRequest*,
+grpc::Status IndexerService::GetServerInfo(grpc::ServerContext* context,
+                                           const v1::GetServerInfoRequest*,
                                            v1::ServerInfo* response) {
   const auto start = Clock::now();
   absl::Status s = Guarded([&] {
+    if (absl::Status a = Authorize(context); !a.ok()) return a;
     FillServerInfo(*response);
     return absl::OkStatus();
   });
-  stats_[kGetServerInfo].Record(MicrosSince(start), !s.ok());
+  stats_[kGetServerInfo].Record(MicrosSince(start), s.code());
   return ToGrpcStatus(s);
 }
 
-grpc::Status IndexerService::CreateSequence(grpc::ServerContext*,
+grpc::Status IndexerService::CreateSequence(grpc::ServerContext* context,
                                             const v1::CreateSequenceRequest* request,
                                             v1::CreateSequenceResponse*) {
   const auto start = Clock::now();
-  absl::Status s = Guarded([&] { return executor_.CreateSequence(request->sequence_id()); });
-  stats_[kCreateSequence].Record(MicrosSince(start), !s.ok());
+  absl::Status s = Guarded([&] {
+    if (absl::Status a = Authorize(context); !a.ok()) return a;
+    return executor_.CreateSequence(request->sequence_id());
+  });
+  stats_[kCreateSequence].Record(MicrosSince(start), s.code());
   return ToGrpcStatus(s);
 }
 
-grpc::Status IndexerService::AppendKeys(grpc::ServerContext*, const v1::AppendKeysRequest* request,
+grpc::Status IndexerService::AppendKeys(grpc::ServerContext* context,
+                                        const v1::AppendKeysRequest* request,
                                         v1::AppendKeysResponse* response) {
   const auto start = Clock::now();
   absl::Status s = Guarded([&]() -> absl::Status {
+    if (absl::Status a = Authorize(context); !a.ok()) return a;
     absl::StatusOr<DecodedAppend> decoded = DecodeAppendKeys(*request, executor_.profile());
     if (!decoded.ok()) return decoded.status();
     absl::StatusOr<int64_t> length =
@@ -213,37 +300,120 @@ grpc::Status IndexerService::AppendKeys(grpc::ServerContext*, const v1::AppendKe
     response->set_length(*length);
     return absl::OkStatus();
   });
-  stats_[kAppendKeys].Record(MicrosSince(start), !s.ok());
+  stats_[kAppendKeys].Record(MicrosSince(start), s.code());
   return ToGrpcStatus(s);
 }
 
-grpc::Status IndexerService::ReleaseSequence(grpc::ServerContext*,
+grpc::Status IndexerService::ReleaseSequence(grpc::ServerContext* context,
                                              const v1::ReleaseSequenceRequest* request,
                                              v1::ReleaseSequenceResponse* response) {
   const auto start = Clock::now();
   absl::Status s = Guarded([&]() -> absl::Status {
+    if (absl::Status a = Authorize(context); !a.ok()) return a;
     absl::StatusOr<int64_t> freed = executor_.ReleaseSequence(request->sequence_id());
     if (!freed.ok()) return freed.status();
     response->set_pages_freed(*freed);
     return absl::OkStatus();
   });
-  stats_[kReleaseSequence].Record(MicrosSince(start), !s.ok());
+  stats_[kReleaseSequence].Record(MicrosSince(start), s.code());
   return ToGrpcStatus(s);
 }
 
-absl::Status IndexerService::RunStep(const v1::DecodeStepRequest& request,
+absl::Status IndexerService::RunStep(grpc::ServerContext* context,
+                                     const v1::DecodeStepRequest& request,
                                      v1::DecodeStepResponse& response) {
+  const auto start = Clock::now();
   return Guarded([&]() -> absl::Status {
-    absl::StatusOr<DecodedStep> decoded = DecodeStepRequest(request, executor_.profile());
+    if (request.answer_cuda_ipc()) {
+      return absl::UnimplementedError(
+          "answer_cuda_ipc: exporting the answer as a CUDA IPC handle is designed but not "
+          "implemented (and impossible on the cpu backend)");
+    }
+    // Shared memory: stage a copy of the request whose q/q_scales/weights bytes come from
+    // the region, and check the answer's room before anything runs.
+    const v1::DecodeStepRequest* source = &request;
+    v1::DecodeStepRequest staged;
+    std::shared_ptr<SharedMemoryRegion> region;
+    if (request.has_shared_memory()) {
+      const v1::SharedMemoryStep& sm = request.shared_memory();
+      absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> got = shm_.Get(sm.region_id());
+      if (!got.ok()) return got.status();
+      region = *got;
+      staged = request;
+      absl::Status st =
+          StageFromRegion(*region, *staged.mutable_q(), "q", "q_offset", sm.q_offset());
+      if (st.ok() && staged.q_scales().dtype() != v1::DTYPE_UNSPECIFIED) {
+        st = StageFromRegion(*region, *staged.mutable_q_scales(), "q_scales", "q_scales_offset",
+                             sm.q_scales_offset());
+      }
+      if (st.ok()) {
+        st = StageFromRegion(*region, *staged.mutable_weights(), "weights", "weights_offset",
+                             sm.weights_offset());
+      }
+      if (!st.ok()) return st;
+      source = &staged;
+    }
+    absl::StatusOr<DecodedStep> decoded = DecodeStepRequest(*source, executor_.profile());
     if (!decoded.ok()) return decoded.status();
+    uint8_t* answer_at = nullptr;
+    uint8_t* candidates_at = nullptr;
+    if (region != nullptr) {
+      const uint64_t rows = static_cast<uint64_t>(decoded->step.num_rows);
+      absl::StatusOr<uint8_t*> at =
+          region->Span("answer_offset", request.shared_memory().answer_offset(),
+                       rows * static_cast<uint64_t>(executor_.profile().topk) * 4);
+      if (!at.ok()) return at.status();
+      answer_at = *at;
+      if (request.return_candidates()) {
+        at = region->Span(
+            "candidates_offset", request.shared_memory().candidates_offset(),
+            rows * static_cast<uint64_t>(executor_.profile().num_candidate_blocks) * 4);
+        if (!at.ok()) return at.status();
+        candidates_at = *at;
+      }
+    }
+    const auto queued = Clock::now();
+    std::unique_lock<std::mutex> admitted(step_mu_);
+    const int64_t admission_us = static_cast<int64_t>(MicrosSince(queued));
+    // Checked once admitted and before any state changes: an expired or abandoned step is
+    // answered without touching the caches.
+    if (context->deadline() <= std::chrono::system_clock::now()) {
+      return absl::DeadlineExceededError("deadline passed before the step ran");
+    }
+    if (context->IsCancelled()) return absl::CancelledError("cancelled before the step ran");
     absl::StatusOr<exec::StepResult> result = executor_.DecodeStep(decoded->step);
+    admitted.unlock();
     if (!result.ok()) {
       CheckHealth(result.status());
       return result.status();
     }
+    result->queue_us += admission_us;
+    const config::LayerRole role = executor_.profile().layers.at(request.layer()).role;
+    const int kind = role == config::LayerRole::kCandidateSource     ? 1
+                     : role == config::LayerRole::kCandidateConsumer ? 2
+                                                                     : 0;
+    step_seconds_[kind].Observe(MicrosSince(start) * 1e-6);
+    queue_seconds_.Observe(static_cast<double>(result->queue_us) * 1e-6);
+    rows_per_step_.Observe(result->num_rows);
     response.set_step_id(result->step_id);
-    SetInt32Tensor(result->topk_indices, result->num_rows, result->topk, *response.mutable_topk());
-    if (request.return_candidates()) {
+    if (answer_at != nullptr) {
+      std::memcpy(answer_at, result->topk_indices.data(),
+                  result->topk_indices.size() * sizeof(int32_t));
+      SetShapeOnly(result->num_rows, result->topk, *response.mutable_topk());
+    } else if (request.answer_encoding() == v1::ANSWER_ENCODING_DELTA_VARINT) {
+      SetShapeOnly(result->num_rows, result->topk, *response.mutable_topk());
+      EncodeTopkDelta(result->topk_indices, result->num_rows, result->topk,
+                      *response.mutable_topk_delta());
+    } else {
+      SetInt32Tensor(result->topk_indices, result->num_rows, result->topk,
+                     *response.mutable_topk());
+    }
+    if (request.return_candidates() && candidates_at != nullptr) {
+      std::memcpy(candidates_at, result->candidate_blocks.data(),
+                  result->candidate_blocks.size() * sizeof(int32_t));
+      SetShapeOnly(result->num_rows, result->num_candidate_blocks,
+                   *response.mutable_candidate_blocks());
+    } else if (request.return_candidates()) {
       SetInt32Tensor(result->candidate_blocks, result->num_rows, result->num_candidate_blocks,
                      *response.mutable_candidate_blocks());
     }
@@ -255,11 +425,13 @@ absl::Status IndexerService::RunStep(const v1::DecodeStepRequest& request,
   });
 }
 
-grpc::Status IndexerService::DecodeStep(grpc::ServerContext*, const v1::DecodeStepRequest* request,
+grpc::Status IndexerService::DecodeStep(grpc::ServerContext* context,
+                                        const v1::DecodeStepRequest* request,
                                         v1::DecodeStepResponse* response) {
   const auto start = Clock::now();
-  absl::Status s = RunStep(*request, *response);
-  stats_[kDecodeStep].Record(MicrosSince(start), !s.ok());
+  absl::Status s = Authorize(context);
+  if (s.ok()) s = RunStep(context, *request, *response);
+  stats_[kDecodeStep].Record(MicrosSince(start), s.code());
   if (!s.ok()) spdlog::debug("DecodeStep {}: {}", request->step_id(), s.ToString());
   return ToGrpcStatus(s);
 }
@@ -267,6 +439,10 @@ grpc::Status IndexerService::DecodeStep(grpc::ServerContext*, const v1::DecodeSt
 grpc::Status IndexerService::DecodeStream(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::DecodeStepResponse, v1::DecodeStepRequest>* stream) {
+  if (absl::Status a = Authorize(context); !a.ok()) {
+    stats_[kDecodeStream].Record(0, a.code());
+    return ToGrpcStatus(a);
+  }
   v1::DecodeStepRequest request;
   v1::DecodeStepResponse response;
   // One step at a time: each is answered before the next is read, so answers are in order.
@@ -274,8 +450,8 @@ grpc::Status IndexerService::DecodeStream(
     if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
     const auto start = Clock::now();
     response.Clear();
-    absl::Status s = RunStep(request, response);
-    stats_[kDecodeStream].Record(MicrosSince(start), !s.ok());
+    absl::Status s = RunStep(context, request, response);
+    stats_[kDecodeStream].Record(MicrosSince(start), s.code());
     if (!s.ok()) {
       spdlog::debug("DecodeStream step {}: {}", request.step_id(), s.ToString());
       return ToGrpcStatus(s);
@@ -287,31 +463,155 @@ grpc::Status IndexerService::DecodeStream(
   return grpc::Status::OK;
 }
 
-grpc::Status IndexerService::GetStatistics(grpc::ServerContext*, const v1::GetStatisticsRequest*,
-                                           v1::Statistics* response) {
-  const auto start = Clock::now();
+void IndexerService::FillStatistics(v1::Statistics& out) const {
   for (int m = 0; m < kNumMethods; ++m) {
-    v1::RpcStatistics* r = response->add_rpcs();
+    v1::RpcStatistics* r = out.add_rpcs();
     r->set_method(MethodName(static_cast<Method>(m)));
     stats_[m].Fill(*r);
   }
   const exec::ExecutorStatus st = executor_.Status();
-  response->set_steps(st.steps);
-  response->set_steps_sharded(st.steps_sharded);
-  response->set_steps_unsharded(st.steps_unsharded);
+  out.set_steps(st.steps);
+  out.set_steps_sharded(st.steps_sharded);
+  out.set_steps_unsharded(st.steps_unsharded);
   int64_t total = 0, free = 0;
   for (const exec::CachePoolStatus& c : st.caches) {
     total += c.pages_total;
     free += c.pages_free;
   }
-  response->set_pages_total(total);
-  response->set_pages_in_use(total - free);
-  response->set_rows_scored(st.rows_scored);
-  response->set_queue_us_total(st.queue_us_total);
-  response->set_compute_us_total(st.compute_us_total);
-  response->set_sequences(st.sequences);
-  stats_[kGetStatistics].Record(MicrosSince(start), false);
-  return grpc::Status::OK;
+  out.set_pages_total(total);
+  out.set_pages_in_use(total - free);
+  out.set_rows_scored(st.rows_scored);
+  out.set_queue_us_total(st.queue_us_total);
+  out.set_compute_us_total(st.compute_us_total);
+  out.set_sequences(st.sequences);
+  out.set_collective_us_total(st.collective_us_total);
+  out.set_healthy(st.healthy);
+  out.set_health_detail(st.health_detail);
+  out.set_collective(st.collective);
+}
+
+grpc::Status IndexerService::GetStatistics(grpc::ServerContext* context,
+                                           const v1::GetStatisticsRequest*,
+                                           v1::Statistics* response) {
+  const auto start = Clock::now();
+  absl::Status s = Authorize(context);
+  if (s.ok()) FillStatistics(*response);
+  stats_[kGetStatistics].Record(MicrosSince(start), s.code());
+  return ToGrpcStatus(s);
+}
+
+grpc::Status IndexerService::RegisterSharedMemory(grpc::ServerContext* context,
+                                                  const v1::RegisterSharedMemoryRequest* request,
+                                                  v1::RegisterSharedMemoryResponse* response) {
+  const auto start = Clock::now();
+  absl::Status s = Guarded([&]() -> absl::Status {
+    if (absl::Status a = Authorize(context); !a.ok()) return a;
+    absl::StatusOr<uint64_t> id = shm_.Register(request->name(), request->size());
+    if (!id.ok()) return id.status();
+    response->set_region_id(*id);
+    return absl::OkStatus();
+  });
+  stats_[kRegisterSharedMemory].Record(MicrosSince(start), s.code());
+  return ToGrpcStatus(s);
+}
+
+grpc::Status IndexerService::UnregisterSharedMemory(
+    grpc::ServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
+    v1::UnregisterSharedMemoryResponse*) {
+  const auto start = Clock::now();
+  absl::Status s = Guarded([&]() -> absl::Status {
+    if (absl::Status a = Authorize(context); !a.ok()) return a;
+    return shm_.Unregister(request->region_id());
+  });
+  stats_[kUnregisterSharedMemory].Record(MicrosSince(start), s.code());
+  return ToGrpcStatus(s);
+}
+
+std::string IndexerService::RenderMetrics() const {
+  static constexpr const char* kCodeNames[LatencyStats::kCodes] = {"OK",
+                                                                   "CANCELLED",
+                                                                   "UNKNOWN",
+                                                                   "INVALID_ARGUMENT",
+                                                                   "DEADLINE_EXCEEDED",
+                                                                   "NOT_FOUND",
+                                                                   "ALREADY_EXISTS",
+                                                                   "PERMISSION_DENIED",
+                                                                   "RESOURCE_EXHAUSTED",
+                                                                   "FAILED_PRECONDITION",
+                                                                   "ABORTED",
+                                                                   "OUT_OF_RANGE",
+                                                                   "UNIMPLEMENTED",
+                                                                   "INTERNAL",
+                                                                   "UNAVAILABLE",
+                                                                   "DATA_LOSS",
+                                                                   "UNAUTHENTICATED"};
+  static constexpr const char* kKinds[3] = {"dense", "source", "consumer"};
+  std::string out;
+  auto head = [&out](const char* name, const char* type, const char* help) {
+    absl::StrAppend(&out, "# HELP decode_indexer_", name, " ", help, "\n# TYPE decode_indexer_",
+                    name, " ", type, "\n");
+  };
+  head("rpcs_total", "counter", "RPCs answered, by method and gRPC status code.");
+  for (int m = 0; m < kNumMethods; ++m) {
+    const std::array<uint64_t, LatencyStats::kCodes> codes = stats_[m].Codes();
+    for (int c = 0; c < LatencyStats::kCodes; ++c) {
+      if (codes[c] == 0 && c != 0) continue;
+      absl::StrAppend(&out, "decode_indexer_rpcs_total{method=\"", MethodName(Method(m)),
+                      "\",code=\"", kCodeNames[c], "\"} ", codes[c], "\n");
+    }
+  }
+  head("step_latency_seconds", "histogram",
+       "Server time of a successful decode step, by layer kind.");
+  for (int k = 0; k < 3; ++k) {
+    step_seconds_[k].Render("decode_indexer_step_latency_seconds",
+                            absl::StrCat("kind=\"", kKinds[k], "\""), out);
+  }
+  head("queue_seconds", "histogram", "Time a step waited behind earlier work.");
+  queue_seconds_.Render("decode_indexer_queue_seconds", "", out);
+  head("rows_per_step", "histogram", "Rows (decode_rows) of a successful step.");
+  rows_per_step_.Render("decode_indexer_rows_per_step", "", out);
+
+  const exec::ExecutorStatus st = executor_.Status();
+  head("steps_total", "counter", "Steps the executor ran.");
+  absl::StrAppend(&out, "decode_indexer_steps_total ", st.steps, "\n");
+  head("steps_sharded_total", "counter", "Steps row-sharded across ranks.");
+  absl::StrAppend(&out, "decode_indexer_steps_sharded_total ", st.steps_sharded, "\n");
+  head("steps_unsharded_total", "counter", "Steps run whole on every rank.");
+  absl::StrAppend(&out, "decode_indexer_steps_unsharded_total ", st.steps_unsharded, "\n");
+  head("rows_scored_total", "counter", "Rows scored.");
+  absl::StrAppend(&out, "decode_indexer_rows_scored_total ", st.rows_scored, "\n");
+  head("executor_queue_seconds_total", "counter", "Executor queue time summed over steps.");
+  absl::StrAppend(&out, "decode_indexer_executor_queue_seconds_total ",
+                  PromValue(st.queue_us_total * 1e-6), "\n");
+  head("compute_seconds_total", "counter", "Executor compute time summed over steps.");
+  absl::StrAppend(&out, "decode_indexer_compute_seconds_total ",
+                  PromValue(st.compute_us_total * 1e-6), "\n");
+  head("collective_seconds_total", "counter", "Rank 0's time in all-gathers.");
+  absl::StrAppend(&out, "decode_indexer_collective_seconds_total ",
+                  PromValue(st.collective_us_total * 1e-6), "\n");
+  head("sequences", "gauge", "Live sequences.");
+  absl::StrAppend(&out, "decode_indexer_sequences ", st.sequences, "\n");
+  head("healthy", "gauge", "1 while the ranks are healthy.");
+  absl::StrAppend(&out, "decode_indexer_healthy ", st.healthy ? 1 : 0, "\n");
+  head("cache_pages_in_use", "gauge", "Pages in use, per cache pool.");
+  for (const exec::CachePoolStatus& c : st.caches) {
+    absl::StrAppend(&out, "decode_indexer_cache_pages_in_use{cache_layer=\"", c.cache_layer, "\"} ",
+                    c.pages_total - c.pages_free, "\n");
+  }
+  head("cache_pages_total", "gauge", "Pages, per cache pool.");
+  for (const exec::CachePoolStatus& c : st.caches) {
+    absl::StrAppend(&out, "decode_indexer_cache_pages_total{cache_layer=\"", c.cache_layer, "\"} ",
+                    c.pages_total, "\n");
+  }
+  // The executor does not report device memory yet: the CPU backend keeps its caches in host
+  // memory, so each rank reports 0 device bytes with device="host".
+  head("device_memory_bytes", "gauge", "Device memory in use per rank (0 on host backends).");
+  const std::string device = st.backend == "cuda" ? "cuda" : "host";
+  for (int r = 0; r < st.num_ranks; ++r) {
+    absl::StrAppend(&out, "decode_indexer_device_memory_bytes{rank=\"", r, "\",device=\"", device,
+                    "\"} 0\n");
+  }
+  return out;
 }
 
 }  // namespace decode_indexer::service

@@ -11,22 +11,28 @@
 
 #include "decode_indexer/v1/indexer.grpc.pb.h"
 #include "server/exec/executor.h"
+#include "server/service/data_plane.h"
+#include "server/service/metrics.h"
 
 namespace decode_indexer::service {
 
 // Count, errors and a latency histogram of one RPC method. The histogram has fixed
 // log-spaced buckets (four per octave from 1 µs), so recording is O(1) and the
 // percentiles are bucket upper bounds (within 19 %), capped at the observed maximum.
+// Also counts answers per status code: GetStatistics and /metrics both read these counters.
 class LatencyStats {
  public:
-  void Record(double latency_us, bool error);
+  static constexpr int kCodes = 17;  // canonical codes 0..16
+  void Record(double latency_us, absl::StatusCode code);
   void Fill(v1::RpcStatistics& out) const;
+  std::array<uint64_t, kCodes> Codes() const;
 
  private:
   static constexpr int kBuckets = 128;  // up to 2^32 µs
   mutable std::mutex mu_;
   uint64_t count_ = 0;
   uint64_t errors_ = 0;
+  std::array<uint64_t, kCodes> codes_{};
   double total_us_ = 0;
   double max_us_ = 0;
   std::array<uint64_t, kBuckets> buckets_{};
@@ -34,10 +40,16 @@ class LatencyStats {
   double Percentile(double q) const;  // mu_ held
 };
 
+struct ServiceOptions {
+  // When set, every DecodeIndexer call must carry "authorization: Bearer <token>"
+  // (UNAUTHENTICATED otherwise). The health service is separate and stays open.
+  std::string auth_token;
+};
+
 class IndexerService final : public v1::DecodeIndexer::Service {
  public:
   // `executor` must outlive the service.
-  IndexerService(exec::Executor& executor, std::string version);
+  IndexerService(exec::Executor& executor, std::string version, ServiceOptions options = {});
 
   grpc::Status GetServerInfo(grpc::ServerContext* context, const v1::GetServerInfoRequest* request,
                              v1::ServerInfo* response) override;
@@ -57,8 +69,25 @@ class IndexerService final : public v1::DecodeIndexer::Service {
       grpc::ServerReaderWriter<v1::DecodeStepResponse, v1::DecodeStepRequest>* stream) override;
   grpc::Status GetStatistics(grpc::ServerContext* context, const v1::GetStatisticsRequest* request,
                              v1::Statistics* response) override;
+  grpc::Status RegisterSharedMemory(grpc::ServerContext* context,
+                                    const v1::RegisterSharedMemoryRequest* request,
+                                    v1::RegisterSharedMemoryResponse* response) override;
+  grpc::Status UnregisterSharedMemory(grpc::ServerContext* context,
+                                      const v1::UnregisterSharedMemoryRequest* request,
+                                      v1::UnregisterSharedMemoryResponse* response) override;
 
   void FillServerInfo(v1::ServerInfo& info) const;
+  void FillStatistics(v1::Statistics& out) const;
+  // The Prometheus text exposition (decode_indexer_*), from the same counters as
+  // GetStatistics.
+  std::string RenderMetrics() const;
+
+  // Steps are admitted one at a time (the executor runs them in order anyway); a step checks
+  // its deadline and cancellation once admitted, so one that expired while queued changes
+  // nothing. Tests hold admission to queue a step deterministically.
+  std::unique_lock<std::mutex> HoldStepAdmissionForTesting() {
+    return std::unique_lock<std::mutex>(step_mu_);
+  }
 
   // Called with false once the executor reports itself unhealthy (a device or collective
   // fault): the Server points it at the health service (NOT_SERVING).
@@ -73,18 +102,31 @@ class IndexerService final : public v1::DecodeIndexer::Service {
     kDecodeStep,
     kDecodeStream,
     kGetStatistics,
+    kRegisterSharedMemory,
+    kUnregisterSharedMemory,
     kNumMethods
   };
   static const char* MethodName(Method m);
 
-  // One decode step: validate, execute, encode.
-  absl::Status RunStep(const v1::DecodeStepRequest& request, v1::DecodeStepResponse& response);
+  // One decode step: validate, admit (deadline/cancellation), execute, encode.
+  absl::Status RunStep(grpc::ServerContext* context, const v1::DecodeStepRequest& request,
+                       v1::DecodeStepResponse& response);
+  absl::Status Authorize(const grpc::ServerContext* context) const;
   // After a failed call: whether the executor turned unhealthy; if so, tell the sink once.
   void CheckHealth(const absl::Status& status);
 
   exec::Executor& executor_;
   std::string version_;
+  ServiceOptions options_;
   std::array<LatencyStats, kNumMethods> stats_;
+  std::mutex step_mu_;
+  SharedMemoryRegistry shm_;
+  // Successful steps by layer role (dense, source, consumer): wall time in the handler.
+  std::array<Histogram, 3> step_seconds_{Histogram(Histogram::LatencyBounds()),
+                                         Histogram(Histogram::LatencyBounds()),
+                                         Histogram(Histogram::LatencyBounds())};
+  Histogram queue_seconds_{Histogram::LatencyBounds()};
+  Histogram rows_per_step_{Histogram::RowBounds()};
   std::mutex health_mu_;
   std::function<void(bool)> health_sink_;
   bool reported_unhealthy_ = false;

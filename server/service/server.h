@@ -14,6 +14,7 @@
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
 #include "server/service/indexer_service.h"
+#include "server/service/metrics.h"
 
 namespace decode_indexer::service {
 
@@ -24,6 +25,21 @@ struct ServerOptions {
   exec::ExecutorOptions executor;
   // Explicit, both ways: a v32 prefill of 128K fp32 keys is 64 MiB.
   int max_message_bytes = 512 << 20;
+  // host:port of the Prometheus /metrics HTTP endpoint; empty: none (port 0 picks one).
+  std::string metrics_listen;
+  // Bearer token every DecodeIndexer call must carry; empty: no authentication.
+  std::string auth_token;
+  // PEM files. cert + key: TLS; plus client_ca: mutual TLS (clients must present a
+  // certificate signed by it). All empty: plaintext.
+  std::string tls_cert;
+  std::string tls_key;
+  std::string tls_client_ca;
+  // HTTP/2 keepalive: ping an idle connection every keepalive_time_ms, drop it when the ack
+  // takes longer than keepalive_timeout_ms; clients may ping no more often than
+  // keepalive_min_ping_ms. 0 leaves gRPC's default.
+  int keepalive_time_ms = 0;
+  int keepalive_timeout_ms = 0;
+  int keepalive_min_ping_ms = 0;
 };
 
 class Server {
@@ -33,6 +49,9 @@ class Server {
   ~Server();  // Shutdown with a short deadline if not done yet.
 
   int port() const { return port_; }
+  // The /metrics port, 0 without --metrics-listen.
+  int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
+  IndexerService& service() { return *service_; }
   // "127.0.0.1:<port>" when listening on a wildcard or loopback address, else the listen host.
   std::string address() const { return address_; }
   const exec::Executor& executor() const { return *executor_; }
@@ -50,6 +69,7 @@ class Server {
   std::unique_ptr<exec::Executor> executor_;
   std::unique_ptr<IndexerService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<MetricsHttpServer> metrics_;
   int port_ = 0;
   std::string address_;
   std::mutex shutdown_mu_;

@@ -1,0 +1,115 @@
+#include "server/service/data_plane.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace decode_indexer::service {
+namespace {
+
+void PutVarint(uint32_t v, std::string& out) {
+  while (v >= 0x80) {
+    out.push_back(static_cast<char>((v & 0x7F) | 0x80));
+    v >>= 7;
+  }
+  out.push_back(static_cast<char>(v));
+}
+
+}  // namespace
+
+void EncodeTopkDelta(std::span<const int32_t> topk, int32_t rows, int32_t k, std::string& out) {
+  for (int32_t r = 0; r < rows; ++r) {
+    std::span<const int32_t> row = topk.subspan(static_cast<size_t>(r) * k, k);
+    uint32_t valid = 0;
+    while (valid < static_cast<uint32_t>(k) && row[valid] >= 0) ++valid;
+    PutVarint(valid, out);
+    int64_t prev = -1;
+    for (uint32_t i = 0; i < valid; ++i) {
+      // Ascending and distinct, so every gap is >= 0.
+      PutVarint(static_cast<uint32_t>(row[i] - prev - 1), out);
+      prev = row[i];
+    }
+  }
+}
+
+SharedMemoryRegion::~SharedMemoryRegion() {
+  if (base_ != nullptr) munmap(base_, size_);
+}
+
+absl::StatusOr<uint8_t*> SharedMemoryRegion::Span(const char* field, uint64_t offset,
+                                                  uint64_t bytes) const {
+  if (offset > size_ || bytes > size_ - offset) {
+    return absl::InvalidArgumentError(absl::StrCat("shared_memory.", field, ": [", offset, ", +",
+                                                   bytes, ") is outside the region of ", size_,
+                                                   " bytes (", name_, ")"));
+  }
+  return base_ + offset;
+}
+
+absl::StatusOr<uint64_t> SharedMemoryRegistry::Register(const std::string& name, uint64_t size) {
+  // Only objects named for this purpose: a remote caller must not map arbitrary shm
+  // objects of the server's host.
+  if (name.size() < 5 || name.size() > 255 || name.rfind("/di-", 0) != 0 ||
+      name.find('/', 1) != std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("name: expected a POSIX shm name \"/di-...\", got \"", name, "\""));
+  }
+  if (size == 0) return absl::InvalidArgumentError("size: must be positive");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (regions_.size() >= kMaxRegions) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("at most ", kMaxRegions, " shared-memory regions"));
+    }
+  }
+  const int fd = shm_open(name.c_str(), O_RDWR, 0);
+  if (fd < 0) {
+    return absl::NotFoundError(absl::StrCat("name: shm_open ", name, ": ", std::strerror(errno)));
+  }
+  struct stat st = {};
+  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < size) {
+    close(fd);
+    return absl::InvalidArgumentError(absl::StrCat("size: ", size, " exceeds the object's ",
+                                                   static_cast<int64_t>(st.st_size), " bytes"));
+  }
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int mmap_errno = errno;
+  close(fd);  // the mapping keeps the object alive
+  if (base == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("mmap ", name, ": ", std::strerror(mmap_errno)));
+  }
+  auto region = std::make_shared<SharedMemoryRegion>(base, size, name);
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t id = next_id_++;
+  regions_.emplace(id, std::move(region));
+  return id;
+}
+
+absl::Status SharedMemoryRegistry::Unregister(uint64_t region_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (regions_.erase(region_id) == 0) {
+    return absl::NotFoundError(absl::StrCat("region_id: no region ", region_id));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryRegistry::Get(
+    uint64_t region_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = regions_.find(region_id);
+  if (it == regions_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("shared_memory.region_id: no region ", region_id, " (register it first)"));
+  }
+  return it->second;
+}
+
+}  // namespace decode_indexer::service

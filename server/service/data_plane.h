@@ -1,0 +1,54 @@
+// The data plane's compact and zero-copy paths: the delta-varint answer encoding
+// (AnswerEncoding) and the registry of client shared-memory regions (RegisterSharedMemory).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace decode_indexer::service {
+
+// Appends rows x k sorted, -1 padded positions in ANSWER_ENCODING_DELTA_VARINT form.
+void EncodeTopkDelta(std::span<const int32_t> topk, int32_t rows, int32_t k, std::string& out);
+
+// A mapped client region; unmapped when the last step using it lets go.
+class SharedMemoryRegion {
+ public:
+  SharedMemoryRegion(void* base, uint64_t size, std::string name)
+      : base_(static_cast<uint8_t*>(base)), size_(size), name_(std::move(name)) {}
+  ~SharedMemoryRegion();
+  SharedMemoryRegion(const SharedMemoryRegion&) = delete;
+  SharedMemoryRegion& operator=(const SharedMemoryRegion&) = delete;
+
+  // [offset, offset + bytes) inside the region, else INVALID_ARGUMENT naming `field`.
+  absl::StatusOr<uint8_t*> Span(const char* field, uint64_t offset, uint64_t bytes) const;
+  uint64_t size() const { return size_; }
+
+ private:
+  uint8_t* base_;
+  uint64_t size_;
+  std::string name_;
+};
+
+class SharedMemoryRegistry {
+ public:
+  // Opens and maps the client's POSIX shm object `name` ("/..." without further slashes).
+  absl::StatusOr<uint64_t> Register(const std::string& name, uint64_t size);
+  absl::Status Unregister(uint64_t region_id);
+  absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> Get(uint64_t region_id) const;
+
+ private:
+  static constexpr size_t kMaxRegions = 64;
+  mutable std::mutex mu_;
+  uint64_t next_id_ = 1;
+  std::unordered_map<uint64_t, std::shared_ptr<SharedMemoryRegion>> regions_;
+};
+
+}  // namespace decode_indexer::service

@@ -1,0 +1,440 @@
+// Serving operations: Prometheus metrics agree with GetStatistics, a step whose deadline
+// passed while queued changes nothing, bearer-token authentication (health exempt), and TLS /
+// mutual TLS with certificates made by the openssl CLI (skipped, visibly, without it).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "health_subset.grpc.pb.h"
+#include "tests/service/service_harness.h"
+
+namespace decode_indexer::testing {
+namespace {
+
+uint64_t Seed() {
+  static const uint64_t seed = std::random_device{}();
+  return seed;
+}
+
+struct OpsSession {
+  config::Profile profile;
+  std::unique_ptr<service::Server> server;
+};
+
+std::unique_ptr<OpsSession> StartOps(service::ServerOptions so) {
+  auto s = std::make_unique<OpsSession>();
+  so.listen = "127.0.0.1:0";
+  s->profile = so.profile;
+  absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(so);
+  EXPECT_TRUE(server.ok()) << server.status();
+  if (!server.ok()) return nullptr;
+  s->server = std::move(*server);
+  return s;
+}
+
+service::ServerOptions BaseOptions(int ranks = 1) {
+  service::ServerOptions so;
+  so.profile = LoadOrDie(TinyProfilePath());
+  so.executor = CpuOptions(ranks, 64);
+  return so;
+}
+
+// A plain HTTP/1.0 exchange with 127.0.0.1:port: answers {status line, body}.
+std::pair<std::string, std::string> HttpRequest(int port, const std::string& request) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  EXPECT_GE(fd, 0);
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    ADD_FAILURE() << "cannot connect to the metrics port " << port;
+    return {};
+  }
+  EXPECT_EQ(send(fd, request.data(), request.size(), 0), static_cast<ssize_t>(request.size()));
+  std::string reply;
+  char buf[4096];
+  ssize_t n;
+  while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) reply.append(buf, static_cast<size_t>(n));
+  close(fd);
+  const size_t eol = reply.find("\r\n");
+  const size_t body = reply.find("\r\n\r\n");
+  if (eol == std::string::npos || body == std::string::npos) return {reply, ""};
+  return {reply.substr(0, eol), reply.substr(body + 4)};
+}
+
+// "name{labels}" -> value, from the exposition text; every sample line must parse.
+std::map<std::string, double> ParseMetrics(const std::string& text) {
+  std::map<std::string, double> out;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t sp = line.rfind(' ');
+    EXPECT_NE(sp, std::string::npos) << line;
+    if (sp == std::string::npos) continue;
+    EXPECT_EQ(line.rfind("decode_indexer_", 0), 0u) << line;
+    const std::string value = line.substr(sp + 1);
+    out[line.substr(0, sp)] = value == "+Inf" ? INFINITY : std::stod(value);
+  }
+  return out;
+}
+
+// Sum of every sample whose key starts with `prefix`.
+double SumPrefix(const std::map<std::string, double>& m, const std::string& prefix) {
+  double sum = 0;
+  for (auto it = m.lower_bound(prefix); it != m.end() && it->first.rfind(prefix, 0) == 0; ++it) {
+    sum += it->second;
+  }
+  return sum;
+}
+
+const v1::RpcStatistics* FindRpc(const v1::Statistics& st, const std::string& method) {
+  for (const v1::RpcStatistics& r : st.rpcs()) {
+    if (r.method() == method) return &r;
+  }
+  return nullptr;
+}
+
+// Every layer kind steps a few times, sharded (2 ranks, 3 requests) and not, plus a rejected
+// step; then the scrape must agree with GetStatistics and ServerInfo.
+TEST(MetricsTest, ScrapeAgreesWithStatistics) {
+  service::ServerOptions so = BaseOptions(2);
+  so.metrics_listen = "127.0.0.1:0";
+  auto s = StartOps(so);
+  ASSERT_NE(s, nullptr);
+  ASSERT_GT(s->server->metrics_port(), 0);
+  auto c = client::IndexerClient::Connect(s->server->address());
+  ASSERT_TRUE(c.ok()) << c.status();
+  Session session{s->profile, nullptr, std::move(*c)};
+  ServiceOracle oracle(s->profile, 64, Seed());
+  Gen gen(Seed());
+  const std::vector<uint64_t> ids = {11, 12, 13, 14};
+  const std::vector<int64_t> lengths = {40 + int64_t(gen.rng()() % 60), 70, 33,
+                                        20 + int64_t(gen.rng()() % 9)};
+  Prefill(session, oracle, gen, ids, lengths, {0, 1, 2});
+  uint64_t step_id = 1;
+  for (int round = 0; round < 2; ++round) {
+    // All four requests, two rows each (sharded: 2 ranks, row_shard_min_requests 2, whole
+    // requests on even rows), then one request of one row (unsharded).
+    const std::vector<uint64_t> some = round == 0 ? ids : std::vector<uint64_t>{ids[0]};
+    for (int layer : {0, 2, 3}) {
+      // Positions only feed RoPE; the oracle sees the same request.
+      std::vector<int64_t> before(lengths.begin(), lengths.begin() + some.size());
+      v1::DecodeStepRequest req = MakeStep(gen, s->profile, layer, some, before, round == 0 ? 2 : 1,
+                                           QForm::kF32Rope, KeyForm::kF32, step_id++);
+      StepAndCompare(session, oracle, req, "metrics step");
+    }
+  }
+  v1::DecodeStepRequest bad =
+      MakeStep(gen, s->profile, 0, {999}, {0}, 1, QForm::kF32NoRope, KeyForm::kF32, 99);
+  EXPECT_EQ(session.client->DecodeStep(bad).status().code(), absl::StatusCode::kNotFound);
+
+  auto [status, body] = HttpRequest(s->server->metrics_port(), "GET /metrics HTTP/1.0\r\n\r\n");
+  ASSERT_EQ(status, "HTTP/1.0 200 OK") << body;
+  absl::StatusOr<v1::Statistics> st = session.client->GetStatistics();
+  ASSERT_TRUE(st.ok()) << st.status();
+  absl::StatusOr<v1::ServerInfo> info = session.client->ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  const std::map<std::string, double> m = ParseMetrics(body);
+
+  EXPECT_GT(st->steps(), 0u);
+  EXPECT_GT(st->steps_sharded(), 0u);
+  EXPECT_GT(st->steps_unsharded(), 0u);
+  EXPECT_EQ(m.at("decode_indexer_steps_total"), st->steps());
+  EXPECT_EQ(m.at("decode_indexer_steps_sharded_total"), st->steps_sharded());
+  EXPECT_EQ(m.at("decode_indexer_steps_unsharded_total"), st->steps_unsharded());
+  EXPECT_EQ(m.at("decode_indexer_rows_scored_total"), st->rows_scored());
+  EXPECT_EQ(m.at("decode_indexer_sequences"), st->sequences());
+  EXPECT_EQ(m.at("decode_indexer_healthy"), st->healthy() ? 1 : 0);
+  EXPECT_TRUE(st->healthy());
+  EXPECT_TRUE(info->healthy());
+  EXPECT_FALSE(st->collective().empty());
+  EXPECT_EQ(info->collective(), st->collective());
+  EXPECT_NEAR(m.at("decode_indexer_compute_seconds_total"), st->compute_us_total() * 1e-6, 1e-9);
+  EXPECT_NEAR(m.at("decode_indexer_collective_seconds_total"), st->collective_us_total() * 1e-6,
+              1e-9);
+  // Every successful step observed once by kind and once by rows.
+  double kinds = 0;
+  for (const char* k : {"dense", "source", "consumer"}) {
+    const double n =
+        m.at(std::string("decode_indexer_step_latency_seconds_count{kind=\"") + k + "\"}");
+    EXPECT_GT(n, 0) << k;
+    kinds += n;
+  }
+  EXPECT_EQ(kinds, st->steps());
+  EXPECT_EQ(m.at("decode_indexer_rows_per_step_count"), st->steps());
+  EXPECT_EQ(m.at("decode_indexer_rows_per_step_sum"), st->rows_scored());
+  EXPECT_EQ(m.at("decode_indexer_queue_seconds_count"), st->steps());
+  // Buckets are cumulative and end at the count.
+  double prev = 0;
+  for (double le : {1, 2, 4, 8, 16}) {
+    const double b =
+        m.at("decode_indexer_rows_per_step_bucket{le=\"" + std::to_string(int(le)) + "\"}");
+    EXPECT_GE(b, prev);
+    prev = b;
+  }
+  EXPECT_EQ(m.at("decode_indexer_rows_per_step_bucket{le=\"+Inf\"}"), st->steps());
+  // RPC counters: same counts as GetStatistics (taken after the scrape, so GetStatistics
+  // itself is left out).
+  for (const v1::RpcStatistics& r : st->rpcs()) {
+    if (r.method() == "GetStatistics" || r.method() == "GetServerInfo") continue;
+    const std::string prefix = "decode_indexer_rpcs_total{method=\"" + r.method() + "\",";
+    EXPECT_EQ(SumPrefix(m, prefix), r.count()) << r.method();
+    EXPECT_EQ(SumPrefix(m, prefix) - m.at(prefix + "code=\"OK\"}"), r.errors()) << r.method();
+  }
+  EXPECT_EQ(m.at("decode_indexer_rpcs_total{method=\"DecodeStep\",code=\"NOT_FOUND\"}"), 1);
+  // Pages per cache pool as ServerInfo reports them.
+  int64_t in_use = 0;
+  for (const v1::CachePoolInfo& pool : info->caches()) {
+    const std::string key = "decode_indexer_cache_pages_in_use{cache_layer=\"" +
+                            std::to_string(pool.cache_layer()) + "\"}";
+    EXPECT_EQ(m.at(key), pool.pages_total() - pool.pages_free()) << key;
+    in_use += pool.pages_total() - pool.pages_free();
+  }
+  EXPECT_GT(in_use, 0);
+  EXPECT_EQ(in_use, st->pages_in_use());
+  for (int r = 0; r < info->num_ranks(); ++r) {
+    EXPECT_EQ(m.count("decode_indexer_device_memory_bytes{rank=\"" + std::to_string(r) +
+                      "\",device=\"host\"}"),
+              1u);
+  }
+
+  EXPECT_EQ(HttpRequest(s->server->metrics_port(), "GET /other HTTP/1.0\r\n\r\n").first,
+            "HTTP/1.0 404 Not Found");
+  EXPECT_EQ(HttpRequest(s->server->metrics_port(), "POST /metrics HTTP/1.0\r\n\r\n").first,
+            "HTTP/1.0 405 Method Not Allowed");
+}
+
+// A step queued behind admission whose deadline passes answers DEADLINE_EXCEEDED and changes
+// nothing: the same request afterwards answers as on a server that never saw it.
+TEST(DeadlineTest, ExpiredWhileQueuedChangesNothing) {
+  auto s = StartOps(BaseOptions());
+  ASSERT_NE(s, nullptr);
+  auto c = client::IndexerClient::Connect(s->server->address());
+  ASSERT_TRUE(c.ok()) << c.status();
+  Session session{s->profile, nullptr, std::move(*c)};
+  ServiceOracle oracle(s->profile, 64, Seed());
+  Gen gen(Seed());
+  const std::vector<uint64_t> ids = {5, 6};
+  const std::vector<int64_t> lengths = {30 + int64_t(gen.rng()() % 30), 50};
+  Prefill(session, oracle, gen, ids, lengths, {0});
+  const v1::DecodeStepRequest req =
+      MakeStep(gen, s->profile, 0, ids, lengths, 2, QForm::kF32Rope, KeyForm::kF32, 7);
+
+  client::ClientOptions short_deadline;
+  short_deadline.timeout = std::chrono::milliseconds(200);
+  auto impatient = client::IndexerClient::Connect(s->server->address(), short_deadline);
+  ASSERT_TRUE(impatient.ok()) << impatient.status();
+  {
+    std::unique_lock<std::mutex> hold = s->server->service().HoldStepAdmissionForTesting();
+    // The client gives up while the step waits for admission.
+    EXPECT_EQ((*impatient)->DecodeStep(req).status().code(), absl::StatusCode::kDeadlineExceeded);
+    // The server's deadline runs from when the call reached it (its grpc-timeout), which on a
+    // loaded machine is later than the client's: keep holding well past it.
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  // The server answers the abandoned step once admitted; wait until it has been counted.
+  uint64_t count = 0;
+  for (int i = 0; i < 500 && count == 0; ++i) {
+    absl::StatusOr<v1::Statistics> st = session.client->GetStatistics();
+    ASSERT_TRUE(st.ok());
+    count = FindRpc(*st, "DecodeStep")->count();
+    if (count == 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(count, 1u);
+  absl::StatusOr<v1::Statistics> st = session.client->GetStatistics();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->steps(), 0u);
+  EXPECT_EQ(FindRpc(*st, "DecodeStep")->errors(), 1u);
+  EXPECT_NE(s->server->service().RenderMetrics().find(
+                "decode_indexer_rpcs_total{method=\"DecodeStep\",code=\"DEADLINE_EXCEEDED\"} 1"),
+            std::string::npos);
+  StepAndCompare(session, oracle, req, "after the expired step");
+}
+
+TEST(AuthTest, BearerTokenRequiredHealthExempt) {
+  service::ServerOptions so = BaseOptions();
+  so.auth_token = "tok-" + std::to_string(Seed());
+  auto s = StartOps(so);
+  ASSERT_NE(s, nullptr);
+
+  auto anonymous = client::IndexerClient::Connect(s->server->address());
+  ASSERT_TRUE(anonymous.ok());
+  client::ClientOptions wrong_opts;
+  wrong_opts.auth_token = so.auth_token + "x";
+  auto wrong = client::IndexerClient::Connect(s->server->address(), wrong_opts);
+  ASSERT_TRUE(wrong.ok());
+  client::ClientOptions right_opts;
+  right_opts.auth_token = so.auth_token;
+  auto right = client::IndexerClient::Connect(s->server->address(), right_opts);
+  ASSERT_TRUE(right.ok());
+
+  for (auto* cl : {anonymous->get(), wrong->get()}) {
+    EXPECT_EQ(cl->ServerInfo().status().code(), absl::StatusCode::kUnauthenticated);
+    EXPECT_EQ(cl->CreateSequence(1).code(), absl::StatusCode::kUnauthenticated);
+    EXPECT_EQ(cl->GetStatistics().status().code(), absl::StatusCode::kUnauthenticated);
+    v1::DecodeStepRequest req;
+    EXPECT_EQ(cl->DecodeStep(req).status().code(), absl::StatusCode::kUnauthenticated);
+    auto stream = cl->OpenStream();
+    ASSERT_TRUE(stream.ok());
+    EXPECT_EQ((*stream)->Step(req).status().code(), absl::StatusCode::kUnauthenticated);
+  }
+  // Nothing the rejected calls asked for happened.
+  ASSERT_TRUE((*right)->CreateSequence(1).ok());
+  absl::StatusOr<v1::ServerInfo> info = (*right)->ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->sequences(), 1);
+
+  std::shared_ptr<grpc::Channel> ch =
+      grpc::CreateChannel(s->server->address(), grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(ch);
+  grpc::ClientContext hctx;
+  grpc::health::v1::HealthCheckResponse hres;
+  ASSERT_TRUE(health->Check(&hctx, grpc::health::v1::HealthCheckRequest(), &hres).ok());
+  EXPECT_EQ(hres.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+}
+
+// The message-size limit is explicit and enforced both ways; keepalive settings on both ends
+// leave a working connection.
+TEST(LimitsTest, MessageSizeLimitAndKeepalive) {
+  service::ServerOptions so = BaseOptions();
+  so.max_message_bytes = 64 << 10;
+  so.keepalive_time_ms = 10000;
+  so.keepalive_timeout_ms = 5000;
+  so.keepalive_min_ping_ms = 5000;
+  auto s = StartOps(so);
+  ASSERT_NE(s, nullptr);
+  client::ClientOptions co;
+  co.keepalive_time_ms = 10000;
+  co.keepalive_timeout_ms = 5000;
+  auto c = client::IndexerClient::Connect(s->server->address(), co);
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE((*c)->CreateSequence(1).ok());
+  Gen gen(Seed());
+  const int D = s->profile.head_dim;
+  // 64 fp32 keys (32 KiB) fit; 256 (128 KiB) exceed the server's 64 KiB.
+  std::vector<float> small = gen.Normal(size_t(64) * D), big = gen.Normal(size_t(256) * D);
+  absl::StatusOr<int64_t> ok = (*c)->AppendKeys(1, 0, small, D);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(*ok, 64);
+  EXPECT_EQ((*c)->AppendKeys(1, 0, big, D).status().code(), absl::StatusCode::kResourceExhausted);
+  absl::StatusOr<v1::ServerInfo> info = (*c)->ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->sequences(), 1);
+}
+
+// Certificates from the openssl CLI: a CA, a server cert for localhost/127.0.0.1 and a client
+// cert, all EC P-256 (fast to make).
+class TlsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (std::system("openssl version > /dev/null 2>&1") != 0) {
+      GTEST_SKIP() << "openssl CLI not installed: TLS tests skipped";
+    }
+    dir_ = std::filesystem::temp_directory_path() /
+           ("di-tls-" + std::to_string(getpid()) + "-" + std::to_string(Seed() % 100000));
+    std::filesystem::create_directories(dir_);
+    const std::string d = dir_.string();
+    const std::string ec = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
+    const std::string cmd =
+        "cd " + d + " && (openssl req -x509 " + ec +
+        " -keyout ca.key -out ca.pem -days 2 -subj /CN=di-test-ca && "
+        "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > server.ext && "
+        "openssl req " +
+        ec +
+        " -keyout server.key -out server.csr -subj /CN=localhost && "
+        "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial "
+        "-out server.pem -days 2 -extfile server.ext && "
+        "openssl req " +
+        ec +
+        " -keyout client.key -out client.csr -subj /CN=di-test-client && "
+        "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial "
+        "-out client.pem -days 2)";
+    ASSERT_EQ(std::system((cmd + " > /dev/null 2>&1").c_str()), 0) << cmd;
+  }
+  void TearDown() override {
+    if (!dir_.empty()) std::filesystem::remove_all(dir_);
+  }
+  std::string Path(const char* name) const { return (dir_ / name).string(); }
+  std::string Read(const char* name) const {
+    std::ifstream in(Path(name));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+  client::ClientOptions Tls(bool with_client_cert) const {
+    client::ClientOptions o;
+    o.tls_root_ca = Read("ca.pem");
+    if (with_client_cert) {
+      o.tls_cert = Read("client.pem");
+      o.tls_key = Read("client.key");
+    }
+    o.connect_timeout = std::chrono::milliseconds(0);
+    o.timeout = std::chrono::seconds(10);
+    return o;
+  }
+
+  std::filesystem::path dir_;
+};
+
+TEST_F(TlsTest, ServerTls) {
+  service::ServerOptions so = BaseOptions();
+  so.tls_cert = Path("server.pem");
+  so.tls_key = Path("server.key");
+  auto s = StartOps(so);
+  ASSERT_NE(s, nullptr);
+  auto tls = client::IndexerClient::Connect(s->server->address(), Tls(false));
+  ASSERT_TRUE(tls.ok()) << tls.status();
+  const uint64_t id = Seed() % 1000 + 1;
+  ASSERT_TRUE((*tls)->CreateSequence(id).ok());
+  absl::StatusOr<v1::ServerInfo> info = (*tls)->ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->sequences(), 1);
+
+  client::ClientOptions plain;
+  plain.connect_timeout = std::chrono::milliseconds(0);
+  plain.timeout = std::chrono::seconds(5);
+  auto insecure = client::IndexerClient::Connect(s->server->address(), plain);
+  ASSERT_TRUE(insecure.ok());
+  EXPECT_FALSE((*insecure)->ServerInfo().ok());
+}
+
+TEST_F(TlsTest, MutualTlsRequiresClientCertificate) {
+  service::ServerOptions so = BaseOptions();
+  so.tls_cert = Path("server.pem");
+  so.tls_key = Path("server.key");
+  so.tls_client_ca = Path("ca.pem");
+  auto s = StartOps(so);
+  ASSERT_NE(s, nullptr);
+
+  auto mtls = client::IndexerClient::Connect(s->server->address(), Tls(true));
+  ASSERT_TRUE(mtls.ok()) << mtls.status();
+  Session session{s->profile, nullptr, std::move(*mtls)};
+  ServiceOracle oracle(s->profile, 64, Seed());
+  Gen gen(Seed());
+  Prefill(session, oracle, gen, {3}, {25}, {1});
+  StepAndCompare(session, oracle,
+                 MakeStep(gen, s->profile, 1, {3}, {25}, 1, QForm::kF32Rope, KeyForm::kF32, 1),
+                 "mutual TLS step");
+
+  auto no_cert = client::IndexerClient::Connect(s->server->address(), Tls(false));
+  ASSERT_TRUE(no_cert.ok());
+  EXPECT_EQ((*no_cert)->ServerInfo().status().code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace decode_indexer::testing
