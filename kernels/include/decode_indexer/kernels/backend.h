@@ -153,9 +153,9 @@ struct CopyRowsArgs {
 
 // Bounds known at start-up; a backend sizes its workspaces from them once.
 struct BackendLimits {
-  int32_t max_rows = 0;        // rows in one step
-  int32_t max_requests = 0;    // requests in one step
-  int64_t max_context = 0;     // longest row
+  int32_t max_rows = 0;      // rows in one step
+  int32_t max_requests = 0;  // requests in one step
+  int64_t max_context = 0;   // longest row
   int32_t num_heads = 0;
   int32_t head_dim = 0;
   int32_t max_topk = 0;
