@@ -6,8 +6,10 @@ quantized on the client by decode_indexer.quant unless --fp32-keys), then runs d
 through every layer of the profile, as a model's forward pass would: source layers before
 their consumers, new keys only at the layers that own a cache, q as float32 with positions (the
 server applies RoPE and quantizes). Each step's layers are pipelined over one DecodeStream
-(--unary: one DecodeStep call per layer). Prints a summary of the answers and the latencies;
-exits 0 when every answer is well-formed.
+(--unary: one DecodeStep call per layer). With --shared-memory (a server on this host) q and
+weights are generated straight into a registered POSIX shared-memory region and the answers
+are read there: only shapes and offsets cross gRPC. Prints a summary of the answers and the
+latencies; exits 0 when every answer is well-formed.
 
   build-x/server/decode-indexer-server --listen 127.0.0.1:50051 --backend cpu --profile v41 &
   /usr/bin/python3 examples/frontend.py --target 127.0.0.1:50051
@@ -62,6 +64,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=0, help="only the first N layers (0: all)")
     ap.add_argument("--fp32-keys", action="store_true", help="send float32 keys for prefill")
     ap.add_argument("--unary", action="store_true", help="one DecodeStep call per layer")
+    ap.add_argument("--shared-memory", action="store_true",
+                    help="q, weights and answers through a shared-memory region (same host)")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args()
@@ -106,6 +110,16 @@ def main() -> int:
 
         n = args.next_n
         rows = n * len(seqs)
+        # --shared-memory: one set of views per layer, since a streamed step's layers are all
+        # in flight at once (the server reads q and writes the answer when it gets to each).
+        region, views = None, []
+        if args.shared_memory:
+            nb = max(info.num_candidate_blocks, 1)
+            region = client.shared_memory(len(layers) * (rows * (h * d + h + k + nb) * 4 + 256))
+            views = [dict(q=region.alloc((rows, h, d), np.float32),
+                          weights=region.alloc((rows, h), np.float32),
+                          answer=region.alloc((rows, k), np.int32),
+                          candidates=region.alloc((rows, nb), np.int32)) for _ in layers]
         client_us: dict[int, list[float]] = {l.layer: [] for l in layers}
         compute_us: list[float] = []
         step_wall: list[float] = []
@@ -116,16 +130,24 @@ def main() -> int:
                                  dtype=np.int64)
             row_lengths = [lengths[i] + j + 1 for i in range(len(seqs)) for j in range(n)]
             requests = []
-            for l in layers:
+            for i, l in enumerate(layers):
                 steps = [di.SequenceStep(s, n, new_keys=(rng.standard_normal((n, d),
                                                                              dtype=np.float32)
                                                          if l.owns_cache else None))
                          for s in seqs]
-                requests.append((l, dict(layer=l.layer, steps=steps,
-                                         q=rng.standard_normal((rows, h, d), dtype=np.float32),
-                                         weights=rng.standard_normal((rows, h), dtype=np.float32),
-                                         positions=positions,
-                                         return_candidates=l.role == "candidate_source")))
+                source = l.role == "candidate_source"
+                if args.shared_memory:
+                    # The "model" writes q and weights straight into the region.
+                    v = views[i]
+                    rng.standard_normal(dtype=np.float32, out=v["q"])
+                    rng.standard_normal(dtype=np.float32, out=v["weights"])
+                    data = dict(q=v["q"], weights=v["weights"], shared_memory=region,
+                                answer=v["answer"], candidates=v["candidates"] if source else None)
+                else:
+                    data = dict(q=rng.standard_normal((rows, h, d), dtype=np.float32),
+                                weights=rng.standard_normal((rows, h), dtype=np.float32))
+                requests.append((l, dict(layer=l.layer, steps=steps, **data, positions=positions,
+                                         return_candidates=source)))
             start = time.perf_counter()
             if args.unary:
                 results = [client.decode_step(**r, step_id=step) for _, r in requests]
@@ -162,7 +184,10 @@ def main() -> int:
               f"p99 {percentile(all_us, 99):.0f} max {max(all_us):.0f}; server compute p50 "
               f"{percentile(compute_us, 50):.0f} us; step p50 "
               f"{percentile(step_wall, 50) / 1e3:.1f} ms "
-              f"({'unary' if args.unary else 'stream'})")
+              f"({'unary' if args.unary else 'stream'}"
+              f"{', shared memory' if args.shared_memory else ''})")
+        if region is not None:
+            region.close()  # unregisters it and unlinks its name
         stats = client.statistics()
         print(f"server: {stats.steps} steps ({stats.steps_sharded} sharded), "
               f"{stats.rows_scored} rows scored, {stats.pages_in_use}/{stats.pages_total} pages")

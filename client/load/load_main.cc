@@ -19,7 +19,7 @@ int main(int argc, char** argv) {
   using decode_indexer::load::PayloadFormat;
   LoadOptions o;
   std::string json_path, csv_path, q_format = "quantized", key_format = "quantized";
-  std::string arrival = "constant", progress = "auto";
+  std::string arrival = "constant", progress = "auto", answer_encoding = "raw";
   bool allow_errors = false, quiet = false;
 
   CLI::App app{"Load tester for decode-indexer: a serving frontend's decode traffic."};
@@ -40,8 +40,17 @@ int main(int argc, char** argv) {
   app.add_option("--warmup-steps", o.warmup_steps,
                  "token steps discarded first (default: one per worker)");
   app.add_flag("--streaming", o.streaming, "DecodeStream per worker instead of unary calls");
-  app.add_option("--deadline", o.deadline_ms, "per-RPC deadline in ms (unary; 0: none)")
+  app.add_option("--deadline", o.deadline_ms,
+                 "deadline in ms (0: none): per RPC (unary), per step (--streaming: the "
+                 "step's timeout_us)")
       ->capture_default_str();
+  app.add_option("--answer-encoding", answer_encoding,
+                 "how answers come back: raw (int32) or delta (varint gaps)")
+      ->check(CLI::IsMember({"raw", "delta"}))
+      ->capture_default_str();
+  app.add_flag("--shared-memory", o.shared_memory,
+               "q, weights and answers through a POSIX shm region per worker (server on this "
+               "host)");
   app.add_option("--requests-per-step", o.requests_per_step,
                  "sequences (requests) in each DecodeStep")
       ->capture_default_str();
@@ -95,6 +104,8 @@ int main(int argc, char** argv) {
   }
   if (o.steps == 0 && o.duration_s == 0) o.duration_s = 10;
   o.poisson = arrival == "poisson";
+  o.answer_encoding = answer_encoding == "delta" ? decode_indexer::v1::ANSWER_ENCODING_DELTA_VARINT
+                                                 : decode_indexer::v1::ANSWER_ENCODING_RAW;
   o.q_format = q_format == "fp32" ? PayloadFormat::kFp32 : PayloadFormat::kQuantized;
   o.key_format = key_format == "fp32" ? PayloadFormat::kFp32 : PayloadFormat::kQuantized;
   o.progress = progress == "on" || (progress == "auto" && isatty(STDERR_FILENO));

@@ -139,10 +139,13 @@ std::string Report::ToText() const {
                          config.value("target", ""), server.value("profile", ""),
                          server.value("backend", ""), server.value("num_ranks", 0));
   out << absl::StrFormat(
-      "  %s loop, %d concurrent x %d requests x next_n %d, context ~%d, %d layers, %s\n",
+      "  %s loop, %d concurrent x %d requests x next_n %d, context ~%d, %d layers, %s, %s\n",
       config.value("rate", 0.0) > 0 ? "open" : "closed", config.value("concurrency", 0),
       config.value("requests_per_step", 0), config.value("next_n", 0), config.value("context", 0),
-      config.value("layers", 0), config.value("streaming", false) ? "streaming" : "unary");
+      config.value("layers", 0), config.value("streaming", false) ? "streaming" : "unary",
+      config.value("shared_memory", false)
+          ? "shared memory"
+          : absl::StrCat(config.value("answer_encoding", "raw"), " answers"));
   out << absl::StrFormat(
       "measured %.3f s: %d steps (%d failed), %.2f steps/s, %d RPCs, %.1f "
       "RPC/s, %.1f rows/s\n",
@@ -222,8 +225,9 @@ std::string Report::ToCsv() const {
   auto add = [&](const std::string& name, const nlohmann::json& v) {
     cols.emplace_back(name, v.is_string() ? v.get<std::string>() : v.dump());
   };
-  for (const char* key : {"target", "concurrency", "rate", "requests_per_step", "next_n", "context",
-                          "layers", "streaming"}) {
+  for (const char* key :
+       {"target", "concurrency", "rate", "requests_per_step", "next_n", "context", "layers",
+        "streaming", "answer_encoding", "shared_memory", "deadline_ms"}) {
     add(key, config.value(key, nlohmann::json()));
   }
   add("measured_s", measured_s);

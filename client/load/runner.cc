@@ -1,10 +1,13 @@
 #include "client/load/runner.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <latch>
 #include <memory>
 #include <mutex>
@@ -14,8 +17,10 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "client/indexer_client.h"
 #include "client/load/server_model.h"
 #include "client/load/verify.h"
+#include "client/tensor.h"
 #include "decode_indexer/v1/indexer.grpc.pb.h"
 
 namespace decode_indexer::load {
@@ -39,6 +44,35 @@ struct Live {
   std::atomic<uint64_t> step_us_total{0};
 };
 
+// Where a step's tensors lie in a worker's shared-memory region (--shared-memory), sized for
+// the largest step of the plan. Offsets are 64-byte aligned.
+struct RegionLayout {
+  uint64_t q = 0, q_scales = 0, weights = 0, answer = 0, candidates = 0;
+  uint64_t size = 0;
+};
+
+RegionLayout LayoutRegion(const LoadOptions& o, const ServerModel& model) {
+  const uint64_t rows = uint64_t(o.requests_per_step) * o.next_n;
+  const uint64_t elems = rows * model.num_heads * model.head_dim;
+  // fp32 q is 4 bytes an element; FP8 codes one, packed FP4 half of one.
+  const uint64_t q_bytes = o.q_format == PayloadFormat::kFp32 ? elems * 4 : elems;
+  RegionLayout layout;
+  uint64_t at = 0;
+  auto take = [&](uint64_t bytes) {
+    const uint64_t offset = at;
+    at += (bytes + 63) / 64 * 64;
+    return offset;
+  };
+  layout.q = take(q_bytes);
+  layout.q_scales = take(elems / 32);
+  layout.weights = take(rows * model.num_heads * sizeof(float));
+  layout.answer = take(rows * model.topk * sizeof(int32_t));
+  layout.candidates =
+      take(rows * static_cast<uint64_t>(std::max(0, model.num_candidate_blocks)) * 4);
+  layout.size = std::max<uint64_t>(at, 64);
+  return layout;
+}
+
 struct Sequence {
   uint64_t id = 0;
   int64_t length = 0;  // entries in the first cache, for positions and row lengths
@@ -56,6 +90,12 @@ struct Worker {
   std::unique_ptr<grpc::ClientContext> stream_context;
   std::unique_ptr<Stream> stream;
   std::vector<v1::DecodeStepRequest> requests;  // one per layer, reused every step
+  // --shared-memory: the region (unlinked on destruction) and its server-side id.
+  std::unique_ptr<client::SharedMemory> shm;
+  uint64_t region_id = 0;
+  bool region_registered = false;
+  // Bytes of q, q_scales and weights the current step put in the region (for --verify).
+  size_t region_bytes[3] = {0, 0, 0};
   uint64_t next_step_id = 0;
   Clock::time_point last_done;
   absl::Status fatal;  // set when prefill fails
@@ -64,7 +104,54 @@ struct Worker {
 class LoadRun {
  public:
   LoadRun(const LoadOptions& options, ServerModel model, PayloadPool pool)
-      : options_(options), model_(std::move(model)), pool_(std::move(pool)) {}
+      : options_(options),
+        model_(std::move(model)),
+        pool_(std::move(pool)),
+        layout_(LayoutRegion(options_, model_)) {}
+
+  // --shared-memory: creates the worker's region and registers it with the server.
+  absl::Status SetUpSharedMemory(Worker& w) {
+    if (!options_.shared_memory) return absl::OkStatus();
+    // pid + worker + seed bits: unique on this host even next to a stale object left by a
+    // killed run with a recycled pid.
+    const std::string name = absl::StrCat("/di-load-", getpid(), "-", w.index, "-",
+                                          absl::Hex(options_.seed & 0xffffffffu));
+    auto shm = client::SharedMemory::Create(name, layout_.size);
+    if (!shm.ok()) return shm.status();
+    w.shm = *std::move(shm);
+    grpc::ClientContext context;
+    PrepareContext(options_.channel, &context);
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::RegisterSharedMemoryRequest request;
+    request.set_name(name);
+    request.set_size(layout_.size);
+    v1::RegisterSharedMemoryResponse response;
+    grpc::Status status = w.stub->RegisterSharedMemory(&context, request, &response);
+    if (!status.ok()) {
+      // NOT_FOUND: the server could not open the name, i.e. it runs on another host.
+      return FromGrpc(status, absl::StrCat("RegisterSharedMemory ", name,
+                                           status.error_code() == grpc::StatusCode::NOT_FOUND
+                                               ? " (--shared-memory needs the server on this host)"
+                                               : ""));
+    }
+    w.region_id = response.region_id();
+    w.region_registered = true;
+    return absl::OkStatus();
+  }
+
+  void TearDownSharedMemory(Worker& w) {
+    if (w.region_registered) {
+      grpc::ClientContext context;
+      PrepareContext(options_.channel, &context);
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      v1::UnregisterSharedMemoryRequest request;
+      request.set_region_id(w.region_id);
+      v1::UnregisterSharedMemoryResponse response;
+      w.stub->UnregisterSharedMemory(&context, request, &response);  // best effort
+      w.region_registered = false;
+    }
+    w.shm.reset();
+  }
 
   absl::Status Prefill(Worker& w) {
     std::uniform_real_distribution<double> spread(1.0 - options_.context_spread,
@@ -125,13 +212,22 @@ class LoadRun {
     for (size_t li = 0; li < model_.plan.size(); ++li) {
       const LayerStep& layer = model_.plan[li];
       v1::DecodeStepRequest& request = w.requests[li];
-      BuildStep(w, layer, rows, verifying && score, &request);
+      grpc::Status status = BuildStep(w, layer, rows, verifying && score, &request);
 
+      // What crosses gRPC (shared-memory bytes do not), before anything is decoded.
+      const size_t request_bytes = request.ByteSizeLong();
       v1::DecodeStepResponse response;
       const Clock::time_point sent = Clock::now();
-      grpc::Status status = Call(w, request, &response);
+      if (status.ok()) status = Call(w, request, &response);
+      const size_t response_bytes = response.ByteSizeLong();
+      // A delta answer is decoded before the clock stops: a frontend can use it only then.
+      if (status.ok()) status = DecodeDeltaAnswer(&response);
       const Clock::time_point answered = Clock::now();
       if (status.ok()) status = CheckShape(request, response, rows);
+      // The verifier reads the tensors from the messages: copy the region's bytes back in.
+      if (status.ok() && w.verifier && request.has_shared_memory()) {
+        RestoreFromRegion(w, &request, &response, rows);
+      }
       if (!status.ok()) {
         if (measured) {
           w.samples.rpcs_failed++;
@@ -153,8 +249,8 @@ class LoadRun {
         const double us = Micros(answered - sent);
         s.rpc_us[RoleName(layer.role)].push_back(us);
         s.rows += rows;
-        s.request_bytes += request.ByteSizeLong();
-        s.response_bytes += response.ByteSizeLong();
+        s.request_bytes += request_bytes;
+        s.response_bytes += response_bytes;
         s.server_queue_us += double(response.timing().queue_us());
         s.server_compute_us += double(response.timing().compute_us());
         s.client_rpc_us += us;
@@ -265,9 +361,14 @@ class LoadRun {
     return v1::CACHE_FORMAT_FP8;
   }
 
-  void BuildStep(Worker& w, const LayerStep& layer, int32_t rows, bool want_candidates,
-                 v1::DecodeStepRequest* request) {
+  grpc::Status BuildStep(Worker& w, const LayerStep& layer, int32_t rows, bool want_candidates,
+                         v1::DecodeStepRequest* request) {
     request->set_layer(layer.layer);
+    request->set_answer_encoding(options_.answer_encoding);
+    if (options_.streaming && options_.deadline_ms > 0) {
+      // At least 1 us: 0 would mean no deadline at all.
+      request->set_timeout_us(std::max<int64_t>(1, std::llround(options_.deadline_ms * 1e3)));
+    }
     request->set_step_id((uint64_t(w.index) << 40) | w.next_step_id++);
     request->set_return_candidates(want_candidates && layer.role == Role::kSource);
     const int n = static_cast<int>(w.sequences.size());
@@ -302,6 +403,77 @@ class LoadRun {
     } else {
       request->clear_positions();
     }
+    if (w.shm) return MoveToRegion(w, request);
+    request->clear_shared_memory();
+    return grpc::Status::OK;
+  }
+
+  // --shared-memory: q, q_scales and weights leave the request for the worker's region (the
+  // request keeps dtype and shape); the answer and candidate blocks will be written there.
+  grpc::Status MoveToRegion(Worker& w, v1::DecodeStepRequest* request) {
+    const uint64_t limits[3] = {layout_.q_scales - layout_.q, layout_.weights - layout_.q_scales,
+                                layout_.answer - layout_.weights};
+    const uint64_t offsets[3] = {layout_.q, layout_.q_scales, layout_.weights};
+    v1::Tensor* tensors[3] = {request->mutable_q(),
+                              request->has_q_scales() ? request->mutable_q_scales() : nullptr,
+                              request->mutable_weights()};
+    for (int i = 0; i < 3; ++i) {
+      w.region_bytes[i] = 0;
+      if (tensors[i] == nullptr) continue;
+      std::string* data = tensors[i]->mutable_data();
+      if (data->size() > limits[i]) {
+        return grpc::Status(grpc::StatusCode::INTERNAL,
+                            absl::StrCat("shared memory: ", data->size(), " bytes do not fit ",
+                                         limits[i], " of the region layout"));
+      }
+      std::memcpy(w.shm->data() + offsets[i], data->data(), data->size());
+      w.region_bytes[i] = data->size();
+      data->clear();  // keeps the capacity for the next step's payload
+    }
+    v1::SharedMemoryStep* sm = request->mutable_shared_memory();
+    sm->set_region_id(w.region_id);
+    sm->set_q_offset(layout_.q);
+    sm->set_q_scales_offset(layout_.q_scales);
+    sm->set_weights_offset(layout_.weights);
+    sm->set_answer_offset(layout_.answer);
+    sm->set_candidates_offset(layout_.candidates);
+    return grpc::Status::OK;
+  }
+
+  // The inverse for --verify: the request's tensors and the response's answer get their
+  // bytes from the region again (the next step's BuildStep overwrites them anyway).
+  void RestoreFromRegion(Worker& w, v1::DecodeStepRequest* request,
+                         v1::DecodeStepResponse* response, int32_t rows) const {
+    const uint8_t* base = w.shm->data();
+    request->mutable_q()->set_data(base + layout_.q, w.region_bytes[0]);
+    if (request->has_q_scales()) {
+      request->mutable_q_scales()->set_data(base + layout_.q_scales, w.region_bytes[1]);
+    }
+    request->mutable_weights()->set_data(base + layout_.weights, w.region_bytes[2]);
+    response->mutable_topk()->set_data(base + layout_.answer,
+                                       size_t(rows) * model_.topk * sizeof(int32_t));
+    if (response->has_candidate_blocks()) {
+      response->mutable_candidate_blocks()->set_data(
+          base + layout_.candidates, size_t(rows) * model_.num_candidate_blocks * sizeof(int32_t));
+    }
+  }
+
+  // ANSWER_ENCODING_DELTA_VARINT: the positions into topk's bytes, as a raw answer has them.
+  static grpc::Status DecodeDeltaAnswer(v1::DecodeStepResponse* response) {
+    if (response->topk_delta().empty()) return grpc::Status::OK;
+    const v1::Tensor& topk = response->topk();
+    if (topk.shape_size() != 2 || !topk.data().empty()) {
+      return grpc::Status(grpc::StatusCode::DATA_LOSS,
+                          "topk_delta with a topk that is not shape-only [rows, k]");
+    }
+    absl::StatusOr<std::vector<int32_t>> positions =
+        client::DecodeTopkDelta(response->topk_delta(), topk.shape(0), topk.shape(1));
+    if (!positions.ok()) {
+      return grpc::Status(grpc::StatusCode::DATA_LOSS, std::string(positions.status().message()));
+    }
+    response->mutable_topk()->set_data(positions->data(), positions->size() * sizeof(int32_t));
+    response->clear_topk_delta();
+    return grpc::Status::OK;
   }
 
   grpc::Status Call(Worker& w, const v1::DecodeStepRequest& request,
@@ -336,8 +508,12 @@ class LoadRun {
   grpc::Status CheckShape(const v1::DecodeStepRequest& request,
                           const v1::DecodeStepResponse& response, int32_t rows) const {
     const v1::Tensor& topk = response.topk();
-    const size_t want = size_t(rows) * model_.topk * sizeof(int32_t);
-    if (response.step_id() != request.step_id() || topk.data().size() != want ||
+    // Through shared memory the answer is in the region and topk carries its shape only.
+    const size_t want =
+        request.has_shared_memory() ? 0 : size_t(rows) * model_.topk * sizeof(int32_t);
+    const bool shape_ok =
+        topk.shape_size() == 2 && topk.shape(0) == rows && topk.shape(1) == model_.topk;
+    if (response.step_id() != request.step_id() || !shape_ok || topk.data().size() != want ||
         response.lengths_size() != request.sequences_size()) {
       return grpc::Status(grpc::StatusCode::DATA_LOSS,
                           absl::StrCat("malformed answer to step ", request.step_id(), ": ",
@@ -373,6 +549,7 @@ class LoadRun {
   const LoadOptions& options_;
   const ServerModel model_;
   const PayloadPool pool_;
+  const RegionLayout layout_;
   Live live_;
   int64_t warmup_ = 0;
   std::atomic<int64_t> tickets_{0};
@@ -457,6 +634,12 @@ absl::Status CheckOptions(const LoadOptions& o) {
         "drop --positions");
   }
   if (o.prefill_chunk < 1) return absl::InvalidArgumentError("--prefill-chunk must be >= 1");
+  if (o.shared_memory && o.answer_encoding != v1::ANSWER_ENCODING_RAW) {
+    return absl::InvalidArgumentError(
+        "--answer-encoding delta has no effect with --shared-memory (the server writes the "
+        "answer into the region as int32)");
+  }
+  if (o.deadline_ms < 0) return absl::InvalidArgumentError("--deadline must be >= 0");
   return absl::OkStatus();
 }
 
@@ -558,17 +741,20 @@ absl::StatusOr<Report> RunLoad(const LoadOptions& options_in) {
   std::vector<std::thread> threads;
   for (auto& wp : workers) {
     threads.emplace_back([&, w = wp.get()] {
-      w->fatal = run.Prefill(*w);
+      w->fatal = run.SetUpSharedMemory(*w);
+      if (w->fatal.ok()) w->fatal = run.Prefill(*w);
       if (!w->fatal.ok()) abort = true;
       prefilled.count_down();
       go.wait();
-      if (abort) return;
-      if (options.rate > 0) {
-        run.OpenLoop(*w);
-      } else {
-        run.ClosedLoop(*w);
+      if (!abort) {
+        if (options.rate > 0) {
+          run.OpenLoop(*w);
+        } else {
+          run.ClosedLoop(*w);
+        }
+        run.CloseStream(*w);
       }
-      run.CloseStream(*w);
+      run.TearDownSharedMemory(*w);
     });
   }
   prefilled.wait();
@@ -658,6 +844,11 @@ absl::StatusOr<Report> RunLoad(const LoadOptions& options_in) {
       {"warmup_steps", options.warmup_steps >= 0 ? options.warmup_steps : options.concurrency},
       {"streaming", options.streaming},
       {"deadline_ms", options.deadline_ms},
+      // Where the deadline applies: the unary RPC's, or each streamed step's timeout_us.
+      {"deadline_scope", options.streaming ? "step" : "rpc"},
+      {"answer_encoding",
+       options.answer_encoding == v1::ANSWER_ENCODING_DELTA_VARINT ? "delta" : "raw"},
+      {"shared_memory", options.shared_memory},
       {"requests_per_step", options.requests_per_step},
       {"next_n", options.next_n},
       {"context", options.context},

@@ -29,7 +29,14 @@ struct LoadOptions {
   int64_t steps = 0;          // measured token steps (over all workers)
   int64_t warmup_steps = -1;  // discarded token steps first; -1: one per worker
   bool streaming = false;     // DecodeStream per worker instead of unary DecodeStep
-  double deadline_ms = 0;     // per unary RPC; 0: none
+  // 0: none. Unary: the RPC's gRPC deadline. Streaming: each step's timeout_us (a stream's
+  // gRPC deadline would cover the whole stream, not a step).
+  double deadline_ms = 0;
+  v1::AnswerEncoding answer_encoding = v1::ANSWER_ENCODING_RAW;
+  // Each worker creates and registers its own POSIX shared-memory region; q, q_scales and
+  // weights go there instead of into the request, and the server writes the answer there.
+  // The server must run on this host.
+  bool shared_memory = false;
   int32_t requests_per_step = 8;
   int32_t next_n = 1;
   int64_t context = 4096;       // mean prefill length (entries)

@@ -157,6 +157,16 @@ TEST_F(LoadTest, OpenLoopWritesJsonAndCsv) {
   EXPECT_NE(header.find("step_p99_ms"), std::string::npos);
 }
 
+// The region holds the answer as int32: asking for delta answers there is a usage error.
+TEST_F(LoadTest, DeltaAnswersWithSharedMemoryIsAUsageError) {
+  FakeServer server(0);
+  EXPECT_EQ(RunLoad({"--target", server.target(), "--shared-memory", "--answer-encoding", "delta",
+                     "--steps", "1"}),
+            2)
+      << Log();
+  EXPECT_NE(Log().find("--shared-memory"), std::string::npos) << Log();
+}
+
 #ifdef DI_SERVER_BINARY
 
 // A real CPU server on a free loopback port, stopped with SIGTERM.
@@ -289,6 +299,176 @@ TEST_F(LoadTest, RealServerDenseStreamingFp32Verifies) {
                           Path("r.json")});
   EXPECT_EQ(rc, 0) << Log() << ReadText(Path("server.log"));
   ExpectCleanVerifiedRun(ReadJson("r.json"), 5);
+  EXPECT_TRUE(server.Stop().has_value());
+}
+
+// Mean bytes a successful RPC put on the wire each way.
+double RequestBytesPerRpc(const nlohmann::json& report) {
+  return report["throughput"]["request_bytes"].get<double>() / report["rpcs"]["ok"].get<double>();
+}
+double ResponseBytesPerRpc(const nlohmann::json& report) {
+  return report["throughput"]["response_bytes"].get<double>() / report["rpcs"]["ok"].get<double>();
+}
+// Bytes of one step's int32 answer sent raw: rows x K x 4.
+double RawAnswerBytes(const nlohmann::json& report) {
+  return report["config"]["requests_per_step"].get<double>() *
+         report["config"]["next_n"].get<double>() * report["server"]["topk"].get<double>() * 4;
+}
+
+// q, q_scales and weights through each worker's shared-memory region and the answer (and
+// the candidate blocks) back through it: every tracked row still matches the reference,
+// and neither q nor the answer crossed gRPC.
+TEST_F(LoadTest, RealServerSharedMemoryUnaryVerifies) {
+  RealServer server(std::string(DI_LOAD_TEST_DIR) + "/v41-tiny.toml", Path("server.log"));
+  ASSERT_TRUE(server.WaitReady()) << ReadText(Path("server.log"));
+  const int rc = RunLoad({"--target",
+                          server.target(),
+                          "--shared-memory",
+                          "--concurrency",
+                          "2",
+                          "--requests-per-step",
+                          "2",
+                          "--next-n",
+                          "2",
+                          "--context",
+                          "300",
+                          "--steps",
+                          "4",
+                          "--verify",
+                          "--verify-sequences",
+                          "4",
+                          "--verify-tolerance",
+                          "0",
+                          "--seed",
+                          Seed(),
+                          "--json",
+                          Path("r.json"),
+                          "--csv",
+                          Path("r.csv")});
+  EXPECT_EQ(rc, 0) << Log() << ReadText(Path("server.log"));
+  const nlohmann::json report = ReadJson("r.json");
+  ExpectCleanVerifiedRun(report, 4);
+  EXPECT_GT(report["verify"]["candidate_rows_checked"].get<int>(), 0);
+  EXPECT_EQ(report["verify"]["candidate_rows_mismatched"].get<int>(), 0);
+  EXPECT_TRUE(report["config"]["shared_memory"].get<bool>());
+  // The smallest q a step can carry (packed FP4, half a byte an element) did not travel.
+  const double rows = report["config"]["requests_per_step"].get<double>() *
+                      report["config"]["next_n"].get<double>();
+  const double fp4_q = rows * report["server"]["num_heads"].get<double>() *
+                       report["server"]["head_dim"].get<double>() / 2;
+  EXPECT_LT(RequestBytesPerRpc(report), fp4_q);
+  EXPECT_LT(ResponseBytesPerRpc(report), RawAnswerBytes(report));
+  EXPECT_NE(ReadText(Path("r.csv")).find("shared_memory"), std::string::npos);
+  // Every worker unregistered its region and unlinked it.
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+    EXPECT_EQ(entry.path().filename().string().find("di-load-" + std::to_string(getpid())),
+              std::string::npos);
+  }
+  EXPECT_TRUE(server.Stop().has_value());
+}
+
+TEST_F(LoadTest, RealServerSharedMemoryStreamingFp32Verifies) {
+  RealServer server(std::string(DI_LOAD_TEST_DIR) + "/v32-tiny.toml", Path("server.log"));
+  ASSERT_TRUE(server.WaitReady()) << ReadText(Path("server.log"));
+  const int rc = RunLoad({"--target",
+                          server.target(),
+                          "--shared-memory",
+                          "--streaming",
+                          "--concurrency",
+                          "2",
+                          "--requests-per-step",
+                          "3",
+                          "--context",
+                          "250",
+                          "--q-format",
+                          "fp32",
+                          "--steps",
+                          "5",
+                          "--verify",
+                          "--verify-sequences",
+                          "3",
+                          "--verify-tolerance",
+                          "0",
+                          "--seed",
+                          Seed(),
+                          "--json",
+                          Path("r.json")});
+  EXPECT_EQ(rc, 0) << Log() << ReadText(Path("server.log"));
+  const nlohmann::json report = ReadJson("r.json");
+  ExpectCleanVerifiedRun(report, 5);
+  EXPECT_TRUE(report["config"]["shared_memory"].get<bool>());
+  EXPECT_LT(ResponseBytesPerRpc(report), RawAnswerBytes(report));
+  EXPECT_TRUE(server.Stop().has_value());
+}
+
+// Delta-varint answers are decoded before they are checked: exact, and smaller on the wire
+// than the raw int32 answer alone would be.
+TEST_F(LoadTest, RealServerDeltaAnswersVerify) {
+  RealServer server(std::string(DI_LOAD_TEST_DIR) + "/v41-tiny.toml", Path("server.log"));
+  ASSERT_TRUE(server.WaitReady()) << ReadText(Path("server.log"));
+  for (const bool streaming : {false, true}) {
+    std::vector<std::string> args = {"--target",
+                                     server.target(),
+                                     "--answer-encoding",
+                                     "delta",
+                                     "--concurrency",
+                                     "2",
+                                     "--requests-per-step",
+                                     "3",
+                                     "--next-n",
+                                     "2",
+                                     "--context",
+                                     "280",
+                                     "--steps",
+                                     "3",
+                                     "--verify",
+                                     "--verify-sequences",
+                                     "3",
+                                     "--verify-tolerance",
+                                     "0",
+                                     "--seed",
+                                     Seed(),
+                                     "--json",
+                                     Path("r.json")};
+    if (streaming) args.push_back("--streaming");
+    EXPECT_EQ(RunLoad(args), 0) << Log() << ReadText(Path("server.log"));
+    const nlohmann::json report = ReadJson("r.json");
+    ExpectCleanVerifiedRun(report, 3);
+    EXPECT_GT(report["verify"]["candidate_rows_checked"].get<int>(), 0);
+    EXPECT_EQ(report["config"]["answer_encoding"].get<std::string>(), "delta");
+    EXPECT_LT(ResponseBytesPerRpc(report), RawAnswerBytes(report)) << "streaming " << streaming;
+  }
+  EXPECT_TRUE(server.Stop().has_value());
+}
+
+// --deadline with --streaming is each step's timeout_us: one no step can meet fails them
+// with DEADLINE_EXCEEDED (each ends its stream; the next step opens another), a generous
+// one fails none.
+TEST_F(LoadTest, RealServerStreamingStepDeadline) {
+  RealServer server(std::string(DI_LOAD_TEST_DIR) + "/v32-tiny.toml", Path("server.log"));
+  ASSERT_TRUE(server.WaitReady()) << ReadText(Path("server.log"));
+  // 32 rows of fp32 q: the server checks every value before it looks at the clock, tens of
+  // microseconds however fast the host, so 1 us is always past.
+  const std::vector<std::string> common = {
+      "--target", server.target(), "--streaming", "--concurrency",  "2",    "--requests-per-step",
+      "8",        "--next-n",      "4",           "--q-format",     "fp32", "--context",
+      "200",      "--steps",       "4",           "--warmup-steps", "0",    "--seed",
+      Seed(),     "--json",        Path("r.json")};
+  std::vector<std::string> impossible = common;
+  impossible.insert(impossible.end(), {"--deadline", "0.001", "--allow-errors"});
+  EXPECT_EQ(RunLoad(impossible), 0) << Log() << ReadText(Path("server.log"));
+  nlohmann::json report = ReadJson("r.json");
+  EXPECT_EQ(report["config"]["deadline_scope"].get<std::string>(), "step");
+  EXPECT_GT(report["errors"].value("DEADLINE_EXCEEDED", 0), 0) << report["errors"].dump();
+  EXPECT_EQ(report["errors"].size(), 1u) << report["errors"].dump();
+  EXPECT_EQ(report["steps"]["failed"].get<int>(), 4);
+
+  std::vector<std::string> generous = common;
+  generous.insert(generous.end(), {"--deadline", "60000"});
+  EXPECT_EQ(RunLoad(generous), 0) << Log() << ReadText(Path("server.log"));
+  report = ReadJson("r.json");
+  EXPECT_TRUE(report["errors"].empty()) << report["errors"].dump();
+  EXPECT_EQ(report["steps"]["ok"].get<int>(), 4);
   EXPECT_TRUE(server.Stop().has_value());
 }
 

@@ -27,6 +27,10 @@ class FrontendExampleTest(ServerTestCase):
         out = self.run_example("--unary", "--fp32-keys", "--sequences", "3")
         self.assertIn("(unary)", out)
 
+    def test_shared_memory_streamed_and_unary(self):
+        self.assertIn("(stream, shared memory)", self.run_example("--shared-memory"))
+        self.assertIn("(unary, shared memory)", self.run_example("--shared-memory", "--unary"))
+
 
 if __name__ == "__main__":
     unittest.main()

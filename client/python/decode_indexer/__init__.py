@@ -25,10 +25,12 @@ from .client import (  # noqa: E402
     Timing,
 )
 from .errors import IndexerError  # noqa: E402
+from .shm import SharedMemoryRegion  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Client", "DecodeResult", "DecodeStream", "DType", "IndexerError", "LayerInfo",
-    "SequenceStep", "ServerInfo", "Timing", "TypedArray", "quant", "typed",
+    "SequenceStep", "ServerInfo", "SharedMemoryRegion", "Timing", "TypedArray", "quant",
+    "typed",
 ]

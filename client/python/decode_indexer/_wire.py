@@ -205,13 +205,18 @@ def _key(field: int, wire_type: int) -> bytes:
     return varint((field << 3) | wire_type)
 
 
-def encode_tensor_field(field: int, t: WireTensor) -> list[bytes | memoryview]:
-    """The parts of a length-delimited `Tensor` field number `field` (data not copied here)."""
+def encode_tensor_field(field: int, t: WireTensor,
+                        with_data: bool = True) -> list[bytes | memoryview]:
+    """The parts of a length-delimited `Tensor` field number `field` (data not copied here).
+
+    with_data False: dtype and shape only, as a step whose bytes lie in shared memory sends."""
     head = bytearray()
     head += _key(1, _VARINT) + varint(int(t.dtype))
     if t.shape:
         packed = b"".join(varint(s) for s in t.shape)
         head += _key(2, _LEN) + varint(len(packed)) + packed
+    if not with_data:
+        return [_key(field, _LEN) + varint(len(head)) + bytes(head)]
     head += _key(3, _LEN) + varint(t.nbytes)
     body_len = len(head) + t.nbytes
     return [_key(field, _LEN) + varint(body_len) + bytes(head), t.data]

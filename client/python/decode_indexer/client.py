@@ -21,6 +21,7 @@ import numpy as np
 from . import _wire
 from ._gen import indexer_pb2 as pb
 from .errors import IndexerError
+from .shm import SharedMemoryRegion
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["DecodeIndexer"].full_name
 
@@ -62,8 +63,10 @@ class DecodeResult:
     """A decode step's answer.
 
     topk: int32 [rows, K], each row's positions ascending, -1 padded (read-only view of the
-      response bytes; .copy() it to write).
-    candidate_blocks: int32 [rows, num_candidate_blocks] when asked at a source layer, else None.
+      response bytes; .copy() it to write). Through shared memory: a view of the `answer`
+      view, overwritten by the next step that writes there.
+    candidate_blocks: int32 [rows, num_candidate_blocks] when asked at a source layer, else None
+      (through shared memory: a view of the `candidates` view).
     lengths: int64 [requests], each sequence's cache length after the step.
     """
 
@@ -130,12 +133,40 @@ def _decode_array(t: pb.Tensor, what: str) -> np.ndarray:
     return np.frombuffer(t.data, dtype=dtypes[t.dtype]).reshape(tuple(t.shape))
 
 
-def _result(resp: pb.DecodeStepResponse, client_us: float) -> DecodeResult:
+@dataclass(frozen=True)
+class _InRegion:
+    """Where a shared-memory step's answer lands: flat int32 views of the region."""
+
+    rows: int
+    answer: np.ndarray
+    candidates: np.ndarray | None
+
+
+def _region_array(t: pb.Tensor, flat: np.ndarray | None, rows: int, what: str) -> np.ndarray:
+    """The [rows, n] answer the server wrote into the region (the response has the shape)."""
+    shape = tuple(t.shape)
+    if len(shape) != 2 or shape[0] != rows or t.data or flat is None or flat.size < rows * shape[1]:
+        raise IndexerError(grpc.StatusCode.INTERNAL,
+                           f"{what}: expected a shape-only [{rows}, n] answer in shared memory, "
+                           f"got shape {list(shape)} with {len(t.data)} bytes")
+    return flat[:rows * shape[1]].reshape(shape)
+
+
+def _result(resp: pb.DecodeStepResponse, client_us: float,
+            placed: _InRegion | None = None) -> DecodeResult:
+    if placed is not None:
+        topk = _region_array(resp.topk, placed.answer, placed.rows, "topk")
+        candidates = (_region_array(resp.candidate_blocks, placed.candidates, placed.rows,
+                                    "candidate_blocks")
+                      if resp.HasField("candidate_blocks") else None)
+    else:
+        topk = _decode_array(resp.topk, "topk")
+        candidates = (_decode_array(resp.candidate_blocks, "candidate_blocks")
+                      if resp.HasField("candidate_blocks") else None)
     return DecodeResult(
         step_id=resp.step_id,
-        topk=_decode_array(resp.topk, "topk"),
-        candidate_blocks=(_decode_array(resp.candidate_blocks, "candidate_blocks")
-                          if resp.HasField("candidate_blocks") else None),
+        topk=topk,
+        candidate_blocks=candidates,
         timing=Timing(resp.timing.queue_us, resp.timing.compute_us, client_us),
         lengths=np.asarray(resp.lengths, dtype=np.int64),
         sharded=resp.sharded,
@@ -150,14 +181,69 @@ def _encode_append(sequence_id: int, layer: int, keys: Any, key_scales: Any) -> 
     return _wire.join(parts)
 
 
-def encode_decode_step(layer: int, steps: Sequence[SequenceStep], q: Any, weights: Any,
-                       q_scales: Any = None, positions: Any = None, step_id: int = 0,
-                       return_candidates: bool = False) -> bytes:
-    """The serialized DecodeStepRequest (a valid message of the generated class)."""
+def _rows_of(steps: Sequence[SequenceStep]) -> int:
+    return sum(s.num_rows if s.num_rows > 0 else len(s.row_lengths or ()) for s in steps)
+
+
+def _answer_view(region: SharedMemoryRegion, view: Any, need: int, what: str) -> tuple[int, Any]:
+    """(offset, flat int32 view) of an answer view that holds at least `need` elements."""
+    if not isinstance(view, np.ndarray) or view.dtype != np.int32:
+        raise TypeError(f"{what}: expected an int32 NumPy view of the shared-memory region "
+                        "(region.alloc((rows, n), np.int32))")
+    offset = region.offset_of(view, what)
+    if view.size < need:
+        raise ValueError(f"{what}: {view.size} elements cannot hold this step's {need}")
+    return offset, view.reshape(-1)
+
+
+def _place_in_region(region: SharedMemoryRegion, steps: Sequence[SequenceStep], q: Any,
+                     q_scales: Any, weights: Any, answer: Any, candidates: Any,
+                     return_candidates: bool) -> tuple[pb.SharedMemoryStep, _InRegion]:
+    """The step's SharedMemoryStep: the offsets of q / q_scales / weights (views of the region)
+    and of the answer views; every span is checked against the server's K before sending, so
+    the server never writes outside the views it was given."""
+
+    def offset(x: Any, what: str) -> int:
+        arr = x.array if isinstance(x, _wire.TypedArray) else x
+        return region.offset_of(_wire._as_numpy(arr, what), what)
+
+    if answer is None:
+        raise ValueError("shared_memory: give `answer`, an int32 view of the region with room "
+                         "for [rows, K]")
+    rows = _rows_of(steps)
+    sm = pb.SharedMemoryStep(region_id=region.region_id, q_offset=offset(q, "q"),
+                             weights_offset=offset(weights, "weights"))
+    if q_scales is not None:
+        sm.q_scales_offset = offset(q_scales, "q_scales")
+    sm.answer_offset, flat_answer = _answer_view(region, answer, rows * region.topk, "answer")
+    flat_candidates = None
+    if return_candidates:
+        if candidates is None:
+            raise ValueError("shared_memory with return_candidates: give `candidates`, an int32 "
+                             "view of the region with room for [rows, num_candidate_blocks]")
+        sm.candidates_offset, flat_candidates = _answer_view(
+            region, candidates, rows * region.num_candidate_blocks, "candidates")
+    return sm, _InRegion(rows, flat_answer, flat_candidates)
+
+
+def _encode_step(layer: int, steps: Sequence[SequenceStep], q: Any, weights: Any,
+                 q_scales: Any = None, positions: Any = None, step_id: int = 0,
+                 return_candidates: bool = False,
+                 shared_memory: SharedMemoryRegion | None = None, answer: Any = None,
+                 candidates: Any = None) -> tuple[bytes, _InRegion | None]:
     if isinstance(steps, SequenceStep):
         steps = [steps]
-    parts: list = [pb.DecodeStepRequest(layer=layer, step_id=step_id,
-                                        return_candidates=return_candidates).SerializeToString()]
+    head = dict(layer=layer, step_id=step_id, return_candidates=return_candidates)
+    placed = None
+    if shared_memory is not None:
+        head["shared_memory"], placed = _place_in_region(
+            shared_memory, steps, q, q_scales, weights, answer, candidates, return_candidates)
+    elif answer is not None or candidates is not None:
+        raise ValueError("answer / candidates views are for shared-memory steps: pass "
+                         "shared_memory=region too")
+    # Through shared memory the tensors carry dtype and shape only.
+    inline = shared_memory is None
+    parts: list = [pb.DecodeStepRequest(**head).SerializeToString()]
     for i, s in enumerate(steps):
         if not isinstance(s, SequenceStep):
             raise TypeError(f"steps[{i}]: expected a SequenceStep, got {type(s).__name__}")
@@ -170,13 +256,23 @@ def encode_decode_step(layer: int, steps: Sequence[SequenceStep], q: Any, weight
             sub += _wire.encode_tensor_field(
                 4, _wire.to_wire(s.new_key_scales, f"sequences[{i}].new_key_scales"))
         parts += _wire.encode_message_field(2, sub)
-    parts += _wire.encode_tensor_field(3, _wire.to_wire(q, "q"))
+    parts += _wire.encode_tensor_field(3, _wire.to_wire(q, "q"), inline)
     if q_scales is not None:
-        parts += _wire.encode_tensor_field(4, _wire.to_wire(q_scales, "q_scales"))
-    parts += _wire.encode_tensor_field(5, _wire.to_wire(weights, "weights"))
+        parts += _wire.encode_tensor_field(4, _wire.to_wire(q_scales, "q_scales"), inline)
+    parts += _wire.encode_tensor_field(5, _wire.to_wire(weights, "weights"), inline)
     if positions is not None:
         parts += _wire.encode_tensor_field(6, _wire.to_wire(positions, "positions"))
-    return _wire.join(parts)
+    return _wire.join(parts), placed
+
+
+def encode_decode_step(layer: int, steps: Sequence[SequenceStep], q: Any, weights: Any,
+                       q_scales: Any = None, positions: Any = None, step_id: int = 0,
+                       return_candidates: bool = False,
+                       shared_memory: SharedMemoryRegion | None = None, answer: Any = None,
+                       candidates: Any = None) -> bytes:
+    """The serialized DecodeStepRequest (a valid message of the generated class)."""
+    return _encode_step(layer, steps, q, weights, q_scales, positions, step_id,
+                        return_candidates, shared_memory, answer, candidates)[0]
 
 
 class Client:
@@ -209,6 +305,10 @@ class Client:
                               pb.ReleaseSequenceRequest)
         self._decode = unary("DecodeStep", pb.DecodeStepResponse)
         self._stats = unary("GetStatistics", pb.Statistics, pb.GetStatisticsRequest)
+        self._register_shm = unary("RegisterSharedMemory", pb.RegisterSharedMemoryResponse,
+                                   pb.RegisterSharedMemoryRequest)
+        self._unregister_shm = unary("UnregisterSharedMemory", pb.UnregisterSharedMemoryResponse,
+                                     pb.UnregisterSharedMemoryRequest)
         self._decode_stream = self._channel.stream_stream(
             f"/{_SERVICE}/DecodeStream", request_serializer=None,
             response_deserializer=pb.DecodeStepResponse.FromString)
@@ -273,19 +373,43 @@ class Client:
     def decode_step(self, layer: int, steps: Sequence[SequenceStep], q: Any, weights: Any,
                     q_scales: Any = None, positions: Any = None, step_id: int = 0,
                     return_candidates: bool = False, *,
-                    timeout: float | None = None) -> DecodeResult:
+                    shared_memory: SharedMemoryRegion | None = None, answer: Any = None,
+                    candidates: Any = None, timeout: float | None = None) -> DecodeResult:
         """Runs one decode step of one layer and returns each row's top-k positions.
 
         q: [rows, H, D] float32/bfloat16 (raw weights; the server quantizes, folds and, given
           positions, applies RoPE), or typed FP8 codes with folded weights, or typed FP4 codes
           with UE8M0 q_scales [rows, H, D/32]. weights: [rows, H] float32.
         positions: [rows] int32/int64 when q is pre-RoPE.
+        shared_memory: a region (Client.shared_memory) that q, q_scales and weights are
+          C-contiguous views of; `answer` (and, with return_candidates, `candidates`) are int32
+          views of it with room for [rows, K] (and [rows, num_candidate_blocks]). Only their
+          dtype and shape cross gRPC; result.topk is then a view of `answer`.
         """
-        request = encode_decode_step(layer, steps, q, weights, q_scales, positions, step_id,
-                                     return_candidates)
+        request, placed = _encode_step(layer, steps, q, weights, q_scales, positions, step_id,
+                                       return_candidates, shared_memory, answer, candidates)
         start = time.perf_counter()
         resp = self._call("DecodeStep", self._decode, request, timeout)
-        return _result(resp, (time.perf_counter() - start) * 1e6)
+        return _result(resp, (time.perf_counter() - start) * 1e6, placed)
+
+    def register_shared_memory(self, name: str, size: int, *,
+                               timeout: float | None = None) -> int:
+        """Maps a POSIX shared-memory object this host's client created ("/di-..."); returns
+        its region id. Client.shared_memory does the creating and registering in one."""
+        return self._call("RegisterSharedMemory", self._register_shm,
+                          pb.RegisterSharedMemoryRequest(name=name, size=size),
+                          timeout).region_id
+
+    def unregister_shared_memory(self, region_id: int, *, timeout: float | None = None) -> None:
+        self._call("UnregisterSharedMemory", self._unregister_shm,
+                   pb.UnregisterSharedMemoryRequest(region_id=region_id), timeout)
+
+    def shared_memory(self, size: int, *, name: str | None = None,
+                      timeout: float | None = None) -> SharedMemoryRegion:
+        """Creates a POSIX shared-memory region of `size` bytes and registers it with the
+        server (which must run on this host); see decode_indexer.shm. Close it (or use it as a
+        context manager) to unregister and unlink it."""
+        return SharedMemoryRegion(self, size, name, timeout=timeout)
 
     def statistics(self, *, timeout: float | None = None) -> pb.Statistics:
         """The server's cumulative counters (a decode_indexer.v1.Statistics message)."""
@@ -324,16 +448,20 @@ class DecodeStream:
 
     def send(self, layer: int, steps: Sequence[SequenceStep], q: Any, weights: Any,
              q_scales: Any = None, positions: Any = None, step_id: int | None = None,
-             return_candidates: bool = False) -> int:
+             return_candidates: bool = False, *,
+             shared_memory: SharedMemoryRegion | None = None, answer: Any = None,
+             candidates: Any = None) -> int:
         """Queues one step (arguments as Client.decode_step); returns its step_id, which is
-        numbered 1, 2, ... within the session when not given."""
+        numbered 1, 2, ... within the session when not given. Shared-memory steps in flight
+        together need their own q / weights / answer views (the server reads and writes them
+        when it gets to the step)."""
         sid = next(self._ids) if step_id is None else step_id
-        request = encode_decode_step(layer, steps, q, weights, q_scales, positions, sid,
-                                     return_candidates)
+        request, placed = _encode_step(layer, steps, q, weights, q_scales, positions, sid,
+                                       return_candidates, shared_memory, answer, candidates)
         with self._lock:
             if self._closed:
                 raise RuntimeError("DecodeStream: send() after close()")
-            self._pending.append((sid, time.perf_counter()))
+            self._pending.append((sid, time.perf_counter(), placed))
             self._requests.put(request)
         return sid
 
@@ -349,7 +477,7 @@ class DecodeStream:
         with self._lock:
             if not self._pending:
                 raise RuntimeError("DecodeStream: recv() with no step in flight")
-            expected, sent = self._pending[0]
+            expected, sent, placed = self._pending[0]
         try:
             resp = next(self._call)
         except grpc.RpcError as e:
@@ -367,7 +495,7 @@ class DecodeStream:
                                        f"answer for step {resp.step_id} arrived where step "
                                        f"{expected} was due", "DecodeStream")
             raise self._error
-        return _result(resp, (time.perf_counter() - sent) * 1e6)
+        return _result(resp, (time.perf_counter() - sent) * 1e6, placed)
 
     def step(self, *args: Any, **kwargs: Any) -> DecodeResult:
         """send() then recv(): one step, unpipelined (the earlier steps' answers first)."""
