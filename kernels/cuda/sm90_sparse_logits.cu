@@ -214,6 +214,13 @@ absl::Status LaunchSparseLogits(const CacheView& cache, const RowBatch& rows, co
     return absl::UnimplementedError(
         absl::StrCat("sparse logits: head dim ", geo.head_dim, " (need 128)"));
   }
+  if (math == SparseLogitsMath::kMma) {
+    if (SparseLogitsMmaTakes(cache, q)) {
+      return LaunchSparseLogitsMma(cache, rows, q, positions, counts, max_positions, logits,
+                                   stream);
+    }
+    math = SparseLogitsMath::kGrid;  // the shapes the tensor-core kernel does not take
+  }
   // The grid kernel loads a key's codes as 16-byte words and q of up to 64 heads into shared
   // memory; other shapes take the warp kernel.
   const bool aligned = reinterpret_cast<uintptr_t>(cache.base) % 16 == 0 &&

@@ -1,0 +1,522 @@
+// Sparse logits on tensor cores (SparseLogitsMath::kMma): the candidate consumers' logits at
+// listed positions, FP8 or FP4 caches, up to 64 heads, head dim 128.
+//
+// Why this shape: the grid kernel (one thread per position, FP32 FMAs against q in shared
+// memory) is issue bound at ~41x the key-byte floor. Here a warp takes 16 of a row's positions
+// as the M of mma.sync m16n8k16 (f16 in, fp32 sums) against the row's heads as N: its keys are
+// gathered into a per-warp shared-memory stage with cp.async (kStages deep, no block barrier
+// after the set-up), widened to f16 on the way from ldmatrix into the A fragments by integer
+// bit moves (exact), and dotted with q, which the block widens once to f16 (exact; kept in
+// registers for <= 32 heads). A block is (row, chunk of 1024 positions; 512 for FP8 or > 32
+// heads): parallelism is rows x position chunks (64 rows x 16K FP4 positions: 1024 blocks of
+// 4 warps, 4 per SM). The set-up (q, the chunk's key addresses, computed once so that the copy
+// loop only adds a chunk offset) waits on about two load latencies per block.
+//
+// Widening (the bit moves, both exact, both a power-of-two multiple of the value), for the
+// keys and for q alike:
+// - e4m3 -> f16: sign to bit 15, the other 7 bits to bits 7..13: value times 2^-8 (normals and
+//   subnormals alike); four codes b0..b3 of a word give f16x2 (b0, b2) and (b1, b3).
+// - e2m1 -> f16: sign to bit 15, the 3 exponent/mantissa bits to bits 9..11: value times
+//   2^-14 (code 1 = 0.5 lands on the f16 subnormal 2^-15). A word of 8 nibbles n0..n7 becomes
+//   bytes s<<7 | em<<1 (even nibbles, odd nibbles) and four prmt's place them as the high
+//   bytes of f16x2 (n0, n2), (n4, n6), (n1, n3), (n5, n7).
+// The k order inside each 16-dim step is thus permuted; q goes through the same bit move from
+// the same words, so every product pairs the same dims.
+//
+// Numerics: f16 x f16 products are exact in fp32. FP4: a 32-dim group dot of e2m1 values is a
+// multiple of 2^-2 below 2^11, exact in fp32 in any order (times powers of two), so each group
+// dot equals the CPU's exactly; it is scaled by q_scale[h, g] * k_scale[g] (powers of two),
+// summed over the 4 groups ascending, relu, times w[h], summed over heads in a fixed order
+// (per lane n-tile ascending, then two xor shuffles), times 2^14 (the keys' bit-move factor).
+// Where every head's group scales lie within 2^20 of its largest (2^A_h; always, for scales
+// from quantizing one vector), q_scale is folded into q's f16 (exact) and 2^A_h into w: the
+// group sums then take one FMA by the key scale instead of a multiply and an FMA (each step
+// is the unfolded one's value times a power of two, so no rounding is added). FP8: the 128-dim dot
+// is an fp32 tensor-core sum (like the dense keys-M kernel), relu, times w, the same head sum,
+// times 2^16 * k_scale. Every logit is computed by the same lanes in the same order wherever its
+// position sits in the list, so it depends only on (row, position): not on the batch, the chunking
+// or the run, and MaskedTopK (expand + these kernels) equals SparseTopK bit for bit.
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <mutex>
+#include <type_traits>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/sm90_device_utils.cuh"
+#include "kernels/cuda/sm90_launchers.h"
+#include "kernels/cuda/sm90_tile_config.h"
+
+namespace decode_indexer::kernels::cuda {
+namespace {
+
+constexpr int kDim = 128;
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileKeys = 16;  // the MMA's M: positions per warp step
+constexpr int kMaxHeads = 64;
+
+template <bool kFp8, int kNT>
+struct Shape {
+  static constexpr int kHeadsP = kNT * 8;            // heads padded to whole n-tiles
+  static constexpr bool kQInRegisters = kNT <= 4;    // 64 registers of B fragments
+  static constexpr int kKeyBytes = kFp8 ? 128 : 64;  // one key's codes
+  static constexpr int kKeyChunks = kKeyBytes / 16;  // its 16-byte cp.async chunks
+  static constexpr int kStages = kFp8 ? 3 : 4;       // per warp
+  static constexpr int kStageBytes = kTileKeys * kKeyBytes;
+  // Positions per block: the set-up (q, addresses) is paid once per chunk.
+  static constexpr int kTilesPerWarp = (kFp8 || kNT > 4) ? 8 : 16;
+  static constexpr int kChunk = kWarps * kTilesPerWarp * kTileKeys;
+  // Dynamic shared memory, in this order (each part a multiple of 128 bytes or last).
+  static constexpr int kKeyOff = 0;
+  static constexpr int kQOff = kKeyOff + kWarps * kStages * kStageBytes;
+  static constexpr int kAddrOff = kQOff + 4 * kHeadsP * 4 * 16;
+  static constexpr int kKScaleOff = kAddrOff + kChunk * 16;
+  static constexpr int kWOff = kKScaleOff + kWarps * kStages * kTileKeys * 4;
+  static constexpr int kQScaleOff = kWOff + kHeadsP * 4;
+  static constexpr int kQMulOff = kQScaleOff + 4 * kHeadsP * 4;
+  static constexpr int kSmemBytes = kQMulOff + 4 * kHeadsP * 4;
+  static_assert(kChunk % kThreads == 0 && kHeadsP <= kThreads);
+};
+
+// 4-byte cp.async (through L1; cp.async.cg takes 16 bytes only). !valid zero-fills, reads nothing.
+__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem),
+               "r"(valid ? 4 : 0)
+               : "memory");
+}
+
+// D += A(16x16 f16, row) * B(16x8 f16, col), fp32.
+__device__ __forceinline__ void MmaF16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four e4m3 codes b0..b3 (b0 lowest) -> f16x2 (b0, b2) and (b1, b3), each value times 2^-8.
+__device__ __forceinline__ void E4M3x4BitMove(uint32_t q, uint32_t& even, uint32_t& odd) {
+  odd = (q & 0x80008000u) | ((q >> 1) & 0x3F803F80u);
+  const uint32_t q8 = q << 8;
+  even = (q8 & 0x80008000u) | ((q8 >> 1) & 0x3F803F80u);
+}
+
+// Eight e2m1 codes n0..n7 (n0 in the low nibble) -> f16x2 (n0, n2), (n4, n6), (n1, n3),
+// (n5, n7), each value times 2^-14 (see the file comment).
+__device__ __forceinline__ void E2M1x8BitMove(uint32_t w, uint32_t& d02, uint32_t& d46,
+                                              uint32_t& d13, uint32_t& d57) {
+  const uint32_t even = ((w << 4) & 0x80808080u) | ((w << 1) & 0x0E0E0E0Eu);
+  const uint32_t odd = (w & 0x80808080u) | ((w >> 3) & 0x0E0E0E0Eu);
+  d02 = __byte_perm(even, 0u, 0x1404);
+  d46 = __byte_perm(even, 0u, 0x3424);
+  d13 = __byte_perm(odd, 0u, 0x1404);
+  d57 = __byte_perm(odd, 0u, 0x3424);
+}
+
+// A ue8m0 byte as a float without branches (255, not valid input, reads as +inf).
+__device__ __forceinline__ float Ue8m0(uint32_t byte) {
+  return __uint_as_float(byte != 0u ? byte << 23 : 0x00400000u);
+}
+
+// q in shared memory: [t = 32-dim slice][head][c = lane % 4] 16 bytes, so that one 16-byte
+// load gives lane (g, c) its B fragments (b0, b1 of k-step 2t, then of 2t + 1) for head
+// 8j + g. The 8 f16 pair dims {0, 2} (b0) and {1, 3} (b1) of a 4-dim quad, as the widening
+// pairs the keys: FP8, k-step 2t + e / 4, quad 4c of its 16 dims = bytes 32t + 16 (e / 4) +
+// 4c .. + 3 of the codes (one e4m3 word: the same bit move as the keys gives b0, b1);
+// FP4, quad 2c + e / 4 of group t = nibbles 8c .. 8c + 7 of the group (one word: the
+// same e2m1 bit move gives b0, b1 of both k-steps).
+
+// Byte offset of 16-byte chunk `ch` of key `key` in a stage: swizzled so that the ldmatrix
+// reads (8 keys x one chunk each) hit 8 distinct bank groups.
+template <bool kFp8>
+__device__ __forceinline__ int StageOffset(int key, int ch) {
+  if constexpr (kFp8) {
+    return key * 128 + ((ch ^ (key & 7)) << 4);
+  } else {
+    return key * 64 + ((ch ^ ((key >> 1) & 3)) << 4);
+  }
+}
+
+template <bool kFp8, int kNT>
+__global__ void __launch_bounds__(kThreads, kFp8 || kNT > 4 ? 3 : 4)
+    SparseLogitsMmaKernel(const CacheView cache, const RowBatch rows, const QView q,
+                          const int32_t* __restrict__ positions, const int32_t* __restrict__ counts,
+                          int32_t max_positions, float* __restrict__ logits) {
+  using S = Shape<kFp8, kNT>;
+  constexpr int kHeadsP = S::kHeadsP;
+  constexpr int kChunk = S::kChunk;
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* key_s = smem + S::kKeyOff;                                      // [warp][stage][keys]
+  uint4* q_s = reinterpret_cast<uint4*>(smem + S::kQOff);                  // see above
+  ulonglong2* addr_s = reinterpret_cast<ulonglong2*>(smem + S::kAddrOff);  // values, scale
+  uint32_t* kscale_s = reinterpret_cast<uint32_t*>(smem + S::kKScaleOff);  // [warp][stage][key]
+  float* w_s = reinterpret_cast<float*>(smem + S::kWOff);                  // [head]
+  float* qscale_s = reinterpret_cast<float*>(smem + S::kQScaleOff);        // FP4 [group][head]
+  float* qmul_s = reinterpret_cast<float*>(smem + S::kQMulOff);            // FP4 [group][head]
+  (void)qscale_s;
+  (void)qmul_s;
+
+  const int row = blockIdx.y;
+  const int count = min(counts[row], max_positions);
+  const int first = blockIdx.x * kChunk;
+  if (first >= count) return;  // the same for the whole block: no barrier is skipped
+  const int tid = threadIdx.x;
+  const int heads = q.num_heads;
+  const CacheGeometry& geo = cache.geometry;
+  const int page_size = geo.page_size;
+  const int64_t page_bytes = geo.page_bytes();
+  const int value_bytes = geo.value_bytes();
+  const uint8_t* __restrict__ base = cache.base;
+
+  // ---- Set-up. Loads first (positions, this thread's head, q words), then the dependent
+  // page-table loads, so that the block waits about two load latencies in all.
+  constexpr int kPer = kChunk / kThreads;
+  int pos[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int k = i * kThreads + tid;
+    pos[i] = first + k < count ? __ldg(&positions[int64_t{row} * max_positions + first + k]) : -1;
+  }
+  // This thread's head (tid < kHeadsP): weight and FP4 group scales.
+  const bool has_head = tid < heads;
+  const int64_t hv = int64_t{row} * heads + tid;
+  const float w_raw = has_head ? __ldg(&q.weights[hv]) : 0.f;
+  uint32_t qsb = 0;  // FP4: the head's 4 scale bytes
+  if (!kFp8 && has_head) {
+    for (int grp = 0; grp < 4; ++grp) qsb |= uint32_t{__ldg(&q.scales[hv * 4 + grp])} << (8 * grp);
+  }
+  // q words: entry e = (t, head, c) of q_s needs one word (FP4) or two (FP8) of codes.
+  constexpr int kEntries = 4 * kHeadsP * 4;
+  constexpr int kEntriesPer = (kEntries + kThreads - 1) / kThreads;
+  uint32_t qw[kEntriesPer][kFp8 ? 2 : 1];
+#pragma unroll
+  for (int i = 0; i < kEntriesPer; ++i) {
+    const int e = i * kThreads + tid;
+    const int t = e / (kHeadsP * 4), head = (e / 4) % kHeadsP, c = e % 4;
+    const bool live = e < kEntries && head < heads;
+    const int64_t hq = int64_t{row} * heads + head;
+    if constexpr (kFp8) {
+      const uint8_t* codes = q.codes + hq * kDim + 32 * t + 4 * c;
+      qw[i][0] = live ? __ldg(reinterpret_cast<const uint32_t*>(codes)) : 0u;
+      qw[i][1] = live ? __ldg(reinterpret_cast<const uint32_t*>(codes + 16)) : 0u;
+    } else {
+      const uint8_t* codes = q.codes + hq * (kDim / 2) + 16 * t + 4 * c;
+      qw[i][0] = live ? __ldg(reinterpret_cast<const uint32_t*>(codes)) : 0u;
+    }
+  }
+  const int request = rows.row_request[row];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int k = i * kThreads + tid;
+    ulonglong2 a = make_ulonglong2(0ull, 0ull);  // 0: no position (zero-filled, not written)
+    if (pos[i] >= 0) {
+      const int page =
+          __ldg(&rows.page_table[int64_t{request} * rows.page_table_stride + pos[i] / page_size]);
+      const int o = pos[i] % page_size;
+      const uint8_t* page_base = base + page * page_bytes;
+      a.x = reinterpret_cast<uint64_t>(page_base + int64_t{o} * value_bytes);
+      a.y = reinterpret_cast<uint64_t>(page_base + int64_t{page_size} * value_bytes + o * 4);
+    }
+    addr_s[k] = a;
+  }
+  // FP4: fold the head's q scales into its f16 q when that stays exact (every group scale
+  // within 2^20 of the head's largest, 2^A): q_f16 = value * 2^(a_g - A), w' = w * 2^A. The
+  // group sums then need only the key scale (every step is the unfolded path's value times a
+  // power of two, no rounding added). The decision is per row (all of its heads), so it does
+  // not depend on the batch or the chunk.
+  uint32_t top = 1;
+  bool fold_ok = true;
+  if constexpr (!kFp8) {
+    if (has_head) {
+      for (int grp = 0; grp < 4; ++grp) top = max(top, (qsb >> (8 * grp)) & 0xFFu);
+      for (int grp = 0; grp < 4; ++grp) {
+        const uint32_t b = (qsb >> (8 * grp)) & 0xFFu;
+        fold_ok = fold_ok && b >= 1u && b <= 254u && top - b <= 20u;
+        // 2^(b - A + 14) in [2^-6, 2^14] when fold_ok: the multiplier of the e2m1 bit move.
+        qmul_s[grp * kHeadsP + tid] = __uint_as_float((min(b + 141u - top, 254u)) << 23);
+      }
+      const float wf = w_raw * __uint_as_float(min(top, 254u) << 23);
+      fold_ok = fold_ok && isfinite(wf) && (w_raw == 0.f || fabsf(wf) >= 1.17549435e-38f);
+    } else if (tid < kHeadsP) {
+      for (int grp = 0; grp < 4; ++grp) qmul_s[grp * kHeadsP + tid] = 0.f;
+    }
+  }
+  const bool fold = !kFp8 && __syncthreads_and(fold_ok);
+  if (tid < kHeadsP) {
+    w_s[tid] = fold ? w_raw * __uint_as_float(top << 23) : w_raw;  // padded heads: 0
+    if constexpr (!kFp8) {
+      for (int grp = 0; grp < 4; ++grp) {
+        qscale_s[grp * kHeadsP + tid] = has_head ? Ue8m0((qsb >> (8 * grp)) & 0xFFu) : 0.f;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kEntriesPer; ++i) {
+    const int e = i * kThreads + tid;
+    if (e < kEntries) {
+      uint4 v;
+      if constexpr (kFp8) {
+        E4M3x4BitMove(qw[i][0], v.x, v.y);  // q times 2^-8
+        E4M3x4BitMove(qw[i][1], v.z, v.w);
+      } else {
+        E2M1x8BitMove(qw[i][0], v.x, v.z, v.y, v.w);  // q times 2^-14
+        // Folded: times 2^(a_g - A + 14); else times 2^14: the value. Exact f16 products.
+        const int t = e / (kHeadsP * 4), head = (e / 4) % kHeadsP;
+        // In fp32 (the f16 subnormals widen to normal floats), then back: exact both ways.
+        const float m = fold ? qmul_s[t * kHeadsP + head] : 16384.f;
+        uint32_t* vv = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&vv[r]));
+          const __half2 x = __floats2half2_rn(f.x * m, f.y * m);
+          vv[r] = *reinterpret_cast<const uint32_t*>(&x);
+        }
+      }
+      q_s[e] = v;
+    }
+  }
+  __syncthreads();
+
+  // ---- Each warp: its own tiles of 16 positions, its own cp.async pipeline.
+  const int warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, c = lane & 3;
+  const int warp_first = warp * S::kTilesPerWarp * kTileKeys;  // within the chunk
+  const int warp_count = count - first - warp_first;           // positions left for this warp
+  if (warp_count <= 0) return;                                 // no block barrier follows
+  const int num_tiles = min(S::kTilesPerWarp, (warp_count + kTileKeys - 1) / kTileKeys);
+  uint8_t* warp_keys = key_s + warp * S::kStages * S::kStageBytes;
+  uint32_t* warp_kscale = kscale_s + warp * S::kStages * kTileKeys;
+
+  auto issue = [&](int tile) {
+    if (tile < num_tiles) {
+      const int st = tile % S::kStages;
+      uint8_t* dst = warp_keys + st * S::kStageBytes;
+      const int key0 = warp_first + tile * kTileKeys;
+#pragma unroll
+      for (int it = 0; it < S::kKeyChunks * kTileKeys / 32; ++it) {
+        const int idx = it * 32 + lane;
+        const int key = idx / S::kKeyChunks, ch = idx % S::kKeyChunks;
+        const uint64_t a = addr_s[key0 + key].x;
+        const uint8_t* src = a != 0 ? reinterpret_cast<const uint8_t*>(a) + ch * 16 : base;
+        CpAsync16(dst + StageOffset<kFp8>(key, ch), src, a != 0);
+      }
+      if (lane < kTileKeys) {
+        const uint64_t a = addr_s[key0 + lane].y;
+        const uint8_t* src = a != 0 ? reinterpret_cast<const uint8_t*>(a) : base;
+        CpAsync4(&warp_kscale[st * kTileKeys + lane], src, a != 0);
+      }
+    }
+    CpAsyncCommit();  // one group per call, empty or not: the wait counts stay uniform
+  };
+#pragma unroll
+  for (int st = 0; st < S::kStages - 1; ++st) issue(st);
+
+  uint4 qreg[S::kQInRegisters ? 4 : 1][S::kQInRegisters ? kNT : 1];
+  if constexpr (S::kQInRegisters) {
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) qreg[t][j] = q_s[(t * kHeadsP + 8 * j + g) * 4 + c];
+    }
+  }
+  (void)qreg;
+  auto bfrag = [&](int t, int j) -> uint4 {
+    if constexpr (S::kQInRegisters) {
+      return qreg[t][j];
+    } else {
+      return q_s[(t * kHeadsP + 8 * j + g) * 4 + c];
+    }
+  };
+  // ldmatrix: lane l addresses row l % 8 of matrix l / 8; matrices (keys 0-7, chunk ch0),
+  // (keys 8-15, ch0), (keys 0-7, ch0 + 1), (keys 8-15, ch0 + 1).
+  const int lm_key = (lane & 7) + 8 * ((lane >> 3) & 1);
+  const int lm_ch = lane >> 4;
+  float* out_row = logits + int64_t{row} * max_positions + first;
+
+  auto run_tiles = [&](auto fold_tag) {
+    constexpr bool kFold = decltype(fold_tag)::value;
+    (void)kFold;  // FP8 has no folding
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      CpAsyncWait<S::kStages - 2>();
+      __syncwarp();  // every lane's copies of this tile landed; all are done with the last one
+      issue(tile + S::kStages - 1);
+      const int st = tile % S::kStages;
+      const uint8_t* stage = warp_keys + st * S::kStageBytes;
+      const uint32_t sc0 = warp_kscale[st * kTileKeys + g];
+      const uint32_t sc1 = warp_kscale[st * kTileKeys + g + 8];
+
+      float s0 = 0.f, s1 = 0.f;  // this lane's head partial sums for keys g and g + 8
+      if constexpr (kFp8) {
+        float acc[kNT][4];
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          uint32_t r[4];
+          LdMatrixX4(r, stage + StageOffset<true>(lm_key, 2 * u + lm_ch));
+          uint32_t a0[4], a1[4];  // k-steps 2u and 2u + 1
+          E4M3x4BitMove(r[0], a0[0], a0[2]);
+          E4M3x4BitMove(r[1], a0[1], a0[3]);
+          E4M3x4BitMove(r[2], a1[0], a1[2]);
+          E4M3x4BitMove(r[3], a1[1], a1[3]);
+#pragma unroll
+          for (int j = 0; j < kNT; ++j) {
+            const uint4 b = bfrag(u, j);
+            MmaF16(acc[j], a0, b.x, b.y);
+            MmaF16(acc[j], a1, b.z, b.w);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float wv = w_s[8 * j + 2 * c + e];
+            s0 = fmaf(wv, fmaxf(acc[j][e], 0.f), s0);
+            s1 = fmaf(wv, fmaxf(acc[j][2 + e], 0.f), s1);
+          }
+        }
+      } else {
+        float tot[kNT][4];
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) tot[j][0] = tot[j][1] = tot[j][2] = tot[j][3] = 0.f;
+#pragma unroll
+        for (int pair = 0; pair < 2; ++pair) {
+          uint32_t r[4];  // words c of groups 2 pair (keys g, g + 8) and 2 pair + 1
+          LdMatrixX4(r, stage + StageOffset<false>(lm_key, 2 * pair + lm_ch));
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int grp = 2 * pair + half;
+            uint32_t x02, x46, x13, x57, y02, y46, y13, y57;
+            E2M1x8BitMove(r[2 * half], x02, x46, x13, x57);
+            E2M1x8BitMove(r[2 * half + 1], y02, y46, y13, y57);
+            const uint32_t a0[4] = {x02, y02, x13, y13};  // k-step 0 of the group
+            const uint32_t a1[4] = {x46, y46, x57, y57};  // k-step 1
+            const float ks0 = Ue8m0((sc0 >> (8 * grp)) & 0xFFu);
+            const float ks1 = Ue8m0((sc1 >> (8 * grp)) & 0xFFu);
+#pragma unroll
+            for (int j = 0; j < kNT; ++j) {
+              float acc[4] = {0.f, 0.f, 0.f, 0.f};
+              const uint4 b = bfrag(grp, j);
+              MmaF16(acc, a0, b.x, b.y);
+              MmaF16(acc, a1, b.z, b.w);
+              if constexpr (kFold) {
+                tot[j][0] = fmaf(acc[0], ks0, tot[j][0]);
+                tot[j][1] = fmaf(acc[1], ks0, tot[j][1]);
+                tot[j][2] = fmaf(acc[2], ks1, tot[j][2]);
+                tot[j][3] = fmaf(acc[3], ks1, tot[j][3]);
+              } else {
+                const float2 qs =
+                    *reinterpret_cast<const float2*>(&qscale_s[grp * kHeadsP + 8 * j + 2 * c]);
+                tot[j][0] = fmaf(acc[0], qs.x * ks0, tot[j][0]);
+                tot[j][1] = fmaf(acc[1], qs.y * ks0, tot[j][1]);
+                tot[j][2] = fmaf(acc[2], qs.x * ks1, tot[j][2]);
+                tot[j][3] = fmaf(acc[3], qs.y * ks1, tot[j][3]);
+              }
+            }
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float wv = w_s[8 * j + 2 * c + e];
+            s0 = fmaf(wv, fmaxf(tot[j][e], 0.f), s0);
+            s1 = fmaf(wv, fmaxf(tot[j][2 + e], 0.f), s1);
+          }
+        }
+      }
+      // The 4 lanes of a group hold disjoint heads: complete the head sum (fixed order).
+      s0 += __shfl_xor_sync(kFullMask, s0, 1);
+      s1 += __shfl_xor_sync(kFullMask, s1, 1);
+      s0 += __shfl_xor_sync(kFullMask, s0, 2);
+      s1 += __shfl_xor_sync(kFullMask, s1, 2);
+      if (c < 2) {
+        const int key = g + 8 * c;
+        const int i = warp_first + tile * kTileKeys + key;  // within the chunk
+        if (first + i < count) {
+          float v = c == 0 ? s0 : s1;
+          if constexpr (kFp8) {
+            // q and keys each carried 2^-8: 65536 * k_scale is exact.
+            v *= 65536.f * __uint_as_float(c == 0 ? sc0 : sc1);
+          } else {
+            v *= 16384.f;  // the keys carried 2^-14
+          }
+          out_row[i] = v;
+        }
+      }
+    }
+  };
+  if (fold) {
+    run_tiles(std::true_type{});
+  } else {
+    run_tiles(std::false_type{});
+  }
+  CpAsyncWait<0>();
+}
+
+template <bool kFp8, int kNT>
+absl::Status LaunchTyped(const CacheView& cache, const RowBatch& rows, const QView& q,
+                         const int32_t* positions, const int32_t* counts, int32_t max_positions,
+                         float* logits, cudaStream_t stream) {
+  using S = Shape<kFp8, kNT>;
+  auto kernel = SparseLogitsMmaKernel<kFp8, kNT>;
+  // The dynamic shared-memory opt-in is per device and per instantiation: once each.
+  struct PerDevice {
+    std::once_flag once;
+    cudaError_t err = cudaSuccess;
+  };
+  static PerDevice per_device[kMaxDevices];
+  int device = 0;
+  DI_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), "cudaGetDevice");
+  if (device >= kMaxDevices) return absl::UnimplementedError("more than 16 GPUs");
+  PerDevice& pd = per_device[device];
+  std::call_once(pd.once, [&] {
+    pd.err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes);
+  });
+  DI_CUDA_RETURN_IF_ERROR(pd.err, "sparse logits (mma): shared-memory opt-in");
+  const dim3 grid((max_positions + S::kChunk - 1) / S::kChunk, rows.num_rows);
+  kernel<<<grid, kThreads, S::kSmemBytes, stream>>>(cache, rows, q, positions, counts,
+                                                    max_positions, logits);
+  DI_CUDA_RETURN_IF_LAUNCH_ERROR("launch SparseLogitsMmaKernel");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool SparseLogitsMmaTakes(const CacheView& cache, const QView& q) {
+  const CacheGeometry& geo = cache.geometry;
+  // 16-byte copies of the codes, 4-byte copies of the scales (FP8 fp32 / FP4 4 x ue8m0).
+  return geo.head_dim == kDim && q.num_heads > 0 && q.num_heads <= kMaxHeads &&
+         reinterpret_cast<uintptr_t>(cache.base) % 16 == 0 && geo.page_bytes() % 16 == 0 &&
+         geo.value_bytes() % 16 == 0 && geo.scale_bytes() == 4 &&
+         reinterpret_cast<uintptr_t>(q.codes) % 4 == 0 && cache.num_pages <= INT32_MAX;
+}
+
+absl::Status LaunchSparseLogitsMma(const CacheView& cache, const RowBatch& rows, const QView& q,
+                                   const int32_t* positions, const int32_t* counts,
+                                   int32_t max_positions, float* logits, cudaStream_t stream) {
+  if (rows.num_rows <= 0 || max_positions <= 0) return absl::OkStatus();
+  if (!SparseLogitsMmaTakes(cache, q)) {
+    return absl::UnimplementedError(absl::StrCat("sparse logits (mma): ", q.num_heads,
+                                                 " heads, head dim ", cache.geometry.head_dim));
+  }
+  const bool fp8 = cache.geometry.format == CacheFormat::kFp8;
+  const bool narrow = q.num_heads <= 32;
+  if (fp8) {
+    return narrow ? LaunchTyped<true, 4>(cache, rows, q, positions, counts, max_positions, logits,
+                                         stream)
+                  : LaunchTyped<true, 8>(cache, rows, q, positions, counts, max_positions, logits,
+                                         stream);
+  }
+  return narrow ? LaunchTyped<false, 4>(cache, rows, q, positions, counts, max_positions, logits,
+                                        stream)
+                : LaunchTyped<false, 8>(cache, rows, q, positions, counts, max_positions, logits,
+                                        stream);
+}
+
+}  // namespace decode_indexer::kernels::cuda
