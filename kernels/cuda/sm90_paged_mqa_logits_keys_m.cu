@@ -28,6 +28,14 @@
 //   (a kernel boundary on the critical path of small steps) is not needed; split widening
 //   where a page serves one row per pass (next_n 1), cvt otherwise (measured, see below).
 // - kWgmmaKeysMBitMove: every k-step by the bit move (a measurement: one pipe alone).
+//
+// Threshold filter (optional, PagedLogitsArgs::row_histogram): the epilogue also counts the
+// logits at positions that are multiples of kTopKSampleStride into their row's TopKBucket
+// histogram: the radix top-k's sample, so the top-k need not read the row for it. Counts go to shared memory first (16-bit, two bins a
+// word, one 2048-bin histogram per row of a pass: 4 KB each, which leaves the blocks per SM
+// as they were) and are added to the global histogram when the block moves to another request
+// (or every kHistFlushTiles tiles, before a 16-bit count could overflow). Counts are
+// order-free, so the histogram is the same whatever the grid or the timing.
 #include <algorithm>
 #include <climits>
 #include <mutex>
@@ -37,6 +45,7 @@
 #include "kernels/cuda/sm90_launchers.h"
 #include "kernels/cuda/sm90_mqa_tiles.cuh"
 #include "kernels/cuda/sm90_tile_config.h"
+#include "kernels/cuda/sm90_topk_bucket.cuh"
 
 namespace decode_indexer::kernels::cuda {
 namespace {
@@ -51,6 +60,14 @@ constexpr int kHalfBytes = kHeads * 128;             // 64 dims of q: one swizzl
 constexpr int kOwnScheduleMaxRequests = 256;
 // The in-kernel schedule: first_row, num_rows, max_len [max requests], prefix [+1], scratch.
 constexpr int kOwnScheduleBytes = (4 * kOwnScheduleMaxRequests + 1 + 32) * 4;
+
+// Threshold-filter histogram in shared memory: [rows per pass][kTopKBins / 2] words.
+template <int kRowsPerPass>
+constexpr int HistBytes() {
+  return kRowsPerPass * kTopKBins * 2;
+}
+// At most 64 counts per bin per tile: flush before a 16-bit count could pass 65535.
+constexpr int kHistFlushTiles = 65535 / kMqaTileKeys;
 
 template <int kRowsPerPass, bool kOwnSchedule>
 constexpr int SmemBytes() {
@@ -139,6 +156,10 @@ __global__ void __launch_bounds__(kThreads, 4) PagedMqaLogitsKeysMKernel(const P
   uint8_t* stage_scales = q_tile + kRowsPerPass * kQBytes;  // [stages][64] fp32
   float* w_smem = reinterpret_cast<float*>(stage_scales + kKeysMStages * kScales);  // [rows][64]
   int32_t* own = reinterpret_cast<int32_t*>(w_smem + kRowsPerPass * kHeads);
+  // Only when p.row_histogram is set (the launch then adds HistBytes to the shared memory).
+  uint32_t* hist_smem =
+      reinterpret_cast<uint32_t*>(own + (kOwnSchedule ? kOwnScheduleBytes / 4 : 0));
+  const bool hist_on = p.row_histogram != nullptr;
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -229,6 +250,26 @@ __global__ void __launch_bounds__(kThreads, 4) PagedMqaLogitsKeysMKernel(const P
 #pragma unroll
   for (int s = 0; s < kKeysMStages - 1; ++s) issue();
 
+  // The request whose first kRowsPerPass rows hist_smem counts (-1: none yet).
+  int hist_request = -1, hist_first_row = 0, hist_rows = 0, hist_tiles = 0;
+  auto flush_hist = [&]() {
+    for (int s = 0; s < hist_rows; ++s) {
+      uint32_t* g = p.row_histogram + int64_t{hist_first_row + s} * kTopKBins;
+      uint32_t* h = hist_smem + s * (kTopKBins / 2);
+      for (int w = tid; w < kTopKBins / 2; w += kThreads) {
+        const uint32_t x = h[w];
+        if (x != 0u) {
+          if ((x & 0xFFFFu) != 0u) atomicAdd(&g[2 * w], x & 0xFFFFu);
+          if ((x >> 16) != 0u) atomicAdd(&g[2 * w + 1], x >> 16);
+          h[w] = 0u;
+        }
+      }
+    }
+  };
+  if (hist_on) {
+    for (int w = tid; w < kRowsPerPass * kTopKBins / 2; w += kThreads) hist_smem[w] = 0u;
+  }
+
   int loaded_request = -1, loaded_pass = -1;
   ScheduleCursor<kOwnSchedule> cur;
   cur.Seek(prefix, num_requests, begin);
@@ -241,6 +282,17 @@ __global__ void __launch_bounds__(kThreads, 4) PagedMqaLogitsKeysMKernel(const P
     const int base_pos = (cur.tile - Ld<kOwnSchedule>(&prefix[b])) * kMqaTileKeys;
     const int first_row = Ld<kOwnSchedule>(&req_first_row[b]);
     const int nrows = Ld<kOwnSchedule>(&req_num_rows[b]);
+    if (hist_on) {  // block-uniform
+      if (b != hist_request || hist_tiles == kHistFlushTiles) {
+        flush_hist();  // the loop's barrier above ordered the last tile's counts before this
+        __syncthreads();
+        hist_request = b;
+        hist_first_row = first_row;
+        hist_rows = min(nrows, kRowsPerPass);
+        hist_tiles = 0;
+      }
+      ++hist_tiles;
+    }
     const int st = i % kKeysMStages;
     const uint8_t* kv = stage_values + st * kValues;
     const float* ksc = reinterpret_cast<const float*>(stage_scales + st * kScales);
@@ -353,7 +405,17 @@ __global__ void __launch_bounds__(kThreads, 4) PagedMqaLogitsKeysMKernel(const P
           const int key = key0 + 8 * c;
           const int pos = base_pos + key;
           if (pos < __ldg(&p.rows.row_length[row])) {
-            p.logits[int64_t{row} * p.logits_stride + pos] = c == 0 ? s0 * ks0 : s1 * ks1;
+            const float logit = c == 0 ? s0 * ks0 : s1 * ks1;
+            p.logits[int64_t{row} * p.logits_stride + pos] = logit;
+            if (hist_on && pos % kTopKSampleStride == 0) {  // lane 0 of each warp
+              const uint32_t bucket = TopKBucket(TopKOrderedKey(logit));
+              if (rin < kRowsPerPass) {
+                atomicAdd(&hist_smem[rin * (kTopKBins / 2) + (bucket >> 1)],
+                          1u << (16 * (bucket & 1u)));
+              } else {  // rows past the first pass of a request: straight to global memory
+                atomicAdd(&p.row_histogram[int64_t{row} * kTopKBins + bucket], 1u);
+              }
+            }
           }
         }
       }
@@ -361,17 +423,23 @@ __global__ void __launch_bounds__(kThreads, 4) PagedMqaLogitsKeysMKernel(const P
     if (i + 1 < num_tiles) cur.Next(prefix);
   }
   CpAsyncWait<0>();
+  if (hist_on) {
+    __syncthreads();  // every warp's last counts are in
+    flush_hist();
+  }
 }
 
 template <int kRowsPerPass, int kWiden, bool kOwnSchedule>
 absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
   auto kernel = PagedMqaLogitsKeysMKernel<kRowsPerPass, kWiden, kOwnSchedule>;
   constexpr int kSmem = SmemBytes<kRowsPerPass, kOwnSchedule>();
+  constexpr int kSmemHist = kSmem + HistBytes<kRowsPerPass>();
   // The shared-memory opt-in and the occupancy are per device and per instantiation: set
-  // them once for each device a rank uses.
+  // them once for each device a rank uses (occupancy with and without the histogram).
   struct PerDevice {
     std::once_flag once;
     int blocks_per_sm = 0;
+    int blocks_per_sm_hist = 0;
     cudaError_t err = cudaSuccess;
   };
   static PerDevice per_device[kMaxDevices];
@@ -380,16 +448,21 @@ absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t 
   if (device >= kMaxDevices) return absl::UnimplementedError("more than 16 GPUs");
   PerDevice& pd = per_device[device];
   std::call_once(pd.once, [&] {
-    pd.err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    pd.err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemHist);
     if (pd.err == cudaSuccess) {
       pd.err =
           cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pd.blocks_per_sm, kernel, kThreads, kSmem);
     }
+    if (pd.err == cudaSuccess) {
+      pd.err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pd.blocks_per_sm_hist, kernel,
+                                                             kThreads, kSmemHist);
+    }
   });
   DI_CUDA_RETURN_IF_ERROR(pd.err, "paged mqa logits (keys as M): attributes / occupancy");
-  const int blocks_per_sm = pd.blocks_per_sm;
+  const bool hist = args.row_histogram != nullptr;
+  const int blocks_per_sm = hist ? pd.blocks_per_sm_hist : pd.blocks_per_sm;
   const int grid = std::max(1, num_sms * std::max(1, blocks_per_sm));
-  kernel<<<grid, kThreads, kSmem, stream>>>(args);
+  kernel<<<grid, kThreads, hist ? kSmemHist : kSmem, stream>>>(args);
   DI_CUDA_RETURN_IF_LAUNCH_ERROR("launch PagedMqaLogitsKeysMKernel");
   return absl::OkStatus();
 }
@@ -409,6 +482,15 @@ absl::Status LaunchVariant(const PagedLogitsArgs& args, int num_sms, cudaStream_
 }
 
 }  // namespace
+
+bool PagedLogitsFillsHistogram(const PagedLogitsArgs& args) {
+  const CacheGeometry& geo = args.cache.geometry;
+  const bool keys_m_math =
+      args.math == MqaMath::kWgmmaKeysM || args.math == MqaMath::kWgmmaKeysMSplit ||
+      args.math == MqaMath::kWgmmaKeysMFused || args.math == MqaMath::kWgmmaKeysMBitMove;
+  return keys_m_math && geo.format == CacheFormat::kFp8 && args.q.num_heads == 64 &&
+         geo.page_size == kMqaTileKeys && geo.head_dim == kMqaHeadDim;
+}
 
 bool KeysMComputesOwnSchedule(const PagedLogitsArgs& args) {
   return args.math == MqaMath::kWgmmaKeysMFused &&
