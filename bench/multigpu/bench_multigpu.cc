@@ -3,7 +3,11 @@
 // planning, uploads, the kernels on every rank, the all-gather and the answer's copy back.
 //
 //   v32 dense: requests x context x next_n, step time, steps/s, the collectives' share.
-//   v41: one round of the candidate source and four consumers, overlap on vs off.
+//   v41: one round of the candidate source and four consumers, overlap on vs off; then the
+//   expansion alone (CUDA builds: the expansion kernel timed with events on an otherwise idle
+//   stream, over the source's real candidates) and the share of it the overlap hides:
+//   (round us overlap off - round us overlap on) / expansion us.
+//   Both: CUDA graphs on vs off (--graphs), page-locked staging on vs off (--pinned).
 //
 // Keys and q are pre-quantized random codes (FP8 e4m3 / FP4 e2m1, never NaN), appended once
 // per executor; the timed steps carry no new keys and score explicit causal row lengths, so
@@ -11,7 +15,7 @@
 //
 // Usage: decode-indexer-bench-multigpu [--backend cuda|cpu] [--ranks 1,2] [--requests 64,128]
 //        [--contexts 32768,65536] [--next-n 1,2] [--steps 20] [--v41-requests 64]
-//        [--v41-context 32768] [--skip-v32] [--skip-v41]
+//        [--v41-context 32768] [--skip-v32] [--skip-v41] [--graphs on,off] [--pinned on]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -21,6 +25,14 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#ifdef DI_BENCH_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/sm90_launchers.h"
+#endif
+#include <map>
+#include <tuple>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
@@ -49,7 +61,18 @@ struct Args {
   int v41_context = 32768;
   bool v32 = true;
   bool v41 = true;
+  std::vector<bool> graphs = {true, false};
+  std::vector<bool> pinned = {true};
 };
+
+std::vector<bool> OnOffList(const char* s) {
+  std::vector<bool> out;
+  for (absl::string_view part : absl::StrSplit(s, ',')) {
+    if (part == "on") out.push_back(true);
+    if (part == "off") out.push_back(false);
+  }
+  return out;
+}
 
 std::vector<int> IntList(const char* s) {
   std::vector<int> out;
@@ -91,6 +114,10 @@ Args Parse(int argc, char** argv) {
       a.v32 = false;
     else if (f == "--skip-v41")
       a.v41 = false;
+    else if (f == "--graphs")
+      a.graphs = OnOffList(next());
+    else if (f == "--pinned")
+      a.pinned = OnOffList(next());
     else {
       std::fprintf(stderr, "unknown flag %s (see the source's header)\n", f.c_str());
       std::exit(2);
@@ -203,6 +230,7 @@ struct Timing {
   double step_us = 0;        // mean executor compute time per step
   double collective_us = 0;  // of which the collectives
   double score_us = 0;       // of which the slowest rank's own work, before the collectives
+  double replays = 0;        // graph replays per step, summed over the ranks
   bool sharded = false;
   bool ok = false;
 };
@@ -236,6 +264,7 @@ Timing TimeSteps(Executor& e, const std::vector<di::exec::StepInput>& round, int
   }
   const di::exec::ExecutorStatus after = e.Status();
   t.step_us = (after.compute_us_total - before.compute_us_total) / steps;
+  t.replays = double(after.graph_replays - before.graph_replays) / (steps * round.size());
   t.collective_us = (after.collective_us_total - before.collective_us_total) / steps;
   t.score_us /= steps;
   t.ok = true;
@@ -243,7 +272,8 @@ Timing TimeSteps(Executor& e, const std::vector<di::exec::StepInput>& round, int
 }
 
 std::unique_ptr<Executor> MakeExecutor(const di::config::Profile& p, const Args& a, int ranks,
-                                       int requests, int64_t pages, bool overlap) {
+                                       int requests, int64_t pages, bool overlap, bool graphs,
+                                       bool pinned) {
   ExecutorOptions o;
   o.backend = a.backend;
   o.ranks = ranks;
@@ -252,6 +282,8 @@ std::unique_ptr<Executor> MakeExecutor(const di::config::Profile& p, const Args&
   o.max_requests_per_step = requests;
   o.row_shard_min_requests = 2;
   o.candidate_overlap = overlap;
+  o.cuda_graphs = graphs;
+  o.pinned_staging = pinned;
   absl::StatusOr<std::unique_ptr<Executor>> e = Executor::Create(p, o);
   if (!e.ok()) {
     std::fprintf(stderr, "executor: %s\n", e.status().ToString().c_str());
@@ -274,32 +306,102 @@ void BenchV32(const Args& a) {
   std::printf("\n## v32 dense layer (H %d, D %d, K %d, FP8), %s backend\n\n", p.num_heads,
               p.head_dim, p.topk, a.backend.c_str());
   std::printf(
-      "| ranks | requests | context | next_n | rows | sharded | step us | steps/s | "
-      "collective us | collective share | slowest rank's scoring us |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "| ranks | graphs | pinned | requests | context | next_n | rows | sharded | step us | "
+      "steps/s | collective us | collective share | slowest rank's scoring us | replays/step "
+      "|\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (int ranks : a.ranks) {
-    std::unique_ptr<Executor> e = MakeExecutor(p, a, ranks, max_req, pages, true);
-    if (e == nullptr) continue;
-    const auto t0 = std::chrono::steady_clock::now();
-    if (!Prefill(*e, p, 0, max_req, max_ctx, d)) continue;
-    std::fprintf(stderr, "ranks %d: prefill of %d x %d keys took %.2f s\n", ranks, max_req, max_ctx,
-                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    for (int req : a.requests) {
-      for (int ctx : a.contexts) {
-        for (int n : a.next_n) {
-          const Timing t =
-              TimeSteps(*e, {MakeStep(0, req, n, ctx, d, false, 1)}, a.warmup, a.steps);
-          if (!t.ok) continue;
-          std::printf("| %d | %d | %d | %d | %d | %s | %.1f | %.0f | %.1f | %.1f%% | %.1f |\n",
-                      ranks, req, ctx, n, req * n, t.sharded ? "yes" : "no", t.step_us,
-                      1e6 / t.step_us, t.collective_us, 100.0 * t.collective_us / t.step_us,
-                      t.score_us);
-          std::fflush(stdout);
+    for (bool graphs : a.graphs) {
+      for (bool pinned : a.pinned) {
+        std::unique_ptr<Executor> e =
+            MakeExecutor(p, a, ranks, max_req, pages, true, graphs, pinned);
+        if (e == nullptr) continue;
+        const auto t0 = std::chrono::steady_clock::now();
+        if (!Prefill(*e, p, 0, max_req, max_ctx, d)) continue;
+        std::fprintf(stderr, "ranks %d: prefill of %d x %d keys took %.2f s\n", ranks, max_req,
+                     max_ctx,
+                     std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        for (int req : a.requests) {
+          for (int ctx : a.contexts) {
+            for (int n : a.next_n) {
+              const Timing t =
+                  TimeSteps(*e, {MakeStep(0, req, n, ctx, d, false, 1)}, a.warmup, a.steps);
+              if (!t.ok) continue;
+              std::printf(
+                  "| %d | %s | %s | %d | %d | %d | %d | %s | %.1f | %.0f | %.1f | %.1f%% | %.1f | "
+                  "%.2f |\n",
+                  ranks, graphs ? "on" : "off", pinned ? "on" : "off", req, ctx, n, req * n,
+                  t.sharded ? "yes" : "no", t.step_us, 1e6 / t.step_us, t.collective_us,
+                  100.0 * t.collective_us / t.step_us, t.score_us, t.replays);
+              std::fflush(stdout);
+            }
+          }
         }
       }
     }
   }
 }
+
+#ifdef DI_BENCH_CUDA
+// The expansion alone: the candidates of `rows` rows expanded into positions, timed with
+// events around `iters` back-to-back launches on an otherwise idle stream of device 0.
+double TimeExpansionUs(const std::vector<int32_t>& candidates, const std::vector<int32_t>& lengths,
+                       int32_t num_blocks, int32_t block_size) {
+  const int32_t rows = static_cast<int32_t>(lengths.size());
+  const int32_t max_positions = num_blocks * block_size;
+  auto check = [](cudaError_t e, const char* what) {
+    if (e != cudaSuccess)
+      std::fprintf(stderr, "expansion timing: %s: %s\n", what, cudaGetErrorString(e));
+    return e == cudaSuccess;
+  };
+  int32_t *cand = nullptr, *len = nullptr, *pos = nullptr, *cnt = nullptr;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  double us = -1;
+  if (check(cudaSetDevice(0), "set device") &&
+      check(cudaMalloc(&cand, sizeof(int32_t) * candidates.size()), "malloc") &&
+      check(cudaMalloc(&len, sizeof(int32_t) * rows), "malloc") &&
+      check(cudaMalloc(&pos, sizeof(int32_t) * int64_t(rows) * max_positions), "malloc") &&
+      check(cudaMalloc(&cnt, sizeof(int32_t) * rows), "malloc") &&
+      check(cudaMemcpy(cand, candidates.data(), sizeof(int32_t) * candidates.size(),
+                       cudaMemcpyHostToDevice),
+            "copy") &&
+      check(cudaMemcpy(len, lengths.data(), sizeof(int32_t) * rows, cudaMemcpyHostToDevice),
+            "copy") &&
+      check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream") &&
+      check(cudaEventCreate(&start), "event") && check(cudaEventCreate(&stop), "event")) {
+    di::kernels::ExpandArgs args;
+    args.num_rows = rows;
+    args.candidates = cand;
+    args.row_length = len;
+    args.num_candidate_blocks = num_blocks;
+    args.candidate_block_size = block_size;
+    args.out.positions = pos;
+    args.out.counts = cnt;
+    args.out.max_positions = max_positions;
+    const int iters = 50;
+    bool ok = true;
+    for (int i = 0; i < 5 && ok; ++i)
+      ok = di::kernels::cuda::LaunchExpandCandidates(args, stream).ok();
+    ok = ok && check(cudaStreamSynchronize(stream), "warm-up");
+    ok = ok && check(cudaEventRecord(start, stream), "record");
+    for (int i = 0; i < iters && ok; ++i) {
+      ok = di::kernels::cuda::LaunchExpandCandidates(args, stream).ok();
+    }
+    ok = ok && check(cudaEventRecord(stop, stream), "record") &&
+         check(cudaEventSynchronize(stop), "sync");
+    float ms = 0;
+    if (ok && check(cudaEventElapsedTime(&ms, start, stop), "elapsed")) us = 1000.0 * ms / iters;
+  }
+  if (start) cudaEventDestroy(start);
+  if (stop) cudaEventDestroy(stop);
+  if (stream) cudaStreamDestroy(stream);
+  for (int32_t* p : {cand, len, pos, cnt}) {
+    if (p) cudaFree(p);
+  }
+  return us;
+}
+#endif
 
 void BenchV41(const Args& a) {
   di::config::Profile p = *di::config::BuiltinProfile("v41");
@@ -319,31 +421,77 @@ void BenchV41(const Args& a) {
       p.num_heads, p.head_dim, p.topk, p.num_candidate_blocks, p.candidate_block_size, req, ctx,
       a.backend.c_str());
   std::printf(
-      "| ranks | next_n | overlap | source us | consumer us (mean of 4) | round us | "
-      "rounds/s | collective us |\n");
-  std::printf("|---|---|---|---|---|---|---|---|\n");
+      "| ranks | graphs | next_n | overlap | source us | consumer us (mean of 4) | round us | "
+      "rounds/s | collective us | replays/step |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  // (ranks, graphs, next_n, overlap) -> round us; next_n -> the source's candidates.
+  std::map<std::tuple<int, bool, int, bool>, double> round_us;
+  std::map<int, std::vector<int32_t>> candidates;
   for (int ranks : a.ranks) {
-    for (bool overlap : {true, false}) {
-      std::unique_ptr<Executor> e = MakeExecutor(p, a, ranks, req, pages, overlap);
-      if (e == nullptr) continue;
-      if (!Prefill(*e, p, 0, req, ctx, d)) continue;
-      for (int n : a.next_n) {
-        std::vector<di::exec::StepInput> round;
-        for (int layer = 0; layer < 5; ++layer) {
-          round.push_back(MakeStep(layer, req, n, ctx, d, true, layer));
+    for (bool graphs : a.graphs) {
+      for (bool overlap : {true, false}) {
+        std::unique_ptr<Executor> e = MakeExecutor(p, a, ranks, req, pages, overlap, graphs, true);
+        if (e == nullptr) continue;
+        if (!Prefill(*e, p, 0, req, ctx, d)) continue;
+        for (int n : a.next_n) {
+          std::vector<di::exec::StepInput> round;
+          for (int layer = 0; layer < 5; ++layer) {
+            round.push_back(MakeStep(layer, req, n, ctx, d, true, layer));
+          }
+          round[0].return_candidates = false;
+          // The source alone, then the whole round: the consumers' mean is the difference.
+          const Timing src = TimeSteps(*e, {round[0]}, a.warmup, a.steps);
+          const Timing all = TimeSteps(*e, round, a.warmup, a.steps);
+          if (!src.ok || !all.ok) continue;
+          std::printf("| %d | %s | %d | %s | %.1f | %.1f | %.1f | %.0f | %.1f | %.2f |\n", ranks,
+                      graphs ? "on" : "off", n, overlap ? "on" : "off", src.step_us,
+                      (all.step_us - src.step_us) / 4, all.step_us, 1e6 / all.step_us,
+                      all.collective_us, all.replays);
+          std::fflush(stdout);
+          round_us[{ranks, graphs, n, overlap}] = all.step_us;
+          if (candidates.count(n) == 0) {
+            di::exec::StepInput s = round[0];
+            s.return_candidates = true;
+            absl::StatusOr<di::exec::StepResult> r = e->DecodeStep(s);
+            if (r.ok()) candidates[n] = r->candidate_blocks;
+          }
         }
-        round[0].return_candidates = false;
-        // The source alone, then the whole round: the consumers' mean is the difference.
-        const Timing src = TimeSteps(*e, {round[0]}, a.warmup, a.steps);
-        const Timing all = TimeSteps(*e, round, a.warmup, a.steps);
-        if (!src.ok || !all.ok) continue;
-        std::printf("| %d | %d | %s | %.1f | %.1f | %.1f | %.0f | %.1f |\n", ranks, n,
-                    overlap ? "on" : "off", src.step_us, (all.step_us - src.step_us) / 4,
-                    all.step_us, 1e6 / all.step_us, all.collective_us);
-        std::fflush(stdout);
       }
     }
   }
+#ifdef DI_BENCH_CUDA
+  if (a.backend != "cuda") return;
+  std::printf(
+      "\n### v41 expansion alone and the share the overlap hides\n\nexpansion us: the "
+      "expansion kernel of all %d x next_n rows (%d x %d candidate blocks), events around 50 "
+      "launches on an idle stream of GPU 0; hidden share = (round us overlap off - round us "
+      "overlap on) / expansion us (over 100%%: overlap off also pays the consumer's candidate "
+      "gather and a kernel boundary)\n\n",
+      req, p.num_candidate_blocks, p.candidate_block_size);
+  std::printf(
+      "| ranks | graphs | next_n | expansion us | round us off | round us on | hidden share |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
+  for (const auto& [n, cand] : candidates) {
+    std::vector<int32_t> lengths;
+    for (int i = 0; i < req; ++i) {
+      for (int j = 0; j < n; ++j) lengths.push_back(ctx - n + 1 + j);
+    }
+    if (cand.size() != lengths.size() * size_t(p.num_candidate_blocks)) continue;
+    const double exp_us =
+        TimeExpansionUs(cand, lengths, p.num_candidate_blocks, p.candidate_block_size);
+    for (int ranks : a.ranks) {
+      for (bool graphs : a.graphs) {
+        auto off = round_us.find({ranks, graphs, n, false});
+        auto on = round_us.find({ranks, graphs, n, true});
+        if (off == round_us.end() || on == round_us.end()) continue;
+        std::printf("| %d | %s | %d | %.1f | %.1f | %.1f | %.0f%% |\n", ranks,
+                    graphs ? "on" : "off", n, exp_us, off->second, on->second,
+                    100.0 * (off->second - on->second) / exp_us);
+      }
+    }
+  }
+  std::fflush(stdout);
+#endif
 }
 
 }  // namespace

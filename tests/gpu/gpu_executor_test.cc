@@ -138,5 +138,116 @@ TEST(GpuExecutorTest, CudaBackendAnswersAsTheCpuBackend) {
   }
 }
 
+// CUDA graphs (seed: warm): an executor with graphs on answers bit for bit as one with graphs
+// off, over steps that repeat their shapes (eager at a shape's first sighting, captured at
+// its second, replayed after). Covered: unquantized q (rope_quant_q inside the graph) and
+// pre-quantized q; a v32 dense profile and a v41-like source + four consumers (sparse, and the
+// masked fallback whose expansion runs inside the graph); a longest row that moves inside one
+// length bucket (4091 .. 4095) and then into the next (4097 ..). The replay counter must grow,
+// so the test fails if graphs silently never replay.
+config::Profile GraphV32() {
+  config::Profile p = *config::BuiltinProfile("v32");
+  p.max_context = 16384;
+  p.layers.resize(2);
+  return p;
+}
+
+config::Profile GraphV41() {
+  config::Profile p = *config::BuiltinProfile("v41");
+  p.max_context = 16384;
+  p.num_candidate_blocks = 256;
+  p.layers.resize(6);
+  p.layers[0] = {0, LayerRole::kDense, 0, kernels::CacheFormat::kFp4};
+  p.layers[1] = {1, LayerRole::kCandidateSource, 1, kernels::CacheFormat::kFp4};
+  for (int32_t i = 2; i < 6; ++i) {
+    p.layers[i] = {i, LayerRole::kCandidateConsumer, 1, kernels::CacheFormat::kFp4};
+  }
+  return p;
+}
+
+TEST(GpuExecutorTest, GraphReplaysAnswerAsEagerStepsBitForBit) {
+  if (!kernels::CudaBackendAvailable()) {
+    GTEST_SKIP() << "no CUDA GPU visible: the CUDA graph test is skipped here";
+  }
+  struct Variant {
+    const char* name;
+    config::Profile profile;
+    bool masked;
+  };
+  for (const Variant& v : {Variant{"v32", GraphV32(), false}, Variant{"v41", GraphV41(), false},
+                           Variant{"v41 masked", GraphV41(), true}}) {
+    SCOPED_TRACE(v.name);
+    const uint64_t seed = FreshSeed();
+    SCOPED_TRACE(absl::StrCat("seed ", seed));
+    Harness h(v.profile, seed);
+    ExecutorOptions o;
+    o.backend = "cuda";
+    o.ranks = 1;
+    o.cache_pages = 2048;
+    o.max_requests_per_step = 8;
+    o.max_sequences = 16;
+    o.masked_consumer = v.masked;
+    o.cuda_graphs = true;
+    auto on = Executor::Create(v.profile, o);
+    o.cuda_graphs = false;
+    auto off = Executor::Create(v.profile, o);
+    ASSERT_TRUE(on.ok() && off.ok()) << on.status() << " / " << off.status();
+
+    // Sequence 0 starts 7 below the 4096 bucket edge and grows 2 a round: its rows' longest
+    // length is 4091, 4093, 4095 (one bucket), then 4097 and on (the next). The others stay
+    // longer than K (a real top-k) and inside the first bucket.
+    const std::vector<uint64_t> ids = {21, 22, 23, 24};
+    for (size_t i = 0; i < ids.size(); ++i) {
+      ASSERT_TRUE((*on)->CreateSequence(ids[i]).ok());
+      ASSERT_TRUE((*off)->CreateSequence(ids[i]).ok());
+      for (int32_t layer : v.profile.CacheLayers()) {
+        const int32_t count = i == 0 ? 4089 : 2600 + static_cast<int32_t>(h.rng()() % 1400);
+        std::vector<uint8_t> keys, scales;
+        exec::KeysInput in;
+        h.RandomKeys(layer, count, KeyForm::kF32, &keys, &scales, &in.type);
+        in.count = count;
+        in.keys = keys.data();
+        in.scales = scales.empty() ? nullptr : scales.data();
+        auto a = (*on)->AppendKeys(ids[i], layer, in);
+        auto b = (*off)->AppendKeys(ids[i], layer, in);
+        ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " / " << b.status();
+      }
+    }
+    const int32_t rounds = 8;
+    for (int32_t round = 0; round < rounds; ++round) {
+      for (const config::LayerSpec& l : v.profile.layers) {
+        SCOPED_TRACE(absl::StrCat("round ", round, " layer ", l.layer));
+        const bool consumer = l.role == LayerRole::kCandidateConsumer;
+        std::vector<SeqPlan> plan;
+        for (uint64_t id : ids) plan.push_back({id, 2, consumer ? 0 : 2, {}});
+        // Even layers send fp32 q (rope_quant_q in the graph), odd ones pre-quantized q.
+        const QForm form = l.layer % 2 == 0 ? QForm::kF32 : QForm::kQuantized;
+        std::unique_ptr<StepData> step = h.MakeStep(l.layer, plan, form, KeyForm::kF32);
+        step->input.return_candidates = l.role == LayerRole::kCandidateSource;
+        auto a = (*on)->DecodeStep(step->input);
+        auto b = (*off)->DecodeStep(step->input);
+        ASSERT_TRUE(a.ok()) << a.status();
+        ASSERT_TRUE(b.ok()) << b.status();
+        EXPECT_EQ(a->lengths, b->lengths);
+        EXPECT_TRUE(a->topk_indices == b->topk_indices) << "top-k differs with graphs on";
+        EXPECT_TRUE(a->candidate_blocks == b->candidate_blocks) << "candidates differ";
+        // A real answer: more positions than the trivial 0..L-1 of a short row would give.
+        EXPECT_GT(std::count_if(a->topk_indices.begin(), a->topk_indices.end(),
+                                [](int32_t x) { return x >= 0; }),
+                  int64_t{a->topk} * 4);
+      }
+    }
+    const exec::ExecutorStatus st_on = (*on)->Status();
+    const exec::ExecutorStatus st_off = (*off)->Status();
+    // Every layer's shape is seen `rounds` times (the four consumers share one shape), with at
+    // most one bucket change: at most two eager and two capturing sightings per shape.
+    EXPECT_GT(st_on.graph_captures, 0u);
+    EXPECT_GE(st_on.graph_replays, uint64_t{4} * v.profile.layers.size());
+    EXPECT_EQ(st_off.graph_captures, 0u);
+    EXPECT_EQ(st_off.graph_replays, 0u);
+    EXPECT_TRUE(st_on.healthy) << st_on.health_detail;
+  }
+}
+
 }  // namespace
 }  // namespace decode_indexer::testing

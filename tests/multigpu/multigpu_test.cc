@@ -5,15 +5,24 @@
 // fails a sharded step with INTERNAL on every rank and leaves the executor usable (a CPU
 // failure is an ordinary step failure); an injected hang (a rank that never joins the
 // all-gather) is ended by the collective timeout with INTERNAL on every rank and turns the
-// executor unhealthy.
+// executor unhealthy. CUDA graphs' plumbing: a recording CPU backend with graph semantics
+// (arguments baked in at capture, replayed later) answers as the plain CPU backend at 1 and 2
+// ranks; the length buckets that key the graphs are bounds, few and stable.
 //
 // CUDA (two GPUs and NCCL, else skipped visibly): the same executor with backend cuda at
 // --ranks 2 (NCCL) against --ranks 1, bit-identical on a v32 and a v41-like profile (dense,
 // candidate source and four consumers), overlap on and off alike; fault injection (error and
-// hang) on one rank: INTERNAL on every rank, no hang, unhealthy, later calls UNAVAILABLE.
+// hang) on one rank: INTERNAL on every rank, no hang, unhealthy, later calls UNAVAILABLE;
+// --ranks 2 with CUDA graphs replaying bit-identical to --ranks 1 eager.
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
+#include <random>
+#include <set>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -22,6 +31,7 @@
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
 #include "server/exec/executor_internal.h"
+#include "server/exec/rank.h"
 #include "tests/server/exec_harness.h"
 
 namespace decode_indexer::testing {
@@ -38,6 +48,7 @@ struct Script {
   std::vector<int32_t> next_ns = {1, 2};
   int32_t min_length = 1;  // prefill lengths per cache layer, uniform in [min, max]
   int32_t max_length = 100;
+  int32_t rounds = 1;  // passes through the layers per next_n (shapes repeat: graphs replay)
 };
 
 struct RunResult {
@@ -45,6 +56,8 @@ struct RunResult {
   int32_t steps = 0;
   int32_t sharded = 0;
   int64_t answered = 0;  // answer entries that are positions (not -1 padding)
+  uint64_t graph_captures = 0;
+  uint64_t graph_replays = 0;
 };
 
 void AppendRandom(Harness& h, Executor& e, uint64_t id, int32_t layer, int32_t count) {
@@ -62,12 +75,8 @@ void AppendRandom(Harness& h, Executor& e, uint64_t id, int32_t layer, int32_t c
 // Prefill, then for each next_n one step through every layer with every request (uniform,
 // so the gate shards it where the world size divides the request count). Everything random
 // comes from the seed, so runs with the same seed send the same calls.
-RunResult RunScript(const Script& s, const ExecutorOptions& options, uint64_t seed) {
+RunResult RunScript(const Script& s, Executor& e, uint64_t seed) {
   RunResult out;
-  absl::StatusOr<std::unique_ptr<Executor>> made = Executor::Create(s.profile, options);
-  EXPECT_TRUE(made.ok()) << made.status();
-  if (!made.ok()) return out;
-  Executor& e = **made;
   Harness h(s.profile, seed);
   std::mt19937_64& rng = h.rng();
   std::vector<uint64_t> ids;
@@ -83,27 +92,38 @@ RunResult RunScript(const Script& s, const ExecutorOptions& options, uint64_t se
   for (int32_t n : s.next_ns) {
     std::vector<SeqPlan> plans;
     for (uint64_t id : ids) plans.push_back({id, n, n, {}});
-    for (const config::LayerSpec& l : s.profile.layers) {
-      std::vector<SeqPlan> step_plans = plans;
-      if (l.role == LayerRole::kCandidateConsumer) {
-        for (SeqPlan& p : step_plans) p.new_keys = 0;
+    for (int32_t round = 0; round < s.rounds; ++round) {
+      for (const config::LayerSpec& l : s.profile.layers) {
+        std::vector<SeqPlan> step_plans = plans;
+        if (l.role == LayerRole::kCandidateConsumer) {
+          for (SeqPlan& p : step_plans) p.new_keys = 0;
+        }
+        std::unique_ptr<StepData> step = h.MakeStep(l.layer, step_plans);
+        step->input.return_candidates = l.role == LayerRole::kCandidateSource;
+        SCOPED_TRACE(absl::StrCat("next_n ", n, " round ", round, " layer ", l.layer));
+        absl::StatusOr<StepResult> r = e.DecodeStep(step->input);
+        EXPECT_TRUE(r.ok()) << r.status();
+        if (!r.ok()) return out;
+        h.RecordStep(*step);
+        ++out.steps;
+        out.sharded += r->sharded;
+        for (int32_t v : r->topk_indices) out.answered += v >= 0;
+        out.answers.push_back(r->topk_indices);
+        if (l.role == LayerRole::kCandidateSource) out.answers.push_back(r->candidate_blocks);
       }
-      std::unique_ptr<StepData> step = h.MakeStep(l.layer, step_plans);
-      step->input.return_candidates = l.role == LayerRole::kCandidateSource;
-      SCOPED_TRACE(absl::StrCat("next_n ", n, " layer ", l.layer));
-      absl::StatusOr<StepResult> r = e.DecodeStep(step->input);
-      EXPECT_TRUE(r.ok()) << r.status();
-      if (!r.ok()) return out;
-      h.RecordStep(*step);
-      ++out.steps;
-      out.sharded += r->sharded;
-      for (int32_t v : r->topk_indices) out.answered += v >= 0;
-      out.answers.push_back(r->topk_indices);
-      if (l.role == LayerRole::kCandidateSource) out.answers.push_back(r->candidate_blocks);
     }
   }
   EXPECT_TRUE(e.Status().healthy);
+  out.graph_captures = e.Status().graph_captures;
+  out.graph_replays = e.Status().graph_replays;
   return out;
+}
+
+RunResult RunScript(const Script& s, const ExecutorOptions& options, uint64_t seed) {
+  absl::StatusOr<std::unique_ptr<Executor>> made = Executor::Create(s.profile, options);
+  EXPECT_TRUE(made.ok()) << made.status();
+  if (!made.ok()) return RunResult{};
+  return RunScript(s, **made, seed);
 }
 
 // Runs `s` at every rank count and expects the answers of the first, and sharding elsewhere.
@@ -135,6 +155,199 @@ TEST(MultiRankCpu, RanksOneTwoFourEightAreBitIdentical) {
     Script s{p, 16, {1, 2}, 1, 3 * p.topk};
     ExpectRanksAgree(s, CpuOptions(1), {1, 2, 4, 8}, seed);
   }
+}
+
+// A CPU backend with graph semantics, so the executor's graph plumbing runs in CI: between
+// BeginCapture and EndCapture the scoring entry points are recorded with their arguments (as
+// a CUDA graph bakes them in) instead of run, and Replay runs the recording. Any other call
+// while capturing (a copy, an insert, a synchronize, a fork) is a violation: CUDA would
+// reject it or bake a host copy into the graph. If the executor replayed a key whose
+// arguments (pointers, sizes, lengths bound) differ from the step's, the answers would differ
+// from an eager run's.
+class RecordingBackend final : public kernels::Backend {
+ public:
+  RecordingBackend(std::unique_ptr<kernels::Backend> inner, std::atomic<int64_t>* violations)
+      : inner_(std::move(inner)), violations_(violations) {}
+
+  std::string_view name() const override { return inner_->name(); }
+  std::string description() const override { return inner_->description(); }
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    Forbidden();
+    return inner_->Allocate(bytes);
+  }
+  void Free(void* ptr) override { inner_->Free(ptr); }
+  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
+    Forbidden();
+    return inner_->CopyToDevice(dst, src, bytes);
+  }
+  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
+    Forbidden();
+    return inner_->CopyToHost(dst, src, bytes);
+  }
+  absl::Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes) override {
+    Forbidden();
+    return inner_->CopyDeviceToDevice(dst, src, bytes);
+  }
+  absl::Status Synchronize() override {
+    Forbidden();
+    return inner_->Synchronize();
+  }
+  absl::Status InsertKeys(const kernels::KeyInsertArgs& a) override {
+    Forbidden();
+    return inner_->InsertKeys(a);
+  }
+  absl::Status RopeQuantQ(const kernels::QPrepArgs& a) override {
+    return Call([this, a] { return inner_->RopeQuantQ(a); });
+  }
+  absl::Status DenseTopK(const kernels::DenseArgs& a) override {
+    return Call([this, a] { return inner_->DenseTopK(a); });
+  }
+  absl::Status SparseTopK(const kernels::SparseArgs& a) override {
+    return Call([this, a] { return inner_->SparseTopK(a); });
+  }
+  absl::Status MaskedTopK(const kernels::MaskedArgs& a) override {
+    return Call([this, a] { return inner_->MaskedTopK(a); });
+  }
+  absl::Status CopyRows(const kernels::CopyRowsArgs& a) override {
+    return Call([this, a] { return inner_->CopyRows(a); });
+  }
+  absl::Status ForkExpand(const kernels::ExpandArgs& a) override {
+    Forbidden();
+    return inner_->ForkExpand(a);
+  }
+  absl::Status JoinExpand() override {
+    Forbidden();
+    return inner_->JoinExpand();
+  }
+
+  bool SupportsGraphs() const override { return true; }
+  absl::Status BeginCapture() override {
+    if (capturing_) ++*violations_;
+    capturing_ = true;
+    recording_.clear();
+    return absl::OkStatus();
+  }
+  absl::Status EndCapture(uint64_t key) override {
+    if (!capturing_) ++*violations_;
+    capturing_ = false;
+    graphs_[key] = std::move(recording_);
+    recording_.clear();
+    return absl::OkStatus();
+  }
+  void AbortCapture() override {
+    capturing_ = false;
+    recording_.clear();
+  }
+  absl::StatusOr<bool> Replay(uint64_t key) override {
+    if (capturing_) ++*violations_;
+    auto it = graphs_.find(key);
+    if (it == graphs_.end()) return false;
+    for (const auto& call : it->second) {
+      if (absl::Status s = call(); !s.ok()) return s;
+    }
+    return true;
+  }
+
+ private:
+  void Forbidden() {
+    if (capturing_) ++*violations_;
+  }
+  absl::Status Call(std::function<absl::Status()> call) {
+    if (!capturing_) return call();
+    recording_.push_back(std::move(call));
+    return absl::OkStatus();
+  }
+
+  std::unique_ptr<kernels::Backend> inner_;
+  std::atomic<int64_t>* violations_;
+  bool capturing_ = false;
+  std::vector<std::function<absl::Status()>> recording_;
+  std::map<uint64_t, std::vector<std::function<absl::Status()>>> graphs_;
+};
+
+// Graph plumbing on the CPU (runs in CI): recorded "graphs" at 1 and 2 ranks answer bit for
+// bit as the plain CPU backend, over rounds that repeat every layer's shape; replays happen
+// and nothing but scoring calls is ever recorded.
+TEST(MultiRankCpu, RecordedGraphsAnswerAsEagerSteps) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  for (const config::Profile& p : {SmallV32(), SmallV41()}) {
+    SCOPED_TRACE(p.name);
+    for (bool masked : {false, true}) {
+      SCOPED_TRACE(masked ? "masked consumer" : "sparse consumer");
+      Script s{p, 16, {1, 2}, 1, 3 * p.topk};
+      s.rounds = 3;
+      ExecutorOptions eager = CpuOptions(1);
+      eager.masked_consumer = masked;
+      const RunResult base = RunScript(s, eager, seed);
+      ASSERT_GT(base.steps, 0);
+      EXPECT_GT(base.answered, base.steps * s.requests);
+      EXPECT_EQ(base.graph_replays, 0u);  // the CPU backend has no graphs
+      for (int32_t ranks : {1, 2}) {
+        SCOPED_TRACE(absl::StrCat(ranks, " ranks with recorded graphs"));
+        std::atomic<int64_t> violations{0};
+        ExecutorOptions o = CpuOptions(ranks);
+        o.masked_consumer = masked;
+        o.cuda_graphs = true;
+        auto factory = [&violations](int32_t, const kernels::BackendLimits& limits)
+            -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
+          return std::make_unique<RecordingBackend>(kernels::MakeCpuBackend(limits, 1),
+                                                    &violations);
+        };
+        absl::StatusOr<std::unique_ptr<Executor>> made =
+            exec::CreateExecutorWithBackends(p, o, factory);
+        ASSERT_TRUE(made.ok()) << made.status();
+        const RunResult r = RunScript(s, **made, seed);
+        EXPECT_EQ(r.steps, base.steps);
+        EXPECT_TRUE(r.answers == base.answers) << "recorded graphs change the answers";
+        EXPECT_GT(r.graph_captures, 0u);
+        // A shape (cache, role) is seen rounds x (layers sharing it) times per next_n on every
+        // rank (a max_context of 1024 puts every length in one bucket): once eager, once
+        // captured, replayed every other time.
+        std::map<std::pair<int32_t, int32_t>, int32_t> sharing;
+        for (const config::LayerSpec& l : p.layers) {
+          ++sharing[{l.cache_layer, static_cast<int32_t>(l.role)}];
+        }
+        uint64_t replays_per_n = 0;
+        for (const auto& [shape, layers] : sharing) replays_per_n += s.rounds * layers - 2;
+        EXPECT_EQ(r.graph_replays, uint64_t(ranks) * s.next_ns.size() * replays_per_n);
+        EXPECT_EQ(violations.load(), 0);
+      }
+    }
+  }
+}
+
+// The length buckets that key the graphs: an upper bound on the length (so the kernels'
+// grids and workspaces cover every row), never past the cap unless the length is, at most 25%
+// over the length past the first bucket (bounded wasted work), monotone and idempotent (a
+// length inside a bucket keeps it), and few (a decode growing from 1 to 160K tokens
+// captures a graph for a handful of buckets only).
+TEST(MultiRankCpu, LengthBucketsBoundTheLengthAndAreFew) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  for (int64_t cap : {int64_t{1024}, int64_t{163840}, int64_t{1048576}}) {
+    SCOPED_TRACE(absl::StrCat("cap ", cap));
+    std::vector<int32_t> lengths;
+    for (int i = 0; i < 2000; ++i) lengths.push_back(1 + static_cast<int32_t>(rng() % cap));
+    std::sort(lengths.begin(), lengths.end());
+    int32_t previous = 0;
+    for (int32_t length : lengths) {
+      const int32_t b = exec::BucketRowLength(length, cap);
+      ASSERT_GE(b, length);
+      ASSERT_LE(b, std::max<int64_t>(cap, length));
+      ASSERT_LE(b, std::max<double>(4096, 1.25 * length));
+      ASSERT_GE(b, previous) << "buckets must not shrink as lengths grow";
+      ASSERT_EQ(exec::BucketRowLength(b, cap), b);
+      previous = b;
+    }
+  }
+  std::set<int32_t> buckets;
+  for (int32_t length = 1; length <= 163840; ++length) {
+    buckets.insert(exec::BucketRowLength(length, 163840));
+  }
+  EXPECT_LT(buckets.size(), 30u);
+  EXPECT_GT(buckets.size(), 5u);  // it does bucket: not one bound for everything
 }
 
 // A sharded step with one rank failing: INTERNAL on every rank, the others' copy naming it.
@@ -298,6 +511,36 @@ TEST(MultiGpu, ShardedTwoRanksMatchOneRankV41AndOverlapOnOffAgree) {
     ExecutorOptions off = GpuOptions(ranks);
     off.candidate_overlap = false;
     EXPECT_TRUE(RunScript(s, off, seed).answers == on.answers);
+  }
+}
+
+// CUDA graphs across ranks: --ranks 2 with graphs on (every step sharded, each rank replaying
+// its own slice's graphs) answers bit for bit as --ranks 1 with graphs off, over rounds that
+// repeat every layer's shape; the replay counter must grow.
+TEST(MultiGpu, TwoRanksWithGraphsMatchOneRankEager) {
+  SKIP_WITHOUT_TWO_GPUS();
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  for (const config::Profile& p : {GpuV32(), GpuV41()}) {
+    SCOPED_TRACE(p.name);
+    Script s{p, 16, {1, 2}, 2500, 5000};
+    s.rounds = 4;
+    ExecutorOptions eager = GpuOptions(1);
+    eager.cuda_graphs = false;
+    const RunResult base = RunScript(s, eager, seed);
+    ASSERT_GT(base.steps, 0);
+    EXPECT_EQ(base.graph_replays, 0u);
+    EXPECT_GT(base.answered, base.steps * s.requests);
+    ExecutorOptions graphs = GpuOptions(2);
+    graphs.cuda_graphs = true;
+    const RunResult r = RunScript(s, graphs, seed);
+    EXPECT_EQ(r.steps, base.steps);
+    EXPECT_EQ(r.sharded, r.steps) << "every step of the script should shard";
+    EXPECT_GT(r.graph_captures, 0u);
+    // Each layer's shape is seen 4 times per next_n on each rank: at least one replay per
+    // rank unless a length bucket changed in between, which cannot happen for every shape.
+    EXPECT_GE(r.graph_replays, uint64_t{2} * p.layers.size());
+    EXPECT_TRUE(r.answers == base.answers) << "2 ranks with graphs differ from 1 rank eager";
   }
 }
 
