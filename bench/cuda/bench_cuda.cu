@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "kernels/cuda/sm90_launchers.h"
+#include "kernels/cuda/sm90_tile_config.h"
 
 namespace di = decode_indexer::kernels;
 namespace dc = decode_indexer::kernels::cuda;
@@ -95,11 +97,13 @@ float Median(std::vector<float> v) {
 
 // The v41 consumer layer step (docs/results/multigpu.md): 64 rows (one request each, contexts
 // around 64K) x 2048 candidate blocks of 8 = 16K positions, FP4 cache, 32 heads, top 512.
-// Times the sparse logits in both variants, the radix top-k over them, and the step (logits
-// + top-k) as SparseTopK runs it. The pool's bytes read as FP4 pages are valid codes and
-// scales (FillPages never writes 0xFF). Each step uses another of several page tables.
+// Times the sparse logits in each variant (warp per position, grid, tensor-core kMma), the radix
+// top-k over them, and the step (logits + top-k) as SparseTopK runs it (kMma) and with kGrid;
+// the byte floor is the candidate keys read once at the copy bandwidth measured in this run. The
+// pool's bytes read as FP4 pages are valid codes and scales (FillPages never writes 0xFF). Each
+// step uses another of several page tables.
 int RunConsumer(uint8_t* pool, int64_t pool_bytes, int sms, cudaStream_t st, cudaEvent_t e0,
-                cudaEvent_t e1, std::mt19937_64& rng, FILE* out) {
+                cudaEvent_t e1, std::mt19937_64& rng, FILE* out, double copy_gbs) {
   constexpr int kRows = 64, kHeads32 = 32, kBlocks = 2048, kBlock = 8, kK = 512, kCtx = 65536;
   constexpr int kMaxPos = kBlocks * kBlock;
   const di::CacheGeometry geo{di::CacheFormat::kFp4, 128, kPage};
@@ -196,26 +200,67 @@ int RunConsumer(uint8_t* pool, int64_t pool_bytes, int sms, cudaStream_t st, cud
       time_steps([&](int i) { logits_step(i, dc::SparseLogitsMath::kWarpPerPosition); }, 3, 2);
   const float t_grid =
       time_steps([&](int i) { logits_step(i, dc::SparseLogitsMath::kGrid); }, 7, 10);
+  const float t_mma = time_steps([&](int i) { logits_step(i, dc::SparseLogitsMath::kMma); }, 7, 10);
+  const float t_grid2 =
+      time_steps([&](int i) { logits_step(i, dc::SparseLogitsMath::kGrid); }, 7, 10);
+  const float t_mma2 =
+      time_steps([&](int i) { logits_step(i, dc::SparseLogitsMath::kMma); }, 7, 10);
   const float t_topk = time_steps([&](int) { topk_step(); }, 7, 10);
-  const float t_step = time_steps(
+  const float t_step_grid = time_steps(
       [&](int i) {
         logits_step(i, dc::SparseLogitsMath::kGrid);
         topk_step();
       },
       7, 10);
+  const float t_step = time_steps(
+      [&](int i) {
+        logits_step(i, dc::SparseLogitsMath::kMma);
+        topk_step();
+      },
+      7, 10);
   CHECK_CUDA(cudaStreamSynchronize(st), "sync");
   CHECK_CUDA(cudaGetLastError(), "after timing");
+  // The two variants on the same inputs (the tests check them against the CPU): the largest
+  // difference relative to the largest |logit| (different fp32 sums, so a few ulps).
+  std::vector<float> lg(pos.size()), lm(pos.size());
+  logits_step(0, dc::SparseLogitsMath::kGrid);
+  CHECK_CUDA(cudaMemcpyAsync(lg.data(), d_logits, 4 * lg.size(), cudaMemcpyDeviceToHost, st), "dl");
+  logits_step(0, dc::SparseLogitsMath::kMma);
+  CHECK_CUDA(cudaMemcpyAsync(lm.data(), d_logits, 4 * lm.size(), cudaMemcpyDeviceToHost, st), "dl");
+  CHECK_CUDA(cudaStreamSynchronize(st), "sync");
+  double max_abs = 0.0, max_diff = 0.0;
+  for (size_t i = 0; i < lg.size(); ++i) {
+    max_abs = std::max(max_abs, static_cast<double>(std::fabs(lg[i])));
+    const double d = std::fabs(static_cast<double>(lg[i]) - lm[i]);
+    max_diff = std::isnan(d) ? INFINITY : std::max(max_diff, d);
+  }
+  // kMma's unfolded group scaling: one head per row with group scales 2^24 apart (past what
+  // the kernel folds into q), so every row scales each group sum by q_scale * k_scale.
+  std::vector<uint8_t> qs_host(int64_t{kRows} * kHeads32 * 4, 87);
+  for (int r = 0; r < kRows; ++r) qs_host[int64_t{r} * kHeads32 * 4 + 3] = 87 + 24;
+  CHECK_CUDA(cudaMemcpy(d_qs, qs_host.data(), qs_host.size(), cudaMemcpyHostToDevice), "qs");
+  const float t_mma_unfolded =
+      time_steps([&](int i) { logits_step(i, dc::SparseLogitsMath::kMma); }, 7, 10);
   const double key_bytes = double{kRows} * kMaxPos * geo.entry_bytes();
+  // Keys read once (counting read bytes only against a read+write copy rate).
+  const double floor_us = key_bytes / (copy_gbs * 1e9) * 1e6;
   std::printf(
       "consumer %d rows x %d positions, FP4, %d heads, K %d: logits warp-per-position %.1f us, "
-      "grid %.1f us (%.0f GB/s of keys); top-k %.1f us; step (grid + top-k) %.1f us; %d sets\n",
-      kRows, kMaxPos, kHeads32, kK, t_warp, t_grid, key_bytes / (t_grid * 1e-6) / 1e9, t_topk,
-      t_step, sets);
+      "grid %.1f / %.1f us, mma %.1f / %.1f us (%.0f GB/s of keys); byte floor %.1f us "
+      "(%.1f MB at %.0f GB/s), mma / floor %.2fx, grid / floor %.1fx; top-k %.1f us; step "
+      "(mma + top-k) %.1f us, (grid + top-k) %.1f us; max |mma-grid| / max |logit| %.3g; "
+      "mma unfolded q scales %.1f us; %d sets\n",
+      kRows, kMaxPos, kHeads32, kK, t_warp, t_grid, t_grid2, t_mma, t_mma2,
+      key_bytes / (t_mma * 1e-6) / 1e9, floor_us, key_bytes / 1e6, copy_gbs, t_mma / floor_us,
+      t_grid / floor_us, t_topk, t_step, t_step_grid, max_diff / max_abs, t_mma_unfolded, sets);
   std::fprintf(out,
                "{\"consumer\": true, \"rows\": %d, \"positions\": %d, \"heads\": %d, "
                "\"k\": %d, \"logits_warp_us\": %.2f, \"logits_grid_us\": %.2f, "
-               "\"topk_us\": %.2f, \"step_us\": %.2f, \"key_bytes\": %.0f, \"sets\": %d}\n",
-               kRows, kMaxPos, kHeads32, kK, t_warp, t_grid, t_topk, t_step, key_bytes, sets);
+               "\"logits_mma_us\": %.2f, \"floor_us\": %.2f, \"topk_us\": %.2f, "
+               "\"step_us\": %.2f, \"step_grid_us\": %.2f, \"key_bytes\": %.0f, "
+               "\"mma_grid_rel_diff\": %.3g, \"logits_mma_unfolded_us\": %.2f, \"sets\": %d}\n",
+               kRows, kMaxPos, kHeads32, kK, t_warp, t_grid, t_mma, floor_us, t_topk, t_step,
+               t_step_grid, key_bytes, max_diff / max_abs, t_mma_unfolded, sets);
   for (int32_t* t : tables) CHECK_CUDA(cudaFree(t), "free");
   for (void* p :
        {static_cast<void*>(d_rr), static_cast<void*>(d_rl), static_cast<void*>(d_pos),
@@ -234,12 +279,16 @@ int main(int argc, char** argv) {
   int only_requests = 0, only_next_n = 0, only_avg = 0;  // --only R N AVG: one configuration
   bool subset = false;    // --subset: issue 3's headline shapes only (short device sessions)
   bool consumer = false;  // --consumer: time the v41 consumer layer step instead
+  // --topk: the top-k shapes of issue 3 (next_n 1), the top-k variants only (no other logits
+  // paths): multi-pass vs compact, cluster sizes, the fused threshold-filter histogram.
+  bool topk_only = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--out" && i + 1 < argc) out_path = argv[++i];
     if (a == "--batches" && i + 1 < argc) batches = std::atoi(argv[++i]);
     if (a == "--subset") subset = true;
     if (a == "--consumer") consumer = true;
+    if (a == "--topk") topk_only = true;
     if (a == "--only" && i + 3 < argc) {
       only_requests = std::atoi(argv[++i]);
       only_next_n = std::atoi(argv[++i]);
@@ -293,6 +342,13 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaMalloc(&row_request, sizeof(int32_t) * max_rows), "rows");
   CHECK_CUDA(cudaMalloc(&row_length, sizeof(int32_t) * max_rows), "lengths");
   const dc::MqaSchedule sched = dc::CarveMqaSchedule(sched_ws, max_requests);
+  // The threshold-filter histograms (zero between steps: each top-k that reads them zeroes).
+  uint32_t* row_hist;
+  CHECK_CUDA(cudaMalloc(&row_hist, sizeof(uint32_t) * max_rows * dc::kTopKBins), "histogram");
+  CHECK_CUDA(cudaMemsetAsync(row_hist, 0, sizeof(uint32_t) * max_rows * dc::kTopKBins, st),
+             "zero histogram");
+  int32_t* topk_ref;  // another answer, to check the top-k variants agree
+  CHECK_CUDA(cudaMalloc(&topk_ref, sizeof(int32_t) * max_rows * kTopK), "topk ref");
 
   std::mt19937_64 rng(2026);
   FILE* out = std::fopen(out_path.c_str(), "w");
@@ -301,13 +357,14 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (consumer) {
-    const int rc = RunConsumer(pool, pool_pages * kPageBytes, sms, st, e0, e1, rng, out);
+    const int rc = RunConsumer(pool, pool_pages * kPageBytes, sms, st, e0, e1, rng, out, copy_gbs);
     std::fclose(out);
     return rc;
   }
-  std::printf("%5s %3s %7s | %9s %9s %9s | %8s %6s | %8s %8s %8s | %8s %8s %8s | %4s\n", "req", "n",
-              "avg", "logits_us", "topk_us", "both_us", "GB/s", "%copy", "fp8wgmma", "mmasync",
-              "f16hdsM", "split", "keysM", "bitmove", "sets");
+  std::printf(
+      "%5s %3s %7s | %9s %9s %9s | %8s %6s | %8s %8s %8s | %8s %8s %8s | %8s %8s %8s | %4s\n",
+      "req", "n", "avg", "logits_us", "topk_us", "both_us", "GB/s", "%copy", "fp8wgmma", "mmasync",
+      "f16hdsM", "split", "keysM", "bitmove", "pipe", "fused", "pairs", "sets");
   for (int requests : {1, 8, 64, 128}) {
     for (int next_n : {1, 2}) {
       for (int avg : {8192, 32768, 65536, 131072}) {
@@ -318,6 +375,13 @@ int main(int argc, char** argv) {
         if (subset) {
           const bool pick = (requests == 1 && avg == 131072) || (requests == 8 && avg == 32768) ||
                             (requests == 64 && avg >= 32768) || (requests == 128 && avg == 65536);
+          if (!pick) continue;
+        }
+        if (topk_only) {
+          const bool pick =
+              next_n == 1 &&
+              ((requests == 1 && avg == 131072) || (requests == 8 && avg == 32768) ||
+               (requests == 64 && avg >= 32768) || (requests == 128 && avg == 131072));
           if (!pick) continue;
         }
         std::uniform_real_distribution<double> u(0.7, 1.3);
@@ -384,6 +448,7 @@ int main(int argc, char** argv) {
           return b;
         };
         dc::MqaMath math = dc::PagedLogitsArgs{}.math;
+        bool with_hist = false;  // logits fill the threshold-filter histogram
         auto run_logits = [&](int i) {
           const InputSet& s = in[i % sets];
           dc::PagedLogitsArgs a;
@@ -394,20 +459,26 @@ int main(int argc, char** argv) {
           a.logits = logits;
           a.logits_stride = lstride;
           a.math = math;
+          a.row_histogram = with_hist ? row_hist : nullptr;
           if (dc::PagedLogitsNeedsSchedule(a)) {
             CHECK_OK(dc::LaunchMqaSchedule(a.rows, sched, st), "schedule");
           }
           CHECK_OK(dc::LaunchPagedMqaLogits(a, sms, st), "logits");
         };
-        auto run_topk = [&]() {
+        using Algo = dc::TopKArgs::Algo;
+        auto run_topk = [&](Algo algo = Algo::kCompact, int cluster = 0, bool hist = false,
+                            int32_t* dst = nullptr) {
           dc::TopKArgs t;
           t.num_rows = rows;
           t.values = logits;
           t.stride = lstride;
           t.lengths = row_length;
           t.k = kTopK;
-          t.out = topk;
+          t.out = dst != nullptr ? dst : topk;
           t.max_length = max_len;
+          t.algo = algo;
+          t.cluster_size = cluster;
+          t.row_histogram = hist ? row_hist : nullptr;
           CHECK_OK(dc::LaunchRadixTopK(t, sms, st), "topk");
         };
         auto time_batches = [&](auto&& step) {
@@ -425,44 +496,122 @@ int main(int argc, char** argv) {
           return Median(per_step);
         };
         // The other tensor-core paths, logits only, for comparison; then the default.
-        math = dc::MqaMath::kWgmmaFp8;
-        const float t_fp8 = time_batches([&](int i) { run_logits(i); });
-        math = dc::MqaMath::kMmaSync;
-        const float t_mma = time_batches([&](int i) { run_logits(i); });
-        math = dc::MqaMath::kWgmmaF16;
-        const float t_f16 = time_batches([&](int i) { run_logits(i); });
-        math = dc::MqaMath::kWgmmaKeysMSplit;
-        const float t_split = time_batches([&](int i) { run_logits(i); });
-        math = dc::MqaMath::kWgmmaKeysM;  // v4, the default until the 08:20 run
-        const float t_keysm = time_batches([&](int i) { run_logits(i); });
-        math = dc::MqaMath::kWgmmaKeysMBitMove;
-        const float t_bitmove = time_batches([&](int i) { run_logits(i); });
+        float t_fp8 = 0, t_mma = 0, t_f16 = 0, t_split = 0, t_keysm = 0, t_bitmove = 0;
+        float t_pipe = 0, t_fused = 0;  // keys-M pipelined (producer warp); keys-M fused
+        float t_pairs = 0;              // pipelined, one row per pass by page pairs
+        if (!topk_only) {
+          math = dc::MqaMath::kWgmmaFp8;
+          t_fp8 = time_batches([&](int i) { run_logits(i); });
+          math = dc::MqaMath::kMmaSync;
+          t_mma = time_batches([&](int i) { run_logits(i); });
+          math = dc::MqaMath::kWgmmaF16;
+          t_f16 = time_batches([&](int i) { run_logits(i); });
+          math = dc::MqaMath::kWgmmaKeysMSplit;
+          t_split = time_batches([&](int i) { run_logits(i); });
+          math = dc::MqaMath::kWgmmaKeysM;  // v4, the default until the 08:20 run
+          t_keysm = time_batches([&](int i) { run_logits(i); });
+          math = dc::MqaMath::kWgmmaKeysMBitMove;
+          t_bitmove = time_batches([&](int i) { run_logits(i); });
+          math = dc::MqaMath::kWgmmaKeysMPipelined;
+          t_pipe = time_batches([&](int i) { run_logits(i); });
+          math = dc::MqaMath::kWgmmaKeysMFused;  // the default until the 10:30 run
+          t_fused = time_batches([&](int i) { run_logits(i); });
+          math = dc::MqaMath::kWgmmaKeysMPipelinedPagePairs;
+          t_pairs = time_batches([&](int i) { run_logits(i); });
+        }
         math = dc::PagedLogitsArgs{}.math;
         const float t_logits = time_batches([&](int i) { run_logits(i); });
         run_logits(0);
+        // Top-k variants on the same logits; they must agree entry for entry.
+        int64_t topk_mismatch = 0;
+        {
+          const int64_t n = int64_t{rows} * kTopK;
+          std::vector<int32_t> ref(n), got(n);
+          run_topk(Algo::kMultiPass, 0, false, topk_ref);
+          CHECK_CUDA(cudaMemcpyAsync(ref.data(), topk_ref, 4 * n, cudaMemcpyDeviceToHost, st),
+                     "d2h");
+          auto check = [&]() {
+            CHECK_CUDA(cudaMemcpyAsync(got.data(), topk, 4 * n, cudaMemcpyDeviceToHost, st), "d2h");
+            CHECK_CUDA(cudaStreamSynchronize(st), "sync");
+            for (int64_t e = 0; e < n; ++e) topk_mismatch += got[e] != ref[e];
+          };
+          for (int c : {0, 1, 2, 4, 8}) {
+            run_topk(Algo::kCompact, c);
+            check();
+          }
+          // The logits again (the same values: keys-M fused, the kernel with the hook), now
+          // filling the threshold-filter histogram.
+          math = dc::MqaMath::kWgmmaKeysMFused;
+          with_hist = true;
+          run_logits(0);
+          with_hist = false;
+          math = dc::PagedLogitsArgs{}.math;
+          run_topk(Algo::kCompact, 0, true);
+          check();
+        }
+        const float t_topk_multi = time_batches([&](int) { run_topk(Algo::kMultiPass); });
+        float t_topk_c[4] = {0, 0, 0, 0};  // compact, clusters of 1, 2, 4, 8
+        for (int ci = 0; ci < 4; ++ci) {
+          t_topk_c[ci] = time_batches([&](int) { run_topk(Algo::kCompact, 1 << ci); });
+        }
         const float t_topk = time_batches([&](int) { run_topk(); });
         const float t_both = time_batches([&](int i) {
           run_logits(i);
           run_topk();
         });
+        const float t_both_multi = time_batches([&](int i) {
+          run_logits(i);
+          run_topk(Algo::kMultiPass);
+        });
+        // The threshold filter against the same logits kernel without it (keys-M fused).
+        math = dc::MqaMath::kWgmmaKeysMFused;
+        const float t_logits_kmf = time_batches([&](int i) { run_logits(i); });
+        const float t_both_kmf = time_batches([&](int i) {
+          run_logits(i);
+          run_topk(Algo::kCompact);
+        });
+        with_hist = true;
+        const float t_both_fused = time_batches([&](int i) {
+          run_logits(i);
+          run_topk(Algo::kCompact, 0, true);
+        });
+        with_hist = false;
+        math = dc::PagedLogitsArgs{}.math;
         CHECK_CUDA(cudaStreamSynchronize(st), "sync");
         CHECK_CUDA(cudaGetLastError(), "after timing");
         const double gbs = key_bytes / (t_logits * 1e-6) / 1e9;
         std::printf(
             "%5d %3d %6dK | %9.1f %9.1f %9.1f | %8.0f %5.1f%% | %8.1f %8.1f %8.1f | %8.1f %8.1f "
-            "%8.1f | %4d\n",
+            "%8.1f | %8.1f %8.1f %8.1f | %4d\n",
             requests, next_n, avg / 1024, t_logits, t_topk, t_both, gbs, 100.0 * gbs / copy_gbs,
-            t_fp8, t_mma, t_f16, t_split, t_keysm, t_bitmove, sets);
+            t_fp8, t_mma, t_f16, t_split, t_keysm, t_bitmove, t_pipe, t_fused, t_pairs, sets);
+        std::printf(
+            "      top-k: multi-pass %.1f | compact c1 %.1f c2 %.1f c4 %.1f c8 %.1f | default %.1f"
+            " | both: multi-pass %.1f default %.1f | keys-M fused logits %.1f + compact %.1f,"
+            " threshold filter %.1f | mismatches %lld\n",
+            t_topk_multi, t_topk_c[0], t_topk_c[1], t_topk_c[2], t_topk_c[3], t_topk, t_both_multi,
+            t_both, t_logits_kmf, t_both_kmf, t_both_fused, static_cast<long long>(topk_mismatch));
         std::fprintf(out,
-                     "{\"requests\": %d, \"next_n\": %d, \"avg\": %d, \"logits_us\": %.2f, "
-                     "\"topk_us\": %.2f, \"both_us\": %.2f, \"key_bytes\": %.0f, "
-                     "\"key_gbs\": %.1f, \"copy_gbs\": %.1f, \"sets\": %d, "
-                     "\"logits_fp8_wgmma_us\": %.2f, \"logits_mma_sync_us\": %.2f, "
-                     "\"logits_f16_heads_m_us\": %.2f, \"logits_keys_m_split_us\": %.2f, "
-                     "\"logits_keys_m_us\": %.2f, \"logits_keys_m_bitmove_us\": %.2f, "
-                     "\"lengths\": [",
-                     requests, next_n, avg, t_logits, t_topk, t_both, key_bytes, gbs, copy_gbs,
-                     sets, t_fp8, t_mma, t_f16, t_split, t_keysm, t_bitmove);
+                     "{\"topk_multipass_us\": %.2f, \"topk_compact_c1_us\": %.2f, "
+                     "\"topk_compact_c2_us\": %.2f, \"topk_compact_c4_us\": %.2f, "
+                     "\"topk_compact_c8_us\": %.2f, \"both_multipass_us\": %.2f, "
+                     "\"logits_kmf_us\": %.2f, \"both_kmf_us\": %.2f, "
+                     "\"both_fused_us\": %.2f, \"topk_mismatches\": %lld, ",
+                     t_topk_multi, t_topk_c[0], t_topk_c[1], t_topk_c[2], t_topk_c[3], t_both_multi,
+                     t_logits_kmf, t_both_kmf, t_both_fused, static_cast<long long>(topk_mismatch));
+        std::fprintf(
+            out,
+            "\"requests\": %d, \"next_n\": %d, \"avg\": %d, \"logits_us\": %.2f, "
+            "\"topk_us\": %.2f, \"both_us\": %.2f, \"key_bytes\": %.0f, "
+            "\"key_gbs\": %.1f, \"copy_gbs\": %.1f, \"sets\": %d, "
+            "\"logits_fp8_wgmma_us\": %.2f, \"logits_mma_sync_us\": %.2f, "
+            "\"logits_f16_heads_m_us\": %.2f, \"logits_keys_m_split_us\": %.2f, "
+            "\"logits_keys_m_us\": %.2f, \"logits_keys_m_bitmove_us\": %.2f, "
+            "\"logits_keys_m_pipelined_us\": %.2f, "
+            "\"logits_keys_m_fused_us\": %.2f, \"logits_keys_m_pipelined_page_pairs_us\": %.2f, "
+            "\"lengths\": [",
+            requests, next_n, avg, t_logits, t_topk, t_both, key_bytes, gbs, copy_gbs, sets, t_fp8,
+            t_mma, t_f16, t_split, t_keysm, t_bitmove, t_pipe, t_fused, t_pairs);
         for (int b = 0; b < requests; ++b) std::fprintf(out, "%s%d", b ? ", " : "", lengths[b]);
         std::fprintf(out, "]}\n");
         std::fflush(out);

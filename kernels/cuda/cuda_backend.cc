@@ -1,17 +1,21 @@
 // The CUDA backend: one instance per rank and device. It owns the rank's streams (main + a
 // side stream for CandidateOverlap), its workspaces (sized once from the limits, so a decode
 // step allocates nothing and never waits on the host), and strings the SM90 launchers together.
+#include <cuda.h>  // types of the driver entry point looked up at run time (no libcuda link)
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <string>
+#include <unordered_map>
 
 #include "absl/strings/str_cat.h"
 #include "decode_indexer/kernels/backend.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/sm90_launchers.h"
+#include "kernels/cuda/sm90_tile_config.h"
 
 namespace decode_indexer::kernels {
 namespace {
@@ -19,6 +23,11 @@ namespace {
 using cuda::CudaStatus;
 
 int64_t RoundUp4(int64_t n) { return (n + 3) / 4 * 4; }
+
+// DenseTopK: build the top-k's sample histogram in the logits epilogue (the threshold
+// filter) instead of a sample pass in the top-k. Off: only the keys-M kernels have the hook
+// (not the pipelined default), and it is not yet measured on the GPU (docs/notes/cuda.md).
+constexpr bool kFuseTopKHistogram = false;
 
 // Smallest candidate block the scores workspace is sized for (v41 uses 8).
 constexpr int32_t kMinCandidateBlock = 8;
@@ -31,9 +40,11 @@ class CudaBackend final : public Backend {
     cudaSetDevice(device_);
     if (main_ != nullptr) cudaStreamSynchronize(main_);
     if (side_ != nullptr) cudaStreamSynchronize(side_);
+    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
     for (void* p : {static_cast<void*>(schedule_ws_), static_cast<void*>(logits_),
                     static_cast<void*>(scores_), static_cast<void*>(sparse_logits_),
-                    static_cast<void*>(masked_positions_), static_cast<void*>(masked_counts_)}) {
+                    static_cast<void*>(masked_positions_), static_cast<void*>(masked_counts_),
+                    static_cast<void*>(row_histogram_)}) {
       if (p != nullptr) cudaFree(p);
     }
     if (fork_event_ != nullptr) cudaEventDestroy(fork_event_);
@@ -81,6 +92,12 @@ class CudaBackend final : public Backend {
                             "allocate masked expansion workspace");
     DI_CUDA_RETURN_IF_ERROR(cudaMalloc(&masked_counts_, sizeof(int32_t) * rows),
                             "allocate masked count workspace");
+    // The threshold-filter histograms (DenseTopK): zero now; each top-k leaves them zero.
+    DI_CUDA_RETURN_IF_ERROR(cudaMalloc(&row_histogram_, sizeof(uint32_t) * rows * cuda::kTopKBins),
+                            "allocate top-k histogram workspace");
+    DI_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(row_histogram_, 0, sizeof(uint32_t) * rows * cuda::kTopKBins, main_),
+        "zero top-k histogram workspace");
     return absl::OkStatus();
   }
 
@@ -162,6 +179,20 @@ class CudaBackend final : public Backend {
     if (cuda::PagedLogitsNeedsSchedule(la)) {
       if (s = cuda::LaunchMqaSchedule(rows, schedule_, main_); !s.ok()) return s;
     }
+    // Threshold filter: the logits epilogue builds the top-k's sample histogram. The top-k
+    // zeroes it again; only a step cut off between the two leaves it dirty.
+    const bool fuse_histogram = kFuseTopKHistogram && cuda::PagedLogitsFillsHistogram(la);
+    if (fuse_histogram) {
+      if (row_histogram_dirty_) {
+        const int64_t all_rows = std::max(1, limits_.max_rows);  // any row may hold counts
+        DI_CUDA_RETURN_IF_ERROR(
+            cudaMemsetAsync(row_histogram_, 0, sizeof(uint32_t) * all_rows * cuda::kTopKBins,
+                            main_),
+            "zero top-k histogram");
+      }
+      la.row_histogram = row_histogram_;
+      row_histogram_dirty_ = true;
+    }
     if (s = cuda::LaunchPagedMqaLogits(la, num_sms_, main_); !s.ok()) return s;
     cuda::TopKArgs tk;
     tk.num_rows = rows.num_rows;
@@ -171,7 +202,9 @@ class CudaBackend final : public Backend {
     tk.k = args.topk;
     tk.out = args.topk_out;
     tk.max_length = rows.max_row_length;
+    if (fuse_histogram) tk.row_histogram = row_histogram_;
     if (s = cuda::LaunchRadixTopK(tk, num_sms_, main_); !s.ok()) return s;
+    if (fuse_histogram) row_histogram_dirty_ = false;
     if (args.candidates_out == nullptr) return absl::OkStatus();
     const int32_t bs = args.candidate_block_size;
     if (bs < kMinCandidateBlock) {
@@ -253,9 +286,171 @@ class CudaBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  // Page-locked, portable (every device's DMA engine may read it: a rank's staging can be
+  // filled by any thread and uploaded by any rank).
+  absl::StatusOr<void*> AllocateHost(size_t bytes) override {
+    DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    void* ptr = nullptr;
+    const cudaError_t err = cudaHostAlloc(&ptr, std::max<size_t>(bytes, 16), cudaHostAllocPortable);
+    if (err != cudaSuccess) {
+      cudaGetLastError();  // not sticky
+      return absl::ResourceExhaustedError(absl::StrCat("cuda:", device_, ": cannot page-lock ",
+                                                       bytes,
+                                                       " host bytes: ", cudaGetErrorString(err)));
+    }
+    std::memset(ptr, 0, std::max<size_t>(bytes, 16));
+    return ptr;
+  }
+  void FreeHost(void* ptr) override {
+    if (ptr == nullptr) return;
+    cudaSetDevice(device_);
+    cudaFreeHost(ptr);
+  }
+
+  // Graphs: the main stream's launches between BeginCapture and EndCapture. Thread-local
+  // capture mode: another rank's thread (another device) may allocate or synchronize at the
+  // same time without invalidating this capture.
+  bool SupportsGraphs() const override { return true; }
+  absl::Status BeginCapture() override {
+    DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    DI_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(main_, cudaStreamCaptureModeThreadLocal),
+                            "begin graph capture on the main stream");
+    return absl::OkStatus();
+  }
+  // Ends the capture and instantiates the graph, keeping it under `key` (replacing any graph
+  // there). Nothing runs: the caller replays it. A failure leaves no graph and the stream out
+  // of capture mode, so the caller can run the same calls eagerly instead.
+  absl::Status EndCapture(uint64_t key) override {
+    DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    cudaGraph_t graph = nullptr;
+    const cudaError_t end = cudaStreamEndCapture(main_, &graph);
+    if (end != cudaSuccess || graph == nullptr) {
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      cudaGetLastError();  // a capture error is not sticky: clear it for the eager fallback
+      return absl::FailedPreconditionError(
+          absl::StrCat("cuda:", device_, ": graph capture failed: ", cudaGetErrorName(end), " (",
+                       cudaGetErrorString(end), ")"));
+    }
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    if (inst != cudaSuccess) {
+      cudaGetLastError();
+      return absl::FailedPreconditionError(
+          absl::StrCat("cuda:", device_, ": graph instantiation failed: ", cudaGetErrorName(inst)));
+    }
+    if (auto it = graphs_.find(key); it != graphs_.end()) {
+      cudaGraphExecDestroy(it->second);
+      it->second = exec;
+    } else {
+      graphs_.emplace(key, exec);
+    }
+    return absl::OkStatus();
+  }
+  void AbortCapture() override {
+    cudaSetDevice(device_);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(main_, &status) == cudaSuccess &&
+        status != cudaStreamCaptureStatusNone) {
+      cudaGraph_t graph = nullptr;
+      cudaStreamEndCapture(main_, &graph);
+      if (graph != nullptr) cudaGraphDestroy(graph);
+    }
+    cudaGetLastError();
+  }
+  absl::StatusOr<bool> Replay(uint64_t key) override {
+    auto it = graphs_.find(key);
+    if (it == graphs_.end()) return false;
+    DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    DI_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(it->second, main_), "launch a captured step graph");
+    return true;
+  }
+
+  // Data plane: a client's exported device buffer, opened once per registration.
+  absl::StatusOr<void*> OpenIpcMemory(std::string_view handle, size_t bytes, int device) override {
+    if (device != device_) {
+      return absl::InvalidArgumentError(absl::StrCat("device: the buffer is on cuda:", device,
+                                                     ", the answering rank on cuda:", device_));
+    }
+    if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("handle: expected ", sizeof(cudaIpcMemHandle_t),
+                       " bytes (a cudaIpcMemHandle_t), got ", handle.size()));
+    }
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handle.data(), sizeof(h));
+    DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    void* ptr = nullptr;
+    if (const cudaError_t err = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+        err != cudaSuccess) {
+      cudaGetLastError();  // a bad handle is the caller's error, not a sticky device fault
+      return absl::InvalidArgumentError(
+          absl::StrCat("handle: cudaIpcOpenMemHandle failed: ", cudaGetErrorName(err), " (",
+                       cudaGetErrorString(err), ")"));
+    }
+    // The handle maps the whole allocation: refuse a declared size beyond it, so an answer
+    // can never be written past the client's buffer.
+    const int64_t allocated = AllocationBytes(ptr);
+    if (allocated >= 0 && bytes > static_cast<size_t>(allocated)) {
+      cudaIpcCloseMemHandle(ptr);
+      return absl::InvalidArgumentError(absl::StrCat(
+          "size: ", bytes, " bytes exceed the exported allocation's ", allocated, " bytes"));
+    }
+    return ptr;
+  }
+  absl::Status CloseIpcMemory(void* ptr) override {
+    DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    DI_CUDA_RETURN_IF_ERROR(cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle");
+    return absl::OkStatus();
+  }
+  absl::Status RegisterHostMemory(void* ptr, size_t bytes) override {
+    DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    // Portable: every rank's context copies q from the region, not only this one.
+    if (const cudaError_t err = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable);
+        err != cudaSuccess) {
+      cudaGetLastError();  // not sticky: the region simply stays pageable
+      return absl::FailedPreconditionError(absl::StrCat("cudaHostRegister of ", bytes,
+                                                        " bytes: ", cudaGetErrorName(err), " (",
+                                                        cudaGetErrorString(err), ")"));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status UnregisterHostMemory(void* ptr) override {
+    DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    DI_CUDA_RETURN_IF_ERROR(cudaHostUnregister(ptr), "cudaHostUnregister");
+    return absl::OkStatus();
+  }
+  int64_t DeviceMemoryBytes() const override {
+    size_t free = 0, total = 0;
+    if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free, &total) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return static_cast<int64_t>(total - free);
+  }
+
   cudaStream_t main_stream() const { return main_; }
 
  private:
+  // Bytes of the allocation holding `ptr` from `ptr` on (cuMemGetAddressRange, through the
+  // runtime's driver entry point so the build needs no libcuda); -1 where it cannot say.
+  static int64_t AllocationBytes(void* ptr) {
+    using GetRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess || fn == nullptr) {
+      cudaGetLastError();
+      return -1;
+    }
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    const CUdeviceptr at = reinterpret_cast<CUdeviceptr>(ptr);
+    if (reinterpret_cast<GetRange>(fn)(&base, &size, at) != CUDA_SUCCESS) return -1;
+    return static_cast<int64_t>(size - (at - base));
+  }
+
   absl::Status CheckRows(const RowBatch& rows) const {
     if (rows.num_rows > limits_.max_rows || rows.num_requests > limits_.max_requests ||
         rows.max_row_length > limits_.max_context || rows.num_requests <= 0) {
@@ -273,8 +468,10 @@ class CudaBackend final : public Backend {
     if (max_positions > limits_.max_candidate_positions) {
       return absl::InvalidArgumentError("sparse top-k: max_positions exceeds the limits");
     }
+    // Tensor cores (kMma; shapes it does not take fall back to the grid kernel inside).
     if (absl::Status s = cuda::LaunchSparseLogits(cache, rows, q, positions, counts, max_positions,
-                                                  sparse_logits_, main_);
+                                                  sparse_logits_, main_,
+                                                  cuda::SparseLogitsMath::kMma);
         !s.ok()) {
       return s;
     }
@@ -309,6 +506,10 @@ class CudaBackend final : public Backend {
   float* sparse_logits_ = nullptr;
   int32_t* masked_positions_ = nullptr;
   int32_t* masked_counts_ = nullptr;
+  uint32_t* row_histogram_ = nullptr;  // [max_rows][kTopKBins], zero between steps
+  bool row_histogram_dirty_ = false;
+  // Instantiated step graphs by the caller's key (one rank thread uses a backend).
+  std::unordered_map<uint64_t, cudaGraphExec_t> graphs_;
 };
 
 }  // namespace

@@ -43,8 +43,8 @@ absl::Status LaunchMqaSchedule(const RowBatch& rows, const MqaSchedule& schedule
 // Tensor-core variants of the FP8 / 64-head logits (see the kernels' file comments).
 // kWgmmaKeysM: keys as M, f16 products (exact), full fp32 sums. kWgmmaKeysMSplit: the same
 // logits bit for bit, half the fp8 -> f16 widening done with integer ops
-// (sm90_paged_mqa_logits_keys_m.cu). kWgmmaKeysMFused, the default: the same logits again,
-// the schedule computed inside the logits kernel (no schedule launch needed, see
+// (sm90_paged_mqa_logits_keys_m.cu). kWgmmaKeysMFused (the default until the 10:30 run): the
+// same logits, the schedule computed inside the logits kernel (no schedule launch needed, see
 // PagedLogitsNeedsSchedule), split widening at one row per pass. kWgmmaKeysMBitMove: all of
 // the widening by integer ops (a measurement).
 enum class MqaMath {
@@ -54,7 +54,16 @@ enum class MqaMath {
   kWgmmaKeysM,
   kWgmmaKeysMSplit,
   kWgmmaKeysMFused,
-  kWgmmaKeysMBitMove
+  kWgmmaKeysMBitMove,
+  // The default (from the 10:30 run on; faster at every headline shape): keys-M's logits bit
+  // for bit, warp-specialized: a producer warp fills an mbarrier ring of page slots, the
+  // consumer warpgroup never waits on a block barrier (sm90_paged_mqa_logits_pipelined.cu);
+  // derives its own schedule like kWgmmaKeysMFused.
+  kWgmmaKeysMPipelined,
+  // The same kernel, one row per pass taken two pages at a time (the second page's MMA
+  // overlaps the first page's epilogue; 2 blocks per SM): a measurement, 10-15% slower at
+  // 64 requests (docs/notes/cuda.md, v6).
+  kWgmmaKeysMPipelinedPagePairs
 };
 struct PagedLogitsArgs {
   CacheView cache;
@@ -65,18 +74,32 @@ struct PagedLogitsArgs {
   int64_t logits_stride = 0;
   // FP8 with 64 heads: which tensor-core path (see sm90_paged_mqa_logits.cu). Other shapes
   // always run kMmaSync.
-  MqaMath math = MqaMath::kWgmmaKeysMFused;
+  MqaMath math = MqaMath::kWgmmaKeysMPipelined;
+  // Optional threshold-filter histogram (null: off): when PagedLogitsFillsHistogram(args),
+  // the kernel adds the TopKBucket (sm90_topk_bucket.cuh) of each logit it writes at a position
+  // that is a multiple of kTopKSampleStride to row_histogram[row * kTopKBins + bucket]. Must be
+  // zero before the launch; the radix top-k that reads it (TopKArgs::row_histogram) leaves it
+  // zero again.
+  uint32_t* row_histogram = nullptr;
 };
 absl::Status LaunchPagedMqaLogits(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream);
-// False when this launch derives the schedule itself (kWgmmaKeysMFused on FP8 / 64 heads with
-// few enough requests): then args.schedule is not read and LaunchMqaSchedule may be skipped.
+// False when this launch derives the schedule itself (kWgmmaKeysMFused or the pipelined kernels
+// on FP8 / 64 heads with few enough requests): then args.schedule is not read and
+// LaunchMqaSchedule may be skipped.
 bool PagedLogitsNeedsSchedule(const PagedLogitsArgs& args);
 // The keys-as-M half of that decision (sm90_paged_mqa_logits_keys_m.cu).
 bool KeysMComputesOwnSchedule(const PagedLogitsArgs& args);
+// True when this launch fills args.row_histogram (the keys-as-M kernel: FP8, 64 heads).
+bool PagedLogitsFillsHistogram(const PagedLogitsArgs& args);
 // The keys-as-M kernel (sm90_paged_mqa_logits_keys_m.cu), FP8 with 64 heads only; reached
 // through LaunchPagedMqaLogits.
 absl::Status LaunchPagedMqaLogitsKeysM(const PagedLogitsArgs& args, int num_sms,
                                        cudaStream_t stream);
+// The pipelined keys-as-M kernel (sm90_paged_mqa_logits_pipelined.cu) and whether it builds
+// its own schedule (then args.schedule is not read).
+absl::Status LaunchPagedMqaLogitsPipelined(const PagedLogitsArgs& args, int num_sms,
+                                           cudaStream_t stream);
+bool PipelinedComputesOwnSchedule(const PagedLogitsArgs& args);
 
 // ---- Radix top-k (sm90_radix_topk.cu) ------------------------------------------------------
 // Per row r: the top k of values[r * stride + i], i < lengths[r] (or `fixed_length` when
@@ -97,6 +120,25 @@ struct TopKArgs {
   int64_t index_map_stride = 0;
   // Host-known bound on a row's length in entries (0: unknown); sizes the clusters.
   int32_t max_length = 0;
+  // kAuto (the default): kMultiPass when rows are few enough to get clusters of 4-8 blocks
+  // (measured faster there: 1 x 128K, 8 x 32K), else kCompact with one block a row, two for
+  // rows of 64K+ when 2 blocks a row still fit the SMs; kCompact whenever row_histogram is set
+  // (H200, 10:18 run, docs/notes/cuda.md "Top-k, second session").
+  // kCompact: a histogram of a 1/16 sample of the row (none when row_histogram
+  // is given) bounds the threshold bucket from below, one pass compacts the candidates (the
+  // entries at or above that bound) into shared memory, and the exact radix passes and the
+  // output read only those; rows where the sample misleads or the candidates do not fit fall
+  // back to a full histogram and passes over the row (the same answer, slower). kMultiPass: the
+  // first version (11 + 11 + 10-bit passes over the row, then an ordered compaction pass), kept to
+  // time against and as a switch-off.
+  enum class Algo { kAuto, kCompact, kMultiPass };
+  Algo algo = Algo::kAuto;
+  // Optional per-row histogram of TopKBucket over the row's sample, as the logits epilogue
+  // builds it (PagedLogitsArgs::row_histogram); kCompact only, length_divisor 1. The kernel
+  // then skips its own sample pass, and zeroes the row's histogram after reading it.
+  uint32_t* row_histogram = nullptr;
+  // Blocks per row (a thread-block cluster, 1-8, a power of two); 0: the algorithm's heuristic.
+  int32_t cluster_size = 0;
 };
 absl::Status LaunchRadixTopK(const TopKArgs& args, int num_sms, cudaStream_t stream);
 
@@ -113,14 +155,24 @@ absl::Status LaunchExpandCandidates(const ExpandArgs& args, cudaStream_t stream)
 // ---- Sparse logits at given positions (sm90_sparse_logits.cu) ------------------------------
 // logits[r * max_positions + i] for i < counts[r], of position positions[r * max_positions + i];
 // entries at i >= counts[r] are left alone (the top-k reads counts[r] entries).
-// kGrid, the default: blocks over (row, 256 positions), one thread per position, q in shared
-// memory (FP8/FP4, up to 64 heads, 16-byte aligned pages; other shapes fall back).
-// kWarpPerPosition: the first version, one block per row (kept to time against).
-enum class SparseLogitsMath { kGrid, kWarpPerPosition };
+// kGrid (this launcher's default argument): blocks over (row, 256 positions), one thread per
+// position, q in shared memory (FP8/FP4, up to 64 heads, 16-byte aligned pages; other shapes
+// fall back). kWarpPerPosition: the first version, one block per row (kept to time against).
+// kMma (what the backend's SparseTopK / MaskedTopK run): tensor cores, a warp per 16
+// positions (mma.sync m16n8k16 f16, keys gathered with cp.async, widened exactly;
+// sm90_sparse_logits_mma.cu); shapes it does not take fall back to kGrid.
+enum class SparseLogitsMath { kGrid, kWarpPerPosition, kMma };
 absl::Status LaunchSparseLogits(const CacheView& cache, const RowBatch& rows, const QView& q,
                                 const int32_t* positions, const int32_t* counts,
                                 int32_t max_positions, float* logits, cudaStream_t stream,
                                 SparseLogitsMath math = SparseLogitsMath::kGrid);
+// The kMma kernel (sm90_sparse_logits_mma.cu), reached through LaunchSparseLogits: whether it
+// takes the shape (head dim 128, 1-64 heads, 16-byte aligned pages, 4-byte scales), and its
+// launch (Unimplemented for other shapes).
+bool SparseLogitsMmaTakes(const CacheView& cache, const QView& q);
+absl::Status LaunchSparseLogitsMma(const CacheView& cache, const RowBatch& rows, const QView& q,
+                                   const int32_t* positions, const int32_t* counts,
+                                   int32_t max_positions, float* logits, cudaStream_t stream);
 
 // ---- Row copies (sm90_copy_rows.cu) --------------------------------------------------------
 absl::Status LaunchCopyRows(const CopyRowsArgs& args, cudaStream_t stream);

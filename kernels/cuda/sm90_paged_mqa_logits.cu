@@ -405,7 +405,7 @@ bool PagedLogitsNeedsSchedule(const PagedLogitsArgs& args) {
   const CacheGeometry& geo = args.cache.geometry;
   const bool keys_m = geo.format == CacheFormat::kFp8 && args.q.num_heads == 64 &&
                       geo.page_size == kMqaTileKeys && geo.head_dim == kMqaHeadDim;
-  return !(keys_m && KeysMComputesOwnSchedule(args));
+  return !(keys_m && (KeysMComputesOwnSchedule(args) || PipelinedComputesOwnSchedule(args)));
 }
 
 absl::Status LaunchPagedMqaLogits(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
@@ -429,6 +429,9 @@ absl::Status LaunchPagedMqaLogits(const PagedLogitsArgs& args, int num_sms, cuda
         case MqaMath::kWgmmaKeysMFused:
         case MqaMath::kWgmmaKeysMBitMove:
           return LaunchPagedMqaLogitsKeysM(args, num_sms, stream);
+        case MqaMath::kWgmmaKeysMPipelined:
+        case MqaMath::kWgmmaKeysMPipelinedPagePairs:
+          return LaunchPagedMqaLogitsPipelined(args, num_sms, stream);
         case MqaMath::kWgmmaF16:
           return LaunchRows<64, false, kMathWgmmaF16>(args, num_sms, stream);
         case MqaMath::kWgmmaFp8:

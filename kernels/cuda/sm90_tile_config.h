@@ -17,6 +17,14 @@ inline constexpr int kMqaHeadDim = 128;
 // (H200): 4 stages / 3 blocks per SM 135 us, 3 / 4 blocks 143 us, 6 / 3 blocks 174 us - the
 // kernel is latency bound (docs/notes/cuda.md); 3 is what the recorded runs used.
 inline constexpr int kKeysMStages = 3;
+// The pipelined keys-as-M kernel (sm90_paged_mqa_logits_pipelined.cu): page slots in its
+// producer warp's ring, and the blocks per SM its register cap is sized for. One row per
+// pass: 3 (128 registers; 4 fit in shared memory but cap registers at 96 and spill: measured
+// slower at 1-64 x 8K-64K on the H200, 09:59); several rows keep two rows' accumulators
+// live, so 2 blocks with up to 200 registers (faster than 3 blocks one row at a time).
+inline constexpr int kPipeStages = 4;
+inline constexpr int kPipeMinBlocksOneRow = 3;
+inline constexpr int kPipeMinBlocksMultiRow = 2;
 
 // Rows of one request scored together from each key tile (next_n 1-4 share every key read).
 // Requests with more rows take several passes over the tile in shared memory.

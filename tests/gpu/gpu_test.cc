@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -24,6 +25,8 @@
 #include "decode_indexer/kernels/rope.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/sm90_launchers.h"
+#include "kernels/cuda/sm90_tile_config.h"
+#include "kernels/cuda/sm90_topk_bucket.cuh"
 #include "tests/kernels/kernel_test_util.h"
 #include "tests/kernels/topk_check.h"
 
@@ -557,8 +560,14 @@ TEST_F(GpuTest, PagedLogitsAndDenseTopKMatchCpu) {
     const std::vector<float> gl_bitmove =
         twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaKeysMBitMove)
              : std::vector<float>();
+    const std::vector<float> gl_pipe =
+        twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaKeysMPipelined)
+             : std::vector<float>();
+    const std::vector<float> gl_pairs =
+        twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaKeysMPipelinedPagePairs)
+             : std::vector<float>();
     if (twin) {
-      int64_t default_diff = 0, split_diff = 0, fused_diff = 0, bitmove_diff = 0;
+      int64_t default_diff = 0, split_diff = 0, fused_diff = 0, bitmove_diff = 0, pipe_diff = 0;
       for (int32_t r = 0; r < rows; ++r) {
         for (int32_t t = 0; t < s.row_length[r]; ++t) {
           const int64_t i = r * stride + t;
@@ -566,18 +575,22 @@ TEST_F(GpuTest, PagedLogitsAndDenseTopKMatchCpu) {
           split_diff += std::memcmp(&gl_split[i], &gl_keysm[i], sizeof(float)) != 0;
           fused_diff += std::memcmp(&gl_fused[i], &gl_keysm[i], sizeof(float)) != 0;
           bitmove_diff += std::memcmp(&gl_bitmove[i], &gl_keysm[i], sizeof(float)) != 0;
+          pipe_diff += std::memcmp(&gl_pipe[i], &gl_keysm[i], sizeof(float)) != 0;
+          pipe_diff += std::memcmp(&gl_pairs[i], &gl_keysm[i], sizeof(float)) != 0;
         }
         for (int64_t t = s.row_length[r]; t < stride; ++t) {  // never written past the length
           default_diff += !std::isnan(gl_keysm[r * stride + t]);
           split_diff += !std::isnan(gl_split[r * stride + t]);
           fused_diff += !std::isnan(gl_fused[r * stride + t]);
           bitmove_diff += !std::isnan(gl_bitmove[r * stride + t]);
+          pipe_diff += !std::isnan(gl_pipe[r * stride + t]) + !std::isnan(gl_pairs[r * stride + t]);
         }
       }
       EXPECT_EQ(default_diff, 0) << "default vs keys-M: entries not bit-identical";
       EXPECT_EQ(split_diff, 0) << "keys-M split vs keys-M: entries not bit-identical";
       EXPECT_EQ(fused_diff, 0) << "keys-M fused vs keys-M: entries not bit-identical";
       EXPECT_EQ(bitmove_diff, 0) << "keys-M bit move vs keys-M: entries not bit-identical";
+      EXPECT_EQ(pipe_diff, 0) << "keys-M pipelined vs keys-M: entries not bit-identical";
     }
     double worst_fp8 = 0.0;
 
@@ -620,6 +633,66 @@ TEST_F(GpuTest, PagedLogitsAndDenseTopKMatchCpu) {
         "  [dense] format %d heads %d next_n %d rows %d: max |gpu-cpu| / row max = %.3g"
         " (fp8 wgmma variant %.3g)\n",
         static_cast<int>(c.format), c.heads, c.next_n, rows, worst, worst_fp8);
+  }
+}
+
+// The pipelined kernel (producer warp, mbarrier ring): on small grids each block's ring wraps
+// hundreds of times; requests with uneven row counts take several passes and leave the
+// second row of a row pair empty. Every entry must equal keys-M's bit for bit and the CPU's
+// within the tolerance, and nothing past a row's length may be written.
+TEST_F(GpuTest, PipelinedLogitsBitIdenticalToKeysM) {
+  using kernels::cuda::MqaMath;
+  struct Case {
+    std::vector<int32_t> lengths;
+    int32_t next_n;
+    bool uneven;  // request 0 takes all but one row of each other request
+  };
+  const std::vector<Case> cases = {
+      {Lengths(5, 20000), 1, false}, {{7000, 64, 65, 2, 13000}, 2, false},
+      {Lengths(3, 9000), 3, false},  {Lengths(2, 7000), 4, false},
+      {Lengths(4, 6000), 2, true},   {Lengths(3, 5000), 3, true},
+      {Lengths(300, 150), 1, false},  // more requests than the in-kernel schedule takes
+  };
+  for (const Case& c : cases) {
+    Scene s = MakeScene(Spec(CacheFormat::kFp8, 64, c.lengths, c.next_n));
+    if (c.uneven) {
+      // Rows stay grouped by request: request 0 gets 1 + (n - 1) * B rows, the others one.
+      const int32_t b_count = s.num_requests(), rows = s.num_rows();
+      const int32_t first_rows = rows - (b_count - 1);
+      for (int32_t r = 0; r < rows; ++r) {
+        const int32_t b = r < first_rows ? 0 : r - first_rows + 1;
+        s.row_request[r] = b;
+        s.row_length[r] =
+            b == 0 ? std::max(1, s.spec.lengths[0] - (first_rows - 1 - r)) : s.spec.lengths[b];
+      }
+    }
+    auto ds = UploadScene(this, s);
+    const int32_t rows = s.num_rows();
+    const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
+    const std::vector<float> ref = GpuLogits(this, *ds, stride, NumSms(), MqaMath::kWgmmaKeysM);
+    std::vector<std::vector<float>> cpu(rows);
+    for (int32_t r = 0; r < rows; ++r) cpu[r] = CpuRowLogits(s, r);
+    for (int v = 0; v < 6; ++v) {
+      const int num_sms = std::array<int, 3>{1, 3, NumSms()}[v % 3];
+      const MqaMath math =
+          v < 3 ? MqaMath::kWgmmaKeysMPipelined : MqaMath::kWgmmaKeysMPipelinedPagePairs;
+      SCOPED_TRACE(::testing::Message()
+                   << "requests " << s.num_requests() << " rows " << rows << " uneven " << c.uneven
+                   << " sms " << num_sms << " math " << static_cast<int>(math));
+      const std::vector<float> got = GpuLogits(this, *ds, stride, num_sms, math);
+      int64_t diff = 0, bad = 0;
+      for (int32_t r = 0; r < rows; ++r) {
+        const double tol = RowTol(cpu[r]);
+        for (int32_t t = 0; t < s.row_length[r]; ++t) {
+          const int64_t i = r * stride + t;
+          diff += std::memcmp(&got[i], &ref[i], sizeof(float)) != 0;
+          bad += !(std::fabs(double{got[i]} - cpu[r][t]) <= tol);
+        }
+        for (int64_t t = s.row_length[r]; t < stride; ++t) bad += !std::isnan(got[r * stride + t]);
+      }
+      EXPECT_EQ(diff, 0) << "entries not bit-identical to keys-M";
+      EXPECT_EQ(bad, 0) << "entries off the CPU reference or written past the length";
+    }
   }
 }
 
@@ -718,6 +791,210 @@ TEST_F(GpuTest, DenseTopKBitIdenticalAcrossRuns) {
     } else {
       EXPECT_EQ(got, first) << "run " << run;
     }
+  }
+}
+
+// ---- Radix top-k: the compact algorithm and the fused threshold-filter histogram ----------
+
+uint32_t HostOrderedKey(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if ((u << 1) == 0u) u = 0u;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Host-only: the bucket function must be monotone in the key (radix select needs nothing
+// else), and interior buckets must fix the key's top 14 bits (the compact kernel skips them).
+TEST(TopKBucketTest, MonotoneAndInteriorPrefix) {
+  using kernels::cuda::TopKBucket;
+  std::uniform_int_distribution<uint32_t> any;
+  std::uniform_int_distribution<int> small(0, 1 << 20);
+  int64_t interior = 0;
+  for (int i = 0; i < 200000; ++i) {
+    const uint32_t a = any(Rng());
+    // Nearby pairs too: most random pairs are far apart.
+    const uint32_t b = i % 2 ? any(Rng()) : a + static_cast<uint32_t>(small(Rng()));
+    const uint32_t lo = std::min(a, b), hi = std::max(a, b);
+    ASSERT_LE(TopKBucket(lo), TopKBucket(hi)) << std::hex << lo << " " << hi;
+    ASSERT_LT(TopKBucket(a), static_cast<uint32_t>(kernels::cuda::kTopKBins));
+    if (kernels::cuda::TopKBucketIsInterior(TopKBucket(a))) {
+      ++interior;
+      ASSERT_EQ(a >> 18, kernels::cuda::TopKInteriorBucketPrefix(TopKBucket(a))) << std::hex << a;
+    }
+  }
+  EXPECT_GT(interior, 0);
+  // Equal values, equal buckets; the float order is kept across signs and zeros.
+  EXPECT_EQ(TopKBucket(HostOrderedKey(0.0f)), TopKBucket(HostOrderedKey(-0.0f)));
+  EXPECT_LT(TopKBucket(HostOrderedKey(-1e-3f)), TopKBucket(HostOrderedKey(0.0f)));
+  EXPECT_LT(TopKBucket(HostOrderedKey(1.0f)), TopKBucket(HostOrderedKey(1.05f)));
+}
+
+// Rows built to reach every path of the compact kernel: few candidates (shared memory), a
+// misleading sample (the exact histogram then), and many candidates (ties, a narrow range, or
+// magnitudes clamped into the end buckets: passes over the row).
+std::vector<float> TopKTestRow(int kind, int32_t n) {
+  std::vector<float> x(n);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  switch (kind) {
+    case 0:  // spread values: candidates fit
+      FillVectors(Rng(), 1, n, x.data());
+      break;
+    case 1:  // heavy ties (1-5000 levels)
+      return TieHeavyLogits(n);
+    case 2:  // all within ~1% of 3.0: the threshold bucket holds most of the row
+      for (auto& v : x) v = 3.0f + 0.01f * normal(Rng());
+      break;
+    case 3: {  // magnitudes far outside [2^-16, 2^16): end buckets, both signs
+      std::uniform_int_distribution<int> e(-120, 120);
+      for (auto& v : x) v = std::ldexp(normal(Rng()), e(Rng()) > 0 ? 40 : -40);
+      break;
+    }
+    case 5:  // the sample (every 16th entry) far above the rest: it overestimates the threshold
+      for (int32_t i = 0; i < n; ++i) x[i] = (i % 16 == 0 ? 100.f : 0.f) + normal(Rng());
+      break;
+    case 6:  // the sample far below the rest: too many candidates
+      for (int32_t i = 0; i < n; ++i) x[i] = (i % 16 == 0 ? -100.f : 0.f) + normal(Rng());
+      break;
+    default: {  // 3000 levels spread out: ties at the threshold, candidates still fit
+      std::vector<float> pool(3000);
+      for (auto& p : pool) p = -2.0f + 0.25f * normal(Rng());
+      for (auto& v : x) v = pool[Rng()() % pool.size()];
+      break;
+    }
+  }
+  return x;
+}
+
+TEST_F(GpuTest, RadixTopKCompactMatchesCpuOnEveryPath) {
+  const int32_t k = 2048;
+  const std::vector<int32_t> lengths = {2049, 5000, 16384 + 3, 70001, 262144 + 8};
+  const int32_t rows = static_cast<int32_t>(lengths.size());
+  const int64_t stride = 262144 + 8;
+  for (int kind = 0; kind < 7; ++kind) {
+    SCOPED_TRACE(::testing::Message() << "row kind " << kind);
+    std::vector<float> logits(rows * stride, NAN);
+    std::vector<int32_t> expect(int64_t{rows} * k);
+    for (int32_t r = 0; r < rows; ++r) {
+      const std::vector<float> row = TopKTestRow(kind, lengths[r]);
+      std::copy(row.begin(), row.end(), logits.begin() + r * stride);
+      kernels::cpu::TopK(row.data(), lengths[r], k, expect.data() + int64_t{r} * k);
+    }
+    DeviceBuffer dl = Upload(logits), dlen = Upload(lengths);
+    using Algo = kernels::cuda::TopKArgs::Algo;
+    for (Algo algo : {Algo::kCompact, Algo::kMultiPass}) {
+      for (int32_t cluster : {1, 2, 4, 8}) {
+        DeviceBuffer dout = Poisoned<int32_t>(expect.size(), kPoisonI32);
+        ASSERT_TRUE(backend_->Synchronize().ok());
+        kernels::cuda::TopKArgs a;
+        a.num_rows = rows;
+        a.values = dl.as<float>();
+        a.stride = stride;
+        a.lengths = dlen.as<int32_t>();
+        a.k = k;
+        a.out = dout.as<int32_t>();
+        a.algo = algo;
+        a.cluster_size = cluster;
+        ASSERT_TRUE(kernels::cuda::LaunchRadixTopK(a, NumSms(), nullptr).ok());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<int32_t> got = Download<int32_t>(dout, expect.size());
+        for (int32_t r = 0; r < rows; ++r) {
+          EXPECT_TRUE(std::equal(got.begin() + int64_t{r} * k, got.begin() + int64_t{r + 1} * k,
+                                 expect.begin() + int64_t{r} * k))
+              << "row " << r << " length " << lengths[r] << " algo " << static_cast<int>(algo)
+              << " cluster " << cluster;
+        }
+      }
+    }
+  }
+}
+
+// The threshold filter: the logits epilogue's histogram equals the histogram of the sample of
+// the logits it wrote (every grid size), a top-k that reads it answers as one that does not, and
+// leaves it zero. Cases: one row per request, 2 and 3 rows per pass, a request with more rows than
+// a pass holds (its later rows count straight into global memory), and a long row on a tiny grid
+// (blocks of > 1023 tiles flush their 16-bit counts early).
+TEST_F(GpuTest, FusedTopKHistogramMatchesLogitsAndTopK) {
+  struct Case {
+    std::vector<int32_t> lengths;
+    int32_t next_n;
+    int num_sms;
+    bool uneven;  // rebuild as {request 0: 4 rows, request 1: 2 rows}: 3 rows per pass
+  };
+  const Case cases[] = {{Lengths(5, 9000), 1, 132, false},
+                        {Lengths(3, 7000), 2, 132, false},
+                        {Lengths(2, 5000), 3, 5, false},
+                        {{9000, 3000}, 2, 132, true},
+                        {{300000}, 1, 1, false}};
+  const int32_t k = 2048;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "first length " << c.lengths[0] << " next_n " << c.next_n
+                                      << " sms " << c.num_sms << " uneven " << c.uneven);
+    Scene s = MakeScene(Spec(CacheFormat::kFp8, 64, c.lengths, c.next_n));
+    if (c.uneven) {  // 6 rows over 2 requests: rows per pass 3, request 0 needs 2 passes
+      s.row_request = {0, 0, 0, 0, 1, 1};
+      const int32_t l0 = s.spec.lengths[0], l1 = s.spec.lengths[1];
+      s.row_length = {l0 - 3, l0 - 2, l0 - 1, l0, l1 - 1, l1};
+      const int64_t qrow = int64_t{64} * 128;
+      std::vector<uint8_t> qc(6 * qrow);
+      std::vector<float> w(6 * 64);
+      for (int r = 0; r < 6; ++r) {
+        std::copy_n(s.q_codes.begin() + (r % 4) * qrow, qrow, qc.begin() + r * qrow);
+        std::copy_n(s.weights.begin() + (r % 4) * 64, 64, w.begin() + r * 64);
+      }
+      s.q_codes = qc;
+      s.weights = w;
+      s.q_scales.assign(6 * 64 * 4, 0);
+    }
+    auto ds = UploadScene(this, s);
+    const int32_t rows = s.num_rows();
+    const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
+    const int64_t bins = kernels::cuda::kTopKBins;
+    DeviceBuffer dlog = Poisoned<float>(rows * stride, NAN);
+    DeviceBuffer dhist = Upload(std::vector<uint32_t>(rows * bins, 0u));
+    kernels::cuda::PagedLogitsArgs la;
+    la.cache = ds->cache;
+    la.rows = ds->rows;
+    la.q = ds->q;
+    la.logits = dlog.as<float>();
+    la.logits_stride = stride;
+    la.row_histogram = dhist.as<uint32_t>();
+    la.math = kernels::cuda::MqaMath::kWgmmaKeysMFused;  // the kernel with the hook
+    ASSERT_TRUE(kernels::cuda::PagedLogitsFillsHistogram(la));
+    ASSERT_FALSE(kernels::cuda::PagedLogitsNeedsSchedule(la));
+    ASSERT_TRUE(backend_->Synchronize().ok());
+    ASSERT_TRUE(kernels::cuda::LaunchPagedMqaLogits(la, c.num_sms, nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> logits = Download<float>(dlog, rows * stride);
+    const std::vector<uint32_t> hist = Download<uint32_t>(dhist, rows * bins);
+    std::vector<int32_t> expect(int64_t{rows} * k);
+    for (int32_t r = 0; r < rows; ++r) {
+      std::vector<uint32_t> want(bins, 0u);
+      for (int32_t t = 0; t < s.row_length[r]; t += kernels::cuda::kTopKSampleStride) {
+        ++want[kernels::cuda::TopKBucket(HostOrderedKey(logits[r * stride + t]))];
+      }
+      EXPECT_TRUE(std::equal(want.begin(), want.end(), hist.begin() + r * bins)) << "row " << r;
+      kernels::cpu::TopK(logits.data() + r * stride, s.row_length[r], k,
+                         expect.data() + int64_t{r} * k);
+    }
+    for (bool use_hist : {true, false}) {
+      DeviceBuffer dout = Poisoned<int32_t>(expect.size(), kPoisonI32);
+      ASSERT_TRUE(backend_->Synchronize().ok());
+      kernels::cuda::TopKArgs a;
+      a.num_rows = rows;
+      a.values = dlog.as<float>();
+      a.stride = stride;
+      a.lengths = ds->rows.row_length;
+      a.k = k;
+      a.out = dout.as<int32_t>();
+      a.max_length = ds->rows.max_row_length;
+      a.row_histogram = use_hist ? dhist.as<uint32_t>() : nullptr;
+      ASSERT_TRUE(kernels::cuda::LaunchRadixTopK(a, NumSms(), nullptr).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(Download<int32_t>(dout, expect.size()), expect) << "histogram " << use_hist;
+    }
+    const std::vector<uint32_t> after = Download<uint32_t>(dhist, rows * bins);
+    EXPECT_TRUE(std::all_of(after.begin(), after.end(), [](uint32_t v) { return v == 0u; }))
+        << "the top-k left the histogram dirty";
   }
 }
 
@@ -867,6 +1144,133 @@ TEST_F(GpuTest, SparseTopKGridMatchesCpuAndIgnoresBatch) {
         << "a row's answer moved when another row changed";
     EXPECT_TRUE(std::all_of(other.begin(), other.begin() + k, [](int32_t v) { return v == -1; }))
         << "a row with no positions must answer -1 only";
+  }
+}
+
+// Runs the sparse logits launcher (one variant) into a NaN-poisoned [rows, maxp] buffer.
+std::vector<float> GpuSparseLogits(GpuTest* t, DeviceScene& ds, const DeviceBuffer& positions,
+                                   const DeviceBuffer& counts, int32_t maxp,
+                                   kernels::cuda::SparseLogitsMath math) {
+  const int32_t rows = ds.rows.num_rows;
+  DeviceBuffer out = t->Poisoned<float>(int64_t{rows} * maxp, NAN);
+  EXPECT_TRUE(t->backend_->Synchronize().ok());  // uploads ran on the backend's stream
+  EXPECT_TRUE(kernels::cuda::LaunchSparseLogits(ds.cache, ds.rows, ds.q, positions.as<int32_t>(),
+                                                counts.as<int32_t>(), maxp, out.as<float>(),
+                                                nullptr, math)
+                  .ok());
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return t->Download<float>(out, int64_t{rows} * maxp);
+}
+
+// The tensor-core sparse logits (kMma) at every listed position against the CPU and the grid
+// kernel: FP8 64 heads, FP4 32 heads and head counts that pad the 8-head n-tiles or take the
+// wide variant (FP8 40, FP4 20, FP4 48); FP4 rows with and without q scales folded into q;
+// shuffled page tables (MakeScene), candidate blocks of 8 as the expansion lists them, counts
+// shorter and longer than K. Entries past a row's count stay poisoned. A position's logit
+// depends only on (row, position): bit-identical across runs, when the row lists its
+// positions in another order (other tile slots and chunks), and when other rows' counts
+// change.
+TEST_F(GpuTest, SparseLogitsMmaMatchesCpuAndGrid) {
+  using kernels::cuda::SparseLogitsMath;
+  struct Case {
+    CacheFormat format;
+    int32_t heads;
+  };
+  for (const Case c :
+       {Case{CacheFormat::kFp8, 64}, Case{CacheFormat::kFp4, 32}, Case{CacheFormat::kFp8, 40},
+        Case{CacheFormat::kFp4, 20}, Case{CacheFormat::kFp4, 48}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "format " << static_cast<int>(c.format) << " heads " << c.heads);
+    Scene s = MakeScene(Spec(c.format, c.heads, {14000, 300, 5000}, 2));
+    if (c.format == CacheFormat::kFp4) {
+      // Row 1: one head's group scales 2^24 apart, past what kMma folds into q (2^20): that
+      // row takes the unfolded group scaling, the others the folded one.
+      uint8_t& b = s.q_scales[(int64_t{1} * c.heads + c.heads / 2) * 4 + 3];
+      b = b > 127 ? b - 24 : b + 24;
+    }
+    auto ds = UploadScene(this, s);
+    const int32_t rows = s.num_rows(), bs = 8, nb = 2048, maxp = nb * bs;
+    // Each row: random distinct candidate blocks (about 3/4 of its blocks, at most nb),
+    // ascending, expanded below the row's length; and the same positions shuffled.
+    std::vector<int32_t> pos(int64_t{rows} * maxp, -1), shuf(pos.size(), -1), cnt(rows);
+    for (int32_t r = 0; r < rows; ++r) {
+      const int32_t len = s.row_length[r], blocks = (len + bs - 1) / bs;
+      std::vector<int32_t> ids(blocks);
+      std::iota(ids.begin(), ids.end(), 0);
+      std::shuffle(ids.begin(), ids.end(), Rng());
+      const int32_t take = std::min(nb, blocks * 3 / 4 + 1);
+      std::sort(ids.begin(), ids.begin() + take);
+      int32_t n = 0;
+      for (int32_t j = 0; j < take; ++j) {
+        for (int32_t o = 0; o < bs && ids[j] * bs + o < len; ++o) {
+          pos[int64_t{r} * maxp + n++] = ids[j] * bs + o;
+        }
+      }
+      cnt[r] = n;
+      std::copy_n(pos.begin() + int64_t{r} * maxp, n, shuf.begin() + int64_t{r} * maxp);
+      std::shuffle(shuf.begin() + int64_t{r} * maxp, shuf.begin() + int64_t{r} * maxp + n, Rng());
+    }
+    ASSERT_LT(cnt[2], 512);  // the 300-entry request: fewer positions than K
+    ASSERT_GT(cnt[0], 512);
+    DeviceBuffer dpos = Upload(pos), dshuf = Upload(shuf), dcnt = Upload(cnt);
+    const std::vector<float> mma =
+        GpuSparseLogits(this, *ds, dpos, dcnt, maxp, SparseLogitsMath::kMma);
+    const std::vector<float> grid =
+        GpuSparseLogits(this, *ds, dpos, dcnt, maxp, SparseLogitsMath::kGrid);
+    double worst = 0.0, worst_grid = 0.0;
+    for (int32_t r = 0; r < rows; ++r) {
+      const int64_t o = int64_t{r} * maxp;
+      std::vector<float> at(cnt[r]);
+      kernels::cpu::RowLogitsAt(s.cache(), s.rows(), s.q(), r, pos.data() + o, cnt[r], at.data());
+      const double tol = RowTol(at);
+      int64_t bad = 0, unwritten_past = 0;
+      for (int32_t i = 0; i < cnt[r]; ++i) {
+        const double err = std::fabs(double{mma[o + i]} - at[i]);
+        if (!(err <= tol)) ++bad;  // NaN (unwritten) counts as bad
+        if (!(std::fabs(double{mma[o + i]} - grid[o + i]) <= 2 * tol)) ++bad;
+        worst = std::max(worst, err / (tol / kLogitRelTol));
+        worst_grid =
+            std::max(worst_grid, std::fabs(double{grid[o + i]} - at[i]) / (tol / kLogitRelTol));
+      }
+      for (int32_t i = cnt[r]; i < maxp; ++i) unwritten_past += !std::isnan(mma[o + i]);
+      EXPECT_EQ(bad, 0) << "row " << r << " count " << cnt[r];
+      EXPECT_EQ(unwritten_past, 0) << "row " << r << ": written past its count";
+    }
+    std::printf("  [sparse mma] format %d heads %d: max |mma-cpu| / row max = %.3g (grid %.3g)\n",
+                static_cast<int>(c.format), c.heads, worst, worst_grid);
+
+    EXPECT_EQ(
+        0, std::memcmp(GpuSparseLogits(this, *ds, dpos, dcnt, maxp, SparseLogitsMath::kMma).data(),
+                       mma.data(), mma.size() * 4))
+        << "kMma not bit-identical across runs";
+    // Shuffled order: every position's logit moves with it, bit for bit.
+    const std::vector<float> moved =
+        GpuSparseLogits(this, *ds, dshuf, dcnt, maxp, SparseLogitsMath::kMma);
+    int64_t slot_diff = 0;
+    for (int32_t r = 0; r < rows; ++r) {
+      const int64_t o = int64_t{r} * maxp;
+      std::vector<float> by_pos(s.row_length[r], NAN);
+      for (int32_t i = 0; i < cnt[r]; ++i) by_pos[pos[o + i]] = mma[o + i];
+      for (int32_t i = 0; i < cnt[r]; ++i) {
+        slot_diff += std::memcmp(&by_pos[shuf[o + i]], &moved[o + i], 4) != 0;
+      }
+    }
+    EXPECT_EQ(slot_diff, 0) << "a logit changed with its position's slot in the list";
+    // Other rows' counts: row 2 scores nothing, row 0 a prefix cut mid-chunk.
+    std::vector<int32_t> cnt2 = cnt;
+    cnt2[2] = 0;
+    cnt2[0] = cnt[0] - 517;
+    DeviceBuffer dcnt2 = Upload(cnt2);
+    const std::vector<float> other =
+        GpuSparseLogits(this, *ds, dpos, dcnt2, maxp, SparseLogitsMath::kMma);
+    for (int32_t r = 0; r < rows; ++r) {
+      const int64_t o = int64_t{r} * maxp;
+      EXPECT_EQ(0, std::memcmp(other.data() + o, mma.data() + o, 4 * int64_t{cnt2[r]}))
+          << "row " << r << " moved when other rows' counts changed";
+      EXPECT_TRUE(std::all_of(other.begin() + o + cnt2[r], other.begin() + o + maxp,
+                              [](float v) { return std::isnan(v); }))
+          << "row " << r << ": written past its count";
+    }
   }
 }
 

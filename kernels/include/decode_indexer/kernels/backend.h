@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -192,6 +193,66 @@ class Backend {
   // the main stream wait for it. Backends without streams run it inline.
   virtual absl::Status ForkExpand(const ExpandArgs& args) = 0;
   virtual absl::Status JoinExpand() = 0;
+
+  // Host memory for staging a step's uploads. A GPU backend page-locks it (and makes it usable
+  // from every device), so CopyToDevice from it is a true asynchronous DMA instead of a bounce
+  // through a driver buffer that may wait for the stream. It is host memory: pass it as the
+  // host side of CopyToDevice / CopyToHost. The default is plain, zero-filled host memory.
+  virtual absl::StatusOr<void*> AllocateHost(size_t bytes) {
+    void* p = std::calloc(1, bytes > 0 ? bytes : 1);
+    if (p == nullptr) return absl::ResourceExhaustedError("cannot allocate host staging memory");
+    return p;
+  }
+  virtual void FreeHost(void* ptr) { std::free(ptr); }
+
+  // CUDA graphs (seed: warm). Between BeginCapture and EndCapture the entry points called on
+  // the main stream are recorded, not run; EndCapture(key) instantiates the recording and keeps
+  // it under `key` without running it (so a failed capture can still run eagerly); Replay(key)
+  // launches the graph kept under `key` and answers whether there was one. AbortCapture ends a capture
+  // whose calls failed and drops it. While capturing, call no copy, Synchronize, Allocate,
+  // ForkExpand or JoinExpand. Every pointer and size a recorded call received is baked into
+  // the graph: the caller replays a key only for calls with the same arguments. The default
+  // backend has no graphs (SupportsGraphs false; the others fail or answer false).
+  virtual bool SupportsGraphs() const { return false; }
+  virtual absl::Status BeginCapture() {
+    return absl::UnimplementedError("this backend has no graphs");
+  }
+  virtual absl::Status EndCapture(uint64_t key) {
+    (void)key;
+    return absl::UnimplementedError("this backend has no graphs");
+  }
+  virtual void AbortCapture() {}
+  virtual absl::StatusOr<bool> Replay(uint64_t key) {
+    (void)key;
+    return false;
+  }
+
+  // Data plane (serving). A client's device buffer exported with cudaIpcGetMemHandle:
+  // `handle` is the cudaIpcMemHandle_t's bytes, `bytes` the size the client declares and
+  // `device` its device ordinal (must be this backend's). Answers a pointer in this backend's
+  // memory (CopyDeviceToDevice may write there) until CloseIpcMemory. Backends without
+  // device memory answer FAILED_PRECONDITION.
+  virtual absl::StatusOr<void*> OpenIpcMemory(std::string_view handle, size_t bytes, int device) {
+    (void)handle, (void)bytes, (void)device;
+    return absl::FailedPreconditionError("the " + std::string(name()) +
+                                         " backend has no device memory to share through CUDA IPC");
+  }
+  virtual absl::Status CloseIpcMemory(void* ptr) {
+    (void)ptr;
+    return absl::OkStatus();
+  }
+  // Page-locks host memory the backend copies from/to (a client's shared-memory region), so
+  // CopyToDevice/CopyToHost there are direct DMA. No-op where there is nothing to pin.
+  virtual absl::Status RegisterHostMemory(void* ptr, size_t bytes) {
+    (void)ptr, (void)bytes;
+    return absl::OkStatus();
+  }
+  virtual absl::Status UnregisterHostMemory(void* ptr) {
+    (void)ptr;
+    return absl::OkStatus();
+  }
+  // Device memory in use on this backend's device (total - free); 0 for host backends.
+  virtual int64_t DeviceMemoryBytes() const { return 0; }
 };
 
 // The CPU reference backend. threads <= 0: one per hardware thread.

@@ -1,0 +1,626 @@
+// Paged MQA logits for FP8 caches with 64 heads, keys as M (MqaMath::kWgmmaKeysMPipelined): the
+// keys-as-M math of sm90_paged_mqa_logits_keys_m.cu, bit for bit, with the page loads moved to a
+// producer warp.
+//
+// Why: the keys-M kernel is latency bound (docs/notes/cuda.md). Each of its blocks runs, per page,
+// cp.async wait -> block barrier -> page-table load + 17 cp.async address computations per thread
+// -> widen -> wgmma -> wait -> epilogue in series, so DRAM stays 35-45% busy. Here each block is
+// one consumer warpgroup (warps 0-3) and one producer warp (warp 4):
+// - The producer walks the block's tiles ahead of the consumer, loads each page-table entry one
+//   tile early, and fills a kPipeStages-deep ring of page slots with cp.async (the same 128B
+//   swizzle as keys-M); each lane's `cp.async.mbarrier.arrive` completes the slot's `full` phase
+//   once its copies have landed. It waits only on the slot's `empty` barrier.
+// - The consumer waits on `full`, widens the page into A fragments (ldmatrix + cvt / bit moves, as
+//   keys-M), reads the page's key scales and releases the slot (`empty`, one arrival per warp)
+//   before its wgmmas even start, so the producer refills it while the MMA and the epilogue run. No
+//   block-wide barrier in the steady state: only a named barrier over the warpgroup when a new
+//   request's q is written to shared memory.
+// - With several rows per pass (next_n >= 2) two rows' wgmma groups are in flight at once, so the
+//   second row's MMA overlaps the first row's epilogue.
+// - Several such blocks per SM overlap each other's MMA, widening and epilogue phases.
+//
+// Numerics: every logit is computed by the same instructions on the same operands as in keys-M
+// (same k-step grouping, the same permuted q layout, the same widening choice per rows-per-pass,
+// the same epilogue order), so the logits are keys-M's bit for bit (gpu_test checks every entry).
+// The order does not depend on the schedule, the grid or the batch.
+#include <algorithm>
+#include <climits>
+#include <mutex>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/sm90_device_utils.cuh"
+#include "kernels/cuda/sm90_launchers.h"
+#include "kernels/cuda/sm90_mqa_pipeline.cuh"
+#include "kernels/cuda/sm90_tile_config.h"
+
+namespace decode_indexer::kernels::cuda {
+namespace {
+
+constexpr int kHeads = 64;
+constexpr int kConsumerThreads = 128;                  // one warpgroup: warps 0-3
+constexpr int kConsumerWarps = kConsumerThreads / 32;  // the producer is warp 4
+constexpr int kThreads = kConsumerThreads + 32;
+constexpr int kStages = kPipeStages;
+constexpr int kValues = kMqaTileKeys * kMqaHeadDim;  // 8192: a page's e4m3 codes
+constexpr int kScales = kMqaTileKeys * 4;            // 256: its fp32 scales
+constexpr int kPageBytes = kValues + kScales;        // 8448
+constexpr int kQBytes = kHeads * kMqaHeadDim * 2;    // one row's q in f16: 16 KB
+constexpr int kHalfBytes = kHeads * 128;             // 64 dims of q: one swizzled tile
+constexpr int kOwnScheduleMaxRequests = 256;
+constexpr int kOwnScheduleBytes = (4 * kOwnScheduleMaxRequests + 1 + 32) * 4;
+constexpr int kQBarrier = 1;  // named barrier of the consumer warpgroup
+
+template <int kRowsPerPass, bool kOwnSchedule>
+constexpr int SmemBytes() {
+  return kStages * kValues + kRowsPerPass * kQBytes + kStages * kScales +
+         kRowsPerPass * kHeads * 4 + 16 + 2 * kStages * 8 + (kOwnSchedule ? kOwnScheduleBytes : 0) +
+         1024;
+}
+
+// Widening modes, as in keys-M: all cvt, k-steps 2, 3, 6, 7 by integer bit moves (split).
+enum Widen { kWidenCvt = 0, kWidenSplit = 1 };
+__host__ __device__ constexpr bool BitMoveStep(int widen, int ks) {
+  return widen == kWidenSplit && ((ks >> 1) & 1);
+}
+// e4m3 code -> f16 bits of its value times 2^-8 (exact).
+__device__ __forceinline__ uint32_t E4M3ToF16BitsScaled(uint32_t b) {
+  return ((b & 0x80u) << 8) | ((b & 0x7Fu) << 7);
+}
+// Four e4m3 codes b0..b3 -> f16x2 (b0, b2) and (b1, b3), each value times 2^-8.
+__device__ __forceinline__ void E4M3x4ToF16x2ScaledBitMove(uint32_t q, uint32_t& even,
+                                                           uint32_t& odd) {
+  odd = (q & 0x80008000u) | ((q >> 1) & 0x3F803F80u);
+  const uint32_t q8 = q << 8;
+  even = (q8 & 0x80008000u) | ((q8 >> 1) & 0x3F803F80u);
+}
+
+template <bool kShared>
+__device__ __forceinline__ int32_t Ld(const int32_t* v) {
+  if constexpr (kShared) {
+    return *v;
+  } else {
+    return __ldg(v);
+  }
+}
+
+// Walks the schedule's tiles in order (the schedule may live in shared memory).
+template <bool kShared>
+struct Cursor {
+  int tile, request, request_end;
+  __device__ __forceinline__ void Seek(const int32_t* prefix, int num_requests, int t) {
+    int lo = 0, hi = num_requests - 1;  // the last b with prefix[b] <= t
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (Ld<kShared>(&prefix[mid]) <= t) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    tile = t;
+    request = lo;
+    request_end = Ld<kShared>(&prefix[lo + 1]);
+  }
+  __device__ __forceinline__ void Next(const int32_t* prefix) {
+    ++tile;
+    while (tile >= request_end) {
+      ++request;
+      request_end = Ld<kShared>(&prefix[request + 1]);
+    }
+  }
+};
+
+// Byte offset of q[head][dim] (f16) in a row's q tile: keys-M's layout (k permuted inside each
+// 16-dim step to match ldmatrix's fragments, 128B swizzle; bit-move steps pair dims (4c, 4c + 2)
+// and (4c + 1, 4c + 3)).
+__device__ __forceinline__ int QOffset(int head, int dim, bool bit_move) {
+  const int step = dim >> 4, p = dim & 15;
+  const int e = p & 3;
+  const int kk = bit_move ? ((e & 1) ? 8 : 0) + 2 * (p >> 2) + (e >> 1)
+                 : e < 2  ? 2 * (p >> 2) + e
+                          : 8 + 2 * (p >> 2) + e - 2;
+  const int byte = ((step & 3) * 16 + kk) * 2;
+  return (step >> 2) * kHalfBytes + head * 128 + ((((byte >> 4) ^ (head & 7))) << 4) + (byte & 15);
+}
+
+// Four e4m3 codes of q (dims 4 quad .. 4 quad + 3 of one head) into the q tile.
+template <int kWiden>
+__device__ __forceinline__ void StoreQQuad(uint8_t* qt, int head, int quad, uint32_t codes) {
+  if constexpr (kWiden == kWidenCvt) {
+    *reinterpret_cast<uint32_t*>(qt + QOffset(head, 4 * quad, false)) = E4M3x2ToF16x2(codes);
+    *reinterpret_cast<uint32_t*>(qt + QOffset(head, 4 * quad + 2, false)) =
+        E4M3x2ToF16x2(codes >> 16);
+  } else {
+    // Bit-move steps: the keys carry the 2^-8, q is plain f16; cvt steps: q carries it.
+    const bool bit_move = BitMoveStep(kWiden, (4 * quad) >> 4);
+    const uint32_t lo = E4M3x2ToF16x2(codes), hi = E4M3x2ToF16x2(codes >> 16);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t f16 = bit_move ? (((e < 2 ? lo : hi) >> (16 * (e & 1))) & 0xFFFFu)
+                                    : E4M3ToF16BitsScaled((codes >> (8 * e)) & 0xFFu);
+      *reinterpret_cast<uint16_t*>(qt + QOffset(head, 4 * quad + e, bit_move)) =
+          static_cast<uint16_t>(f16);
+    }
+  }
+}
+
+// This warp's 16 keys of the page in `kv` as f16 A fragments, 8 k-steps of 16 dims (keys-M's
+// instruction sequence: ldmatrix, then cvt or bit moves per k-step).
+template <int kWiden>
+__device__ __forceinline__ void WidenPage(const uint8_t* kv, int warp, int lane,
+                                          uint32_t (&a)[8][4]) {
+#pragma unroll
+  for (int sp = 0; sp < 4; ++sp) {
+    uint32_t r[4];
+    const int mi = lane >> 3;
+    const int key = warp * 16 + (lane & 7) + 8 * (mi & 1);
+    const int chunk = 2 * sp + (mi >> 1);
+    LdMatrixX4(r, kv + key * 128 + ((chunk ^ (key & 7)) << 4));
+    if (BitMoveStep(kWiden, 2 * sp)) {
+      E4M3x4ToF16x2ScaledBitMove(r[0], a[2 * sp][0], a[2 * sp][2]);
+      E4M3x4ToF16x2ScaledBitMove(r[1], a[2 * sp][1], a[2 * sp][3]);
+      E4M3x4ToF16x2ScaledBitMove(r[2], a[2 * sp + 1][0], a[2 * sp + 1][2]);
+      E4M3x4ToF16x2ScaledBitMove(r[3], a[2 * sp + 1][1], a[2 * sp + 1][3]);
+      continue;
+    }
+    a[2 * sp][0] = E4M3x2ToF16x2(r[0]);
+    a[2 * sp][2] = E4M3x2ToF16x2(r[0] >> 16);
+    a[2 * sp][1] = E4M3x2ToF16x2(r[1]);
+    a[2 * sp][3] = E4M3x2ToF16x2(r[1] >> 16);
+    a[2 * sp + 1][0] = E4M3x2ToF16x2(r[2]);
+    a[2 * sp + 1][2] = E4M3x2ToF16x2(r[2] >> 16);
+    a[2 * sp + 1][1] = E4M3x2ToF16x2(r[3]);
+    a[2 * sp + 1][3] = E4M3x2ToF16x2(r[3] >> 16);
+  }
+}
+
+// kMinBlocks: blocks per SM the register cap is sized for; kPairRows: two rows' MMAs in flight
+// (twice the accumulators) when a pass has several rows; kPagePairs (one row per pass only): two
+// pages of a request per step, the second page's MMA running during the first page's epilogue
+// (twice the A fragments and accumulators).
+template <int kRowsPerPass, int kWiden, bool kOwnSchedule, int kMinBlocks, bool kPairRows,
+          bool kPagePairs>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    PagedMqaLogitsPipelinedKernel(const PagedLogitsArgs p) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem =
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* stage_values = smem;                             // [stages][8192], swizzled
+  uint8_t* q_tile = smem + kStages * kValues;               // [rows][2][64][128 B]
+  uint8_t* stage_scales = q_tile + kRowsPerPass * kQBytes;  // [stages][64] fp32
+  float* w_smem = reinterpret_cast<float*>(stage_scales + kStages * kScales);      // [rows][64]
+  int32_t* len_smem = reinterpret_cast<int32_t*>(w_smem + kRowsPerPass * kHeads);  // [rows]
+  uint64_t* full = reinterpret_cast<uint64_t*>(len_smem + 4);  // 16-byte aligned
+  uint64_t* empty = full + kStages;
+  int32_t* own = reinterpret_cast<int32_t*>(empty + kStages);
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(&full[s], 32);               // one cp.async arrival per producer lane
+      MbarInit(&empty[s], kConsumerWarps);  // one arrival per consumer warp
+    }
+  }
+
+  const int num_requests = p.rows.num_requests;
+  const int32_t* prefix = p.schedule.tile_prefix;
+  const int32_t* req_first_row = p.schedule.request_first_row;
+  const int32_t* req_num_rows = p.schedule.request_num_rows;
+  const int32_t* req_max_len = p.schedule.request_max_len;
+  if constexpr (kOwnSchedule) {
+    // The schedule kernel's work, in shared memory (as keys-M fused; min / count / max are
+    // order-free, so the numbers are the schedule kernel's).
+    int32_t* first = own;
+    int32_t* count = own + kOwnScheduleMaxRequests;
+    int32_t* maxlen = own + 2 * kOwnScheduleMaxRequests;
+    int32_t* pre = own + 3 * kOwnScheduleMaxRequests;
+    uint32_t* scratch = reinterpret_cast<uint32_t*>(pre + kOwnScheduleMaxRequests + 1);
+    for (int b = tid; b < num_requests; b += kThreads) {
+      first[b] = INT_MAX;
+      count[b] = 0;
+      maxlen[b] = 0;
+    }
+    __syncthreads();
+    for (int r = tid; r < p.rows.num_rows; r += kThreads) {
+      const int b = __ldg(&p.rows.row_request[r]);
+      atomicMin(&first[b], r);
+      atomicAdd(&count[b], 1);
+      atomicMax(&maxlen[b], __ldg(&p.rows.row_length[r]));
+    }
+    __syncthreads();
+    const int per_thread = (num_requests + kThreads - 1) / kThreads;
+    const int lo = min(num_requests, tid * per_thread);
+    const int hi = min(num_requests, lo + per_thread);
+    uint32_t local = 0;
+    for (int b = lo; b < hi; ++b) local += (maxlen[b] + kMqaTileKeys - 1) / kMqaTileKeys;
+    uint32_t total = 0;
+    uint32_t run = BlockExclusiveScan(local, scratch, &total);
+    for (int b = lo; b < hi; ++b) {
+      pre[b] = static_cast<int32_t>(run);
+      run += (maxlen[b] + kMqaTileKeys - 1) / kMqaTileKeys;
+    }
+    if (tid == 0) pre[num_requests] = static_cast<int32_t>(total);
+    prefix = pre;
+    req_first_row = first;
+    req_num_rows = count;
+    req_max_len = maxlen;
+  }
+  __syncthreads();  // barriers initialised (and the schedule built) for everyone
+  const int total_tiles = Ld<kOwnSchedule>(&prefix[num_requests]);
+  const int begin = static_cast<int>(int64_t{total_tiles} * blockIdx.x / gridDim.x);
+  const int end = static_cast<int>(int64_t{total_tiles} * (blockIdx.x + 1) / gridDim.x);
+  if (begin >= end) return;
+  const int num_tiles = end - begin;
+
+  if (warp == kConsumerWarps) {
+    // ---- Producer warp: page slots, kStages ahead of the consumer. ----
+    const uint8_t* __restrict__ cache = p.cache.base;
+    Cursor<kOwnSchedule> load;
+    load.Seek(prefix, num_requests, begin);
+    // The page-table entry of the tile after the one being issued is loaded one tile early, so its
+    // latency overlaps the wait on the slot.
+    auto locate = [&](int& page, int& valid) {
+      const int b = load.request;
+      const int j = load.tile - Ld<kOwnSchedule>(&prefix[b]);
+      page = __ldg(&p.rows.page_table[int64_t{b} * p.rows.page_table_stride + j]);
+      valid = min(kMqaTileKeys, Ld<kOwnSchedule>(&req_max_len[b]) - j * kMqaTileKeys);
+    };
+    int next_page, next_valid;
+    locate(next_page, next_valid);
+    for (int i = 0; i < num_tiles; ++i) {
+      const int page = next_page, valid = next_valid;
+      if (i + 1 < num_tiles) {
+        load.Next(prefix);
+        locate(next_page, next_valid);
+      }
+      const int st = i % kStages;
+      if (i >= kStages) MbarWait(&empty[st], ((i / kStages) + 1) & 1);
+      const uint8_t* src = cache + int64_t{page} * kPageBytes;
+      uint8_t* dv = stage_values + st * kValues;
+      uint8_t* ds = stage_scales + st * kScales;
+#pragma unroll
+      for (int k0 = 0; k0 < (kPageBytes / 16 + 31) / 32; ++k0) {
+        const int ch = k0 * 32 + lane;
+        if (ch < kValues / 16) {
+          const int row = ch >> 3, col = ch & 7;
+          CpAsync16(dv + row * 128 + ((col ^ (row & 7)) << 4), src + ch * 16, row < valid);
+        } else if (ch < kPageBytes / 16) {
+          const int sc = ch - kValues / 16;
+          CpAsync16(ds + sc * 16, src + kValues + sc * 16, sc * 4 < valid);
+        }
+      }
+      CpAsyncMbarArrive(&full[st]);
+    }
+    CpAsyncWait<0>();
+    return;
+  }
+
+  // ---- Consumer warpgroup. ----
+  const int g = lane >> 2;
+  const int c = lane & 3;
+  constexpr bool kSplit = kWiden != kWidenCvt;
+  int loaded_request = -1, loaded_pass = -1;
+  // One row per pass: this thread's 16 head weights (heads 8 j + 2 c + e) in registers, read once
+  // per q load instead of 16 shared loads per page (the same values, so the same sums).
+  float w_reg[16];
+#pragma unroll
+  for (int k = 0; k < 16; ++k) w_reg[k] = 0.f;
+  // q (and w, row lengths) of pass `pass` of request b into shared memory. The named barrier first:
+  // every warp's wgmmas on the previous q have completed (each waited on its own).
+  auto load_q = [&](int b, int pass, int first_row, int nrows) {
+    NamedBarrierSync(kQBarrier, kConsumerThreads);
+    loaded_request = b;
+    loaded_pass = pass;
+    // 16 codes per item (one 16-byte load), four items per thread in flight at once.
+    constexpr int kItems = kRowsPerPass * kHeads * 8;
+#pragma unroll
+    for (int it0 = 0; it0 < kItems; it0 += 4 * kConsumerThreads) {
+      uint4 codes[4];
+      float wv[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int it = it0 + u * kConsumerThreads + tid;
+        const int rr = it / (kHeads * 8), head = (it / 8) % kHeads, oct = it % 8;
+        const int rin = pass * kRowsPerPass + rr;
+        codes[u] = make_uint4(0u, 0u, 0u, 0u);
+        wv[u] = 0.f;
+        if (it < kItems && rin < nrows) {
+          const int64_t row = first_row + rin;
+          codes[u] = __ldg(
+              reinterpret_cast<const uint4*>(p.q.codes + (row * kHeads + head) * kMqaHeadDim) +
+              oct);
+          if (oct == 0) wv[u] = __ldg(&p.q.weights[row * kHeads + head]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int it = it0 + u * kConsumerThreads + tid;
+        const int rr = it / (kHeads * 8), head = (it / 8) % kHeads, oct = it % 8;
+        if (it >= kItems || pass * kRowsPerPass + rr >= nrows) continue;
+        uint8_t* qt = q_tile + rr * kQBytes;
+        StoreQQuad<kWiden>(qt, head, 4 * oct + 0, codes[u].x);
+        StoreQQuad<kWiden>(qt, head, 4 * oct + 1, codes[u].y);
+        StoreQQuad<kWiden>(qt, head, 4 * oct + 2, codes[u].z);
+        StoreQQuad<kWiden>(qt, head, 4 * oct + 3, codes[u].w);
+        if (oct == 0) w_smem[rr * kHeads + head] = wv[u];
+      }
+    }
+    if (tid < kRowsPerPass) {
+      const int rin = pass * kRowsPerPass + tid;
+      len_smem[tid] = rin < nrows ? __ldg(&p.rows.row_length[first_row + rin]) : 0;
+    }
+    FenceProxyAsyncShared();  // st.shared before the wgmmas' (async proxy) reads of q
+    NamedBarrierSync(kQBarrier, kConsumerThreads);
+    if constexpr (kRowsPerPass == 1) {
+#pragma unroll
+      for (int k = 0; k < 16; ++k) w_reg[k] = w_smem[8 * (k >> 1) + 2 * c + (k & 1)];
+    }
+  };
+
+  Cursor<kOwnSchedule> cur;
+  cur.Seek(prefix, num_requests, begin);
+
+  if constexpr (kPagePairs) {
+    static_assert(kRowsPerPass == 1, "page pairs: one row per pass");
+    // The same structure as the row pairs below (two MMA groups, both always issued, waits
+    // unconditional: ptxas serializes every wgmma otherwise): the second page is the next tile of
+    // the same request (same q); when there is none, the first page's fragments are widened twice
+    // and the second result is dropped.
+    auto epilogue = [&](const float(&acc)[32], int64_t row, int base, float k0, float k1) {
+      float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float wv = w_reg[2 * j + e];
+          s0 += wv * fmaxf(acc[4 * j + e], 0.f);
+          s1 += wv * fmaxf(acc[4 * j + 2 + e], 0.f);
+        }
+      }
+      s0 += __shfl_xor_sync(kFullMask, s0, 1);
+      s1 += __shfl_xor_sync(kFullMask, s1, 1);
+      s0 += __shfl_xor_sync(kFullMask, s0, 2);
+      s1 += __shfl_xor_sync(kFullMask, s1, 2);
+      if (c < 2) {
+        const int pos = base + warp * 16 + g + 8 * c;
+        if (pos < len_smem[0]) p.logits[row * p.logits_stride + pos] = c == 0 ? s0 * k0 : s1 * k1;
+      }
+    };
+    int i = 0;
+    while (i < num_tiles) {
+      const int b = cur.request;
+      const int base_pos = (cur.tile - Ld<kOwnSchedule>(&prefix[b])) * kMqaTileKeys;
+      const int first_row = Ld<kOwnSchedule>(&req_first_row[b]);
+      const int nrows = Ld<kOwnSchedule>(&req_num_rows[b]);
+      const bool second = i + 1 < num_tiles && cur.tile + 1 < cur.request_end;
+      if (b != loaded_request || loaded_pass != 0) load_q(b, 0, first_row, nrows);
+      const int st0 = i % kStages, st1 = (i + 1) % kStages;
+      MbarWait(&full[st0], (i / kStages) & 1);
+      if (second) MbarWait(&full[st1], ((i + 1) / kStages) & 1);
+      const int sb = second ? st1 : st0;
+      const float* ksc0 = reinterpret_cast<const float*>(stage_scales + st0 * kScales);
+      const float* ksc1 = reinterpret_cast<const float*>(stage_scales + sb * kScales);
+      uint32_t a0[8][4], a1[8][4];
+      WidenPage<kWiden>(stage_values + st0 * kValues, warp, lane, a0);
+      WidenPage<kWiden>(stage_values + sb * kValues, warp, lane, a1);
+      const int key0 = warp * 16 + g;
+      const float k00 = kSplit ? 256.f * ksc0[key0] : ksc0[key0];
+      const float k01 = kSplit ? 256.f * ksc0[key0 + 8] : ksc0[key0 + 8];
+      const float k10 = kSplit ? 256.f * ksc1[key0] : ksc1[key0];
+      const float k11 = kSplit ? 256.f * ksc1[key0 + 8] : ksc1[key0 + 8];
+      __syncwarp();
+      if (lane == 0) {
+        MbarArrive(&empty[st0]);
+        if (second) MbarArrive(&empty[st1]);
+      }
+      for (int pass = 0; pass < nrows; ++pass) {
+        if (pass != loaded_pass) load_q(b, pass, first_row, nrows);  // warpgroup-uniform
+        float acc0[32], acc1[32];
+        WgmmaFence();
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks) {
+          WgmmaM64N64K16F16(acc0, a0[ks],
+                            SmemDescSw128(q_tile + (ks >> 2) * kHalfBytes + (ks & 3) * 32), ks);
+        }
+        WgmmaCommit();
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks) {
+          WgmmaM64N64K16F16(acc1, a1[ks],
+                            SmemDescSw128(q_tile + (ks >> 2) * kHalfBytes + (ks & 3) * 32), ks);
+        }
+        WgmmaCommit();
+        WgmmaWait<1>();
+        epilogue(acc0, int64_t{first_row} + pass, base_pos, k00, k01);
+        WgmmaWait<0>();
+        if (second) epilogue(acc1, int64_t{first_row} + pass, base_pos + kMqaTileKeys, k10, k11);
+      }
+      for (int adv = second ? 2 : 1; adv > 0; --adv) {
+        if (i + 1 < num_tiles) cur.Next(prefix);
+        ++i;
+      }
+    }
+  } else {
+    for (int i = 0; i < num_tiles; ++i) {
+      const int b = cur.request;
+      const int base_pos = (cur.tile - Ld<kOwnSchedule>(&prefix[b])) * kMqaTileKeys;
+      const int first_row = Ld<kOwnSchedule>(&req_first_row[b]);
+      const int nrows = Ld<kOwnSchedule>(&req_num_rows[b]);
+      const int passes = (nrows + kRowsPerPass - 1) / kRowsPerPass;
+      // A new request's first q while its page may still be in flight.
+      if (b != loaded_request || loaded_pass != 0) load_q(b, 0, first_row, nrows);
+
+      const int st = i % kStages;
+      MbarWait(&full[st], (i / kStages) & 1);
+      const uint8_t* kv = stage_values + st * kValues;
+      const float* ksc = reinterpret_cast<const float*>(stage_scales + st * kScales);
+
+      uint32_t a[8][4];
+      WidenPage<kWiden>(kv, warp, lane, a);
+      const int key0 = warp * 16 + g;
+      // Bit moves: the sums are 2^-8 times the true ones (exactly); 256 * ks is exact too.
+      const float ks0 = kSplit ? 256.f * ksc[key0] : ksc[key0];
+      const float ks1 = kSplit ? 256.f * ksc[key0 + 8] : ksc[key0 + 8];
+      // The slot is no longer read: hand it back to the producer before the MMA.
+      __syncwarp();
+      if (lane == 0) MbarArrive(&empty[st]);
+
+      // Keys key0 and key0 + 8 against heads 8 j + 2 c + e: relu * w, then the 4 lanes of the group
+      // complete the 64-head sum (keys-M's order); stores below the row's length.
+      auto epilogue = [&](const float(&acc)[32], int pass, int rr) {
+        const float* w = w_smem + rr * kHeads;
+        float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float wv = kRowsPerPass == 1 ? w_reg[2 * j + e] : w[8 * j + 2 * c + e];
+            s0 += wv * fmaxf(acc[4 * j + e], 0.f);
+            s1 += wv * fmaxf(acc[4 * j + 2 + e], 0.f);
+          }
+        }
+        s0 += __shfl_xor_sync(kFullMask, s0, 1);
+        s1 += __shfl_xor_sync(kFullMask, s1, 1);
+        s0 += __shfl_xor_sync(kFullMask, s0, 2);
+        s1 += __shfl_xor_sync(kFullMask, s1, 2);
+        if (c < 2) {
+          const int key = key0 + 8 * c;
+          const int pos = base_pos + key;
+          if (pos < len_smem[rr]) {
+            const int64_t row = first_row + pass * kRowsPerPass + rr;
+            p.logits[row * p.logits_stride + pos] = c == 0 ? s0 * ks0 : s1 * ks1;
+          }
+        }
+      };
+      auto issue_row = [&](float(&acc)[32], int rr) {
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks) {
+          WgmmaM64N64K16F16(
+              acc, a[ks],
+              SmemDescSw128(q_tile + rr * kQBytes + (ks >> 2) * kHalfBytes + (ks & 3) * 32), ks);
+        }
+        WgmmaCommit();
+      };
+
+      for (int pass = 0; pass < passes; ++pass) {
+        if (pass != loaded_pass) load_q(b, pass, first_row, nrows);  // warpgroup-uniform
+        if constexpr (kPairRows) {
+          // Rows two at a time: the second row's wgmmas run during the first row's epilogue. The
+          // second row's MMA is issued even past the request's last row (its q slot then holds
+          // stale values and nothing is stored): a branch around wgmma would serialize every wgmma
+          // in the kernel (ptxas C7520).
+#pragma unroll
+          for (int rr0 = 0; rr0 < kRowsPerPass; rr0 += 2) {
+            const int rin0 = pass * kRowsPerPass + rr0;
+            if (rin0 >= nrows) break;
+            const bool has_second = rr0 + 1 < kRowsPerPass;  // a constant once unrolled
+            float acc0[32], acc1[32];
+            WgmmaFence();
+            issue_row(acc0, rr0);
+            if (has_second) {
+              issue_row(acc1, rr0 + 1);
+              WgmmaWait<1>();
+            } else {
+              WgmmaWait<0>();
+            }
+            epilogue(acc0, pass, rr0);
+            if (has_second) {
+              WgmmaWait<0>();
+              if (rin0 + 1 < nrows) epilogue(acc1, pass, rr0 + 1);
+            }
+          }
+        } else {
+          for (int rr = 0; rr < kRowsPerPass; ++rr) {
+            if (pass * kRowsPerPass + rr >= nrows) break;
+            float acc[32];
+            WgmmaFence();
+            issue_row(acc, rr);
+            WgmmaWait<0>();
+            epilogue(acc, pass, rr);
+          }
+        }
+      }
+      if (i + 1 < num_tiles) cur.Next(prefix);
+    }
+  }
+}
+
+template <int kRowsPerPass, int kWiden, bool kOwnSchedule, int kMinBlocks, bool kPairRows,
+          bool kPagePairs = false>
+absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
+  auto kernel = PagedMqaLogitsPipelinedKernel<kRowsPerPass, kWiden, kOwnSchedule, kMinBlocks,
+                                              kPairRows, kPagePairs>;
+  constexpr int kSmem = SmemBytes<kRowsPerPass, kOwnSchedule>();
+  // The shared-memory opt-in and the occupancy are per device and per instantiation.
+  struct PerDevice {
+    std::once_flag once;
+    int blocks_per_sm = 0;
+    cudaError_t err = cudaSuccess;
+  };
+  static PerDevice per_device[kMaxDevices];
+  int device = 0;
+  DI_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), "cudaGetDevice");
+  if (device >= kMaxDevices) return absl::UnimplementedError("more than 16 GPUs");
+  PerDevice& pd = per_device[device];
+  std::call_once(pd.once, [&] {
+    pd.err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (pd.err == cudaSuccess) {
+      pd.err =
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pd.blocks_per_sm, kernel, kThreads, kSmem);
+    }
+  });
+  DI_CUDA_RETURN_IF_ERROR(pd.err, "paged mqa logits (pipelined): attributes / occupancy");
+  const int grid = std::max(1, num_sms * std::max(1, pd.blocks_per_sm));
+  kernel<<<grid, kThreads, kSmem, stream>>>(args);
+  DI_CUDA_RETURN_IF_LAUNCH_ERROR("launch PagedMqaLogitsPipelinedKernel");
+  return absl::OkStatus();
+}
+
+// Widening as keys-M fused: split where a page serves one row per pass, cvt otherwise (both give
+// the same logits; the choice is speed only). One row per pass: 3 blocks per SM with 128 registers
+// (measured 09:59: faster than 4 blocks with 96 registers, which spill, at 1-64 x 8K-64K); several
+// rows: row pairs at 2 blocks per SM (faster than one row at a time with 3 blocks at every next_n 2
+// shape). kPagePairs (kWgmmaKeysMPipelinedPagePairs, a measurement): one row per pass by page pairs
+// at 2 blocks per SM (10-15% slower than 3 single-page blocks at 64 requests, 10:30 / 10:34).
+template <bool kOwnSchedule, bool kPagePairs>
+absl::Status LaunchVariant(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
+  constexpr int kOne = kPipeMinBlocksOneRow;
+  constexpr int kMulti = kPipeMinBlocksMultiRow;
+  switch (RowsPerPass(args.rows.num_rows, args.rows.num_requests)) {
+    case 1:
+      if constexpr (kPagePairs) {
+        return LaunchTyped<1, kWidenSplit, kOwnSchedule, kMulti, false, true>(args, num_sms,
+                                                                              stream);
+      }
+      return LaunchTyped<1, kWidenSplit, kOwnSchedule, kOne, false>(args, num_sms, stream);
+    case 2:
+      return LaunchTyped<2, kWidenCvt, kOwnSchedule, kMulti, true>(args, num_sms, stream);
+    case 3:
+      return LaunchTyped<3, kWidenCvt, kOwnSchedule, kMulti, true>(args, num_sms, stream);
+    default:
+      return LaunchTyped<4, kWidenCvt, kOwnSchedule, kMulti, true>(args, num_sms, stream);
+  }
+}
+
+}  // namespace
+
+bool PipelinedComputesOwnSchedule(const PagedLogitsArgs& args) {
+  return (args.math == MqaMath::kWgmmaKeysMPipelined ||
+          args.math == MqaMath::kWgmmaKeysMPipelinedPagePairs) &&
+         args.rows.num_requests <= kOwnScheduleMaxRequests;
+}
+
+absl::Status LaunchPagedMqaLogitsPipelined(const PagedLogitsArgs& args, int num_sms,
+                                           cudaStream_t stream) {
+  const bool own = PipelinedComputesOwnSchedule(args);
+  if (args.math == MqaMath::kWgmmaKeysMPipelinedPagePairs) {
+    return own ? LaunchVariant<true, true>(args, num_sms, stream)
+               : LaunchVariant<false, true>(args, num_sms, stream);
+  }
+  return own ? LaunchVariant<true, false>(args, num_sms, stream)
+             : LaunchVariant<false, false>(args, num_sms, stream);
+}
+
+}  // namespace decode_indexer::kernels::cuda
