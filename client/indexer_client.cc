@@ -229,6 +229,29 @@ absl::Status IndexerClient::UnregisterSharedMemory(uint64_t region_id) {
   return FromGrpcStatus(stub_->UnregisterSharedMemory(&context, request, &response));
 }
 
+absl::StatusOr<uint64_t> IndexerClient::RegisterCudaIpcMemory(std::string_view handle,
+                                                              uint64_t size, int32_t device) {
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::RegisterCudaIpcMemoryRequest request;
+  request.set_handle(handle.data(), handle.size());
+  request.set_size(size);
+  request.set_device(device);
+  v1::RegisterCudaIpcMemoryResponse response;
+  grpc::Status s = stub_->RegisterCudaIpcMemory(&context, request, &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response.region_id();
+}
+
+absl::Status IndexerClient::UnregisterCudaIpcMemory(uint64_t region_id) {
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::UnregisterCudaIpcMemoryRequest request;
+  request.set_region_id(region_id);
+  v1::UnregisterCudaIpcMemoryResponse response;
+  return FromGrpcStatus(stub_->UnregisterCudaIpcMemory(&context, request, &response));
+}
+
 absl::StatusOr<std::unique_ptr<SharedMemory>> SharedMemory::Create(const std::string& name,
                                                                    uint64_t size) {
   const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);

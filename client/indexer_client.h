@@ -7,6 +7,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <grpcpp/channel.h>
@@ -35,8 +36,8 @@ struct StepAnswer {
   int64_t compute_us = 0;
   std::vector<int64_t> lengths;  // per sequence, after the step
   double client_us = 0;          // round trip seen by the client (0 for stream answers)
-  // The step went through shared memory: topk/candidates were written into the region at
-  // the request's offsets and are empty here.
+  // The answer is not in the response: it was written into the shared-memory region (or
+  // the CUDA IPC buffer) at the request's offsets, and topk/candidates are empty here.
   bool in_shared_memory = false;
 
   std::span<const int32_t> Row(int32_t r) const {
@@ -137,6 +138,13 @@ class IndexerClient {
   // Answers the region id for DecodeStepRequest.shared_memory.region_id.
   absl::StatusOr<uint64_t> RegisterSharedMemory(const std::string& name, uint64_t size);
   absl::Status UnregisterSharedMemory(uint64_t region_id);
+  // A device buffer exported with cudaIpcGetMemHandle (`handle`: the 64 bytes of the
+  // cudaIpcMemHandle_t) on `device` (the server's ordinal of that GPU): answers the region id
+  // for DecodeStepRequest.cuda_ipc.region_id. The buffer must stay allocated until
+  // UnregisterCudaIpcMemory. The library needs no CUDA: the caller exports the handle.
+  absl::StatusOr<uint64_t> RegisterCudaIpcMemory(std::string_view handle, uint64_t size,
+                                                 int32_t device);
+  absl::Status UnregisterCudaIpcMemory(uint64_t region_id);
 
   grpc::Channel& channel() { return *channel_; }
 

@@ -68,6 +68,13 @@ int main(int argc, char** argv) {
                  "unhealthy")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--cuda-graphs", options.executor.cuda_graphs,
+                 "on|off: replay a step's kernels from a captured CUDA graph once its shape "
+                 "was seen (CUDA backend)")
+      ->capture_default_str();
+  app.add_option("--pinned-staging", options.executor.pinned_staging,
+                 "on|off: stage each step's uploads in page-locked host memory (CUDA backend)")
+      ->capture_default_str();
   app.add_option("--max-message-bytes", options.max_message_bytes, "gRPC message size limit")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();

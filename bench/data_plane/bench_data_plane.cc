@@ -1,20 +1,35 @@
-// decode-indexer-bench-data-plane: the cost of moving one decode step through the service,
-// without the compute. The real IndexerService (edge decoding/validation, admission, answer
+// decode-indexer-bench-data-plane: the cost of moving one decode step through the service.
+//
+// Echo mode (default): the real IndexerService (edge decoding/validation, admission, answer
 // encoding, statistics) runs over loopback gRPC in front of an EchoExecutor that answers
 // each row with K sorted positions drawn from a `--context`-long cache (as a real step over
-// 32K keys would), so the numbers are transport + (de)serialization + edge work only.
+// 32K keys would), so the numbers are transport + (de)serialization + edge work only; then
+// the pieces of the unary path are timed one by one in process (--pieces).
 // Modes: unary and stream, raw and delta-varint answers, default and tuned HTTP/2 windows,
 // and the shared-memory path.
+//
+// Server mode (--target host:port): a real decode-indexer-server (e.g. --backend cuda).
+// `--requests` sequences of `--context` keys are prefilled on the first dense layer, then
+// each path runs decode steps (one row and one new key per sequence) and reports the
+// client's round trip next to the server's compute_us (the step's device work, key insert
+// to answer copy): unary/stream x raw/delta, shared memory, and, where this binary has CUDA,
+// the answer left in a CUDA IPC buffer of this process.
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
+#ifdef DI_BENCH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "CLI/CLI.hpp"
@@ -23,6 +38,7 @@
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
 #include "server/service/indexer_service.h"
+#include "server/service/request_decode.h"
 
 namespace di = decode_indexer;
 
@@ -55,10 +71,15 @@ class EchoExecutor final : public di::exec::Executor {
     r.step_id = step.step_id;
     r.num_rows = step.num_rows;
     r.topk = profile_.topk;
-    r.topk_indices.resize(static_cast<size_t>(step.num_rows) * r.topk);
+    // Like the real executor: straight into the service's target when it names one.
+    int32_t* out = step.answer_host;
+    if (out == nullptr) {
+      r.topk_indices.resize(static_cast<size_t>(step.num_rows) * r.topk);
+      out = r.topk_indices.data();
+    }
     for (int32_t i = 0; i < step.num_rows; ++i) {
       const size_t src = static_cast<size_t>((i + next_++) % kPool) * r.topk;
-      std::memcpy(&r.topk_indices[static_cast<size_t>(i) * r.topk], &pool_[src], r.topk * 4);
+      std::memcpy(out + static_cast<size_t>(i) * r.topk, &pool_[src], r.topk * 4);
     }
     r.lengths.assign(step.sequences.size(), 1);
     return r;
@@ -102,19 +123,511 @@ void Tune(grpc::ChannelArguments& args) {
   args.SetInt(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 4 << 20);
 }
 
+using Stub = di::v1::DecodeIndexer::Stub;
+using Request = di::v1::DecodeStepRequest;
+using Response = di::v1::DecodeStepResponse;
+
+// Per-mode result: client round trip and the server's compute time, both in µs.
+struct ModeResult {
+  std::vector<double> client_us;
+  std::vector<double> compute_us;
+  std::vector<double> queue_us;
+  size_t response_bytes = 0;
+  // Server mode: the server's mean handler time of these steps (GetStatistics), from the
+  // message read to the answer encoded: the client's round trip minus this is the transport.
+  double handler_mean_us = 0;
+};
+
+// Runs `iters` timed steps after `warmup` (unary or one stream); `prepare(i)` may change the
+// request before step i (e.g. fresh keys); `check` sees every response. Exits on failure.
+template <typename Prepare>
+ModeResult RunMode(Stub& stub, const char* name, Request& r, bool stream, int warmup, int iters,
+                   Prepare&& prepare) {
+  ModeResult out;
+  grpc::ClientContext sctx;
+  std::unique_ptr<grpc::ClientReaderWriter<Request, Response>> st;
+  if (stream) st = stub.DecodeStream(&sctx);
+  Response resp;
+  for (int i = 0; i < warmup + iters; ++i) {
+    prepare(i);
+    resp.Clear();
+    const auto t0 = std::chrono::steady_clock::now();
+    bool ok;
+    std::string why;
+    if (stream) {
+      ok = st->Write(r) && st->Read(&resp);
+    } else {
+      grpc::ClientContext ctx;
+      grpc::Status gs = stub.DecodeStep(&ctx, r, &resp);
+      ok = gs.ok();
+      why = gs.error_message();
+    }
+    // The client's parse (and delta decode) is part of the cost.
+    absl::StatusOr<di::client::StepAnswer> a = di::client::ParseStepResponse(resp);
+    const double t =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+    if (!ok || !a.ok()) {
+      if (stream && !ok) why = st->Finish().error_message();
+      std::fprintf(stderr, "%s: step failed: %s %s\n", name, why.c_str(),
+                   a.ok() ? "" : a.status().ToString().c_str());
+      std::exit(1);
+    }
+    out.response_bytes = resp.ByteSizeLong();
+    if (i >= warmup) {
+      out.client_us.push_back(t);
+      out.compute_us.push_back(static_cast<double>(resp.timing().compute_us()));
+      out.queue_us.push_back(static_cast<double>(resp.timing().queue_us()));
+    }
+  }
+  if (stream) {
+    st->WritesDone();
+    (void)st->Finish();
+  }
+  return out;
+}
+
+// A stream kept `depth` steps ahead: a writer thread sends while this thread reads, so one
+// step's request crosses the connection while the previous one is served and answered.
+// Answers payload GB/s (request + response bytes of `count` steps over the wall time).
+double RunPipelined(Stub& stub, const Request& r, int depth, int count) {
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<Request, Response>> st = stub.DecodeStream(&ctx);
+  std::mutex mu;
+  std::condition_variable cv;
+  int received = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::thread writer([&] {
+    for (int i = 0; i < count; ++i) {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return i - received < depth; });
+      lock.unlock();
+      if (!st->Write(r)) break;
+    }
+    st->WritesDone();
+  });
+  Response resp;
+  size_t bytes = 0;
+  for (int i = 0; i < count; ++i) {
+    if (!st->Read(&resp) || !di::client::ParseStepResponse(resp).ok()) {
+      std::fprintf(stderr, "pipelined stream: step %d failed\n", i);
+      std::exit(1);
+    }
+    bytes += resp.ByteSizeLong() + r.ByteSizeLong();
+    std::lock_guard<std::mutex> lock(mu);
+    ++received;
+    cv.notify_one();
+  }
+  writer.join();
+  (void)st->Finish();
+  const double us =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  return static_cast<double>(bytes) / us / 1000.0;
+}
+
+void PrintHeader(bool with_compute) {
+  if (with_compute) {
+    std::printf("%-30s %8s %8s %8s %8s %8s %8s %6s %9s\n", "mode", "p50_us", "p99_us", "mean_us",
+                "handler", "queue50", "comp50", "ratio", "resp_B");
+  } else {
+    std::printf("%-34s %10s %10s %10s %12s\n", "mode", "p50_us", "p99_us", "mean_us", "answer_B");
+  }
+}
+
+void PrintRow(const std::string& name, const ModeResult& m, bool with_compute) {
+  const Figures f = Summarize(m.client_us);
+  if (with_compute) {
+    const Figures c = Summarize(m.compute_us);
+    const Figures q = Summarize(m.queue_us);
+    std::printf("%-30s %8.1f %8.1f %8.1f %8.1f %8.1f %8.1f %6.2f %9zu\n", name.c_str(), f.p50,
+                f.p99, f.mean, m.handler_mean_us, q.p50, c.p50, c.p50 > 0 ? f.p50 / c.p50 : 0.0,
+                m.response_bytes);
+  } else {
+    std::printf("%-34s %10.1f %10.1f %10.1f %12zu\n", name.c_str(), f.p50, f.p99, f.mean,
+                m.response_bytes);
+  }
+  std::fflush(stdout);
+}
+
+// Moves q / q_scales / weights of `req` into the region (4 KiB aligned) and points the request
+// there; answers the first free offset (where the answer goes).
+uint64_t MoveToShared(Request& req, uint8_t* base, uint64_t region_id) {
+  uint64_t at = 0;
+  auto place = [&](di::v1::Tensor* t) {
+    const uint64_t off = at;
+    std::memcpy(base + off, t->data().data(), t->data().size());
+    at += (t->data().size() + 4095) / 4096 * 4096;
+    t->clear_data();
+    return off;
+  };
+  auto* sm = req.mutable_shared_memory();
+  sm->set_region_id(region_id);
+  sm->set_q_offset(place(req.mutable_q()));
+  if (req.has_q_scales()) sm->set_q_scales_offset(place(req.mutable_q_scales()));
+  sm->set_weights_offset(place(req.mutable_weights()));
+  sm->set_answer_offset(at);
+  return at;
+}
+
+template <typename F>
+double TimeUs(int iters, F&& f) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) f();
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() /
+         iters;
+}
+
+// The unary path's pieces, each timed alone in this process (mean µs): what the edge and
+// protobuf cost, so the rest of a round trip is gRPC's transport.
+void TimePieces(const Request& req, const di::config::Profile& profile, int64_t context,
+                int iters) {
+  std::printf("\n# pieces of one unary raw step, timed alone (mean us over %d)\n", iters);
+  std::string wire;
+  const double ser_req = TimeUs(iters, [&] {
+    wire.clear();
+    req.SerializeToString(&wire);
+  });
+  Request parsed;
+  const double parse_req = TimeUs(iters, [&] { parsed.ParseFromString(wire); });
+  const double decode = TimeUs(iters, [&] {
+    absl::StatusOr<di::service::DecodedStep> d = di::service::DecodeStepRequest(parsed, profile);
+    if (!d.ok()) std::exit(1);
+  });
+  EchoExecutor echo(profile, context, 7);
+  di::exec::StepInput input;
+  {
+    absl::StatusOr<di::service::DecodedStep> d = di::service::DecodeStepRequest(parsed, profile);
+    input = d->step;
+  }
+  Response resp;
+  const double answer = TimeUs(iters, [&] {
+    resp.Clear();
+    di::v1::Tensor* t = resp.mutable_topk();
+    t->set_dtype(di::v1::DTYPE_INT32);
+    t->add_shape(input.num_rows);
+    t->add_shape(profile.topk);
+    std::string* data = t->mutable_data();
+    data->resize(size_t(input.num_rows) * profile.topk * 4);
+    input.answer_host = reinterpret_cast<int32_t*>(data->data());
+    (void)echo.DecodeStep(input);
+  });
+  std::string out_wire;
+  const double ser_resp = TimeUs(iters, [&] {
+    out_wire.clear();
+    resp.SerializeToString(&out_wire);
+  });
+  Response back;
+  const double parse_resp = TimeUs(iters, [&] { back.ParseFromString(out_wire); });
+  const double client_parse = TimeUs(iters, [&] {
+    absl::StatusOr<di::client::StepAnswer> a = di::client::ParseStepResponse(back);
+    if (!a.ok()) std::exit(1);
+  });
+  std::vector<uint8_t> a(wire.size() + out_wire.size()), b(a.size());
+  const double copy = TimeUs(iters, [&] { std::memcpy(b.data(), a.data(), a.size()); });
+  std::printf("%-44s %10.1f\n", "client: serialize request", ser_req);
+  std::printf("%-44s %10.1f\n", "server: parse request", parse_req);
+  std::printf("%-44s %10.1f\n", "server: edge decode + validate (NaN scan)", decode);
+  std::printf("%-44s %10.1f\n", "server: answer into the response (echo)", answer);
+  std::printf("%-44s %10.1f\n", "server: serialize response", ser_resp);
+  std::printf("%-44s %10.1f\n", "client: parse response", parse_resp);
+  std::printf("%-44s %10.1f\n", "client: ParseStepResponse", client_parse);
+  std::printf("%-44s %10.1f\n", "sum of the pieces",
+              ser_req + parse_req + decode + answer + ser_resp + parse_resp + client_parse);
+  std::printf("%-44s %10.1f  (%zu B: one memcpy of request + response)\n", "reference: memcpy",
+              copy, a.size());
+}
+
+// Echo mode: the service in process over loopback, no compute.
+int RunEcho(const di::config::Profile& profile, const Request& req, int64_t context, int warmup,
+            int iters, bool pieces) {
+  EchoExecutor echo(profile, context, 1234);
+  di::service::IndexerService service(echo, "bench");
+  PrintHeader(false);
+  for (bool tuned : {false, true}) {
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.SetMaxReceiveMessageSize(512 << 20);
+    builder.SetMaxSendMessageSize(512 << 20);
+    if (tuned) {
+      builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 16 << 20);
+      builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+      builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 1 << 20);
+      builder.AddChannelArgument(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 4 << 20);
+    }
+    builder.RegisterService(&service);
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    const std::string target = "127.0.0.1:" + std::to_string(port);
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(512 << 20);
+    args.SetMaxSendMessageSize(512 << 20);
+    if (tuned) Tune(args);
+    auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+    auto stub = di::v1::DecodeIndexer::NewStub(channel);
+    const std::string suffix = tuned ? " tuned" : " default";
+    auto none = [](int) {};
+    auto mode = [&](const char* name, Request r, bool stream) {
+      PrintRow(name + suffix, RunMode(*stub, name, r, stream, warmup, iters, none), false);
+    };
+    Request delta = req;
+    delta.set_answer_encoding(di::v1::ANSWER_ENCODING_DELTA_VARINT);
+    mode("unary raw", req, false);
+    mode("unary delta", delta, false);
+    mode("stream raw", req, true);
+    mode("stream delta", delta, true);
+    for (int depth : {1, 2, 4}) {
+      std::printf("%-34s %10.2f GB/s of payload (request + response)\n",
+                  ("stream raw pipelined x" + std::to_string(depth) + suffix).c_str(),
+                  RunPipelined(*stub, req, depth, warmup + iters));
+    }
+
+    // Shared memory: q and weights in the region, the answer written back there.
+    const std::string name = "/di-bench-" + std::to_string(getpid());
+    const uint64_t size = 64 << 20;
+    auto shm = di::client::SharedMemory::Create(name, size);
+    if (!shm.ok()) {
+      std::fprintf(stderr, "shm: %s\n", shm.status().ToString().c_str());
+      return 1;
+    }
+    grpc::ClientContext rctx;
+    di::v1::RegisterSharedMemoryRequest rreq;
+    rreq.set_name(name);
+    rreq.set_size(size);
+    di::v1::RegisterSharedMemoryResponse rresp;
+    if (!stub->RegisterSharedMemory(&rctx, rreq, &rresp).ok()) return 1;
+    Request shared = req;
+    MoveToShared(shared, (*shm)->data(), rresp.region_id());
+    mode("unary shm", shared, false);
+    mode("stream shm", shared, true);
+    server->Shutdown();
+  }
+  if (pieces) TimePieces(req, profile, context, std::max(50, iters));
+  return 0;
+}
+
+// Server mode: a real server at `target`.
+int RunServer(const std::string& target, int requests, int64_t context, int warmup, int iters,
+              uint64_t first_id, std::mt19937_64& rng) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(512 << 20);
+  args.SetMaxSendMessageSize(512 << 20);
+  auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(60))) {
+    std::fprintf(stderr, "cannot connect to %s\n", target.c_str());
+    return 1;
+  }
+  auto stub = di::v1::DecodeIndexer::NewStub(channel);
+  di::v1::ServerInfo info;
+  {
+    grpc::ClientContext ctx;
+    if (!stub->GetServerInfo(&ctx, di::v1::GetServerInfoRequest(), &info).ok()) return 1;
+  }
+  const int H = info.num_heads(), D = info.head_dim();
+  int layer = -1;
+  for (const auto& l : info.layers()) {
+    if (l.role() == di::v1::LAYER_ROLE_DENSE && l.cache_format() == di::v1::CACHE_FORMAT_FP8) {
+      layer = l.layer();
+      break;
+    }
+  }
+  if (layer < 0) {
+    std::fprintf(stderr, "the server's profile has no FP8 dense layer\n");
+    return 1;
+  }
+  auto fp8_codes = [&](size_t n) {
+    std::vector<uint8_t> v(n);
+    for (auto& b : v) {
+      b = static_cast<uint8_t>(rng());
+      if ((b & 0x7F) == 0x7F) b ^= 1;  // never the NaN code
+    }
+    return v;
+  };
+  auto scales = [&](size_t n) {
+    std::vector<float> v(n);
+    for (auto& x : v) x = 0.01f + 0.001f * static_cast<float>(rng() % 1000);
+    return v;
+  };
+  // Prefill: pre-quantized FP8 keys, in chunks of 8K keys a call.
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < requests; ++i) {
+    const uint64_t id = first_id + i;
+    grpc::ClientContext cctx;
+    di::v1::CreateSequenceRequest creq;
+    creq.set_sequence_id(id);
+    di::v1::CreateSequenceResponse cresp;
+    grpc::Status cs = stub->CreateSequence(&cctx, creq, &cresp);
+    if (!cs.ok()) {
+      std::fprintf(stderr, "CreateSequence: %s\n", cs.error_message().c_str());
+      return 1;
+    }
+    for (int64_t done = 0; done < context; done += 8192) {
+      const int64_t n = std::min<int64_t>(8192, context - done);
+      di::v1::AppendKeysRequest areq;
+      areq.set_sequence_id(id);
+      areq.set_layer(layer);
+      *areq.mutable_keys() =
+          di::client::CodesTensor(di::v1::DTYPE_FP8_E4M3, fp8_codes(size_t(n) * D), {n, D});
+      *areq.mutable_key_scales() = di::client::F32Tensor(scales(size_t(n)), {n});
+      grpc::ClientContext actx;
+      di::v1::AppendKeysResponse aresp;
+      grpc::Status as = stub->AppendKeys(&actx, areq, &aresp);
+      if (!as.ok()) {
+        std::fprintf(stderr, "AppendKeys: %s\n", as.error_message().c_str());
+        return 1;
+      }
+    }
+  }
+  std::printf("# server %s (%s), layer %d: %d requests x %lld keys prefilled in %.1f s\n",
+              target.c_str(), info.backend().c_str(), layer, requests,
+              static_cast<long long>(context),
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+
+  // The step: one row and one new key per sequence, FP8 q (weights folded) in the request.
+  Request req;
+  req.set_layer(layer);
+  for (int i = 0; i < requests; ++i) {
+    di::v1::SequenceStep* seq = req.add_sequences();
+    seq->set_sequence_id(first_id + i);
+    seq->set_num_rows(1);
+  }
+  *req.mutable_q() = di::client::CodesTensor(di::v1::DTYPE_FP8_E4M3,
+                                             fp8_codes(size_t(requests) * H * D), {requests, H, D});
+  std::vector<float> w(size_t(requests) * H);
+  for (auto& x : w) x = std::normal_distribution<float>()(rng);
+  *req.mutable_weights() = di::client::F32Tensor(w, {requests, H});
+  // Fresh key bytes each step would cost the client time that is not the data plane's: one
+  // set of new keys, reused (the cache grows by one key per sequence a step either way).
+  for (int i = 0; i < requests; ++i) {
+    di::v1::SequenceStep* seq = req.mutable_sequences(i);
+    *seq->mutable_new_keys() =
+        di::client::CodesTensor(di::v1::DTYPE_FP8_E4M3, fp8_codes(D), {1, D});
+    *seq->mutable_new_key_scales() = di::client::F32Tensor(scales(1), {1});
+  }
+  std::printf(
+      "# request %zu B; %d timed steps per mode after %d warm-up. p50/p99/mean: client round "
+      "trip; handler: the server's mean time from read to answer (GetStatistics); queue50 / "
+      "comp50: the executor's queue_us / compute_us p50; ratio = p50 / comp50\n",
+      req.ByteSizeLong(), iters, warmup);
+  PrintHeader(true);
+  uint64_t step_id = 1;
+  // The server's handler time of one method so far: {count, total µs}.
+  auto handler = [&](const char* method) {
+    grpc::ClientContext ctx;
+    di::v1::Statistics st;
+    std::pair<double, double> out{0, 0};
+    if (!stub->GetStatistics(&ctx, di::v1::GetStatisticsRequest(), &st).ok()) return out;
+    for (const auto& r : st.rpcs()) {
+      if (r.method() == method) out = {double(r.count()), r.latency_us_total()};
+    }
+    return out;
+  };
+  auto mode = [&](const std::string& name, Request r, bool stream) {
+    const char* method = stream ? "DecodeStream" : "DecodeStep";
+    const auto before = handler(method);
+    ModeResult m = RunMode(*stub, name.c_str(), r, stream, warmup, iters,
+                           [&](int) { r.set_step_id(step_id++); });
+    const auto after = handler(method);
+    if (after.first > before.first) {
+      m.handler_mean_us = (after.second - before.second) / (after.first - before.first);
+    }
+    PrintRow(name, m, true);
+  };
+  Request delta = req;
+  delta.set_answer_encoding(di::v1::ANSWER_ENCODING_DELTA_VARINT);
+  mode("unary raw", req, false);
+  mode("unary delta", delta, false);
+  mode("stream raw", req, true);
+  mode("stream delta", delta, true);
+  for (int depth : {1, 4}) {
+    std::printf("%-30s %9.2f GB/s of payload (request + response)\n",
+                ("stream raw pipelined x" + std::to_string(depth)).c_str(),
+                RunPipelined(*stub, req, depth, warmup + iters));
+    std::fflush(stdout);
+  }
+
+  const std::string name = "/di-bench-" + std::to_string(getpid());
+  const uint64_t size = 64 << 20;
+  auto shm = di::client::SharedMemory::Create(name, size);
+  if (!shm.ok()) {
+    std::fprintf(stderr, "shm: %s\n", shm.status().ToString().c_str());
+    return 1;
+  }
+  grpc::ClientContext rctx;
+  di::v1::RegisterSharedMemoryRequest rreq;
+  rreq.set_name(name);
+  rreq.set_size(size);
+  di::v1::RegisterSharedMemoryResponse rresp;
+  if (grpc::Status rs = stub->RegisterSharedMemory(&rctx, rreq, &rresp); !rs.ok()) {
+    std::fprintf(stderr, "RegisterSharedMemory: %s\n", rs.error_message().c_str());
+    return 1;
+  }
+  Request shared = req;
+  MoveToShared(shared, (*shm)->data(), rresp.region_id());
+  mode("unary shm", shared, false);
+  mode("stream shm", shared, true);
+#ifdef DI_BENCH_CUDA
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0 && info.backend() == "cuda") {
+    void* buffer = nullptr;
+    const size_t bytes = size_t(requests) * info.topk() * 4;
+    cudaIpcMemHandle_t handle;
+    if (cudaSetDevice(0) != cudaSuccess || cudaMalloc(&buffer, bytes) != cudaSuccess ||
+        cudaIpcGetMemHandle(&handle, buffer) != cudaSuccess) {
+      std::fprintf(stderr, "cuda: cannot export a buffer\n");
+      return 1;
+    }
+    grpc::ClientContext ictx;
+    di::v1::RegisterCudaIpcMemoryRequest ireq;
+    ireq.set_handle(&handle, sizeof(handle));
+    ireq.set_size(bytes);
+    ireq.set_device(0);
+    di::v1::RegisterCudaIpcMemoryResponse iresp;
+    if (grpc::Status is = stub->RegisterCudaIpcMemory(&ictx, ireq, &iresp); !is.ok()) {
+      std::fprintf(stderr, "RegisterCudaIpcMemory: %s\n", is.error_message().c_str());
+      return 1;
+    }
+    Request ipc = req;
+    ipc.mutable_cuda_ipc()->set_region_id(iresp.region_id());
+    mode("unary ipc (q in request)", ipc, false);
+    mode("stream ipc (q in request)", ipc, true);
+    Request both = shared;
+    both.mutable_cuda_ipc()->set_region_id(iresp.region_id());
+    mode("unary shm q + ipc answer", both, false);
+    mode("stream shm q + ipc answer", both, true);
+    cudaFree(buffer);
+  } else {
+    std::printf("# ipc modes skipped: no GPU here or the server is not on cuda\n");
+  }
+#else
+  std::printf("# ipc modes skipped: built without CUDA\n");
+#endif
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string profile_name = "v32";
+  std::string target;
   int requests = 64, iters = 200, warmup = 20;
   int64_t context = 32768;
-  CLI::App app{"decode-indexer-bench-data-plane: per-step transport cost (echo executor)"};
-  app.add_option("--profile", profile_name, "built-in profile or file")->capture_default_str();
+  uint64_t first_id = 1000000;
+  bool pieces = true;
+  CLI::App app{"decode-indexer-bench-data-plane: per-step transport cost"};
+  app.add_option("--profile", profile_name, "built-in profile or file (echo mode)")
+      ->capture_default_str();
+  app.add_option("--target", target,
+                 "host:port of a running decode-indexer-server (server mode); empty: echo mode");
   app.add_option("--requests", requests, "requests (rows) per step")->capture_default_str();
-  app.add_option("--context", context, "cache length the echoed answers are drawn from")
+  app.add_option("--context", context,
+                 "keys per sequence (server mode) / cache the echoed answers come from")
       ->capture_default_str();
   app.add_option("--iters", iters, "timed steps per mode")->capture_default_str();
+  app.add_option("--warmup", warmup, "untimed steps per mode")->capture_default_str();
+  app.add_option("--first-id", first_id, "first sequence id (server mode)")->capture_default_str();
+  app.add_flag("!--no-pieces", pieces, "skip timing the pieces (echo mode)");
   CLI11_PARSE(app, argc, argv);
+  std::mt19937_64 rng(42);
+  if (!target.empty()) return RunServer(target, requests, context, warmup, iters, first_id, rng);
 
   absl::StatusOr<di::config::Profile> profile = di::config::LoadProfile(profile_name);
   if (!profile.ok()) {
@@ -126,12 +639,8 @@ int main(int argc, char** argv) {
   while (profile->layers[dense].role != di::config::LayerRole::kDense) ++dense;
   const bool fp8 = profile->layers[dense].cache_format == di::kernels::CacheFormat::kFp8;
 
-  EchoExecutor echo(*profile, context, 1234);
-  di::service::IndexerService service(echo, "bench");
-
   // The request: `requests` sequences, one row each, pre-quantized q in the cache format.
-  std::mt19937_64 rng(42);
-  di::v1::DecodeStepRequest req;
+  Request req;
   req.set_layer(dense);
   for (int i = 0; i < requests; ++i) {
     di::v1::SequenceStep* seq = req.add_sequences();
@@ -157,112 +666,5 @@ int main(int argc, char** argv) {
               static_cast<long long>(context));
   std::printf("# request %zu B; %d timed steps per mode after %d warm-up\n", req.ByteSizeLong(),
               iters, warmup);
-  std::printf("%-34s %10s %10s %10s %12s\n", "mode", "p50_us", "p99_us", "mean_us", "answer_B");
-
-  for (bool tuned : {false, true}) {
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.SetMaxReceiveMessageSize(512 << 20);
-    builder.SetMaxSendMessageSize(512 << 20);
-    if (tuned) {
-      builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 16 << 20);
-      builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-      builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 1 << 20);
-      builder.AddChannelArgument(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 4 << 20);
-    }
-    builder.RegisterService(&service);
-    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-    const std::string target = "127.0.0.1:" + std::to_string(port);
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(512 << 20);
-    args.SetMaxSendMessageSize(512 << 20);
-    if (tuned) Tune(args);
-    auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
-    auto stub = di::v1::DecodeIndexer::NewStub(channel);
-
-    auto run = [&](const char* name, di::v1::DecodeStepRequest r, bool stream) {
-      std::vector<double> us;
-      size_t answer_bytes = 0;
-      grpc::ClientContext sctx;
-      std::unique_ptr<
-          grpc::ClientReaderWriter<di::v1::DecodeStepRequest, di::v1::DecodeStepResponse>>
-          st;
-      if (stream) st = stub->DecodeStream(&sctx);
-      for (int i = 0; i < warmup + iters; ++i) {
-        di::v1::DecodeStepResponse resp;
-        const auto t0 = std::chrono::steady_clock::now();
-        bool ok;
-        std::string why;
-        if (stream) {
-          ok = st->Write(r) && st->Read(&resp);
-        } else {
-          grpc::ClientContext ctx;
-          grpc::Status gs = stub->DecodeStep(&ctx, r, &resp);
-          ok = gs.ok();
-          why = gs.error_message();
-        }
-        // The client's parse (and delta decode) is part of the cost.
-        absl::StatusOr<di::client::StepAnswer> a = di::client::ParseStepResponse(resp);
-        const double t =
-            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
-                .count();
-        if (!ok || !a.ok()) {
-          std::fprintf(stderr, "%s: step failed: %s %s\n", name, why.c_str(),
-                       a.ok() ? "" : a.status().ToString().c_str());
-          std::exit(1);
-        }
-        answer_bytes = resp.ByteSizeLong();
-        if (i >= warmup) us.push_back(t);
-      }
-      if (stream) {
-        st->WritesDone();
-        (void)st->Finish();
-      }
-      const Figures f = Summarize(us);
-      std::printf("%-34s %10.1f %10.1f %10.1f %12zu\n",
-                  (std::string(name) + (tuned ? " tuned" : " default")).c_str(), f.p50, f.p99,
-                  f.mean, answer_bytes);
-    };
-    di::v1::DecodeStepRequest delta = req;
-    delta.set_answer_encoding(di::v1::ANSWER_ENCODING_DELTA_VARINT);
-    run("unary raw", req, false);
-    run("unary delta", delta, false);
-    run("stream raw", req, true);
-    run("stream delta", delta, true);
-
-    // Shared memory: q and weights in the region, the answer written back there.
-    const std::string name = "/di-bench-" + std::to_string(getpid());
-    const uint64_t size = 64 << 20;
-    auto shm = di::client::SharedMemory::Create(name, size);
-    if (!shm.ok()) {
-      std::fprintf(stderr, "shm: %s\n", shm.status().ToString().c_str());
-      return 1;
-    }
-    grpc::ClientContext rctx;
-    di::v1::RegisterSharedMemoryRequest rreq;
-    rreq.set_name(name);
-    rreq.set_size(size);
-    di::v1::RegisterSharedMemoryResponse rresp;
-    if (!stub->RegisterSharedMemory(&rctx, rreq, &rresp).ok()) return 1;
-    di::v1::DecodeStepRequest shared = req;
-    uint64_t at = 0;
-    auto place = [&](di::v1::Tensor* t) {
-      const uint64_t off = at;
-      std::memcpy((*shm)->data() + off, t->data().data(), t->data().size());
-      at += (t->data().size() + 4095) / 4096 * 4096;
-      t->clear_data();
-      return off;
-    };
-    auto* sm = shared.mutable_shared_memory();
-    sm->set_region_id(rresp.region_id());
-    sm->set_q_offset(place(shared.mutable_q()));
-    if (shared.has_q_scales()) sm->set_q_scales_offset(place(shared.mutable_q_scales()));
-    sm->set_weights_offset(place(shared.mutable_weights()));
-    sm->set_answer_offset(at);
-    run("unary shm", shared, false);
-    run("stream shm", shared, true);
-    server->Shutdown();
-  }
-  return 0;
+  return RunEcho(*profile, req, context, warmup, iters, pieces);
 }

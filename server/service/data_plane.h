@@ -1,8 +1,10 @@
 // The data plane's compact and zero-copy paths: the delta-varint answer encoding
-// (AnswerEncoding) and the registry of client shared-memory regions (RegisterSharedMemory).
+// (AnswerEncoding), the registry of client shared-memory regions (RegisterSharedMemory) and
+// the registry of client device buffers opened through CUDA IPC (RegisterCudaIpcMemory).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -27,20 +29,28 @@ class SharedMemoryRegion {
   SharedMemoryRegion(const SharedMemoryRegion&) = delete;
   SharedMemoryRegion& operator=(const SharedMemoryRegion&) = delete;
 
-  // [offset, offset + bytes) inside the region, else INVALID_ARGUMENT naming `field`.
+  // [offset, offset + bytes) inside the region, else INVALID_ARGUMENT naming `field`
+  // ("shared_memory.<field>").
   absl::StatusOr<uint8_t*> Span(const char* field, uint64_t offset, uint64_t bytes) const;
+  uint8_t* base() const { return base_; }
   uint64_t size() const { return size_; }
+  // Runs just before the unmap (e.g. to undo a page-lock of the region).
+  void SetReleaseHook(std::function<void()> hook) { release_ = std::move(hook); }
 
  private:
   uint8_t* base_;
   uint64_t size_;
   std::string name_;
+  std::function<void()> release_;
 };
 
 class SharedMemoryRegistry {
  public:
-  // Opens and maps the client's POSIX shm object `name` ("/..." without further slashes).
-  absl::StatusOr<uint64_t> Register(const std::string& name, uint64_t size);
+  // Opens and maps the client's POSIX shm object `name` ("/..." without further slashes);
+  // `on_map` (optional) sees the new region before it can be used (page-locking).
+  absl::StatusOr<uint64_t> Register(
+      const std::string& name, uint64_t size,
+      const std::function<void(SharedMemoryRegion&)>& on_map = nullptr);
   absl::Status Unregister(uint64_t region_id);
   absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> Get(uint64_t region_id) const;
 
@@ -49,6 +59,48 @@ class SharedMemoryRegistry {
   mutable std::mutex mu_;
   uint64_t next_id_ = 1;
   std::unordered_map<uint64_t, std::shared_ptr<SharedMemoryRegion>> regions_;
+};
+
+}  // namespace decode_indexer::service
+
+namespace decode_indexer::service {
+
+// A client's device buffer opened in the answering rank's backend (CUDA IPC): a device
+// pointer, never dereferenced on the host. Closed (the close hook) when the last step using
+// it lets go.
+class CudaIpcRegion {
+ public:
+  CudaIpcRegion(void* base, uint64_t size, std::function<void(void*)> close)
+      : base_(static_cast<uint8_t*>(base)), size_(size), close_(std::move(close)) {}
+  ~CudaIpcRegion() {
+    if (close_) close_(base_);
+  }
+  CudaIpcRegion(const CudaIpcRegion&) = delete;
+  CudaIpcRegion& operator=(const CudaIpcRegion&) = delete;
+
+  // [offset, offset + bytes) inside the buffer, else INVALID_ARGUMENT naming
+  // "cuda_ipc.<field>"; offsets must keep int32 alignment.
+  absl::StatusOr<uint8_t*> Span(const char* field, uint64_t offset, uint64_t bytes) const;
+  uint64_t size() const { return size_; }
+
+ private:
+  uint8_t* base_;
+  uint64_t size_;
+  std::function<void(void*)> close_;
+};
+
+class CudaIpcRegistry {
+ public:
+  absl::StatusOr<uint64_t> Add(std::shared_ptr<CudaIpcRegion> region);
+  absl::Status Remove(uint64_t region_id);
+  absl::StatusOr<std::shared_ptr<CudaIpcRegion>> Get(uint64_t region_id) const;
+  static constexpr size_t kMaxRegions = 64;
+  size_t size() const;
+
+ private:
+  mutable std::mutex mu_;
+  uint64_t next_id_ = 1;
+  std::unordered_map<uint64_t, std::shared_ptr<CudaIpcRegion>> regions_;
 };
 
 }  // namespace decode_indexer::service

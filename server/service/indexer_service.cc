@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "decode_indexer/kernels/backend.h"
 #include "server/service/request_decode.h"
 #include "server/service/status_mapping.h"
 #include "spdlog/spdlog.h"
@@ -84,19 +85,15 @@ absl::StatusOr<uint64_t> ShapeBytes(const v1::Tensor& t, const char* field) {
   }
 }
 
-// Points `t`'s bytes at the region (copied into the staged request).
-absl::Status StageFromRegion(const SharedMemoryRegion& region, v1::Tensor& t, const char* field,
-                             const char* offset_field, uint64_t offset) {
-  if (!t.data().empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ".data: must be empty when shared_memory is set"));
-  }
-  absl::StatusOr<uint64_t> bytes = ShapeBytes(t, field);
-  if (!bytes.ok()) return bytes.status();
-  absl::StatusOr<uint8_t*> at = region.Span(offset_field, offset, *bytes);
-  if (!at.ok()) return at.status();
-  t.set_data(*at, *bytes);
-  return absl::OkStatus();
+// Sizes `out` as int32 [rows, cols] and answers where its bytes lie, so the answer is
+// written straight into the response (one copy from the device, none on the host).
+int32_t* ResponseInt32(uint64_t rows, int64_t cols, v1::Tensor& out) {
+  out.set_dtype(v1::DTYPE_INT32);
+  out.add_shape(static_cast<int64_t>(rows));
+  out.add_shape(cols);
+  std::string* data = out.mutable_data();
+  data->resize(rows * static_cast<uint64_t>(cols) * sizeof(int32_t));
+  return reinterpret_cast<int32_t*>(data->data());
 }
 
 void SetShapeOnly(int64_t rows, int64_t cols, v1::Tensor& out) {
@@ -206,10 +203,18 @@ void IndexerService::CheckHealth(const absl::Status& status) {
 }
 
 const char* IndexerService::MethodName(Method m) {
-  static constexpr const char* kNames[] = {
-      "GetServerInfo",   "CreateSequence",       "AppendKeys",
-      "ReleaseSequence", "DecodeStep",           "DecodeStream",
-      "GetStatistics",   "RegisterSharedMemory", "UnregisterSharedMemory"};
+  static constexpr const char* kNames[] = {"GetServerInfo",
+                                           "CreateSequence",
+                                           "AppendKeys",
+                                           "ReleaseSequence",
+                                           "DecodeStep",
+                                           "DecodeStream",
+                                           "GetStatistics",
+                                           "RegisterSharedMemory",
+                                           "UnregisterSharedMemory",
+                                           "RegisterCudaIpcMemory",
+                                           "UnregisterCudaIpcMemory"};
+  static_assert(sizeof(kNames) / sizeof(kNames[0]) == kNumMethods);
   return kNames[m];
 }
 
@@ -258,37 +263,36 @@ void IndexerService::FillServerInfo(v1::ServerInfo& info) const {
   info.set_pages_free(free);
 }
 
+template <typename F>
+grpc::Status IndexerService::Handle(Method method, grpc::ServerContext* context, F&& body) {
+  const auto start = Clock::now();
+  absl::Status s = Authorize(context);
+  if (s.ok()) s = Guarded(std::forward<F>(body));
+  stats_[method].Record(MicrosSince(start), s.code());
+  if (!s.ok()) spdlog::debug("{}: {}", MethodName(method), s.ToString());
+  return ToGrpcStatus(s);
+}
+
 grpc::Status IndexerService::GetServerInfo(grpc::ServerContext* context,
                                            const v1::GetServerInfoRequest*,
                                            v1::ServerInfo* response) {
-  const auto start = Clock::now();
-  absl::Status s = Guarded([&] {
-    if (absl::Status a = Authorize(context); !a.ok()) return a;
+  return Handle(kGetServerInfo, context, [&] {
     FillServerInfo(*response);
     return absl::OkStatus();
   });
-  stats_[kGetServerInfo].Record(MicrosSince(start), s.code());
-  return ToGrpcStatus(s);
 }
 
 grpc::Status IndexerService::CreateSequence(grpc::ServerContext* context,
                                             const v1::CreateSequenceRequest* request,
                                             v1::CreateSequenceResponse*) {
-  const auto start = Clock::now();
-  absl::Status s = Guarded([&] {
-    if (absl::Status a = Authorize(context); !a.ok()) return a;
-    return executor_.CreateSequence(request->sequence_id());
-  });
-  stats_[kCreateSequence].Record(MicrosSince(start), s.code());
-  return ToGrpcStatus(s);
+  return Handle(kCreateSequence, context,
+                [&] { return executor_.CreateSequence(request->sequence_id()); });
 }
 
 grpc::Status IndexerService::AppendKeys(grpc::ServerContext* context,
                                         const v1::AppendKeysRequest* request,
                                         v1::AppendKeysResponse* response) {
-  const auto start = Clock::now();
-  absl::Status s = Guarded([&]() -> absl::Status {
-    if (absl::Status a = Authorize(context); !a.ok()) return a;
+  return Handle(kAppendKeys, context, [&]() -> absl::Status {
     absl::StatusOr<DecodedAppend> decoded = DecodeAppendKeys(*request, executor_.profile());
     if (!decoded.ok()) return decoded.status();
     absl::StatusOr<int64_t> length =
@@ -300,140 +304,182 @@ grpc::Status IndexerService::AppendKeys(grpc::ServerContext* context,
     response->set_length(*length);
     return absl::OkStatus();
   });
-  stats_[kAppendKeys].Record(MicrosSince(start), s.code());
-  return ToGrpcStatus(s);
 }
 
 grpc::Status IndexerService::ReleaseSequence(grpc::ServerContext* context,
                                              const v1::ReleaseSequenceRequest* request,
                                              v1::ReleaseSequenceResponse* response) {
-  const auto start = Clock::now();
-  absl::Status s = Guarded([&]() -> absl::Status {
-    if (absl::Status a = Authorize(context); !a.ok()) return a;
+  return Handle(kReleaseSequence, context, [&]() -> absl::Status {
     absl::StatusOr<int64_t> freed = executor_.ReleaseSequence(request->sequence_id());
     if (!freed.ok()) return freed.status();
     response->set_pages_freed(*freed);
     return absl::OkStatus();
   });
-  stats_[kReleaseSequence].Record(MicrosSince(start), s.code());
-  return ToGrpcStatus(s);
 }
 
 absl::Status IndexerService::RunStep(grpc::ServerContext* context,
                                      const v1::DecodeStepRequest& request,
-                                     v1::DecodeStepResponse& response) {
-  const auto start = Clock::now();
-  return Guarded([&]() -> absl::Status {
-    if (request.answer_cuda_ipc()) {
-      return absl::UnimplementedError(
-          "answer_cuda_ipc: exporting the answer as a CUDA IPC handle is designed but not "
-          "implemented (and impossible on the cpu backend)");
-    }
-    // Shared memory: stage a copy of the request whose q/q_scales/weights bytes come from
-    // the region, and check the answer's room before anything runs.
-    const v1::DecodeStepRequest* source = &request;
-    v1::DecodeStepRequest staged;
-    std::shared_ptr<SharedMemoryRegion> region;
-    if (request.has_shared_memory()) {
-      const v1::SharedMemoryStep& sm = request.shared_memory();
-      absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> got = shm_.Get(sm.region_id());
-      if (!got.ok()) return got.status();
-      region = *got;
-      staged = request;
-      absl::Status st =
-          StageFromRegion(*region, *staged.mutable_q(), "q", "q_offset", sm.q_offset());
-      if (st.ok() && staged.q_scales().dtype() != v1::DTYPE_UNSPECIFIED) {
-        st = StageFromRegion(*region, *staged.mutable_q_scales(), "q_scales", "q_scales_offset",
-                             sm.q_scales_offset());
+                                     v1::DecodeStepResponse& response,
+                                     std::chrono::steady_clock::time_point read_at) {
+  if (request.answer_cuda_ipc()) {
+    return absl::UnimplementedError(
+        "answer_cuda_ipc: superseded by cuda_ipc (register your own device buffer with "
+        "RegisterCudaIpcMemory; the server copies the answer into it)");
+  }
+  if (request.timeout_us() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("timeout_us: must be >= 0 (0: none), got ", request.timeout_us()));
+  }
+  const config::Profile& profile = executor_.profile();
+  // Shared memory: q / q_scales / weights are checked and read in place in the region (the
+  // ranks copy them to the device from there; page-locked where the backend could pin it).
+  std::shared_ptr<SharedMemoryRegion> region;
+  ExternalStepBytes external;
+  if (request.has_shared_memory()) {
+    const v1::SharedMemoryStep& sm = request.shared_memory();
+    absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> got = shm_.Get(sm.region_id());
+    if (!got.ok()) return got.status();
+    region = *std::move(got);
+    auto view = [&](const v1::Tensor& t, const char* field, const char* offset_field,
+                    uint64_t offset) -> absl::StatusOr<std::string_view> {
+      if (!t.data().empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".data: must be empty when shared_memory is set"));
       }
-      if (st.ok()) {
-        st = StageFromRegion(*region, *staged.mutable_weights(), "weights", "weights_offset",
-                             sm.weights_offset());
-      }
-      if (!st.ok()) return st;
-      source = &staged;
-    }
-    absl::StatusOr<DecodedStep> decoded = DecodeStepRequest(*source, executor_.profile());
-    if (!decoded.ok()) return decoded.status();
-    uint8_t* answer_at = nullptr;
-    uint8_t* candidates_at = nullptr;
-    if (region != nullptr) {
-      const uint64_t rows = static_cast<uint64_t>(decoded->step.num_rows);
-      absl::StatusOr<uint8_t*> at =
-          region->Span("answer_offset", request.shared_memory().answer_offset(),
-                       rows * static_cast<uint64_t>(executor_.profile().topk) * 4);
+      absl::StatusOr<uint64_t> bytes = ShapeBytes(t, field);
+      if (!bytes.ok()) return bytes.status();
+      absl::StatusOr<uint8_t*> at = region->Span(offset_field, offset, *bytes);
       if (!at.ok()) return at.status();
-      answer_at = *at;
-      if (request.return_candidates()) {
-        at = region->Span(
-            "candidates_offset", request.shared_memory().candidates_offset(),
-            rows * static_cast<uint64_t>(executor_.profile().num_candidate_blocks) * 4);
-        if (!at.ok()) return at.status();
-        candidates_at = *at;
-      }
+      return std::string_view(reinterpret_cast<const char*>(*at), *bytes);
+    };
+    absl::StatusOr<std::string_view> bytes = view(request.q(), "q", "q_offset", sm.q_offset());
+    if (!bytes.ok()) return bytes.status();
+    external.q = *bytes;
+    if (request.q_scales().dtype() != v1::DTYPE_UNSPECIFIED) {
+      bytes = view(request.q_scales(), "q_scales", "q_scales_offset", sm.q_scales_offset());
+      if (!bytes.ok()) return bytes.status();
+      external.q_scales = *bytes;
     }
-    const auto queued = Clock::now();
-    std::unique_lock<std::mutex> admitted(step_mu_);
-    const int64_t admission_us = static_cast<int64_t>(MicrosSince(queued));
-    // Checked once admitted and before any state changes: an expired or abandoned step is
-    // answered without touching the caches.
-    if (context->deadline() <= std::chrono::system_clock::now()) {
-      return absl::DeadlineExceededError("deadline passed before the step ran");
+    bytes = view(request.weights(), "weights", "weights_offset", sm.weights_offset());
+    if (!bytes.ok()) return bytes.status();
+    external.weights = *bytes;
+  }
+  absl::StatusOr<DecodedStep> decoded = DecodeStepRequest(request, profile, external);
+  if (!decoded.ok()) return decoded.status();
+  exec::StepInput& step = decoded->step;
+
+  // Where the answer goes: a CUDA IPC buffer (device to device), the shared-memory region
+  // (written there by the device-to-host copy), or straight into the response's bytes (raw
+  // encoding: no intermediate vector, no second copy). Room is checked before anything runs.
+  const uint64_t rows = static_cast<uint64_t>(step.num_rows);
+  const uint64_t answer_bytes = rows * static_cast<uint64_t>(profile.topk) * 4;
+  const uint64_t cand_bytes = rows * static_cast<uint64_t>(profile.num_candidate_blocks) * 4;
+  std::shared_ptr<CudaIpcRegion> ipc;
+  if (request.has_cuda_ipc()) {
+    const v1::CudaIpcStep& ci = request.cuda_ipc();
+    absl::StatusOr<std::shared_ptr<CudaIpcRegion>> got = cuda_ipc_.Get(ci.region_id());
+    if (!got.ok()) return got.status();
+    ipc = *std::move(got);
+    absl::StatusOr<uint8_t*> at = ipc->Span("answer_offset", ci.answer_offset(), answer_bytes);
+    if (!at.ok()) return at.status();
+    step.answer_device = reinterpret_cast<int32_t*>(*at);
+    if (request.return_candidates()) {
+      at = ipc->Span("candidates_offset", ci.candidates_offset(), cand_bytes);
+      if (!at.ok()) return at.status();
+      step.candidates_device = reinterpret_cast<int32_t*>(*at);
     }
-    if (context->IsCancelled()) return absl::CancelledError("cancelled before the step ran");
-    absl::StatusOr<exec::StepResult> result = executor_.DecodeStep(decoded->step);
-    admitted.unlock();
-    if (!result.ok()) {
-      CheckHealth(result.status());
-      return result.status();
+  } else if (region != nullptr) {
+    const v1::SharedMemoryStep& sm = request.shared_memory();
+    absl::StatusOr<uint8_t*> at = region->Span("answer_offset", sm.answer_offset(), answer_bytes);
+    if (!at.ok()) return at.status();
+    step.answer_host = reinterpret_cast<int32_t*>(*at);
+    if (request.return_candidates()) {
+      at = region->Span("candidates_offset", sm.candidates_offset(), cand_bytes);
+      if (!at.ok()) return at.status();
+      step.candidates_host = reinterpret_cast<int32_t*>(*at);
     }
-    result->queue_us += admission_us;
-    const config::LayerRole role = executor_.profile().layers.at(request.layer()).role;
-    const int kind = role == config::LayerRole::kCandidateSource     ? 1
-                     : role == config::LayerRole::kCandidateConsumer ? 2
-                                                                     : 0;
-    step_seconds_[kind].Observe(MicrosSince(start) * 1e-6);
-    queue_seconds_.Observe(static_cast<double>(result->queue_us) * 1e-6);
-    rows_per_step_.Observe(result->num_rows);
-    response.set_step_id(result->step_id);
-    if (answer_at != nullptr) {
-      std::memcpy(answer_at, result->topk_indices.data(),
-                  result->topk_indices.size() * sizeof(int32_t));
-      SetShapeOnly(result->num_rows, result->topk, *response.mutable_topk());
-    } else if (request.answer_encoding() == v1::ANSWER_ENCODING_DELTA_VARINT) {
-      SetShapeOnly(result->num_rows, result->topk, *response.mutable_topk());
-      EncodeTopkDelta(result->topk_indices, result->num_rows, result->topk,
-                      *response.mutable_topk_delta());
-    } else {
-      SetInt32Tensor(result->topk_indices, result->num_rows, result->topk,
-                     *response.mutable_topk());
+  } else if (request.answer_encoding() != v1::ANSWER_ENCODING_DELTA_VARINT) {
+    step.answer_host = ResponseInt32(rows, profile.topk, *response.mutable_topk());
+    if (request.return_candidates()) {
+      step.candidates_host =
+          ResponseInt32(rows, profile.num_candidate_blocks, *response.mutable_candidate_blocks());
     }
-    if (request.return_candidates() && candidates_at != nullptr) {
-      std::memcpy(candidates_at, result->candidate_blocks.data(),
-                  result->candidate_blocks.size() * sizeof(int32_t));
-      SetShapeOnly(result->num_rows, result->num_candidate_blocks,
+  }
+  const bool answer_elsewhere = ipc != nullptr || region != nullptr;
+
+  const auto queued = Clock::now();
+  std::unique_lock<std::mutex> admitted(step_mu_);
+  const int64_t admission_us = static_cast<int64_t>(MicrosSince(queued));
+  // Checked once admitted and before any state changes: an expired or abandoned step is
+  // answered without touching the caches.
+  if (context->deadline() <= std::chrono::system_clock::now()) {
+    return absl::DeadlineExceededError("deadline passed before the step ran");
+  }
+  if (request.timeout_us() > 0) {
+    const double waited = MicrosSince(read_at);
+    if (waited > static_cast<double>(request.timeout_us())) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("timeout_us: ", request.timeout_us(), " us passed before the step ran (",
+                       static_cast<int64_t>(waited), " us since it was read)"));
+    }
+  }
+  if (context->IsCancelled()) return absl::CancelledError("cancelled before the step ran");
+  absl::StatusOr<exec::StepResult> result = executor_.DecodeStep(step);
+  admitted.unlock();
+  if (!result.ok()) {
+    CheckHealth(result.status());
+    return result.status();
+  }
+  // An executor that ignores the answer targets (a test double) answers in its vectors.
+  if (step.answer_host != nullptr && !result->topk_indices.empty()) {
+    std::memcpy(step.answer_host, result->topk_indices.data(),
+                result->topk_indices.size() * sizeof(int32_t));
+  }
+  if (step.candidates_host != nullptr && !result->candidate_blocks.empty()) {
+    std::memcpy(step.candidates_host, result->candidate_blocks.data(),
+                result->candidate_blocks.size() * sizeof(int32_t));
+  }
+  if ((step.answer_device != nullptr && !result->topk_indices.empty()) ||
+      (step.candidates_device != nullptr && !result->candidate_blocks.empty())) {
+    return absl::InternalError("the executor did not write the answer into the CUDA IPC buffer");
+  }
+  result->queue_us += admission_us;
+  const config::LayerRole role = profile.layers.at(request.layer()).role;
+  const int kind = role == config::LayerRole::kCandidateSource     ? 1
+                   : role == config::LayerRole::kCandidateConsumer ? 2
+                                                                   : 0;
+  step_seconds_[kind].Observe(MicrosSince(read_at) * 1e-6);
+  queue_seconds_.Observe(static_cast<double>(result->queue_us) * 1e-6);
+  rows_per_step_.Observe(result->num_rows);
+  response.set_step_id(result->step_id);
+  if (answer_elsewhere) {
+    SetShapeOnly(result->num_rows, result->topk, *response.mutable_topk());
+  } else if (request.answer_encoding() == v1::ANSWER_ENCODING_DELTA_VARINT) {
+    SetShapeOnly(result->num_rows, result->topk, *response.mutable_topk());
+    EncodeTopkDelta(result->topk_indices, result->num_rows, result->topk,
+                    *response.mutable_topk_delta());
+  }
+  if (request.return_candidates() && answer_elsewhere) {
+    SetShapeOnly(result->num_rows, result->num_candidate_blocks,
+                 *response.mutable_candidate_blocks());
+  } else if (request.return_candidates() && step.candidates_host == nullptr) {
+    SetInt32Tensor(result->candidate_blocks, result->num_rows, result->num_candidate_blocks,
                    *response.mutable_candidate_blocks());
-    } else if (request.return_candidates()) {
-      SetInt32Tensor(result->candidate_blocks, result->num_rows, result->num_candidate_blocks,
-                     *response.mutable_candidate_blocks());
-    }
-    response.mutable_timing()->set_queue_us(result->queue_us);
-    response.mutable_timing()->set_compute_us(result->compute_us);
-    response.set_sharded(result->sharded);
-    for (int64_t len : result->lengths) response.add_lengths(len);
-    return absl::OkStatus();
-  });
+  }
+  response.mutable_timing()->set_queue_us(result->queue_us);
+  response.mutable_timing()->set_compute_us(result->compute_us);
+  response.set_sharded(result->sharded);
+  for (int64_t len : result->lengths) response.add_lengths(len);
+  return absl::OkStatus();
 }
 
 grpc::Status IndexerService::DecodeStep(grpc::ServerContext* context,
                                         const v1::DecodeStepRequest* request,
                                         v1::DecodeStepResponse* response) {
-  const auto start = Clock::now();
-  absl::Status s = Authorize(context);
-  if (s.ok()) s = RunStep(context, *request, *response);
-  stats_[kDecodeStep].Record(MicrosSince(start), s.code());
-  if (!s.ok()) spdlog::debug("DecodeStep {}: {}", request->step_id(), s.ToString());
-  return ToGrpcStatus(s);
+  // gRPC has read and parsed the message when the handler starts: timeout_us counts from here.
+  const auto read_at = Clock::now();
+  return Handle(kDecodeStep, context,
+                [&] { return RunStep(context, *request, *response, read_at); });
 }
 
 grpc::Status IndexerService::DecodeStream(
@@ -447,11 +493,11 @@ grpc::Status IndexerService::DecodeStream(
   v1::DecodeStepResponse response;
   // One step at a time: each is answered before the next is read, so answers are in order.
   while (stream->Read(&request)) {
+    const auto read_at = Clock::now();
     if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
-    const auto start = Clock::now();
     response.Clear();
-    absl::Status s = RunStep(context, request, response);
-    stats_[kDecodeStream].Record(MicrosSince(start), s.code());
+    absl::Status s = Guarded([&] { return RunStep(context, request, response, read_at); });
+    stats_[kDecodeStream].Record(MicrosSince(read_at), s.code());
     if (!s.ok()) {
       spdlog::debug("DecodeStream step {}: {}", request.step_id(), s.ToString());
       return ToGrpcStatus(s);
@@ -488,43 +534,104 @@ void IndexerService::FillStatistics(v1::Statistics& out) const {
   out.set_healthy(st.healthy);
   out.set_health_detail(st.health_detail);
   out.set_collective(st.collective);
+  for (int32_t r = 0; r < st.num_ranks; ++r) {
+    out.add_device_memory_bytes(
+        size_t(r) < st.device_memory_bytes.size() ? st.device_memory_bytes[r] : 0);
+  }
 }
 
 grpc::Status IndexerService::GetStatistics(grpc::ServerContext* context,
                                            const v1::GetStatisticsRequest*,
                                            v1::Statistics* response) {
-  const auto start = Clock::now();
-  absl::Status s = Authorize(context);
-  if (s.ok()) FillStatistics(*response);
-  stats_[kGetStatistics].Record(MicrosSince(start), s.code());
-  return ToGrpcStatus(s);
+  return Handle(kGetStatistics, context, [&] {
+    FillStatistics(*response);
+    return absl::OkStatus();
+  });
 }
 
 grpc::Status IndexerService::RegisterSharedMemory(grpc::ServerContext* context,
                                                   const v1::RegisterSharedMemoryRequest* request,
                                                   v1::RegisterSharedMemoryResponse* response) {
-  const auto start = Clock::now();
-  absl::Status s = Guarded([&]() -> absl::Status {
-    if (absl::Status a = Authorize(context); !a.ok()) return a;
-    absl::StatusOr<uint64_t> id = shm_.Register(request->name(), request->size());
+  return Handle(kRegisterSharedMemory, context, [&]() -> absl::Status {
+    // Page-lock the region with the answering rank's backend, so q is copied to the device
+    // and the answer back by direct DMA; a region that cannot be pinned still works.
+    auto pin = [this](SharedMemoryRegion& region) {
+      absl::Status pinned = executor_.WithAnswerBackend([&](kernels::Backend& be) {
+        return be.RegisterHostMemory(region.base(), region.size());
+      });
+      if (!pinned.ok()) {
+        spdlog::info("shared memory: region of {} bytes stays pageable: {}", region.size(),
+                     pinned.ToString());
+        return;
+      }
+      region.SetReleaseHook([this, base = region.base()] {
+        absl::Status s = executor_.WithAnswerBackend(
+            [base](kernels::Backend& be) { return be.UnregisterHostMemory(base); });
+        if (!s.ok()) spdlog::warn("shared memory: unpinning a region: {}", s.ToString());
+      });
+    };
+    absl::StatusOr<uint64_t> id = shm_.Register(request->name(), request->size(), pin);
     if (!id.ok()) return id.status();
     response->set_region_id(*id);
     return absl::OkStatus();
   });
-  stats_[kRegisterSharedMemory].Record(MicrosSince(start), s.code());
-  return ToGrpcStatus(s);
 }
 
 grpc::Status IndexerService::UnregisterSharedMemory(
     grpc::ServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
     v1::UnregisterSharedMemoryResponse*) {
-  const auto start = Clock::now();
-  absl::Status s = Guarded([&]() -> absl::Status {
-    if (absl::Status a = Authorize(context); !a.ok()) return a;
-    return shm_.Unregister(request->region_id());
+  return Handle(kUnregisterSharedMemory, context,
+                [&] { return shm_.Unregister(request->region_id()); });
+}
+
+grpc::Status IndexerService::RegisterCudaIpcMemory(grpc::ServerContext* context,
+                                                   const v1::RegisterCudaIpcMemoryRequest* request,
+                                                   v1::RegisterCudaIpcMemoryResponse* response) {
+  return Handle(kRegisterCudaIpcMemory, context, [&]() -> absl::Status {
+    if (request->handle().size() != kCudaIpcHandleBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("handle: expected ", kCudaIpcHandleBytes,
+                                                     " bytes (a cudaIpcMemHandle_t), got ",
+                                                     request->handle().size()));
+    }
+    if (request->size() == 0 || request->size() > (uint64_t{1} << 48)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("size: must be in [1, 2^48] bytes, got ", request->size()));
+    }
+    if (request->device() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("device: must be a device ordinal >= 0, got ", request->device()));
+    }
+    if (cuda_ipc_.size() >= CudaIpcRegistry::kMaxRegions) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("at most ", CudaIpcRegistry::kMaxRegions, " CUDA IPC regions"));
+    }
+    void* opened = nullptr;
+    absl::Status s = executor_.WithAnswerBackend([&](kernels::Backend& be) -> absl::Status {
+      absl::StatusOr<void*> ptr =
+          be.OpenIpcMemory(request->handle(), request->size(), request->device());
+      if (!ptr.ok()) return ptr.status();
+      opened = *ptr;
+      return absl::OkStatus();
+    });
+    if (!s.ok()) return s;
+    // Closed by the answering rank's backend once unregistered and no step uses it.
+    auto region = std::make_shared<CudaIpcRegion>(opened, request->size(), [this](void* ptr) {
+      absl::Status c = executor_.WithAnswerBackend(
+          [ptr](kernels::Backend& be) { return be.CloseIpcMemory(ptr); });
+      if (!c.ok()) spdlog::warn("cuda ipc: closing a region: {}", c.ToString());
+    });
+    absl::StatusOr<uint64_t> id = cuda_ipc_.Add(std::move(region));
+    if (!id.ok()) return id.status();
+    response->set_region_id(*id);
+    return absl::OkStatus();
   });
-  stats_[kUnregisterSharedMemory].Record(MicrosSince(start), s.code());
-  return ToGrpcStatus(s);
+}
+
+grpc::Status IndexerService::UnregisterCudaIpcMemory(
+    grpc::ServerContext* context, const v1::UnregisterCudaIpcMemoryRequest* request,
+    v1::UnregisterCudaIpcMemoryResponse*) {
+  return Handle(kUnregisterCudaIpcMemory, context,
+                [&] { return cuda_ipc_.Remove(request->region_id()); });
 }
 
 std::string IndexerService::RenderMetrics() const {
@@ -603,13 +710,15 @@ std::string IndexerService::RenderMetrics() const {
     absl::StrAppend(&out, "decode_indexer_cache_pages_total{cache_layer=\"", c.cache_layer, "\"} ",
                     c.pages_total, "\n");
   }
-  // The executor does not report device memory yet: the CPU backend keeps its caches in host
-  // memory, so each rank reports 0 device bytes with device="host".
+  // Device-wide bytes in use on each rank's GPU (cudaMemGetInfo), sampled by the executor;
+  // host backends keep everything in host memory and report 0 with device="host".
   head("device_memory_bytes", "gauge", "Device memory in use per rank (0 on host backends).");
   const std::string device = st.backend == "cuda" ? "cuda" : "host";
   for (int r = 0; r < st.num_ranks; ++r) {
+    const int64_t bytes =
+        size_t(r) < st.device_memory_bytes.size() ? st.device_memory_bytes[r] : int64_t{0};
     absl::StrAppend(&out, "decode_indexer_device_memory_bytes{rank=\"", r, "\",device=\"", device,
-                    "\"} 0\n");
+                    "\"} ", bytes, "\n");
   }
   return out;
 }

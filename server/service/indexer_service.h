@@ -4,6 +4,7 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <mutex>
@@ -75,6 +76,12 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   grpc::Status UnregisterSharedMemory(grpc::ServerContext* context,
                                       const v1::UnregisterSharedMemoryRequest* request,
                                       v1::UnregisterSharedMemoryResponse* response) override;
+  grpc::Status RegisterCudaIpcMemory(grpc::ServerContext* context,
+                                     const v1::RegisterCudaIpcMemoryRequest* request,
+                                     v1::RegisterCudaIpcMemoryResponse* response) override;
+  grpc::Status UnregisterCudaIpcMemory(grpc::ServerContext* context,
+                                       const v1::UnregisterCudaIpcMemoryRequest* request,
+                                       v1::UnregisterCudaIpcMemoryResponse* response) override;
 
   void FillServerInfo(v1::ServerInfo& info) const;
   void FillStatistics(v1::Statistics& out) const;
@@ -104,13 +111,23 @@ class IndexerService final : public v1::DecodeIndexer::Service {
     kGetStatistics,
     kRegisterSharedMemory,
     kUnregisterSharedMemory,
+    kRegisterCudaIpcMemory,
+    kUnregisterCudaIpcMemory,
     kNumMethods
   };
   static const char* MethodName(Method m);
+  // sizeof(cudaIpcMemHandle_t), checked at the edge without CUDA headers.
+  static constexpr size_t kCudaIpcHandleBytes = 64;
 
-  // One decode step: validate, admit (deadline/cancellation), execute, encode.
+  // The wrapper every unary handler shares: Authorize, run `body` (exceptions become
+  // INTERNAL), record the method's latency and status code, map to a grpc::Status.
+  template <typename F>
+  grpc::Status Handle(Method method, grpc::ServerContext* context, F&& body);
+  // One decode step: validate, admit (deadline, timeout_us counted from `read_at`,
+  // cancellation), execute, encode.
   absl::Status RunStep(grpc::ServerContext* context, const v1::DecodeStepRequest& request,
-                       v1::DecodeStepResponse& response);
+                       v1::DecodeStepResponse& response,
+                       std::chrono::steady_clock::time_point read_at);
   absl::Status Authorize(const grpc::ServerContext* context) const;
   // After a failed call: whether the executor turned unhealthy; if so, tell the sink once.
   void CheckHealth(const absl::Status& status);
@@ -120,7 +137,9 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   ServiceOptions options_;
   std::array<LatencyStats, kNumMethods> stats_;
   std::mutex step_mu_;
+  // Declared after executor_ (their release hooks call it) and destroyed first.
   SharedMemoryRegistry shm_;
+  CudaIpcRegistry cuda_ipc_;
   // Successful steps by layer role (dense, source, consumer): wall time in the handler.
   std::array<Histogram, 3> step_seconds_{Histogram(Histogram::LatencyBounds()),
                                          Histogram(Histogram::LatencyBounds()),

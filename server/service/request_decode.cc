@@ -3,6 +3,7 @@
 #include <cstring>
 #include <limits>
 #include <span>
+#include <string_view>
 #include <utility>
 #include "absl/strings/string_view.h"
 
@@ -72,7 +73,8 @@ std::string ExpectedString(std::span<const Dim> dims) {
 
 // Checks presence, dtype, shape and byte count; answers the shape. `field` is the tensor's
 // proto path ("sequences[1].new_keys").
-absl::StatusOr<std::vector<int64_t>> CheckTensor(const v1::Tensor& t, absl::string_view field,
+absl::StatusOr<std::vector<int64_t>> CheckTensor(const v1::Tensor& t, std::string_view data,
+                                                 absl::string_view field,
                                                  std::span<const v1::DType> allowed,
                                                  std::span<const Dim> dims) {
   if (t.dtype() == v1::DTYPE_UNSPECIFIED) {
@@ -112,12 +114,18 @@ absl::StatusOr<std::vector<int64_t>> CheckTensor(const v1::Tensor& t, absl::stri
         absl::StrCat("DTYPE_FP4_E2M1 needs an even element count, got ", ShapeString(t)));
   }
   const int64_t bytes = DataBytes(t.dtype(), elements);
-  if (static_cast<int64_t>(t.data().size()) != bytes) {
+  if (static_cast<int64_t>(data.size()) != bytes) {
     return Invalid(absl::StrCat(field, ".data"),
                    absl::StrCat("expected ", bytes, " bytes for ", DTypeName(t.dtype()), " ",
-                                ShapeString(t), ", got ", t.data().size()));
+                                ShapeString(t), ", got ", data.size()));
   }
   return shape;
+}
+
+absl::StatusOr<std::vector<int64_t>> CheckTensor(const v1::Tensor& t, absl::string_view field,
+                                                 std::span<const v1::DType> allowed,
+                                                 std::span<const Dim> dims) {
+  return CheckTensor(t, t.data(), field, allowed, dims);
 }
 
 // "[row 2, head 3, dim 5]" for a flat element index of a tensor of `shape`.
@@ -132,10 +140,32 @@ std::string IndexString(int64_t flat, const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(idx, ", "), "]");
 }
 
+// Whether any of n words of T matches (word & kMask) == kWant: NaN codes (FP8 S.1111.111,
+// UE8M0 0xFF) and NaN/Inf (fp32 / bf16 exponent all ones). Every q byte of every step is
+// scanned (0.5 MiB at 64 rows of v32), so this must run at memory speed: 256-byte chunks with
+// a fixed-count branch-free inner loop are what GCC -O2 vectorizes (a word-at-a-time loop
+// ran ~6x slower); the element is then located by the caller's exact loop, after a hit only.
+template <typename T, T kMask, T kWant>
+bool AnyWordMatches(const char* data, size_t n) {
+  constexpr size_t kChunk = 256 / sizeof(T);
+  uint32_t hit = 0;
+  size_t i = 0;
+  for (; i + kChunk <= n; i += kChunk) {
+    T buf[kChunk];
+    std::memcpy(buf, data + i * sizeof(T), sizeof(buf));
+    for (size_t j = 0; j < kChunk; ++j) hit |= static_cast<uint32_t>((buf[j] & kMask) == kWant);
+  }
+  for (; i < n; ++i) {
+    T word;
+    std::memcpy(&word, data + i * sizeof(T), sizeof(T));
+    hit |= static_cast<uint32_t>((word & kMask) == kWant);
+  }
+  return hit != 0;
+}
+
 // NaN/Inf (and, for scales, non-positive values) in a checked tensor.
-absl::Status CheckValues(const v1::Tensor& t, absl::string_view field,
+absl::Status CheckValues(const v1::Tensor& t, std::string_view data, absl::string_view field,
                          const std::vector<int64_t>& shape, bool positive) {
-  const std::string& data = t.data();
   const char* p = data.data();
   auto bad = [&](int64_t i, absl::string_view what) {
     return Invalid(absl::StrCat(field, ".data"),
@@ -144,6 +174,9 @@ absl::Status CheckValues(const v1::Tensor& t, absl::string_view field,
   switch (t.dtype()) {
     case v1::DTYPE_FP32: {
       const int64_t n = static_cast<int64_t>(data.size() / 4);
+      if (!positive && !AnyWordMatches<uint32_t, 0x7F800000u, 0x7F800000u>(p, size_t(n))) {
+        return absl::OkStatus();
+      }
       for (int64_t i = 0; i < n; ++i) {
         uint32_t bits;
         std::memcpy(&bits, p + 4 * i, 4);
@@ -158,6 +191,7 @@ absl::Status CheckValues(const v1::Tensor& t, absl::string_view field,
     }
     case v1::DTYPE_BF16: {
       const int64_t n = static_cast<int64_t>(data.size() / 2);
+      if (!AnyWordMatches<uint16_t, 0x7F80u, 0x7F80u>(p, size_t(n))) return absl::OkStatus();
       for (int64_t i = 0; i < n; ++i) {
         uint16_t bits;
         std::memcpy(&bits, p + 2 * i, 2);
@@ -167,12 +201,14 @@ absl::Status CheckValues(const v1::Tensor& t, absl::string_view field,
     }
     case v1::DTYPE_FP8_E4M3: {
       // e4m3fn has no Inf; S.1111.111 is its NaN.
+      if (!AnyWordMatches<uint8_t, 0x7F, 0x7F>(p, data.size())) return absl::OkStatus();
       for (int64_t i = 0; i < static_cast<int64_t>(data.size()); ++i) {
         if ((static_cast<uint8_t>(p[i]) & 0x7F) == 0x7F) return bad(i, "NaN code");
       }
       return absl::OkStatus();
     }
     case v1::DTYPE_UE8M0: {
+      if (!AnyWordMatches<uint8_t, 0xFF, 0xFF>(p, data.size())) return absl::OkStatus();
       for (int64_t i = 0; i < static_cast<int64_t>(data.size()); ++i) {
         if (static_cast<uint8_t>(p[i]) == 0xFF) return bad(i, "NaN scale (0xFF)");
       }
@@ -202,15 +238,20 @@ ElemType ToElemType(v1::DType dtype) {
   }
 }
 
+absl::Status CheckValues(const v1::Tensor& t, absl::string_view field,
+                         const std::vector<int64_t>& shape, bool positive) {
+  return CheckValues(t, t.data(), field, shape, positive);
+}
+
 // The request's bytes when suitably aligned for `align`, else a copy kept in `storage`.
-const void* AlignedView(const std::string& data, size_t align,
+const void* AlignedView(std::string_view data, size_t align,
                         std::vector<std::vector<uint8_t>>& storage) {
   if (reinterpret_cast<uintptr_t>(data.data()) % align == 0) return data.data();
   storage.emplace_back(data.begin(), data.end());  // operator new aligns for any scalar
   return storage.back().data();
 }
 
-const float* AlignedFloats(const std::string& data, std::vector<float>& storage) {
+const float* AlignedFloats(std::string_view data, std::vector<float>& storage) {
   if (reinterpret_cast<uintptr_t>(data.data()) % alignof(float) == 0) {
     return reinterpret_cast<const float*>(data.data());
   }
@@ -336,7 +377,8 @@ absl::StatusOr<DecodedAppend> DecodeAppendKeys(const v1::AppendKeysRequest& requ
 }
 
 absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& request,
-                                              const config::Profile& profile) {
+                                              const config::Profile& profile,
+                                              const ExternalStepBytes& external) {
   absl::StatusOr<const config::LayerSpec*> spec_or = CheckLayer(profile, request.layer());
   if (!spec_or.ok()) return spec_or.status();
   const config::LayerSpec& spec = **spec_or;
@@ -419,7 +461,8 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
 
   // q: unquantized (fp32/bf16) or pre-quantized in the layer's cache format.
   const v1::Tensor& q = request.q();
-  if (IsAbsent(q)) return Invalid("q", "required");
+  const std::string_view q_data = external.q.value_or(std::string_view(q.data()));
+  if (!external.q && IsAbsent(q)) return Invalid("q", "required");
   const v1::DType quantized = format == CacheFormat::kFp8 ? v1::DTYPE_FP8_E4M3 : v1::DTYPE_FP4_E2M1;
   if ((q.dtype() == v1::DTYPE_FP8_E4M3 || q.dtype() == v1::DTYPE_FP4_E2M1) &&
       q.dtype() != quantized) {
@@ -428,42 +471,49 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
   }
   const v1::DType q_types[] = {v1::DTYPE_FP32, v1::DTYPE_BF16, quantized};
   const Dim q_dims[] = {{total_rows}, {h}, {d}};
-  absl::StatusOr<std::vector<int64_t>> q_shape = CheckTensor(q, "q", q_types, q_dims);
+  absl::StatusOr<std::vector<int64_t>> q_shape = CheckTensor(q, q_data, "q", q_types, q_dims);
   if (!q_shape.ok()) return q_shape.status();
-  if (absl::Status s = CheckValues(q, "q", *q_shape, false); !s.ok()) return s;
+  if (absl::Status s = CheckValues(q, q_data, "q", *q_shape, false); !s.ok()) return s;
   const bool q_quantized = q.dtype() == quantized;
   out.step.q.type = ToElemType(q.dtype());
   out.step.q.q = q_quantized
-                     ? static_cast<const void*>(q.data().data())
-                     : AlignedView(q.data(), q.dtype() == v1::DTYPE_FP32 ? 4 : 2, out.realigned);
+                     ? static_cast<const void*>(q_data.data())
+                     : AlignedView(q_data, q.dtype() == v1::DTYPE_FP32 ? 4 : 2, out.realigned);
+  const std::string_view s_data =
+      external.q_scales.value_or(std::string_view(request.q_scales().data()));
+  const bool has_scales = external.q_scales.has_value() || !IsAbsent(request.q_scales());
   if (q.dtype() == v1::DTYPE_FP4_E2M1) {
-    if (IsAbsent(request.q_scales())) return Invalid("q_scales", "required with DTYPE_FP4_E2M1 q");
+    if (!has_scales) return Invalid("q_scales", "required with DTYPE_FP4_E2M1 q");
     const v1::DType s_types[] = {v1::DTYPE_UE8M0};
     const Dim s_dims[] = {{total_rows}, {h}, {d / 32}};
     absl::StatusOr<std::vector<int64_t>> s_shape =
-        CheckTensor(request.q_scales(), "q_scales", s_types, s_dims);
+        CheckTensor(request.q_scales(), s_data, "q_scales", s_types, s_dims);
     if (!s_shape.ok()) return s_shape.status();
-    if (absl::Status s = CheckValues(request.q_scales(), "q_scales", *s_shape, false); !s.ok()) {
+    if (absl::Status s = CheckValues(request.q_scales(), s_data, "q_scales", *s_shape, false);
+        !s.ok()) {
       return s;
     }
-    out.step.q.scales = reinterpret_cast<const uint8_t*>(request.q_scales().data().data());
-  } else if (!IsAbsent(request.q_scales())) {
+    out.step.q.scales = reinterpret_cast<const uint8_t*>(s_data.data());
+  } else if (has_scales) {
     return Invalid("q_scales",
                    absl::StrCat("only with DTYPE_FP4_E2M1 q, got ", DTypeName(q.dtype()), " q"));
   }
 
   // weights [rows, H]: fp32 viewed in place, bf16 widened into owned storage.
-  if (IsAbsent(request.weights())) return Invalid("weights", "required");
+  const std::string_view w_data =
+      external.weights.value_or(std::string_view(request.weights().data()));
+  if (!external.weights && IsAbsent(request.weights())) return Invalid("weights", "required");
   const v1::DType w_types[] = {v1::DTYPE_FP32, v1::DTYPE_BF16};
   const Dim w_dims[] = {{total_rows}, {h}};
   absl::StatusOr<std::vector<int64_t>> w_shape =
-      CheckTensor(request.weights(), "weights", w_types, w_dims);
+      CheckTensor(request.weights(), w_data, "weights", w_types, w_dims);
   if (!w_shape.ok()) return w_shape.status();
-  if (absl::Status s = CheckValues(request.weights(), "weights", *w_shape, false); !s.ok()) {
+  if (absl::Status s = CheckValues(request.weights(), w_data, "weights", *w_shape, false);
+      !s.ok()) {
     return s;
   }
   if (request.weights().dtype() == v1::DTYPE_BF16) {
-    const std::string& data = request.weights().data();
+    const std::string_view data = w_data;
     out.weights.resize(data.size() / 2);
     for (size_t i = 0; i < out.weights.size(); ++i) {
       uint16_t bits;
@@ -472,7 +522,7 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
     }
     out.step.q.weights = out.weights.data();
   } else {
-    out.step.q.weights = AlignedFloats(request.weights().data(), out.weights);
+    out.step.q.weights = AlignedFloats(w_data, out.weights);
   }
 
   // positions [rows]: RoPE needs the unrotated q, so only with unquantized q.

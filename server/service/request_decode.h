@@ -11,7 +11,9 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -43,8 +45,18 @@ struct DecodedStep {
 absl::StatusOr<DecodedAppend> DecodeAppendKeys(const v1::AppendKeysRequest& request,
                                                const config::Profile& profile);
 
+// Bytes of q / q_scales / weights that live outside the request (a client's shared-memory
+// region): those Tensors then carry dtype and shape only, and are checked and read in place
+// here, so the decoded step points into the region (no staging copy).
+struct ExternalStepBytes {
+  std::optional<std::string_view> q;
+  std::optional<std::string_view> q_scales;
+  std::optional<std::string_view> weights;
+};
+
 absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& request,
-                                              const config::Profile& profile);
+                                              const config::Profile& profile,
+                                              const ExternalStepBytes& external = {});
 
 // "[3, 64]" — shapes in messages.
 std::string ShapeString(const v1::Tensor& tensor);

@@ -1,15 +1,24 @@
 // The data plane's alternative paths answer exactly as the plain gRPC path: the delta-varint
-// answer encoding and the POSIX shared-memory path (q, q_scales, weights read from and the
-// answer written into a client region), checked against the CPU reference oracle; plus the
-// rejections (bad region, out-of-bounds offsets, CUDA IPC unimplemented) that change nothing.
+// answer encoding, the POSIX shared-memory path (q, q_scales, weights read from and the
+// answer written into a client region) and the CUDA IPC path's plumbing (on a CPU backend
+// that plays a device: its "IPC handle" names a host buffer), checked against the CPU
+// reference oracle; plus the rejections (bad region, out-of-bounds offsets, wrong device, the
+// CPU backend's refusal) and the per-step timeout, none of which changes anything.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <mutex>
 #include <random>
+#include <thread>
 
+#include "decode_indexer/kernels/backend.h"
+#include "server/exec/executor_internal.h"
 #include "server/service/data_plane.h"
+#include "server/service/indexer_service.h"
 #include "tests/service/service_harness.h"
 
 namespace decode_indexer::testing {
@@ -183,7 +192,206 @@ TEST_F(DataPlaneTest, RegistrationAndCudaIpcRejections) {
   const v1::DecodeStepRequest retry = req;
   req.set_answer_cuda_ipc(true);
   EXPECT_EQ(s_->client->DecodeStep(req).status().code(), absl::StatusCode::kUnimplemented);
-  StepAndCompare(*s_, *oracle_, retry, "after the CUDA IPC request");
+
+  // RegisterCudaIpcMemory: the edge's checks name the field; a well-formed request reaches
+  // the CPU backend, which has no device memory.
+  const std::string handle(64, '\x11');
+  auto expect_invalid = [](const absl::StatusOr<uint64_t>& r, const char* field) {
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    EXPECT_NE(r.status().message().find(field), std::string::npos) << r.status();
+  };
+  expect_invalid(s_->client->RegisterCudaIpcMemory(handle.substr(0, 63), 4096, 0), "handle");
+  expect_invalid(s_->client->RegisterCudaIpcMemory(handle, 0, 0), "size");
+  expect_invalid(s_->client->RegisterCudaIpcMemory(handle, 4096, -1), "device");
+  absl::StatusOr<uint64_t> cpu = s_->client->RegisterCudaIpcMemory(handle, 4096, 0);
+  EXPECT_EQ(cpu.status().code(), absl::StatusCode::kFailedPrecondition) << cpu.status();
+  EXPECT_NE(cpu.status().message().find("cpu"), std::string::npos) << cpu.status();
+  EXPECT_EQ(s_->client->UnregisterCudaIpcMemory(1).code(), absl::StatusCode::kNotFound);
+  // A step naming a region that does not exist.
+  v1::DecodeStepRequest ipc = Step(0, QForm::kF32Rope);
+  ipc.mutable_cuda_ipc()->set_region_id(1 + Seed() % 1000);
+  absl::StatusOr<client::StepAnswer> r = s_->client->DecodeStep(ipc);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status();
+  EXPECT_NE(r.status().message().find("cuda_ipc.region_id"), std::string::npos) << r.status();
+  StepAndCompare(*s_, *oracle_, retry, "after the CUDA IPC requests");
+
+  // The per-rank device-memory gauge: one entry per rank, 0 on the CPU backend.
+  absl::StatusOr<v1::Statistics> stats = s_->client->GetStatistics();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_EQ(stats->device_memory_bytes_size(), 2);
+  EXPECT_EQ(stats->device_memory_bytes(0), 0);
+  EXPECT_EQ(stats->device_memory_bytes(1), 0);
+}
+
+// timeout_us: counted from when the server read the step; one that expires while waiting for
+// admission answers DEADLINE_EXCEEDED and changes nothing (its keys are not inserted).
+TEST_F(DataPlaneTest, StepTimeoutExpiresBeforeTheStepRuns) {
+  v1::DecodeStepRequest late = Step(0, QForm::kF32Rope);
+  const v1::DecodeStepRequest retry = late;
+  late.set_timeout_us(1);
+  absl::StatusOr<std::unique_ptr<client::StepStream>> stream = s_->client->OpenStream();
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  {
+    // Held admission: the step cannot run before far more than 1 us has passed.
+    std::unique_lock<std::mutex> hold = s_->server->service().HoldStepAdmissionForTesting();
+    ASSERT_TRUE((*stream)->Write(late).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  absl::StatusOr<client::StepAnswer> got = (*stream)->Read();
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kDeadlineExceeded) << got.status();
+  EXPECT_NE(got.status().message().find("timeout_us"), std::string::npos) << got.status();
+  v1::DecodeStepRequest negative = retry;
+  negative.set_timeout_us(-5);
+  EXPECT_EQ(s_->client->DecodeStep(negative).status().code(), absl::StatusCode::kInvalidArgument);
+  // Same keys again with a generous timeout: the lengths show the late step inserted nothing.
+  v1::DecodeStepRequest generous = retry;
+  generous.set_timeout_us(int64_t{600} * 1000 * 1000);
+  StepAndCompare(*s_, *oracle_, generous, "after the expired step");
+}
+
+// A CPU backend playing a GPU for the CUDA IPC plumbing: its "handle" carries the address and
+// size of a host buffer of the test (the "device buffer"), which the backend "opens" by
+// answering that address; CopyDeviceToDevice is a memcpy. Everything else is the CPU backend.
+class FakeIpcBackend final : public kernels::Backend {
+ public:
+  FakeIpcBackend(std::unique_ptr<kernels::Backend> cpu, std::atomic<int>* open)
+      : cpu_(std::move(cpu)), open_(open) {}
+  std::string_view name() const override { return "fake-ipc"; }
+  std::string description() const override { return "cpu playing a device for CUDA IPC"; }
+  absl::StatusOr<void*> Allocate(size_t bytes) override { return cpu_->Allocate(bytes); }
+  void Free(void* ptr) override { cpu_->Free(ptr); }
+  absl::Status CopyToDevice(void* d, const void* s, size_t n) override {
+    return cpu_->CopyToDevice(d, s, n);
+  }
+  absl::Status CopyToHost(void* d, const void* s, size_t n) override {
+    return cpu_->CopyToHost(d, s, n);
+  }
+  absl::Status CopyDeviceToDevice(void* d, const void* s, size_t n) override {
+    return cpu_->CopyDeviceToDevice(d, s, n);
+  }
+  absl::Status Synchronize() override { return cpu_->Synchronize(); }
+  absl::Status InsertKeys(const kernels::KeyInsertArgs& a) override { return cpu_->InsertKeys(a); }
+  absl::Status RopeQuantQ(const kernels::QPrepArgs& a) override { return cpu_->RopeQuantQ(a); }
+  absl::Status DenseTopK(const kernels::DenseArgs& a) override { return cpu_->DenseTopK(a); }
+  absl::Status SparseTopK(const kernels::SparseArgs& a) override { return cpu_->SparseTopK(a); }
+  absl::Status MaskedTopK(const kernels::MaskedArgs& a) override { return cpu_->MaskedTopK(a); }
+  absl::Status CopyRows(const kernels::CopyRowsArgs& a) override { return cpu_->CopyRows(a); }
+  absl::Status ForkExpand(const kernels::ExpandArgs& a) override { return cpu_->ForkExpand(a); }
+  absl::Status JoinExpand() override { return cpu_->JoinExpand(); }
+
+  absl::StatusOr<void*> OpenIpcMemory(std::string_view handle, size_t bytes, int device) override {
+    if (device != 0) return absl::InvalidArgumentError("device: the answering rank is on 0");
+    uint64_t address = 0, size = 0;
+    std::memcpy(&address, handle.data(), 8);
+    std::memcpy(&size, handle.data() + 8, 8);
+    if (bytes > size) return absl::InvalidArgumentError("size: exceeds the allocation");
+    ++*open_;
+    return reinterpret_cast<void*>(address);
+  }
+  absl::Status CloseIpcMemory(void*) override {
+    --*open_;
+    return absl::OkStatus();
+  }
+
+ private:
+  std::unique_ptr<kernels::Backend> cpu_;
+  std::atomic<int>* open_;
+};
+
+TEST(CudaIpcPlumbingTest, AnswersInTheRegisteredBufferExactlyAsGrpc) {
+  const config::Profile profile = LoadOrDie(TinyProfilePath());
+  std::atomic<int> open{0};
+  exec::ExecutorOptions options = CpuOptions(1, 64);
+  absl::StatusOr<std::unique_ptr<exec::Executor>> executor = exec::CreateExecutorWithBackends(
+      profile, options,
+      [&open](int32_t, const kernels::BackendLimits& limits)
+          -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
+        return std::make_unique<FakeIpcBackend>(kernels::MakeCpuBackend(limits, 1), &open);
+      });
+  ASSERT_TRUE(executor.ok()) << executor.status();
+  auto service = std::make_unique<service::IndexerService>(**executor, "test");
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(service.get());
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  Session s;
+  s.profile = profile;
+  absl::StatusOr<std::unique_ptr<client::IndexerClient>> c =
+      client::IndexerClient::Connect("127.0.0.1:" + std::to_string(port));
+  ASSERT_TRUE(c.ok()) << c.status();
+  s.client = std::move(*c);
+
+  Gen gen(Seed());
+  ServiceOracle oracle(profile, 64, Seed());
+  const std::vector<uint64_t> ids = {5, 6, 7, 8};
+  std::vector<int64_t> lengths = {40 + int64_t(gen.rng()() % 30), 33, 70, 12};
+  Prefill(s, oracle, gen, ids, lengths, {0, 1, 2});
+
+  // The "device buffer": stale bytes everywhere, so a missing write shows.
+  std::vector<int32_t> device(1 << 15, 0x5A5A5A5A);
+  const uint64_t bytes = device.size() * 4;
+  std::string handle(64, '\0');
+  const uint64_t address = reinterpret_cast<uint64_t>(device.data());
+  std::memcpy(handle.data(), &address, 8);
+  std::memcpy(handle.data() + 8, &bytes, 8);
+  absl::StatusOr<uint64_t> region = s.client->RegisterCudaIpcMemory(handle, bytes, 0);
+  ASSERT_TRUE(region.ok()) << region.status();
+  EXPECT_EQ(open.load(), 1);
+
+  uint64_t step_id = 1;
+  for (int layer : {0, 1, 2, 3}) {
+    const v1::DecodeStepRequest plain =
+        MakeStep(gen, profile, layer, ids, lengths, 2, QForm::kF32Rope, KeyForm::kF32, step_id++);
+    v1::DecodeStepRequest req = plain;
+    const uint64_t answer_offset = 4 * (gen.rng()() % 64);
+    const uint64_t cand_offset = bytes / 2 + 4 * (gen.rng()() % 64);
+    req.mutable_cuda_ipc()->set_region_id(*region);
+    req.mutable_cuda_ipc()->set_answer_offset(answer_offset);
+    req.mutable_cuda_ipc()->set_candidates_offset(cand_offset);
+    absl::StatusOr<client::StepAnswer> got = s.client->DecodeStep(req);
+    ASSERT_TRUE(got.ok()) << got.status();
+    absl::StatusOr<OracleAnswer> want = oracle.Step(plain);
+    ASSERT_TRUE(want.ok()) << want.status();
+    EXPECT_TRUE(got->in_shared_memory);
+    EXPECT_TRUE(got->topk.empty());
+    EXPECT_EQ(got->lengths, want->lengths);
+    const int32_t* at = device.data() + answer_offset / 4;
+    EXPECT_EQ(std::vector<int32_t>(at, at + want->topk.size()), want->topk) << "layer " << layer;
+    if (plain.return_candidates()) {
+      const int32_t* cat = device.data() + cand_offset / 4;
+      EXPECT_EQ(std::vector<int32_t>(cat, cat + want->candidates.size()), want->candidates);
+    }
+  }
+
+  // Out of bounds, misaligned, unknown region: named, and nothing changes.
+  v1::DecodeStepRequest bad =
+      MakeStep(gen, profile, 0, ids, lengths, 1, QForm::kF32Rope, KeyForm::kF32, step_id++);
+  const v1::DecodeStepRequest retry = bad;
+  bad.mutable_cuda_ipc()->set_region_id(*region);
+  bad.mutable_cuda_ipc()->set_answer_offset(bytes - 4);
+  absl::StatusOr<client::StepAnswer> r = s.client->DecodeStep(bad);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("cuda_ipc.answer_offset"), std::string::npos) << r.status();
+  bad.mutable_cuda_ipc()->set_answer_offset(2);
+  r = s.client->DecodeStep(bad);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("multiple of 4"), std::string::npos) << r.status();
+  bad.mutable_cuda_ipc()->set_region_id(*region + 1);
+  EXPECT_EQ(s.client->DecodeStep(bad).status().code(), absl::StatusCode::kNotFound);
+  // Registration the backend refuses: another device, more than the allocation.
+  EXPECT_EQ(s.client->RegisterCudaIpcMemory(handle, bytes, 1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.client->RegisterCudaIpcMemory(handle, bytes + 4, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  StepAndCompare(s, oracle, retry, "after the rejected CUDA IPC steps");
+
+  ASSERT_TRUE(s.client->UnregisterCudaIpcMemory(*region).ok());
+  EXPECT_EQ(open.load(), 0);  // closed by the answering rank's backend
+  EXPECT_EQ(s.client->UnregisterCudaIpcMemory(*region).code(), absl::StatusCode::kNotFound);
+  server->Shutdown();
+  (*executor)->Shutdown();
 }
 
 }  // namespace

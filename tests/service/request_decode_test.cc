@@ -486,5 +486,72 @@ TEST_F(RequestDecodeTest, RandomCorruptionsNeverCrash) {
   }
 }
 
+// The NaN scans run eight bytes at a time: a code planted anywhere (first byte, last byte,
+// the unaligned tail, either sign) is found and named by its element; valid codes next to
+// the NaN pattern (0x7E, 0xFE, 0x80) pass.
+TEST_F(RequestDecodeTest, NanScansFindEveryPlantedValue) {
+  const int H = v32_.num_heads, D = v32_.head_dim;
+  for (int trial = 0; trial < 24; ++trial) {
+    const int rows = 1 + int(rng_() % 3);
+    std::vector<int> per_seq(rows, 1);
+    auto req = ValidStep(v32_, 1, per_seq);
+    req.clear_positions();
+    std::vector<uint8_t> codes = RandomFp8(size_t(rows) * H * D);
+    for (int i = 0; i < 8; ++i) codes[rng_() % codes.size()] = (rng_() & 1) ? 0x7E : 0xFE;
+    *req.mutable_q() = CodesTensor(v1::DTYPE_FP8_E4M3, codes, {rows, H, D});
+    ASSERT_TRUE(DecodeStepRequest(req, v32_).ok()) << "valid codes rejected";
+    const size_t where = trial == 0 ? 0 : trial == 1 ? codes.size() - 1 : rng_() % codes.size();
+    codes[where] = (rng_() & 1) ? 0x7F : 0xFF;
+    *req.mutable_q() = CodesTensor(v1::DTYPE_FP8_E4M3, codes, {rows, H, D});
+    absl::StatusOr<DecodedStep> d = DecodeStepRequest(req, v32_);
+    ASSERT_FALSE(d.ok()) << "NaN code at " << where << " accepted";
+    EXPECT_NE(d.status().message().find("at element " + std::to_string(where) + " "),
+              std::string::npos)
+        << d.status();
+
+    // fp32 / bf16 q: Inf or NaN anywhere.
+    auto fq = ValidStep(v32_, 1, per_seq);
+    std::vector<float> q = Random(size_t(rows) * H * D);
+    const size_t at = rng_() % q.size();
+    q[at] = (rng_() & 1) ? std::numeric_limits<float>::infinity()
+                         : -std::numeric_limits<float>::quiet_NaN();
+    *fq.mutable_q() = (trial & 1) ? F32Tensor(q, {rows, H, D}) : Bf16Tensor(q, {rows, H, D});
+    d = DecodeStepRequest(fq, v32_);
+    ASSERT_FALSE(d.ok());
+    EXPECT_NE(d.status().message().find("at element " + std::to_string(at) + " "),
+              std::string::npos)
+        << d.status();
+  }
+}
+
+// q / weights given outside the request (a shared-memory region) are checked and viewed in
+// place: the decoded step points into them, with the same checks as in-request bytes.
+TEST_F(RequestDecodeTest, ExternalBytesAreReadInPlace) {
+  const int H = v32_.num_heads, D = v32_.head_dim;
+  auto req = ValidStep(v32_, 1, {1, 2});
+  req.clear_positions();
+  const std::vector<uint8_t> codes = RandomFp8(size_t(3) * H * D);
+  const std::vector<float> w = Random(size_t(3) * H);
+  *req.mutable_q() = CodesTensor(v1::DTYPE_FP8_E4M3, codes, {3, H, D});
+  *req.mutable_weights() = F32Tensor(w, {3, H});
+  ExternalStepBytes ext;
+  ext.q = std::string_view(reinterpret_cast<const char*>(codes.data()), codes.size());
+  ext.weights = std::string_view(reinterpret_cast<const char*>(w.data()), w.size() * 4);
+  v1::DecodeStepRequest shaped = req;
+  shaped.mutable_q()->clear_data();
+  shaped.mutable_weights()->clear_data();
+  absl::StatusOr<DecodedStep> d = DecodeStepRequest(shaped, v32_, ext);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->step.q.q, static_cast<const void*>(codes.data()));
+  EXPECT_EQ(d->step.q.weights, w.data());
+  EXPECT_EQ(d->step.num_rows, 3);
+  // Short external bytes: the same message as short request bytes.
+  ext.q = ext.q->substr(0, codes.size() - 1 - rng_() % 100);
+  ExternalStepBytes short_ext = ext;
+  absl::StatusOr<DecodedStep> bad = DecodeStepRequest(shaped, v32_, short_ext);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(std::string(bad.status().message()).rfind("q.data:", 0), 0u) << bad.status();
+}
+
 }  // namespace
 }  // namespace decode_indexer::service

@@ -1,0 +1,275 @@
+// The CUDA data plane against the real server binary on the CUDA backend: this process (the
+// "attention worker") cudaMallocs a buffer, exports it with cudaIpcGetMemHandle and registers
+// it; the server opens the handle in another process and copies each step's answer there
+// device to device. The answer read back from the buffer must equal the same step's answer
+// through plain gRPC (the CUDA backend is deterministic, so bit for bit), also through a
+// stream and with q read from a page-locked shared-memory region. Then the registration's
+// device-side rejections (foreign handle, size past the allocation, wrong device) and the
+// per-rank device-memory gauge. Skips visibly where no GPU is visible.
+#include <cuda_runtime.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "client/indexer_client.h"
+#include "client/tensor.h"
+
+extern char** environ;
+
+namespace decode_indexer::testing {
+namespace {
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// The port decode-indexer-server logs once it listens ("... (port N)"), 0 until then.
+int LoggedPort(const std::string& log) {
+  const size_t at = log.find("(port ");
+  return at == std::string::npos ? 0 : std::atoi(log.c_str() + at + 6);
+}
+
+// The server under test: DI_SERVER_BINARY from the environment (a bundled copy on the GPU
+// machine) or the one this build made.
+std::string ServerBinary() {
+  const char* env = std::getenv("DI_SERVER_BINARY");
+  return env != nullptr && *env != 0 ? env : DI_SERVER_BINARY;
+}
+
+class ServerProcess {
+ public:
+  ~ServerProcess() {
+    if (pid_ > 0) {
+      kill(pid_, SIGTERM);
+      for (int i = 0; i < 100 && waitpid(pid_, nullptr, WNOHANG) == 0; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (!log_.empty()) std::filesystem::remove(log_);
+  }
+  // Starts the server and answers its address, "" on failure (the log says why).
+  std::string Start() {
+    log_ = (std::filesystem::temp_directory_path() /
+            ("di-gpu-ipc-" + std::to_string(getpid()) + ".log"))
+               .string();
+    std::vector<std::string> args = {
+        ServerBinary(), "--listen", "127.0.0.1:0",   "--backend", "cuda",        "--ranks", "1",
+        "--profile",    "v32",      "--cache-pages", "2048",      "--log-level", "info"};
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log_.c_str(),
+                                     O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+    const int rc = posix_spawn(&pid_, argv[0], &actions, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    if (rc != 0) return "";
+    for (int i = 0; i < 1200; ++i) {
+      if (const int port = LoggedPort(ReadAll(log_)); port > 0) {
+        return "127.0.0.1:" + std::to_string(port);
+      }
+      if (waitpid(pid_, nullptr, WNOHANG) == pid_) {
+        pid_ = -1;
+        return "";
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return "";
+  }
+  std::string log() const { return ReadAll(log_); }
+
+ private:
+  pid_t pid_ = -1;
+  std::string log_;
+};
+
+#define ASSERT_CUDA(expr)                                                  \
+  do {                                                                     \
+    const cudaError_t e_ = (expr);                                         \
+    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_); \
+  } while (0)
+
+TEST(GpuIpcTest, AnswerInTheExportedBufferEqualsThePlainGrpcAnswer) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    GTEST_SKIP() << "no GPU visible: the CUDA IPC data plane needs one";
+  }
+  ServerProcess server;
+  const std::string address = server.Start();
+  ASSERT_FALSE(address.empty()) << server.log();
+  absl::StatusOr<std::unique_ptr<client::IndexerClient>> c =
+      client::IndexerClient::Connect(address);
+  ASSERT_TRUE(c.ok()) << c.status();
+  client::IndexerClient& cl = **c;
+  absl::StatusOr<v1::ServerInfo> info = cl.ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  ASSERT_EQ(info->backend(), "cuda");
+  const int H = info->num_heads(), D = info->head_dim(), K = info->topk();
+
+  // Sequences of fresh random keys (fp32, quantized by the server) on dense layer 0.
+  std::mt19937_64 rng(std::random_device{}());
+  std::normal_distribution<float> normal;
+  const int requests = 8;
+  std::vector<int64_t> lengths;
+  for (int i = 0; i < requests; ++i) {
+    lengths.push_back(1000 + int64_t(rng() % 4000));
+    ASSERT_TRUE(cl.CreateSequence(100 + i).ok());
+    std::vector<float> keys(size_t(lengths.back()) * D);
+    for (float& x : keys) x = normal(rng);
+    absl::StatusOr<int64_t> len = cl.AppendKeys(100 + i, 0, keys, D);
+    ASSERT_TRUE(len.ok()) << len.status();
+  }
+  // A step without new keys changes nothing, so the same request can be asked twice.
+  auto make_step = [&](uint64_t step_id) {
+    v1::DecodeStepRequest req;
+    req.set_layer(0);
+    req.set_step_id(step_id);
+    std::vector<int64_t> positions;
+    for (int i = 0; i < requests; ++i) {
+      v1::SequenceStep* s = req.add_sequences();
+      s->set_sequence_id(100 + i);
+      s->set_num_rows(1);
+      positions.push_back(lengths[i] - 1);
+    }
+    std::vector<float> q(size_t(requests) * H * D), w(size_t(requests) * H);
+    for (float& x : q) x = normal(rng);
+    for (float& x : w) x = normal(rng);
+    *req.mutable_q() = client::F32Tensor(q, {requests, H, D});
+    *req.mutable_weights() = client::F32Tensor(w, {requests, H});
+    *req.mutable_positions() = client::I64Tensor(positions, {requests});
+    return req;
+  };
+
+  // The worker's buffer, stale bytes everywhere so a missing write shows.
+  ASSERT_CUDA(cudaSetDevice(0));
+  const size_t bytes = size_t(4) << 20;
+  void* buffer = nullptr;
+  ASSERT_CUDA(cudaMalloc(&buffer, bytes));
+  ASSERT_CUDA(cudaMemset(buffer, 0x5A, bytes));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  cudaIpcMemHandle_t handle;
+  ASSERT_CUDA(cudaIpcGetMemHandle(&handle, buffer));
+  const std::string handle_bytes(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  absl::StatusOr<uint64_t> region = cl.RegisterCudaIpcMemory(handle_bytes, bytes, 0);
+  ASSERT_TRUE(region.ok()) << region.status() << "\n" << server.log();
+
+  auto read_back = [&](uint64_t offset, size_t count) {
+    std::vector<int32_t> out(count);
+    EXPECT_EQ(cudaMemcpy(out.data(), static_cast<char*>(buffer) + offset, count * 4,
+                         cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    return out;
+  };
+  absl::StatusOr<std::unique_ptr<client::StepStream>> stream = cl.OpenStream();
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  for (int i = 0; i < 4; ++i) {
+    const v1::DecodeStepRequest plain = make_step(10 + i);
+    absl::StatusOr<client::StepAnswer> want = cl.DecodeStep(plain);
+    ASSERT_TRUE(want.ok()) << want.status();
+    ASSERT_EQ(want->rows, requests);
+    ASSERT_EQ(want->k, K);
+    v1::DecodeStepRequest ipc = plain;
+    const uint64_t offset = 4 * (rng() % 4096);
+    ipc.mutable_cuda_ipc()->set_region_id(*region);
+    ipc.mutable_cuda_ipc()->set_answer_offset(offset);
+    // Unary, then the same step through the stream (odd steps), at the same offset.
+    absl::StatusOr<client::StepAnswer> got = i % 2 == 0 ? cl.DecodeStep(ipc) : (*stream)->Step(ipc);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(got->topk.empty());
+    EXPECT_EQ(read_back(offset, want->topk.size()), want->topk) << "step " << i;
+  }
+  ASSERT_TRUE((*stream)->Finish().ok());
+
+  // q and weights from a page-locked shared-memory region, the answer to the device buffer.
+  {
+    const std::string name = "/di-gpu-ipc-" + std::to_string(getpid());
+    const uint64_t shm_bytes = 8 << 20;
+    absl::StatusOr<std::unique_ptr<client::SharedMemory>> shm =
+        client::SharedMemory::Create(name, shm_bytes);
+    ASSERT_TRUE(shm.ok()) << shm.status();
+    absl::StatusOr<uint64_t> shm_region = cl.RegisterSharedMemory(name, shm_bytes);
+    ASSERT_TRUE(shm_region.ok()) << shm_region.status();
+    const v1::DecodeStepRequest plain = make_step(20);
+    absl::StatusOr<client::StepAnswer> want = cl.DecodeStep(plain);
+    ASSERT_TRUE(want.ok()) << want.status();
+    for (bool to_device : {true, false}) {
+      v1::DecodeStepRequest req = plain;
+      uint64_t at = 0;
+      auto place = [&](v1::Tensor* t) {
+        const uint64_t off = at;
+        std::memcpy((*shm)->data() + off, t->data().data(), t->data().size());
+        at += (t->data().size() + 4095) / 4096 * 4096;
+        t->clear_data();
+        return off;
+      };
+      v1::SharedMemoryStep* sm = req.mutable_shared_memory();
+      sm->set_region_id(*shm_region);
+      sm->set_q_offset(place(req.mutable_q()));
+      sm->set_weights_offset(place(req.mutable_weights()));
+      sm->set_answer_offset(at);
+      std::memset((*shm)->data() + at, 0x5A, size_t(requests) * K * 4);
+      if (to_device) {
+        req.mutable_cuda_ipc()->set_region_id(*region);
+        req.mutable_cuda_ipc()->set_answer_offset(4096);
+      }
+      absl::StatusOr<client::StepAnswer> got = cl.DecodeStep(req);
+      ASSERT_TRUE(got.ok()) << got.status();
+      std::vector<int32_t> answer(want->topk.size());
+      if (to_device) {
+        answer = read_back(4096, want->topk.size());
+      } else {
+        std::memcpy(answer.data(), (*shm)->data() + at, answer.size() * 4);
+      }
+      EXPECT_EQ(answer, want->topk) << (to_device ? "shm q, device answer" : "shm q and answer");
+    }
+    ASSERT_TRUE(cl.UnregisterSharedMemory(*shm_region).ok());
+  }
+
+  // Device-side rejections: a handle of no allocation, a size past the allocation, another
+  // device. None leaves a region behind.
+  std::string foreign = handle_bytes;
+  for (size_t i = 0; i < foreign.size(); ++i) foreign[i] = static_cast<char>(rng());
+  absl::StatusOr<uint64_t> bad = cl.RegisterCudaIpcMemory(foreign, bytes, 0);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  bad = cl.RegisterCudaIpcMemory(handle_bytes, bytes + 4096, 0);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_NE(bad.status().message().find("size"), std::string::npos) << bad.status();
+  bad = cl.RegisterCudaIpcMemory(handle_bytes, bytes, devices);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_NE(bad.status().message().find("device"), std::string::npos) << bad.status();
+
+  // The gauge: rank 0's GPU holds the caches and workspaces.
+  absl::StatusOr<v1::Statistics> stats = cl.GetStatistics();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_EQ(stats->device_memory_bytes_size(), 1);
+  EXPECT_GT(stats->device_memory_bytes(0), int64_t{1} << 20);
+
+  ASSERT_TRUE(cl.UnregisterCudaIpcMemory(*region).ok());
+  EXPECT_EQ(cl.UnregisterCudaIpcMemory(*region).code(), absl::StatusCode::kNotFound);
+  ASSERT_CUDA(cudaFree(buffer));
+}
+
+}  // namespace
+}  // namespace decode_indexer::testing
