@@ -7,15 +7,21 @@
 //   expansion alone (CUDA builds: the expansion kernel timed with events on an otherwise idle
 //   stream, over the source's real candidates) and the share of it the overlap hides:
 //   (round us overlap off - round us overlap on) / expansion us.
-//   Both: CUDA graphs on vs off (--graphs), page-locked staging on vs off (--pinned).
+//   Both: CUDA graphs on vs off (--graphs), page-locked staging on vs off (--pinned); v32:
+//   direct answer copies vs rank 0's all-gather (--direct; v41 uses the first value).
 //
 // Keys and q are pre-quantized random codes (FP8 e4m3 / FP4 e2m1, never NaN), appended once
 // per executor; the timed steps carry no new keys and score explicit causal row lengths, so
 // one prefill at the longest context serves every shorter one. Prints markdown tables.
 //
-// Usage: decode-indexer-bench-multigpu [--backend cuda|cpu] [--ranks 1,2] [--requests 64,128]
+// --backend host: the executor's host side alone (planning, staging, hand-offs, commit) on
+// a backend whose kernels do nothing and whose "device" memory is host memory (copies are
+// memcpy): what a step costs outside the device, measurable on any machine at full shape.
+//
+// Usage: decode-indexer-bench-multigpu [--backend cuda|cpu|host] [--ranks 1,2] [--requests 64,128]
 //        [--contexts 32768,65536] [--next-n 1,2] [--steps 20] [--v41-requests 64]
 //        [--v41-context 32768] [--skip-v32] [--skip-v41] [--graphs on,off] [--pinned on]
+//        [--direct on,off]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -49,6 +55,41 @@ using di::kernels::ElemType;
 
 namespace {
 
+// --backend host: see the header. Allocations are left untouched (a cache pool at 64 x 64K is
+// hundreds of MB of address space, never written: the kernels and key inserts do nothing).
+class HostOnlyBackend final : public di::kernels::Backend {
+ public:
+  std::string_view name() const override { return "host"; }
+  std::string description() const override { return "host-only (no kernels)"; }
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    void* p = std::malloc(std::max<size_t>(bytes, 1));
+    if (p == nullptr) return absl::ResourceExhaustedError("malloc");
+    return p;
+  }
+  void Free(void* ptr) override { std::free(ptr); }
+  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
+    std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
+  }
+  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
+    std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
+  }
+  absl::Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes) override {
+    std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
+  }
+  absl::Status Synchronize() override { return absl::OkStatus(); }
+  absl::Status InsertKeys(const di::kernels::KeyInsertArgs&) override { return absl::OkStatus(); }
+  absl::Status RopeQuantQ(const di::kernels::QPrepArgs&) override { return absl::OkStatus(); }
+  absl::Status DenseTopK(const di::kernels::DenseArgs&) override { return absl::OkStatus(); }
+  absl::Status SparseTopK(const di::kernels::SparseArgs&) override { return absl::OkStatus(); }
+  absl::Status MaskedTopK(const di::kernels::MaskedArgs&) override { return absl::OkStatus(); }
+  absl::Status CopyRows(const di::kernels::CopyRowsArgs&) override { return absl::OkStatus(); }
+  absl::Status ForkExpand(const di::kernels::ExpandArgs&) override { return absl::OkStatus(); }
+  absl::Status JoinExpand() override { return absl::OkStatus(); }
+};
+
 struct Args {
   std::string backend = "cuda";
   std::vector<int> ranks = {1, 2};
@@ -63,6 +104,7 @@ struct Args {
   bool v41 = true;
   std::vector<bool> graphs = {true, false};
   std::vector<bool> pinned = {true};
+  std::vector<bool> direct = {true};
 };
 
 std::vector<bool> OnOffList(const char* s) {
@@ -118,6 +160,8 @@ Args Parse(int argc, char** argv) {
       a.graphs = OnOffList(next());
     else if (f == "--pinned")
       a.pinned = OnOffList(next());
+    else if (f == "--direct")
+      a.direct = OnOffList(next());
     else {
       std::fprintf(stderr, "unknown flag %s (see the source's header)\n", f.c_str());
       std::exit(2);
@@ -273,7 +317,7 @@ Timing TimeSteps(Executor& e, const std::vector<di::exec::StepInput>& round, int
 
 std::unique_ptr<Executor> MakeExecutor(const di::config::Profile& p, const Args& a, int ranks,
                                        int requests, int64_t pages, bool overlap, bool graphs,
-                                       bool pinned) {
+                                       bool pinned, bool direct) {
   ExecutorOptions o;
   o.backend = a.backend;
   o.ranks = ranks;
@@ -284,7 +328,19 @@ std::unique_ptr<Executor> MakeExecutor(const di::config::Profile& p, const Args&
   o.candidate_overlap = overlap;
   o.cuda_graphs = graphs;
   o.pinned_staging = pinned;
-  absl::StatusOr<std::unique_ptr<Executor>> e = Executor::Create(p, o);
+  o.direct_answers = direct;
+  absl::StatusOr<std::unique_ptr<Executor>> e;
+  if (a.backend == "host") {
+    o.backend = "cpu";  // the in-process collective; the backends are the factory's
+    e = di::exec::CreateExecutorWithBackends(
+        p, o,
+        [](int32_t, const di::kernels::BackendLimits&)
+            -> absl::StatusOr<std::unique_ptr<di::kernels::Backend>> {
+          return std::make_unique<HostOnlyBackend>();
+        });
+  } else {
+    e = Executor::Create(p, o);
+  }
   if (!e.ok()) {
     std::fprintf(stderr, "executor: %s\n", e.status().ToString().c_str());
     return nullptr;
@@ -306,34 +362,36 @@ void BenchV32(const Args& a) {
   std::printf("\n## v32 dense layer (H %d, D %d, K %d, FP8), %s backend\n\n", p.num_heads,
               p.head_dim, p.topk, a.backend.c_str());
   std::printf(
-      "| ranks | graphs | pinned | requests | context | next_n | rows | sharded | step us | "
-      "steps/s | collective us | collective share | slowest rank's scoring us | replays/step "
+      "| ranks | graphs | pinned | direct | requests | context | next_n | rows | sharded | step us "
+      "| steps/s | collective us | collective share | slowest rank's scoring us | replays/step "
       "|\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (int ranks : a.ranks) {
     for (bool graphs : a.graphs) {
       for (bool pinned : a.pinned) {
-        std::unique_ptr<Executor> e =
-            MakeExecutor(p, a, ranks, max_req, pages, true, graphs, pinned);
-        if (e == nullptr) continue;
-        const auto t0 = std::chrono::steady_clock::now();
-        if (!Prefill(*e, p, 0, max_req, max_ctx, d)) continue;
-        std::fprintf(stderr, "ranks %d: prefill of %d x %d keys took %.2f s\n", ranks, max_req,
-                     max_ctx,
-                     std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-        for (int req : a.requests) {
-          for (int ctx : a.contexts) {
-            for (int n : a.next_n) {
-              const Timing t =
-                  TimeSteps(*e, {MakeStep(0, req, n, ctx, d, false, 1)}, a.warmup, a.steps);
-              if (!t.ok) continue;
-              std::printf(
-                  "| %d | %s | %s | %d | %d | %d | %d | %s | %.1f | %.0f | %.1f | %.1f%% | %.1f | "
-                  "%.2f |\n",
-                  ranks, graphs ? "on" : "off", pinned ? "on" : "off", req, ctx, n, req * n,
-                  t.sharded ? "yes" : "no", t.step_us, 1e6 / t.step_us, t.collective_us,
-                  100.0 * t.collective_us / t.step_us, t.score_us, t.replays);
-              std::fflush(stdout);
+        for (bool direct : a.direct) {
+          std::unique_ptr<Executor> e =
+              MakeExecutor(p, a, ranks, max_req, pages, true, graphs, pinned, direct);
+          if (e == nullptr) continue;
+          const auto t0 = std::chrono::steady_clock::now();
+          if (!Prefill(*e, p, 0, max_req, max_ctx, d)) continue;
+          std::fprintf(
+              stderr, "ranks %d: prefill of %d x %d keys took %.2f s\n", ranks, max_req, max_ctx,
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+          for (int req : a.requests) {
+            for (int ctx : a.contexts) {
+              for (int n : a.next_n) {
+                const Timing t =
+                    TimeSteps(*e, {MakeStep(0, req, n, ctx, d, false, 1)}, a.warmup, a.steps);
+                if (!t.ok) continue;
+                std::printf(
+                    "| %d | %s | %s | %s | %d | %d | %d | %d | %s | %.1f | %.0f | %.1f | %.1f%% | "
+                    "%.1f | %.2f |\n",
+                    ranks, graphs ? "on" : "off", pinned ? "on" : "off", direct ? "on" : "off", req,
+                    ctx, n, req * n, t.sharded ? "yes" : "no", t.step_us, 1e6 / t.step_us,
+                    t.collective_us, 100.0 * t.collective_us / t.step_us, t.score_us, t.replays);
+                std::fflush(stdout);
+              }
             }
           }
         }
@@ -430,7 +488,8 @@ void BenchV41(const Args& a) {
   for (int ranks : a.ranks) {
     for (bool graphs : a.graphs) {
       for (bool overlap : {true, false}) {
-        std::unique_ptr<Executor> e = MakeExecutor(p, a, ranks, req, pages, overlap, graphs, true);
+        std::unique_ptr<Executor> e =
+            MakeExecutor(p, a, ranks, req, pages, overlap, graphs, true, a.direct.front());
         if (e == nullptr) continue;
         if (!Prefill(*e, p, 0, req, ctx, d)) continue;
         for (int n : a.next_n) {

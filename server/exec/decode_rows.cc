@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
+#include <functional>
 
 #include "absl/strings/str_cat.h"
 #include "server/exec/candidate_overlap.h"
 #include "server/exec/row_shard.h"
+#include "spdlog/spdlog.h"
 
 namespace decode_indexer::exec {
 namespace {
@@ -20,9 +23,167 @@ using kernels::ElemType;
 
 int64_t InputElemBytes(ElemType type) { return type == ElemType::kBF16 ? 2 : 4; }
 
+// Host staging for one step's uploads (the rank's HostArena, page-locked on a GPU backend
+// unless pinned staging is off). Upload copies the bytes into the arena first, so the device
+// copy is a true asynchronous DMA that never waits for the stream; with a plain arena it
+// copies straight from the source, as before. Reserve hands out arena space; when a step has
+// used it all (only a step with more keys than one staging chunk) it waits for the copies
+// queued so far, which read the arena, before reusing it. Every step starts with an empty
+// arena: the previous one ended in a Synchronize.
+class Staging {
+ public:
+  explicit Staging(Rank& rank) : be_(rank.backend()), arena_(rank.host_arena()) { arena_.used = 0; }
+
+  absl::StatusOr<uint8_t*> Reserve(size_t bytes) {
+    const size_t aligned = (bytes + 63) / 64 * 64;
+    if (aligned > arena_.capacity) {
+      return absl::InternalError(absl::StrCat("host staging of ", bytes, " bytes exceeds the ",
+                                              arena_.capacity, "-byte arena"));
+    }
+    if (arena_.used + aligned > arena_.capacity) {
+      if (absl::Status s = be_.Synchronize(); !s.ok()) return s;
+      arena_.used = 0;
+    }
+    uint8_t* p = arena_.base + arena_.used;
+    arena_.used += aligned;
+    return p;
+  }
+
+  absl::Status Upload(void* dst, const void* src, size_t bytes) {
+    if (bytes == 0) return absl::OkStatus();
+    if (!arena_.pinned) return be_.CopyToDevice(dst, src, bytes);
+    absl::StatusOr<uint8_t*> host = Reserve(bytes);
+    if (!host.ok()) return host.status();
+    std::memcpy(*host, src, bytes);
+    return be_.CopyToDevice(dst, *host, bytes);
+  }
+
+ private:
+  kernels::Backend& be_;
+  HostArena& arena_;
+};
+
+// The step's new keys (a few per sequence), gathered into one staging chunk per run of writes
+// of one key type: three copies and one InsertKeys call per chunk instead of per sequence.
+absl::Status InsertStepKeys(Rank& rank, Staging& staging, int32_t pool,
+                            const std::vector<KeyWrite>& writes, bool hadamard) {
+  kernels::Backend& be = rank.backend();
+  RankBuffers& b = rank.buffers();
+  const int32_t D = rank.sizes().head_dim;
+  const int32_t chunk = rank.sizes().key_chunk;
+  size_t wi = 0;       // the write being gathered
+  int32_t offset = 0;  // its keys gathered so far
+  while (wi < writes.size()) {
+    const ElemType type = writes[wi].type;
+    const int64_t vb = KeyValueBytes(type, D);
+    const int64_t sb = KeyScaleBytes(type, D);
+    int32_t total = 0;
+    for (size_t j = wi, o = offset; j < writes.size() && writes[j].type == type && total < chunk;
+         ++j, o = 0) {
+      total += std::min<int32_t>(writes[j].count - static_cast<int32_t>(o), chunk - total);
+    }
+    if (total == 0) {  // only empty writes left in this run
+      ++wi;
+      offset = 0;
+      continue;
+    }
+    // One reservation for the three, so they never straddle an arena reuse.
+    const size_t slot_bytes = size_t(total) * sizeof(int64_t);
+    const size_t value_bytes = (size_t(total) * vb + 7) / 8 * 8;
+    absl::StatusOr<uint8_t*> slots =
+        staging.Reserve(slot_bytes + value_bytes + size_t(total) * std::max<int64_t>(sb, 1));
+    if (!slots.ok()) return slots.status();
+    uint8_t* const keys = *slots + slot_bytes;
+    uint8_t* const scales = keys + value_bytes;
+    for (int32_t filled = 0; filled < total;) {
+      const KeyWrite& w = writes[wi];
+      const int32_t c = std::min(w.count - offset, total - filled);
+      std::memcpy(keys + size_t(filled) * vb, static_cast<const uint8_t*>(w.keys) + offset * vb,
+                  size_t(c) * vb);
+      if (sb > 0) {
+        std::memcpy(scales + size_t(filled) * sb,
+                    static_cast<const uint8_t*>(w.scales) + offset * sb, size_t(c) * sb);
+      }
+      std::memcpy(*slots + size_t(filled) * sizeof(int64_t), w.slots + offset,
+                  size_t(c) * sizeof(int64_t));
+      filled += c;
+      offset += c;
+      if (offset == w.count) {
+        ++wi;
+        offset = 0;
+      }
+    }
+    DI_RETURN_IF_ERROR(be.CopyToDevice(b.keys, keys, size_t(total) * vb));
+    if (sb > 0) DI_RETURN_IF_ERROR(be.CopyToDevice(b.key_scales, scales, size_t(total) * sb));
+    DI_RETURN_IF_ERROR(be.CopyToDevice(b.slots, *slots, size_t(total) * sizeof(int64_t)));
+    kernels::KeyInsertArgs args;
+    args.cache = b.caches[pool];
+    args.num_keys = total;
+    args.key_type = type;
+    args.keys = b.keys;
+    args.key_scales = sb > 0 ? b.key_scales : nullptr;
+    args.slots = b.slots;
+    args.hadamard = hadamard;
+    DI_RETURN_IF_ERROR(be.InsertKeys(args));
+  }
+  return absl::OkStatus();
+}
+
+// Runs the step's kernel section through the rank's step graphs (seed: warm): eager at a
+// shape's first sighting, captured at its second, replayed after. A capture that fails (an
+// unsupported call while capturing) leaves the stream as it was: the shape stays eager and
+// the section runs eagerly now.
+absl::Status RunKernelSection(Rank& rank, const StepShape& shape,
+                              const std::function<absl::Status()>& launch) {
+  kernels::Backend& be = rank.backend();
+  if (!rank.graphs_enabled()) return launch();
+  StepGraphs::Entry* entry = nullptr;
+  switch (rank.graphs().Next(shape, &entry)) {
+    case StepGraphs::Use::kEager:
+      return launch();
+    case StepGraphs::Use::kReplay: {
+      absl::StatusOr<bool> replayed = be.Replay(entry->key);
+      if (!replayed.ok()) return replayed.status();
+      if (*replayed) {
+        rank.last_graph_replayed = true;
+        return absl::OkStatus();
+      }
+      entry->captured = false;  // the backend lost it: run eager, capture again next time
+      entry->sightings = 1;
+      return launch();
+    }
+    case StepGraphs::Use::kCapture:
+      break;
+  }
+  absl::Status status = be.BeginCapture();
+  if (status.ok()) {
+    status = launch();
+    if (status.ok()) {
+      status = be.EndCapture(entry->key);
+    } else {
+      be.AbortCapture();
+    }
+  }
+  if (!status.ok()) {
+    entry->failed = true;
+    spdlog::warn("rank {}: step graph capture failed ({}); this shape runs eagerly", rank.index(),
+                 status.ToString());
+    return launch();
+  }
+  entry->captured = true;
+  rank.last_graph_captured = true;
+  absl::StatusOr<bool> replayed = be.Replay(entry->key);
+  if (!replayed.ok()) return replayed.status();
+  if (!*replayed) return absl::InternalError("a step graph just captured was not found");
+  return absl::OkStatus();
+}
+
 // Uploads the step's inputs, inserts its keys, prepares q and scores rows [range) into the
-// rank's topk (and candidates at a source). Everything before the collectives.
-absl::Status ScoreRows(Rank& rank, const StepPlan& plan, RowRange range) {
+// rank's topk (and candidates at a source). Everything before the collectives. The uploads,
+// key inserts, the consumer's candidate gather and its inline expansion run eagerly (their
+// sizes vary, or they use the side stream); rope_quant_q and the scoring call are the kernel
+// section, which replays a captured graph when the step's shape was seen before.
+absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range) {
   kernels::Backend& be = rank.backend();
   RankBuffers& b = rank.buffers();
   const RankSizes& s = rank.sizes();
@@ -31,15 +192,17 @@ absl::Status ScoreRows(Rank& rank, const StepPlan& plan, RowRange range) {
   const int32_t H = s.num_heads;
   const int32_t D = s.head_dim;
   const int32_t n = range.end - range.start;
+  rank.last_graph_captured = false;
+  rank.last_graph_replayed = false;
 
   DI_RETURN_IF_ERROR(
-      be.CopyToDevice(b.row_request, plan.row_request.data(), plan.num_rows * sizeof(int32_t)));
+      staging.Upload(b.row_request, plan.row_request.data(), plan.num_rows * sizeof(int32_t)));
   DI_RETURN_IF_ERROR(
-      be.CopyToDevice(b.row_length, plan.row_length.data(), plan.num_rows * sizeof(int32_t)));
-  DI_RETURN_IF_ERROR(be.CopyToDevice(b.page_table, plan.page_table.data(),
-                                     plan.page_table.size() * sizeof(int32_t)));
+      staging.Upload(b.row_length, plan.row_length.data(), plan.num_rows * sizeof(int32_t)));
+  DI_RETURN_IF_ERROR(staging.Upload(b.page_table, plan.page_table.data(),
+                                    plan.page_table.size() * sizeof(int32_t)));
   // Keys go into every replica whatever rows this rank scores.
-  DI_RETURN_IF_ERROR(InsertKeysOnRank(rank, plan.pool, plan.key_writes, plan.hadamard));
+  DI_RETURN_IF_ERROR(InsertStepKeys(rank, staging, plan.pool, plan.key_writes, plan.hadamard));
 
   // q of this rank's rows only, at the rows' own offsets in the staging buffers.
   const int64_t hd = int64_t{H} * D;
@@ -49,15 +212,16 @@ absl::Status ScoreRows(Rank& rank, const StepPlan& plan, RowRange range) {
   uint8_t* q_scales = b.q_scales + range.start * scale_bytes;
   float* weights = b.weights + int64_t{range.start} * H;
   const QInput& q = plan.q;
-  if (q.type == ElemType::kF32 || q.type == ElemType::kBF16) {
+  const bool unquantized = q.type == ElemType::kF32 || q.type == ElemType::kBF16;
+  kernels::QPrepArgs prep;
+  if (unquantized) {
     const int64_t eb = InputElemBytes(q.type);
     uint8_t* q_raw = b.q_raw + range.start * hd * eb;
     float* w_raw = b.weights_raw + int64_t{range.start} * H;
-    DI_RETURN_IF_ERROR(be.CopyToDevice(
+    DI_RETURN_IF_ERROR(staging.Upload(
         q_raw, static_cast<const uint8_t*>(q.q) + range.start * hd * eb, n * hd * eb));
-    DI_RETURN_IF_ERROR(be.CopyToDevice(w_raw, q.weights + int64_t{range.start} * H,
-                                       int64_t{n} * H * sizeof(float)));
-    kernels::QPrepArgs prep;
+    DI_RETURN_IF_ERROR(staging.Upload(w_raw, q.weights + int64_t{range.start} * H,
+                                      int64_t{n} * H * sizeof(float)));
     prep.num_rows = n;
     prep.num_heads = H;
     prep.head_dim = D;
@@ -65,8 +229,8 @@ absl::Status ScoreRows(Rank& rank, const StepPlan& plan, RowRange range) {
     prep.q = q_raw;
     prep.weights_raw = w_raw;
     if (q.positions != nullptr) {
-      DI_RETURN_IF_ERROR(be.CopyToDevice(b.positions + range.start, q.positions + range.start,
-                                         n * sizeof(int64_t)));
+      DI_RETURN_IF_ERROR(staging.Upload(b.positions + range.start, q.positions + range.start,
+                                        n * sizeof(int64_t)));
       prep.positions = b.positions + range.start;
     }
     prep.rope = plan.rope;
@@ -76,18 +240,40 @@ absl::Status ScoreRows(Rank& rank, const StepPlan& plan, RowRange range) {
     prep.q_codes = q_codes;
     prep.q_scales = q_scales;
     prep.weights_out = weights;
-    DI_RETURN_IF_ERROR(be.RopeQuantQ(prep));
   } else {
-    DI_RETURN_IF_ERROR(be.CopyToDevice(
+    DI_RETURN_IF_ERROR(staging.Upload(
         q_codes, static_cast<const uint8_t*>(q.q) + range.start * code_bytes, n * code_bytes));
     if (format == CacheFormat::kFp4) {
       DI_RETURN_IF_ERROR(
-          be.CopyToDevice(q_scales, q.scales + range.start * scale_bytes, n * scale_bytes));
+          staging.Upload(q_scales, q.scales + range.start * scale_bytes, n * scale_bytes));
     }
-    DI_RETURN_IF_ERROR(be.CopyToDevice(weights, q.weights + int64_t{range.start} * H,
-                                       int64_t{n} * H * sizeof(float)));
+    DI_RETURN_IF_ERROR(staging.Upload(weights, q.weights + int64_t{range.start} * H,
+                                      int64_t{n} * H * sizeof(float)));
   }
 
+  const int32_t NB = s.num_candidate_blocks;
+  const bool consumer = plan.role == config::LayerRole::kCandidateConsumer;
+  if (consumer) {
+    const bool need_candidates = plan.masked_consumer || !plan.reuse_expansion;
+    if (need_candidates) {
+      // The source's candidates for these rows, from the per-sequence store.
+      DI_RETURN_IF_ERROR(
+          staging.Upload(b.store_index, plan.store_rows.data(), plan.num_rows * sizeof(int32_t)));
+      kernels::CopyRowsArgs gather;
+      gather.num_rows = plan.num_rows;
+      gather.row_elems = NB;
+      gather.dst = b.candidates;
+      gather.src = b.candidate_store;
+      gather.src_index = b.store_index;
+      DI_RETURN_IF_ERROR(be.CopyRows(gather));
+    }
+    // Fork and join (the side stream): outside any graph.
+    if (!plan.masked_consumer && !plan.reuse_expansion) {
+      DI_RETURN_IF_ERROR(BuildExpansionInline(rank, plan.num_rows));
+    }
+  }
+
+  const bool graphs = rank.graphs_enabled();
   kernels::RowBatch rows;
   rows.num_rows = n;
   rows.row_request = b.row_request + range.start;
@@ -95,72 +281,79 @@ absl::Status ScoreRows(Rank& rank, const StepPlan& plan, RowRange range) {
   rows.page_table = b.page_table;
   rows.page_table_stride = plan.page_table_stride;
   rows.num_requests = plan.num_requests;
-  rows.max_row_length = plan.max_row_length;
+  // With graphs the bound is bucketed, for eager runs too, so a replay launches exactly what
+  // an eager run of the same step would.
+  rows.max_row_length =
+      graphs ? BucketRowLength(plan.max_row_length, s.max_context) : plan.max_row_length;
   kernels::QView qv;
   qv.codes = q_codes;
   qv.scales = format == CacheFormat::kFp4 ? q_scales : nullptr;
   qv.weights = weights;
   qv.num_heads = H;
-  const int32_t NB = s.num_candidate_blocks;
   int32_t* topk_out = b.topk + int64_t{range.start} * s.topk;
+  const bool source = plan.role == config::LayerRole::kCandidateSource;
 
-  switch (plan.role) {
-    case config::LayerRole::kDense:
-    case config::LayerRole::kCandidateSource: {
-      kernels::DenseArgs args;
-      args.cache = cache;
-      args.rows = rows;
-      args.q = qv;
-      args.topk = s.topk;
-      args.topk_out = topk_out;
-      if (plan.role == config::LayerRole::kCandidateSource) {
-        args.candidates_out = b.candidates + int64_t{range.start} * NB;
-        args.num_candidate_blocks = NB;
-        args.candidate_block_size = s.candidate_block_size;
-      }
-      return be.DenseTopK(args);
-    }
-    case config::LayerRole::kCandidateConsumer: {
-      const bool need_candidates = plan.masked_consumer || !plan.reuse_expansion;
-      if (need_candidates) {
-        // The source's candidates for these rows, from the per-sequence store.
-        DI_RETURN_IF_ERROR(be.CopyToDevice(b.store_index, plan.store_rows.data(),
-                                           plan.num_rows * sizeof(int32_t)));
-        kernels::CopyRowsArgs gather;
-        gather.num_rows = plan.num_rows;
-        gather.row_elems = NB;
-        gather.dst = b.candidates;
-        gather.src = b.candidate_store;
-        gather.src_index = b.store_index;
-        DI_RETURN_IF_ERROR(be.CopyRows(gather));
-      }
-      if (plan.masked_consumer) {
-        kernels::MaskedArgs args;
+  auto launch = [&]() -> absl::Status {
+    if (unquantized) DI_RETURN_IF_ERROR(be.RopeQuantQ(prep));
+    switch (plan.role) {
+      case config::LayerRole::kDense:
+      case config::LayerRole::kCandidateSource: {
+        kernels::DenseArgs args;
         args.cache = cache;
         args.rows = rows;
         args.q = qv;
-        args.candidates = b.candidates + int64_t{range.start} * NB;
-        args.num_candidate_blocks = NB;
-        args.candidate_block_size = s.candidate_block_size;
         args.topk = s.topk;
         args.topk_out = topk_out;
-        return be.MaskedTopK(args);
+        if (source) {
+          args.candidates_out = b.candidates + int64_t{range.start} * NB;
+          args.num_candidate_blocks = NB;
+          args.candidate_block_size = s.candidate_block_size;
+        }
+        return be.DenseTopK(args);
       }
-      if (!plan.reuse_expansion) DI_RETURN_IF_ERROR(BuildExpansionInline(rank, plan.num_rows));
-      const int32_t max_positions = NB * s.candidate_block_size;
-      kernels::SparseArgs args;
-      args.cache = cache;
-      args.rows = rows;
-      args.q = qv;
-      args.positions = b.expansion_positions + int64_t{range.start} * max_positions;
-      args.counts = b.expansion_counts + range.start;
-      args.max_positions = max_positions;
-      args.topk = s.topk;
-      args.topk_out = topk_out;
-      return be.SparseTopK(args);
+      case config::LayerRole::kCandidateConsumer: {
+        if (plan.masked_consumer) {
+          kernels::MaskedArgs args;
+          args.cache = cache;
+          args.rows = rows;
+          args.q = qv;
+          args.candidates = b.candidates + int64_t{range.start} * NB;
+          args.num_candidate_blocks = NB;
+          args.candidate_block_size = s.candidate_block_size;
+          args.topk = s.topk;
+          args.topk_out = topk_out;
+          return be.MaskedTopK(args);
+        }
+        const int32_t max_positions = NB * s.candidate_block_size;
+        kernels::SparseArgs args;
+        args.cache = cache;
+        args.rows = rows;
+        args.q = qv;
+        args.positions = b.expansion_positions + int64_t{range.start} * max_positions;
+        args.counts = b.expansion_counts + range.start;
+        args.max_positions = max_positions;
+        args.topk = s.topk;
+        args.topk_out = topk_out;
+        return be.SparseTopK(args);
+      }
     }
-  }
-  return absl::InternalError("unknown layer role");
+    return absl::InternalError("unknown layer role");
+  };
+  if (!graphs) return launch();
+  StepShape shape;
+  shape.pool = plan.pool;
+  shape.role = static_cast<int32_t>(plan.role);
+  shape.masked = consumer && plan.masked_consumer;
+  shape.candidates = source;
+  shape.range_start = range.start;
+  shape.rows = n;
+  shape.requests = plan.num_requests;
+  shape.page_table_stride = plan.page_table_stride;
+  shape.q_type = static_cast<int32_t>(q.type);
+  shape.positions = unquantized && q.positions != nullptr;
+  shape.hadamard = unquantized && plan.hadamard;
+  shape.max_row_length = rows.max_row_length;
+  return RunKernelSection(rank, shape, launch);
 }
 
 }  // namespace
@@ -168,7 +361,9 @@ absl::Status ScoreRows(Rank& rank, const StepPlan& plan, RowRange range) {
 void StepPlan::Reset() {
   row_request.clear();
   row_length.clear();
-  page_table.clear();
+  // page_table keeps its entries too: the executor resizes it and writes every entry of every
+  // step (pages, then zero padding), so clearing it would only make that resize zero-fill the
+  // whole table first (hundreds of KB a step at 64 x 64K).
   key_writes.clear();
   store_rows.clear();
   std::vector<int32_t> keep_request = std::move(row_request);
@@ -315,9 +510,24 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   if (injected && plan.fault == StepPlan::Fault::kError && status.ok()) {
     status = absl::InternalError(absl::StrCat("injected fault on rank ", rank.index()));
   }
-  if (status.ok()) status = ScoreRows(rank, plan, range);
+  // The step's host staging; the previous step's copies from it have finished (every step
+  // ends in a Synchronize, a failed one too).
+  Staging staging(rank);
+  if (status.ok()) status = ScoreRows(rank, staging, plan, range);
   rank.last_collective_ns = 0;
-  if (plan.sharded) {
+  // Which sharded steps still need a collective. An answer bound for host memory does not:
+  // each rank copies its own rows straight from its device to their place in the host answer
+  // (direct_answers), so a sharded dense or consumer step runs with no all-gather and no host
+  // agreement: the ranks never wait for one another, and a rank's failure fails the step
+  // through the executor's join (its own status), not through a peer's copy of it. What still
+  // gathers: a source's candidate blocks (every rank's candidate store needs every row, for
+  // the consumers that follow), and an answer that must end in the answering rank's device
+  // memory (a client's CUDA IPC buffer, written device to device from the gathered rows).
+  const bool gather_topk =
+      plan.sharded && (!plan.direct_answers || plan.topk_device_out != nullptr);
+  const bool gather_candidates = plan.sharded && source;
+  const bool direct = plan.sharded && !gather_topk;
+  if (gather_topk || gather_candidates) {
     // The rank's own work first, so the time below is the collectives' alone.
     if (status.ok()) status = be.Synchronize();
     const auto gather_start = std::chrono::steady_clock::now();
@@ -330,7 +540,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
           absl::StrCat("injected hang: rank ", rank.index(), " skipped the all-gather"));
     }
     const int32_t rows_per_rank = plan.num_rows / world;
-    if (status.ok()) {
+    if (status.ok() && gather_topk) {
       status = collective.AllGather(rank.index(), b.topk + int64_t{range.start} * s.topk, b.topk,
                                     size_t(rows_per_rank) * s.topk * sizeof(int32_t));
     }
@@ -340,13 +550,22 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     }
     rank.last_collective_ns = since(gather_start);
   }
-  if (!status.ok()) return status;
+  if (status.ok() && injected && plan.fault == StepPlan::Fault::kHang) {
+    // No collective in this step to stay away from: the injected hang is a plain failure.
+    status = absl::InternalError(
+        absl::StrCat("injected hang: rank ", rank.index(), " (a step with no collective)"));
+  }
+  if (!status.ok()) {
+    // Copies queued before the failure may still read the host staging the next step reuses.
+    (void)be.Synchronize();
+    return status;
+  }
 
   if (source) {
     // Into fresh store rows; the executor retires the old ones only on commit, so a failed
     // step leaves the sequence's published candidates intact.
     DI_RETURN_IF_ERROR(
-        be.CopyToDevice(b.store_index, plan.store_rows.data(), plan.num_rows * sizeof(int32_t)));
+        staging.Upload(b.store_index, plan.store_rows.data(), plan.num_rows * sizeof(int32_t)));
     kernels::CopyRowsArgs scatter;
     scatter.num_rows = plan.num_rows;
     scatter.row_elems = NB;
@@ -356,16 +575,38 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     DI_RETURN_IF_ERROR(be.CopyRows(scatter));
     if (plan.fork_expansion) DI_RETURN_IF_ERROR(ForkExpansion(rank, plan.num_rows));
   }
-  if (rank.index() == plan.answer_rank) {
-    DI_RETURN_IF_ERROR(
-        be.CopyToHost(plan.topk_out, b.topk, size_t(plan.num_rows) * s.topk * sizeof(int32_t)));
-    if (plan.candidates_out != nullptr) {
-      DI_RETURN_IF_ERROR(be.CopyToHost(plan.candidates_out, b.candidates,
-                                       size_t(plan.num_rows) * NB * sizeof(int32_t)));
+  if (direct) {
+    // This rank's rows only, to their place in the host answer (see gather_topk above); the
+    // candidates too, though every rank holds them all, so the copies split across devices.
+    const int32_t n = range.end - range.start;
+    DI_RETURN_IF_ERROR(be.CopyToHost(plan.topk_out + int64_t{range.start} * s.topk,
+                                     b.topk + int64_t{range.start} * s.topk,
+                                     size_t(n) * s.topk * sizeof(int32_t)));
+    if (plan.candidates_device_out != nullptr && rank.index() == plan.answer_rank) {
+      DI_RETURN_IF_ERROR(be.CopyDeviceToDevice(plan.candidates_device_out, b.candidates,
+                                               size_t(plan.num_rows) * NB * sizeof(int32_t)));
+    } else if (plan.candidates_out != nullptr) {
+      DI_RETURN_IF_ERROR(be.CopyToHost(plan.candidates_out + int64_t{range.start} * NB,
+                                       b.candidates + int64_t{range.start} * NB,
+                                       size_t(n) * NB * sizeof(int32_t)));
+    }
+  } else if (rank.index() == plan.answer_rank) {
+    const size_t topk_bytes = size_t(plan.num_rows) * s.topk * sizeof(int32_t);
+    const size_t cand_bytes = size_t(plan.num_rows) * NB * sizeof(int32_t);
+    if (plan.topk_device_out != nullptr) {
+      DI_RETURN_IF_ERROR(be.CopyDeviceToDevice(plan.topk_device_out, b.topk, topk_bytes));
+    } else {
+      DI_RETURN_IF_ERROR(be.CopyToHost(plan.topk_out, b.topk, topk_bytes));
+    }
+    if (plan.candidates_device_out != nullptr) {
+      DI_RETURN_IF_ERROR(
+          be.CopyDeviceToDevice(plan.candidates_device_out, b.candidates, cand_bytes));
+    } else if (plan.candidates_out != nullptr) {
+      DI_RETURN_IF_ERROR(be.CopyToHost(plan.candidates_out, b.candidates, cand_bytes));
     }
   }
   absl::Status done = be.Synchronize();
-  if (!plan.sharded) rank.last_score_ns = since(step_start);
+  if (!plan.sharded || direct) rank.last_score_ns = since(step_start);
   return done;
 }
 

@@ -40,6 +40,9 @@ struct StepPlan {
   kernels::RopeConfig rope;  // inv_freq filled in per rank
   bool sharded = false;
   int32_t row_shard_min_requests = 0;
+  // ExecutorOptions::direct_answers: a sharded step's ranks copy their own rows to the host
+  // answer, with no all-gather of the top-k (DecodeRowsOnRank says when one still runs).
+  bool direct_answers = false;
   // Candidate store rows of the step's rows: where a source writes, where a consumer reads.
   std::vector<int32_t> store_rows;
   bool masked_consumer = false;
@@ -54,9 +57,14 @@ struct StepPlan {
   int32_t answer_rank = 0;
   int32_t* topk_out = nullptr;        // [rows, topk]
   int32_t* candidates_out = nullptr;  // [rows, NB] or null
+  // Instead of topk_out / candidates_out: memory of the answering rank's backend (a client's
+  // CUDA IPC buffer), written device to device with no host copy.
+  int32_t* topk_device_out = nullptr;        // [rows, topk]
+  int32_t* candidates_device_out = nullptr;  // [rows, NB] or null
 
   // Back to an empty plan, keeping the vectors' capacity: the executor reuses one plan for
-  // every step, so the per-step path does not reallocate its host arrays.
+  // every step, so the per-step path does not reallocate its host arrays. page_table keeps
+  // its stale entries (the planner resizes it and overwrites every one).
   void Reset();
 };
 

@@ -123,6 +123,7 @@ class ExecutorImpl final : public Executor {
   absl::StatusOr<int64_t> ReleaseSequence(uint64_t sequence_id) override;
   absl::StatusOr<StepResult> DecodeStep(const StepInput& step) override;
   ExecutorStatus Status() const override;
+  absl::Status WithAnswerBackend(const std::function<absl::Status(kernels::Backend&)>& fn) override;
   const config::Profile& profile() const override { return profile_; }
   void Shutdown() override;
 
@@ -215,6 +216,20 @@ class ExecutorImpl final : public Executor {
   std::vector<absl::Status> last_rank_statuses_;
   FaultInjection fault_;         // test hook (DI_INJECT_FAULT)
   uint64_t steps_to_ranks_ = 0;  // decode steps that reached the ranks
+  // ExecutorStatus::device_memory_bytes: sampled by the turn holder (a query per rank, so at
+  // most once a second) and read by Status() from stats_.
+  Clock::time_point memory_sampled_{};
+  void SampleDeviceMemory() {  // holding the turn and mu_
+    const Clock::time_point now = Clock::now();
+    if (!stats_.device_memory_bytes.empty() && now - memory_sampled_ < std::chrono::seconds(1)) {
+      return;
+    }
+    memory_sampled_ = now;
+    stats_.device_memory_bytes.resize(ranks_.size());
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      stats_.device_memory_bytes[r] = ranks_[r]->backend().DeviceMemoryBytes();
+    }
+  }
 };
 
 // DI_INJECT_FAULT=RANK:KIND[:STEP], KIND error|hang, STEP the 0-based index of the decode step
@@ -272,6 +287,9 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
   sizes.pools = pool_geometry_;
   sizes.pages_per_pool = options_.cache_pages;
   if (p.rope.style != kernels::RopeStyle::kNone) sizes.inv_freq = kernels::ComputeInvFreq(p.rope);
+  sizes.max_context = p.max_context;
+  sizes.step_graphs = options_.cuda_graphs;
+  sizes.pinned_staging = options_.pinned_staging;
 
   kernels::BackendLimits limits;
   limits.max_rows = sizes.max_rows;
@@ -326,12 +344,15 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
   stats_.collective = std::string(collective_->name());
   stats_.row_shard_min_requests = options_.row_shard_min_requests;
   stats_.max_sequences = options_.max_sequences;
+  SampleDeviceMemory();
   spdlog::info(
       "executor: profile {} ({} layers, {} cache pools), backend {} x{} ranks ({} collective), "
-      "{} pages per pool, candidate overlap {}, {} consumers",
+      "{} pages per pool, candidate overlap {}, {} consumers, cuda graphs {}, pinned staging {}",
       p.name, p.layers.size(), pools_.size(), backend_desc_, num_ranks, collective_->name(),
       options_.cache_pages, options_.candidate_overlap ? "on" : "off",
-      options_.masked_consumer ? "masked" : "sparse");
+      options_.masked_consumer ? "masked" : "sparse",
+      options_.cuda_graphs && ranks_[0]->graphs_enabled() ? "on" : "off",
+      options_.pinned_staging && ranks_[0]->host_arena().pinned ? "on" : "off");
   return absl::OkStatus();
 }
 
@@ -564,13 +585,15 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
         plan.row_length.push_back(rl);
       }
     }
-    const std::vector<int32_t> row_lengths(plan.row_length.begin() + first_row,
-                                           plan.row_length.end());
     if (consumer) {
+      // A view of the rows just planned (no per-sequence copy: this runs for every sequence
+      // of every consumer step).
+      const int32_t* row_lengths = plan.row_length.data() + first_row;
       const int32_t src_layer = spec->cache_layer;
       auto it = seq->candidates.find(src_layer);
       if (it == seq->candidates.end() || it->second.length != L ||
-          it->second.row_lengths != row_lengths) {
+          !std::equal(it->second.row_lengths.begin(), it->second.row_lengths.end(), row_lengths,
+                      row_lengths + in.num_rows)) {
         return absl::FailedPreconditionError(
             absl::StrCat(field, ": no candidates for sequence ", in.sequence_id, " at length ", L,
                          "; run the source layer ", src_layer, " first"));
@@ -589,6 +612,15 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
   if (num_rows != step.num_rows) {
     return absl::InvalidArgumentError(absl::StrCat("num_rows: the sequences bring ", num_rows,
                                                    " rows, the step says ", step.num_rows));
+  }
+
+  if (ranks_[0]->graphs_enabled()) {
+    // The page table's row stride is baked into a captured graph: bucket it like the row
+    // lengths (BucketRowLength), so a decode that grows a page does not capture a new graph
+    // every 64 tokens. The extra entries are padding no row reads.
+    const int32_t longest = static_cast<int32_t>(*std::max_element(lengths.begin(), lengths.end()));
+    stride = std::max<int32_t>(
+        stride, static_cast<int32_t>(CeilDiv(BucketRowLength(longest, p.max_context), P)));
   }
 
   // Reserve all-or-nothing: a step that does not fit leaves no trace.
@@ -610,13 +642,16 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
   plan.num_requests = num_requests;
   plan.max_row_length = *std::max_element(plan.row_length.begin(), plan.row_length.end());
   plan.page_table_stride = stride;
-  plan.page_table.assign(size_t(num_requests) * stride, 0);
+  // Every entry is written below (pages, then zero padding); StepPlan::Reset keeps the old
+  // ones, so this resize zero-fills only growth.
+  plan.page_table.resize(size_t(num_requests) * stride);
   plan.hadamard = p.hadamard;
   plan.q = q;
   plan.rope.style = p.rope.style;
   plan.rope.dim_offset = p.rope.dim_offset;
   plan.rope.rope_dim = p.rope.rope_dim;
   plan.row_shard_min_requests = options_.row_shard_min_requests;
+  plan.direct_answers = options_.direct_answers;
   plan.masked_consumer = options_.masked_consumer;
   new_pages.resize(num_requests);
   std::vector<std::vector<int64_t>> slots(num_requests);
@@ -632,9 +667,15 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
       return index < int64_t(cp.pages.size()) ? cp.pages[index]
                                               : new_pages[i][index - cp.pages.size()];
     };
-    for (int64_t k = 0; k < CeilDiv(lengths[i], P); ++k) {
-      plan.page_table[size_t(i) * stride + k] = page_at(k);
-    }
+    // The sequence's pages, then its fresh ones: two block copies (this table is requests x
+    // pages long, 64K entries at 64 requests x 64K tokens, so a per-entry loop costs tens of
+    // microseconds a step). want may be negative (a row shorter than the pages held): then
+    // only the first pages the length needs.
+    int32_t* table_row = plan.page_table.data() + size_t(i) * stride;
+    const size_t held = std::min<size_t>(cp.pages.size(), size_t(CeilDiv(lengths[i], P)));
+    table_row = std::copy_n(cp.pages.begin(), held, table_row);
+    table_row = std::copy(new_pages[i].begin(), new_pages[i].end(), table_row);
+    std::fill(table_row, plan.page_table.data() + size_t(i + 1) * stride, 0);
     if (in.new_keys.count > 0) {
       slots[i].resize(in.new_keys.count);
       for (int32_t k = 0; k < in.new_keys.count; ++k) {
@@ -663,13 +704,27 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
   result.step_id = step.step_id;
   result.num_rows = num_rows;
   result.topk = p.topk;
-  result.topk_indices.resize(size_t(num_rows) * p.topk);
   result.sharded = plan.sharded;
-  plan.topk_out = result.topk_indices.data();
+  // The data plane may name where the answer goes (a client region, host or device); else
+  // it comes back in the result's vectors.
+  if (step.answer_device != nullptr) {
+    plan.topk_device_out = step.answer_device;
+  } else if (step.answer_host != nullptr) {
+    plan.topk_out = step.answer_host;
+  } else {
+    result.topk_indices.resize(size_t(num_rows) * p.topk);
+    plan.topk_out = result.topk_indices.data();
+  }
   if (step.return_candidates) {
     result.num_candidate_blocks = p.num_candidate_blocks;
-    result.candidate_blocks.resize(size_t(num_rows) * p.num_candidate_blocks);
-    plan.candidates_out = result.candidate_blocks.data();
+    if (step.candidates_device != nullptr) {
+      plan.candidates_device_out = step.candidates_device;
+    } else if (step.candidates_host != nullptr) {
+      plan.candidates_out = step.candidates_host;
+    } else {
+      result.candidate_blocks.resize(size_t(num_rows) * p.num_candidate_blocks);
+      plan.candidates_out = result.candidate_blocks.data();
+    }
   }
 
   if (fault_.rank >= 0 && steps_to_ranks_ == fault_.step) {
@@ -683,6 +738,10 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
   absl::Status status = FirstError(
       RunOnAllRanks([&](Rank& rank) { return DecodeRowsOnRank(rank, plan, *collective_); }));
   lock.lock();
+  for (const auto& r : ranks_) {
+    stats_.graph_captures += r->last_graph_captured;
+    stats_.graph_replays += r->last_graph_replayed;
+  }
 
   if (!status.ok()) {
     pools_[pool].Release(*fresh);
@@ -721,6 +780,7 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
   ++(plan.sharded ? stats_.steps_sharded : stats_.steps_unsharded);
   stats_.collective_us_total += double(ranks_[0]->last_collective_ns) / 1000.0;
   stats_.rows_scored += uint64_t(num_rows);
+  SampleDeviceMemory();
   return result;
 }
 
@@ -734,6 +794,14 @@ ExecutorStatus ExecutorImpl::Status() const {
     s.caches.push_back({l.layer, pools_[pool].total(), pools_[pool].free()});
   }
   return s;
+}
+
+absl::Status ExecutorImpl::WithAnswerBackend(
+    const std::function<absl::Status(kernels::Backend&)>& fn) {
+  if (shut_down_) return Unavailable();
+  FifoTurns::Turn turn = turns_.Wait();
+  if (shut_down_) return Unavailable();
+  return fn(ranks_[0]->backend());
 }
 
 void ExecutorImpl::Shutdown() {

@@ -5,14 +5,16 @@
 // keys sent to a consumer). The executor checks what needs state (unknown sequence, lengths,
 // pages, candidates), reserves pages all-or-nothing, fans the step out to its rank threads
 // (each with a Backend and a replica of every cache), row-shards it when the gate
-// (row_shard_bounds) allows, all-gathers the answer rows through a Collective, and commits
-// the new lengths only when every rank succeeded. A rejected call changes nothing.
+// (row_shard_bounds) allows, has each rank copy its answer rows to the host (direct_answers;
+// a source's candidates and device-memory answers are all-gathered through a Collective), and
+// commits the new lengths only when every rank succeeded. A rejected call changes nothing.
 //
 // Status messages name the request field at fault in the proto's terms
 // ("sequences[2].row_lengths[1]: ...") so the edge can pass them through unchanged.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,6 +23,10 @@
 #include "absl/status/statusor.h"
 #include "decode_indexer/kernels/types.h"
 #include "server/config/profile.h"
+
+namespace decode_indexer::kernels {
+class Backend;
+}  // namespace decode_indexer::kernels
 
 namespace decode_indexer::exec {
 
@@ -39,6 +45,17 @@ struct ExecutorOptions {
   // How long a rank may wait for the others at a collective before the collective is aborted
   // and the executor turns unhealthy (--collective-timeout).
   int32_t collective_timeout_ms = 30000;
+  // CUDA graphs (--cuda-graphs): a step whose shape a rank has seen before replays the
+  // captured graph of its kernel section (rope_quant_q and scoring) instead of launching each
+  // kernel; the answer is bit-identical. Only where the backend has graphs (CUDA).
+  bool cuda_graphs = true;
+  // Stage each step's uploads (row tables, page table, q, weights, keys) in page-locked host
+  // memory on a GPU backend, so they are asynchronous DMAs (off: copy from the caller's memory).
+  bool pinned_staging = true;
+  // A sharded step's ranks copy their own answer rows straight to host memory, so a dense or
+  // consumer step needs no all-gather and no host agreement (--direct-answers; off: rank 0
+  // gathers every row and copies the whole answer, as before). Answers are the same.
+  bool direct_answers = true;
 };
 
 // Keys in one of the accepted forms (AppendKeys.keys / SequenceStep.new_keys).
@@ -73,6 +90,14 @@ struct StepInput {
   QInput q;
   uint64_t step_id = 0;
   bool return_candidates = false;
+  // Data plane: where the answering rank leaves the answer instead of StepResult's vectors
+  // (which then stay empty): host memory (a client's shared-memory region, ideally
+  // page-locked through Backend::RegisterHostMemory) or memory of the answering rank's
+  // backend (an opened CUDA IPC region). At most one of each pair; valid for the call.
+  int32_t* answer_host = nullptr;        // [num_rows, K]
+  int32_t* candidates_host = nullptr;    // [num_rows, num_candidate_blocks]
+  int32_t* answer_device = nullptr;      // [num_rows, K]
+  int32_t* candidates_device = nullptr;  // [num_rows, num_candidate_blocks]
 };
 
 struct StepResult {
@@ -116,6 +141,12 @@ struct ExecutorStatus {
   bool healthy = true;
   std::string health_detail;  // why not healthy
   std::string collective;     // "in-process" | "nccl"
+  // CUDA graphs, summed over the ranks: kernel sections captured, and replayed from a graph.
+  uint64_t graph_captures = 0;
+  uint64_t graph_replays = 0;
+  // Per rank: device memory in use on its device (Backend::DeviceMemoryBytes; 0 on host
+  // backends), sampled at start-up and after steps (at most once a second).
+  std::vector<int64_t> device_memory_bytes;
 };
 
 class Executor {
@@ -134,6 +165,14 @@ class Executor {
   virtual absl::StatusOr<StepResult> DecodeStep(const StepInput& step) = 0;
 
   virtual ExecutorStatus Status() const = 0;
+
+  // Runs `fn` on the answering rank's (rank 0's) backend in turn with the other calls (no
+  // step runs meanwhile): the data plane opens CUDA IPC handles and page-locks client
+  // regions there. UNIMPLEMENTED where the executor has no backend.
+  virtual absl::Status WithAnswerBackend(const std::function<absl::Status(kernels::Backend&)>& fn) {
+    (void)fn;
+    return absl::UnimplementedError("this executor has no compute backend");
+  }
   virtual const config::Profile& profile() const = 0;
 
   // Stops taking work (later calls fail UNAVAILABLE), finishes what was queued, joins the

@@ -26,8 +26,10 @@ absl::StatusOr<std::unique_ptr<Executor>> CreateExecutorWithBackends(const confi
 
 // Test hook, also reachable as DI_INJECT_FAULT=RANK:error|hang[:STEP]: the decode step `step`
 // calls from now (0: the next one to reach the ranks) fails on `rank`: with an error before
-// scoring (as a kernel error would), or, in a sharded step, by passing the host agreement and
-// then skipping the all-gather (as a stuck device would), which the collective's timeout ends.
+// scoring (as a kernel error would), or, in a sharded step with a collective, by passing the
+// host agreement and then skipping the all-gather (as a stuck device would), which the
+// collective's timeout ends. A sharded step with no collective (direct answers, not a source)
+// has nothing to hang in: there the hang is an error after scoring.
 struct FaultInjection {
   int32_t rank = -1;  // -1: none
   bool hang = false;

@@ -1,6 +1,8 @@
 #include "server/exec/rank.h"
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 
@@ -32,6 +34,37 @@ Rank::~Rank() {
   if (fork_pending) (void)backend_->JoinExpand();
   (void)backend_->Synchronize();
   for (void* p : allocations_) backend_->Free(p);
+  if (arena_.base != nullptr) {
+    if (arena_.pinned) {
+      backend_->FreeHost(arena_.base);
+    } else {
+      backend_->Backend::FreeHost(arena_.base);
+    }
+  }
+}
+
+int32_t BucketRowLength(int32_t length, int64_t cap) {
+  int64_t bucket = 4096;
+  // Four buckets per power of two: 2^k * {5, 6, 7, 8} / 4.
+  for (int64_t pow2 = 4096; bucket < length; pow2 *= 2) {
+    for (int64_t m = 5; m <= 8 && bucket < length; ++m) bucket = pow2 * m / 4;
+  }
+  return static_cast<int32_t>(std::max<int64_t>(length, std::min<int64_t>(bucket, cap)));
+}
+
+StepGraphs::Use StepGraphs::Next(const StepShape& shape, Entry** entry) {
+  auto it = entries_.find(shape);
+  if (it == entries_.end()) {
+    if (entries_.size() >= kMaxShapes) return Use::kEager;
+    it = entries_.emplace(shape, Entry{}).first;
+    it->second.key = next_key_++;
+  }
+  Entry& e = it->second;
+  *entry = &e;
+  ++e.sightings;
+  if (e.captured) return Use::kReplay;
+  if (e.failed || e.sightings < 2) return Use::kEager;
+  return Use::kCapture;
 }
 
 template <typename T>
@@ -84,6 +117,23 @@ absl::Status Rank::Allocate() {
        }) {
     if (!st.ok()) return st;
   }
+  // Host staging: the step's row tables, page table, candidate-store rows, q and weights, and
+  // one chunk of keys (with scales and slots), each 64-byte aligned.
+  const int64_t key_bytes =
+      int64_t{s.key_chunk} * (int64_t{s.head_dim} * 4 + std::max(4, s.head_dim / 32) + 8);
+  const int64_t arena_bytes =
+      3 * rows * 4 + int64_t{s.max_requests} * s.max_pages_per_sequence * 4 + rows * hd * 4 +
+      rows * s.num_heads * 4 + rows * hd / 32 + rows * 8 + key_bytes + 16 * 64;
+  graphs_enabled_ = s.step_graphs && backend_->SupportsGraphs();
+  // Page-locked only where a device copies from it; a host backend gets plain memory (the
+  // keys of a step are still gathered there, to insert them in one call).
+  arena_.pinned = s.pinned_staging && backend_->name() != "cpu";
+  absl::StatusOr<void*> arena =
+      arena_.pinned ? backend_->AllocateHost(static_cast<size_t>(arena_bytes))
+                    : backend_->Backend::AllocateHost(static_cast<size_t>(arena_bytes));
+  if (!arena.ok()) return arena.status();
+  arena_.base = static_cast<uint8_t*>(*arena);
+  arena_.capacity = static_cast<size_t>(arena_bytes);
   if (!s.inv_freq.empty()) {
     absl::Status st =
         backend_->CopyToDevice(b.inv_freq, s.inv_freq.data(), s.inv_freq.size() * sizeof(double));
@@ -93,33 +143,62 @@ absl::Status Rank::Allocate() {
   return absl::OkStatus();
 }
 
+namespace {
+
+// How long a hand-off waiter spins before it sleeps on the condition variable. Long enough to
+// cover the gap between two hand-offs of a decode step (the executor's join, its planning of
+// the next step), short enough that an idle rank thread sleeps almost at once. The spin
+// yields, so on an oversubscribed host (CI's two cores) it gives way to the threads that work.
+constexpr std::chrono::microseconds kHandOffSpin{200};
+
+// Spins until ready() or kHandOffSpin has passed; returns ready()'s last answer.
+template <typename Ready>
+bool SpinFor(Ready ready) {
+  const auto deadline = std::chrono::steady_clock::now() + kHandOffSpin;
+  for (int32_t i = 1;; ++i) {
+    if (ready()) return true;
+    if (i % 16 == 0) {
+      if (std::chrono::steady_clock::now() >= deadline) return ready();
+      std::this_thread::yield();
+    }
+  }
+}
+
+}  // namespace
+
 void Rank::Start(const Job* job) {
   {
     std::lock_guard lock(mu_);
-    job_ = job;
-    done_ = false;
+    done_.store(false, std::memory_order_relaxed);
+    job_.store(job, std::memory_order_release);
   }
   cv_.notify_all();
 }
 
 absl::Status Rank::Wait() {
+  SpinFor([&] { return done_.load(std::memory_order_acquire); });
   std::unique_lock lock(mu_);
-  cv_.wait(lock, [&] { return done_; });
+  cv_.wait(lock, [&] { return done_.load(std::memory_order_relaxed); });
   return result_;
 }
 
 void Rank::Loop() {
-  std::unique_lock lock(mu_);
   while (true) {
+    SpinFor([&] {
+      return stop_.load(std::memory_order_acquire) ||
+             job_.load(std::memory_order_acquire) != nullptr;
+    });
+    std::unique_lock lock(mu_);
     cv_.wait(lock, [&] { return stop_ || job_ != nullptr; });
-    if (job_ == nullptr) return;  // stop_ with no job left
-    const Job* job = job_;
+    const Job* job = job_.load(std::memory_order_relaxed);
+    if (job == nullptr) return;  // stop_ with no job left
     lock.unlock();
     absl::Status status = (*job)(*this);
     lock.lock();
     result_ = std::move(status);
-    job_ = nullptr;
-    done_ = true;
+    job_.store(nullptr, std::memory_order_relaxed);
+    done_.store(true, std::memory_order_release);
+    lock.unlock();
     cv_.notify_all();
   }
 }

@@ -3,12 +3,15 @@
 // executor's limits, so a step allocates nothing big.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -32,6 +35,73 @@ struct RankSizes {
   std::vector<kernels::CacheGeometry> pools;
   int64_t pages_per_pool = 0;
   std::vector<double> inv_freq;  // the profile's RoPE frequencies (rope_dim / 2)
+  int64_t max_context = 0;       // the backend's limit on a row's length
+  // ExecutorOptions::cuda_graphs: replay the step's kernels from captured graphs where the
+  // backend has them (SupportsGraphs).
+  bool step_graphs = false;
+  // ExecutorOptions::pinned_staging: stage uploads in page-locked memory on a GPU backend.
+  bool pinned_staging = false;
+};
+
+// What changes the launches of a step's kernel section (rope_quant_q and the scoring call):
+// two steps with equal shapes make the same launches with the same pointers and sizes, so
+// the second may capture them and later ones replay the graph (seed: warm). Pointers are a
+// function of these fields, since every staging buffer is fixed at start-up.
+struct StepShape {
+  int32_t pool = 0;
+  int32_t role = 0;
+  bool masked = false;
+  bool candidates = false;  // a source writing candidates
+  int32_t range_start = 0;  // this rank's rows
+  int32_t rows = 0;
+  int32_t requests = 0;
+  int32_t page_table_stride = 0;
+  int32_t q_type = 0;
+  bool positions = false;
+  bool hadamard = false;
+  int32_t max_row_length = 0;  // bucketed (BucketRowLength)
+  auto Tie() const {
+    return std::tie(pool, role, masked, candidates, range_start, rows, requests, page_table_stride,
+                    q_type, positions, hadamard, max_row_length);
+  }
+  bool operator<(const StepShape& o) const { return Tie() < o.Tie(); }
+};
+
+// The host bound on a step's row lengths as the kernels see it when graphs are on: rounded up
+// to a bucket, so that a step whose longest row grew by a few tokens replays the same graph.
+// Buckets: 4096, then four per power of two (5120, 6144, 7168, 8192, 10240, ...), capped at
+// `cap` (the backend's limit). The kernels read each row's own length; the bound only sizes
+// grids and workspaces, so the answer does not depend on it.
+int32_t BucketRowLength(int32_t length, int64_t cap);
+
+// The rank's step graphs: per shape, how often it was seen and the graph's key once captured.
+class StepGraphs {
+ public:
+  enum class Use { kEager, kCapture, kReplay };
+  struct Entry {
+    uint64_t key = 0;
+    int32_t sightings = 0;
+    bool captured = false;
+    bool failed = false;  // capture failed once: this shape stays eager
+  };
+  // Notes a sighting and says what to do: the first sighting runs eager (and creates every
+  // workspace and per-device kernel attribute), the second captures, later ones replay.
+  Use Next(const StepShape& shape, Entry** entry);
+
+ private:
+  // A bound on distinct shapes kept (each holds an instantiated graph on the device).
+  static constexpr size_t kMaxShapes = 1024;
+  std::map<StepShape, Entry> entries_;
+  uint64_t next_key_ = 1;
+};
+
+// Page-locked host staging (Backend::AllocateHost) for one step's uploads, used front to back
+// and emptied when the step's work has finished (every step ends in a Synchronize).
+struct HostArena {
+  uint8_t* base = nullptr;
+  size_t capacity = 0;
+  size_t used = 0;
+  bool pinned = false;  // from the backend's AllocateHost (else plain memory)
 };
 
 // Buffers in the rank's backend memory.
@@ -86,6 +156,14 @@ class Rank {
   // Time the last decode step spent before its collectives: uploads, keys, q prep and scoring,
   // up to the rank's own work finishing (the whole step when unsharded).
   int64_t last_score_ns = 0;
+  // What the last decode step's kernel section did: captured a graph, replayed one.
+  bool last_graph_captured = false;
+  bool last_graph_replayed = false;
+
+  // Whether this rank replays step graphs (the option and a backend that has them).
+  bool graphs_enabled() const { return graphs_enabled_; }
+  StepGraphs& graphs() { return graphs_; }
+  HostArena& host_arena() { return arena_; }
 
   // Job handoff: Start hands the job to the rank's thread; Wait returns its status.
   void Start(const Job* job);
@@ -103,12 +181,19 @@ class Rank {
   RankSizes sizes_;
   RankBuffers buffers_;
   std::vector<void*> allocations_;
+  bool graphs_enabled_ = false;
+  StepGraphs graphs_;
+  HostArena arena_;
 
+  // The hand-off: job_, done_ and stop_ change under mu_ (with a notify), so a waiter that
+  // sleeps on cv_ never misses one; they are atomics so that a waiter may first spin on them
+  // for a bounded while (SpinFor) without the lock: a step's hand-offs are tens of
+  // microseconds apart, and a condition variable's wake-up costs about as much.
   std::mutex mu_;
   std::condition_variable cv_;
-  const Job* job_ = nullptr;  // set by Start, cleared by the thread when done
-  bool done_ = false;
-  bool stop_ = false;
+  std::atomic<const Job*> job_{nullptr};  // set by Start, cleared by the thread when done
+  std::atomic<bool> done_{false};
+  std::atomic<bool> stop_{false};
   absl::Status result_;
   std::thread thread_;
 };

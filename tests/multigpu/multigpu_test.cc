@@ -1,13 +1,15 @@
 // One rank per device: the executor's row sharding and collectives at several rank counts.
 //
 // CPU (runs everywhere, CI included): the CPU backend at 1, 2, 4 and 8 ranks answers
-// bit-identically on batches that shard at every one of those counts; an injected rank error
-// fails a sharded step with INTERNAL on every rank and leaves the executor usable (a CPU
-// failure is an ordinary step failure); an injected hang (a rank that never joins the
-// all-gather) is ended by the collective timeout with INTERNAL on every rank and turns the
-// executor unhealthy. CUDA graphs' plumbing: a recording CPU backend with graph semantics
-// (arguments baked in at capture, replayed later) answers as the plain CPU backend at 1 and 2
-// ranks; the length buckets that key the graphs are bounds, few and stable.
+// bit-identically on batches that shard at every one of those counts, answers all-gathered
+// or copied directly by each rank (direct answers: no collective in a dense step); an
+// injected rank error fails a sharded step with INTERNAL (on every rank where the step has a
+// collective) and leaves the executor usable (a CPU failure is an ordinary step failure); an
+// injected hang (a rank that never joins the all-gather) is ended by the collective timeout
+// with INTERNAL on every rank and turns the executor unhealthy. CUDA graphs' plumbing: a recording
+// CPU backend with graph semantics (arguments baked in at capture, replayed later) answers as the
+// plain CPU backend at 1 and 2 ranks; the length buckets that key the graphs are bounds, few and
+// stable.
 //
 // CUDA (two GPUs and NCCL, else skipped visibly): the same executor with backend cuda at
 // --ranks 2 (NCCL) against --ranks 1, bit-identical on a v32 and a v41-like profile (dense,
@@ -55,7 +57,9 @@ struct RunResult {
   std::vector<std::vector<int32_t>> answers;  // every step's top-k, and candidates at a source
   int32_t steps = 0;
   int32_t sharded = 0;
-  int64_t answered = 0;  // answer entries that are positions (not -1 padding)
+  int32_t dense_or_consumer_steps = 0;  // steps with no candidates to all-gather
+  double collective_us = 0;             // ExecutorStatus::collective_us_total at the end
+  int64_t answered = 0;                 // answer entries that are positions (not -1 padding)
   uint64_t graph_captures = 0;
   uint64_t graph_replays = 0;
 };
@@ -107,6 +111,7 @@ RunResult RunScript(const Script& s, Executor& e, uint64_t seed) {
         h.RecordStep(*step);
         ++out.steps;
         out.sharded += r->sharded;
+        out.dense_or_consumer_steps += l.role != LayerRole::kCandidateSource;
         for (int32_t v : r->topk_indices) out.answered += v >= 0;
         out.answers.push_back(r->topk_indices);
         if (l.role == LayerRole::kCandidateSource) out.answers.push_back(r->candidate_blocks);
@@ -114,6 +119,7 @@ RunResult RunScript(const Script& s, Executor& e, uint64_t seed) {
     }
   }
   EXPECT_TRUE(e.Status().healthy);
+  out.collective_us = e.Status().collective_us_total;
   out.graph_captures = e.Status().graph_captures;
   out.graph_replays = e.Status().graph_replays;
   return out;
@@ -153,7 +159,37 @@ TEST(MultiRankCpu, RanksOneTwoFourEightAreBitIdentical) {
   for (const config::Profile& p : {SmallV32(), SmallV41()}) {
     SCOPED_TRACE(p.name);
     Script s{p, 16, {1, 2}, 1, 3 * p.topk};
-    ExpectRanksAgree(s, CpuOptions(1), {1, 2, 4, 8}, seed);
+    for (bool direct : {true, false}) {
+      SCOPED_TRACE(direct ? "direct answers" : "answers all-gathered");
+      ExecutorOptions o = CpuOptions(1);
+      o.direct_answers = direct;
+      ExpectRanksAgree(s, o, direct ? std::vector<int32_t>{1, 2, 4, 8} : std::vector<int32_t>{1, 4},
+                       seed);
+    }
+  }
+}
+
+// Direct answers: a sharded dense step copies each rank's rows to the host answer and runs no
+// collective at all (no agreement, no all-gather); the all-gathering path does run one. The
+// v41 profile's source still all-gathers its candidates either way.
+TEST(MultiRankCpu, DirectAnswersSkipTheCollectiveOfDenseSteps) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  const config::Profile p = SmallV32();
+  for (const config::LayerSpec& l : p.layers) ASSERT_EQ(l.role, LayerRole::kDense);
+  Script s{p, 8, {1, 2}, 1, 3 * p.topk};
+  for (bool direct : {true, false}) {
+    SCOPED_TRACE(direct ? "direct answers" : "answers all-gathered");
+    ExecutorOptions o = CpuOptions(2);
+    o.direct_answers = direct;
+    const RunResult r = RunScript(s, o, seed);
+    ASSERT_GT(r.steps, 0);
+    EXPECT_EQ(r.sharded, r.steps);
+    if (direct) {
+      EXPECT_EQ(r.collective_us, 0.0);
+    } else {
+      EXPECT_GT(r.collective_us, 0.0);
+    }
   }
 }
 
@@ -350,9 +386,13 @@ TEST(MultiRankCpu, LengthBucketsBoundTheLengthAndAreFew) {
   EXPECT_GT(buckets.size(), 5u);  // it does bucket: not one bound for everything
 }
 
-// A sharded step with one rank failing: INTERNAL on every rank, the others' copy naming it.
+// A sharded step with one rank failing: INTERNAL for the step, naming the failing rank. With a
+// collective in the step (answers all-gathered), every rank fails (the others with the
+// agreement's copy); with direct answers (no collective in a dense step) the others finish
+// their rows and only the failing rank's status is an error.
 void ExpectFaultOnEveryRank(Executor& e, Harness& h, const std::vector<uint64_t>& ids,
-                            int32_t failing, bool hang, absl::StatusCode later) {
+                            int32_t failing, bool hang, absl::StatusCode later,
+                            bool direct = false) {
   std::vector<SeqPlan> plans;
   for (uint64_t id : ids) plans.push_back({id, 2, 2, {}});
   std::unique_ptr<StepData> step = h.MakeStep(0, plans);
@@ -368,7 +408,8 @@ void ExpectFaultOnEveryRank(Executor& e, Harness& h, const std::vector<uint64_t>
   const std::vector<absl::Status> per_rank = exec::LastRankStatuses(e);
   ASSERT_EQ(per_rank.size(), size_t(e.Status().num_ranks));
   for (size_t rank = 0; rank < per_rank.size(); ++rank) {
-    EXPECT_EQ(per_rank[rank].code(), absl::StatusCode::kInternal)
+    const bool fails = !direct || int32_t(rank) == failing;
+    EXPECT_EQ(per_rank[rank].code(), fails ? absl::StatusCode::kInternal : absl::StatusCode::kOk)
         << "rank " << rank << ": " << per_rank[rank];
   }
   // Bounded: a hang ends at the collective timeout, an error at once (generous bound: the
@@ -412,12 +453,16 @@ TEST(MultiRankCpu, InjectedErrorFailsEveryRankAndIsRecoverable) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(absl::StrCat("seed ", seed));
   Harness h(SmallV32(), seed);
-  for (int32_t failing : {1, 0}) {
-    SCOPED_TRACE(absl::StrCat("failing rank ", failing));
-    std::vector<uint64_t> ids;
-    std::unique_ptr<Executor> e = Prefilled(h.profile(), CpuOptions(2), h, &ids, 8, 40);
-    ASSERT_NE(e, nullptr);
-    ExpectFaultOnEveryRank(*e, h, ids, failing, /*hang=*/false, absl::StatusCode::kOk);
+  for (bool direct : {true, false}) {
+    for (int32_t failing : {1, 0}) {
+      SCOPED_TRACE(absl::StrCat("failing rank ", failing, direct ? " direct" : " gathered"));
+      ExecutorOptions o = CpuOptions(2);
+      o.direct_answers = direct;
+      std::vector<uint64_t> ids;
+      std::unique_ptr<Executor> e = Prefilled(h.profile(), o, h, &ids, 8, 40);
+      ASSERT_NE(e, nullptr);
+      ExpectFaultOnEveryRank(*e, h, ids, failing, /*hang=*/false, absl::StatusCode::kOk, direct);
+    }
   }
 }
 
@@ -428,6 +473,9 @@ TEST(MultiRankCpu, InjectedHangEndsAtTheTimeoutAndTurnsUnhealthy) {
   ExecutorOptions o = CpuOptions(4);
   // Long enough that a slow (sanitized, loaded) rank still reaches the agreement in time.
   o.collective_timeout_ms = 1500;
+  // A hang is a rank that never joins the all-gather: a dense step has one only when its
+  // answer is all-gathered (with direct answers it has no collective to hang in).
+  o.direct_answers = false;
   std::vector<uint64_t> ids;
   std::unique_ptr<Executor> e = Prefilled(h.profile(), o, h, &ids, 8, 40);
   ASSERT_NE(e, nullptr);
@@ -492,7 +540,12 @@ TEST(MultiGpu, ShardedTwoRanksMatchOneRankV32) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(absl::StrCat("seed ", seed));
   Script s{GpuV32(), 16, {1, 2}, 2500, 5000};
-  ExpectRanksAgree(s, GpuOptions(1), {1, 2}, seed);
+  for (bool direct : {true, false}) {
+    SCOPED_TRACE(direct ? "direct answers" : "answers all-gathered");
+    ExecutorOptions o = GpuOptions(1);
+    o.direct_answers = direct;
+    ExpectRanksAgree(s, o, {1, 2}, seed);
+  }
 }
 
 TEST(MultiGpu, ShardedTwoRanksMatchOneRankV41AndOverlapOnOffAgree) {
@@ -553,7 +606,10 @@ TEST(MultiGpu, InjectedErrorFailsEveryRankAndTurnsUnhealthy) {
   std::unique_ptr<Executor> e = Prefilled(h.profile(), GpuOptions(2), h, &ids, 8, 600);
   ASSERT_NE(e, nullptr);
   EXPECT_EQ(e->Status().collective, "nccl");
-  ExpectFaultOnEveryRank(*e, h, ids, 1, /*hang=*/false, absl::StatusCode::kUnavailable);
+  // Direct answers (the default): rank 0 finishes its rows, the step fails with rank 1's
+  // INTERNAL and a CUDA INTERNAL turns the executor unhealthy.
+  ExpectFaultOnEveryRank(*e, h, ids, 1, /*hang=*/false, absl::StatusCode::kUnavailable,
+                         /*direct=*/true);
 }
 
 TEST(MultiGpu, InjectedHangIsAbortedByTheWatchdog) {
@@ -563,6 +619,7 @@ TEST(MultiGpu, InjectedHangIsAbortedByTheWatchdog) {
   Harness h(GpuV32(), seed);
   ExecutorOptions o = GpuOptions(2);
   o.collective_timeout_ms = 1000;
+  o.direct_answers = false;  // the all-gather to hang in (see the CPU test)
   std::vector<uint64_t> ids;
   std::unique_ptr<Executor> e = Prefilled(h.profile(), o, h, &ids, 8, 600);
   ASSERT_NE(e, nullptr);
