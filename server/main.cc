@@ -75,6 +75,11 @@ int main(int argc, char** argv) {
   app.add_option("--pinned-staging", options.executor.pinned_staging,
                  "on|off: stage each step's uploads in page-locked host memory (CUDA backend)")
       ->capture_default_str();
+  app.add_option("--direct-answers", options.executor.direct_answers,
+                 "on|off: in a row-sharded step, each rank copies its own answer rows to the "
+                 "host instead of all-gathering them first (a source layer's candidate blocks "
+                 "and CUDA IPC answers are still all-gathered)")
+      ->capture_default_str();
   app.add_option("--max-message-bytes", options.max_message_bytes, "gRPC message size limit")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();

@@ -469,9 +469,9 @@ class CudaBackend final : public Backend {
       return absl::InvalidArgumentError("sparse top-k: max_positions exceeds the limits");
     }
     // Tensor cores (kMma; shapes it does not take fall back to the grid kernel inside).
-    if (absl::Status s = cuda::LaunchSparseLogits(cache, rows, q, positions, counts, max_positions,
-                                                  sparse_logits_, main_,
-                                                  cuda::SparseLogitsMath::kMma);
+    if (absl::Status s =
+            cuda::LaunchSparseLogits(cache, rows, q, positions, counts, max_positions,
+                                     sparse_logits_, main_, cuda::SparseLogitsMath::kMma);
         !s.ok()) {
       return s;
     }

@@ -387,7 +387,7 @@ absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t 
 
 template <int kHeads, bool kFp4, int kMath = kMathMmaSync>
 absl::Status LaunchRows(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
-  switch (RowsPerPass(args.rows.num_rows, args.rows.num_requests)) {
+  switch (RowsPerPass(args.rows.num_rows, args.rows.num_requests, args.rows.rows_per_request)) {
     case 1:
       return LaunchTyped<kHeads, kFp4, 1, kMath>(args, num_sms, stream);
     case 2:

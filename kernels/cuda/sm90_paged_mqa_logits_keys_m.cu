@@ -31,11 +31,11 @@
 //
 // Threshold filter (optional, PagedLogitsArgs::row_histogram): the epilogue also counts the
 // logits at positions that are multiples of kTopKSampleStride into their row's TopKBucket
-// histogram: the radix top-k's sample, so the top-k need not read the row for it. Counts go to shared memory first (16-bit, two bins a
-// word, one 2048-bin histogram per row of a pass: 4 KB each, which leaves the blocks per SM
-// as they were) and are added to the global histogram when the block moves to another request
-// (or every kHistFlushTiles tiles, before a 16-bit count could overflow). Counts are
-// order-free, so the histogram is the same whatever the grid or the timing.
+// histogram: the radix top-k's sample, so the top-k need not read the row for it. Counts go to
+// shared memory first (16-bit, two bins a word, one 2048-bin histogram per row of a pass: 4 KB
+// each, which leaves the blocks per SM as they were) and are added to the global histogram when the
+// block moves to another request (or every kHistFlushTiles tiles, before a 16-bit count could
+// overflow). Counts are order-free, so the histogram is the same whatever the grid or the timing.
 #include <algorithm>
 #include <climits>
 #include <mutex>
@@ -469,7 +469,7 @@ absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t 
 
 template <int kWiden, bool kOwnSchedule>
 absl::Status LaunchVariant(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
-  switch (RowsPerPass(args.rows.num_rows, args.rows.num_requests)) {
+  switch (RowsPerPass(args.rows.num_rows, args.rows.num_requests, args.rows.rows_per_request)) {
     case 1:
       return LaunchTyped<1, kWiden, kOwnSchedule>(args, num_sms, stream);
     case 2:
@@ -502,7 +502,8 @@ absl::Status LaunchPagedMqaLogitsKeysM(const PagedLogitsArgs& args, int num_sms,
   // Fused: the split widening only where a page serves one row per pass. Measured on the H200
   // (docs/results/cuda-bench.md, 08:20): split is 7-10% faster than cvt at next_n 1 and
   // 1-3% slower at next_n 2, where two wgmma rounds per page hide the widening anyway.
-  const bool one_row = RowsPerPass(args.rows.num_rows, args.rows.num_requests) == 1;
+  const bool one_row =
+      RowsPerPass(args.rows.num_rows, args.rows.num_requests, args.rows.rows_per_request) == 1;
   if (KeysMComputesOwnSchedule(args)) {
     return one_row ? LaunchVariant<kWidenSplit, true>(args, num_sms, stream)
                    : LaunchVariant<kWidenCvt, true>(args, num_sms, stream);

@@ -588,7 +588,7 @@ template <bool kOwnSchedule, bool kPagePairs>
 absl::Status LaunchVariant(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
   constexpr int kOne = kPipeMinBlocksOneRow;
   constexpr int kMulti = kPipeMinBlocksMultiRow;
-  switch (RowsPerPass(args.rows.num_rows, args.rows.num_requests)) {
+  switch (RowsPerPass(args.rows.num_rows, args.rows.num_requests, args.rows.rows_per_request)) {
     case 1:
       if constexpr (kPagePairs) {
         return LaunchTyped<1, kWidenSplit, kOwnSchedule, kMulti, false, true>(args, num_sms,

@@ -28,9 +28,12 @@ inline constexpr int kPipeMinBlocksMultiRow = 2;
 
 // Rows of one request scored together from each key tile (next_n 1-4 share every key read).
 // Requests with more rows take several passes over the tile in shared memory.
-inline constexpr int RowsPerPass(int32_t num_rows, int32_t num_requests) {
+// rows_per_request: the host's hint (RowBatch::rows_per_request), 0 for the average.
+inline constexpr int RowsPerPass(int32_t num_rows, int32_t num_requests,
+                                 int32_t rows_per_request = 0) {
   if (num_requests <= 0) return 1;
-  const int32_t per_request = (num_rows + num_requests - 1) / num_requests;
+  const int32_t per_request =
+      rows_per_request > 0 ? rows_per_request : (num_rows + num_requests - 1) / num_requests;
   return per_request <= 1 ? 1 : per_request >= 4 ? 4 : per_request;
 }
 

@@ -285,6 +285,11 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   // an eager run of the same step would.
   rows.max_row_length =
       graphs ? BucketRowLength(plan.max_row_length, s.max_context) : plan.max_row_length;
+  // The most rows one request has in this rank's slice (rows of a request are adjacent).
+  for (int32_t r = range.start, run = 0; r < range.end; ++r) {
+    run = r > range.start && plan.row_request[r] == plan.row_request[r - 1] ? run + 1 : 1;
+    rows.rows_per_request = std::max(rows.rows_per_request, run);
+  }
   kernels::QView qv;
   qv.codes = q_codes;
   qv.scales = format == CacheFormat::kFp4 ? q_scales : nullptr;
@@ -353,6 +358,7 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   shape.positions = unquantized && q.positions != nullptr;
   shape.hadamard = unquantized && plan.hadamard;
   shape.max_row_length = rows.max_row_length;
+  shape.rows_per_request = rows.rows_per_request;
   return RunKernelSection(rank, shape, launch);
 }
 

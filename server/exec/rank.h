@@ -59,10 +59,11 @@ struct StepShape {
   int32_t q_type = 0;
   bool positions = false;
   bool hadamard = false;
-  int32_t max_row_length = 0;  // bucketed (BucketRowLength)
+  int32_t max_row_length = 0;    // bucketed (BucketRowLength)
+  int32_t rows_per_request = 0;  // RowBatch::rows_per_request: picks the kernels' pass width
   auto Tie() const {
     return std::tie(pool, role, masked, candidates, range_start, rows, requests, page_table_stride,
-                    q_type, positions, hadamard, max_row_length);
+                    q_type, positions, hadamard, max_row_length, rows_per_request);
   }
   bool operator<(const StepShape& o) const { return Tie() < o.Tie(); }
 };

@@ -74,6 +74,12 @@ struct RowBatch {
   int32_t num_requests = 0;
   // Host-known bound on row_length (workspace and grid sizing; no device read needed).
   int32_t max_row_length = 0;
+  // Host-known: the most rows any request has in this batch (0: ceil(num_rows /
+  // num_requests)). A rank's slice of a sharded step holds the rows of only some of the
+  // step's requests, so the average would say 1 row where each request has next_n rows and
+  // the kernels would re-read each key tile per row instead of sharing it. Sizes passes only:
+  // the answer does not depend on it.
+  int32_t rows_per_request = 0;
 };
 
 // Quantized q of the rows of a RowBatch (row r's q at codes + r * H * value_bytes).
@@ -208,8 +214,8 @@ class Backend {
   // CUDA graphs (seed: warm). Between BeginCapture and EndCapture the entry points called on
   // the main stream are recorded, not run; EndCapture(key) instantiates the recording and keeps
   // it under `key` without running it (so a failed capture can still run eagerly); Replay(key)
-  // launches the graph kept under `key` and answers whether there was one. AbortCapture ends a capture
-  // whose calls failed and drops it. While capturing, call no copy, Synchronize, Allocate,
+  // launches the graph kept under `key` and answers whether there was one. AbortCapture ends a
+  // capture whose calls failed and drops it. While capturing, call no copy, Synchronize, Allocate,
   // ForkExpand or JoinExpand. Every pointer and size a recorded call received is baked into
   // the graph: the caller replays a key only for calls with the same arguments. The default
   // backend has no graphs (SupportsGraphs false; the others fail or answer false).
