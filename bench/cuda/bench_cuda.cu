@@ -499,6 +499,7 @@ int main(int argc, char** argv) {
         float t_fp8 = 0, t_mma = 0, t_f16 = 0, t_split = 0, t_keysm = 0, t_bitmove = 0;
         float t_pipe = 0, t_fused = 0;  // keys-M pipelined (producer warp); keys-M fused
         float t_pairs = 0;              // pipelined, one row per pass by page pairs
+        float t_ws2 = 0, t_ws4 = 0;     // v7: producer warpgroup + 2 / 4 consumer warpgroups
         if (!topk_only) {
           math = dc::MqaMath::kWgmmaFp8;
           t_fp8 = time_batches([&](int i) { run_logits(i); });
@@ -518,6 +519,10 @@ int main(int argc, char** argv) {
           t_fused = time_batches([&](int i) { run_logits(i); });
           math = dc::MqaMath::kWgmmaKeysMPipelinedPagePairs;
           t_pairs = time_batches([&](int i) { run_logits(i); });
+          math = dc::MqaMath::kWgmmaKeysMPipelinedWs2;
+          t_ws2 = time_batches([&](int i) { run_logits(i); });
+          math = dc::MqaMath::kWgmmaKeysMPipelinedWs4;
+          t_ws4 = time_batches([&](int i) { run_logits(i); });
         }
         math = dc::PagedLogitsArgs{}.math;
         const float t_logits = time_batches([&](int i) { run_logits(i); });
@@ -591,8 +596,12 @@ int main(int argc, char** argv) {
             " threshold filter %.1f | mismatches %lld\n",
             t_topk_multi, t_topk_c[0], t_topk_c[1], t_topk_c[2], t_topk_c[3], t_topk, t_both_multi,
             t_both, t_logits_kmf, t_both_kmf, t_both_fused, static_cast<long long>(topk_mismatch));
+        std::printf("      logits v7 (setmaxnreg warp specialization): ws2 %.1f ws4 %.1f\n", t_ws2,
+                    t_ws4);
+        std::fprintf(out, "{\"logits_keys_m_ws2_us\": %.2f, \"logits_keys_m_ws4_us\": %.2f, ",
+                     t_ws2, t_ws4);
         std::fprintf(out,
-                     "{\"topk_multipass_us\": %.2f, \"topk_compact_c1_us\": %.2f, "
+                     "\"topk_multipass_us\": %.2f, \"topk_compact_c1_us\": %.2f, "
                      "\"topk_compact_c2_us\": %.2f, \"topk_compact_c4_us\": %.2f, "
                      "\"topk_compact_c8_us\": %.2f, \"both_multipass_us\": %.2f, "
                      "\"logits_kmf_us\": %.2f, \"both_kmf_us\": %.2f, "

@@ -63,7 +63,13 @@ enum class MqaMath {
   // The same kernel, one row per pass taken two pages at a time (the second page's MMA
   // overlaps the first page's epilogue; 2 blocks per SM): a measurement, 10-15% slower at
   // 64 requests (docs/notes/cuda.md, v6).
-  kWgmmaKeysMPipelinedPagePairs
+  kWgmmaKeysMPipelinedPagePairs,
+  // Warp-specialized with setmaxnreg: a producer warpgroup (few registers) and 2 consumer
+  // warpgroups per block at 2 blocks per SM (Ws2) or 4 at 1 block (Ws4), so an SM runs 4
+  // consumer warpgroups instead of 3; keys-M's logits bit for bit. One row per pass only;
+  // several rows per pass run kWgmmaKeysMPipelined (docs/notes/cuda.md, v7).
+  kWgmmaKeysMPipelinedWs2,
+  kWgmmaKeysMPipelinedWs4
 };
 struct PagedLogitsArgs {
   CacheView cache;

@@ -60,4 +60,18 @@ __device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// setmaxnreg (sm_90a): the warpgroup gives registers back to the block's pool (dec) or takes
+// them from it (inc, waiting until enough are free). Every thread of the warpgroup must run
+// it; kRegs is a multiple of 8 in [24, 256].
+template <int kRegs>
+__device__ __forceinline__ void SetMaxNRegDec() {
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg: bad count");
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void SetMaxNRegInc() {
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg: bad count");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
 }  // namespace decode_indexer::kernels::cuda

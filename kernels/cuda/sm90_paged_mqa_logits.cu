@@ -431,6 +431,8 @@ absl::Status LaunchPagedMqaLogits(const PagedLogitsArgs& args, int num_sms, cuda
           return LaunchPagedMqaLogitsKeysM(args, num_sms, stream);
         case MqaMath::kWgmmaKeysMPipelined:
         case MqaMath::kWgmmaKeysMPipelinedPagePairs:
+        case MqaMath::kWgmmaKeysMPipelinedWs2:
+        case MqaMath::kWgmmaKeysMPipelinedWs4:
           return LaunchPagedMqaLogitsPipelined(args, num_sms, stream);
         case MqaMath::kWgmmaF16:
           return LaunchRows<64, false, kMathWgmmaF16>(args, num_sms, stream);

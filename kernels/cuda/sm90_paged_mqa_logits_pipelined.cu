@@ -27,6 +27,7 @@
 #include <climits>
 #include <mutex>
 
+#include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/sm90_device_utils.cuh"
 #include "kernels/cuda/sm90_launchers.h"
@@ -604,17 +605,389 @@ absl::Status LaunchVariant(const PagedLogitsArgs& args, int num_sms, cudaStream_
   }
 }
 
+// Half `kHalf` of WidenPage: k-steps 4 kHalf .. 4 kHalf + 3 into a[0..3] (the same instructions).
+template <int kWiden, int kHalf>
+__device__ __forceinline__ void WidenHalfPage(const uint8_t* kv, int warp, int lane,
+                                              uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int sp = 2 * kHalf + h;
+    uint32_t r[4];
+    const int mi = lane >> 3;
+    const int key = warp * 16 + (lane & 7) + 8 * (mi & 1);
+    const int chunk = 2 * sp + (mi >> 1);
+    LdMatrixX4(r, kv + key * 128 + ((chunk ^ (key & 7)) << 4));
+    if (BitMoveStep(kWiden, 2 * sp)) {
+      E4M3x4ToF16x2ScaledBitMove(r[0], a[2 * h][0], a[2 * h][2]);
+      E4M3x4ToF16x2ScaledBitMove(r[1], a[2 * h][1], a[2 * h][3]);
+      E4M3x4ToF16x2ScaledBitMove(r[2], a[2 * h + 1][0], a[2 * h + 1][2]);
+      E4M3x4ToF16x2ScaledBitMove(r[3], a[2 * h + 1][1], a[2 * h + 1][3]);
+      continue;
+    }
+    a[2 * h][0] = E4M3x2ToF16x2(r[0]);
+    a[2 * h][2] = E4M3x2ToF16x2(r[0] >> 16);
+    a[2 * h][1] = E4M3x2ToF16x2(r[1]);
+    a[2 * h][3] = E4M3x2ToF16x2(r[1] >> 16);
+    a[2 * h + 1][0] = E4M3x2ToF16x2(r[2]);
+    a[2 * h + 1][2] = E4M3x2ToF16x2(r[2] >> 16);
+    a[2 * h + 1][1] = E4M3x2ToF16x2(r[3]);
+    a[2 * h + 1][3] = E4M3x2ToF16x2(r[3] >> 16);
+  }
+}
+
+// ---- v7: a producer warpgroup and several consumer warpgroups (setmaxnreg) ----
+//
+// Why: v6 is latency bound with 3 consumer warpgroups per SM (its producer warp costs as many
+// registers per lane as a consumer, docs/notes/cuda.md v6). Here the producer is a whole
+// warpgroup that gives registers back (setmaxnreg.dec; its 4 warps fill the ring, tiles pw,
+// pw + 4, ...) and kConsumers consumer warpgroups take them (setmaxnreg.inc), so an SM runs 4
+// consumer warpgroups. Tile i of the block goes to consumer i % kConsumers through ring slot
+// i % stages (stages a multiple of 4 and of kConsumers: one producer warp and one consumer per
+// slot); each consumer keeps its own q. One row per pass only (next_n 1): the per-entry math is
+// v6's one-row path (split widening, 8 wgmma in order, the same epilogue; the A fragments are
+// widened half a page at a time), so the logits are keys-M's bit for bit.
+// Measured slower than v6 (docs/notes/cuda.md, v7): selectable, not the default.
+template <int kConsumers>
+struct WsConfig {
+  static constexpr int kThreads = kConsumerThreads * (kConsumers + 1);
+  static constexpr int kMinBlocks = kConsumers == 2 ? 2 : 1;
+  static constexpr int kStages = kPipeWsStagesPerConsumer * kConsumers;
+  // What __launch_bounds__ gives every thread, and the split after setmaxnreg: the consumers
+  // take what the producer warpgroup gives back (the pool is per block).
+  static constexpr int kLaunchRegs = std::min(248, (65536 / (kThreads * kMinBlocks)) & ~7);
+  static constexpr int kProducerRegs = kPipeWsProducerRegs;
+  static constexpr int kConsumerRegs =
+      std::min(240, ((kThreads * kLaunchRegs - kConsumerThreads * kProducerRegs) /
+                     (kConsumerThreads * kConsumers)) &
+                        ~7);
+  static_assert(kConsumerRegs >= kLaunchRegs, "setmaxnreg.inc below the launch count");
+};
+
+template <int kConsumers, bool kOwnSchedule>
+constexpr int WsSmemBytes() {
+  constexpr int kS = WsConfig<kConsumers>::kStages;
+  return kS * kValues + kConsumers * kQBytes + kS * kScales + kConsumers * kHeads * 4 +
+         kConsumers * 16 + 2 * kS * 8 + (kOwnSchedule ? kOwnScheduleBytes : 0) + 1024;
+}
+
+template <int kConsumers, bool kOwnSchedule>
+__global__ void __launch_bounds__(WsConfig<kConsumers>::kThreads, WsConfig<kConsumers>::kMinBlocks)
+    PagedMqaLogitsWsKernel(const PagedLogitsArgs p) {
+  using Cfg = WsConfig<kConsumers>;
+  constexpr int kS = Cfg::kStages;
+  constexpr int kThreadsWs = Cfg::kThreads;
+  constexpr int kWiden = kWidenSplit;  // v6's one-row choice
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem =
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* stage_values = smem;                            // [stages][8192], swizzled
+  uint8_t* q_tiles = smem + kS * kValues;                  // [consumers][2][64][128 B]
+  uint8_t* stage_scales = q_tiles + kConsumers * kQBytes;  // [stages][64] fp32
+  float* w_all = reinterpret_cast<float*>(stage_scales + kS * kScales);        // [consumers][64]
+  int32_t* len_all = reinterpret_cast<int32_t*>(w_all + kConsumers * kHeads);  // [consumers][4]
+  uint64_t* full = reinterpret_cast<uint64_t*>(len_all + 4 * kConsumers);
+  uint64_t* empty = full + kS;
+  int32_t* own = reinterpret_cast<int32_t*>(empty + kS);
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+
+  if (tid == 0) {
+    for (int s = 0; s < kS; ++s) {
+      MbarInit(&full[s], 32);               // one cp.async arrival per producer lane
+      MbarInit(&empty[s], kConsumerWarps);  // one arrival per warp of the consuming warpgroup
+    }
+  }
+
+  const int num_requests = p.rows.num_requests;
+  const int32_t* prefix = p.schedule.tile_prefix;
+  const int32_t* req_first_row = p.schedule.request_first_row;
+  const int32_t* req_num_rows = p.schedule.request_num_rows;
+  const int32_t* req_max_len = p.schedule.request_max_len;
+  if constexpr (kOwnSchedule) {
+    // As v6 (and keys-M fused): the schedule kernel's numbers, built in shared memory.
+    int32_t* first = own;
+    int32_t* count = own + kOwnScheduleMaxRequests;
+    int32_t* maxlen = own + 2 * kOwnScheduleMaxRequests;
+    int32_t* pre = own + 3 * kOwnScheduleMaxRequests;
+    uint32_t* scratch = reinterpret_cast<uint32_t*>(pre + kOwnScheduleMaxRequests + 1);
+    for (int b = tid; b < num_requests; b += kThreadsWs) {
+      first[b] = INT_MAX;
+      count[b] = 0;
+      maxlen[b] = 0;
+    }
+    __syncthreads();
+    for (int r = tid; r < p.rows.num_rows; r += kThreadsWs) {
+      const int b = __ldg(&p.rows.row_request[r]);
+      atomicMin(&first[b], r);
+      atomicAdd(&count[b], 1);
+      atomicMax(&maxlen[b], __ldg(&p.rows.row_length[r]));
+    }
+    __syncthreads();
+    const int per_thread = (num_requests + kThreadsWs - 1) / kThreadsWs;
+    const int lo = min(num_requests, tid * per_thread);
+    const int hi = min(num_requests, lo + per_thread);
+    uint32_t local = 0;
+    for (int b = lo; b < hi; ++b) local += (maxlen[b] + kMqaTileKeys - 1) / kMqaTileKeys;
+    uint32_t total = 0;
+    uint32_t run = BlockExclusiveScan(local, scratch, &total);
+    for (int b = lo; b < hi; ++b) {
+      pre[b] = static_cast<int32_t>(run);
+      run += (maxlen[b] + kMqaTileKeys - 1) / kMqaTileKeys;
+    }
+    if (tid == 0) pre[num_requests] = static_cast<int32_t>(total);
+    prefix = pre;
+    req_first_row = first;
+    req_num_rows = count;
+    req_max_len = maxlen;
+  }
+  __syncthreads();  // barriers initialised (and the schedule built) for everyone
+  const int total_tiles = Ld<kOwnSchedule>(&prefix[num_requests]);
+  const int begin = static_cast<int>(int64_t{total_tiles} * blockIdx.x / gridDim.x);
+  const int end = static_cast<int>(int64_t{total_tiles} * (blockIdx.x + 1) / gridDim.x);
+  if (begin >= end) return;  // the whole block: no setmaxnreg is left waiting
+  const int num_tiles = end - begin;
+  const int wg = tid / kConsumerThreads;
+
+  if (wg == kConsumers) {
+    // ---- Producer warpgroup: registers back to the pool; v6's producer loop per warp. ----
+    SetMaxNRegDec<Cfg::kProducerRegs>();
+    // Four producer warps, tiles pw, pw + 4, ... each (one warp fed 2-4 consumers too slowly:
+    // measured 11:10, 2.4x slower than v6). Stages are a multiple of 4, so each slot has one
+    // producer warp.
+    const int pw = warp - kConsumers * kConsumerWarps;
+    if (pw >= num_tiles) return;
+    const uint8_t* __restrict__ cache = p.cache.base;
+    Cursor<kOwnSchedule> load;
+    load.Seek(prefix, num_requests, begin + pw);
+    auto locate = [&](int& page, int& valid) {
+      const int b = load.request;
+      const int j = load.tile - Ld<kOwnSchedule>(&prefix[b]);
+      page = __ldg(&p.rows.page_table[int64_t{b} * p.rows.page_table_stride + j]);
+      valid = min(kMqaTileKeys, Ld<kOwnSchedule>(&req_max_len[b]) - j * kMqaTileKeys);
+    };
+    int next_page, next_valid;
+    locate(next_page, next_valid);
+    for (int i = pw; i < num_tiles; i += kConsumerWarps) {
+      const int page = next_page, valid = next_valid;
+      if (i + kConsumerWarps < num_tiles) {
+        for (int k = 0; k < kConsumerWarps; ++k) load.Next(prefix);
+        locate(next_page, next_valid);
+      }
+      const int st = i % kS;
+      if (i >= kS) MbarWait(&empty[st], ((i / kS) + 1) & 1);
+      const uint8_t* src = cache + int64_t{page} * kPageBytes;
+      uint8_t* dv = stage_values + st * kValues;
+      uint8_t* ds = stage_scales + st * kScales;
+#pragma unroll
+      for (int k0 = 0; k0 < (kPageBytes / 16 + 31) / 32; ++k0) {
+        const int ch = k0 * 32 + lane;
+        if (ch < kValues / 16) {
+          const int row = ch >> 3, col = ch & 7;
+          CpAsync16(dv + row * 128 + ((col ^ (row & 7)) << 4), src + ch * 16, row < valid);
+        } else if (ch < kPageBytes / 16) {
+          const int sc = ch - kValues / 16;
+          CpAsync16(ds + sc * 16, src + kValues + sc * 16, sc * 4 < valid);
+        }
+      }
+      CpAsyncMbarArrive(&full[st]);
+    }
+    CpAsyncWait<0>();
+    return;
+  }
+
+  // ---- Consumer warpgroup `wg`: tiles wg, wg + kConsumers, ... of the block. ----
+  SetMaxNRegInc<Cfg::kConsumerRegs>();
+  const int cw = warp % kConsumerWarps;  // warp inside the warpgroup: its 16 keys of a page
+  const int ctid = tid % kConsumerThreads;
+  const int q_barrier = kQBarrier + wg;
+  // This consumer's q tile and thread index pass through an opaque move at each use: otherwise
+  // nvcc hoists the q store addresses (64 of them) and the 8 wgmma descriptors out of the loop as
+  // invariants, and the consumer spilled ~1 KB; they are cheap to recompute (q loads are rare).
+  auto opaque = [](int v) {
+    int r;
+    asm volatile("mov.b32 %0, %1;\n" : "=r"(r) : "r"(v));
+    return r;
+  };
+  const int q_offset = wg * kQBytes;
+  auto my_q_tile = [&]() { return q_tiles + opaque(q_offset); };
+  float* w_smem = w_all + wg * kHeads;
+  int32_t* len_smem = len_all + 4 * wg;
+  const int g = lane >> 2;
+  const int c = lane & 3;
+  int loaded_request = -1, loaded_row = -1;
+  // Row `row`'s q, weights and length into this consumer's slots (v6's load_q for one row).
+  auto load_q = [&](int b, int row) {
+    NamedBarrierSync(q_barrier, kConsumerThreads);
+    uint8_t* q_tile = my_q_tile();
+    const int qtid = opaque(ctid);
+    loaded_request = b;
+    loaded_row = row;
+    constexpr int kItems = kHeads * 8;  // 16 codes each: 4 per thread
+    static_assert(kItems == 4 * kConsumerThreads, "one round of q loads");
+    uint4 codes[4];
+    float wv[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int it = u * kConsumerThreads + qtid;
+      const int head = it / 8, oct = it % 8;
+      codes[u] = __ldg(
+          reinterpret_cast<const uint4*>(p.q.codes + (int64_t{row} * kHeads + head) * kMqaHeadDim) +
+          oct);
+      wv[u] = oct == 0 ? __ldg(&p.q.weights[int64_t{row} * kHeads + head]) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int it = u * kConsumerThreads + qtid;
+      const int head = it / 8, oct = it % 8;
+      StoreQQuad<kWiden>(q_tile, head, 4 * oct + 0, codes[u].x);
+      StoreQQuad<kWiden>(q_tile, head, 4 * oct + 1, codes[u].y);
+      StoreQQuad<kWiden>(q_tile, head, 4 * oct + 2, codes[u].z);
+      StoreQQuad<kWiden>(q_tile, head, 4 * oct + 3, codes[u].w);
+      if (oct == 0) w_smem[head] = wv[u];
+    }
+    if (qtid == 0) len_smem[0] = __ldg(&p.rows.row_length[row]);
+    FenceProxyAsyncShared();  // st.shared before the wgmmas' (async proxy) reads of q
+    NamedBarrierSync(q_barrier, kConsumerThreads);
+  };
+
+  // The loop runs over this consumer's tiles only (a branch around the wgmmas would make ptxas
+  // serialize them, C7520); the cursor steps over the other consumers' tiles.
+  Cursor<kOwnSchedule> cur;
+  cur.Seek(prefix, num_requests, min(begin + wg, end - 1));
+  for (int i = wg; i < num_tiles; i += kConsumers) {
+    const int b = cur.request;
+    const int base_pos = (cur.tile - Ld<kOwnSchedule>(&prefix[b])) * kMqaTileKeys;
+    const int first_row = Ld<kOwnSchedule>(&req_first_row[b]);
+    const int nrows = Ld<kOwnSchedule>(&req_num_rows[b]);
+    const int st = i % kS;
+    MbarWait(&full[st], (i / kS) & 1);
+    const uint8_t* kv = stage_values + st * kValues;
+    const float* ksc = reinterpret_cast<const float*>(stage_scales + st * kScales);
+    const int key0 = cw * 16 + g;
+    // Bit moves: the sums are 2^-8 times the true ones (exactly); 256 * ks is exact too.
+    const float ks0 = 256.f * ksc[key0];
+    const float ks1 = 256.f * ksc[key0 + 8];
+
+    for (int rin = 0; rin < nrows; ++rin) {
+      const int row = first_row + rin;
+      if (row != loaded_row) load_q(b, row);  // warpgroup-uniform
+      const uint8_t* q_tile = my_q_tile();
+      // Half a page of A fragments at a time (16 registers fewer than v6's 32, so the consumer
+      // fits its setmaxnreg share): k-steps 0-3, wait, then 4-7 into the same accumulators in
+      // the same order as v6, so the same sums.
+      float acc[32];
+      uint32_t a[4][4];
+      WidenHalfPage<kWiden, 0>(kv, cw, lane, a);
+      WgmmaFence();
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        WgmmaM64N64K16F16(acc, a[ks], SmemDescSw128(q_tile + ks * 32), ks);
+      }
+      WgmmaCommit();
+      WgmmaWait<0>();  // the wgmmas read a[] until they complete
+      WidenHalfPage<kWiden, 1>(kv, cw, lane, a);
+      WgmmaFence();
+#pragma unroll
+      for (int ks = 4; ks < 8; ++ks) {
+        WgmmaM64N64K16F16(acc, a[ks - 4], SmemDescSw128(q_tile + kHalfBytes + (ks & 3) * 32), ks);
+      }
+      WgmmaCommit();
+      WgmmaWait<0>();
+      // v6's epilogue: relu * w over this thread's heads, then the 4 lanes of the group.
+      float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float wv = w_smem[8 * j + 2 * c + e];  // (16 fewer live registers than v6)
+          s0 += wv * fmaxf(acc[4 * j + e], 0.f);
+          s1 += wv * fmaxf(acc[4 * j + 2 + e], 0.f);
+        }
+      }
+      s0 += __shfl_xor_sync(kFullMask, s0, 1);
+      s1 += __shfl_xor_sync(kFullMask, s1, 1);
+      s0 += __shfl_xor_sync(kFullMask, s0, 2);
+      s1 += __shfl_xor_sync(kFullMask, s1, 2);
+      if (c < 2) {
+        const int pos = base_pos + key0 + 8 * c;
+        if (pos < len_smem[0])
+          p.logits[int64_t{row} * p.logits_stride + pos] = c == 0 ? s0 * ks0 : s1 * ks1;
+      }
+    }
+    // The slot is no longer read: back to the producer (here, not inside the row loop: a branch
+    // between the wgmmas made ptxas serialize them, C7520).
+    __syncwarp();
+    if (lane == 0) MbarArrive(&empty[st]);
+    for (int k = 1; k <= kConsumers && i + k < num_tiles; ++k) cur.Next(prefix);
+  }
+}
+
+template <int kConsumers, bool kOwnSchedule>
+absl::Status LaunchWs(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
+  using Cfg = WsConfig<kConsumers>;
+  auto kernel = PagedMqaLogitsWsKernel<kConsumers, kOwnSchedule>;
+  constexpr int kSmem = WsSmemBytes<kConsumers, kOwnSchedule>();
+  struct PerDevice {
+    std::once_flag once;
+    int blocks_per_sm = 0;
+    int regs = 0;
+    cudaError_t err = cudaSuccess;
+  };
+  static PerDevice per_device[kMaxDevices];
+  int device = 0;
+  DI_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), "cudaGetDevice");
+  if (device >= kMaxDevices) return absl::UnimplementedError("more than 16 GPUs");
+  PerDevice& pd = per_device[device];
+  std::call_once(pd.once, [&] {
+    pd.err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    cudaFuncAttributes attr{};
+    if (pd.err == cudaSuccess) pd.err = cudaFuncGetAttributes(&attr, kernel);
+    pd.regs = attr.numRegs;
+    if (pd.err == cudaSuccess) {
+      pd.err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pd.blocks_per_sm, kernel,
+                                                             Cfg::kThreads, kSmem);
+    }
+  });
+  DI_CUDA_RETURN_IF_ERROR(pd.err, "paged mqa logits (warp-specialized): attributes / occupancy");
+  // setmaxnreg.inc waits for registers the block does not have if ptxas allocated fewer than
+  // planned: that would hang, so refuse instead.
+  if (pd.regs * Cfg::kThreads <
+      kConsumerThreads * (Cfg::kProducerRegs + kConsumers * Cfg::kConsumerRegs)) {
+    return absl::InternalError(absl::StrCat("paged mqa logits (warp-specialized): ", pd.regs,
+                                            " registers per thread, fewer than the plan's ",
+                                            Cfg::kLaunchRegs));
+  }
+  const int grid = std::max(1, num_sms * std::max(1, pd.blocks_per_sm));
+  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(args);
+  DI_CUDA_RETURN_IF_LAUNCH_ERROR("launch PagedMqaLogitsWsKernel");
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 bool PipelinedComputesOwnSchedule(const PagedLogitsArgs& args) {
   return (args.math == MqaMath::kWgmmaKeysMPipelined ||
-          args.math == MqaMath::kWgmmaKeysMPipelinedPagePairs) &&
+          args.math == MqaMath::kWgmmaKeysMPipelinedPagePairs ||
+          args.math == MqaMath::kWgmmaKeysMPipelinedWs2 ||
+          args.math == MqaMath::kWgmmaKeysMPipelinedWs4) &&
          args.rows.num_requests <= kOwnScheduleMaxRequests;
 }
 
 absl::Status LaunchPagedMqaLogitsPipelined(const PagedLogitsArgs& args, int num_sms,
                                            cudaStream_t stream) {
   const bool own = PipelinedComputesOwnSchedule(args);
+  const bool one_row =
+      RowsPerPass(args.rows.num_rows, args.rows.num_requests, args.rows.rows_per_request) == 1;
+  if (one_row && args.math == MqaMath::kWgmmaKeysMPipelinedWs2) {
+    return own ? LaunchWs<2, true>(args, num_sms, stream)
+               : LaunchWs<2, false>(args, num_sms, stream);
+  }
+  if (one_row && args.math == MqaMath::kWgmmaKeysMPipelinedWs4) {
+    return own ? LaunchWs<4, true>(args, num_sms, stream)
+               : LaunchWs<4, false>(args, num_sms, stream);
+  }
   if (args.math == MqaMath::kWgmmaKeysMPipelinedPagePairs) {
     return own ? LaunchVariant<true, true>(args, num_sms, stream)
                : LaunchVariant<false, true>(args, num_sms, stream);

@@ -25,6 +25,14 @@ inline constexpr int kKeysMStages = 3;
 inline constexpr int kPipeStages = 4;
 inline constexpr int kPipeMinBlocksOneRow = 3;
 inline constexpr int kPipeMinBlocksMultiRow = 2;
+// The warp-specialized variants (kWgmmaKeysMPipelinedWs2 / Ws4, one row per pass): a producer
+// warpgroup that drops to kPipeWsProducerRegs registers (setmaxnreg) and 2 (2 blocks per SM)
+// or 4 (1 block) consumer warpgroups that take the rest, alternating tiles over one ring of
+// kPipeWsStagesPerConsumer slots per consumer. Producer registers: at 32 / 48 its unrolled
+// cp.async loop spilled (ptxas -v: 330 / 200 bytes); at 64 the kernel spills ~30-100 bytes and
+// the half-page consumer still fits (88 registers with 2 consumers, 104 with 4).
+inline constexpr int kPipeWsProducerRegs = 64;
+inline constexpr int kPipeWsStagesPerConsumer = 4;
 
 // Rows of one request scored together from each key tile (next_n 1-4 share every key read).
 // Requests with more rows take several passes over the tile in shared memory.

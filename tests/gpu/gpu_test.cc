@@ -672,10 +672,11 @@ TEST_F(GpuTest, PipelinedLogitsBitIdenticalToKeysM) {
     const std::vector<float> ref = GpuLogits(this, *ds, stride, NumSms(), MqaMath::kWgmmaKeysM);
     std::vector<std::vector<float>> cpu(rows);
     for (int32_t r = 0; r < rows; ++r) cpu[r] = CpuRowLogits(s, r);
-    for (int v = 0; v < 6; ++v) {
+    for (int v = 0; v < 12; ++v) {
       const int num_sms = std::array<int, 3>{1, 3, NumSms()}[v % 3];
-      const MqaMath math =
-          v < 3 ? MqaMath::kWgmmaKeysMPipelined : MqaMath::kWgmmaKeysMPipelinedPagePairs;
+      const MqaMath math = std::array<MqaMath, 4>{
+          MqaMath::kWgmmaKeysMPipelined, MqaMath::kWgmmaKeysMPipelinedPagePairs,
+          MqaMath::kWgmmaKeysMPipelinedWs2, MqaMath::kWgmmaKeysMPipelinedWs4}[v / 3];
       SCOPED_TRACE(::testing::Message()
                    << "requests " << s.num_requests() << " rows " << rows << " uneven " << c.uneven
                    << " sms " << num_sms << " math " << static_cast<int>(math));
@@ -692,6 +693,83 @@ TEST_F(GpuTest, PipelinedLogitsBitIdenticalToKeysM) {
       }
       EXPECT_EQ(diff, 0) << "entries not bit-identical to keys-M";
       EXPECT_EQ(bad, 0) << "entries off the CPU reference or written past the length";
+    }
+  }
+}
+
+// A rank's slice of a sharded step: the batch names all 64 requests (num_requests 64) but holds
+// rows of requests 32-63 only, with uneven counts (some 1 row, one none, the rest next_n), and
+// the host hint RowBatch::rows_per_request. The hint only sizes passes: every kernel must give
+// keys-M's logits bit for bit with and without it, within the CPU's tolerance, and the in-kernel
+// schedules must skip requests that have no rows.
+TEST_F(GpuTest, RankSliceWithRowsPerRequestHint) {
+  using kernels::cuda::MqaMath;
+  for (const int32_t next_n : {2, 4}) {
+    Scene full = MakeScene(Spec(CacheFormat::kFp8, 64, Lengths(64, 2500), next_n));
+    // Keep requests 32-63; request b keeps its last next_n rows, or 1 (b % 5 == 1), or
+    // next_n - 1 (b % 5 == 2), or none (b == 40).
+    Scene s = full;
+    s.row_request.clear();
+    s.row_length.clear();
+    s.q_codes.clear();
+    s.weights.clear();
+    const int64_t qrow = 64 * 128;
+    int32_t most = 0;
+    for (int32_t r = 0; r < full.num_rows(); ++r) {
+      const int32_t b = full.row_request[r], j = r % next_n;
+      if (b < 32 || b == 40) continue;
+      const int32_t want = b % 5 == 1 ? 1 : b % 5 == 2 ? next_n - 1 : next_n;
+      if (j < next_n - want) continue;
+      most = std::max(most, want);
+      s.row_request.push_back(b);
+      s.row_length.push_back(full.row_length[r]);
+      s.q_codes.insert(s.q_codes.end(), full.q_codes.begin() + r * qrow,
+                       full.q_codes.begin() + (r + 1) * qrow);
+      s.weights.insert(s.weights.end(), full.weights.begin() + r * 64,
+                       full.weights.begin() + (r + 1) * 64);
+    }
+    ASSERT_EQ(s.num_requests(), 64);
+    const int32_t rows = s.num_rows();
+    ASSERT_LT(rows, s.num_requests() * (next_n - 1));  // the average would say fewer rows
+    auto ds = UploadScene(this, s);
+    const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
+    std::vector<std::vector<float>> cpu(rows);
+    for (int32_t r = 0; r < rows; ++r) cpu[r] = CpuRowLogits(s, r);
+    ds->rows.rows_per_request = most;
+    const std::vector<float> ref = GpuLogits(this, *ds, stride, NumSms(), MqaMath::kWgmmaKeysM);
+    const std::vector<MqaMath> maths = {MqaMath::kWgmmaKeysM,
+                                        MqaMath::kWgmmaKeysMFused,
+                                        MqaMath::kWgmmaKeysMPipelined,
+                                        MqaMath::kWgmmaKeysMPipelinedPagePairs,
+                                        MqaMath::kWgmmaKeysMPipelinedWs2,
+                                        MqaMath::kWgmmaKeysMPipelinedWs4,
+                                        MqaMath::kMmaSync};
+    for (const int32_t hint : {most, 0}) {
+      ds->rows.rows_per_request = hint;
+      for (const MqaMath math : maths) {
+        for (const int num_sms : {3, NumSms()}) {
+          SCOPED_TRACE(::testing::Message()
+                       << "next_n " << next_n << " rows " << rows << " hint " << hint << " math "
+                       << static_cast<int>(math) << " sms " << num_sms);
+          const std::vector<float> got = GpuLogits(this, *ds, stride, num_sms, math);
+          // mma.sync sums in another order: the CPU's tolerance only.
+          const bool exact = math != MqaMath::kMmaSync;
+          int64_t diff = 0, bad = 0;
+          for (int32_t r = 0; r < rows; ++r) {
+            const double tol = RowTol(cpu[r]);
+            for (int32_t t = 0; t < s.row_length[r]; ++t) {
+              const int64_t i = r * stride + t;
+              diff += exact && std::memcmp(&got[i], &ref[i], sizeof(float)) != 0;
+              bad += !(std::fabs(double{got[i]} - cpu[r][t]) <= tol);
+            }
+            for (int64_t t = s.row_length[r]; t < stride; ++t) {
+              bad += !std::isnan(got[r * stride + t]);
+            }
+          }
+          EXPECT_EQ(diff, 0) << "entries not bit-identical to keys-M with the hint";
+          EXPECT_EQ(bad, 0) << "entries off the CPU reference or written past the length";
+        }
+      }
     }
   }
 }
