@@ -32,10 +32,10 @@ run gpu_executor_test 60 "$bundle/gpu_executor_test"
 run multigpu_test 120 "$bundle/multigpu_test"
 run cuda_vs_cpu_test 60 "$bundle/cuda_vs_cpu_test"
 if [ "$mode" = bench ]; then
-  run bench_cuda 240 env CUDA_VISIBLE_DEVICES=0 "$bundle/decode-indexer-bench-cuda" \
+  run bench_cuda 300 env CUDA_VISIBLE_DEVICES=0 "$bundle/decode-indexer-bench-cuda" \
     --out "$out/cuda_bench.json"
   echo "== torch baseline" | tee "$out/torch.log"
-  CUDA_VISIBLE_DEVICES=0 timeout 180 python3 bench/cuda/torch_baseline.py \
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/cuda/torch_baseline.py \
     --configs "$out/cuda_bench.json" --out "$out/torch_bench.json" >>"$out/torch.log" 2>&1
   echo "torch rc=$?" | tee -a "$out/rc.txt"
 fi
