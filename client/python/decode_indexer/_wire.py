@@ -231,3 +231,67 @@ def encode_message_field(field: int, parts: list[bytes | memoryview]) -> list[by
 def join(parts: list[bytes | memoryview]) -> bytes:
     """Assembles the request: the one copy of the payload."""
     return b"".join(parts)
+
+
+# --- Answers in ANSWER_ENCODING_DELTA_VARINT ---------------------------------------------------
+
+
+def decode_topk_delta(data: bytes, rows: int, k: int) -> np.ndarray:
+    """The int32 [rows, k] answer (ascending, -1 padded) of a `topk_delta` byte string.
+
+    Per row: varint(count), then `count` varint gaps (the first position itself, then
+    position - previous - 1). Every varint is found and summed at once with NumPy (a Python
+    loop over ~K bytes a row would cost more than the bytes saved); only the row split loops.
+    Raises ValueError on bytes that are not exactly `rows` well-formed rows."""
+    b = np.frombuffer(data, dtype=np.uint8)
+    out = np.full((rows, k), -1, dtype=np.int32)
+    if b.size == 0:
+        if rows:
+            raise ValueError(f"topk_delta: empty, expected {rows} rows")
+        return out
+    ends = np.flatnonzero(b < 0x80)  # the last byte of each varint has the high bit clear
+    if ends.size == 0 or ends[-1] != b.size - 1:
+        raise ValueError("topk_delta: ends inside a varint")
+    if ends.size == b.size:  # every varint one byte (short gaps, K < 128): the bytes are values
+        values = b.astype(np.int64)
+    else:
+        sizes = np.diff(ends, prepend=-1)
+        if sizes.max() > 5:  # counts and gaps are uint32: 5 bytes at most
+            raise ValueError("topk_delta: a varint longer than 5 bytes")
+        # From each varint's last (most significant) byte down: a pass per extra byte, over
+        # only the varints that long (most gaps take one byte).
+        values = b[ends].astype(np.int64)  # a last byte has the high bit clear already
+        for m in range(1, int(sizes.max())):
+            longer = np.flatnonzero(sizes > m)
+            values[longer] = (values[longer] << 7) | (b[ends[longer] - m] & 0x7F)
+    # Only finding where each row starts is sequential (each count says where the next row
+    # begins): scalar reads, a few per row. The rest is vectorised over all rows at once.
+    heads = np.empty(rows, dtype=np.int64)
+    i, n = 0, values.size
+    for r in range(rows):
+        if i >= n:
+            raise ValueError(f"topk_delta: {r} rows, expected {rows}")
+        count = int(values[i])
+        if count > k:
+            raise ValueError(f"topk_delta: row {r} claims {count} positions (K = {k})")
+        heads[r] = i
+        i += 1 + count
+    if i != n:
+        raise ValueError(f"topk_delta: {n - i} values after the last of {rows} rows"
+                         if i < n else f"topk_delta: the last row needs {i - n} more values")
+    counts = values[heads]
+    is_gap = np.ones(n, dtype=bool)
+    is_gap[heads] = False
+    steps = values[is_gap] + 1  # position = previous + 1 + gap, with previous = -1 at a row start
+    if steps.size:
+        # One cumulative sum over every row, restarted at each row: a row's first step takes
+        # off the running total the row before it ended on, which is that row's own sum.
+        first = (np.cumsum(counts) - counts)[counts > 0]
+        row_sums = np.add.reduceat(steps, first)
+        steps[first[1:]] -= row_sums[:-1]
+        positions = np.cumsum(steps) - 1
+        if positions.max() > np.iinfo(np.int32).max:
+            raise ValueError("topk_delta: a position past int32")
+        # Row-major boolean assignment fills each row's first `count` slots, rows in order.
+        out[np.arange(k)[None, :] < counts[:, None]] = positions
+    return out

@@ -152,15 +152,56 @@ def _region_array(t: pb.Tensor, flat: np.ndarray | None, rows: int, what: str) -
     return flat[:rows * shape[1]].reshape(shape)
 
 
+# answer_encoding= values: the response's `topk` as int32 bytes, or as delta varints (about
+# a quarter of the bytes at K = 2048, for some CPU time on both ends; docs/results/data-plane.md).
+_ENCODINGS = {"raw": pb.ANSWER_ENCODING_RAW, "delta": pb.ANSWER_ENCODING_DELTA_VARINT}
+
+
+def _answer_encoding(encoding: str) -> int:
+    if encoding not in _ENCODINGS:
+        raise ValueError(f"answer_encoding: expected one of {sorted(_ENCODINGS)}, "
+                         f"got {encoding!r}")
+    return _ENCODINGS[encoding]
+
+
+def _timeout_us(timeout_us: Any) -> int:
+    """The step's server-side deadline in whole microseconds (None or 0: none)."""
+    if timeout_us is None:
+        return 0
+    if isinstance(timeout_us, bool) or not isinstance(timeout_us, (int, np.integer)):
+        raise TypeError(f"timeout_us: expected an int (microseconds), got "
+                        f"{type(timeout_us).__name__}")
+    if timeout_us < 0:
+        raise ValueError(f"timeout_us: must be >= 0 (0: none), got {timeout_us}")
+    return int(timeout_us)
+
+
+def _delta_topk(t: pb.Tensor, data: bytes) -> np.ndarray:
+    """The int32 [rows, K] answer of a delta-encoded response (`topk` holds the shape)."""
+    shape = tuple(t.shape)
+    if t.dtype != pb.DTYPE_INT32 or len(shape) != 2 or t.data:
+        raise IndexerError(grpc.StatusCode.INTERNAL,
+                           f"topk: expected a shape-only int32 [rows, K] with a delta answer, "
+                           f"got {pb.DType.Name(t.dtype)} {list(shape)} with {len(t.data)} bytes")
+    try:
+        return _wire.decode_topk_delta(data, shape[0], shape[1])
+    except ValueError as e:
+        raise IndexerError(grpc.StatusCode.INTERNAL, str(e)) from None
+
+
 def _result(resp: pb.DecodeStepResponse, client_us: float,
-            placed: _InRegion | None = None) -> DecodeResult:
+            placed: _InRegion | None = None, delta: bool = False) -> DecodeResult:
     if placed is not None:
         topk = _region_array(resp.topk, placed.answer, placed.rows, "topk")
         candidates = (_region_array(resp.candidate_blocks, placed.candidates, placed.rows,
                                     "candidate_blocks")
                       if resp.HasField("candidate_blocks") else None)
     else:
-        topk = _decode_array(resp.topk, "topk")
+        # Candidate blocks stay int32 under either encoding (only `topk` has a delta form).
+        if delta:
+            topk = _delta_topk(resp.topk, resp.topk_delta)
+        else:
+            topk = _decode_array(resp.topk, "topk")
         candidates = (_decode_array(resp.candidate_blocks, "candidate_blocks")
                       if resp.HasField("candidate_blocks") else None)
     return DecodeResult(
@@ -230,11 +271,18 @@ def _encode_step(layer: int, steps: Sequence[SequenceStep], q: Any, weights: Any
                  q_scales: Any = None, positions: Any = None, step_id: int = 0,
                  return_candidates: bool = False,
                  shared_memory: SharedMemoryRegion | None = None, answer: Any = None,
-                 candidates: Any = None) -> tuple[bytes, _InRegion | None]:
+                 candidates: Any = None, answer_encoding: str = "raw",
+                 timeout_us: int | None = None) -> tuple[bytes, _InRegion | None]:
     if isinstance(steps, SequenceStep):
         steps = [steps]
-    head = dict(layer=layer, step_id=step_id, return_candidates=return_candidates)
+    head = dict(layer=layer, step_id=step_id, return_candidates=return_candidates,
+                answer_encoding=_answer_encoding(answer_encoding),
+                timeout_us=_timeout_us(timeout_us))
     placed = None
+    if shared_memory is not None and answer_encoding != "raw":
+        # The server writes int32 straight into the region's answer view; it has no delta form.
+        raise ValueError("answer_encoding='delta' cannot combine with shared_memory: the server "
+                         "writes the int32 answer into the region (use 'raw')")
     if shared_memory is not None:
         head["shared_memory"], placed = _place_in_region(
             shared_memory, steps, q, q_scales, weights, answer, candidates, return_candidates)
@@ -269,10 +317,12 @@ def encode_decode_step(layer: int, steps: Sequence[SequenceStep], q: Any, weight
                        q_scales: Any = None, positions: Any = None, step_id: int = 0,
                        return_candidates: bool = False,
                        shared_memory: SharedMemoryRegion | None = None, answer: Any = None,
-                       candidates: Any = None) -> bytes:
+                       candidates: Any = None, answer_encoding: str = "raw",
+                       timeout_us: int | None = None) -> bytes:
     """The serialized DecodeStepRequest (a valid message of the generated class)."""
     return _encode_step(layer, steps, q, weights, q_scales, positions, step_id,
-                        return_candidates, shared_memory, answer, candidates)[0]
+                        return_candidates, shared_memory, answer, candidates, answer_encoding,
+                        timeout_us)[0]
 
 
 class Client:
@@ -374,7 +424,9 @@ class Client:
                     q_scales: Any = None, positions: Any = None, step_id: int = 0,
                     return_candidates: bool = False, *,
                     shared_memory: SharedMemoryRegion | None = None, answer: Any = None,
-                    candidates: Any = None, timeout: float | None = None) -> DecodeResult:
+                    candidates: Any = None, answer_encoding: str = "raw",
+                    timeout_us: int | None = None,
+                    timeout: float | None = None) -> DecodeResult:
         """Runs one decode step of one layer and returns each row's top-k positions.
 
         q: [rows, H, D] float32/bfloat16 (raw weights; the server quantizes, folds and, given
@@ -385,12 +437,20 @@ class Client:
           C-contiguous views of; `answer` (and, with return_candidates, `candidates`) are int32
           views of it with room for [rows, K] (and [rows, num_candidate_blocks]). Only their
           dtype and shape cross gRPC; result.topk is then a view of `answer`.
+        answer_encoding: "raw" (int32 on the wire) or "delta" (varint gaps, ~1 B a position
+          instead of 4, decoded here into the same int32 [rows, K]); not with shared_memory.
+        timeout_us: the step's server-side deadline in microseconds, counted from when the
+          server reads the request (None/0: none); a step not started by then fails with
+          DEADLINE_EXCEEDED and changes nothing. `timeout` stays the whole call's gRPC
+          deadline in seconds.
         """
         request, placed = _encode_step(layer, steps, q, weights, q_scales, positions, step_id,
-                                       return_candidates, shared_memory, answer, candidates)
+                                       return_candidates, shared_memory, answer, candidates,
+                                       answer_encoding, timeout_us)
         start = time.perf_counter()
         resp = self._call("DecodeStep", self._decode, request, timeout)
-        return _result(resp, (time.perf_counter() - start) * 1e6, placed)
+        return _result(resp, (time.perf_counter() - start) * 1e6, placed,
+                       answer_encoding == "delta")
 
     def register_shared_memory(self, name: str, size: int, *,
                                timeout: float | None = None) -> int:
@@ -440,7 +500,8 @@ class DecodeStream:
     def __init__(self, client: Client, timeout: float | None):
         self._requests: queue.Queue = queue.Queue()
         self._call = client._decode_stream(iter(self._requests.get, _END), timeout=timeout)
-        self._pending: collections.deque = collections.deque()  # (step_id, send time)
+        # (step_id, send time, shared-memory placement, delta-encoded answer)
+        self._pending: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
@@ -450,18 +511,22 @@ class DecodeStream:
              q_scales: Any = None, positions: Any = None, step_id: int | None = None,
              return_candidates: bool = False, *,
              shared_memory: SharedMemoryRegion | None = None, answer: Any = None,
-             candidates: Any = None) -> int:
+             candidates: Any = None, answer_encoding: str = "raw",
+             timeout_us: int | None = None) -> int:
         """Queues one step (arguments as Client.decode_step); returns its step_id, which is
         numbered 1, 2, ... within the session when not given. Shared-memory steps in flight
         together need their own q / weights / answer views (the server reads and writes them
-        when it gets to the step)."""
+        when it gets to the step). timeout_us counts from when the server reads this step,
+        which on a busy stream is after the steps before it; a step that misses it ends the
+        stream with DEADLINE_EXCEEDED (its recv() and every later one raise)."""
         sid = next(self._ids) if step_id is None else step_id
         request, placed = _encode_step(layer, steps, q, weights, q_scales, positions, sid,
-                                       return_candidates, shared_memory, answer, candidates)
+                                       return_candidates, shared_memory, answer, candidates,
+                                       answer_encoding, timeout_us)
         with self._lock:
             if self._closed:
                 raise RuntimeError("DecodeStream: send() after close()")
-            self._pending.append((sid, time.perf_counter(), placed))
+            self._pending.append((sid, time.perf_counter(), placed, answer_encoding == "delta"))
             self._requests.put(request)
         return sid
 
@@ -477,7 +542,7 @@ class DecodeStream:
         with self._lock:
             if not self._pending:
                 raise RuntimeError("DecodeStream: recv() with no step in flight")
-            expected, sent, placed = self._pending[0]
+            expected, sent, placed, delta = self._pending[0]
         try:
             resp = next(self._call)
         except grpc.RpcError as e:
@@ -495,7 +560,7 @@ class DecodeStream:
                                        f"answer for step {resp.step_id} arrived where step "
                                        f"{expected} was due", "DecodeStream")
             raise self._error
-        return _result(resp, (time.perf_counter() - sent) * 1e6, placed)
+        return _result(resp, (time.perf_counter() - sent) * 1e6, placed, delta)
 
     def step(self, *args: Any, **kwargs: Any) -> DecodeResult:
         """send() then recv(): one step, unpipelined (the earlier steps' answers first)."""
