@@ -838,12 +838,41 @@ absl::StatusOr<std::unique_ptr<Executor>> Executor::Create(const config::Profile
   }
   int32_t ranks = options.ranks;
   if (backend == "cuda") {
+    // Refuse at start-up what the CUDA kernels cannot run, rather than failing the first step.
+    // --backend auto stays on cuda: a silent CPU fallback would hide a large slowdown.
+    const char* why =
+        options.backend == "auto"
+            ? "; --backend auto picked cuda (a GPU is visible) and does not fall back to cpu: "
+              "pass --backend cpu or change the profile"
+            : "; pass --backend cpu or change the profile";
+    const std::vector<int32_t> cache_layers = profile.CacheLayers();
+    for (size_t i = 0; i < cache_layers.size(); ++i) {
+      const config::LayerSpec& l = profile.layers[cache_layers[i]];
+      const kernels::CacheGeometry geometry{l.cache_format, profile.head_dim, profile.page_size};
+      if (absl::Status s = kernels::CudaSupportsGeometry(geometry, profile.num_heads,
+                                                         profile.candidate_block_size,
+                                                         absl::StrCat("cache[", i, "]"));
+          !s.ok()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("profile ", profile.name, " ", s.message(), why));
+      }
+    }
+    if (options.ranks > 0) {
+      if (absl::Status s = kernels::CudaSupportsRanks(options.ranks); !s.ok()) {
+        return absl::FailedPreconditionError(absl::StrCat("executor options ", s.message()));
+      }
+    }
     if (!kernels::CudaBackendAvailable()) {
       return absl::FailedPreconditionError(
           "executor options: backend cuda, but this build has no CUDA backend or no GPU");
     }
     const int32_t devices = kernels::CudaDeviceCount();
     if (ranks == 0) ranks = devices;
+    if (absl::Status s = kernels::CudaSupportsRanks(ranks); !s.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("executor options ", s.message(), ": ", devices,
+                       " GPUs are visible; pass --ranks 16 or fewer"));
+    }
     if (ranks > devices) {
       return bad(ranks, " cuda ranks, but only ", devices, " GPUs are visible");
     }

@@ -11,7 +11,9 @@
 // Skipped (visibly) where no GPU is visible, as in CI.
 #include <algorithm>
 #include <cstdint>
+#include <fstream>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -246,6 +248,60 @@ TEST(GpuExecutorTest, GraphReplaysAnswerAsEagerStepsBitForBit) {
     EXPECT_EQ(st_off.graph_captures, 0u);
     EXPECT_EQ(st_off.graph_replays, 0u);
     EXPECT_TRUE(st_on.healthy) << st_on.health_detail;
+  }
+}
+
+// tests/service/profiles/<name>: this file's tree, else the working directory or up to three
+// above it (the GPU machine runs the bundled binary from a copy of the repository root; ctest
+// runs it in <build>/tests/gpu).
+std::string ServiceProfilePath(const std::string& name) {
+  const std::string rel = "tests/service/profiles/" + name;
+  std::string here = __FILE__;
+  here = here.substr(0, here.rfind("tests/gpu/"));
+  for (const std::string& dir :
+       {here, std::string(), std::string("../"), std::string("../../"), std::string("../../../")}) {
+    if (std::ifstream(dir + rel).good()) return dir + rel;
+  }
+  return rel;
+}
+
+TEST(GpuExecutorTest, RefusesAtStartUpWhatTheKernelsDoNotTake) {
+  if (!kernels::CudaBackendAvailable()) {
+    GTEST_SKIP() << "no CUDA GPU visible: the CUDA start-up geometry test is skipped here";
+  }
+  ExecutorOptions o;
+  o.ranks = 1;
+  o.cache_pages = 64;
+  o.max_requests_per_step = 4;
+  o.max_sequences = 4;
+  // v41-tiny has 16-entry pages: refused at creation, naming the field, on cuda and on auto
+  // (which must not fall back to the CPU backend silently).
+  absl::StatusOr<config::Profile> tiny = config::LoadProfile(ServiceProfilePath("v41-tiny.toml"));
+  ASSERT_TRUE(tiny.ok()) << tiny.status();
+  for (const char* backend : {"cuda", "auto"}) {
+    SCOPED_TRACE(backend);
+    o.backend = backend;
+    auto e = Executor::Create(*tiny, o);
+    ASSERT_FALSE(e.ok());
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << e.status();
+    EXPECT_NE(e.status().message().find("cache[0].page_size: 16 (the CUDA backend takes 64)"),
+              std::string::npos)
+        << e.status();
+    if (std::string(backend) == "auto") {
+      EXPECT_NE(e.status().message().find("does not fall back to cpu"), std::string::npos)
+          << e.status();
+    }
+  }
+  // The same plan at the kernels' geometry starts, on the CUDA backend.
+  absl::StatusOr<config::Profile> tiny_cuda =
+      config::LoadProfile(ServiceProfilePath("v41-tiny-cuda.toml"));
+  ASSERT_TRUE(tiny_cuda.ok()) << tiny_cuda.status();
+  for (const char* backend : {"cuda", "auto"}) {
+    SCOPED_TRACE(backend);
+    o.backend = backend;
+    auto e = Executor::Create(*tiny_cuda, o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    EXPECT_EQ((*e)->Status().backend, "cuda");
   }
 }
 

@@ -19,8 +19,8 @@ TEST(CudaVsCpuTest, AnswersMatchUpToNearTies) {
   }
   const uint64_t seed = std::random_device{}();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  // The CUDA kernels take 64-entry pages of 128 dims (v41-tiny's 16-entry pages are refused
-  // with UNIMPLEMENTED), so this test runs v41-tiny's plan at that geometry.
+  // The CUDA kernels take 64-entry pages of 128 dims (a CUDA server refuses v41-tiny's
+  // 16-entry pages at start-up), so this test runs v41-tiny's plan at that geometry.
   // v32 rows reach 3 K = 6144 entries: 4 sequences need ~300 of its 64-entry pages.
   constexpr int64_t kPages = 1024;
   const std::string tiny_cuda = DI_SERVICE_TEST_DIR "/profiles/v41-tiny-cuda.toml";

@@ -270,4 +270,15 @@ int CudaDeviceCount();
 // The CUDA backend on `device`; an error where the build has no CUDA or no such device.
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const BackendLimits& limits, int device);
 
+// What the CUDA kernels take, so a server refuses an unsupported profile at start-up instead of
+// failing its first step (the kernels keep their own checks as a second line). Defined in every
+// build (no CUDA needed). FAILED_PRECONDITION names the field, its value and what is supported:
+// "<cache_field>.page_size: 16 (the CUDA backend takes 64)", "num_heads: 8 (...)".
+// candidate_block_size 0 means no candidate layers.
+absl::Status CudaSupportsGeometry(const CacheGeometry& geometry, int32_t num_heads,
+                                  int32_t candidate_block_size,
+                                  std::string_view cache_field = "cache");
+// The number of GPUs (ranks) one CUDA process may drive: "ranks: 17 (...)".
+absl::Status CudaSupportsRanks(int32_t ranks);
+
 }  // namespace decode_indexer::kernels
