@@ -20,12 +20,12 @@
 //   floating-point operation depends only on the row's own data, never on the schedule, so the
 //   logits are bit-identical across runs, rank counts and batch compositions.
 #include <algorithm>
-#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "decode_indexer/kernels/quant.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/sm90_device_utils.cuh"
+#include "kernels/cuda/sm90_launch_setup.cuh"
 #include "kernels/cuda/sm90_launchers.h"
 #include "kernels/cuda/sm90_mqa_tiles.cuh"
 #include "kernels/cuda/sm90_tile_config.h"
@@ -357,28 +357,13 @@ absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t 
   auto kernel = PagedMqaLogitsKernel<kHeads, kFp4, kRowsPerPass, kMath>;
   constexpr int kThreads = kRowsPerPass * kHeads / 16 * 32;
   constexpr int kSmem = SmemBytes<kHeads, kFp4, kRowsPerPass, kMath>();
-  // Occupancy is a property of the instantiation: compute it once.
   // The shared-memory opt-in and the occupancy are per device and per instantiation: set
   // them once for each device a rank uses.
-  struct PerDevice {
-    std::once_flag once;
-    int blocks_per_sm = 0;
-    cudaError_t err = cudaSuccess;
-  };
-  static PerDevice per_device[kMaxDevices];
-  int device = 0;
-  DI_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), "cudaGetDevice");
-  if (device >= kMaxDevices) return absl::UnimplementedError("more than 16 GPUs");
-  PerDevice& pd = per_device[device];
-  std::call_once(pd.once, [&] {
-    pd.err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (pd.err == cudaSuccess) {
-      pd.err =
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pd.blocks_per_sm, kernel, kThreads, kSmem);
-    }
-  });
-  DI_CUDA_RETURN_IF_ERROR(pd.err, "paged mqa logits: kernel attributes / occupancy");
-  const int blocks_per_sm = pd.blocks_per_sm;
+  static KernelDeviceSetup per_device[kMaxDevices];
+  const absl::StatusOr<int> blocks = OptInBlocksPerSm(
+      per_device, "paged mqa logits: kernel attributes / occupancy", kernel, kThreads, kSmem);
+  if (!blocks.ok()) return blocks.status();
+  const int blocks_per_sm = *blocks;
   const int grid = std::max(1, num_sms * std::max(1, blocks_per_sm));
   kernel<<<grid, kThreads, kSmem, stream>>>(args);
   DI_CUDA_RETURN_IF_LAUNCH_ERROR("launch PagedMqaLogitsKernel");

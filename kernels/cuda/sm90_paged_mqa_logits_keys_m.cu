@@ -38,11 +38,12 @@
 // overflow). Counts are order-free, so the histogram is the same whatever the grid or the timing.
 #include <algorithm>
 #include <climits>
-#include <mutex>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/sm90_device_utils.cuh"
+#include "kernels/cuda/sm90_launch_setup.cuh"
 #include "kernels/cuda/sm90_launchers.h"
+#include "kernels/cuda/sm90_mqa_keys_m.cuh"
 #include "kernels/cuda/sm90_mqa_tiles.cuh"
 #include "kernels/cuda/sm90_tile_config.h"
 #include "kernels/cuda/sm90_topk_bucket.cuh"
@@ -57,9 +58,7 @@ constexpr int kScales = kMqaTileKeys * 4;            // 256: its fp32 scales
 constexpr int kPageBytes = kValues + kScales;        // 8448
 constexpr int kQBytes = kHeads * kMqaHeadDim * 2;    // one row's q in f16: 16 KB
 constexpr int kHalfBytes = kHeads * 128;             // 64 dims of q: one swizzled tile
-constexpr int kOwnScheduleMaxRequests = 256;
-// The in-kernel schedule: first_row, num_rows, max_len [max requests], prefix [+1], scratch.
-constexpr int kOwnScheduleBytes = (4 * kOwnScheduleMaxRequests + 1 + 32) * 4;
+static_assert(kHalfBytes == kKeysMQHalfBytes, "QOffset's q tile layout");
 
 // Threshold-filter histogram in shared memory: [rows per pass][kTopKBins / 2] words.
 template <int kRowsPerPass>
@@ -73,77 +72,6 @@ template <int kRowsPerPass, bool kOwnSchedule>
 constexpr int SmemBytes() {
   return kKeysMStages * kValues + kRowsPerPass * kQBytes + kKeysMStages * kScales +
          kRowsPerPass * kHeads * 4 + (kOwnSchedule ? kOwnScheduleBytes : 0) + 1024;
-}
-
-// How the keys are widened: all by cvt (the default), half the k-steps (2, 3, 6, 7) by the
-// integer bit move (kWgmmaKeysMSplit / Fused: the two pipes share the work), or all of them
-// (kWgmmaKeysMBitMove: the measurement that says whether the integer pipe alone keeps up).
-enum Widen { kWidenCvt = 0, kWidenSplit = 1, kWidenBitMove = 2 };
-__host__ __device__ constexpr bool BitMoveStep(int widen, int ks) {
-  return widen == kWidenBitMove || (widen == kWidenSplit && ((ks >> 1) & 1));
-}
-
-// e4m3 code -> f16 bits of its value times 2^-8 (exact; see the file comment).
-__device__ __forceinline__ uint32_t E4M3ToF16BitsScaled(uint32_t b) {
-  return ((b & 0x80u) << 8) | ((b & 0x7Fu) << 7);
-}
-// Four e4m3 codes b0..b3 (b0 lowest) -> f16x2 (b0, b2) and (b1, b3), each value times 2^-8.
-__device__ __forceinline__ void E4M3x4ToF16x2ScaledBitMove(uint32_t q, uint32_t& even,
-                                                           uint32_t& odd) {
-  odd = (q & 0x80008000u) | ((q >> 1) & 0x3F803F80u);
-  const uint32_t q8 = q << 8;
-  even = (q8 & 0x80008000u) | ((q8 >> 1) & 0x3F803F80u);
-}
-
-// A schedule entry: read-only global loads for the schedule kernel's output (as before), plain
-// loads where the block built it in shared memory.
-template <bool kShared>
-__device__ __forceinline__ int32_t Ld(const int32_t* v) {
-  if constexpr (kShared) {
-    return *v;
-  } else {
-    return __ldg(v);
-  }
-}
-
-// TileCursor over a schedule that may live in shared memory.
-template <bool kShared>
-struct ScheduleCursor {
-  int tile, request, request_end;
-  __device__ __forceinline__ void Seek(const int32_t* prefix, int num_requests, int t) {
-    int lo = 0, hi = num_requests - 1;  // the last b with prefix[b] <= t
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (Ld<kShared>(&prefix[mid]) <= t) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
-      }
-    }
-    tile = t;
-    request = lo;
-    request_end = Ld<kShared>(&prefix[lo + 1]);
-  }
-  __device__ __forceinline__ void Next(const int32_t* prefix) {
-    ++tile;
-    while (tile >= request_end) {
-      ++request;
-      request_end = Ld<kShared>(&prefix[request + 1]);
-    }
-  }
-};
-
-// Byte offset of q[head][dim] (f16) inside a row's q tile: half dim / 64, 128-byte row per
-// head, k index permuted inside each 16-dim step (see the file comment), 128B swizzle. The
-// bit-move steps pair dims (4c, 4c + 2) and (4c + 1, 4c + 3) instead.
-__device__ __forceinline__ int QOffset(int head, int dim, bool bit_move) {
-  const int step = dim >> 4, p = dim & 15;
-  const int e = p & 3;
-  const int kk = bit_move ? ((e & 1) ? 8 : 0) + 2 * (p >> 2) + (e >> 1)
-                 : e < 2  ? 2 * (p >> 2) + e
-                          : 8 + 2 * (p >> 2) + e - 2;
-  const int byte = ((step & 3) * 16 + kk) * 2;
-  return (step >> 2) * kHalfBytes + head * 128 + ((((byte >> 4) ^ (head & 7))) << 4) + (byte & 15);
 }
 
 template <int kRowsPerPass, int kWiden, bool kOwnSchedule>
@@ -173,43 +101,10 @@ __global__ void __launch_bounds__(kThreads, 4) PagedMqaLogitsKeysMKernel(const P
   const int32_t* req_num_rows = p.schedule.request_num_rows;
   const int32_t* req_max_len = p.schedule.request_max_len;
   if constexpr (kOwnSchedule) {
-    // The schedule kernel's work, per block in shared memory (the launcher checks that
-    // num_requests <= kOwnScheduleMaxRequests). Same numbers: min / count / max are order-free.
-    int32_t* first = own;
-    int32_t* count = own + kOwnScheduleMaxRequests;
-    int32_t* maxlen = own + 2 * kOwnScheduleMaxRequests;
-    int32_t* pre = own + 3 * kOwnScheduleMaxRequests;
-    uint32_t* scratch = reinterpret_cast<uint32_t*>(pre + kOwnScheduleMaxRequests + 1);
-    for (int b = tid; b < num_requests; b += kThreads) {
-      first[b] = INT_MAX;
-      count[b] = 0;
-      maxlen[b] = 0;
-    }
+    // The schedule kernel's work, per block in shared memory (see BuildOwnSchedule).
+    BuildOwnSchedule<kThreads>(p, own, tid, num_requests, prefix, req_first_row, req_num_rows,
+                               req_max_len);
     __syncthreads();
-    for (int r = tid; r < p.rows.num_rows; r += kThreads) {
-      const int b = __ldg(&p.rows.row_request[r]);
-      atomicMin(&first[b], r);
-      atomicAdd(&count[b], 1);
-      atomicMax(&maxlen[b], __ldg(&p.rows.row_length[r]));
-    }
-    __syncthreads();
-    const int per_thread = (num_requests + kThreads - 1) / kThreads;
-    const int lo = min(num_requests, tid * per_thread);
-    const int hi = min(num_requests, lo + per_thread);
-    uint32_t local = 0;
-    for (int b = lo; b < hi; ++b) local += (maxlen[b] + kMqaTileKeys - 1) / kMqaTileKeys;
-    uint32_t total = 0;
-    uint32_t run = BlockExclusiveScan(local, scratch, &total);
-    for (int b = lo; b < hi; ++b) {
-      pre[b] = static_cast<int32_t>(run);
-      run += (maxlen[b] + kMqaTileKeys - 1) / kMqaTileKeys;
-    }
-    if (tid == 0) pre[num_requests] = static_cast<int32_t>(total);
-    __syncthreads();
-    prefix = pre;
-    req_first_row = first;
-    req_num_rows = count;
-    req_max_len = maxlen;
   }
   const int total_tiles = Ld<kOwnSchedule>(&prefix[num_requests]);
   const int begin = static_cast<int>(int64_t{total_tiles} * blockIdx.x / gridDim.x);
@@ -299,29 +194,7 @@ __global__ void __launch_bounds__(kThreads, 4) PagedMqaLogitsKeysMKernel(const P
 
     // This warp's 16 keys as f16 A fragments, 8 k-steps of 16 dims.
     uint32_t a[8][4];
-#pragma unroll
-    for (int sp = 0; sp < 4; ++sp) {
-      uint32_t r[4];
-      const int mi = lane >> 3;
-      const int key = warp * 16 + (lane & 7) + 8 * (mi & 1);
-      const int chunk = 2 * sp + (mi >> 1);
-      LdMatrixX4(r, kv + key * 128 + ((chunk ^ (key & 7)) << 4));
-      if (BitMoveStep(kWiden, 2 * sp)) {
-        E4M3x4ToF16x2ScaledBitMove(r[0], a[2 * sp][0], a[2 * sp][2]);
-        E4M3x4ToF16x2ScaledBitMove(r[1], a[2 * sp][1], a[2 * sp][3]);
-        E4M3x4ToF16x2ScaledBitMove(r[2], a[2 * sp + 1][0], a[2 * sp + 1][2]);
-        E4M3x4ToF16x2ScaledBitMove(r[3], a[2 * sp + 1][1], a[2 * sp + 1][3]);
-        continue;
-      }
-      a[2 * sp][0] = E4M3x2ToF16x2(r[0]);
-      a[2 * sp][2] = E4M3x2ToF16x2(r[0] >> 16);
-      a[2 * sp][1] = E4M3x2ToF16x2(r[1]);
-      a[2 * sp][3] = E4M3x2ToF16x2(r[1] >> 16);
-      a[2 * sp + 1][0] = E4M3x2ToF16x2(r[2]);
-      a[2 * sp + 1][2] = E4M3x2ToF16x2(r[2] >> 16);
-      a[2 * sp + 1][1] = E4M3x2ToF16x2(r[3]);
-      a[2 * sp + 1][3] = E4M3x2ToF16x2(r[3] >> 16);
-    }
+    WidenPage<kWiden>(kv, warp, lane, a);
     const int key0 = warp * 16 + g;
     // Bit moves: the sums are 2^-8 times the true ones (exactly); 256 * ks is exact too.
     constexpr bool kSplit = kWiden != kWidenCvt;
@@ -346,25 +219,9 @@ __global__ void __launch_bounds__(kThreads, 4) PagedMqaLogitsKeysMKernel(const P
           const uint32_t codes = __ldg(reinterpret_cast<const uint32_t*>(
               p.q.codes + (row * kHeads + head) * kMqaHeadDim + 4 * quad));
           uint8_t* qt = q_tile + rr * kQBytes;
-          if (!kSplit) {
-            *reinterpret_cast<uint32_t*>(qt + QOffset(head, 4 * quad, false)) =
-                E4M3x2ToF16x2(codes);
-            *reinterpret_cast<uint32_t*>(qt + QOffset(head, 4 * quad + 2, false)) =
-                E4M3x2ToF16x2(codes >> 16);
-          } else {
-            // Bit-move steps: keys carry the 2^-8, q is plain f16 (cvt); the other steps:
-            // q carries it (the bit move on q's own codes). One f16 at a time: the pairing
-            // differs between the two kinds of step.
-            const bool bit_move = BitMoveStep(kWiden, (4 * quad) >> 4);
-            const uint32_t lo = E4M3x2ToF16x2(codes), hi = E4M3x2ToF16x2(codes >> 16);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const uint32_t f16 = bit_move ? (((e < 2 ? lo : hi) >> (16 * (e & 1))) & 0xFFFFu)
-                                            : E4M3ToF16BitsScaled((codes >> (8 * e)) & 0xFFu);
-              *reinterpret_cast<uint16_t*>(qt + QOffset(head, 4 * quad + e, bit_move)) =
-                  static_cast<uint16_t>(f16);
-            }
-          }
+          // Bit-move steps: keys carry the 2^-8, q is plain f16 (cvt); the other steps: q
+          // carries it (the bit move on q's own codes).
+          StoreQQuad<kWiden>(qt, head, quad, codes);
           if (quad == 0) w_smem[rr * kHeads + head] = __ldg(&p.q.weights[row * kHeads + head]);
         }
         FenceProxyAsyncShared();
@@ -436,29 +293,24 @@ absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t 
   constexpr int kSmemHist = kSmem + HistBytes<kRowsPerPass>();
   // The shared-memory opt-in and the occupancy are per device and per instantiation: set
   // them once for each device a rank uses (occupancy with and without the histogram).
-  struct PerDevice {
-    std::once_flag once;
-    int blocks_per_sm = 0;
-    int blocks_per_sm_hist = 0;
-    cudaError_t err = cudaSuccess;
-  };
-  static PerDevice per_device[kMaxDevices];
-  int device = 0;
-  DI_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), "cudaGetDevice");
-  if (device >= kMaxDevices) return absl::UnimplementedError("more than 16 GPUs");
-  PerDevice& pd = per_device[device];
-  std::call_once(pd.once, [&] {
-    pd.err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemHist);
-    if (pd.err == cudaSuccess) {
-      pd.err =
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pd.blocks_per_sm, kernel, kThreads, kSmem);
-    }
-    if (pd.err == cudaSuccess) {
-      pd.err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pd.blocks_per_sm_hist, kernel,
-                                                             kThreads, kSmemHist);
-    }
-  });
-  DI_CUDA_RETURN_IF_ERROR(pd.err, "paged mqa logits (keys as M): attributes / occupancy");
+  static KernelDeviceSetup per_device[kMaxDevices];
+  const absl::StatusOr<const KernelDeviceSetup*> setup =
+      SetUpOncePerDevice(per_device, "paged mqa logits (keys as M): attributes / occupancy",
+                         [&](KernelDeviceSetup& d) {
+                           cudaError_t err = cudaFuncSetAttribute(
+                               kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemHist);
+                           if (err == cudaSuccess) {
+                             err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                 &d.blocks_per_sm, kernel, kThreads, kSmem);
+                           }
+                           if (err == cudaSuccess) {
+                             err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                 &d.blocks_per_sm_hist, kernel, kThreads, kSmemHist);
+                           }
+                           return err;
+                         });
+  if (!setup.ok()) return setup.status();
+  const KernelDeviceSetup& pd = **setup;
   const bool hist = args.row_histogram != nullptr;
   const int blocks_per_sm = hist ? pd.blocks_per_sm_hist : pd.blocks_per_sm;
   const int grid = std::max(1, num_sms * std::max(1, blocks_per_sm));

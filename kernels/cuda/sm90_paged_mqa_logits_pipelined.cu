@@ -25,12 +25,13 @@
 // The order does not depend on the schedule, the grid or the batch.
 #include <algorithm>
 #include <climits>
-#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/sm90_device_utils.cuh"
+#include "kernels/cuda/sm90_launch_setup.cuh"
 #include "kernels/cuda/sm90_launchers.h"
+#include "kernels/cuda/sm90_mqa_keys_m.cuh"
 #include "kernels/cuda/sm90_mqa_pipeline.cuh"
 #include "kernels/cuda/sm90_tile_config.h"
 
@@ -47,9 +48,7 @@ constexpr int kScales = kMqaTileKeys * 4;            // 256: its fp32 scales
 constexpr int kPageBytes = kValues + kScales;        // 8448
 constexpr int kQBytes = kHeads * kMqaHeadDim * 2;    // one row's q in f16: 16 KB
 constexpr int kHalfBytes = kHeads * 128;             // 64 dims of q: one swizzled tile
-constexpr int kOwnScheduleMaxRequests = 256;
-constexpr int kOwnScheduleBytes = (4 * kOwnScheduleMaxRequests + 1 + 32) * 4;
-constexpr int kQBarrier = 1;  // named barrier of the consumer warpgroup
+constexpr int kQBarrier = 1;                         // named barrier of the consumer warpgroup
 
 template <int kRowsPerPass, bool kOwnSchedule>
 constexpr int SmemBytes() {
@@ -58,122 +57,11 @@ constexpr int SmemBytes() {
          1024;
 }
 
-// Widening modes, as in keys-M: all cvt, k-steps 2, 3, 6, 7 by integer bit moves (split).
-enum Widen { kWidenCvt = 0, kWidenSplit = 1 };
-__host__ __device__ constexpr bool BitMoveStep(int widen, int ks) {
-  return widen == kWidenSplit && ((ks >> 1) & 1);
-}
-// e4m3 code -> f16 bits of its value times 2^-8 (exact).
-__device__ __forceinline__ uint32_t E4M3ToF16BitsScaled(uint32_t b) {
-  return ((b & 0x80u) << 8) | ((b & 0x7Fu) << 7);
-}
-// Four e4m3 codes b0..b3 -> f16x2 (b0, b2) and (b1, b3), each value times 2^-8.
-__device__ __forceinline__ void E4M3x4ToF16x2ScaledBitMove(uint32_t q, uint32_t& even,
-                                                           uint32_t& odd) {
-  odd = (q & 0x80008000u) | ((q >> 1) & 0x3F803F80u);
-  const uint32_t q8 = q << 8;
-  even = (q8 & 0x80008000u) | ((q8 >> 1) & 0x3F803F80u);
-}
+static_assert(kHalfBytes == kKeysMQHalfBytes, "QOffset's q tile layout");
 
+// keys-M's schedule walk (sm90_mqa_keys_m.cuh), under this file's name.
 template <bool kShared>
-__device__ __forceinline__ int32_t Ld(const int32_t* v) {
-  if constexpr (kShared) {
-    return *v;
-  } else {
-    return __ldg(v);
-  }
-}
-
-// Walks the schedule's tiles in order (the schedule may live in shared memory).
-template <bool kShared>
-struct Cursor {
-  int tile, request, request_end;
-  __device__ __forceinline__ void Seek(const int32_t* prefix, int num_requests, int t) {
-    int lo = 0, hi = num_requests - 1;  // the last b with prefix[b] <= t
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (Ld<kShared>(&prefix[mid]) <= t) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
-      }
-    }
-    tile = t;
-    request = lo;
-    request_end = Ld<kShared>(&prefix[lo + 1]);
-  }
-  __device__ __forceinline__ void Next(const int32_t* prefix) {
-    ++tile;
-    while (tile >= request_end) {
-      ++request;
-      request_end = Ld<kShared>(&prefix[request + 1]);
-    }
-  }
-};
-
-// Byte offset of q[head][dim] (f16) in a row's q tile: keys-M's layout (k permuted inside each
-// 16-dim step to match ldmatrix's fragments, 128B swizzle; bit-move steps pair dims (4c, 4c + 2)
-// and (4c + 1, 4c + 3)).
-__device__ __forceinline__ int QOffset(int head, int dim, bool bit_move) {
-  const int step = dim >> 4, p = dim & 15;
-  const int e = p & 3;
-  const int kk = bit_move ? ((e & 1) ? 8 : 0) + 2 * (p >> 2) + (e >> 1)
-                 : e < 2  ? 2 * (p >> 2) + e
-                          : 8 + 2 * (p >> 2) + e - 2;
-  const int byte = ((step & 3) * 16 + kk) * 2;
-  return (step >> 2) * kHalfBytes + head * 128 + ((((byte >> 4) ^ (head & 7))) << 4) + (byte & 15);
-}
-
-// Four e4m3 codes of q (dims 4 quad .. 4 quad + 3 of one head) into the q tile.
-template <int kWiden>
-__device__ __forceinline__ void StoreQQuad(uint8_t* qt, int head, int quad, uint32_t codes) {
-  if constexpr (kWiden == kWidenCvt) {
-    *reinterpret_cast<uint32_t*>(qt + QOffset(head, 4 * quad, false)) = E4M3x2ToF16x2(codes);
-    *reinterpret_cast<uint32_t*>(qt + QOffset(head, 4 * quad + 2, false)) =
-        E4M3x2ToF16x2(codes >> 16);
-  } else {
-    // Bit-move steps: the keys carry the 2^-8, q is plain f16; cvt steps: q carries it.
-    const bool bit_move = BitMoveStep(kWiden, (4 * quad) >> 4);
-    const uint32_t lo = E4M3x2ToF16x2(codes), hi = E4M3x2ToF16x2(codes >> 16);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const uint32_t f16 = bit_move ? (((e < 2 ? lo : hi) >> (16 * (e & 1))) & 0xFFFFu)
-                                    : E4M3ToF16BitsScaled((codes >> (8 * e)) & 0xFFu);
-      *reinterpret_cast<uint16_t*>(qt + QOffset(head, 4 * quad + e, bit_move)) =
-          static_cast<uint16_t>(f16);
-    }
-  }
-}
-
-// This warp's 16 keys of the page in `kv` as f16 A fragments, 8 k-steps of 16 dims (keys-M's
-// instruction sequence: ldmatrix, then cvt or bit moves per k-step).
-template <int kWiden>
-__device__ __forceinline__ void WidenPage(const uint8_t* kv, int warp, int lane,
-                                          uint32_t (&a)[8][4]) {
-#pragma unroll
-  for (int sp = 0; sp < 4; ++sp) {
-    uint32_t r[4];
-    const int mi = lane >> 3;
-    const int key = warp * 16 + (lane & 7) + 8 * (mi & 1);
-    const int chunk = 2 * sp + (mi >> 1);
-    LdMatrixX4(r, kv + key * 128 + ((chunk ^ (key & 7)) << 4));
-    if (BitMoveStep(kWiden, 2 * sp)) {
-      E4M3x4ToF16x2ScaledBitMove(r[0], a[2 * sp][0], a[2 * sp][2]);
-      E4M3x4ToF16x2ScaledBitMove(r[1], a[2 * sp][1], a[2 * sp][3]);
-      E4M3x4ToF16x2ScaledBitMove(r[2], a[2 * sp + 1][0], a[2 * sp + 1][2]);
-      E4M3x4ToF16x2ScaledBitMove(r[3], a[2 * sp + 1][1], a[2 * sp + 1][3]);
-      continue;
-    }
-    a[2 * sp][0] = E4M3x2ToF16x2(r[0]);
-    a[2 * sp][2] = E4M3x2ToF16x2(r[0] >> 16);
-    a[2 * sp][1] = E4M3x2ToF16x2(r[1]);
-    a[2 * sp][3] = E4M3x2ToF16x2(r[1] >> 16);
-    a[2 * sp + 1][0] = E4M3x2ToF16x2(r[2]);
-    a[2 * sp + 1][2] = E4M3x2ToF16x2(r[2] >> 16);
-    a[2 * sp + 1][1] = E4M3x2ToF16x2(r[3]);
-    a[2 * sp + 1][3] = E4M3x2ToF16x2(r[3] >> 16);
-  }
-}
+using Cursor = ScheduleCursor<kShared>;
 
 // kMinBlocks: blocks per SM the register cap is sized for; kPairRows: two rows' MMAs in flight
 // (twice the accumulators) when a pass has several rows; kPagePairs (one row per pass only): two
@@ -214,40 +102,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   if constexpr (kOwnSchedule) {
     // The schedule kernel's work, in shared memory (as keys-M fused; min / count / max are
     // order-free, so the numbers are the schedule kernel's).
-    int32_t* first = own;
-    int32_t* count = own + kOwnScheduleMaxRequests;
-    int32_t* maxlen = own + 2 * kOwnScheduleMaxRequests;
-    int32_t* pre = own + 3 * kOwnScheduleMaxRequests;
-    uint32_t* scratch = reinterpret_cast<uint32_t*>(pre + kOwnScheduleMaxRequests + 1);
-    for (int b = tid; b < num_requests; b += kThreads) {
-      first[b] = INT_MAX;
-      count[b] = 0;
-      maxlen[b] = 0;
-    }
-    __syncthreads();
-    for (int r = tid; r < p.rows.num_rows; r += kThreads) {
-      const int b = __ldg(&p.rows.row_request[r]);
-      atomicMin(&first[b], r);
-      atomicAdd(&count[b], 1);
-      atomicMax(&maxlen[b], __ldg(&p.rows.row_length[r]));
-    }
-    __syncthreads();
-    const int per_thread = (num_requests + kThreads - 1) / kThreads;
-    const int lo = min(num_requests, tid * per_thread);
-    const int hi = min(num_requests, lo + per_thread);
-    uint32_t local = 0;
-    for (int b = lo; b < hi; ++b) local += (maxlen[b] + kMqaTileKeys - 1) / kMqaTileKeys;
-    uint32_t total = 0;
-    uint32_t run = BlockExclusiveScan(local, scratch, &total);
-    for (int b = lo; b < hi; ++b) {
-      pre[b] = static_cast<int32_t>(run);
-      run += (maxlen[b] + kMqaTileKeys - 1) / kMqaTileKeys;
-    }
-    if (tid == 0) pre[num_requests] = static_cast<int32_t>(total);
-    prefix = pre;
-    req_first_row = first;
-    req_num_rows = count;
-    req_max_len = maxlen;
+    BuildOwnSchedule<kThreads>(p, own, tid, num_requests, prefix, req_first_row, req_num_rows,
+                               req_max_len);
   }
   __syncthreads();  // barriers initialised (and the schedule built) for everyone
   const int total_tiles = Ld<kOwnSchedule>(&prefix[num_requests]);
@@ -555,25 +411,11 @@ absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t 
                                               kPairRows, kPagePairs>;
   constexpr int kSmem = SmemBytes<kRowsPerPass, kOwnSchedule>();
   // The shared-memory opt-in and the occupancy are per device and per instantiation.
-  struct PerDevice {
-    std::once_flag once;
-    int blocks_per_sm = 0;
-    cudaError_t err = cudaSuccess;
-  };
-  static PerDevice per_device[kMaxDevices];
-  int device = 0;
-  DI_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), "cudaGetDevice");
-  if (device >= kMaxDevices) return absl::UnimplementedError("more than 16 GPUs");
-  PerDevice& pd = per_device[device];
-  std::call_once(pd.once, [&] {
-    pd.err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (pd.err == cudaSuccess) {
-      pd.err =
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pd.blocks_per_sm, kernel, kThreads, kSmem);
-    }
-  });
-  DI_CUDA_RETURN_IF_ERROR(pd.err, "paged mqa logits (pipelined): attributes / occupancy");
-  const int grid = std::max(1, num_sms * std::max(1, pd.blocks_per_sm));
+  static KernelDeviceSetup per_device[kMaxDevices];
+  const absl::StatusOr<int> blocks = OptInBlocksPerSm(
+      per_device, "paged mqa logits (pipelined): attributes / occupancy", kernel, kThreads, kSmem);
+  if (!blocks.ok()) return blocks.status();
+  const int grid = std::max(1, num_sms * std::max(1, *blocks));
   kernel<<<grid, kThreads, kSmem, stream>>>(args);
   DI_CUDA_RETURN_IF_LAUNCH_ERROR("launch PagedMqaLogitsPipelinedKernel");
   return absl::OkStatus();
@@ -707,40 +549,8 @@ __global__ void __launch_bounds__(WsConfig<kConsumers>::kThreads, WsConfig<kCons
   const int32_t* req_max_len = p.schedule.request_max_len;
   if constexpr (kOwnSchedule) {
     // As v6 (and keys-M fused): the schedule kernel's numbers, built in shared memory.
-    int32_t* first = own;
-    int32_t* count = own + kOwnScheduleMaxRequests;
-    int32_t* maxlen = own + 2 * kOwnScheduleMaxRequests;
-    int32_t* pre = own + 3 * kOwnScheduleMaxRequests;
-    uint32_t* scratch = reinterpret_cast<uint32_t*>(pre + kOwnScheduleMaxRequests + 1);
-    for (int b = tid; b < num_requests; b += kThreadsWs) {
-      first[b] = INT_MAX;
-      count[b] = 0;
-      maxlen[b] = 0;
-    }
-    __syncthreads();
-    for (int r = tid; r < p.rows.num_rows; r += kThreadsWs) {
-      const int b = __ldg(&p.rows.row_request[r]);
-      atomicMin(&first[b], r);
-      atomicAdd(&count[b], 1);
-      atomicMax(&maxlen[b], __ldg(&p.rows.row_length[r]));
-    }
-    __syncthreads();
-    const int per_thread = (num_requests + kThreadsWs - 1) / kThreadsWs;
-    const int lo = min(num_requests, tid * per_thread);
-    const int hi = min(num_requests, lo + per_thread);
-    uint32_t local = 0;
-    for (int b = lo; b < hi; ++b) local += (maxlen[b] + kMqaTileKeys - 1) / kMqaTileKeys;
-    uint32_t total = 0;
-    uint32_t run = BlockExclusiveScan(local, scratch, &total);
-    for (int b = lo; b < hi; ++b) {
-      pre[b] = static_cast<int32_t>(run);
-      run += (maxlen[b] + kMqaTileKeys - 1) / kMqaTileKeys;
-    }
-    if (tid == 0) pre[num_requests] = static_cast<int32_t>(total);
-    prefix = pre;
-    req_first_row = first;
-    req_num_rows = count;
-    req_max_len = maxlen;
+    BuildOwnSchedule<kThreadsWs>(p, own, tid, num_requests, prefix, req_first_row, req_num_rows,
+                                 req_max_len);
   }
   __syncthreads();  // barriers initialised (and the schedule built) for everyone
   const int total_tiles = Ld<kOwnSchedule>(&prefix[num_requests]);
@@ -929,28 +739,23 @@ absl::Status LaunchWs(const PagedLogitsArgs& args, int num_sms, cudaStream_t str
   using Cfg = WsConfig<kConsumers>;
   auto kernel = PagedMqaLogitsWsKernel<kConsumers, kOwnSchedule>;
   constexpr int kSmem = WsSmemBytes<kConsumers, kOwnSchedule>();
-  struct PerDevice {
-    std::once_flag once;
-    int blocks_per_sm = 0;
-    int regs = 0;
-    cudaError_t err = cudaSuccess;
-  };
-  static PerDevice per_device[kMaxDevices];
-  int device = 0;
-  DI_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), "cudaGetDevice");
-  if (device >= kMaxDevices) return absl::UnimplementedError("more than 16 GPUs");
-  PerDevice& pd = per_device[device];
-  std::call_once(pd.once, [&] {
-    pd.err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    cudaFuncAttributes attr{};
-    if (pd.err == cudaSuccess) pd.err = cudaFuncGetAttributes(&attr, kernel);
-    pd.regs = attr.numRegs;
-    if (pd.err == cudaSuccess) {
-      pd.err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pd.blocks_per_sm, kernel,
-                                                             Cfg::kThreads, kSmem);
-    }
-  });
-  DI_CUDA_RETURN_IF_ERROR(pd.err, "paged mqa logits (warp-specialized): attributes / occupancy");
+  static KernelDeviceSetup per_device[kMaxDevices];
+  const absl::StatusOr<const KernelDeviceSetup*> setup =
+      SetUpOncePerDevice(per_device, "paged mqa logits (warp-specialized): attributes / occupancy",
+                         [&](KernelDeviceSetup& d) {
+                           cudaError_t err = cudaFuncSetAttribute(
+                               kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+                           cudaFuncAttributes attr{};
+                           if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, kernel);
+                           d.regs = attr.numRegs;
+                           if (err == cudaSuccess) {
+                             err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                 &d.blocks_per_sm, kernel, Cfg::kThreads, kSmem);
+                           }
+                           return err;
+                         });
+  if (!setup.ok()) return setup.status();
+  const KernelDeviceSetup& pd = **setup;
   // setmaxnreg.inc waits for registers the block does not have if ptxas allocated fewer than
   // planned: that would hang, so refuse instead.
   if (pd.regs * Cfg::kThreads <

@@ -1,0 +1,198 @@
+// Device code shared by the keys-as-M paged MQA logits kernels (sm90_paged_mqa_logits_keys_m.cu
+// and its pipelined / warp-specialized forms in sm90_paged_mqa_logits_pipelined.cu): the e4m3 ->
+// f16 widening helpers, the permuted q-tile layout, the schedule cursor and the in-block schedule.
+//
+// Why one copy: the pipelined kernels promise keys-M's logits bit for bit, which holds only while
+// they widen, lay out q and walk the schedule exactly as keys-M does; sharing the code keeps them
+// from drifting apart. Everything here is __forceinline__, so each kernel compiles as before.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "kernels/cuda/sm90_device_utils.cuh"
+#include "kernels/cuda/sm90_launchers.h"
+#include "kernels/cuda/sm90_tile_config.h"
+
+namespace decode_indexer::kernels::cuda {
+
+// The in-kernel schedule (kWgmmaKeysMFused and the pipelined kernels): first_row, num_rows,
+// max_len [max requests], prefix [+1], scratch.
+inline constexpr int kOwnScheduleMaxRequests = 256;
+inline constexpr int kOwnScheduleBytes = (4 * kOwnScheduleMaxRequests + 1 + 32) * 4;
+
+// 64 dims of a 64-head row's q in f16: one 128B-swizzled tile.
+inline constexpr int kKeysMQHalfBytes = 64 * 128;
+
+// How the keys are widened: all by cvt (the default), half the k-steps (2, 3, 6, 7) by the
+// integer bit move (kWgmmaKeysMSplit / Fused: the two pipes share the work), or all of them
+// (kWgmmaKeysMBitMove: the measurement that says whether the integer pipe alone keeps up).
+enum Widen { kWidenCvt = 0, kWidenSplit = 1, kWidenBitMove = 2 };
+__host__ __device__ constexpr bool BitMoveStep(int widen, int ks) {
+  return widen == kWidenBitMove || (widen == kWidenSplit && ((ks >> 1) & 1));
+}
+
+// e4m3 code -> f16 bits of its value times 2^-8 (exact: see sm90_paged_mqa_logits_keys_m.cu).
+__device__ __forceinline__ uint32_t E4M3ToF16BitsScaled(uint32_t b) {
+  return ((b & 0x80u) << 8) | ((b & 0x7Fu) << 7);
+}
+// Four e4m3 codes b0..b3 (b0 lowest) -> f16x2 (b0, b2) and (b1, b3), each value times 2^-8.
+__device__ __forceinline__ void E4M3x4ToF16x2ScaledBitMove(uint32_t q, uint32_t& even,
+                                                           uint32_t& odd) {
+  odd = (q & 0x80008000u) | ((q >> 1) & 0x3F803F80u);
+  const uint32_t q8 = q << 8;
+  even = (q8 & 0x80008000u) | ((q8 >> 1) & 0x3F803F80u);
+}
+
+// A schedule entry: read-only global loads for the schedule kernel's output, plain loads where
+// the block built it in shared memory.
+template <bool kShared>
+__device__ __forceinline__ int32_t Ld(const int32_t* v) {
+  if constexpr (kShared) {
+    return *v;
+  } else {
+    return __ldg(v);
+  }
+}
+
+// TileCursor over a schedule that may live in shared memory: walks the tiles in order.
+template <bool kShared>
+struct ScheduleCursor {
+  int tile, request, request_end;
+  __device__ __forceinline__ void Seek(const int32_t* prefix, int num_requests, int t) {
+    int lo = 0, hi = num_requests - 1;  // the last b with prefix[b] <= t
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (Ld<kShared>(&prefix[mid]) <= t) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    tile = t;
+    request = lo;
+    request_end = Ld<kShared>(&prefix[lo + 1]);
+  }
+  __device__ __forceinline__ void Next(const int32_t* prefix) {
+    ++tile;
+    while (tile >= request_end) {
+      ++request;
+      request_end = Ld<kShared>(&prefix[request + 1]);
+    }
+  }
+};
+
+// Byte offset of q[head][dim] (f16) inside a row's q tile: half dim / 64, 128-byte row per
+// head, k index permuted inside each 16-dim step (to match ldmatrix's fragments), 128B swizzle.
+// The bit-move steps pair dims (4c, 4c + 2) and (4c + 1, 4c + 3) instead.
+__device__ __forceinline__ int QOffset(int head, int dim, bool bit_move) {
+  const int step = dim >> 4, p = dim & 15;
+  const int e = p & 3;
+  const int kk = bit_move ? ((e & 1) ? 8 : 0) + 2 * (p >> 2) + (e >> 1)
+                 : e < 2  ? 2 * (p >> 2) + e
+                          : 8 + 2 * (p >> 2) + e - 2;
+  const int byte = ((step & 3) * 16 + kk) * 2;
+  return (step >> 2) * kKeysMQHalfBytes + head * 128 + ((((byte >> 4) ^ (head & 7))) << 4) +
+         (byte & 15);
+}
+
+// Four e4m3 codes of q (dims 4 quad .. 4 quad + 3 of one head) into the q tile.
+template <int kWiden>
+__device__ __forceinline__ void StoreQQuad(uint8_t* qt, int head, int quad, uint32_t codes) {
+  if constexpr (kWiden == kWidenCvt) {
+    *reinterpret_cast<uint32_t*>(qt + QOffset(head, 4 * quad, false)) = E4M3x2ToF16x2(codes);
+    *reinterpret_cast<uint32_t*>(qt + QOffset(head, 4 * quad + 2, false)) =
+        E4M3x2ToF16x2(codes >> 16);
+  } else {
+    // Bit-move steps: the keys carry the 2^-8, q is plain f16; cvt steps: q carries it.
+    const bool bit_move = BitMoveStep(kWiden, (4 * quad) >> 4);
+    const uint32_t lo = E4M3x2ToF16x2(codes), hi = E4M3x2ToF16x2(codes >> 16);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t f16 = bit_move ? (((e < 2 ? lo : hi) >> (16 * (e & 1))) & 0xFFFFu)
+                                    : E4M3ToF16BitsScaled((codes >> (8 * e)) & 0xFFu);
+      *reinterpret_cast<uint16_t*>(qt + QOffset(head, 4 * quad + e, bit_move)) =
+          static_cast<uint16_t>(f16);
+    }
+  }
+}
+
+// This warp's 16 keys of the page in `kv` as f16 A fragments, 8 k-steps of 16 dims: ldmatrix,
+// then cvt or bit moves per k-step.
+template <int kWiden>
+__device__ __forceinline__ void WidenPage(const uint8_t* kv, int warp, int lane,
+                                          uint32_t (&a)[8][4]) {
+#pragma unroll
+  for (int sp = 0; sp < 4; ++sp) {
+    uint32_t r[4];
+    const int mi = lane >> 3;
+    const int key = warp * 16 + (lane & 7) + 8 * (mi & 1);
+    const int chunk = 2 * sp + (mi >> 1);
+    LdMatrixX4(r, kv + key * 128 + ((chunk ^ (key & 7)) << 4));
+    if (BitMoveStep(kWiden, 2 * sp)) {
+      E4M3x4ToF16x2ScaledBitMove(r[0], a[2 * sp][0], a[2 * sp][2]);
+      E4M3x4ToF16x2ScaledBitMove(r[1], a[2 * sp][1], a[2 * sp][3]);
+      E4M3x4ToF16x2ScaledBitMove(r[2], a[2 * sp + 1][0], a[2 * sp + 1][2]);
+      E4M3x4ToF16x2ScaledBitMove(r[3], a[2 * sp + 1][1], a[2 * sp + 1][3]);
+      continue;
+    }
+    a[2 * sp][0] = E4M3x2ToF16x2(r[0]);
+    a[2 * sp][2] = E4M3x2ToF16x2(r[0] >> 16);
+    a[2 * sp][1] = E4M3x2ToF16x2(r[1]);
+    a[2 * sp][3] = E4M3x2ToF16x2(r[1] >> 16);
+    a[2 * sp + 1][0] = E4M3x2ToF16x2(r[2]);
+    a[2 * sp + 1][2] = E4M3x2ToF16x2(r[2] >> 16);
+    a[2 * sp + 1][1] = E4M3x2ToF16x2(r[3]);
+    a[2 * sp + 1][3] = E4M3x2ToF16x2(r[3] >> 16);
+  }
+}
+
+// The schedule kernel's work, per block in shared memory `own` (kOwnScheduleBytes; the launcher
+// checks that num_requests <= kOwnScheduleMaxRequests), by all kBlockThreads threads. Same
+// numbers as the schedule kernel: min / count / max are order-free. Points the four schedule
+// pointers at the shared copy. The caller synchronises before reading it.
+template <int kBlockThreads>
+__device__ __forceinline__ void BuildOwnSchedule(const PagedLogitsArgs& p, int32_t* own, int tid,
+                                                 int num_requests, const int32_t*& prefix,
+                                                 const int32_t*& req_first_row,
+                                                 const int32_t*& req_num_rows,
+                                                 const int32_t*& req_max_len) {
+  int32_t* first = own;
+  int32_t* count = own + kOwnScheduleMaxRequests;
+  int32_t* maxlen = own + 2 * kOwnScheduleMaxRequests;
+  int32_t* pre = own + 3 * kOwnScheduleMaxRequests;
+  uint32_t* scratch = reinterpret_cast<uint32_t*>(pre + kOwnScheduleMaxRequests + 1);
+  for (int b = tid; b < num_requests; b += kBlockThreads) {
+    first[b] = INT_MAX;
+    count[b] = 0;
+    maxlen[b] = 0;
+  }
+  __syncthreads();
+  for (int r = tid; r < p.rows.num_rows; r += kBlockThreads) {
+    const int b = __ldg(&p.rows.row_request[r]);
+    atomicMin(&first[b], r);
+    atomicAdd(&count[b], 1);
+    atomicMax(&maxlen[b], __ldg(&p.rows.row_length[r]));
+  }
+  __syncthreads();
+  const int per_thread = (num_requests + kBlockThreads - 1) / kBlockThreads;
+  const int lo = min(num_requests, tid * per_thread);
+  const int hi = min(num_requests, lo + per_thread);
+  uint32_t local = 0;
+  for (int b = lo; b < hi; ++b) local += (maxlen[b] + kMqaTileKeys - 1) / kMqaTileKeys;
+  uint32_t total = 0;
+  uint32_t run = BlockExclusiveScan(local, scratch, &total);
+  for (int b = lo; b < hi; ++b) {
+    pre[b] = static_cast<int32_t>(run);
+    run += (maxlen[b] + kMqaTileKeys - 1) / kMqaTileKeys;
+  }
+  if (tid == 0) pre[num_requests] = static_cast<int32_t>(total);
+  prefix = pre;
+  req_first_row = first;
+  req_num_rows = count;
+  req_max_len = maxlen;
+}
+
+}  // namespace decode_indexer::kernels::cuda
