@@ -34,6 +34,40 @@ namespace cg = cooperative_groups;
 
 __device__ __forceinline__ uint32_t OrderedKey(float x) { return TopKOrderedKey(x); }
 
+// A cluster barrier when the row is split over a cluster, else a block barrier.
+template <bool kCluster>
+__device__ __forceinline__ void ClusterSync(cg::cluster_group& cluster) {
+  if constexpr (kCluster) {
+    cluster.sync();
+  } else {
+    __syncthreads();
+  }
+}
+
+// The row a block works on (both algorithms): its length in entries (candidate blocks: the
+// length in blocks), where its answer goes and its index map.
+struct TopKRow {
+  int row;
+  int32_t length;
+  int32_t* out;
+  const int32_t* map;
+};
+__device__ __forceinline__ TopKRow LoadTopKRow(const TopKArgs& a, int csize) {
+  TopKRow r;
+  r.row = blockIdx.x / csize;
+  r.length = a.fixed_length;
+  if (a.lengths != nullptr) r.length = (a.lengths[r.row] + a.length_divisor - 1) / a.length_divisor;
+  r.out = a.out + int64_t{r.row} * a.k;
+  r.map = a.index_map ? a.index_map + int64_t{r.row} * a.index_map_stride : nullptr;
+  return r;
+}
+// A row no longer than k answers all of its entries (mapped), -1 padded: rank 0 writes it.
+__device__ __forceinline__ void AnswerWholeRow(const TopKRow& r, int k, int tid) {
+  for (int i = tid; i < k; i += blockDim.x) {
+    r.out[i] = i < r.length ? (r.map ? r.map[i] : i) : -1;
+  }
+}
+
 // kCluster: the row is split over a thread-block cluster; otherwise one block per row and
 // no cluster barriers (cheaper when there are enough rows to fill the GPU).
 template <bool kCluster>
@@ -47,25 +81,17 @@ __global__ void __launch_bounds__(kTopKThreads) RadixTopKMultiPassKernel(const T
   cg::cluster_group cluster = cg::this_cluster();
   const int csize = kCluster ? static_cast<int>(cluster.num_blocks()) : 1;
   const int rank = kCluster ? static_cast<int>(cluster.block_rank()) : 0;
-  auto cluster_sync = [&]() {
-    if constexpr (kCluster) {
-      cluster.sync();
-    } else {
-      __syncthreads();
-    }
-  };
-  const int row = blockIdx.x / csize;
+  auto cluster_sync = [&]() { ClusterSync<kCluster>(cluster); };
+  const TopKRow r = LoadTopKRow(a, csize);
+  const int row = r.row;
   const int tid = threadIdx.x;
   const int k = a.k;
-  int32_t length = a.fixed_length;
-  if (a.lengths != nullptr) {
-    length = (a.lengths[row] + a.length_divisor - 1) / a.length_divisor;
-  }
-  int32_t* out = a.out + int64_t{row} * k;
-  const int32_t* map = a.index_map ? a.index_map + int64_t{row} * a.index_map_stride : nullptr;
+  const int32_t length = r.length;
+  int32_t* out = r.out;
+  const int32_t* map = r.map;
   if (length <= k) {  // the same branch for every block of the cluster
     if (rank == 0) {
-      for (int i = tid; i < k; i += blockDim.x) out[i] = i < length ? (map ? map[i] : i) : -1;
+      AnswerWholeRow(r, k, tid);
     }
     return;
   }
@@ -342,26 +368,18 @@ __global__ void __launch_bounds__(kTopKThreads) RadixTopKCompactKernel(const Top
   cg::cluster_group cluster = cg::this_cluster();
   const int csize = kCluster ? static_cast<int>(cluster.num_blocks()) : 1;
   const int rank = kCluster ? static_cast<int>(cluster.block_rank()) : 0;
-  auto cluster_sync = [&]() {
-    if constexpr (kCluster) {
-      cluster.sync();
-    } else {
-      __syncthreads();
-    }
-  };
-  const int row = blockIdx.x / csize;
+  auto cluster_sync = [&]() { ClusterSync<kCluster>(cluster); };
+  const TopKRow r = LoadTopKRow(a, csize);
+  const int row = r.row;
   const int tid = threadIdx.x;
   const int k = a.k;
-  int32_t length = a.fixed_length;
-  if (a.lengths != nullptr) {
-    length = (a.lengths[row] + a.length_divisor - 1) / a.length_divisor;
-  }
-  int32_t* out = a.out + int64_t{row} * k;
-  const int32_t* map = a.index_map ? a.index_map + int64_t{row} * a.index_map_stride : nullptr;
+  const int32_t length = r.length;
+  int32_t* out = r.out;
+  const int32_t* map = r.map;
   uint32_t* row_hist = a.row_histogram ? a.row_histogram + int64_t{row} * kTopKBins : nullptr;
   if (length <= k) {  // the same branch for every block of the cluster
     if (rank == 0) {
-      for (int i = tid; i < k; i += blockDim.x) out[i] = i < length ? (map ? map[i] : i) : -1;
+      AnswerWholeRow(r, k, tid);
       if (row_hist != nullptr) {
         for (int i = tid; i < kTopKBins; i += blockDim.x) row_hist[i] = 0u;
       }
