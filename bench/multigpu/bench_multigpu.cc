@@ -9,6 +9,9 @@
 //   (round us overlap off - round us overlap on) / expansion us.
 //   Both: CUDA graphs on vs off (--graphs), page-locked staging on vs off (--pinned); v32:
 //   direct answer copies vs rank 0's all-gather (--direct; v41 uses the first value).
+//   v32 also prints where a step goes (executor planning, fan-out, commit; the slowest rank's
+//   uploads, kernel issue, answer copies and final wait), and v41 the overlap measured with
+//   the backend's own fork/join events (Backend::LastOverlapTiming).
 //
 // Keys and q are pre-quantized random codes (FP8 e4m3 / FP4 e2m1, never NaN), appended once
 // per executor; the timed steps carry no new keys and score explicit causal row lengths, so
@@ -275,6 +278,15 @@ struct Timing {
   double collective_us = 0;  // of which the collectives
   double score_us = 0;       // of which the slowest rank's own work, before the collectives
   double replays = 0;        // graph replays per step, summed over the ranks
+  // Where a step goes (means, us): the executor's planning, fan-out to the ranks and back,
+  // commit; the slowest rank's phases (uploads issued, kernels issued, copies issued, wait).
+  double plan_us = 0, ranks_us = 0, commit_us = 0;
+  double uploads_us = 0, launch_us = 0, copies_us = 0, wait_us = 0;
+  // CandidateOverlap, read after each round that had a fork/join pair (means over rounds and
+  // ranks): the side stream's expansion span from the fork, the main stream's span until it
+  // reached the join, and the hidden share min(1, main / side).
+  int overlap_samples = 0;
+  double side_us = 0, main_us = 0, hidden = 0;
   bool sharded = false;
   bool ok = false;
 };
@@ -301,10 +313,43 @@ Timing TimeSteps(Executor& e, const std::vector<di::exec::StepInput>& round, int
       }
       t.sharded = r->sharded;
       int64_t slowest = 0;
-      for (const auto& rt : di::exec::LastRankStepTimes(e))
+      const di::exec::RankStepTimes* slow_rank = nullptr;
+      const std::vector<di::exec::RankStepTimes> ranks = di::exec::LastRankStepTimes(e);
+      for (const auto& rt : ranks) {
+        if (slow_rank == nullptr || rt.score_ns >= slowest) slow_rank = &rt;
         slowest = std::max(slowest, rt.score_ns);
+      }
       t.score_us += slowest / 1000.0;
+      if (slow_rank != nullptr) {
+        t.uploads_us += slow_rank->uploads_ns / 1000.0;
+        t.launch_us += slow_rank->launch_ns / 1000.0;
+        t.copies_us += slow_rank->copies_ns / 1000.0;
+        t.wait_us += slow_rank->wait_ns / 1000.0;
+      }
+      const di::exec::StepPhases ph = di::exec::LastStepPhases(e);
+      t.plan_us += ph.plan_ns / 1000.0;
+      t.ranks_us += ph.ranks_ns / 1000.0;
+      t.commit_us += ph.commit_ns / 1000.0;
     }
+    if (round.size() > 1) {
+      for (const auto& o : di::exec::LastOverlapTimings(e)) {
+        if (!o.ok() || o->side_us <= 0) continue;
+        ++t.overlap_samples;
+        t.side_us += o->side_us;
+        t.main_us += o->main_us;
+        t.hidden += std::min(1.0, o->main_us / o->side_us);
+      }
+    }
+  }
+  const double n_steps = double(steps) * round.size();
+  for (double* v : {&t.plan_us, &t.ranks_us, &t.commit_us, &t.uploads_us, &t.launch_us,
+                    &t.copies_us, &t.wait_us}) {
+    *v /= n_steps;
+  }
+  if (t.overlap_samples > 0) {
+    t.side_us /= t.overlap_samples;
+    t.main_us /= t.overlap_samples;
+    t.hidden /= t.overlap_samples;
   }
   const di::exec::ExecutorStatus after = e.Status();
   t.step_us = (after.compute_us_total - before.compute_us_total) / steps;
@@ -366,6 +411,7 @@ void BenchV32(const Args& a) {
       "| steps/s | collective us | collective share | slowest rank's scoring us | replays/step "
       "|\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::vector<std::string> phase_rows;
   for (int ranks : a.ranks) {
     for (bool graphs : a.graphs) {
       for (bool pinned : a.pinned) {
@@ -391,6 +437,15 @@ void BenchV32(const Args& a) {
                     ctx, n, req * n, t.sharded ? "yes" : "no", t.step_us, 1e6 / t.step_us,
                     t.collective_us, 100.0 * t.collective_us / t.step_us, t.score_us, t.replays);
                 std::fflush(stdout);
+                char line[512];
+                std::snprintf(line, sizeof line,
+                              "| %d | %s | %s | %s | %d | %d | %d | %.1f | %.1f | %.1f | %.1f | "
+                              "%.1f | %.1f | %.1f | %.1f | %.1f |\n",
+                              ranks, graphs ? "on" : "off", pinned ? "on" : "off",
+                              direct ? "on" : "off", req, ctx, n, t.step_us, t.plan_us, t.ranks_us,
+                              t.commit_us, t.uploads_us, t.launch_us, t.copies_us, t.wait_us,
+                              t.ranks_us - (t.uploads_us + t.launch_us + t.copies_us + t.wait_us));
+                phase_rows.push_back(line);
               }
             }
           }
@@ -398,6 +453,20 @@ void BenchV32(const Args& a) {
       }
     }
   }
+  std::printf(
+      "\n### Where a v32 step goes (means, us)\n\nstep: as above; plan: the executor's checks, "
+      "page reservation and plan under the turn; ranks: fan-out to the rank threads and back; "
+      "commit: after the join. The slowest rank's phases: uploads (staging copies and async "
+      "uploads issued, keys inserted), launch (kernel section issued: eager or a graph "
+      "replay), copies (answer copies issued, after any collective), wait (the final "
+      "synchronize: the device's remaining work); rest = ranks - the four (hand-offs, "
+      "collectives, the other rank).\n\n");
+  std::printf(
+      "| ranks | graphs | pinned | direct | requests | context | next_n | step | plan | ranks | "
+      "commit | uploads | launch | copies | wait | rest |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const std::string& row : phase_rows) std::fputs(row.c_str(), stdout);
+  std::fflush(stdout);
 }
 
 #ifdef DI_BENCH_CUDA
@@ -480,8 +549,9 @@ void BenchV41(const Args& a) {
       a.backend.c_str());
   std::printf(
       "| ranks | graphs | next_n | overlap | source us | consumer us (mean of 4) | round us | "
-      "rounds/s | collective us | replays/step |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+      "rounds/s | collective us | replays/step | expansion span us | main until join us | "
+      "hidden (events) |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   // (ranks, graphs, next_n, overlap) -> round us; next_n -> the source's candidates.
   std::map<std::tuple<int, bool, int, bool>, double> round_us;
   std::map<int, std::vector<int32_t>> candidates;
@@ -502,10 +572,15 @@ void BenchV41(const Args& a) {
           const Timing src = TimeSteps(*e, {round[0]}, a.warmup, a.steps);
           const Timing all = TimeSteps(*e, round, a.warmup, a.steps);
           if (!src.ok || !all.ok) continue;
-          std::printf("| %d | %s | %d | %s | %.1f | %.1f | %.1f | %.0f | %.1f | %.2f |\n", ranks,
+          char ov[128] = "| - | - | - |";
+          if (all.overlap_samples > 0) {
+            std::snprintf(ov, sizeof ov, "| %.1f | %.1f | %.0f%% |", all.side_us, all.main_us,
+                          100.0 * all.hidden);
+          }
+          std::printf("| %d | %s | %d | %s | %.1f | %.1f | %.1f | %.0f | %.1f | %.2f %s\n", ranks,
                       graphs ? "on" : "off", n, overlap ? "on" : "off", src.step_us,
                       (all.step_us - src.step_us) / 4, all.step_us, 1e6 / all.step_us,
-                      all.collective_us, all.replays);
+                      all.collective_us, all.replays, ov);
           std::fflush(stdout);
           round_us[{ranks, graphs, n, overlap}] = all.step_us;
           if (candidates.count(n) == 0) {

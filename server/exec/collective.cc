@@ -1,5 +1,7 @@
 #include "server/exec/collective.h"
 
+#include <thread>
+
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 
@@ -84,6 +86,27 @@ absl::Status Collective::Broadcast(int32_t /*rank*/, void* /*buf*/, size_t /*byt
       absl::StrCat(std::string(name()), " collective: no device broadcast"));
 }
 
+void HostRendezvous::SpinForGeneration(uint64_t generation) const {
+  const auto deadline = std::chrono::steady_clock::now() + kRendezvousSpin;
+  for (int32_t i = 1;; ++i) {
+    if (generation_seen_.load(std::memory_order_acquire) != generation ||
+        broken_seen_.load(std::memory_order_acquire)) {
+      return;
+    }
+    if (i % 16 == 0) {
+      if (std::chrono::steady_clock::now() >= deadline) return;
+      std::this_thread::yield();
+    }
+  }
+}
+
+bool HostRendezvous::WaitForGeneration(std::unique_lock<std::mutex>& lock, uint64_t generation) {
+  lock.unlock();
+  SpinForGeneration(generation);
+  lock.lock();
+  return cv_.wait_for(lock, timeout_, [&] { return broken_ || generation_ != generation; });
+}
+
 absl::Status HostRendezvous::Exchange(int32_t rank, const absl::Status& local) {
   std::unique_lock lock(mu_);
   if (broken_) return broken_why_;
@@ -102,11 +125,13 @@ absl::Status HostRendezvous::Exchange(int32_t rank, const absl::Status& local) {
     }
     arrived_ = 0;
     ++generation_;
+    generation_seen_.store(generation_, std::memory_order_release);
     cv_.notify_all();
-  } else if (!cv_.wait_for(lock, timeout_, [&] { return broken_ || generation_ != generation; })) {
+  } else if (!WaitForGeneration(lock, generation)) {
     // The others never came: a rank is stuck. Break the rendezvous (its counts are now
     // meaningless) so that every later call fails fast instead of waiting again.
     broken_ = true;
+    broken_seen_.store(true, std::memory_order_release);
     broken_why_ = MarkPeerFailure(absl::InternalError(
         absl::StrCat("rank ", rank, " waited ", timeout_.count(),
                      " ms for the other ranks at a collective; the collective is aborted")));
@@ -124,6 +149,7 @@ void HostRendezvous::Break(const absl::Status& why) {
   std::lock_guard lock(mu_);
   if (broken_) return;
   broken_ = true;
+  broken_seen_.store(true, std::memory_order_release);
   broken_why_ =
       MarkPeerFailure(absl::InternalError(absl::StrCat("collective aborted: ", why.message())));
   cv_.notify_all();

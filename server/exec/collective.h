@@ -11,6 +11,7 @@
 // rank returns INTERNAL, and the collective stays aborted (aborted() == true) for good.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -78,7 +79,17 @@ class HostRendezvous {
   bool broken() const;
   absl::Status broken_status() const;
 
+  // How long a waiter spins (yielding) before it sleeps on the condition variable.
+  static constexpr std::chrono::microseconds kRendezvousSpin{200};
+
  private:
+  // Returns once the generation has moved past `generation`, the rendezvous broke, or
+  // kRendezvousSpin has passed (the caller then waits on the condition variable).
+  void SpinForGeneration(uint64_t generation) const;
+  // Spins, then sleeps until the generation moves on or the rendezvous breaks; false at the
+  // timeout. Holds `lock` on entry and on return.
+  bool WaitForGeneration(std::unique_lock<std::mutex>& lock, uint64_t generation);
+
   const int32_t world_;
   const std::chrono::milliseconds timeout_;
   mutable std::mutex mu_;
@@ -86,6 +97,11 @@ class HostRendezvous {
   std::vector<absl::Status> posted_;
   int32_t arrived_ = 0;
   uint64_t generation_ = 0;
+  // generation_ and broken_, published for waiters that spin before they sleep (a ranks'
+  // agreement is microseconds apart; a condition variable's wake-up costs about as much
+  // again, and far more on a sandboxed kernel).
+  std::atomic<uint64_t> generation_seen_{0};
+  std::atomic<bool> broken_seen_{false};
   int32_t failed_rank_ = -1;  // of the last completed generation
   absl::Status failed_;       // its status
   bool broken_ = false;

@@ -23,6 +23,11 @@ using kernels::ElemType;
 
 int64_t InputElemBytes(ElemType type) { return type == ElemType::kBF16 ? 2 : 4; }
 
+int64_t NanosBetween(std::chrono::steady_clock::time_point a,
+                     std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count();
+}
+
 // Host staging for one step's uploads (the rank's HostArena, page-locked on a GPU backend
 // unless pinned staging is off). Upload copies the bytes into the arena first, so the device
 // copy is a true asynchronous DMA that never waits for the stream; with a plain arena it
@@ -52,15 +57,68 @@ class Staging {
   absl::Status Upload(void* dst, const void* src, size_t bytes) {
     if (bytes == 0) return absl::OkStatus();
     if (!arena_.pinned) return be_.CopyToDevice(dst, src, bytes);
+    return UploadStaged(dst, src, bytes);
+  }
+  // Upload from memory that is page-locked already (StepInput::host_memory_page_locked):
+  // a direct DMA, no staging copy.
+  absl::Status UploadPageLocked(void* dst, const void* src, size_t bytes) {
+    if (bytes == 0) return absl::OkStatus();
+    return be_.CopyToDevice(dst, src, bytes);
+  }
+
+ private:
+  absl::Status UploadStaged(void* dst, const void* src, size_t bytes) {
     absl::StatusOr<uint8_t*> host = Reserve(bytes);
     if (!host.ok()) return host.status();
     std::memcpy(*host, src, bytes);
     return be_.CopyToDevice(dst, *host, bytes);
   }
 
- private:
   kernels::Backend& be_;
   HostArena& arena_;
+};
+
+// The step's device-to-host answer copies. To pageable memory (a StepResult vector, a gRPC
+// response) the driver bounces a copy through its own buffer in pieces, each waiting for the
+// stream; so the copy lands in the rank's page-locked readback space (one DMA) and Finish,
+// after the step's Synchronize, moves it on with a memcpy (each rank its own rows, in
+// parallel). Page-locked destinations, and ranks without readback space, copy directly.
+class Readback {
+ public:
+  Readback(Rank& rank, bool destination_page_locked)
+      : be_(rank.backend()), space_(rank.readback()), direct_(destination_page_locked) {
+    space_.used = 0;
+  }
+
+  absl::Status Copy(int32_t* host_dst, const int32_t* src, size_t bytes) {
+    if (bytes == 0) return absl::OkStatus();
+    const size_t aligned = (bytes + 63) / 64 * 64;
+    if (direct_ || !space_.pinned || space_.used + aligned > space_.capacity) {
+      return be_.CopyToHost(host_dst, src, bytes);
+    }
+    uint8_t* landing = space_.base + space_.used;
+    space_.used += aligned;
+    if (absl::Status s = be_.CopyToHost(landing, src, bytes); !s.ok()) return s;
+    pending_.push_back({host_dst, landing, bytes});
+    return absl::OkStatus();
+  }
+
+  // After the Synchronize that completed the copies.
+  void Finish() {
+    for (const Pending& p : pending_) std::memcpy(p.dst, p.landing, p.bytes);
+    pending_.clear();
+  }
+
+ private:
+  struct Pending {
+    int32_t* dst;
+    const uint8_t* landing;
+    size_t bytes;
+  };
+  kernels::Backend& be_;
+  HostArena& space_;
+  const bool direct_;
+  std::vector<Pending> pending_;
 };
 
 // The step's new keys (a few per sequence), gathered into one staging chunk per run of writes
@@ -194,13 +252,23 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   const int32_t n = range.end - range.start;
   rank.last_graph_captured = false;
   rank.last_graph_replayed = false;
+  const auto entered = std::chrono::steady_clock::now();
 
   DI_RETURN_IF_ERROR(
       staging.Upload(b.row_request, plan.row_request.data(), plan.num_rows * sizeof(int32_t)));
   DI_RETURN_IF_ERROR(
       staging.Upload(b.row_length, plan.row_length.data(), plan.num_rows * sizeof(int32_t)));
-  DI_RETURN_IF_ERROR(staging.Upload(b.page_table, plan.page_table.data(),
-                                    plan.page_table.size() * sizeof(int32_t)));
+  // Only the page-table rows of the requests this rank scores (a sharded rank's slice is a
+  // run of whole requests): the kernels read a row's table through its request index, so the
+  // other requests' entries on the device are never read. Half the bytes at 2 ranks.
+  if (n > 0) {
+    const int64_t first = plan.row_request[range.start];
+    const int64_t last = plan.row_request[range.end - 1];
+    const int64_t stride = plan.page_table_stride;
+    DI_RETURN_IF_ERROR(staging.Upload(b.page_table + first * stride,
+                                      plan.page_table.data() + first * stride,
+                                      (last - first + 1) * stride * sizeof(int32_t)));
+  }
   // Keys go into every replica whatever rows this rank scores.
   DI_RETURN_IF_ERROR(InsertStepKeys(rank, staging, plan.pool, plan.key_writes, plan.hadamard));
 
@@ -241,14 +309,18 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
     prep.q_scales = q_scales;
     prep.weights_out = weights;
   } else {
-    DI_RETURN_IF_ERROR(staging.Upload(
-        q_codes, static_cast<const uint8_t*>(q.q) + range.start * code_bytes, n * code_bytes));
+    // From a page-locked client region, straight to the device; else through the staging.
+    auto upload = [&](void* dst, const void* src, size_t bytes) {
+      return plan.host_page_locked ? staging.UploadPageLocked(dst, src, bytes)
+                                   : staging.Upload(dst, src, bytes);
+    };
+    DI_RETURN_IF_ERROR(upload(q_codes, static_cast<const uint8_t*>(q.q) + range.start * code_bytes,
+                              n * code_bytes));
     if (format == CacheFormat::kFp4) {
-      DI_RETURN_IF_ERROR(
-          staging.Upload(q_scales, q.scales + range.start * scale_bytes, n * scale_bytes));
+      DI_RETURN_IF_ERROR(upload(q_scales, q.scales + range.start * scale_bytes, n * scale_bytes));
     }
-    DI_RETURN_IF_ERROR(staging.Upload(weights, q.weights + int64_t{range.start} * H,
-                                      int64_t{n} * H * sizeof(float)));
+    DI_RETURN_IF_ERROR(
+        upload(weights, q.weights + int64_t{range.start} * H, int64_t{n} * H * sizeof(float)));
   }
 
   const int32_t NB = s.num_candidate_blocks;
@@ -344,7 +416,14 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
     }
     return absl::InternalError("unknown layer role");
   };
-  if (!graphs) return launch();
+  const auto launched = std::chrono::steady_clock::now();
+  rank.last_phases.uploads_ns = NanosBetween(entered, launched);
+  // The kernel section's issue time (eager launches or a graph replay).
+  auto timed = [&](absl::Status status) {
+    rank.last_phases.launch_ns = NanosBetween(launched, std::chrono::steady_clock::now());
+    return status;
+  };
+  if (!graphs) return timed(launch());
   StepShape shape;
   shape.pool = plan.pool;
   shape.role = static_cast<int32_t>(plan.role);
@@ -359,7 +438,7 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   shape.hadamard = unquantized && plan.hadamard;
   shape.max_row_length = rows.max_row_length;
   shape.rows_per_request = rows.rows_per_request;
-  return RunKernelSection(rank, shape, launch);
+  return timed(RunKernelSection(rank, shape, launch));
 }
 
 }  // namespace
@@ -497,6 +576,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
         .count();
   };
   RowRange range{0, plan.num_rows};
+  rank.last_phases = Rank::Phases{};
   absl::Status status = JoinExpansion(rank);
   if (plan.sharded) {
     std::optional<RowRange> bounds = RowShardBounds(plan.num_rows, plan.num_requests, world,
@@ -519,6 +599,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   // The step's host staging; the previous step's copies from it have finished (every step
   // ends in a Synchronize, a failed one too).
   Staging staging(rank);
+  Readback readback(rank, plan.host_page_locked);
   if (status.ok()) status = ScoreRows(rank, staging, plan, range);
   rank.last_collective_ns = 0;
   // Which sharded steps still need a collective. An answer bound for host memory does not:
@@ -567,6 +648,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     return status;
   }
 
+  const auto copies_start = std::chrono::steady_clock::now();
   if (source) {
     // Into fresh store rows; the executor retires the old ones only on commit, so a failed
     // step leaves the sequence's published candidates intact.
@@ -585,14 +667,14 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     // This rank's rows only, to their place in the host answer (see gather_topk above); the
     // candidates too, though every rank holds them all, so the copies split across devices.
     const int32_t n = range.end - range.start;
-    DI_RETURN_IF_ERROR(be.CopyToHost(plan.topk_out + int64_t{range.start} * s.topk,
+    DI_RETURN_IF_ERROR(readback.Copy(plan.topk_out + int64_t{range.start} * s.topk,
                                      b.topk + int64_t{range.start} * s.topk,
                                      size_t(n) * s.topk * sizeof(int32_t)));
     if (plan.candidates_device_out != nullptr && rank.index() == plan.answer_rank) {
       DI_RETURN_IF_ERROR(be.CopyDeviceToDevice(plan.candidates_device_out, b.candidates,
                                                size_t(plan.num_rows) * NB * sizeof(int32_t)));
     } else if (plan.candidates_out != nullptr) {
-      DI_RETURN_IF_ERROR(be.CopyToHost(plan.candidates_out + int64_t{range.start} * NB,
+      DI_RETURN_IF_ERROR(readback.Copy(plan.candidates_out + int64_t{range.start} * NB,
                                        b.candidates + int64_t{range.start} * NB,
                                        size_t(n) * NB * sizeof(int32_t)));
     }
@@ -602,16 +684,20 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     if (plan.topk_device_out != nullptr) {
       DI_RETURN_IF_ERROR(be.CopyDeviceToDevice(plan.topk_device_out, b.topk, topk_bytes));
     } else {
-      DI_RETURN_IF_ERROR(be.CopyToHost(plan.topk_out, b.topk, topk_bytes));
+      DI_RETURN_IF_ERROR(readback.Copy(plan.topk_out, b.topk, topk_bytes));
     }
     if (plan.candidates_device_out != nullptr) {
       DI_RETURN_IF_ERROR(
           be.CopyDeviceToDevice(plan.candidates_device_out, b.candidates, cand_bytes));
     } else if (plan.candidates_out != nullptr) {
-      DI_RETURN_IF_ERROR(be.CopyToHost(plan.candidates_out, b.candidates, cand_bytes));
+      DI_RETURN_IF_ERROR(readback.Copy(plan.candidates_out, b.candidates, cand_bytes));
     }
   }
+  const auto wait_start = std::chrono::steady_clock::now();
+  rank.last_phases.copies_ns = NanosBetween(copies_start, wait_start);
   absl::Status done = be.Synchronize();
+  rank.last_phases.wait_ns = since(wait_start);
+  if (done.ok()) readback.Finish();
   if (!plan.sharded || direct) rank.last_score_ns = since(step_start);
   return done;
 }

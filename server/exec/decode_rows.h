@@ -57,6 +57,9 @@ struct StepPlan {
   int32_t answer_rank = 0;
   int32_t* topk_out = nullptr;        // [rows, topk]
   int32_t* candidates_out = nullptr;  // [rows, NB] or null
+  // StepInput::host_memory_page_locked: q is uploaded and the host answers are written with
+  // no staging copy.
+  bool host_page_locked = false;
   // Instead of topk_out / candidates_out: memory of the answering rank's backend (a client's
   // CUDA IPC buffer), written device to device with no host copy.
   int32_t* topk_device_out = nullptr;        // [rows, topk]

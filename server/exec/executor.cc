@@ -38,6 +38,9 @@ using kernels::CacheFormat;
 using kernels::ElemType;
 using Clock = std::chrono::steady_clock;
 
+int64_t Nanos(Clock::duration d) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count();
+}
 int64_t Micros(Clock::duration d) {
   return std::chrono::duration_cast<std::chrono::microseconds>(d).count();
 }
@@ -190,6 +193,9 @@ class ExecutorImpl final : public Executor {
       const Executor& executor);
   friend std::vector<absl::Status>(::decode_indexer::exec::LastRankStatuses)(
       const Executor& executor);
+  friend StepPhases(::decode_indexer::exec::LastStepPhases)(const Executor& executor);
+  friend std::vector<absl::StatusOr<kernels::Backend::OverlapTiming>>(
+      ::decode_indexer::exec::LastOverlapTimings)(const Executor& executor);
 
   const config::Profile profile_;
   const ExecutorOptions options_;
@@ -214,6 +220,7 @@ class ExecutorImpl final : public Executor {
   ExecutorStatus stats_;
   bool healthy_ = true;
   std::vector<absl::Status> last_rank_statuses_;
+  StepPhases last_phases_;       // of the last decode step that reached the ranks (benchmarks)
   FaultInjection fault_;         // test hook (DI_INJECT_FAULT)
   uint64_t steps_to_ranks_ = 0;  // decode steps that reached the ranks
   // ExecutorStatus::device_memory_bytes: sampled by the turn holder (a query per rank, so at
@@ -482,6 +489,7 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStep(const StepInput& step) {
 absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
     const StepInput& step, StepPlan& plan, std::vector<std::vector<int32_t>>& new_pages,
     std::vector<int32_t>& new_blocks) {
+  const Clock::time_point plan_start = Clock::now();
   std::unique_lock lock(mu_);
   const config::Profile& p = profile_;
   const LayerSpec* spec = p.FindLayer(step.layer);
@@ -707,6 +715,7 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
   result.sharded = plan.sharded;
   // The data plane may name where the answer goes (a client region, host or device); else
   // it comes back in the result's vectors.
+  plan.host_page_locked = step.host_memory_page_locked;
   if (step.answer_device != nullptr) {
     plan.topk_device_out = step.answer_device;
   } else if (step.answer_host != nullptr) {
@@ -735,9 +744,13 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
   ++steps_to_ranks_;
 
   lock.unlock();
+  const Clock::time_point fan_out = Clock::now();
   absl::Status status = FirstError(
       RunOnAllRanks([&](Rank& rank) { return DecodeRowsOnRank(rank, plan, *collective_); }));
+  const Clock::time_point joined = Clock::now();
   lock.lock();
+  last_phases_.plan_ns = Nanos(fan_out - plan_start);
+  last_phases_.ranks_ns = Nanos(joined - fan_out);
   for (const auto& r : ranks_) {
     stats_.graph_captures += r->last_graph_captured;
     stats_.graph_replays += r->last_graph_replayed;
@@ -781,6 +794,7 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
   stats_.collective_us_total += double(ranks_[0]->last_collective_ns) / 1000.0;
   stats_.rows_scored += uint64_t(num_rows);
   SampleDeviceMemory();
+  last_phases_.commit_ns = Nanos(Clock::now() - joined);
   return result;
 }
 
@@ -911,8 +925,27 @@ std::vector<RankStepTimes> LastRankStepTimes(const Executor& executor) {
   const auto& e = dynamic_cast<const ExecutorImpl&>(executor);
   std::vector<RankStepTimes> out;
   // Written by the rank threads inside a step; read between steps.
-  for (const auto& r : e.ranks_) out.push_back({r->last_score_ns, r->last_collective_ns});
+  for (const auto& r : e.ranks_) {
+    const Rank::Phases& ph = r->last_phases;
+    out.push_back({r->last_score_ns, r->last_collective_ns, ph.uploads_ns, ph.launch_ns,
+                   ph.copies_ns, ph.wait_ns});
+  }
   return out;
+}
+
+std::vector<absl::StatusOr<kernels::Backend::OverlapTiming>> LastOverlapTimings(
+    const Executor& executor) {
+  const auto& e = dynamic_cast<const ExecutorImpl&>(executor);
+  std::vector<absl::StatusOr<kernels::Backend::OverlapTiming>> out;
+  // Between steps no rank thread touches its backend.
+  for (const auto& r : e.ranks_) out.push_back(r->backend().LastOverlapTiming());
+  return out;
+}
+
+StepPhases LastStepPhases(const Executor& executor) {
+  const auto& e = dynamic_cast<const ExecutorImpl&>(executor);
+  std::lock_guard lock(e.mu_);
+  return e.last_phases_;
 }
 
 std::vector<absl::Status> LastRankStatuses(const Executor& executor) {

@@ -98,6 +98,12 @@ struct StepInput {
   int32_t* candidates_host = nullptr;    // [num_rows, num_candidate_blocks]
   int32_t* answer_device = nullptr;      // [num_rows, K]
   int32_t* candidates_device = nullptr;  // [num_rows, num_candidate_blocks]
+  // The host buffers above and q (values, scales, weights) lie in page-locked memory every
+  // device may DMA (a region registered through Backend::RegisterHostMemory): the ranks copy
+  // straight from and to them. Otherwise they go through each rank's own page-locked
+  // staging, since a copy from or to pageable memory is bounced by the driver in pieces that
+  // each wait for the stream. A wrong `true` is still correct, only slower.
+  bool host_memory_page_locked = false;
 };
 
 struct StepResult {

@@ -45,7 +45,27 @@ std::vector<absl::Status> LastRankStatuses(const Executor& executor);
 struct RankStepTimes {
   int64_t score_ns = 0;
   int64_t collective_ns = 0;
+  // Rank::Phases of the last step: uploads issued, kernels issued, copies issued, final wait.
+  int64_t uploads_ns = 0;
+  int64_t launch_ns = 0;
+  int64_t copies_ns = 0;
+  int64_t wait_ns = 0;
 };
 std::vector<RankStepTimes> LastRankStepTimes(const Executor& executor);
+
+// The executor's own share of the last decode step (ns): planning under the turn (checks,
+// page reservation, the plan), the fan-out to the ranks and back (the rank jobs and the
+// hand-offs), and the commit.
+struct StepPhases {
+  int64_t plan_ns = 0;
+  int64_t ranks_ns = 0;
+  int64_t commit_ns = 0;
+};
+StepPhases LastStepPhases(const Executor& executor);
+
+// Per rank, the backend's LastOverlapTiming (CandidateOverlap's fork/join spans), read between
+// steps (benchmarks).
+std::vector<absl::StatusOr<kernels::Backend::OverlapTiming>> LastOverlapTimings(
+    const Executor& executor);
 
 }  // namespace decode_indexer::exec

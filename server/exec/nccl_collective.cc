@@ -17,6 +17,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// How long a rank polls its collective with yields before it polls with sleeps.
+constexpr std::chrono::microseconds kPollSpin{500};
+
 absl::Status CudaError(cudaError_t err, absl::string_view what) {
   return absl::InternalError(absl::StrCat("CUDA error in ", what, ": ", cudaGetErrorName(err), " (",
                                           cudaGetErrorString(err), ")"));
@@ -162,6 +165,10 @@ class NcclCollective final : public Collective {
       }
       inflight_[rank] = Clock::now();
     }
+    // Most collectives of a step finish within tens of microseconds: poll with yields first
+    // (a 10 us sleep is a timer wait that often lasts far longer, on a sandboxed kernel
+    // hundreds of microseconds), then back off to sleeps.
+    const Clock::time_point spin_until = Clock::now() + kPollSpin;
     while (true) {
       {
         std::lock_guard lock(mu_);
@@ -181,7 +188,11 @@ class NcclCollective final : public Collective {
           return s;
         }
       }
-      std::this_thread::sleep_for(std::chrono::microseconds(10));
+      if (Clock::now() < spin_until) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(10));
+      }
     }
   }
 

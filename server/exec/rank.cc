@@ -41,6 +41,7 @@ Rank::~Rank() {
       backend_->Backend::FreeHost(arena_.base);
     }
   }
+  if (readback_.base != nullptr) backend_->FreeHost(readback_.base);
 }
 
 int32_t BucketRowLength(int32_t length, int64_t cap) {
@@ -134,6 +135,14 @@ absl::Status Rank::Allocate() {
   if (!arena.ok()) return arena.status();
   arena_.base = static_cast<uint8_t*>(*arena);
   arena_.capacity = static_cast<size_t>(arena_bytes);
+  if (arena_.pinned) {
+    const int64_t readback_bytes = rows * (int64_t{s.topk} + s.num_candidate_blocks) * 4 + 2 * 64;
+    absl::StatusOr<void*> rb = backend_->AllocateHost(static_cast<size_t>(readback_bytes));
+    if (!rb.ok()) return rb.status();
+    readback_.base = static_cast<uint8_t*>(*rb);
+    readback_.capacity = static_cast<size_t>(readback_bytes);
+    readback_.pinned = true;
+  }
   if (!s.inv_freq.empty()) {
     absl::Status st =
         backend_->CopyToDevice(b.inv_freq, s.inv_freq.data(), s.inv_freq.size() * sizeof(double));

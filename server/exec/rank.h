@@ -157,6 +157,16 @@ class Rank {
   // Time the last decode step spent before its collectives: uploads, keys, q prep and scoring,
   // up to the rank's own work finishing (the whole step when unsharded).
   int64_t last_score_ns = 0;
+  // Where the last decode step's time went on this rank's thread (ns, host clock), in order:
+  // the uploads and key inserts issued, the kernel section issued (eager or a graph replay),
+  // the answer copies issued (after any collective), and the final wait for the device.
+  struct Phases {
+    int64_t uploads_ns = 0;
+    int64_t launch_ns = 0;
+    int64_t copies_ns = 0;
+    int64_t wait_ns = 0;
+  };
+  Phases last_phases;
   // What the last decode step's kernel section did: captured a graph, replayed one.
   bool last_graph_captured = false;
   bool last_graph_replayed = false;
@@ -165,6 +175,10 @@ class Rank {
   bool graphs_enabled() const { return graphs_enabled_; }
   StepGraphs& graphs() { return graphs_; }
   HostArena& host_arena() { return arena_; }
+  // Page-locked landing space for the step's answers copied to the host (top-k and
+  // candidates of every row), so the device-to-host copy is one DMA; the host copies them on
+  // to their destination after the step's Synchronize. Empty where staging is not pinned.
+  HostArena& readback() { return readback_; }
 
   // Job handoff: Start hands the job to the rank's thread; Wait returns its status.
   void Start(const Job* job);
@@ -185,6 +199,7 @@ class Rank {
   bool graphs_enabled_ = false;
   StepGraphs graphs_;
   HostArena arena_;
+  HostArena readback_;
 
   // The hand-off: job_, done_ and stop_ change under mu_ (with a notify), so a waiter that
   // sleeps on cv_ never misses one; they are atomics so that a waiter may first spin on them

@@ -36,12 +36,17 @@ class SharedMemoryRegion {
   uint64_t size() const { return size_; }
   // Runs just before the unmap (e.g. to undo a page-lock of the region).
   void SetReleaseHook(std::function<void()> hook) { release_ = std::move(hook); }
+  // Whether the region was page-locked for every device (set once, before first use): the
+  // executor then copies q from and answers into it with no staging copy.
+  void MarkPageLocked() { page_locked_ = true; }
+  bool page_locked() const { return page_locked_; }
 
  private:
   uint8_t* base_;
   uint64_t size_;
   std::string name_;
   std::function<void()> release_;
+  bool page_locked_ = false;
 };
 
 class SharedMemoryRegistry {

@@ -406,6 +406,7 @@ absl::Status IndexerService::RunStep(grpc::ServerContext* context,
     }
   }
   const bool answer_elsewhere = ipc != nullptr || region != nullptr;
+  step.host_memory_page_locked = region != nullptr && region->page_locked();
 
   const auto queued = Clock::now();
   std::unique_lock<std::mutex> admitted(step_mu_);
@@ -564,6 +565,7 @@ grpc::Status IndexerService::RegisterSharedMemory(grpc::ServerContext* context,
                      pinned.ToString());
         return;
       }
+      region.MarkPageLocked();
       region.SetReleaseHook([this, base = region.base()] {
         absl::Status s = executor_.WithAnswerBackend(
             [base](kernels::Backend& be) { return be.UnregisterHostMemory(base); });

@@ -20,6 +20,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
@@ -51,6 +53,7 @@ struct Script {
   int32_t min_length = 1;  // prefill lengths per cache layer, uniform in [min, max]
   int32_t max_length = 100;
   int32_t rounds = 1;  // passes through the layers per next_n (shapes repeat: graphs replay)
+  bool page_locked_inputs = false;  // StepInput::host_memory_page_locked on every step
 };
 
 struct RunResult {
@@ -104,6 +107,7 @@ RunResult RunScript(const Script& s, Executor& e, uint64_t seed) {
         }
         std::unique_ptr<StepData> step = h.MakeStep(l.layer, step_plans);
         step->input.return_candidates = l.role == LayerRole::kCandidateSource;
+        step->input.host_memory_page_locked = s.page_locked_inputs;
         SCOPED_TRACE(absl::StrCat("next_n ", n, " round ", round, " layer ", l.layer));
         absl::StatusOr<StepResult> r = e.DecodeStep(step->input);
         EXPECT_TRUE(r.ok()) << r.status();
@@ -348,6 +352,103 @@ TEST(MultiRankCpu, RecordedGraphsAnswerAsEagerSteps) {
         for (const auto& [shape, layers] : sharing) replays_per_n += s.rounds * layers - 2;
         EXPECT_EQ(r.graph_replays, uint64_t(ranks) * s.next_ns.size() * replays_per_n);
         EXPECT_EQ(violations.load(), 0);
+      }
+    }
+  }
+}
+
+// A CPU backend that passes for a device backend (its name is not "cpu"), so the ranks take
+// the GPU's host paths in CI: uploads through the page-locked staging arena, answers through
+// the readback space (copied on after the Synchronize), each rank's slice of the page table.
+// Host memory it hands out is filled with a poison byte, so a path that read staging or
+// readback bytes it never wrote would change the answers.
+class StagedCpuBackend final : public kernels::Backend {
+ public:
+  explicit StagedCpuBackend(std::unique_ptr<kernels::Backend> inner) : inner_(std::move(inner)) {}
+  std::string_view name() const override { return "staged-cpu"; }
+  std::string description() const override { return inner_->description(); }
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    absl::StatusOr<void*> p = inner_->Allocate(bytes);
+    if (p.ok()) std::memset(*p, 0xA5, bytes);  // "device" memory starts as garbage too
+    return p;
+  }
+  void Free(void* ptr) override { inner_->Free(ptr); }
+  absl::StatusOr<void*> AllocateHost(size_t bytes) override {
+    void* p = std::malloc(std::max<size_t>(bytes, 1));
+    if (p == nullptr) return absl::ResourceExhaustedError("malloc");
+    std::memset(p, 0x5A, bytes);
+    ++host_allocations;
+    return p;
+  }
+  void FreeHost(void* ptr) override { std::free(ptr); }
+  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
+    return inner_->CopyToDevice(dst, src, bytes);
+  }
+  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
+    return inner_->CopyToHost(dst, src, bytes);
+  }
+  absl::Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes) override {
+    return inner_->CopyDeviceToDevice(dst, src, bytes);
+  }
+  absl::Status Synchronize() override { return inner_->Synchronize(); }
+  absl::Status InsertKeys(const kernels::KeyInsertArgs& a) override {
+    return inner_->InsertKeys(a);
+  }
+  absl::Status RopeQuantQ(const kernels::QPrepArgs& a) override { return inner_->RopeQuantQ(a); }
+  absl::Status DenseTopK(const kernels::DenseArgs& a) override { return inner_->DenseTopK(a); }
+  absl::Status SparseTopK(const kernels::SparseArgs& a) override { return inner_->SparseTopK(a); }
+  absl::Status MaskedTopK(const kernels::MaskedArgs& a) override { return inner_->MaskedTopK(a); }
+  absl::Status CopyRows(const kernels::CopyRowsArgs& a) override { return inner_->CopyRows(a); }
+  absl::Status ForkExpand(const kernels::ExpandArgs& a) override { return inner_->ForkExpand(a); }
+  absl::Status JoinExpand() override { return inner_->JoinExpand(); }
+
+  std::atomic<int32_t> host_allocations{0};
+
+ private:
+  std::unique_ptr<kernels::Backend> inner_;
+};
+
+// The device backends' host paths (staging, readback, per-rank page-table slices, inputs
+// already page-locked) answer bit for bit as the plain CPU backend, at 1, 2 and 4 ranks,
+// sharded with direct answers and all-gathered.
+TEST(MultiRankCpu, StagedCopiesAnswerAsPlainCopies) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  for (const config::Profile& p : {SmallV32(), SmallV41()}) {
+    SCOPED_TRACE(p.name);
+    Script s{p, 16, {1, 2}, 1, 3 * p.topk};
+    s.rounds = 2;
+    const RunResult base = RunScript(s, CpuOptions(1), seed);
+    ASSERT_GT(base.steps, 0);
+    EXPECT_GT(base.answered, base.steps * s.requests);
+    for (bool page_locked : {false, true}) {
+      for (bool direct : {true, false}) {
+        for (int32_t ranks : {1, 2, 4}) {
+          SCOPED_TRACE(
+              absl::StrCat(ranks, " staged ranks, direct ", direct, ", page-locked ", page_locked));
+          ExecutorOptions o = CpuOptions(ranks);
+          o.direct_answers = direct;
+          o.pinned_staging = true;
+          std::vector<StagedCpuBackend*> made_backends;
+          auto factory = [&made_backends](int32_t, const kernels::BackendLimits& limits)
+              -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
+            auto b = std::make_unique<StagedCpuBackend>(kernels::MakeCpuBackend(limits, 1));
+            made_backends.push_back(b.get());
+            return b;
+          };
+          absl::StatusOr<std::unique_ptr<Executor>> made =
+              exec::CreateExecutorWithBackends(p, o, factory);
+          ASSERT_TRUE(made.ok()) << made.status();
+          Script staged = s;
+          staged.page_locked_inputs = page_locked;
+          const RunResult r = RunScript(staged, **made, seed);
+          EXPECT_EQ(r.steps, base.steps);
+          EXPECT_EQ(r.sharded, ranks > 1 ? r.steps : 0);
+          EXPECT_TRUE(r.answers == base.answers) << "staged copies change the answers";
+          // Every rank took the page-locked paths: a staging arena and a readback space.
+          ASSERT_EQ(made_backends.size(), size_t(ranks));
+          for (StagedCpuBackend* b : made_backends) EXPECT_EQ(b->host_allocations.load(), 2);
+        }
       }
     }
   }

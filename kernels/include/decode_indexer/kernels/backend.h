@@ -90,6 +90,12 @@ struct QView {
   int32_t num_heads = 0;
 };
 
+// How a backend selects candidate blocks (the answer is the same either way; the CPU backend
+// has one path and ignores it). kGeneral: block scores, then the radix top-k (two launches);
+// kCooperative: the single cooperative launch (seed: cooperative_topk), refused
+// (InvalidArgument) where its gate does not hold; kAuto: the backend's choice.
+enum class CandidateSelect { kAuto, kGeneral, kCooperative };
+
 // Dense paged logits over [0, L_r) and the row's top-k (spec sections 3 and 6); at a
 // candidate source also the row's candidate blocks (spec section 7).
 struct DenseArgs {
@@ -102,6 +108,7 @@ struct DenseArgs {
   int32_t* candidates_out = nullptr;
   int32_t num_candidate_blocks = 0;
   int32_t candidate_block_size = 0;
+  CandidateSelect candidate_select = CandidateSelect::kAuto;
 };
 
 // The positions a consumer row scores: its candidate blocks expanded, below its length,
@@ -199,6 +206,19 @@ class Backend {
   // the main stream wait for it. Backends without streams run it inline.
   virtual absl::Status ForkExpand(const ExpandArgs& args) = 0;
   virtual absl::Status JoinExpand() = 0;
+  // What the overlap hid, for benchmarks: of the last fork/join pair, the side stream's span
+  // from the fork to the expansion's end, and the main stream's span from the fork to the
+  // point where it reached the join (its own work and idle time in between). The join waits
+  // for max(0, side - main) of the side's span: hidden share = min(1, main_us / side_us).
+  // Valid once the main stream has passed that join (after a Synchronize). Backends without
+  // a side stream answer UNIMPLEMENTED.
+  struct OverlapTiming {
+    double side_us = 0;
+    double main_us = 0;
+  };
+  virtual absl::StatusOr<OverlapTiming> LastOverlapTiming() {
+    return absl::UnimplementedError("this backend has no side stream");
+  }
 
   // Host memory for staging a step's uploads. A GPU backend page-locks it (and makes it usable
   // from every device), so CopyToDevice from it is a true asynchronous DMA instead of a bounce
