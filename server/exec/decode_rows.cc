@@ -265,9 +265,12 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
     const int64_t first = plan.row_request[range.start];
     const int64_t last = plan.row_request[range.end - 1];
     const int64_t stride = plan.page_table_stride;
-    DI_RETURN_IF_ERROR(staging.Upload(b.page_table + first * stride,
-                                      plan.page_table.data() + first * stride,
-                                      (last - first + 1) * stride * sizeof(int32_t)));
+    const size_t bytes = (last - first + 1) * stride * sizeof(int32_t);
+    DI_RETURN_IF_ERROR(plan.page_table_page_locked
+                           ? staging.UploadPageLocked(b.page_table + first * stride,
+                                                      plan.page_table + first * stride, bytes)
+                           : staging.Upload(b.page_table + first * stride,
+                                            plan.page_table + first * stride, bytes));
   }
   // Keys go into every replica whatever rows this rank scores.
   DI_RETURN_IF_ERROR(InsertStepKeys(rank, staging, plan.pool, plan.key_writes, plan.hadamard));
@@ -446,20 +449,15 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
 void StepPlan::Reset() {
   row_request.clear();
   row_length.clear();
-  // page_table keeps its entries too: the executor resizes it and writes every entry of every
-  // step (pages, then zero padding), so clearing it would only make that resize zero-fill the
-  // whole table first (hundreds of KB a step at 64 x 64K).
   key_writes.clear();
   store_rows.clear();
   std::vector<int32_t> keep_request = std::move(row_request);
   std::vector<int32_t> keep_length = std::move(row_length);
-  std::vector<int32_t> keep_table = std::move(page_table);
   std::vector<KeyWrite> keep_writes = std::move(key_writes);
   std::vector<int32_t> keep_store = std::move(store_rows);
   *this = StepPlan{};
   row_request = std::move(keep_request);
   row_length = std::move(keep_length);
-  page_table = std::move(keep_table);
   key_writes = std::move(keep_writes);
   store_rows = std::move(keep_store);
 }

@@ -32,7 +32,11 @@ struct StepPlan {
   std::vector<int32_t> row_request;  // [rows]
   std::vector<int32_t> row_length;   // [rows]
   int32_t max_row_length = 0;
-  std::vector<int32_t> page_table;  // [requests, stride]
+  // [requests, stride], in the executor's page-table buffer (written by the planner; read by
+  // every rank, each its own requests' rows). Page-locked on a device backend, so the ranks
+  // upload it with no staging copy.
+  const int32_t* page_table = nullptr;
+  bool page_table_page_locked = false;
   int32_t page_table_stride = 0;
   std::vector<KeyWrite> key_writes;
   bool hadamard = false;
@@ -66,8 +70,7 @@ struct StepPlan {
   int32_t* candidates_device_out = nullptr;  // [rows, NB] or null
 
   // Back to an empty plan, keeping the vectors' capacity: the executor reuses one plan for
-  // every step, so the per-step path does not reallocate its host arrays. page_table keeps
-  // its stale entries (the planner resizes it and overwrites every one).
+  // every step, so the per-step path does not reallocate its host arrays.
   void Reset();
 };
 

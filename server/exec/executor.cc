@@ -209,6 +209,13 @@ class ExecutorImpl final : public Executor {
   FifoTurns turns_;
   std::atomic<bool> shut_down_{false};
   StepPlan plan_;  // reused by every step (under the turn)
+  // The planner's page table ([max_requests, max pages a sequence], host memory that the
+  // ranks upload from; see Init). Written under the turn.
+  struct PageTableBuffer {
+    int32_t* base = nullptr;
+    bool page_locked = false;
+  };
+  PageTableBuffer page_table_;
 
   // Host truth. Changed only by the call holding the turn, under mu_ so Status() can read.
   mutable std::mutex mu_;
@@ -342,6 +349,18 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
   }
   if (collective_ == nullptr) {
     collective_ = MakeInProcessCollective(backends, gather_bytes, timeout);
+  }
+  // The planner's page table: page-locked (and portable: every rank's device reads it) where
+  // the ranks stage through page-locked memory, so no rank copies it before its upload.
+  {
+    const size_t bytes =
+        size_t(sizes.max_requests) * sizes.max_pages_per_sequence * sizeof(int32_t);
+    kernels::Backend& be = ranks_[0]->backend();
+    const bool pinned = ranks_[0]->host_arena().pinned;
+    absl::StatusOr<void*> table = pinned ? be.AllocateHost(bytes) : be.Backend::AllocateHost(bytes);
+    if (!table.ok()) return table.status();
+    page_table_.base = static_cast<int32_t*>(*table);
+    page_table_.page_locked = pinned;
   }
   fault_ = FaultFromEnv();
 
@@ -650,9 +669,10 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
   plan.num_requests = num_requests;
   plan.max_row_length = *std::max_element(plan.row_length.begin(), plan.row_length.end());
   plan.page_table_stride = stride;
-  // Every entry is written below (pages, then zero padding); StepPlan::Reset keeps the old
-  // ones, so this resize zero-fills only growth.
-  plan.page_table.resize(size_t(num_requests) * stride);
+  // Every entry of the step's rows is written below (pages, then zero padding), straight into
+  // the buffer the ranks upload from. The bound holds: stride <= the pages of max_context.
+  plan.page_table = page_table_.base;
+  plan.page_table_page_locked = page_table_.page_locked;
   plan.hadamard = p.hadamard;
   plan.q = q;
   plan.rope.style = p.rope.style;
@@ -679,11 +699,11 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
     // pages long, 64K entries at 64 requests x 64K tokens, so a per-entry loop costs tens of
     // microseconds a step). want may be negative (a row shorter than the pages held): then
     // only the first pages the length needs.
-    int32_t* table_row = plan.page_table.data() + size_t(i) * stride;
+    int32_t* table_row = page_table_.base + size_t(i) * stride;
     const size_t held = std::min<size_t>(cp.pages.size(), size_t(CeilDiv(lengths[i], P)));
     table_row = std::copy_n(cp.pages.begin(), held, table_row);
     table_row = std::copy(new_pages[i].begin(), new_pages[i].end(), table_row);
-    std::fill(table_row, plan.page_table.data() + size_t(i + 1) * stride, 0);
+    std::fill(table_row, page_table_.base + size_t(i + 1) * stride, 0);
     if (in.new_keys.count > 0) {
       slots[i].resize(in.new_keys.count);
       for (int32_t k = 0; k < in.new_keys.count; ++k) {
@@ -823,6 +843,14 @@ void ExecutorImpl::Shutdown() {
   // Calls that already hold tickets finish first; later ones see shut_down_.
   FifoTurns::Turn turn = turns_.Wait();
   collective_.reset();
+  if (page_table_.base != nullptr) {
+    if (page_table_.page_locked) {
+      ranks_[0]->backend().FreeHost(page_table_.base);
+    } else {
+      ranks_[0]->backend().Backend::FreeHost(page_table_.base);
+    }
+    page_table_ = PageTableBuffer{};
+  }
   ranks_.clear();  // joins the rank threads and frees their memory
   spdlog::info("executor: shut down");
 }
