@@ -74,6 +74,30 @@ __global__ void FillPages(uint8_t* pool, int64_t pages, uint64_t seed) {
   }
 }
 
+// FP4 key scales as quantizing one vector gives them (the consumer's folded variants): per
+// cache slot of an FP4 pool, a largest group scale 2^-7 .. 2^0 and the other groups within 3
+// binades below it.
+__global__ void FillFp4KeyScales(uint8_t* pool, int64_t pages, int64_t page_bytes, int page_size,
+                                 int value_bytes, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < pages * page_size;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint64_t h = (i + seed) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 31;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 29;
+    const uint32_t top = 120 + static_cast<uint32_t>(h % 8);
+    const int top_group = static_cast<int>((h >> 8) % 4);
+    uint32_t v = 0;
+    for (int g = 0; g < 4; ++g) {
+      const uint32_t b =
+          g == top_group ? top : top - static_cast<uint32_t>((h >> (16 + 2 * g)) % 4);
+      v |= b << (8 * g);
+    }
+    uint8_t* page = pool + (i / page_size) * page_bytes;
+    reinterpret_cast<uint32_t*>(page + int64_t{page_size} * value_bytes)[i % page_size] = v;
+  }
+}
+
 __global__ void FillQ(uint8_t* q, int64_t n, float* w, int64_t nw, uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
@@ -241,6 +265,63 @@ int RunConsumer(uint8_t* pool, int64_t pool_bytes, int sms, cudaStream_t st, cud
   CHECK_CUDA(cudaMemcpy(d_qs, qs_host.data(), qs_host.size(), cudaMemcpyHostToDevice), "qs");
   const float t_mma_unfolded =
       time_steps([&](int i) { logits_step(i, dc::SparseLogitsMath::kMma); }, 7, 10);
+  CHECK_CUDA(cudaMemset(d_qs, 87, kRows * kHeads32 * 4), "q scales");
+  // The folded variants on the pool as filled (FP8 bytes read as FP4 scales: a key's 4 group
+  // scales are random bytes, nearly never within 2^23, so nearly every key takes the
+  // group-scaled path inside the folded kernels: their worst case).
+  const float t_fold_rand =
+      time_steps([&](int i) { logits_step(i, dc::SparseLogitsMath::kMmaFolded); }, 7, 10);
+  const float t_pair_rand =
+      time_steps([&](int i) { logits_step(i, dc::SparseLogitsMath::kMmaFoldedPair); }, 7, 10);
+  // Key scales as quantized vectors have them (groups within 3 binades): every key folds.
+  FillFp4KeyScales<<<4 * sms, 256, 0, st>>>(pool, pages, geo.page_bytes(), kPage, geo.value_bytes(),
+                                            rng());
+  CHECK_CUDA(cudaGetLastError(), "fill fp4 scales");
+  CHECK_CUDA(cudaStreamSynchronize(st), "fill fp4 scales");
+  auto run_logits = [&](dc::SparseLogitsMath math) {
+    std::vector<float> h(pos.size());
+    logits_step(0, math);
+    CHECK_CUDA(cudaMemcpyAsync(h.data(), d_logits, 4 * h.size(), cudaMemcpyDeviceToHost, st), "dl");
+    CHECK_CUDA(cudaStreamSynchronize(st), "sync");
+    return h;
+  };
+  const std::vector<float> ref = run_logits(dc::SparseLogitsMath::kMma);
+  auto rel_diff = [&](dc::SparseLogitsMath math) {
+    const std::vector<float> v = run_logits(math);
+    double m = 0.0, d = 0.0;
+    for (size_t i = 0; i < v.size(); ++i) {
+      m = std::max(m, static_cast<double>(std::fabs(ref[i])));
+      const double e = std::fabs(static_cast<double>(v[i]) - ref[i]);
+      d = std::isnan(e) ? INFINITY : std::max(d, e);
+    }
+    return d / m;
+  };
+  const double fold_diff = rel_diff(dc::SparseLogitsMath::kMmaFolded);
+  const double pair_diff = rel_diff(dc::SparseLogitsMath::kMmaFoldedPair);
+  const double mpair_diff = rel_diff(dc::SparseLogitsMath::kMmaPair);
+  const double qshared_diff = rel_diff(dc::SparseLogitsMath::kMmaQShared);
+  const double lean_diff = rel_diff(dc::SparseLogitsMath::kMmaPairLeanCopy);
+  constexpr int kKinds = 6;
+  // [kMma, kMmaFolded, kMmaFoldedPair, kMmaPair, kMmaQShared, kMmaPairLeanCopy][round]
+  float t_q[kKinds][2];
+  const dc::SparseLogitsMath kinds[kKinds] = {
+      dc::SparseLogitsMath::kMma,           dc::SparseLogitsMath::kMmaFolded,
+      dc::SparseLogitsMath::kMmaFoldedPair, dc::SparseLogitsMath::kMmaPair,
+      dc::SparseLogitsMath::kMmaQShared,    dc::SparseLogitsMath::kMmaPairLeanCopy};
+  for (int round = 0; round < 2; ++round) {
+    for (int v = 0; v < kKinds; ++v) {
+      t_q[v][round] = time_steps([&](int i) { logits_step(i, kinds[v]); }, 7, 10);
+    }
+  }
+  float t_qstep[kKinds];
+  for (int v = 0; v < kKinds; ++v) {
+    t_qstep[v] = time_steps(
+        [&](int i) {
+          logits_step(i, kinds[v]);
+          topk_step();
+        },
+        7, 10);
+  }
   const double key_bytes = double{kRows} * kMaxPos * geo.entry_bytes();
   // Keys read once (counting read bytes only against a read+write copy rate).
   const double floor_us = key_bytes / (copy_gbs * 1e9) * 1e6;
@@ -253,19 +334,170 @@ int RunConsumer(uint8_t* pool, int64_t pool_bytes, int sms, cudaStream_t st, cud
       kRows, kMaxPos, kHeads32, kK, t_warp, t_grid, t_grid2, t_mma, t_mma2,
       key_bytes / (t_mma * 1e-6) / 1e9, floor_us, key_bytes / 1e6, copy_gbs, t_mma / floor_us,
       t_grid / floor_us, t_topk, t_step, t_step_grid, max_diff / max_abs, t_mma_unfolded, sets);
+  std::printf(
+      "consumer, random key scales (folded variants' fallback path nearly everywhere): "
+      "mma-folded %.1f us, mma-folded-pair %.1f us\n",
+      t_fold_rand, t_pair_rand);
+  std::printf(
+      "consumer, quantized-like key scales (every key folds): mma %.1f / %.1f us (%.2fx floor), "
+      "mma-folded %.1f / %.1f us (%.2fx), mma-folded-pair %.1f / %.1f us (%.2fx); step with "
+      "top-k: mma %.1f, folded %.1f, pair %.1f us; max |variant-mma| / max |logit|: folded %.3g, "
+      "pair %.3g\n",
+      t_q[0][0], t_q[0][1], t_q[0][0] / floor_us, t_q[1][0], t_q[1][1], t_q[1][0] / floor_us,
+      t_q[2][0], t_q[2][1], t_q[2][0] / floor_us, t_qstep[0], t_qstep[1], t_qstep[2], fold_diff,
+      pair_diff);
+  std::printf(
+      "consumer, quantized-like key scales: mma-pair %.1f / %.1f us (%.2fx), mma-q-shared %.1f / "
+      "%.1f us (%.2fx); step with top-k: pair %.1f, q-shared %.1f us; max |variant-mma| / max "
+      "|logit|: pair %.3g, q-shared %.3g\n",
+      t_q[3][0], t_q[3][1], t_q[3][0] / floor_us, t_q[4][0], t_q[4][1], t_q[4][0] / floor_us,
+      t_qstep[3], t_qstep[4], mpair_diff, qshared_diff);
+  std::printf(
+      "consumer, quantized-like key scales: mma-pair-lean-copy %.1f / %.1f us (%.2fx); step with "
+      "top-k %.1f us; max |variant-mma| / max |logit| %.3g\n",
+      t_q[5][0], t_q[5][1], t_q[5][0] / floor_us, t_qstep[5], lean_diff);
   std::fprintf(out,
                "{\"consumer\": true, \"rows\": %d, \"positions\": %d, \"heads\": %d, "
                "\"k\": %d, \"logits_warp_us\": %.2f, \"logits_grid_us\": %.2f, "
                "\"logits_mma_us\": %.2f, \"floor_us\": %.2f, \"topk_us\": %.2f, "
                "\"step_us\": %.2f, \"step_grid_us\": %.2f, \"key_bytes\": %.0f, "
-               "\"mma_grid_rel_diff\": %.3g, \"logits_mma_unfolded_us\": %.2f, \"sets\": %d}\n",
+               "\"mma_grid_rel_diff\": %.3g, \"logits_mma_unfolded_us\": %.2f, \"sets\": %d, "
+               "\"folded_random_scales_us\": %.2f, \"folded_pair_random_scales_us\": %.2f, "
+               "\"mma_quant_scales_us\": %.2f, \"folded_us\": %.2f, \"folded_pair_us\": %.2f, "
+               "\"step_mma_quant_scales_us\": %.2f, \"step_folded_us\": %.2f, "
+               "\"step_folded_pair_us\": %.2f, \"folded_rel_diff\": %.3g, "
+               "\"folded_pair_rel_diff\": %.3g, \"mma_pair_us\": %.2f, \"mma_q_shared_us\": %.2f, "
+               "\"step_mma_pair_us\": %.2f, \"step_mma_q_shared_us\": %.2f, "
+               "\"mma_pair_lean_copy_us\": %.2f, \"step_mma_pair_lean_copy_us\": %.2f}\n",
                kRows, kMaxPos, kHeads32, kK, t_warp, t_grid, t_mma, floor_us, t_topk, t_step,
-               t_step_grid, key_bytes, max_diff / max_abs, t_mma_unfolded, sets);
+               t_step_grid, key_bytes, max_diff / max_abs, t_mma_unfolded, sets, t_fold_rand,
+               t_pair_rand, t_q[0][0], t_q[1][0], t_q[2][0], t_qstep[0], t_qstep[1], t_qstep[2],
+               fold_diff, pair_diff, t_q[3][0], t_q[4][0], t_qstep[3], t_qstep[4], t_q[5][0],
+               t_qstep[5]);
   for (int32_t* t : tables) CHECK_CUDA(cudaFree(t), "free");
   for (void* p :
        {static_cast<void*>(d_rr), static_cast<void*>(d_rl), static_cast<void*>(d_pos),
         static_cast<void*>(d_cnt), static_cast<void*>(d_out), static_cast<void*>(d_logits),
         static_cast<void*>(d_q), static_cast<void*>(d_qs), static_cast<void*>(d_w)}) {
+    CHECK_CUDA(cudaFree(p), "free");
+  }
+  return 0;
+}
+
+// Random logits (a hash of the index, spread over [-4, 4) with a few exact repeats), so the
+// candidate-selection timings see distinct block scores as the logits kernel's would give.
+__global__ void FillLogits(float* logits, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint64_t h = (i + seed) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 31;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 29;
+    logits[i] = static_cast<float>(static_cast<int32_t>(h & 0xFFFFFu) - 0x80000) / 131072.0f;
+  }
+}
+
+// --candidates: candidate-block selection at a source layer (spec section 7: blocks of 8, keep
+// 2048) on the same logits, the general path (LaunchCandidateScores + LaunchRadixTopK, as
+// DenseTopK runs it) against the cooperative single launch, at 1 / 8 / 64 rows x 32K / 64K /
+// 128K average context (lengths 0.7-1.3x). The logits stay in place between steps (as in a
+// step, where the logits kernel has just written them, they are partly in L2). Checks that
+// both answers agree entry for entry.
+int RunCandidates(float* logits, int64_t logits_stride, int sms, cudaStream_t st, cudaEvent_t e0,
+                  cudaEvent_t e1, std::mt19937_64& rng, FILE* out, int batches, int per_batch) {
+  constexpr int kBlock = 8, kKc = 2048, kMaxRows = 64;
+  int32_t *lengths_d, *cand_general, *cand_coop;
+  float* scores;
+  const int64_t sstride_cap = (logits_stride / kBlock + 4) / 4 * 4;
+  CHECK_CUDA(cudaMalloc(&lengths_d, 4 * kMaxRows), "lengths");
+  CHECK_CUDA(cudaMalloc(&cand_general, 4 * int64_t{kMaxRows} * kKc), "candidates");
+  CHECK_CUDA(cudaMalloc(&cand_coop, 4 * int64_t{kMaxRows} * kKc), "candidates");
+  CHECK_CUDA(cudaMalloc(&scores, 4 * int64_t{kMaxRows} * sstride_cap), "scores");
+  std::printf("%5s %7s | %10s %10s %7s | %10s\n", "rows", "avg", "general_us", "coop_us", "ratio",
+              "mismatch");
+  for (int rows : {1, 8, 64}) {
+    for (int avg : {32768, 65536, 131072}) {
+      std::uniform_real_distribution<double> u(0.7, 1.3);
+      std::vector<int32_t> lengths(rows);
+      for (auto& l : lengths) l = std::max(1, static_cast<int32_t>(avg * u(rng)));
+      const int32_t max_len = *std::max_element(lengths.begin(), lengths.end());
+      const int64_t stride = (max_len + 3) / 4 * 4;
+      if (stride > logits_stride) {
+        std::fprintf(stderr, "candidates: logits buffer too small\n");
+        return 1;
+      }
+      CHECK_CUDA(cudaMemcpyAsync(lengths_d, lengths.data(), 4 * rows, cudaMemcpyHostToDevice, st),
+                 "copy lengths");
+      FillLogits<<<4 * sms, 256, 0, st>>>(logits, int64_t{rows} * stride, rng());
+      CHECK_CUDA(cudaGetLastError(), "fill logits");
+      const int32_t max_blocks = (max_len + kBlock - 1) / kBlock;
+      const int64_t sstride = (max_blocks + 3) / 4 * 4;
+      auto general = [&]() {
+        CHECK_OK(dc::LaunchCandidateScores(rows, logits, stride, lengths_d, kBlock, scores, sstride,
+                                           static_cast<int32_t>(sstride), st),
+                 "candidate scores");
+        dc::TopKArgs t;
+        t.num_rows = rows;
+        t.values = scores;
+        t.stride = sstride;
+        t.lengths = lengths_d;
+        t.length_divisor = kBlock;
+        t.k = kKc;
+        t.out = cand_general;
+        t.max_length = static_cast<int32_t>(sstride);
+        CHECK_OK(dc::LaunchRadixTopK(t, sms, st), "candidate top-k");
+      };
+      auto cooperative = [&]() {
+        dc::CooperativeCandidatesArgs a;
+        a.num_rows = rows;
+        a.logits = logits;
+        a.logits_stride = stride;
+        a.row_length = lengths_d;
+        a.block_size = kBlock;
+        a.max_blocks_per_row = max_blocks;
+        a.k = kKc;
+        a.out = cand_coop;
+        CHECK_OK(dc::LaunchCooperativeCandidates(a, st), "cooperative candidates");
+      };
+      auto time_batches = [&](auto&& step) {
+        for (int i = 0; i < 3; ++i) step();  // warm-up
+        std::vector<float> per_step;
+        for (int bt = 0; bt < batches; ++bt) {
+          CHECK_CUDA(cudaEventRecord(e0, st), "record");
+          for (int i = 0; i < per_batch; ++i) step();
+          CHECK_CUDA(cudaEventRecord(e1, st), "record");
+          CHECK_CUDA(cudaEventSynchronize(e1), "sync");
+          float ms;
+          CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
+          per_step.push_back(ms * 1000.f / per_batch);
+        }
+        return Median(per_step);
+      };
+      const float t_general = time_batches(general);
+      const float t_coop = time_batches(cooperative);
+      // Again in the other order: the figures are the better of the two (clock ramp).
+      const float t_general2 = time_batches(general);
+      const float t_coop2 = time_batches(cooperative);
+      const float tg = std::min(t_general, t_general2), tc = std::min(t_coop, t_coop2);
+      const int64_t n = int64_t{rows} * kKc;
+      std::vector<int32_t> a(n), b(n);
+      CHECK_CUDA(cudaMemcpyAsync(a.data(), cand_general, 4 * n, cudaMemcpyDeviceToHost, st), "d2h");
+      CHECK_CUDA(cudaMemcpyAsync(b.data(), cand_coop, 4 * n, cudaMemcpyDeviceToHost, st), "d2h");
+      CHECK_CUDA(cudaStreamSynchronize(st), "sync");
+      int64_t mismatch = 0;
+      for (int64_t e = 0; e < n; ++e) mismatch += a[e] != b[e];
+      std::printf("%5d %7d | %10.2f %10.2f %7.2f | %10lld\n", rows, avg, tg, tc, tg / tc,
+                  static_cast<long long>(mismatch));
+      std::fprintf(out,
+                   "{\"candidates\": true, \"rows\": %d, \"avg\": %d, \"block\": %d, \"k\": %d, "
+                   "\"general_us\": %.2f, \"cooperative_us\": %.2f, \"mismatches\": %lld}\n",
+                   rows, avg, kBlock, kKc, tg, tc, static_cast<long long>(mismatch));
+      std::fflush(out);
+      if (mismatch != 0) return 1;
+    }
+  }
+  for (void* p : {static_cast<void*>(lengths_d), static_cast<void*>(cand_general),
+                  static_cast<void*>(cand_coop), static_cast<void*>(scores)}) {
     CHECK_CUDA(cudaFree(p), "free");
   }
   return 0;
@@ -279,6 +511,8 @@ int main(int argc, char** argv) {
   int only_requests = 0, only_next_n = 0, only_avg = 0;  // --only R N AVG: one configuration
   bool subset = false;    // --subset: issue 3's headline shapes only (short device sessions)
   bool consumer = false;  // --consumer: time the v41 consumer layer step instead
+  // --candidates: candidate-block selection, general path vs the cooperative single launch.
+  bool candidates = false;
   // --topk: the top-k shapes of issue 3 (next_n 1), the top-k variants only (no other logits
   // paths): multi-pass vs compact, cluster sizes, the fused threshold-filter histogram.
   bool topk_only = false;
@@ -288,6 +522,7 @@ int main(int argc, char** argv) {
     if (a == "--batches" && i + 1 < argc) batches = std::atoi(argv[++i]);
     if (a == "--subset") subset = true;
     if (a == "--consumer") consumer = true;
+    if (a == "--candidates") candidates = true;
     if (a == "--topk") topk_only = true;
     if (a == "--only" && i + 3 < argc) {
       only_requests = std::atoi(argv[++i]);
@@ -358,6 +593,12 @@ int main(int argc, char** argv) {
   }
   if (consumer) {
     const int rc = RunConsumer(pool, pool_pages * kPageBytes, sms, st, e0, e1, rng, out, copy_gbs);
+    std::fclose(out);
+    return rc;
+  }
+  if (candidates) {
+    const int rc =
+        RunCandidates(logits, (max_ctx + 3) / 4 * 4, sms, st, e0, e1, rng, out, batches, per_batch);
     std::fclose(out);
     return rc;
   }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -29,6 +30,13 @@ int64_t RoundUp4(int64_t n) { return (n + 3) / 4 * 4; }
 // (not the pipelined default), and it is not yet measured on the GPU (docs/notes/cuda.md).
 constexpr bool kFuseTopKHistogram = false;
 
+// DenseTopK at a candidate source, CandidateSelect::kAuto: take the cooperative single launch
+// (sm90_cooperative_candidates.cu) where its gate holds. Verified on the H200 (12:34 run: equal
+// to the CPU twin and the general path bit for bit); 1.04-1.71x the general path at 8 of the 9
+// measured shapes, 0.92x at 1 x 32K (docs/results/cuda-bench.md, 12:34). false: the general two
+// launches everywhere (a switch-off).
+constexpr bool kCooperativeCandidatesByDefault = true;
+
 // Smallest candidate block the scores workspace is sized for (v41 uses 8).
 constexpr int32_t kMinCandidateBlock = 8;
 
@@ -49,6 +57,7 @@ class CudaBackend final : public Backend {
     }
     if (fork_event_ != nullptr) cudaEventDestroy(fork_event_);
     if (join_event_ != nullptr) cudaEventDestroy(join_event_);
+    if (join_reached_event_ != nullptr) cudaEventDestroy(join_reached_event_);
     if (side_ != nullptr) cudaStreamDestroy(side_);
     if (main_ != nullptr) cudaStreamDestroy(main_);
   }
@@ -68,10 +77,11 @@ class CudaBackend final : public Backend {
                             "create main stream");
     DI_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking),
                             "create side stream");
-    DI_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming),
-                            "create fork event");
-    DI_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&join_event_, cudaEventDisableTiming),
-                            "create join event");
+    // Timed events: LastOverlapTiming reads the fork, the side's end and the main stream's
+    // arrival at the join (three records a source/consumer pair; nobody synchronises on them).
+    DI_CUDA_RETURN_IF_ERROR(cudaEventCreate(&fork_event_), "create fork event");
+    DI_CUDA_RETURN_IF_ERROR(cudaEventCreate(&join_event_), "create join event");
+    DI_CUDA_RETURN_IF_ERROR(cudaEventCreate(&join_reached_event_), "create join-reached event");
     const int64_t rows = std::max(1, limits_.max_rows);
     const int64_t requests = std::max(1, limits_.max_requests);
     logits_stride_cap_ = RoundUp4(std::max<int64_t>(1, limits_.max_context));
@@ -211,6 +221,44 @@ class CudaBackend final : public Backend {
       return absl::UnimplementedError(absl::StrCat("candidate block size ", bs, " (the CUDA ",
                                                    "backend needs >= ", kMinCandidateBlock, ")"));
     }
+    // The cooperative single launch where its gate holds on host values every rank shares
+    // (the row count, the longest possible row, K_c), so a step's ranks and its CUDA graph
+    // buckets decide alike; the general two launches otherwise. Same answer either way.
+    const int32_t max_blocks = static_cast<int32_t>(
+        std::min<int64_t>(std::numeric_limits<int32_t>::max(),
+                          (std::max<int64_t>(1, limits_.max_context) + bs - 1) / bs));
+    const bool cooperative_fits =
+        cuda::CooperativeCandidatesSupported(rows.num_rows, max_blocks, args.num_candidate_blocks);
+    bool cooperative = false;
+    switch (args.candidate_select) {
+      case CandidateSelect::kAuto:
+        cooperative = kCooperativeCandidatesByDefault && cooperative_fits;
+        break;
+      case CandidateSelect::kGeneral:
+        break;
+      case CandidateSelect::kCooperative:
+        if (!cooperative_fits) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "cooperative candidate selection: ", rows.num_rows, " rows of up to ", max_blocks,
+              " blocks, K_c ", args.num_candidate_blocks, " (its gate refuses)"));
+        }
+        cooperative = true;
+        break;
+    }
+    if (cooperative) {
+      cuda::CooperativeCandidatesArgs cc;
+      cc.num_rows = rows.num_rows;
+      cc.logits = logits_;
+      cc.logits_stride = stride;
+      cc.row_length = rows.row_length;
+      cc.block_size = bs;
+      // The step's own bound (<= max_blocks, so the gate still holds) sizes shared memory.
+      cc.max_blocks_per_row =
+          static_cast<int32_t>((std::max<int64_t>(1, rows.max_row_length) + bs - 1) / bs);
+      cc.k = args.num_candidate_blocks;
+      cc.out = args.candidates_out;
+      return cuda::LaunchCooperativeCandidates(cc, main_);
+    }
     const int64_t scores_stride = RoundUp4((rows.max_row_length + bs - 1) / bs);
     if (s = cuda::LaunchCandidateScores(rows.num_rows, logits_, stride, rows.row_length, bs,
                                         scores_, scores_stride, static_cast<int32_t>(scores_stride),
@@ -281,9 +329,23 @@ class CudaBackend final : public Backend {
   absl::Status JoinExpand() override {
     if (!join_pending_) return absl::OkStatus();
     DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    // Timestamp where the main stream reached the join, for LastOverlapTiming.
+    DI_CUDA_RETURN_IF_ERROR(cudaEventRecord(join_reached_event_, main_), "record join reached");
     DI_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, join_event_, 0), "main waits on join");
     join_pending_ = false;
+    overlap_timed_ = true;
     return absl::OkStatus();
+  }
+
+  absl::StatusOr<OverlapTiming> LastOverlapTiming() override {
+    if (!overlap_timed_) return absl::FailedPreconditionError("no fork/join pair has completed");
+    DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    float side_ms = 0, main_ms = 0;
+    DI_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&side_ms, fork_event_, join_event_),
+                            "overlap timing: fork to side end");
+    DI_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&main_ms, fork_event_, join_reached_event_),
+                            "overlap timing: fork to join reached");
+    return OverlapTiming{1000.0 * side_ms, 1000.0 * main_ms};
   }
 
   // Page-locked, portable (every device's DMA engine may read it: a rank's staging can be
@@ -468,10 +530,12 @@ class CudaBackend final : public Backend {
     if (max_positions > limits_.max_candidate_positions) {
       return absl::InvalidArgumentError("sparse top-k: max_positions exceeds the limits");
     }
-    // Tensor cores (kMma; shapes it does not take fall back to the grid kernel inside).
+    // Tensor cores (kMmaPair: kMma's logits bit for bit, two 16-position tiles per warp step
+    // for FP4 <= 32 heads, 1.7% faster on the H200; shapes it does not take fall back to the
+    // grid kernel inside).
     if (absl::Status s =
             cuda::LaunchSparseLogits(cache, rows, q, positions, counts, max_positions,
-                                     sparse_logits_, main_, cuda::SparseLogitsMath::kMma);
+                                     sparse_logits_, main_, cuda::SparseLogitsMath::kMmaPair);
         !s.ok()) {
       return s;
     }
@@ -496,7 +560,9 @@ class CudaBackend final : public Backend {
   cudaStream_t side_ = nullptr;
   cudaEvent_t fork_event_ = nullptr;
   cudaEvent_t join_event_ = nullptr;
+  cudaEvent_t join_reached_event_ = nullptr;
   bool join_pending_ = false;
+  bool overlap_timed_ = false;  // a fork/join pair completed: LastOverlapTiming has events
   int32_t* schedule_ws_ = nullptr;
   cuda::MqaSchedule schedule_;
   float* logits_ = nullptr;

@@ -155,6 +155,34 @@ absl::Status LaunchCandidateScores(int32_t num_rows, const float* logits, int64_
                                    const int32_t* row_length, int32_t block_size, float* scores,
                                    int64_t scores_stride, int32_t max_blocks, cudaStream_t stream);
 
+// ---- Cooperative candidate-block selection (sm90_cooperative_candidates.cu) ---------------
+// The two launches above in one (the seed's select_candidate_blocks_cooperative), for up to
+// kCooperativeCandidatesMaxRows rows: out[r * k ...] = the top min(k, ceil(row_length[r] /
+// block_size)) blocks by (score desc, block id asc), ascending, -1 padded; the same answer
+// as LaunchCandidateScores + LaunchRadixTopK (length_divisor block_size) bit for bit. One
+// thread-block cluster a row (2-8 blocks: rows x cluster <= 128), the row's block scores held
+// in the cluster's shared memory.
+inline constexpr int32_t kCooperativeCandidatesMaxRows = 64;
+struct CooperativeCandidatesArgs {
+  int32_t num_rows = 0;
+  const float* logits = nullptr;  // [num_rows, logits_stride]
+  int64_t logits_stride = 0;
+  const int32_t* row_length = nullptr;  // [num_rows]
+  int32_t block_size = 0;
+  // Host bound on ceil(row_length[r] / block_size): sizes shared memory (a longer row answers
+  // all -1).
+  int32_t max_blocks_per_row = 0;
+  int32_t k = 0;
+  int32_t* out = nullptr;  // [num_rows, k]
+};
+// The gate, on host values only (the rank's row count, ceil(max context / block size), K_c),
+// so every rank of a step decides alike: true for 1-64 rows whose blocks fit the cluster's
+// shared memory (with 1-16 rows up to 425,984 blocks a row, 17-32 212,992, 33-64 106,496).
+bool CooperativeCandidatesSupported(int32_t num_rows, int32_t max_blocks_per_row, int32_t k);
+// InvalidArgument where the gate refuses (0 rows: nothing to do).
+absl::Status LaunchCooperativeCandidates(const CooperativeCandidatesArgs& args,
+                                         cudaStream_t stream);
+
 // ---- Candidate expansion (sm90_expand_candidates.cu) ---------------------------------------
 absl::Status LaunchExpandCandidates(const ExpandArgs& args, cudaStream_t stream);
 
@@ -164,10 +192,28 @@ absl::Status LaunchExpandCandidates(const ExpandArgs& args, cudaStream_t stream)
 // kGrid (this launcher's default argument): blocks over (row, 256 positions), one thread per
 // position, q in shared memory (FP8/FP4, up to 64 heads, 16-byte aligned pages; other shapes
 // fall back). kWarpPerPosition: the first version, one block per row (kept to time against).
-// kMma (what the backend's SparseTopK / MaskedTopK run): tensor cores, a warp per 16
-// positions (mma.sync m16n8k16 f16, keys gathered with cp.async, widened exactly;
-// sm90_sparse_logits_mma.cu); shapes it does not take fall back to kGrid.
-enum class SparseLogitsMath { kGrid, kWarpPerPosition, kMma };
+// kMma: tensor cores, a warp per 16 positions (mma.sync m16n8k16 f16, keys gathered with
+// cp.async, widened exactly; sm90_sparse_logits_mma.cu); shapes it does not take fall back to
+// kGrid.
+// kMmaFolded: kMma with each FP4 key's group scales folded into its f16 values (one fp32
+// tensor-core sum per key and head; keys whose groups lie more than 2^23 apart take kMma's
+// group-scaled path). kMmaFoldedPair: the same, two m-tiles (32 positions) per warp step.
+// kMmaPair: kMma with two m-tiles per warp step (FP4, <= 32 heads). kMmaQShared: kMma with q's
+// fragments in shared memory for <= 32 heads too (fewer registers, 5 blocks per SM; FP4).
+// kMmaPairLeanCopy: kMmaPair with a cheaper copy issue (per-lane offsets computed once).
+// kMmaPair (what the backend's SparseTopK / MaskedTopK run), kMmaQShared and kMmaPairLeanCopy
+// give kMma's logits bit for bit; the folded ones differ from them by fp32 rounding. FP8 runs
+// kMma under every kMma* value.
+enum class SparseLogitsMath {
+  kGrid,
+  kWarpPerPosition,
+  kMma,
+  kMmaFolded,
+  kMmaFoldedPair,
+  kMmaPair,
+  kMmaQShared,
+  kMmaPairLeanCopy
+};
 absl::Status LaunchSparseLogits(const CacheView& cache, const RowBatch& rows, const QView& q,
                                 const int32_t* positions, const int32_t* counts,
                                 int32_t max_positions, float* logits, cudaStream_t stream,
@@ -178,7 +224,8 @@ absl::Status LaunchSparseLogits(const CacheView& cache, const RowBatch& rows, co
 bool SparseLogitsMmaTakes(const CacheView& cache, const QView& q);
 absl::Status LaunchSparseLogitsMma(const CacheView& cache, const RowBatch& rows, const QView& q,
                                    const int32_t* positions, const int32_t* counts,
-                                   int32_t max_positions, float* logits, cudaStream_t stream);
+                                   int32_t max_positions, float* logits, cudaStream_t stream,
+                                   SparseLogitsMath math = SparseLogitsMath::kMma);
 
 // ---- Row copies (sm90_copy_rows.cu) --------------------------------------------------------
 absl::Status LaunchCopyRows(const CopyRowsArgs& args, cudaStream_t stream);

@@ -26,6 +26,7 @@
 #include "kernels/cuda/sm90_launchers.h"
 #include "kernels/cuda/sm90_tile_config.h"
 #include "kernels/cuda/sm90_topk_bucket.cuh"
+#include "kernels/cuda/sm90_topk_common.cuh"
 
 namespace decode_indexer::kernels::cuda {
 namespace {
@@ -33,16 +34,6 @@ namespace {
 namespace cg = cooperative_groups;
 
 __device__ __forceinline__ uint32_t OrderedKey(float x) { return TopKOrderedKey(x); }
-
-// A cluster barrier when the row is split over a cluster, else a block barrier.
-template <bool kCluster>
-__device__ __forceinline__ void ClusterSync(cg::cluster_group& cluster) {
-  if constexpr (kCluster) {
-    cluster.sync();
-  } else {
-    __syncthreads();
-  }
-}
 
 // The row a block works on (both algorithms): its length in entries (candidate blocks: the
 // length in blocks), where its answer goes and its index map.
@@ -204,33 +195,14 @@ __global__ void __launch_bounds__(kTopKThreads) RadixTopKMultiPassKernel(const T
 #pragma unroll
       for (int j = 0; j < 4; ++j) x[j] = i0 + j < hi ? __ldg(&v[i0 + j]) : 0.f;
     }
-    uint32_t gt_flags = 0, eq_flags = 0;
+    uint32_t key[4];
+    int idx[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      if (i0 + j < hi) {
-        const uint32_t key = OrderedKey(x[j]);
-        gt_flags |= static_cast<uint32_t>(key > threshold) << j;
-        eq_flags |= static_cast<uint32_t>(key == threshold) << j;
-      }
+      key[j] = OrderedKey(x[j]);
+      idx[j] = i0 + j;
     }
-    const uint32_t packed = (static_cast<uint32_t>(__popc(gt_flags)) << 16) | __popc(eq_flags);
-    uint32_t chunk_total;
-    const uint32_t excl = BlockExclusiveScan(packed, scratch, &chunk_total);
-    uint32_t gt_before = run_gt + (excl >> 16);
-    uint32_t eq_before = run_eq + (excl & 0xFFFFu);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int idx = i0 + j;
-      if ((gt_flags >> j) & 1u) {
-        out[gt_before + min(eq_before, need)] = map ? map[idx] : idx;
-        ++gt_before;
-      } else if ((eq_flags >> j) & 1u) {
-        if (eq_before < need) out[gt_before + eq_before] = map ? map[idx] : idx;
-        ++eq_before;
-      }
-    }
-    run_gt += chunk_total >> 16;
-    run_eq += chunk_total & 0xFFFFu;
+    OrderedCompactStep(key, idx, hi - i0, threshold, need, map, out, scratch, run_gt, run_eq);
   }
 }
 
@@ -328,29 +300,6 @@ __device__ __forceinline__ uint64_t BlockExclusiveScan64(uint64_t v, uint64_t* s
   const uint64_t warp_base = warp == 0 ? 0ull : scratch[warp - 1];
   *total = scratch[num_warps - 1];
   return warp_base + inc - v;
-}
-
-// The bin, counted from the top of tot[kTopKBins], that holds the remaining-th largest entry,
-// and the count in the bins above it (into shared *bin / *above). Every thread calls it.
-__device__ __forceinline__ void FindBin(const uint32_t* tot, uint32_t remaining, uint32_t* scratch,
-                                        uint32_t* bin, uint32_t* above_out) {
-  constexpr int kPer = kTopKBins / kTopKThreads;
-  const int top = kTopKBins - static_cast<int>(threadIdx.x) * kPer;  // exclusive upper bin
-  uint32_t local = 0;
-#pragma unroll
-  for (int j = 1; j <= kPer; ++j) local += tot[top - j];
-  uint32_t sum_all;
-  uint32_t above = BlockExclusiveScan(local, scratch, &sum_all);
-#pragma unroll
-  for (int j = 1; j <= kPer; ++j) {
-    const uint32_t cnt = tot[top - j];
-    if (above < remaining && above + cnt >= remaining) {
-      *bin = static_cast<uint32_t>(top - j);
-      *above_out = above;
-    }
-    above += cnt;
-  }
-  __syncthreads();
 }
 
 template <bool kCluster>
@@ -648,31 +597,7 @@ __global__ void __launch_bounds__(kTopKThreads) RadixTopKCompactKernel(const Top
         idx[e] = lo + i0 + e;
       }
     }
-    uint32_t gt_flags = 0, eq_flags = 0;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (i0 + e < n_src) {
-        gt_flags |= static_cast<uint32_t>(key[e] > threshold) << e;
-        eq_flags |= static_cast<uint32_t>(key[e] == threshold) << e;
-      }
-    }
-    const uint32_t packed = (static_cast<uint32_t>(__popc(gt_flags)) << 16) | __popc(eq_flags);
-    uint32_t chunk_total;
-    const uint32_t excl = BlockExclusiveScan(packed, scratch, &chunk_total);
-    uint32_t gt_before = run_gt + (excl >> 16);
-    uint32_t eq_before = run_eq + (excl & 0xFFFFu);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if ((gt_flags >> e) & 1u) {
-        out[gt_before + min(eq_before, need)] = map ? map[idx[e]] : idx[e];
-        ++gt_before;
-      } else if ((eq_flags >> e) & 1u) {
-        if (eq_before < need) out[gt_before + eq_before] = map ? map[idx[e]] : idx[e];
-        ++eq_before;
-      }
-    }
-    run_gt += chunk_total >> 16;
-    run_eq += chunk_total & 0xFFFFu;
+    OrderedCompactStep(key, idx, n_src - i0, threshold, need, map, out, scratch, run_gt, run_eq);
   }
 }
 

@@ -214,10 +214,12 @@ absl::Status LaunchSparseLogits(const CacheView& cache, const RowBatch& rows, co
     return absl::UnimplementedError(
         absl::StrCat("sparse logits: head dim ", geo.head_dim, " (need 128)"));
   }
-  if (math == SparseLogitsMath::kMma) {
+  if (math == SparseLogitsMath::kMma || math == SparseLogitsMath::kMmaFolded ||
+      math == SparseLogitsMath::kMmaFoldedPair || math == SparseLogitsMath::kMmaPair ||
+      math == SparseLogitsMath::kMmaQShared || math == SparseLogitsMath::kMmaPairLeanCopy) {
     if (SparseLogitsMmaTakes(cache, q)) {
-      return LaunchSparseLogitsMma(cache, rows, q, positions, counts, max_positions, logits,
-                                   stream);
+      return LaunchSparseLogitsMma(cache, rows, q, positions, counts, max_positions, logits, stream,
+                                   math);
     }
     math = SparseLogitsMath::kGrid;  // the shapes the tensor-core kernel does not take
   }

@@ -36,6 +36,16 @@
 // times 2^16 * k_scale. Every logit is computed by the same lanes in the same order wherever its
 // position sits in the list, so it depends only on (row, position): not on the batch, the chunking
 // or the run, and MaskedTopK (expand + these kernels) equals SparseTopK bit for bit.
+//
+// Variants (template flags, SparseLogitsMath values; FP4 only, FP8 always runs kMma's):
+// - kMmaPair (the backend's default; two m-tiles per warp step: one wait, copy issue and scale
+//   read per 32 positions) and kMmaQShared (q's B fragments from shared memory, 96 registers,
+//   5 blocks per SM) compute kMma's sums in kMma's order: the same logits bit for bit.
+//   kMmaPairLeanCopy: kMmaPair with the copy issue's per-lane offsets computed once.
+// - kMmaFolded / kMmaFoldedPair: each key's group scales folded into its f16 values
+//   (KeyFoldExponents), so the 8 k-steps are one fp32 tensor-core sum per (key, head), like
+//   FP8's; keys whose groups lie more than 2^23 apart take kMma's group-scaled path for that
+//   key alone. Measured no faster than kMma on the H200 (docs/notes/cuda.md).
 #include <cuda_fp16.h>
 
 #include <cstdint>
@@ -57,14 +67,25 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTileKeys = 16;  // the MMA's M: positions per warp step
 constexpr int kMaxHeads = 64;
 
-template <bool kFp8, int kNT>
+// kMT: m-tiles (16 positions each) per warp step, sharing one wait, copy issue and B-fragment
+// read. kKeyFold: FP4 keys' group scales folded into their f16 values (kMmaFolded*).
+// kQShared: q's B fragments read from shared memory even for <= 32 heads (64 registers fewer:
+// 5 blocks per multiprocessor instead of 4).
+// kLeanCopy (FP4): the per-step copy issue with its per-lane offsets computed once and no
+// validity selects (absent positions copy from the pool's base and are never written).
+template <bool kFp8, int kNT, int kMT = 1, bool kKeyFold = false, bool kQShared = false,
+          bool kLeanCopy = false>
 struct Shape {
-  static constexpr int kHeadsP = kNT * 8;            // heads padded to whole n-tiles
-  static constexpr bool kQInRegisters = kNT <= 4;    // 64 registers of B fragments
+  static constexpr int kHeadsP = kNT * 8;                       // heads padded to whole n-tiles
+  static constexpr bool kQInRegisters = kNT <= 4 && !kQShared;  // 64 registers of B fragments
+  // Blocks per multiprocessor (registers: 65536 / (128 x this)). Two m-tiles spill at 128
+  // registers: those take 168.
+  static constexpr int kMinBlocks = kQShared ? 5 : (kFp8 || kNT > 4 || kMT > 1) ? 3 : 4;
   static constexpr int kKeyBytes = kFp8 ? 128 : 64;  // one key's codes
   static constexpr int kKeyChunks = kKeyBytes / 16;  // its 16-byte cp.async chunks
   static constexpr int kStages = kFp8 ? 3 : 4;       // per warp
-  static constexpr int kStageBytes = kTileKeys * kKeyBytes;
+  static constexpr int kStageKeys = kMT * kTileKeys;
+  static constexpr int kStageBytes = kStageKeys * kKeyBytes;
   // Positions per block: the set-up (q, addresses) is paid once per chunk.
   static constexpr int kTilesPerWarp = (kFp8 || kNT > 4) ? 8 : 16;
   static constexpr int kChunk = kWarps * kTilesPerWarp * kTileKeys;
@@ -73,11 +94,12 @@ struct Shape {
   static constexpr int kQOff = kKeyOff + kWarps * kStages * kStageBytes;
   static constexpr int kAddrOff = kQOff + 4 * kHeadsP * 4 * 16;
   static constexpr int kKScaleOff = kAddrOff + kChunk * 16;
-  static constexpr int kWOff = kKScaleOff + kWarps * kStages * kTileKeys * 4;
+  static constexpr int kWOff = kKScaleOff + kWarps * kStages * kStageKeys * 4;
   static constexpr int kQScaleOff = kWOff + kHeadsP * 4;
   static constexpr int kQMulOff = kQScaleOff + 4 * kHeadsP * 4;
   static constexpr int kSmemBytes = kQMulOff + 4 * kHeadsP * 4;
   static_assert(kChunk % kThreads == 0 && kHeadsP <= kThreads);
+  static_assert(kTilesPerWarp % kMT == 0 && (!kKeyFold || !kFp8) && (!kLeanCopy || !kFp8));
 };
 
 // 4-byte cp.async (through L1; cp.async.cg takes 16 bytes only). !valid zero-fills, reads nothing.
@@ -122,6 +144,40 @@ __device__ __forceinline__ float Ue8m0(uint32_t byte) {
   return __uint_as_float(byte != 0u ? byte << 23 : 0x00400000u);
 }
 
+// f16x2 product with round-to-nearest (.rn: never contracted into an FMA). Used only with a
+// power-of-two multiplier whose products are representable: exact (f16 subnormals are kept).
+__device__ __forceinline__ uint32_t HMul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Key fold (kMmaFolded*): a FP4 key's 4 ue8m0 group scale bytes b_g (b_0 lowest), largest B.
+// Where every b_g lies in [1, 254] and B - b_g <= 23, the key's f16 values (e2m1 times 2^-14
+// from the bit move) times 2^(14 - (B - b_g)) are e2m1 times 2^-(B - b_g): multiples of
+// 2^-24 below 8, exact f16 (normals or subnormals), and the key's value is that times
+// 2^(B - 127), one factor for all 128 dims. Returns the f16 exponent fields (b_g - B + 29, in
+// [6, 29]) of the multipliers times 4, one per byte (0 when the key does not fold: its f16
+// values become zeros and the caller takes the per-group path for it); `ok` and the key scale
+// 2^(B - 127) as a float.
+__device__ __forceinline__ uint32_t KeyFoldExponents(uint32_t sc, bool& ok, float& kscale) {
+  const uint32_t hi2 = __vmaxu4(sc, sc >> 16), lo2 = __vminu4(sc, sc >> 16);
+  const uint32_t top = max(hi2 & 0xFFu, (hi2 >> 8) & 0xFFu);
+  const uint32_t low = min(lo2 & 0xFFu, (lo2 >> 8) & 0xFFu);
+  ok = low >= 1u && top <= 254u && top - low <= 23u;
+  kscale = __uint_as_float(top << 23);
+  // Bytewise b_g - (B - 29) mod 256: b_g - B + 29 wherever the key folds (bytes < 32, so the
+  // shift by 2 keeps each in its byte).
+  const uint32_t e = __vsub4(sc, ((top - 29u) & 0xFFu) * 0x01010101u);
+  return ok ? e << 2 : 0u;
+}
+
+// The f16x2 multiplier 2^(14 - (B - b_grp)) in both halves, from KeyFoldExponents' word: byte
+// grp moved to bytes 1 and 3 (bits 10..14 of each half: the exponent field), zeros elsewhere.
+__device__ __forceinline__ uint32_t KeyFoldMultiplier(uint32_t e4, int grp) {
+  return __byte_perm(e4, 0u, 0x0404u + 0x1010u * static_cast<uint32_t>(grp));
+}
+
 // q in shared memory: [t = 32-dim slice][head][c = lane % 4] 16 bytes, so that one 16-byte
 // load gives lane (g, c) its B fragments (b0, b1 of k-step 2t, then of 2t + 1) for head
 // 8j + g. The 8 f16 pair dims {0, 2} (b0) and {1, 3} (b1) of a 4-dim quad, as the widening
@@ -141,12 +197,13 @@ __device__ __forceinline__ int StageOffset(int key, int ch) {
   }
 }
 
-template <bool kFp8, int kNT>
-__global__ void __launch_bounds__(kThreads, kFp8 || kNT > 4 ? 3 : 4)
+template <bool kFp8, int kNT, int kMT, bool kKeyFold, bool kQShared, bool kLeanCopy>
+__global__ void __launch_bounds__(
+    kThreads, (Shape<kFp8, kNT, kMT, kKeyFold, kQShared, kLeanCopy>::kMinBlocks))
     SparseLogitsMmaKernel(const CacheView cache, const RowBatch rows, const QView q,
                           const int32_t* __restrict__ positions, const int32_t* __restrict__ counts,
                           int32_t max_positions, float* __restrict__ logits) {
-  using S = Shape<kFp8, kNT>;
+  using S = Shape<kFp8, kNT, kMT, kKeyFold, kQShared, kLeanCopy>;
   constexpr int kHeadsP = S::kHeadsP;
   constexpr int kChunk = S::kChunk;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -212,7 +269,9 @@ __global__ void __launch_bounds__(kThreads, kFp8 || kNT > 4 ? 3 : 4)
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int k = i * kThreads + tid;
-    ulonglong2 a = make_ulonglong2(0ull, 0ull);  // 0: no position (zero-filled, not written)
+    // No position: 0 (zero-filled, not written); kLeanCopy: the pool's base (read, not written).
+    const uint64_t none = kLeanCopy ? reinterpret_cast<uint64_t>(base) : 0ull;
+    ulonglong2 a = make_ulonglong2(none, none);
     if (pos[i] >= 0) {
       const int page =
           __ldg(&rows.page_table[int64_t{request} * rows.page_table_stride + pos[i] / page_size]);
@@ -246,6 +305,14 @@ __global__ void __launch_bounds__(kThreads, kFp8 || kNT > 4 ? 3 : 4)
     }
   }
   const bool fold = !kFp8 && __syncthreads_and(fold_ok);
+  // Key fold (kMmaFolded*): on rows whose q scales fold, when every head's folded weight
+  // stays below 2^100, so that the head sum before the key's scale (a 128-dim tensor-core sum
+  // below 2^13, times w', over <= 64 heads) cannot overflow. Per row, like `fold`.
+  bool key_fold = false;
+  if constexpr (kKeyFold) {
+    const float wf = w_raw * __uint_as_float(min(top, 254u) << 23);
+    key_fold = __syncthreads_and(!has_head || fabsf(wf) <= 0x1p100f) && fold;
+  }
   if (tid < kHeadsP) {
     w_s[tid] = fold ? w_raw * __uint_as_float(top << 23) : w_raw;  // padded heads: 0
     if constexpr (!kFp8) {
@@ -287,27 +354,49 @@ __global__ void __launch_bounds__(kThreads, kFp8 || kNT > 4 ? 3 : 4)
   const int warp_first = warp * S::kTilesPerWarp * kTileKeys;  // within the chunk
   const int warp_count = count - first - warp_first;           // positions left for this warp
   if (warp_count <= 0) return;                                 // no block barrier follows
-  const int num_tiles = min(S::kTilesPerWarp, (warp_count + kTileKeys - 1) / kTileKeys);
+  // Steps of kMT tiles (the last may hold fewer: its absent keys are zero-filled, not written).
+  const int num_tiles =
+      min(S::kTilesPerWarp / kMT, (warp_count + S::kStageKeys - 1) / S::kStageKeys);
   uint8_t* warp_keys = key_s + warp * S::kStages * S::kStageBytes;
-  uint32_t* warp_kscale = kscale_s + warp * S::kStages * kTileKeys;
+  uint32_t* warp_kscale = kscale_s + warp * S::kStages * S::kStageKeys;
 
+  // kLeanCopy: lane l copies chunk l % 4 of keys l / 4 + 8 it; FP4's swizzle repeats every 8
+  // keys, so its stage offset is lean_dst + 512 it.
+  const int lean_dst = StageOffset<false>(lane >> 2, lane & 3);
+  const int lean_ch = (lane & 3) * 16;
+  (void)lean_dst;
+  (void)lean_ch;
   auto issue = [&](int tile) {
     if (tile < num_tiles) {
       const int st = tile % S::kStages;
       uint8_t* dst = warp_keys + st * S::kStageBytes;
-      const int key0 = warp_first + tile * kTileKeys;
+      const int key0 = warp_first + tile * S::kStageKeys;
+      if constexpr (kLeanCopy) {
+        static_assert(S::kKeyChunks == 4, "lane l copies chunk l % 4 of its keys");
+        const ulonglong2* entry = addr_s + key0 + (lane >> 2);
 #pragma unroll
-      for (int it = 0; it < S::kKeyChunks * kTileKeys / 32; ++it) {
-        const int idx = it * 32 + lane;
-        const int key = idx / S::kKeyChunks, ch = idx % S::kKeyChunks;
-        const uint64_t a = addr_s[key0 + key].x;
-        const uint8_t* src = a != 0 ? reinterpret_cast<const uint8_t*>(a) + ch * 16 : base;
-        CpAsync16(dst + StageOffset<kFp8>(key, ch), src, a != 0);
-      }
-      if (lane < kTileKeys) {
-        const uint64_t a = addr_s[key0 + lane].y;
-        const uint8_t* src = a != 0 ? reinterpret_cast<const uint8_t*>(a) : base;
-        CpAsync4(&warp_kscale[st * kTileKeys + lane], src, a != 0);
+        for (int it = 0; it < S::kStageKeys / 8; ++it) {
+          CpAsync16(dst + lean_dst + 512 * it,
+                    reinterpret_cast<const uint8_t*>(entry[8 * it].x) + lean_ch, true);
+        }
+        if (lane < S::kStageKeys) {
+          CpAsync4(&warp_kscale[st * S::kStageKeys + lane],
+                   reinterpret_cast<const void*>(addr_s[key0 + lane].y), true);
+        }
+      } else {
+#pragma unroll
+        for (int it = 0; it < S::kKeyChunks * S::kStageKeys / 32; ++it) {
+          const int idx = it * 32 + lane;
+          const int key = idx / S::kKeyChunks, ch = idx % S::kKeyChunks;
+          const uint64_t a = addr_s[key0 + key].x;
+          const uint8_t* src = a != 0 ? reinterpret_cast<const uint8_t*>(a) + ch * 16 : base;
+          CpAsync16(dst + StageOffset<kFp8>(key, ch), src, a != 0);
+        }
+        if (lane < S::kStageKeys) {
+          const uint64_t a = addr_s[key0 + lane].y;
+          const uint8_t* src = a != 0 ? reinterpret_cast<const uint8_t*>(a) : base;
+          CpAsync4(&warp_kscale[st * S::kStageKeys + lane], src, a != 0);
+        }
       }
     }
     CpAsyncCommit();  // one group per call, empty or not: the wait counts stay uniform
@@ -337,133 +426,210 @@ __global__ void __launch_bounds__(kThreads, kFp8 || kNT > 4 ? 3 : 4)
   const int lm_ch = lane >> 4;
   float* out_row = logits + int64_t{row} * max_positions + first;
 
-  auto run_tiles = [&](auto fold_tag) {
+  // FP4, one m-tile: the group-scaled sums (each 32-dim group's exact dot, scaled per group)
+  // of keys g and g + 8, relu, times w, this lane's heads: kMma's FP4 path, and the
+  // kMmaFolded* path for keys that do not fold.
+  auto group_sums = [&](auto fold_tag, const uint8_t* stage, uint32_t sc0, uint32_t sc1, float& s0,
+                        float& s1) {
     constexpr bool kFold = decltype(fold_tag)::value;
+    float tot[kNT][4];
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) tot[j][0] = tot[j][1] = tot[j][2] = tot[j][3] = 0.f;
+#pragma unroll
+    for (int pair = 0; pair < 2; ++pair) {
+      uint32_t r[4];  // words c of groups 2 pair (keys g, g + 8) and 2 pair + 1
+      LdMatrixX4(r, stage + StageOffset<false>(lm_key, 2 * pair + lm_ch));
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int grp = 2 * pair + half;
+        uint32_t x02, x46, x13, x57, y02, y46, y13, y57;
+        E2M1x8BitMove(r[2 * half], x02, x46, x13, x57);
+        E2M1x8BitMove(r[2 * half + 1], y02, y46, y13, y57);
+        const uint32_t a0[4] = {x02, y02, x13, y13};  // k-step 0 of the group
+        const uint32_t a1[4] = {x46, y46, x57, y57};  // k-step 1
+        const float ks0 = Ue8m0((sc0 >> (8 * grp)) & 0xFFu);
+        const float ks1 = Ue8m0((sc1 >> (8 * grp)) & 0xFFu);
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+          float acc[4] = {0.f, 0.f, 0.f, 0.f};
+          const uint4 b = bfrag(grp, j);
+          MmaF16(acc, a0, b.x, b.y);
+          MmaF16(acc, a1, b.z, b.w);
+          if constexpr (kFold) {
+            tot[j][0] = fmaf(acc[0], ks0, tot[j][0]);
+            tot[j][1] = fmaf(acc[1], ks0, tot[j][1]);
+            tot[j][2] = fmaf(acc[2], ks1, tot[j][2]);
+            tot[j][3] = fmaf(acc[3], ks1, tot[j][3]);
+          } else {
+            const float2 qs =
+                *reinterpret_cast<const float2*>(&qscale_s[grp * kHeadsP + 8 * j + 2 * c]);
+            tot[j][0] = fmaf(acc[0], qs.x * ks0, tot[j][0]);
+            tot[j][1] = fmaf(acc[1], qs.y * ks0, tot[j][1]);
+            tot[j][2] = fmaf(acc[2], qs.x * ks1, tot[j][2]);
+            tot[j][3] = fmaf(acc[3], qs.y * ks1, tot[j][3]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float wv = w_s[8 * j + 2 * c + e];
+        s0 = fmaf(wv, fmaxf(tot[j][e], 0.f), s0);
+        s1 = fmaf(wv, fmaxf(tot[j][2 + e], 0.f), s1);
+      }
+    }
+  };
+
+  // path: 0 = FP8, 1 = FP4 group-scaled (kFold: q scales folded), 2 = FP4 keys folded.
+  auto run_tiles = [&](auto fold_tag, auto key_fold_tag) {
+    constexpr bool kFold = decltype(fold_tag)::value;
+    constexpr bool kFoldKeys = decltype(key_fold_tag)::value;
     (void)kFold;  // FP8 has no folding
+    (void)kFoldKeys;
     for (int tile = 0; tile < num_tiles; ++tile) {
       CpAsyncWait<S::kStages - 2>();
       __syncwarp();  // every lane's copies of this tile landed; all are done with the last one
       issue(tile + S::kStages - 1);
       const int st = tile % S::kStages;
-      const uint8_t* stage = warp_keys + st * S::kStageBytes;
-      const uint32_t sc0 = warp_kscale[st * kTileKeys + g];
-      const uint32_t sc1 = warp_kscale[st * kTileKeys + g + 8];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        // m-tile mt: keys 16 mt .. 16 mt + 15 of the stage (the swizzles repeat every 16 keys).
+        const uint8_t* stage = warp_keys + st * S::kStageBytes + mt * kTileKeys * S::kKeyBytes;
+        const uint32_t sc0 = warp_kscale[st * S::kStageKeys + mt * kTileKeys + g];
+        const uint32_t sc1 = warp_kscale[st * S::kStageKeys + mt * kTileKeys + g + 8];
 
-      float s0 = 0.f, s1 = 0.f;  // this lane's head partial sums for keys g and g + 8
-      if constexpr (kFp8) {
-        float acc[kNT][4];
+        float s0 = 0.f, s1 = 0.f;  // this lane's head partial sums for keys g and g + 8
+        float mul0, mul1;          // what those sums are multiplied by at the end
+        if constexpr (kFp8) {
+          float acc[kNT][4];
 #pragma unroll
-        for (int j = 0; j < kNT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+          for (int j = 0; j < kNT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          uint32_t r[4];
-          LdMatrixX4(r, stage + StageOffset<true>(lm_key, 2 * u + lm_ch));
-          uint32_t a0[4], a1[4];  // k-steps 2u and 2u + 1
-          E4M3x4BitMove(r[0], a0[0], a0[2]);
-          E4M3x4BitMove(r[1], a0[1], a0[3]);
-          E4M3x4BitMove(r[2], a1[0], a1[2]);
-          E4M3x4BitMove(r[3], a1[1], a1[3]);
-#pragma unroll
-          for (int j = 0; j < kNT; ++j) {
-            const uint4 b = bfrag(u, j);
-            MmaF16(acc[j], a0, b.x, b.y);
-            MmaF16(acc[j], a1, b.z, b.w);
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kNT; ++j) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float wv = w_s[8 * j + 2 * c + e];
-            s0 = fmaf(wv, fmaxf(acc[j][e], 0.f), s0);
-            s1 = fmaf(wv, fmaxf(acc[j][2 + e], 0.f), s1);
-          }
-        }
-      } else {
-        float tot[kNT][4];
-#pragma unroll
-        for (int j = 0; j < kNT; ++j) tot[j][0] = tot[j][1] = tot[j][2] = tot[j][3] = 0.f;
-#pragma unroll
-        for (int pair = 0; pair < 2; ++pair) {
-          uint32_t r[4];  // words c of groups 2 pair (keys g, g + 8) and 2 pair + 1
-          LdMatrixX4(r, stage + StageOffset<false>(lm_key, 2 * pair + lm_ch));
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int grp = 2 * pair + half;
-            uint32_t x02, x46, x13, x57, y02, y46, y13, y57;
-            E2M1x8BitMove(r[2 * half], x02, x46, x13, x57);
-            E2M1x8BitMove(r[2 * half + 1], y02, y46, y13, y57);
-            const uint32_t a0[4] = {x02, y02, x13, y13};  // k-step 0 of the group
-            const uint32_t a1[4] = {x46, y46, x57, y57};  // k-step 1
-            const float ks0 = Ue8m0((sc0 >> (8 * grp)) & 0xFFu);
-            const float ks1 = Ue8m0((sc1 >> (8 * grp)) & 0xFFu);
+          for (int u = 0; u < 4; ++u) {
+            uint32_t r[4];
+            LdMatrixX4(r, stage + StageOffset<true>(lm_key, 2 * u + lm_ch));
+            uint32_t a0[4], a1[4];  // k-steps 2u and 2u + 1
+            E4M3x4BitMove(r[0], a0[0], a0[2]);
+            E4M3x4BitMove(r[1], a0[1], a0[3]);
+            E4M3x4BitMove(r[2], a1[0], a1[2]);
+            E4M3x4BitMove(r[3], a1[1], a1[3]);
 #pragma unroll
             for (int j = 0; j < kNT; ++j) {
-              float acc[4] = {0.f, 0.f, 0.f, 0.f};
-              const uint4 b = bfrag(grp, j);
-              MmaF16(acc, a0, b.x, b.y);
-              MmaF16(acc, a1, b.z, b.w);
-              if constexpr (kFold) {
-                tot[j][0] = fmaf(acc[0], ks0, tot[j][0]);
-                tot[j][1] = fmaf(acc[1], ks0, tot[j][1]);
-                tot[j][2] = fmaf(acc[2], ks1, tot[j][2]);
-                tot[j][3] = fmaf(acc[3], ks1, tot[j][3]);
-              } else {
-                const float2 qs =
-                    *reinterpret_cast<const float2*>(&qscale_s[grp * kHeadsP + 8 * j + 2 * c]);
-                tot[j][0] = fmaf(acc[0], qs.x * ks0, tot[j][0]);
-                tot[j][1] = fmaf(acc[1], qs.y * ks0, tot[j][1]);
-                tot[j][2] = fmaf(acc[2], qs.x * ks1, tot[j][2]);
-                tot[j][3] = fmaf(acc[3], qs.y * ks1, tot[j][3]);
+              const uint4 b = bfrag(u, j);
+              MmaF16(acc[j], a0, b.x, b.y);
+              MmaF16(acc[j], a1, b.z, b.w);
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float wv = w_s[8 * j + 2 * c + e];
+              s0 = fmaf(wv, fmaxf(acc[j][e], 0.f), s0);
+              s1 = fmaf(wv, fmaxf(acc[j][2 + e], 0.f), s1);
+            }
+          }
+          // q and keys each carried 2^-8: 65536 * k_scale is exact.
+          mul0 = 65536.f * __uint_as_float(sc0);
+          mul1 = 65536.f * __uint_as_float(sc1);
+        } else if constexpr (kFoldKeys) {
+          // Keys folded: each key's f16 values carry its group scales relative to its largest,
+          // q's carry the head's (folded q), so the 8 k-steps are one fp32 tensor-core sum
+          // per (key, head), like FP8's; the key's 2^(B - 127) comes last.
+          bool ok0, ok1;
+          float kb0, kb1;
+          const uint32_t e0 = KeyFoldExponents(sc0, ok0, kb0);
+          const uint32_t e1 = KeyFoldExponents(sc1, ok1, kb1);
+          float acc[kNT][4];
+#pragma unroll
+          for (int j = 0; j < kNT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+          for (int pair = 0; pair < 2; ++pair) {
+            uint32_t r[4];  // words c of groups 2 pair (keys g, g + 8) and 2 pair + 1
+            LdMatrixX4(r, stage + StageOffset<false>(lm_key, 2 * pair + lm_ch));
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int grp = 2 * pair + half;
+              const uint32_t m0 = KeyFoldMultiplier(e0, grp), m1 = KeyFoldMultiplier(e1, grp);
+              uint32_t x02, x46, x13, x57, y02, y46, y13, y57;
+              E2M1x8BitMove(r[2 * half], x02, x46, x13, x57);
+              E2M1x8BitMove(r[2 * half + 1], y02, y46, y13, y57);
+              // Rows g (x: key g) and g + 8 (y: key g + 8) of the A fragments.
+              const uint32_t a0[4] = {HMul2(x02, m0), HMul2(y02, m1), HMul2(x13, m0),
+                                      HMul2(y13, m1)};
+              const uint32_t a1[4] = {HMul2(x46, m0), HMul2(y46, m1), HMul2(x57, m0),
+                                      HMul2(y57, m1)};
+#pragma unroll
+              for (int j = 0; j < kNT; ++j) {
+                const uint4 b = bfrag(grp, j);
+                MmaF16(acc[j], a0, b.x, b.y);
+                MmaF16(acc[j], a1, b.z, b.w);
               }
             }
           }
-        }
 #pragma unroll
-        for (int j = 0; j < kNT; ++j) {
+          for (int j = 0; j < kNT; ++j) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float wv = w_s[8 * j + 2 * c + e];
-            s0 = fmaf(wv, fmaxf(tot[j][e], 0.f), s0);
-            s1 = fmaf(wv, fmaxf(tot[j][2 + e], 0.f), s1);
+            for (int e = 0; e < 2; ++e) {
+              const float wv = w_s[8 * j + 2 * c + e];
+              s0 = fmaf(wv, fmaxf(acc[j][e], 0.f), s0);
+              s1 = fmaf(wv, fmaxf(acc[j][2 + e], 0.f), s1);
+            }
           }
+          mul0 = kb0;
+          mul1 = kb1;
+          // Keys that do not fold (group scales more than 2^23 apart; rare for quantized
+          // vectors): their rows of the MMA above summed zeros; they take the group-scaled
+          // path. Each key's path follows from its own scales only (the MMA's rows do not
+          // mix), so its logit still depends only on (row, position).
+          if (__any_sync(kFullMask, !(ok0 && ok1))) {
+            float u0 = 0.f, u1 = 0.f;
+            group_sums(std::true_type{}, stage, sc0, sc1, u0, u1);
+            if (!ok0) {
+              s0 = u0;
+              mul0 = 16384.f;
+            }
+            if (!ok1) {
+              s1 = u1;
+              mul1 = 16384.f;
+            }
+          }
+        } else {
+          group_sums(std::integral_constant<bool, kFold>{}, stage, sc0, sc1, s0, s1);
+          mul0 = mul1 = 16384.f;  // the keys carried 2^-14
         }
-      }
-      // The 4 lanes of a group hold disjoint heads: complete the head sum (fixed order).
-      s0 += __shfl_xor_sync(kFullMask, s0, 1);
-      s1 += __shfl_xor_sync(kFullMask, s1, 1);
-      s0 += __shfl_xor_sync(kFullMask, s0, 2);
-      s1 += __shfl_xor_sync(kFullMask, s1, 2);
-      if (c < 2) {
-        const int key = g + 8 * c;
-        const int i = warp_first + tile * kTileKeys + key;  // within the chunk
-        if (first + i < count) {
-          float v = c == 0 ? s0 : s1;
-          if constexpr (kFp8) {
-            // q and keys each carried 2^-8: 65536 * k_scale is exact.
-            v *= 65536.f * __uint_as_float(c == 0 ? sc0 : sc1);
-          } else {
-            v *= 16384.f;  // the keys carried 2^-14
-          }
-          out_row[i] = v;
+        // The 4 lanes of a group hold disjoint heads: complete the head sum (fixed order).
+        s0 += __shfl_xor_sync(kFullMask, s0, 1);
+        s1 += __shfl_xor_sync(kFullMask, s1, 1);
+        s0 += __shfl_xor_sync(kFullMask, s0, 2);
+        s1 += __shfl_xor_sync(kFullMask, s1, 2);
+        if (c < 2) {
+          const int key = g + 8 * c;
+          const int i = warp_first + (tile * kMT + mt) * kTileKeys + key;  // within the chunk
+          if (first + i < count) out_row[i] = c == 0 ? s0 * mul0 : s1 * mul1;
         }
       }
     }
   };
-  if (fold) {
-    run_tiles(std::true_type{});
+  if (key_fold) {
+    if constexpr (kKeyFold) run_tiles(std::true_type{}, std::true_type{});
+  } else if (fold) {
+    run_tiles(std::true_type{}, std::false_type{});
   } else {
-    run_tiles(std::false_type{});
+    run_tiles(std::false_type{}, std::false_type{});
   }
   CpAsyncWait<0>();
 }
 
-template <bool kFp8, int kNT>
+template <bool kFp8, int kNT, int kMT = 1, bool kKeyFold = false, bool kQShared = false,
+          bool kLeanCopy = false>
 absl::Status LaunchTyped(const CacheView& cache, const RowBatch& rows, const QView& q,
                          const int32_t* positions, const int32_t* counts, int32_t max_positions,
                          float* logits, cudaStream_t stream) {
-  using S = Shape<kFp8, kNT>;
-  auto kernel = SparseLogitsMmaKernel<kFp8, kNT>;
+  using S = Shape<kFp8, kNT, kMT, kKeyFold, kQShared, kLeanCopy>;
+  auto kernel = SparseLogitsMmaKernel<kFp8, kNT, kMT, kKeyFold, kQShared, kLeanCopy>;
   // The dynamic shared-memory opt-in is per device and per instantiation: once each.
   struct PerDevice {
     std::once_flag once;
@@ -477,6 +643,12 @@ absl::Status LaunchTyped(const CacheView& cache, const RowBatch& rows, const QVi
   std::call_once(pd.once, [&] {
     pd.err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes);
+    // 5 blocks of kQShared need about 221 KB: ask for the largest carveout (the kMma launch
+    // ncu read ran with a 200 KB configuration, room for 4). Not yet timed on the device.
+    if (pd.err == cudaSuccess && kQShared) {
+      pd.err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    cudaSharedmemCarveoutMaxShared);
+    }
   });
   DI_CUDA_RETURN_IF_ERROR(pd.err, "sparse logits (mma): shared-memory opt-in");
   const dim3 grid((max_positions + S::kChunk - 1) / S::kChunk, rows.num_rows);
@@ -499,7 +671,8 @@ bool SparseLogitsMmaTakes(const CacheView& cache, const QView& q) {
 
 absl::Status LaunchSparseLogitsMma(const CacheView& cache, const RowBatch& rows, const QView& q,
                                    const int32_t* positions, const int32_t* counts,
-                                   int32_t max_positions, float* logits, cudaStream_t stream) {
+                                   int32_t max_positions, float* logits, cudaStream_t stream,
+                                   SparseLogitsMath math) {
   if (rows.num_rows <= 0 || max_positions <= 0) return absl::OkStatus();
   if (!SparseLogitsMmaTakes(cache, q)) {
     return absl::UnimplementedError(absl::StrCat("sparse logits (mma): ", q.num_heads,
@@ -507,6 +680,35 @@ absl::Status LaunchSparseLogitsMma(const CacheView& cache, const RowBatch& rows,
   }
   const bool fp8 = cache.geometry.format == CacheFormat::kFp8;
   const bool narrow = q.num_heads <= 32;
+  // FP8 has no group scales: every variant runs kMma's kernel there; so do > 32 heads under
+  // kMmaPair, kMmaPairLeanCopy and kMmaQShared (q is in shared memory there already; two
+  // m-tiles spill).
+  if (!fp8 && narrow && math == SparseLogitsMath::kMmaPair) {
+    return LaunchTyped<false, 4, 2>(cache, rows, q, positions, counts, max_positions, logits,
+                                    stream);
+  }
+  if (!fp8 && narrow && math == SparseLogitsMath::kMmaPairLeanCopy) {
+    return LaunchTyped<false, 4, 2, false, false, true>(cache, rows, q, positions, counts,
+                                                        max_positions, logits, stream);
+  }
+  if (!fp8 && narrow && math == SparseLogitsMath::kMmaQShared) {
+    return LaunchTyped<false, 4, 1, false, true>(cache, rows, q, positions, counts, max_positions,
+                                                 logits, stream);
+  }
+  if (!fp8 && math == SparseLogitsMath::kMmaFolded) {
+    return narrow ? LaunchTyped<false, 4, 1, true>(cache, rows, q, positions, counts, max_positions,
+                                                   logits, stream)
+                  : LaunchTyped<false, 8, 1, true>(cache, rows, q, positions, counts, max_positions,
+                                                   logits, stream);
+  }
+  if (!fp8 && math == SparseLogitsMath::kMmaFoldedPair) {
+    // Two m-tiles of > 32 heads (q's fragments from shared memory, 64 accumulators per m-tile)
+    // spill at 168 registers: those take one m-tile per step.
+    return narrow ? LaunchTyped<false, 4, 2, true>(cache, rows, q, positions, counts, max_positions,
+                                                   logits, stream)
+                  : LaunchTyped<false, 8, 1, true>(cache, rows, q, positions, counts, max_positions,
+                                                   logits, stream);
+  }
   if (fp8) {
     return narrow ? LaunchTyped<true, 4>(cache, rows, q, positions, counts, max_positions, logits,
                                          stream)
