@@ -119,6 +119,25 @@ float Median(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
+// Median microseconds per step over `batches` batches of `per_batch` back-to-back steps (CUDA
+// events around each batch), after 3 warm-up steps.
+template <typename Step>
+float TimeBatches(cudaStream_t st, cudaEvent_t e0, cudaEvent_t e1, int batches, int per_batch,
+                  Step&& step) {
+  for (int i = 0; i < 3; ++i) step();  // warm-up
+  std::vector<float> per_step;
+  for (int bt = 0; bt < batches; ++bt) {
+    CHECK_CUDA(cudaEventRecord(e0, st), "record");
+    for (int i = 0; i < per_batch; ++i) step();
+    CHECK_CUDA(cudaEventRecord(e1, st), "record");
+    CHECK_CUDA(cudaEventSynchronize(e1), "sync");
+    float ms;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
+    per_step.push_back(ms * 1000.f / per_batch);
+  }
+  return Median(per_step);
+}
+
 // The v41 consumer layer step (docs/results/multigpu.md): 64 rows (one request each, contexts
 // around 64K) x 2048 candidate blocks of 8 = 16K positions, FP4 cache, 32 heads, top 512.
 // Times the sparse logits in each variant (warp per position, grid, tensor-core kMma), the radix
@@ -193,8 +212,9 @@ int RunConsumer(uint8_t* pool, int64_t pool_bytes, int sms, cudaStream_t st, cud
         dc::LaunchSparseLogits({pool, pages, geo}, b, q, d_pos, d_cnt, kMaxPos, d_logits, st, math),
         "sparse logits");
   };
-  auto topk_step = [&]() {
+  auto topk_step = [&](dc::TopKArgs::Algo algo = dc::TopKArgs::Algo::kAuto) {
     dc::TopKArgs t;
+    t.algo = algo;
     t.num_rows = kRows;
     t.values = d_logits;
     t.stride = kMaxPos;
@@ -206,19 +226,10 @@ int RunConsumer(uint8_t* pool, int64_t pool_bytes, int sms, cudaStream_t st, cud
     t.max_length = kMaxPos;
     CHECK_OK(dc::LaunchRadixTopK(t, sms, st), "topk");
   };
+  // Each step gets the next index (so it takes the next page-table set).
   auto time_steps = [&](auto&& step, int batches, int per_batch) {
-    for (int i = 0; i < 2; ++i) step(i);  // warm-up
-    std::vector<float> per_step;
-    for (int bt = 0; bt < batches; ++bt) {
-      CHECK_CUDA(cudaEventRecord(e0, st), "record");
-      for (int i = 0; i < per_batch; ++i) step(bt * per_batch + i);
-      CHECK_CUDA(cudaEventRecord(e1, st), "record");
-      CHECK_CUDA(cudaEventSynchronize(e1), "sync");
-      float ms;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
-      per_step.push_back(ms * 1000.f / per_batch);
-    }
-    return Median(per_step);
+    int i = 0;
+    return TimeBatches(st, e0, e1, batches, per_batch, [&] { step(i++); });
   };
   const float t_warp =
       time_steps([&](int i) { logits_step(i, dc::SparseLogitsMath::kWarpPerPosition); }, 3, 2);
@@ -230,6 +241,11 @@ int RunConsumer(uint8_t* pool, int64_t pool_bytes, int sms, cudaStream_t st, cud
   const float t_mma2 =
       time_steps([&](int i) { logits_step(i, dc::SparseLogitsMath::kMma); }, 7, 10);
   const float t_topk = time_steps([&](int) { topk_step(); }, 7, 10);
+  // The top-k column split by kernel: the radix kernels (kGeneral) and the cooperative top-k.
+  const float t_topk_general =
+      time_steps([&](int) { topk_step(dc::TopKArgs::Algo::kGeneral); }, 7, 10);
+  const float t_topk_coop =
+      time_steps([&](int) { topk_step(dc::TopKArgs::Algo::kCooperative); }, 7, 10);
   const float t_step_grid = time_steps(
       [&](int i) {
         logits_step(i, dc::SparseLogitsMath::kGrid);
@@ -296,18 +312,19 @@ int RunConsumer(uint8_t* pool, int64_t pool_bytes, int sms, cudaStream_t st, cud
     }
     return d / m;
   };
-  const double fold_diff = rel_diff(dc::SparseLogitsMath::kMmaFolded);
-  const double pair_diff = rel_diff(dc::SparseLogitsMath::kMmaFoldedPair);
-  const double mpair_diff = rel_diff(dc::SparseLogitsMath::kMmaPair);
-  const double qshared_diff = rel_diff(dc::SparseLogitsMath::kMmaQShared);
-  const double lean_diff = rel_diff(dc::SparseLogitsMath::kMmaPairLeanCopy);
-  constexpr int kKinds = 6;
-  // [kMma, kMmaFolded, kMmaFoldedPair, kMmaPair, kMmaQShared, kMmaPairLeanCopy][round]
-  float t_q[kKinds][2];
+  // The tensor-core variants (docs/notes/cuda.md), timed in two interleaved rounds.
+  constexpr int kKinds = 8;
   const dc::SparseLogitsMath kinds[kKinds] = {
       dc::SparseLogitsMath::kMma,           dc::SparseLogitsMath::kMmaFolded,
       dc::SparseLogitsMath::kMmaFoldedPair, dc::SparseLogitsMath::kMmaPair,
-      dc::SparseLogitsMath::kMmaQShared,    dc::SparseLogitsMath::kMmaPairLeanCopy};
+      dc::SparseLogitsMath::kMmaQShared,    dc::SparseLogitsMath::kMmaPairLeanCopy,
+      dc::SparseLogitsMath::kMmaPairLean,   dc::SparseLogitsMath::kMmaPairLeanOcc};
+  const char* const kind_names[kKinds] = {"mma",           "mma-folded",       "mma-folded-pair",
+                                          "mma-pair",      "mma-q-shared",     "mma-pair-lean-copy",
+                                          "mma-pair-lean", "mma-pair-lean-occ"};
+  double kind_diff[kKinds];  // max |variant - kMma| / max |logit|
+  for (int v = 0; v < kKinds; ++v) kind_diff[v] = rel_diff(kinds[v]);
+  float t_q[kKinds][2];
   for (int round = 0; round < 2; ++round) {
     for (int v = 0; v < kKinds; ++v) {
       t_q[v][round] = time_steps([&](int i) { logits_step(i, kinds[v]); }, 7, 10);
@@ -334,28 +351,19 @@ int RunConsumer(uint8_t* pool, int64_t pool_bytes, int sms, cudaStream_t st, cud
       kRows, kMaxPos, kHeads32, kK, t_warp, t_grid, t_grid2, t_mma, t_mma2,
       key_bytes / (t_mma * 1e-6) / 1e9, floor_us, key_bytes / 1e6, copy_gbs, t_mma / floor_us,
       t_grid / floor_us, t_topk, t_step, t_step_grid, max_diff / max_abs, t_mma_unfolded, sets);
+  std::printf("consumer top-k: auto %.1f us, general (radix) %.1f us, cooperative %.1f us\n",
+              t_topk, t_topk_general, t_topk_coop);
   std::printf(
       "consumer, random key scales (folded variants' fallback path nearly everywhere): "
       "mma-folded %.1f us, mma-folded-pair %.1f us\n",
       t_fold_rand, t_pair_rand);
   std::printf(
-      "consumer, quantized-like key scales (every key folds): mma %.1f / %.1f us (%.2fx floor), "
-      "mma-folded %.1f / %.1f us (%.2fx), mma-folded-pair %.1f / %.1f us (%.2fx); step with "
-      "top-k: mma %.1f, folded %.1f, pair %.1f us; max |variant-mma| / max |logit|: folded %.3g, "
-      "pair %.3g\n",
-      t_q[0][0], t_q[0][1], t_q[0][0] / floor_us, t_q[1][0], t_q[1][1], t_q[1][0] / floor_us,
-      t_q[2][0], t_q[2][1], t_q[2][0] / floor_us, t_qstep[0], t_qstep[1], t_qstep[2], fold_diff,
-      pair_diff);
-  std::printf(
-      "consumer, quantized-like key scales: mma-pair %.1f / %.1f us (%.2fx), mma-q-shared %.1f / "
-      "%.1f us (%.2fx); step with top-k: pair %.1f, q-shared %.1f us; max |variant-mma| / max "
-      "|logit|: pair %.3g, q-shared %.3g\n",
-      t_q[3][0], t_q[3][1], t_q[3][0] / floor_us, t_q[4][0], t_q[4][1], t_q[4][0] / floor_us,
-      t_qstep[3], t_qstep[4], mpair_diff, qshared_diff);
-  std::printf(
-      "consumer, quantized-like key scales: mma-pair-lean-copy %.1f / %.1f us (%.2fx); step with "
-      "top-k %.1f us; max |variant-mma| / max |logit| %.3g\n",
-      t_q[5][0], t_q[5][1], t_q[5][0] / floor_us, t_qstep[5], lean_diff);
+      "consumer, quantized-like key scales (every key folds), logits us in two rounds, / floor, "
+      "step with top-k us, max |variant-mma| / max |logit|:\n");
+  for (int v = 0; v < kKinds; ++v) {
+    std::printf("  %-20s %6.1f / %6.1f us (%.2fx)  step %6.1f us  diff %.3g\n", kind_names[v],
+                t_q[v][0], t_q[v][1], t_q[v][0] / floor_us, t_qstep[v], kind_diff[v]);
+  }
   std::fprintf(out,
                "{\"consumer\": true, \"rows\": %d, \"positions\": %d, \"heads\": %d, "
                "\"k\": %d, \"logits_warp_us\": %.2f, \"logits_grid_us\": %.2f, "
@@ -368,12 +376,13 @@ int RunConsumer(uint8_t* pool, int64_t pool_bytes, int sms, cudaStream_t st, cud
                "\"step_folded_pair_us\": %.2f, \"folded_rel_diff\": %.3g, "
                "\"folded_pair_rel_diff\": %.3g, \"mma_pair_us\": %.2f, \"mma_q_shared_us\": %.2f, "
                "\"step_mma_pair_us\": %.2f, \"step_mma_q_shared_us\": %.2f, "
-               "\"mma_pair_lean_copy_us\": %.2f, \"step_mma_pair_lean_copy_us\": %.2f}\n",
+               "\"mma_pair_lean_copy_us\": %.2f, \"step_mma_pair_lean_copy_us\": %.2f, "
+               "\"topk_general_us\": %.2f, \"topk_coop_us\": %.2f}\n",
                kRows, kMaxPos, kHeads32, kK, t_warp, t_grid, t_mma, floor_us, t_topk, t_step,
                t_step_grid, key_bytes, max_diff / max_abs, t_mma_unfolded, sets, t_fold_rand,
                t_pair_rand, t_q[0][0], t_q[1][0], t_q[2][0], t_qstep[0], t_qstep[1], t_qstep[2],
-               fold_diff, pair_diff, t_q[3][0], t_q[4][0], t_qstep[3], t_qstep[4], t_q[5][0],
-               t_qstep[5]);
+               kind_diff[1], kind_diff[2], t_q[3][0], t_q[4][0], t_qstep[3], t_qstep[4], t_q[5][0],
+               t_qstep[5], t_topk_general, t_topk_coop);
   for (int32_t* t : tables) CHECK_CUDA(cudaFree(t), "free");
   for (void* p :
        {static_cast<void*>(d_rr), static_cast<void*>(d_rl), static_cast<void*>(d_pos),
@@ -397,6 +406,26 @@ __global__ void FillLogits(float* logits, int64_t n, uint64_t seed) {
   }
 }
 
+// Rows of 0.7-1.3x `avg` random lengths (to lengths_d) of hash-random logits (row stride: the
+// longest rounded up to 4); returns the longest, or -1 where the buffer is too small.
+int32_t RandomRows(int rows, int avg, std::mt19937_64& rng, float* logits, int64_t logits_stride,
+                   int32_t* lengths_d, int sms, cudaStream_t st, const char* what) {
+  std::uniform_real_distribution<double> u(0.7, 1.3);
+  std::vector<int32_t> lengths(rows);
+  for (auto& l : lengths) l = std::max(1, static_cast<int32_t>(avg * u(rng)));
+  const int32_t max_len = *std::max_element(lengths.begin(), lengths.end());
+  const int64_t stride = (max_len + 3) / 4 * 4;
+  if (stride > logits_stride) {
+    std::fprintf(stderr, "%s: logits buffer too small\n", what);
+    return -1;
+  }
+  CHECK_CUDA(cudaMemcpyAsync(lengths_d, lengths.data(), 4 * rows, cudaMemcpyHostToDevice, st),
+             "copy lengths");
+  FillLogits<<<4 * sms, 256, 0, st>>>(logits, int64_t{rows} * stride, rng());
+  CHECK_CUDA(cudaGetLastError(), "fill logits");
+  return max_len;
+}
+
 // --candidates: candidate-block selection at a source layer (spec section 7: blocks of 8, keep
 // 2048) on the same logits, the general path (LaunchCandidateScores + LaunchRadixTopK, as
 // DenseTopK runs it) against the cooperative single launch, at 1 / 8 / 64 rows x 32K / 64K /
@@ -417,19 +446,10 @@ int RunCandidates(float* logits, int64_t logits_stride, int sms, cudaStream_t st
               "mismatch");
   for (int rows : {1, 8, 64}) {
     for (int avg : {32768, 65536, 131072}) {
-      std::uniform_real_distribution<double> u(0.7, 1.3);
-      std::vector<int32_t> lengths(rows);
-      for (auto& l : lengths) l = std::max(1, static_cast<int32_t>(avg * u(rng)));
-      const int32_t max_len = *std::max_element(lengths.begin(), lengths.end());
+      const int32_t max_len =
+          RandomRows(rows, avg, rng, logits, logits_stride, lengths_d, sms, st, "candidates");
+      if (max_len < 0) return 1;
       const int64_t stride = (max_len + 3) / 4 * 4;
-      if (stride > logits_stride) {
-        std::fprintf(stderr, "candidates: logits buffer too small\n");
-        return 1;
-      }
-      CHECK_CUDA(cudaMemcpyAsync(lengths_d, lengths.data(), 4 * rows, cudaMemcpyHostToDevice, st),
-                 "copy lengths");
-      FillLogits<<<4 * sms, 256, 0, st>>>(logits, int64_t{rows} * stride, rng());
-      CHECK_CUDA(cudaGetLastError(), "fill logits");
       const int32_t max_blocks = (max_len + kBlock - 1) / kBlock;
       const int64_t sstride = (max_blocks + 3) / 4 * 4;
       auto general = [&]() {
@@ -460,18 +480,7 @@ int RunCandidates(float* logits, int64_t logits_stride, int sms, cudaStream_t st
         CHECK_OK(dc::LaunchCooperativeCandidates(a, st), "cooperative candidates");
       };
       auto time_batches = [&](auto&& step) {
-        for (int i = 0; i < 3; ++i) step();  // warm-up
-        std::vector<float> per_step;
-        for (int bt = 0; bt < batches; ++bt) {
-          CHECK_CUDA(cudaEventRecord(e0, st), "record");
-          for (int i = 0; i < per_batch; ++i) step();
-          CHECK_CUDA(cudaEventRecord(e1, st), "record");
-          CHECK_CUDA(cudaEventSynchronize(e1), "sync");
-          float ms;
-          CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
-          per_step.push_back(ms * 1000.f / per_batch);
-        }
-        return Median(per_step);
+        return TimeBatches(st, e0, e1, batches, per_batch, step);
       };
       const float t_general = time_batches(general);
       const float t_coop = time_batches(cooperative);
@@ -503,6 +512,149 @@ int RunCandidates(float* logits, int64_t logits_stride, int sms, cudaStream_t st
   return 0;
 }
 
+// --coop-topk: the cooperative top-k (TopKArgs::Algo::kCooperative) against the general
+// kernels on the same values. Dense: K 2048 at 1 / 8 / 64 rows x 16K / 32K / 64K / 128K
+// average length (0.7-1.3x), hash-random values: kGeneral (kAuto's choice before), kCompact,
+// kMultiPass, kCooperative at its default cluster and at twice that (more blocks than SMs for
+// 33+ rows; "-" where a cluster's shared memory cannot hold the row). Consumer: the v41
+// consumer's index-mapped top-k, 64 rows x 16K candidate logits, K 512, through a map of
+// increasing positions. Each variant timed twice (interleaved), the lower median kept; every
+// answer compared with kGeneral's entry for entry.
+int RunCoopTopK(float* logits, int64_t logits_stride, int sms, cudaStream_t st, cudaEvent_t e0,
+                cudaEvent_t e1, std::mt19937_64& rng, FILE* out, int batches, int per_batch) {
+  constexpr int kMaxRows = 64;
+  using Algo = dc::TopKArgs::Algo;
+  int32_t *lengths_d, *map_d, *ans, *ref;
+  CHECK_CUDA(cudaMalloc(&lengths_d, 4 * kMaxRows), "lengths");
+  CHECK_CUDA(cudaMalloc(&ans, 4 * int64_t{kMaxRows} * kTopK), "answers");
+  CHECK_CUDA(cudaMalloc(&ref, 4 * int64_t{kMaxRows} * kTopK), "reference");
+  constexpr int kConsumerPos = 2048 * 8, kConsumerK = 512;
+  CHECK_CUDA(cudaMalloc(&map_d, 4 * int64_t{kMaxRows} * kConsumerPos), "map");
+  auto time_batches = [&](auto&& step) {
+    return TimeBatches(st, e0, e1, batches, per_batch, step);
+  };
+  int64_t total_mismatch = 0;
+  // One shape: each variant's time (-1: refused), its mismatches against kGeneral.
+  auto measure = [&](const dc::TopKArgs& base, int rows, int k, float* t, int64_t* mismatch) {
+    struct Variant {
+      Algo algo;
+      int cluster;
+    };
+    const int coop_c = rows <= 16 ? 8 : rows <= 32 ? 4 : 2;
+    const Variant variants[5] = {{Algo::kGeneral, 0},
+                                 {Algo::kCompact, 0},
+                                 {Algo::kMultiPass, 0},
+                                 {Algo::kCooperative, 0},
+                                 {Algo::kCooperative, coop_c < 8 ? 2 * coop_c : 8}};
+    auto launch = [&](const Variant& v, int32_t* dst) {
+      dc::TopKArgs a = base;
+      a.algo = v.algo;
+      a.cluster_size = v.cluster;
+      a.out = dst;
+      return dc::LaunchRadixTopK(a, sms, st);
+    };
+    CHECK_OK(launch(variants[0], ref), "general top-k");
+    float best[5];
+    for (int round = 0; round < 2; ++round) {
+      for (int v = 0; v < 5; ++v) {
+        if (!launch(variants[v], ans).ok()) {
+          best[v] = -1.f;
+          continue;
+        }
+        const float tv = time_batches([&] { CHECK_OK(launch(variants[v], ans), "top-k"); });
+        best[v] = round == 0 ? tv : std::min(best[v], tv);
+      }
+    }
+    const int64_t n = int64_t{rows} * k;
+    std::vector<int32_t> a(n), b(n);
+    CHECK_CUDA(cudaMemcpyAsync(a.data(), ref, 4 * n, cudaMemcpyDeviceToHost, st), "d2h");
+    for (int v = 0; v < 5; ++v) {
+      t[v] = best[v];
+      mismatch[v] = 0;
+      if (best[v] < 0) continue;
+      CHECK_OK(launch(variants[v], ans), "top-k");
+      CHECK_CUDA(cudaMemcpyAsync(b.data(), ans, 4 * n, cudaMemcpyDeviceToHost, st), "d2h");
+      CHECK_CUDA(cudaStreamSynchronize(st), "sync");
+      for (int64_t e = 0; e < n; ++e) mismatch[v] += a[e] != b[e];
+      total_mismatch += mismatch[v];
+    }
+  };
+  auto fmt = [](float t) {
+    static char buf[5][16];
+    static int slot = 0;
+    char* b = buf[slot++ % 5];
+    if (t < 0) {
+      std::snprintf(b, 16, "%s", "-");
+    } else {
+      std::snprintf(b, 16, "%.2f", t);
+    }
+    return b;
+  };
+  std::printf("%5s %7s %5s | %10s %10s %10s %10s %10s | %8s %8s\n", "rows", "avg", "k",
+              "general_us", "compact", "multipass", "coop", "coop_2x", "gen/coop", "mismatch");
+  auto report = [&](const char* what, int rows, int avg, int k, const float* t, const int64_t* mm) {
+    int64_t m = 0;
+    for (int v = 0; v < 5; ++v) m += mm[v];
+    std::printf("%5d %7d %5d | %10s %10s %10s %10s %10s | %8.2f %8lld  %s\n", rows, avg, k,
+                fmt(t[0]), fmt(t[1]), fmt(t[2]), fmt(t[3]), fmt(t[4]), t[3] > 0 ? t[0] / t[3] : 0.0,
+                static_cast<long long>(m), what);
+    std::fprintf(out,
+                 "{\"coop_topk\": \"%s\", \"rows\": %d, \"avg\": %d, \"k\": %d, "
+                 "\"general_us\": %.2f, \"compact_us\": %.2f, \"multipass_us\": %.2f, "
+                 "\"coop_us\": %.2f, \"coop_2x_us\": %.2f, \"mismatches\": %lld}\n",
+                 what, rows, avg, k, t[0], t[1], t[2], t[3], t[4], static_cast<long long>(m));
+    std::fflush(out);
+  };
+  // One shape: rows of `stride` values (lengths in lengths_d, at most max_len), mapped or not.
+  auto run_shape = [&](const char* what, int rows, int avg, int k, int64_t stride, int32_t max_len,
+                       const int32_t* map) {
+    dc::TopKArgs t;
+    t.num_rows = rows;
+    t.values = logits;
+    t.stride = stride;
+    t.lengths = lengths_d;
+    t.k = k;
+    t.index_map = map;
+    t.index_map_stride = stride;
+    t.max_length = max_len;
+    float tv[5];
+    int64_t mm[5];
+    measure(t, rows, k, tv, mm);
+    report(what, rows, avg, k, tv, mm);
+  };
+  for (int rows : {1, 8, 64}) {
+    for (int avg : {16384, 32768, 65536, 131072}) {
+      const int32_t max_len =
+          RandomRows(rows, avg, rng, logits, logits_stride, lengths_d, sms, st, "coop-topk");
+      if (max_len < 0) return 1;
+      run_shape("dense", rows, avg, kTopK, (max_len + 3) / 4 * 4, max_len, nullptr);
+    }
+  }
+  {  // The consumer: 64 rows x 16K candidate logits, mapped to increasing positions.
+    std::vector<int32_t> map(int64_t{kMaxRows} * kConsumerPos), cnt(kMaxRows, kConsumerPos);
+    for (int r = 0; r < kMaxRows; ++r) {
+      int32_t at = 0;
+      for (int i = 0; i < kConsumerPos; ++i) {
+        at += 1 + static_cast<int32_t>(rng() % 4);
+        map[int64_t{r} * kConsumerPos + i] = at;
+      }
+    }
+    CHECK_CUDA(cudaMemcpyAsync(map_d, map.data(), 4 * map.size(), cudaMemcpyHostToDevice, st),
+               "copy map");
+    CHECK_CUDA(cudaMemcpyAsync(lengths_d, cnt.data(), 4 * kMaxRows, cudaMemcpyHostToDevice, st),
+               "copy counts");
+    FillLogits<<<4 * sms, 256, 0, st>>>(logits, int64_t{kMaxRows} * kConsumerPos, rng());
+    CHECK_CUDA(cudaGetLastError(), "fill logits");
+    CHECK_CUDA(cudaStreamSynchronize(st), "sync");
+    run_shape("consumer", kMaxRows, kConsumerPos, kConsumerK, kConsumerPos, kConsumerPos, map_d);
+  }
+  for (void* p : {static_cast<void*>(lengths_d), static_cast<void*>(map_d), static_cast<void*>(ans),
+                  static_cast<void*>(ref)}) {
+    CHECK_CUDA(cudaFree(p), "free");
+  }
+  return total_mismatch == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -516,6 +668,7 @@ int main(int argc, char** argv) {
   // --topk: the top-k shapes of issue 3 (next_n 1), the top-k variants only (no other logits
   // paths): multi-pass vs compact, cluster sizes, the fused threshold-filter histogram.
   bool topk_only = false;
+  bool coop_topk = false;  // --coop-topk: the cooperative top-k vs the general kernels
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--out" && i + 1 < argc) out_path = argv[++i];
@@ -524,6 +677,7 @@ int main(int argc, char** argv) {
     if (a == "--consumer") consumer = true;
     if (a == "--candidates") candidates = true;
     if (a == "--topk") topk_only = true;
+    if (a == "--coop-topk") coop_topk = true;
     if (a == "--only" && i + 3 < argc) {
       only_requests = std::atoi(argv[++i]);
       only_next_n = std::atoi(argv[++i]);
@@ -593,6 +747,12 @@ int main(int argc, char** argv) {
   }
   if (consumer) {
     const int rc = RunConsumer(pool, pool_pages * kPageBytes, sms, st, e0, e1, rng, out, copy_gbs);
+    std::fclose(out);
+    return rc;
+  }
+  if (coop_topk) {
+    const int rc =
+        RunCoopTopK(logits, (max_ctx + 3) / 4 * 4, sms, st, e0, e1, rng, out, batches, per_batch);
     std::fclose(out);
     return rc;
   }
@@ -722,19 +882,10 @@ int main(int argc, char** argv) {
           t.row_histogram = hist ? row_hist : nullptr;
           CHECK_OK(dc::LaunchRadixTopK(t, sms, st), "topk");
         };
+        // Each step gets the next index (the next page-table set).
         auto time_batches = [&](auto&& step) {
-          for (int i = 0; i < 3; ++i) step(i);  // warm-up
-          std::vector<float> per_step;
-          for (int bt = 0; bt < batches; ++bt) {
-            CHECK_CUDA(cudaEventRecord(e0, st), "record");
-            for (int i = 0; i < per_batch; ++i) step(bt * per_batch + i);
-            CHECK_CUDA(cudaEventRecord(e1, st), "record");
-            CHECK_CUDA(cudaEventSynchronize(e1), "sync");
-            float ms;
-            CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
-            per_step.push_back(ms * 1000.f / per_batch);
-          }
-          return Median(per_step);
+          int i = 0;
+          return TimeBatches(st, e0, e1, batches, per_batch, [&] { step(i++); });
         };
         // The other tensor-core paths, logits only, for comparison; then the default.
         float t_fp8 = 0, t_mma = 0, t_f16 = 0, t_split = 0, t_keysm = 0, t_bitmove = 0;

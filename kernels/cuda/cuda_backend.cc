@@ -31,7 +31,7 @@ int64_t RoundUp4(int64_t n) { return (n + 3) / 4 * 4; }
 constexpr bool kFuseTopKHistogram = false;
 
 // DenseTopK at a candidate source, CandidateSelect::kAuto: take the cooperative single launch
-// (sm90_cooperative_candidates.cu) where its gate holds. Verified on the H200 (12:34 run: equal
+// (sm90_cooperative_topk.cu) where its gate holds. Verified on the H200 (12:34 run: equal
 // to the CPU twin and the general path bit for bit); 1.04-1.71x the general path at 8 of the 9
 // measured shapes, 0.92x at 1 x 32K (docs/results/cuda-bench.md, 12:34). false: the general two
 // launches everywhere (a switch-off).
@@ -275,6 +275,7 @@ class CudaBackend final : public Backend {
     ck.k = args.num_candidate_blocks;
     ck.out = args.candidates_out;
     ck.max_length = static_cast<int32_t>(scores_stride);
+    ck.algo = cuda::TopKArgs::Algo::kGeneral;  // this path is the switch-off: radix kernels only
     return cuda::LaunchRadixTopK(ck, num_sms_, main_);
   }
 
@@ -283,7 +284,7 @@ class CudaBackend final : public Backend {
     if (args.rows.num_rows == 0) return absl::OkStatus();
     if (absl::Status s = CheckRows(args.rows); !s.ok()) return s;
     return Sparse(args.cache, args.rows, args.q, args.positions, args.counts, args.max_positions,
-                  args.topk, args.topk_out);
+                  args.topk, args.topk_out, args.topk_select);
   }
 
   absl::Status MaskedTopK(const MaskedArgs& args) override {
@@ -526,16 +527,17 @@ class CudaBackend final : public Backend {
 
   absl::Status Sparse(const CacheView& cache, const RowBatch& rows, const QView& q,
                       const int32_t* positions, const int32_t* counts, int32_t max_positions,
-                      int32_t topk, int32_t* out) {
+                      int32_t topk, int32_t* out, TopKSelect topk_select = TopKSelect::kAuto) {
     if (max_positions > limits_.max_candidate_positions) {
       return absl::InvalidArgumentError("sparse top-k: max_positions exceeds the limits");
     }
-    // Tensor cores (kMmaPair: kMma's logits bit for bit, two 16-position tiles per warp step
-    // for FP4 <= 32 heads, 1.7% faster on the H200; shapes it does not take fall back to the
-    // grid kernel inside).
-    if (absl::Status s =
-            cuda::LaunchSparseLogits(cache, rows, q, positions, counts, max_positions,
-                                     sparse_logits_, main_, cuda::SparseLogitsMath::kMmaPair);
+    // Tensor cores (kMmaPairLeanOcc: kMma's logits bit for bit; for FP4 <= 32 heads two
+    // 16-position tiles per warp step, a lean copy issue, key scales decoded once, 4 blocks per
+    // SM: 51.7 us vs kMmaPair's 55.2 on the H200, 13:04 run; other shapes run kMma, and those it
+    // does not take fall back to the grid kernel inside).
+    if (absl::Status s = cuda::LaunchSparseLogits(cache, rows, q, positions, counts, max_positions,
+                                                  sparse_logits_, main_,
+                                                  cuda::SparseLogitsMath::kMmaPairLeanOcc);
         !s.ok()) {
       return s;
     }
@@ -549,6 +551,11 @@ class CudaBackend final : public Backend {
     tk.index_map = positions;
     tk.index_map_stride = max_positions;
     tk.max_length = max_positions;
+    // kAuto: LaunchRadixTopK's measured choice (the cooperative top-k where
+    // CooperativeTopKPreferred holds); kCooperative is refused where its gate does not hold.
+    tk.algo = topk_select == TopKSelect::kGeneral       ? cuda::TopKArgs::Algo::kGeneral
+              : topk_select == TopKSelect::kCooperative ? cuda::TopKArgs::Algo::kCooperative
+                                                        : cuda::TopKArgs::Algo::kAuto;
     return cuda::LaunchRadixTopK(tk, num_sms_, main_);
   }
 

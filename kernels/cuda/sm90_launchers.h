@@ -137,7 +137,12 @@ struct TopKArgs {
   // back to a full histogram and passes over the row (the same answer, slower). kMultiPass: the
   // first version (11 + 11 + 10-bit passes over the row, then an ordered compaction pass), kept to
   // time against and as a switch-off.
-  enum class Algo { kAuto, kCompact, kMultiPass };
+  // kCooperative: LaunchCooperativeTopK (the row's keys held in a cluster's shared memory, one
+  // launch; 1-64 rows, max_length required and in keys, no row_histogram), InvalidArgument
+  // where CooperativeTopKSupported refuses. kGeneral: kAuto's choice between kCompact and
+  // kMultiPass, never kCooperative (a switch-off). kAuto takes kCooperative only where
+  // CooperativeTopKPreferred says (measured faster) and no row_histogram is given.
+  enum class Algo { kAuto, kCompact, kMultiPass, kCooperative, kGeneral };
   Algo algo = Algo::kAuto;
   // Optional per-row histogram of TopKBucket over the row's sample, as the logits epilogue
   // builds it (PagedLogitsArgs::row_histogram); kCompact only, length_divisor 1. The kernel
@@ -148,6 +153,22 @@ struct TopKArgs {
 };
 absl::Status LaunchRadixTopK(const TopKArgs& args, int num_sms, cudaStream_t stream);
 
+// ---- Cooperative top-k (sm90_cooperative_topk.cu) ------------------------------------------
+// TopKArgs::Algo::kCooperative (LaunchRadixTopK calls it): LaunchRadixTopK's answer bit for
+// bit, for 1-kCooperativeTopKMaxRows rows, in one launch of a thread-block cluster a row (2-8
+// blocks: rows x cluster <= 128; TopKArgs::cluster_size overrides) whose blocks hold the row's
+// keys in shared memory. Needs a bound on a row's keys (TopKArgs::max_length, in keys, i.e.
+// ceil(entries / length_divisor); the fixed length when lengths is null): it sizes shared
+// memory, and a longer row answers all -1 (a contract violation made visible).
+inline constexpr int32_t kCooperativeTopKMaxRows = 64;
+// The gate on host values (row count, bound on a row's keys, k) at the default cluster size:
+// 1-16 rows up to 425,984 keys a row, 17-32 212,992, 33-64 106,496.
+bool CooperativeTopKSupported(int32_t num_rows, int32_t max_length, int32_t k);
+absl::Status LaunchCooperativeTopK(const TopKArgs& args, cudaStream_t stream);
+// kAuto's choice (host values only, so the ranks of a step decide alike): the gate holds and
+// the cooperative top-k measured faster than the general kernels at this shape.
+bool CooperativeTopKPreferred(int32_t num_rows, int32_t max_length, int32_t k, int num_sms);
+
 // ---- Candidate-block scores (sm90_candidate_scores.cu) ------------------------------------
 // scores[r * scores_stride + j] = max logit of block j below row_length[r]; the newest block
 // scores +inf (spec section 7).
@@ -155,14 +176,14 @@ absl::Status LaunchCandidateScores(int32_t num_rows, const float* logits, int64_
                                    const int32_t* row_length, int32_t block_size, float* scores,
                                    int64_t scores_stride, int32_t max_blocks, cudaStream_t stream);
 
-// ---- Cooperative candidate-block selection (sm90_cooperative_candidates.cu) ---------------
+// ---- Cooperative candidate-block selection (sm90_cooperative_topk.cu) ---------------------
 // The two launches above in one (the seed's select_candidate_blocks_cooperative), for up to
 // kCooperativeCandidatesMaxRows rows: out[r * k ...] = the top min(k, ceil(row_length[r] /
 // block_size)) blocks by (score desc, block id asc), ascending, -1 padded; the same answer
 // as LaunchCandidateScores + LaunchRadixTopK (length_divisor block_size) bit for bit. One
 // thread-block cluster a row (2-8 blocks: rows x cluster <= 128), the row's block scores held
 // in the cluster's shared memory.
-inline constexpr int32_t kCooperativeCandidatesMaxRows = 64;
+inline constexpr int32_t kCooperativeCandidatesMaxRows = kCooperativeTopKMaxRows;
 struct CooperativeCandidatesArgs {
   int32_t num_rows = 0;
   const float* logits = nullptr;  // [num_rows, logits_stride]
@@ -201,9 +222,9 @@ absl::Status LaunchExpandCandidates(const ExpandArgs& args, cudaStream_t stream)
 // kMmaPair: kMma with two m-tiles per warp step (FP4, <= 32 heads). kMmaQShared: kMma with q's
 // fragments in shared memory for <= 32 heads too (fewer registers, 5 blocks per SM; FP4).
 // kMmaPairLeanCopy: kMmaPair with a cheaper copy issue (per-lane offsets computed once).
-// kMmaPair (what the backend's SparseTopK / MaskedTopK run), kMmaQShared and kMmaPairLeanCopy
-// give kMma's logits bit for bit; the folded ones differ from them by fp32 rounding. FP8 runs
-// kMma under every kMma* value.
+// kMmaPair, kMmaQShared, kMmaPairLeanCopy, kMmaPairLean and kMmaPairLeanOcc (what the
+// backend's SparseTopK / MaskedTopK run) give kMma's logits bit for bit; the folded ones differ
+// from them by fp32 rounding. FP8 runs kMma under every kMma* value.
 enum class SparseLogitsMath {
   kGrid,
   kWarpPerPosition,
@@ -212,7 +233,13 @@ enum class SparseLogitsMath {
   kMmaFoldedPair,
   kMmaPair,
   kMmaQShared,
-  kMmaPairLeanCopy
+  kMmaPairLeanCopy,
+  // kMmaPairLeanCopy with each key's group scales decoded once per step (one lane, into shared
+  // memory) instead of by 4 lanes per m-tile: kMma's logits bit for bit (FP4, <= 32 heads).
+  kMmaPairLean,
+  // kMmaPairLean with q's fragments in shared memory and 3 stages: 128 registers and 4 blocks
+  // per SM instead of 168 and 3 (occupancy); kMma's logits bit for bit (FP4, <= 32 heads).
+  kMmaPairLeanOcc
 };
 absl::Status LaunchSparseLogits(const CacheView& cache, const RowBatch& rows, const QView& q,
                                 const int32_t* positions, const int32_t* counts,

@@ -15,7 +15,9 @@
 // logits epilogue built), then one pass that moves the few candidates into shared memory, so
 // the row is read about once and a sixteenth instead of four times. kAuto (the default) takes
 // kMultiPass for few rows (clusters of 4-8 blocks a row), kCompact otherwise: measured so on
-// the H200 (docs/notes/cuda.md, "Top-k, second session").
+// the H200 (docs/notes/cuda.md, "Top-k, second session"). kAuto hands rows the cooperative
+// top-k measured faster on (CooperativeTopKPreferred) to LaunchCooperativeTopK
+// (sm90_cooperative_topk.cu), which shares the passes and the compaction below.
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -59,34 +61,41 @@ __device__ __forceinline__ void AnswerWholeRow(const TopKRow& r, int k, int tid)
   }
 }
 
+// 4 entries from i0 (a multiple of 4): one 16-byte load where the row allows.
+__device__ __forceinline__ void LoadQuad(const float* __restrict__ v, bool vec, int i0, int hi,
+                                         float (&x)[4]) {
+  if (vec && i0 + 3 < hi) {
+    const float4 q = __ldg(reinterpret_cast<const float4*>(v + i0));
+    x[0] = q.x;
+    x[1] = q.y;
+    x[2] = q.z;
+    x[3] = q.w;
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[e] = i0 + e < hi ? __ldg(&v[i0 + e]) : 0.f;
+  }
+}
+
 // kCluster: the row is split over a thread-block cluster; otherwise one block per row and
 // no cluster barriers (cheaper when there are enough rows to fill the GPU).
 template <bool kCluster>
 __global__ void __launch_bounds__(kTopKThreads) RadixTopKMultiPassKernel(const TopKArgs a) {
-  __shared__ uint32_t hist[kTopKBins];   // this block's counts (read by the whole cluster)
-  __shared__ uint32_t total[kTopKBins];  // the row's counts, summed over the cluster
-  __shared__ uint32_t scratch[32];
-  __shared__ uint32_t found_bin, found_above, local_above;
-  __shared__ uint32_t seg_counts[2];  // this block's keys > T and == T (read by the cluster)
+  __shared__ RadixSelectShared sh;
 
   cg::cluster_group cluster = cg::this_cluster();
   const int csize = kCluster ? static_cast<int>(cluster.num_blocks()) : 1;
   const int rank = kCluster ? static_cast<int>(cluster.block_rank()) : 0;
-  auto cluster_sync = [&]() { ClusterSync<kCluster>(cluster); };
   const TopKRow r = LoadTopKRow(a, csize);
-  const int row = r.row;
   const int tid = threadIdx.x;
   const int k = a.k;
   const int32_t length = r.length;
-  int32_t* out = r.out;
-  const int32_t* map = r.map;
   if (length <= k) {  // the same branch for every block of the cluster
     if (rank == 0) {
       AnswerWholeRow(r, k, tid);
     }
     return;
   }
-  const float* __restrict__ v = a.values + int64_t{row} * a.stride;
+  const float* __restrict__ v = a.values + int64_t{r.row} * a.stride;
   const bool vec = (a.stride % 4 == 0) && ((reinterpret_cast<uintptr_t>(a.values) & 15) == 0);
   // This block's segment of the row (multiples of 4 so that float4 loads stay aligned).
   const int seg = ((length + csize - 1) / csize + 3) & ~3;
@@ -94,116 +103,30 @@ __global__ void __launch_bounds__(kTopKThreads) RadixTopKMultiPassKernel(const T
   const int hi = min(length, lo + seg);
   const int n4 = vec ? (hi - lo) / 4 : 0;
 
-  uint32_t prefix = 0;  // the key bits fixed so far
-  uint32_t remaining = static_cast<uint32_t>(k);
-  uint32_t my_above = 0;  // keys of this segment known to be > the threshold
-  constexpr int kShift[3] = {21, 10, 0};
-  constexpr int kBits[3] = {11, 11, 10};
-#pragma unroll
-  for (int pass = 0; pass < 3; ++pass) {
-    const int shift = kShift[pass];
-    const uint32_t mask = (1u << kBits[pass]) - 1u;
-    const int hi_shift = shift + kBits[pass];  // bits above this digit must match `prefix`
-    for (int i = tid; i < kTopKBins; i += blockDim.x) hist[i] = 0u;
-    if (tid == 0) local_above = 0u;
-    __syncthreads();
-    auto count = [&](float x) {
-      const uint32_t key = OrderedKey(x);
-      if (pass == 0 || (key >> hi_shift) == prefix) atomicAdd(&hist[(key >> shift) & mask], 1u);
-    };
-    for (int i = tid; i < n4; i += blockDim.x) {
-      const float4 x = __ldg(reinterpret_cast<const float4*>(v + lo) + i);
-      count(x.x);
-      count(x.y);
-      count(x.z);
-      count(x.w);
-    }
-    for (int i = lo + 4 * n4 + tid; i < hi; i += blockDim.x) count(__ldg(&v[i]));
-    cluster_sync();  // every block's histogram is complete
-    if constexpr (kCluster) {
-      for (int i = tid; i < kTopKBins; i += blockDim.x) {
-        uint32_t sum = 0;
-        for (int r = 0; r < csize; ++r) sum += cluster.map_shared_rank(hist, r)[i];
-        total[i] = sum;
-      }
-      __syncthreads();
-    }
-    const uint32_t* tot = kCluster ? total : hist;
-    // Suffix sums: thread t owns bins [top - kPer, top) counted from the top.
-    constexpr int kPer = kTopKBins / kTopKThreads;
-    const int top = kTopKBins - tid * kPer;  // exclusive upper bin
-    uint32_t local = 0;
-#pragma unroll
-    for (int j = 1; j <= kPer; ++j) local += tot[top - j];
-    uint32_t sum_all;
-    uint32_t above = BlockExclusiveScan(local, scratch, &sum_all);  // count in bins >= top
-#pragma unroll
-    for (int j = 1; j <= kPer; ++j) {
-      const uint32_t cnt = tot[top - j];
-      if (above < remaining && above + cnt >= remaining) {
-        found_bin = static_cast<uint32_t>(top - j);
-        found_above = above;
-      }
-      above += cnt;
-    }
-    __syncthreads();
-    // This segment's keys in bins above the found one are above the threshold.
-    uint32_t mine = 0;
-#pragma unroll
-    for (int j = 1; j <= kPer; ++j) {
-      if (static_cast<uint32_t>(top - j) > found_bin) mine += hist[top - j];
-    }
-    if (mine != 0u) atomicAdd(&local_above, mine);
-    __syncthreads();
-    my_above += local_above;
-    prefix = (prefix << kBits[pass]) | found_bin;
-    remaining -= found_above;
-    if (pass == 2 && tid == 0) {
-      seg_counts[0] = my_above;
-      seg_counts[1] = hist[found_bin];
-    }
-    cluster_sync();  // the cluster is done reading this pass's histograms (and seg_counts set)
-  }
-  const uint32_t threshold = prefix;
-  const uint32_t need = remaining;  // entries equal to the threshold to keep, lowest first
+  // Each of the three passes reads the segment from the row (mostly L2).
+  const RadixSelection sel =
+      RadixSelectThreshold<kCluster>(cluster, static_cast<uint32_t>(k), sh, [&](auto&& f) {
+        for (int i = tid; i < n4; i += blockDim.x) {
+          const float4 x = __ldg(reinterpret_cast<const float4*>(v + lo) + i);
+          f(OrderedKey(x.x));
+          f(OrderedKey(x.y));
+          f(OrderedKey(x.z));
+          f(OrderedKey(x.w));
+        }
+        for (int i = lo + 4 * n4 + tid; i < hi; i += blockDim.x) f(OrderedKey(__ldg(&v[i])));
+      });
 
-  // Where this segment's answers start: the counts of the segments before it.
-  uint32_t run_gt = 0, run_eq = 0;
-  if constexpr (kCluster) {
-    for (int r = 0; r < rank; ++r) {
-      const uint32_t* sc = cluster.map_shared_rank(seg_counts, r);
-      run_gt += sc[0];
-      run_eq += sc[1];
-    }
-  }
-  const uint32_t end_gt = run_gt + seg_counts[0];
-  const uint32_t end_eq = run_eq + seg_counts[1];
-  if constexpr (kCluster) cluster.sync();  // no block leaves while others read its memory
-
-  // Ordered compaction of the segment, 4 consecutive entries per thread per chunk.
-  for (int base = lo; base < hi; base += 4 * blockDim.x) {
-    if (run_gt == end_gt && (run_eq == end_eq || run_eq >= need)) break;  // nothing left
-    const int i0 = base + 4 * tid;
-    float x[4];
-    if (vec && i0 + 3 < hi) {
-      const float4 x4 = __ldg(reinterpret_cast<const float4*>(v + i0));
-      x[0] = x4.x;
-      x[1] = x4.y;
-      x[2] = x4.z;
-      x[3] = x4.w;
-    } else {
+  // Ordered compaction of the segment, read from the row once more.
+  OrderedCompactSegment(hi - lo, sel, r.map, r.out, sh.scratch,
+                        [&](int i0, uint32_t(&key)[4], int(&idx)[4]) {
+                          float x[4];
+                          LoadQuad(v, vec, lo + i0, hi, x);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) x[j] = i0 + j < hi ? __ldg(&v[i0 + j]) : 0.f;
-    }
-    uint32_t key[4];
-    int idx[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      key[j] = OrderedKey(x[j]);
-      idx[j] = i0 + j;
-    }
-    OrderedCompactStep(key, idx, hi - i0, threshold, need, map, out, scratch, run_gt, run_eq);
-  }
+                          for (int e = 0; e < 4; ++e) {
+                            key[e] = OrderedKey(x[e]);
+                            idx[e] = lo + i0 + e;
+                          }
+                        });
 }
 
 // ---- kCompact: the row read about once ----------------------------------------------------
@@ -232,21 +155,6 @@ constexpr int kCompactSmem = kCandCap * 8;         // keys, then row indices
 constexpr int kLoads = 4;                          // float4 loads in flight per thread
 constexpr int kChunk = kLoads * 4 * kTopKThreads;  // entries per block per step: 16K
 constexpr int kSampleStride = kTopKSampleStride;
-
-// 4 entries from i0 (a multiple of 4): one 16-byte load where the row allows.
-__device__ __forceinline__ void LoadQuad(const float* __restrict__ v, bool vec, int i0, int hi,
-                                         float (&x)[4]) {
-  if (vec && i0 + 3 < hi) {
-    const float4 q = __ldg(reinterpret_cast<const float4*>(v + i0));
-    x[0] = q.x;
-    x[1] = q.y;
-    x[2] = q.z;
-    x[3] = q.w;
-  } else {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) x[e] = i0 + e < hi ? __ldg(&v[i0 + e]) : 0.f;
-  }
-}
 
 // Entry (j, thread t, e) of a chunk: base + 4 * (t + kTopKThreads * j) + e, so each of the
 // kLoads loads is coalesced across the warp; all loads are issued before any use.
@@ -548,57 +456,41 @@ __global__ void __launch_bounds__(kTopKThreads) RadixTopKCompactKernel(const Top
     first = false;
     cluster_sync();  // the cluster is done reading this pass's histograms (and seg_counts set)
   }
-  const uint32_t threshold = prefix;
-  const uint32_t need = remaining;  // entries equal to the threshold to keep, lowest first
+  // prefix is now the threshold key T, remaining the entries equal to T to keep (lowest first).
 
-  // ---- 4. Where this segment's answers start, then its ordered compaction.
-  uint32_t run_gt = 0, run_eq = 0;
-  if constexpr (kCluster) {
-    for (int r = 0; r < rank; ++r) {
-      const uint32_t* sc = cluster.map_shared_rank(seg_counts, r);
-      run_gt += sc[0];
-      run_eq += sc[1];
-    }
-  }
-  const uint32_t end_gt = run_gt + seg_counts[0];
-  const uint32_t end_eq = run_eq + seg_counts[1];
-  if constexpr (kCluster) cluster.sync();  // no block leaves while others read its memory
-
-  // 4 consecutive entries per thread per step: from the buffer, or from the row.
+  // ---- 4. Where this segment's answers start, then its ordered compaction: 4 consecutive
+  // entries a thread a step, from the buffer or from the row.
+  const RadixSelection sel = SegmentSelection<kCluster>(cluster, prefix, remaining, seg_counts);
   const int n_src = fast ? n_local : hi - lo;
-  for (int base = 0; base < n_src; base += 4 * kTopKThreads) {
-    if (run_gt == end_gt && (run_eq == end_eq || run_eq >= need)) break;  // nothing left
-    const int i0 = base + 4 * tid;
-    uint32_t key[4];
-    int idx[4];
-    if (fast && i0 + 3 < n_src) {  // 16-byte aligned: kCandCap and i0 are multiples of 4
-      const uint4 k4 = *reinterpret_cast<const uint4*>(cand_key + i0);
-      const int4 i4 = *reinterpret_cast<const int4*>(cand_idx + i0);
-      key[0] = k4.x;
-      key[1] = k4.y;
-      key[2] = k4.z;
-      key[3] = k4.w;
-      idx[0] = i4.x;
-      idx[1] = i4.y;
-      idx[2] = i4.z;
-      idx[3] = i4.w;
-    } else if (fast) {
+  OrderedCompactSegment(
+      n_src, sel, map, out, scratch, [&](int i0, uint32_t(&key)[4], int(&idx)[4]) {
+        if (fast && i0 + 3 < n_src) {  // 16-byte aligned: kCandCap and i0 are multiples of 4
+          const uint4 k4 = *reinterpret_cast<const uint4*>(cand_key + i0);
+          const int4 i4 = *reinterpret_cast<const int4*>(cand_idx + i0);
+          key[0] = k4.x;
+          key[1] = k4.y;
+          key[2] = k4.z;
+          key[3] = k4.w;
+          idx[0] = i4.x;
+          idx[1] = i4.y;
+          idx[2] = i4.z;
+          idx[3] = i4.w;
+        } else if (fast) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        key[e] = i0 + e < n_src ? cand_key[i0 + e] : 0u;
-        idx[e] = i0 + e < n_src ? cand_idx[i0 + e] : 0;
-      }
-    } else {
-      float x[4];
-      LoadQuad(v, vec, lo + i0, hi, x);
+          for (int e = 0; e < 4; ++e) {
+            key[e] = i0 + e < n_src ? cand_key[i0 + e] : 0u;
+            idx[e] = i0 + e < n_src ? cand_idx[i0 + e] : 0;
+          }
+        } else {
+          float x[4];
+          LoadQuad(v, vec, lo + i0, hi, x);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        key[e] = TopKOrderedKey(x[e]);
-        idx[e] = lo + i0 + e;
-      }
-    }
-    OrderedCompactStep(key, idx, n_src - i0, threshold, need, map, out, scratch, run_gt, run_eq);
-  }
+          for (int e = 0; e < 4; ++e) {
+            key[e] = TopKOrderedKey(x[e]);
+            idx[e] = lo + i0 + e;
+          }
+        }
+      });
 }
 
 // Blocks per row for kCompact. Measured (H200, 10:18, top-k alone): 64 rows of 32K 25.7 us in
@@ -638,11 +530,16 @@ absl::Status LaunchRadixTopK(const TopKArgs& args, int num_sms, cudaStream_t str
   if (args.num_rows <= 0) return absl::OkStatus();
   if (args.k <= 0) return absl::InvalidArgumentError("radix top-k: k must be positive");
   using Algo = TopKArgs::Algo;
+  Algo algo = args.algo;
+  if (algo == Algo::kAuto && args.row_histogram == nullptr &&
+      CooperativeTopKPreferred(args.num_rows, args.max_length, args.k, num_sms)) {
+    algo = Algo::kCooperative;
+  }
+  if (algo == Algo::kCooperative) return LaunchCooperativeTopK(args, stream);
   // Measured on the H200 (10:18 run): few rows (clusters of 4-8 a row) run the multi-pass
   // kernel faster; many rows the compact one.
   const int multi_csize = TopKClusterSize(args.num_rows, args.max_length, num_sms);
-  Algo algo = args.algo;
-  if (algo == Algo::kAuto) {
+  if (algo == Algo::kAuto || algo == Algo::kGeneral) {
     algo = args.row_histogram == nullptr && multi_csize >= 4 ? Algo::kMultiPass : Algo::kCompact;
   }
   const bool compact = algo == Algo::kCompact;
@@ -671,24 +568,14 @@ absl::Status LaunchRadixTopK(const TopKArgs& args, int num_sms, cudaStream_t str
     DI_CUDA_RETURN_IF_LAUNCH_ERROR("launch RadixTopK kernel");
     return absl::OkStatus();
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(args.num_rows * csize));
-  cfg.blockDim = dim3(kTopKThreads);
-  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(csize);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
   if (compact) {
-    DI_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, RadixTopKCompactKernel<true>, args),
+    DI_CUDA_RETURN_IF_ERROR(LaunchTopKClusters(RadixTopKCompactKernel<true>, args.num_rows, csize,
+                                               static_cast<size_t>(smem), stream, args),
                             "launch RadixTopKCompactKernel (cluster)");
   } else {
-    DI_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, RadixTopKMultiPassKernel<true>, args),
-                            "launch RadixTopKMultiPassKernel (cluster)");
+    DI_CUDA_RETURN_IF_ERROR(
+        LaunchTopKClusters(RadixTopKMultiPassKernel<true>, args.num_rows, csize, 0, stream, args),
+        "launch RadixTopKMultiPassKernel (cluster)");
   }
   return absl::OkStatus();
 }

@@ -216,7 +216,8 @@ absl::Status LaunchSparseLogits(const CacheView& cache, const RowBatch& rows, co
   }
   if (math == SparseLogitsMath::kMma || math == SparseLogitsMath::kMmaFolded ||
       math == SparseLogitsMath::kMmaFoldedPair || math == SparseLogitsMath::kMmaPair ||
-      math == SparseLogitsMath::kMmaQShared || math == SparseLogitsMath::kMmaPairLeanCopy) {
+      math == SparseLogitsMath::kMmaQShared || math == SparseLogitsMath::kMmaPairLeanCopy ||
+      math == SparseLogitsMath::kMmaPairLean || math == SparseLogitsMath::kMmaPairLeanOcc) {
     if (SparseLogitsMmaTakes(cache, q)) {
       return LaunchSparseLogitsMma(cache, rows, q, positions, counts, max_positions, logits, stream,
                                    math);

@@ -38,10 +38,13 @@
 // or the run, and MaskedTopK (expand + these kernels) equals SparseTopK bit for bit.
 //
 // Variants (template flags, SparseLogitsMath values; FP4 only, FP8 always runs kMma's):
-// - kMmaPair (the backend's default; two m-tiles per warp step: one wait, copy issue and scale
-//   read per 32 positions) and kMmaQShared (q's B fragments from shared memory, 96 registers,
-//   5 blocks per SM) compute kMma's sums in kMma's order: the same logits bit for bit.
-//   kMmaPairLeanCopy: kMmaPair with the copy issue's per-lane offsets computed once.
+// - kMmaPair (two m-tiles per warp step: one wait, copy issue and scale read per 32 positions)
+//   and kMmaQShared (q's B fragments from shared memory, 96 registers, 5 blocks per SM) compute
+//   kMma's sums in kMma's order: the same logits bit for bit. So do kMmaPairLeanCopy (kMmaPair
+//   with the copy issue's per-lane offsets computed once), kMmaPairLean (+ each key's group
+//   scales decoded once per step, kDecScales) and kMmaPairLeanOcc (the backend's default: + q
+//   from shared memory, the step's two m-tiles sharing each B-fragment read, 3 stages: 128
+//   registers and 4 blocks per SM instead of 168 and 3; 6% faster than kMmaPair on the H200).
 // - kMmaFolded / kMmaFoldedPair: each key's group scales folded into its f16 values
 //   (KeyFoldExponents), so the 8 k-steps are one fp32 tensor-core sum per (key, head), like
 //   FP8's; keys whose groups lie more than 2^23 apart take kMma's group-scaled path for that
@@ -73,17 +76,22 @@ constexpr int kMaxHeads = 64;
 // 5 blocks per multiprocessor instead of 4).
 // kLeanCopy (FP4): the per-step copy issue with its per-lane offsets computed once and no
 // validity selects (absent positions copy from the pool's base and are never written).
+// kDecScales (FP4, group-scaled path): each key's 4 ue8m0 group scales decoded once per step by
+// one lane into shared memory (float4), instead of by all 4 lanes of its row group, per m-tile.
 template <bool kFp8, int kNT, int kMT = 1, bool kKeyFold = false, bool kQShared = false,
-          bool kLeanCopy = false>
+          bool kLeanCopy = false, bool kDecScales = false>
 struct Shape {
   static constexpr int kHeadsP = kNT * 8;                       // heads padded to whole n-tiles
   static constexpr bool kQInRegisters = kNT <= 4 && !kQShared;  // 64 registers of B fragments
   // Blocks per multiprocessor (registers: 65536 / (128 x this)). Two m-tiles spill at 128
-  // registers: those take 168.
-  static constexpr int kMinBlocks = kQShared ? 5 : (kFp8 || kNT > 4 || kMT > 1) ? 3 : 4;
+  // registers with q in registers: those take 168; with q in shared memory they fit 128.
+  static constexpr int kMinBlocks = kQShared                       ? (kMT > 1 ? 4 : 5)
+                                    : (kFp8 || kNT > 4 || kMT > 1) ? 3
+                                                                   : 4;
   static constexpr int kKeyBytes = kFp8 ? 128 : 64;  // one key's codes
   static constexpr int kKeyChunks = kKeyBytes / 16;  // its 16-byte cp.async chunks
-  static constexpr int kStages = kFp8 ? 3 : 4;       // per warp
+  // Per warp. Two m-tiles with q shared: 3, so that 4 blocks' shared memory fits an SM.
+  static constexpr int kStages = (kFp8 || (kQShared && kMT > 1)) ? 3 : 4;
   static constexpr int kStageKeys = kMT * kTileKeys;
   static constexpr int kStageBytes = kStageKeys * kKeyBytes;
   // Positions per block: the set-up (q, addresses) is paid once per chunk.
@@ -97,9 +105,14 @@ struct Shape {
   static constexpr int kWOff = kKScaleOff + kWarps * kStages * kStageKeys * 4;
   static constexpr int kQScaleOff = kWOff + kHeadsP * 4;
   static constexpr int kQMulOff = kQScaleOff + 4 * kHeadsP * 4;
-  static constexpr int kSmemBytes = kQMulOff + 4 * kHeadsP * 4;
+  // Two m-tiles with q shared: the step's m-tiles share each B-fragment read (group-outer loop;
+  // each key's arithmetic is unchanged), which also keeps the step within 128 registers.
+  static constexpr bool kGroupOuter = kQShared && kMT > 1 && !kFp8 && !kKeyFold;
+  static constexpr int kDecOff = kQMulOff + 4 * kHeadsP * 4;  // kDecScales: [warp][key] float4
+  static constexpr int kSmemBytes = kDecOff + (kDecScales ? kWarps * kStageKeys * 16 : 0);
   static_assert(kChunk % kThreads == 0 && kHeadsP <= kThreads);
   static_assert(kTilesPerWarp % kMT == 0 && (!kKeyFold || !kFp8) && (!kLeanCopy || !kFp8));
+  static_assert(!kDecScales || (!kFp8 && !kKeyFold && kStageKeys <= 32));
 };
 
 // 4-byte cp.async (through L1; cp.async.cg takes 16 bytes only). !valid zero-fills, reads nothing.
@@ -142,6 +155,21 @@ __device__ __forceinline__ void E2M1x8BitMove(uint32_t w, uint32_t& d02, uint32_
 // A ue8m0 byte as a float without branches (255, not valid input, reads as +inf).
 __device__ __forceinline__ float Ue8m0(uint32_t byte) {
   return __uint_as_float(byte != 0u ? byte << 23 : 0x00400000u);
+}
+
+// A FP4 key's 4 group scales (byte g of `sc`) as floats.
+__device__ __forceinline__ void DecodeKeyScales(uint32_t sc, float (&k)[4]) {
+#pragma unroll
+  for (int grp = 0; grp < 4; ++grp) k[grp] = Ue8m0((sc >> (8 * grp)) & 0xFFu);
+}
+
+// Ue8m0 of byte `grp` of `sc`, the same bits in fewer instructions: the byte moved straight to
+// the float's exponent field, and byte 0 (2^-127, the subnormal 0x00400000) as a max, since
+// every other byte gives at least 0x00800000.
+template <int kGrp>
+__device__ __forceinline__ float Ue8m0Of(uint32_t sc) {
+  const uint32_t e = kGrp < 3 ? (sc << (23 - 8 * kGrp)) & 0x7F800000u : (sc >> 1) & 0x7F800000u;
+  return __uint_as_float(max(e, 0x00400000u));
 }
 
 // f16x2 product with round-to-nearest (.rn: never contracted into an FMA). Used only with a
@@ -197,13 +225,14 @@ __device__ __forceinline__ int StageOffset(int key, int ch) {
   }
 }
 
-template <bool kFp8, int kNT, int kMT, bool kKeyFold, bool kQShared, bool kLeanCopy>
+template <bool kFp8, int kNT, int kMT, bool kKeyFold, bool kQShared, bool kLeanCopy,
+          bool kDecScales>
 __global__ void __launch_bounds__(
-    kThreads, (Shape<kFp8, kNT, kMT, kKeyFold, kQShared, kLeanCopy>::kMinBlocks))
+    kThreads, (Shape<kFp8, kNT, kMT, kKeyFold, kQShared, kLeanCopy, kDecScales>::kMinBlocks))
     SparseLogitsMmaKernel(const CacheView cache, const RowBatch rows, const QView q,
                           const int32_t* __restrict__ positions, const int32_t* __restrict__ counts,
                           int32_t max_positions, float* __restrict__ logits) {
-  using S = Shape<kFp8, kNT, kMT, kKeyFold, kQShared, kLeanCopy>;
+  using S = Shape<kFp8, kNT, kMT, kKeyFold, kQShared, kLeanCopy, kDecScales>;
   constexpr int kHeadsP = S::kHeadsP;
   constexpr int kChunk = S::kChunk;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -359,6 +388,8 @@ __global__ void __launch_bounds__(
       min(S::kTilesPerWarp / kMT, (warp_count + S::kStageKeys - 1) / S::kStageKeys);
   uint8_t* warp_keys = key_s + warp * S::kStages * S::kStageBytes;
   uint32_t* warp_kscale = kscale_s + warp * S::kStages * S::kStageKeys;
+  float4* warp_dec = reinterpret_cast<float4*>(smem + S::kDecOff) + warp * S::kStageKeys;
+  (void)warp_dec;
 
   // kLeanCopy: lane l copies chunk l % 4 of keys l / 4 + 8 it; FP4's swizzle repeats every 8
   // keys, so its stage offset is lean_dst + 512 it.
@@ -429,8 +460,8 @@ __global__ void __launch_bounds__(
   // FP4, one m-tile: the group-scaled sums (each 32-dim group's exact dot, scaled per group)
   // of keys g and g + 8, relu, times w, this lane's heads: kMma's FP4 path, and the
   // kMmaFolded* path for keys that do not fold.
-  auto group_sums = [&](auto fold_tag, const uint8_t* stage, uint32_t sc0, uint32_t sc1, float& s0,
-                        float& s1) {
+  auto group_sums = [&](auto fold_tag, const uint8_t* stage, const float(&k0)[4],
+                        const float(&k1)[4], float& s0, float& s1) {
     constexpr bool kFold = decltype(fold_tag)::value;
     float tot[kNT][4];
 #pragma unroll
@@ -447,8 +478,7 @@ __global__ void __launch_bounds__(
         E2M1x8BitMove(r[2 * half + 1], y02, y46, y13, y57);
         const uint32_t a0[4] = {x02, y02, x13, y13};  // k-step 0 of the group
         const uint32_t a1[4] = {x46, y46, x57, y57};  // k-step 1
-        const float ks0 = Ue8m0((sc0 >> (8 * grp)) & 0xFFu);
-        const float ks1 = Ue8m0((sc1 >> (8 * grp)) & 0xFFu);
+        const float ks0 = k0[grp], ks1 = k1[grp];
 #pragma unroll
         for (int j = 0; j < kNT; ++j) {
           float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -482,6 +512,92 @@ __global__ void __launch_bounds__(
     }
   };
 
+  // FP4 group-scaled, kGroupOuter: group_sums for all kMT m-tiles of a step at once, in the
+  // order group, n-tile, m-tile, so that each B fragment is read once per step. Each key's
+  // operations and their order are group_sums' (groups ascending, then heads): the same bits.
+  auto group_sums_mt = [&](auto fold_tag, const uint8_t* stage0, float(&s)[kMT][2]) {
+    constexpr bool kFold = decltype(fold_tag)::value;
+    float ks[kMT][2][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      const float4 d0 = warp_dec[mt * kTileKeys + g], d1 = warp_dec[mt * kTileKeys + g + 8];
+      ks[mt][0][0] = d0.x, ks[mt][0][1] = d0.y, ks[mt][0][2] = d0.z, ks[mt][0][3] = d0.w;
+      ks[mt][1][0] = d1.x, ks[mt][1][1] = d1.y, ks[mt][1][2] = d1.z, ks[mt][1][3] = d1.w;
+    }
+    float tot[kMT][kNT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int j = 0; j < kNT; ++j)
+        tot[mt][j][0] = tot[mt][j][1] = tot[mt][j][2] = tot[mt][j][3] = 0.f;
+    }
+#pragma unroll
+    for (int pair = 0; pair < 2; ++pair) {
+      uint32_t r[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        LdMatrixX4(r[mt], stage0 + mt * kTileKeys * S::kKeyBytes +
+                              StageOffset<false>(lm_key, 2 * pair + lm_ch));
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int grp = 2 * pair + half;
+        uint32_t a0[kMT][4], a1[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          uint32_t x02, x46, x13, x57, y02, y46, y13, y57;
+          E2M1x8BitMove(r[mt][2 * half], x02, x46, x13, x57);
+          E2M1x8BitMove(r[mt][2 * half + 1], y02, y46, y13, y57);
+          a0[mt][0] = x02, a0[mt][1] = y02, a0[mt][2] = x13, a0[mt][3] = y13;
+          a1[mt][0] = x46, a1[mt][1] = y46, a1[mt][2] = x57, a1[mt][3] = y57;
+        }
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+          const uint4 b = bfrag(grp, j);
+          float2 qs = make_float2(1.f, 1.f);
+          if constexpr (!kFold) {
+            qs = *reinterpret_cast<const float2*>(&qscale_s[grp * kHeadsP + 8 * j + 2 * c]);
+          }
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+            MmaF16(acc, a0[mt], b.x, b.y);
+            MmaF16(acc, a1[mt], b.z, b.w);
+            const float ks0 = ks[mt][0][grp], ks1 = ks[mt][1][grp];
+            float* t = tot[mt][j];
+            if constexpr (kFold) {
+              t[0] = fmaf(acc[0], ks0, t[0]);
+              t[1] = fmaf(acc[1], ks0, t[1]);
+              t[2] = fmaf(acc[2], ks1, t[2]);
+              t[3] = fmaf(acc[3], ks1, t[3]);
+            } else {
+              t[0] = fmaf(acc[0], qs.x * ks0, t[0]);
+              t[1] = fmaf(acc[1], qs.y * ks0, t[1]);
+              t[2] = fmaf(acc[2], qs.x * ks1, t[2]);
+              t[3] = fmaf(acc[3], qs.y * ks1, t[3]);
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float wv = w_s[8 * j + 2 * c + e];
+          s0 = fmaf(wv, fmaxf(tot[mt][j][e], 0.f), s0);
+          s1 = fmaf(wv, fmaxf(tot[mt][j][2 + e], 0.f), s1);
+        }
+      }
+      s[mt][0] = s0;
+      s[mt][1] = s1;
+    }
+  };
+  (void)group_sums_mt;
+
   // path: 0 = FP8, 1 = FP4 group-scaled (kFold: q scales folded), 2 = FP4 keys folded.
   auto run_tiles = [&](auto fold_tag, auto key_fold_tag) {
     constexpr bool kFold = decltype(fold_tag)::value;
@@ -493,6 +609,20 @@ __global__ void __launch_bounds__(
       __syncwarp();  // every lane's copies of this tile landed; all are done with the last one
       issue(tile + S::kStages - 1);
       const int st = tile % S::kStages;
+      if constexpr (kDecScales) {
+        // One lane per key decodes its 4 group scales; the row group's 4 lanes read them.
+        if (lane < S::kStageKeys) {
+          const uint32_t sc = warp_kscale[st * S::kStageKeys + lane];
+          warp_dec[lane] =
+              make_float4(Ue8m0Of<0>(sc), Ue8m0Of<1>(sc), Ue8m0Of<2>(sc), Ue8m0Of<3>(sc));
+        }
+        __syncwarp();  // the next step's writes follow the loop's first __syncwarp
+      }
+      float s_mt[kMT][2];  // kGroupOuter: each m-tile's head partial sums, keys g and g + 8
+      (void)s_mt;
+      if constexpr (S::kGroupOuter && !kFoldKeys) {
+        group_sums_mt(std::integral_constant<bool, kFold>{}, warp_keys + st * S::kStageBytes, s_mt);
+      }
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
         // m-tile mt: keys 16 mt .. 16 mt + 15 of the stage (the swizzles repeat every 16 keys).
@@ -586,7 +716,10 @@ __global__ void __launch_bounds__(
           // mix), so its logit still depends only on (row, position).
           if (__any_sync(kFullMask, !(ok0 && ok1))) {
             float u0 = 0.f, u1 = 0.f;
-            group_sums(std::true_type{}, stage, sc0, sc1, u0, u1);
+            float k0[4], k1[4];
+            DecodeKeyScales(sc0, k0);
+            DecodeKeyScales(sc1, k1);
+            group_sums(std::true_type{}, stage, k0, k1, u0, u1);
             if (!ok0) {
               s0 = u0;
               mul0 = 16384.f;
@@ -596,8 +729,21 @@ __global__ void __launch_bounds__(
               mul1 = 16384.f;
             }
           }
+        } else if constexpr (S::kGroupOuter) {
+          s0 = s_mt[mt][0];  // computed above for the whole step
+          s1 = s_mt[mt][1];
+          mul0 = mul1 = 16384.f;  // the keys carried 2^-14
         } else {
-          group_sums(std::integral_constant<bool, kFold>{}, stage, sc0, sc1, s0, s1);
+          float k0[4], k1[4];
+          if constexpr (kDecScales) {
+            const float4 d0 = warp_dec[mt * kTileKeys + g], d1 = warp_dec[mt * kTileKeys + g + 8];
+            k0[0] = d0.x, k0[1] = d0.y, k0[2] = d0.z, k0[3] = d0.w;
+            k1[0] = d1.x, k1[1] = d1.y, k1[2] = d1.z, k1[3] = d1.w;
+          } else {
+            DecodeKeyScales(sc0, k0);
+            DecodeKeyScales(sc1, k1);
+          }
+          group_sums(std::integral_constant<bool, kFold>{}, stage, k0, k1, s0, s1);
           mul0 = mul1 = 16384.f;  // the keys carried 2^-14
         }
         // The 4 lanes of a group hold disjoint heads: complete the head sum (fixed order).
@@ -624,12 +770,12 @@ __global__ void __launch_bounds__(
 }
 
 template <bool kFp8, int kNT, int kMT = 1, bool kKeyFold = false, bool kQShared = false,
-          bool kLeanCopy = false>
+          bool kLeanCopy = false, bool kDecScales = false>
 absl::Status LaunchTyped(const CacheView& cache, const RowBatch& rows, const QView& q,
                          const int32_t* positions, const int32_t* counts, int32_t max_positions,
                          float* logits, cudaStream_t stream) {
-  using S = Shape<kFp8, kNT, kMT, kKeyFold, kQShared, kLeanCopy>;
-  auto kernel = SparseLogitsMmaKernel<kFp8, kNT, kMT, kKeyFold, kQShared, kLeanCopy>;
+  using S = Shape<kFp8, kNT, kMT, kKeyFold, kQShared, kLeanCopy, kDecScales>;
+  auto kernel = SparseLogitsMmaKernel<kFp8, kNT, kMT, kKeyFold, kQShared, kLeanCopy, kDecScales>;
   // The dynamic shared-memory opt-in is per device and per instantiation: once each.
   struct PerDevice {
     std::once_flag once;
@@ -690,6 +836,14 @@ absl::Status LaunchSparseLogitsMma(const CacheView& cache, const RowBatch& rows,
   if (!fp8 && narrow && math == SparseLogitsMath::kMmaPairLeanCopy) {
     return LaunchTyped<false, 4, 2, false, false, true>(cache, rows, q, positions, counts,
                                                         max_positions, logits, stream);
+  }
+  if (!fp8 && narrow && math == SparseLogitsMath::kMmaPairLean) {
+    return LaunchTyped<false, 4, 2, false, false, true, true>(cache, rows, q, positions, counts,
+                                                              max_positions, logits, stream);
+  }
+  if (!fp8 && narrow && math == SparseLogitsMath::kMmaPairLeanOcc) {
+    return LaunchTyped<false, 4, 2, false, true, true, true>(cache, rows, q, positions, counts,
+                                                             max_positions, logits, stream);
   }
   if (!fp8 && narrow && math == SparseLogitsMath::kMmaQShared) {
     return LaunchTyped<false, 4, 1, false, true>(cache, rows, q, positions, counts, max_positions,

@@ -18,7 +18,8 @@ absl::StatusOr<std::unique_ptr<Rank>> Rank::Create(int32_t index,
   if (absl::Status s = rank->Allocate(); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("rank ", index, ": ", s.message()));
   }
-  rank->thread_ = std::thread([r = rank.get()] { r->Loop(); });
+  // Rank 0 has no thread of its own: its jobs run on the caller's thread (Start).
+  if (index != 0) rank->thread_ = std::thread([r = rank.get()] { r->Loop(); });
   return rank;
 }
 
@@ -176,6 +177,11 @@ bool SpinFor(Ready ready) {
 }  // namespace
 
 void Rank::Start(const Job* job) {
+  if (!thread_.joinable()) {  // rank 0: the job runs here, Wait just returns its status
+    result_ = (*job)(*this);
+    done_.store(true, std::memory_order_release);
+    return;
+  }
   {
     std::lock_guard lock(mu_);
     done_.store(false, std::memory_order_relaxed);
@@ -214,7 +220,12 @@ void Rank::Loop() {
 
 std::vector<absl::Status> RunOnRanks(const std::vector<std::unique_ptr<Rank>>& ranks,
                                      const Rank::Job& job) {
-  for (const auto& r : ranks) r->Start(&job);
+  // The other ranks first, then rank 0's job on this thread (Start runs it inline): one
+  // hand-off less each way. A hand-off whose waiter has stopped spinning costs a condition
+  // variable's wake-up, which on the GPU machine's sandboxed kernel measured up to ~100 us
+  // (docs/results/multigpu.md, "rest"). The backends take calls from any thread (each entry
+  // point sets its device).
+  for (size_t r = ranks.size(); r-- > 0;) ranks[r]->Start(&job);
   std::vector<absl::Status> out;
   out.reserve(ranks.size());
   for (const auto& r : ranks) out.push_back(r->Wait());

@@ -180,7 +180,8 @@ class Rank {
   // to their destination after the step's Synchronize. Empty where staging is not pinned.
   HostArena& readback() { return readback_; }
 
-  // Job handoff: Start hands the job to the rank's thread; Wait returns its status.
+  // Job handoff: Start hands the job to the rank's thread (rank 0, which has none, runs it
+  // before returning); Wait returns its status.
   void Start(const Job* job);
   absl::Status Wait();
 
@@ -214,7 +215,8 @@ class Rank {
   std::thread thread_;
 };
 
-// Fans a job out to every rank and joins. Statuses are per rank.
+// Fans a job out to every rank and joins: rank 0's job runs on the calling thread (rank 0 has
+// no thread of its own), the others' on their rank threads. Statuses are per rank.
 std::vector<absl::Status> RunOnRanks(const std::vector<std::unique_ptr<Rank>>& ranks,
                                      const Rank::Job& job);
 

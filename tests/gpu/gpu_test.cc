@@ -591,6 +591,209 @@ TEST_F(GpuTest, CooperativeCandidatesMatchCpuAndGeneralPathExactly) {
   }
 }
 
+// ---- The cooperative top-k (TopKArgs::Algo::kCooperative): the CPU twin and the radix path
+
+TEST(CooperativeTopKGate, RowsSharedMemoryAndRefusals) {
+  using kernels::cuda::CooperativeTopKSupported;
+  std::uniform_int_distribution<int32_t> kd(1, 4096);
+  const int32_t k = kd(Rng());
+  // One gate for both cooperative launches (the candidates' row bound in blocks is its keys):
+  // the same answer at random and edge row counts and bounds (CooperativeCandidatesGate checks
+  // the bounds themselves).
+  std::uniform_int_distribution<int32_t> rows_d(0, 70), len_d(0, 500000);
+  for (int i = 0; i < 200; ++i) {
+    const int32_t rows = i < 4 ? std::array{0, 1, 64, 65}[i] : rows_d(Rng());
+    const int32_t len = i % 3 == 0 ? std::array{0, 1, 106496, 106497, 425984}[i % 5] : len_d(Rng());
+    EXPECT_EQ(CooperativeTopKSupported(rows, len, k),
+              kernels::cuda::CooperativeCandidatesSupported(rows, len, k))
+        << rows << " rows of " << len;
+  }
+  EXPECT_TRUE(CooperativeTopKSupported(64, 106496, k));
+  EXPECT_FALSE(CooperativeTopKSupported(64, 106497, k));
+  EXPECT_FALSE(CooperativeTopKSupported(65, 1000, k));
+  EXPECT_FALSE(CooperativeTopKSupported(8, 1000, 0));
+  // kAuto's choice: only where the gate holds, rows of 16K+ and <= 24K keys a block.
+  using kernels::cuda::CooperativeTopKPreferred;
+  EXPECT_TRUE(CooperativeTopKPreferred(64, 16384, 512, 132));  // the v41 consumer
+  EXPECT_TRUE(CooperativeTopKPreferred(64, 49152, k, 132));
+  EXPECT_FALSE(CooperativeTopKPreferred(64, 49153, k, 132));
+  EXPECT_TRUE(CooperativeTopKPreferred(1 + static_cast<int32_t>(Rng()() % 16), 196608, k, 132));
+  EXPECT_FALSE(CooperativeTopKPreferred(8, 196609, k, 132));
+  EXPECT_FALSE(CooperativeTopKPreferred(8, 16383, k, 132));
+  EXPECT_FALSE(CooperativeTopKPreferred(65, 16384, k, 132));
+  EXPECT_FALSE(CooperativeTopKPreferred(64, 16384, k, 114));  // fewer SMs than blocks
+  for (int i = 0; i < 100; ++i) {
+    const int32_t rows = rows_d(Rng()), len = len_d(Rng());
+    if (CooperativeTopKPreferred(rows, len, k, 132)) {
+      EXPECT_TRUE(CooperativeTopKSupported(rows, len, k)) << rows << " rows of " << len;
+    }
+  }
+  // LaunchRadixTopK's kCooperative refuses what the gate refuses (and a missing bound, a
+  // row histogram, a bad cluster size), before touching the device.
+  using Algo = kernels::cuda::TopKArgs::Algo;
+  static float values[4];
+  static int32_t lengths[4], out[4];
+  static uint32_t hist[4];
+  auto args = [&] {
+    kernels::cuda::TopKArgs a;
+    a.num_rows = 8;
+    a.values = values;
+    a.stride = 4;
+    a.lengths = lengths;
+    a.k = k;
+    a.out = out;
+    a.max_length = 1000;
+    a.algo = Algo::kCooperative;
+    return a;
+  };
+  std::vector<kernels::cuda::TopKArgs> refused(5, args());
+  refused[0].num_rows = 65;
+  refused[1].max_length = 0;  // lengths given without a bound
+  refused[2].row_histogram = hist;
+  refused[3].cluster_size = 3;
+  refused[4].max_length = 8 * 53248 + 1;
+  for (size_t i = 0; i < refused.size(); ++i) {
+    EXPECT_EQ(kernels::cuda::LaunchRadixTopK(refused[i], 132, nullptr).code(),
+              absl::StatusCode::kInvalidArgument)
+        << "case " << i;
+  }
+}
+
+std::vector<float> TopKTestRow(int kind, int32_t n);  // below: rows for every top-k path
+
+// Index map rows: strictly increasing random positions (as a candidate expansion lists them).
+std::vector<int32_t> IncreasingMap(int32_t n) {
+  std::vector<int32_t> m(n);
+  int32_t at = static_cast<int32_t>(Rng()() % 50);
+  for (auto& x : m) {
+    at += 1 + static_cast<int32_t>(Rng()() % 9);
+    x = at;
+  }
+  return m;
+}
+
+// Fresh rows of every kind (spread, tie-heavy, narrow, extreme magnitudes, misleading samples),
+// shorter than K, exactly K and longer, an empty row, with and without an index map, on 1 / 7
+// / 64 rows: kCooperative equals the CPU twin exactly and LaunchRadixTopK's general kernels bit
+// for bit, at the step's tight bound, the gate's loosest and (7 rows) each cluster size.
+TEST_F(GpuTest, CooperativeTopKMatchesCpuAndRadixExactly) {
+  using Algo = kernels::cuda::TopKArgs::Algo;
+  for (const int32_t k : {2048, 512}) {
+    for (const int32_t rows : {1, 7, 64}) {
+      for (const bool mapped : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "k " << k << " rows " << rows << " map " << mapped);
+        std::uniform_int_distribution<int32_t> shorter(1, k - 1);
+        // Rows the gate takes at every cluster size tried: 7 rows also run clusters of 2.
+        std::uniform_int_distribution<int32_t> longer(k + 1, rows == 64  ? 40000
+                                                             : rows == 7 ? 100000
+                                                                         : 300000);
+        std::vector<int32_t> lengths(rows);
+        for (int32_t r = 0; r < rows; ++r) {
+          const int kind = rows == 1 ? 2 : r % 4;  // the single row is a long one
+          lengths[r] = kind == 0 ? shorter(Rng()) : kind == 1 ? k : longer(Rng());
+        }
+        if (rows == 7) lengths[3] = 0;  // an empty row answers all -1
+        const int32_t max_len = *std::max_element(lengths.begin(), lengths.end());
+        const int64_t stride = (max_len + 3) / 4 * 4;
+        std::vector<float> values(rows * stride, NAN);  // beyond a row's length: never read
+        std::vector<int32_t> map(mapped ? rows * stride : 0, kPoisonI32);
+        std::vector<int32_t> expect(int64_t{rows} * k);
+        for (int32_t r = 0; r < rows; ++r) {
+          const std::vector<float> row =
+              lengths[r] > 0 ? TopKTestRow((r + k) % 7, lengths[r]) : std::vector<float>();
+          std::copy(row.begin(), row.end(), values.begin() + r * stride);
+          int32_t* e = expect.data() + int64_t{r} * k;
+          kernels::cpu::TopK(row.data(), lengths[r], k, e);
+          if (mapped) {
+            const std::vector<int32_t> m = IncreasingMap(lengths[r]);
+            std::copy(m.begin(), m.end(), map.begin() + r * stride);
+            for (int32_t i = 0; i < k; ++i) e[i] = e[i] < 0 ? -1 : m[e[i]];
+          }
+        }
+        DeviceBuffer dv = Upload(values), dlen = Upload(lengths), dmap = Upload(map);
+        auto run = [&](Algo algo, int32_t bound, int32_t cluster) {
+          DeviceBuffer dout = Poisoned<int32_t>(expect.size(), kPoisonI32);
+          EXPECT_TRUE(backend_->Synchronize().ok());
+          const kernels::cuda::TopKArgs a{.num_rows = rows,
+                                          .values = dv.as<float>(),
+                                          .stride = stride,
+                                          .lengths = dlen.as<int32_t>(),
+                                          .k = k,
+                                          .out = dout.as<int32_t>(),
+                                          .index_map = mapped ? dmap.as<int32_t>() : nullptr,
+                                          .index_map_stride = stride,
+                                          .max_length = bound,
+                                          .algo = algo,
+                                          .cluster_size = cluster};
+          const absl::Status s = kernels::cuda::LaunchRadixTopK(a, NumSms(), nullptr);
+          EXPECT_TRUE(s.ok()) << s;
+          EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          return Download<int32_t>(dout, expect.size());
+        };
+        const std::vector<int32_t> general = run(Algo::kGeneral, max_len, 0);
+        EXPECT_EQ(general, expect) << "general path vs the CPU twin";
+        const int32_t loose = rows <= 16 ? 425984 : 106496;
+        std::vector<std::pair<int32_t, int32_t>> configs = {{max_len, 0}, {loose, 0}};
+        if (rows == 7) configs.insert(configs.end(), {{max_len, 8}, {max_len, 4}, {max_len, 2}});
+        for (const auto& [bound, cluster] : configs) {
+          ASSERT_TRUE(kernels::cuda::CooperativeTopKSupported(rows, bound, k));
+          const std::vector<int32_t> got = run(Algo::kCooperative, bound, cluster);
+          for (int32_t r = 0; r < rows; ++r) {
+            EXPECT_TRUE(std::equal(got.begin() + int64_t{r} * k, got.begin() + int64_t{r + 1} * k,
+                                   expect.begin() + int64_t{r} * k))
+                << "row " << r << " length " << lengths[r] << " bound " << bound << " cluster "
+                << cluster;
+          }
+          EXPECT_EQ(got, general) << "cooperative vs general, bound " << bound;
+        }
+      }
+    }
+  }
+}
+
+// Rows of one fixed length (lengths null), and scores of candidate blocks read with a length
+// divisor (keys = ceil(length / divisor)): kCooperative equals the general kernels.
+TEST_F(GpuTest, CooperativeTopKFixedLengthAndDivisor) {
+  using Algo = kernels::cuda::TopKArgs::Algo;
+  const int32_t rows = 5, k = 512, div = 8;
+  std::uniform_int_distribution<int32_t> len(k + 1, 30000);
+  const int32_t fixed = len(Rng());
+  std::vector<int32_t> lengths(rows);
+  for (auto& l : lengths) l = len(Rng()) * div - static_cast<int32_t>(Rng()() % div);
+  lengths[1] = (k - 3) * div;  // fewer keys than K
+  const int64_t stride = (std::max(fixed, 30000) + 3) / 4 * 4;
+  std::vector<float> values(rows * stride);
+  FillVectors(Rng(), rows, static_cast<int32_t>(stride), values.data());
+  DeviceBuffer dv = Upload(values), dlen = Upload(lengths);
+  for (const bool fixed_rows : {true, false}) {
+    SCOPED_TRACE(::testing::Message() << "fixed " << fixed_rows);
+    std::vector<int32_t> expect(int64_t{rows} * k);
+    for (int32_t r = 0; r < rows; ++r) {
+      const int32_t n = fixed_rows ? fixed : (lengths[r] + div - 1) / div;
+      kernels::cpu::TopK(values.data() + r * stride, n, k, expect.data() + int64_t{r} * k);
+    }
+    std::vector<std::vector<int32_t>> got;
+    for (const Algo algo : {Algo::kGeneral, Algo::kCooperative}) {
+      DeviceBuffer dout = Poisoned<int32_t>(expect.size(), kPoisonI32);
+      ASSERT_TRUE(backend_->Synchronize().ok());
+      const kernels::cuda::TopKArgs a{.num_rows = rows,
+                                      .values = dv.as<float>(),
+                                      .stride = stride,
+                                      .lengths = fixed_rows ? nullptr : dlen.as<int32_t>(),
+                                      .fixed_length = fixed_rows ? fixed : 0,
+                                      .length_divisor = fixed_rows ? 1 : div,
+                                      .k = k,
+                                      .out = dout.as<int32_t>(),
+                                      .max_length = fixed_rows ? 0 : 30000,
+                                      .algo = algo};
+      ASSERT_TRUE(kernels::cuda::LaunchRadixTopK(a, NumSms(), nullptr).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      got.push_back(Download<int32_t>(dout, expect.size()));
+      EXPECT_EQ(got.back(), expect) << "algo " << static_cast<int>(algo);
+    }
+  }
+}
+
 // DenseTopK through the backend: each CandidateSelect gives the same candidates (and top-k)
 // on shuffled page tables; the cooperative answer is within near-ties of the CPU logits.
 TEST_F(GpuTest, DenseCandidatesIdenticalUnderEachSelect) {
@@ -1364,6 +1567,37 @@ TEST_F(GpuTest, ExpandSparseMaskedAndCopyRowsMatchCpu) {
   }
 }
 
+// A sparse top-k answer (`got`, [rows, k]) against the CPU's logits at the listed positions:
+// the right set up to near-ties of the CPU logits, ascending, -1 padded.
+void ExpectSparseTopKNearCpu(Scene& s, const std::vector<int32_t>& pos,
+                             const std::vector<int32_t>& cnt, int32_t maxp, int32_t k,
+                             const std::vector<int32_t>& got) {
+  for (int32_t r = 0; r < static_cast<int32_t>(cnt.size()); ++r) {
+    const std::vector<int32_t> p(pos.begin() + int64_t{r} * maxp,
+                                 pos.begin() + int64_t{r} * maxp + cnt[r]);
+    std::vector<float> at(p.size());
+    kernels::cpu::RowLogitsAt(s.cache(), s.rows(), s.q(), r, p.data(), cnt[r], at.data());
+    EXPECT_TRUE(CheckTopKRow(got.data() + int64_t{r} * k, k, ToDouble(at), 2 * RowTol(at), &p))
+        << "row " << r;
+  }
+}
+
+// Rows of `maxp` entries: row r's first cnt[r] are distinct random positions below its length,
+// ascending (as the expansion lists them), -1 after.
+std::vector<int32_t> RandomSortedPositions(const Scene& s, const std::vector<int32_t>& cnt,
+                                           int32_t maxp) {
+  const int32_t rows = static_cast<int32_t>(cnt.size());
+  std::vector<int32_t> pos(int64_t{rows} * maxp, -1);
+  for (int32_t r = 0; r < rows; ++r) {
+    std::vector<int32_t> all(s.row_length[r]);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), Rng());
+    std::sort(all.begin(), all.begin() + cnt[r]);
+    std::copy_n(all.begin(), cnt[r], pos.begin() + int64_t{r} * maxp);
+  }
+  return pos;
+}
+
 // The grid sparse-logits kernel over both formats and a head count that is not a multiple of
 // its 16-head group: each row scores a random ascending subset of its positions; answers match
 // the CPU at the row's own logits, repeat bit for bit, and a row's answer does not move when
@@ -1380,15 +1614,10 @@ TEST_F(GpuTest, SparseTopKGridMatchesCpuAndIgnoresBatch) {
     Scene s = MakeScene(Spec(c.format, c.heads, {12000, 300, 6000}, 2));
     auto ds = UploadScene(this, s);
     const int32_t rows = s.num_rows(), maxp = 2048 * 8, k = 512;
-    std::vector<int32_t> pos(int64_t{rows} * maxp, -1), cnt(rows);
-    for (int32_t r = 0; r < rows; ++r) {
-      std::vector<int32_t> all(s.row_length[r]);
-      std::iota(all.begin(), all.end(), 0);
-      std::shuffle(all.begin(), all.end(), Rng());
+    std::vector<int32_t> cnt(rows);
+    for (int32_t r = 0; r < rows; ++r)
       cnt[r] = std::min<int32_t>(maxp, s.row_length[r] * 3 / 4 + 1);
-      std::sort(all.begin(), all.begin() + cnt[r]);
-      std::copy_n(all.begin(), cnt[r], pos.begin() + int64_t{r} * maxp);
-    }
+    const std::vector<int32_t> pos = RandomSortedPositions(s, cnt, maxp);
     DeviceBuffer dpos = Upload(pos);
     DeviceBuffer dcnt = Upload(cnt);
     auto run = [&](const DeviceBuffer& counts) {
@@ -1407,14 +1636,7 @@ TEST_F(GpuTest, SparseTopKGridMatchesCpuAndIgnoresBatch) {
     };
     const std::vector<int32_t> got = run(dcnt);
     EXPECT_EQ(run(dcnt), got) << "sparse top-k not bit-identical across runs";
-    for (int32_t r = 0; r < rows; ++r) {
-      const std::vector<int32_t> p(pos.begin() + int64_t{r} * maxp,
-                                   pos.begin() + int64_t{r} * maxp + cnt[r]);
-      std::vector<float> at(p.size());
-      kernels::cpu::RowLogitsAt(s.cache(), s.rows(), s.q(), r, p.data(), cnt[r], at.data());
-      EXPECT_TRUE(CheckTopKRow(got.data() + int64_t{r} * k, k, ToDouble(at), 2 * RowTol(at), &p))
-          << "row " << r;
-    }
+    ExpectSparseTopKNearCpu(s, pos, cnt, maxp, k, got);
     std::vector<int32_t> cnt0 = cnt;
     cnt0[0] = 0;
     DeviceBuffer dcnt0 = Upload(cnt0);
@@ -1423,6 +1645,40 @@ TEST_F(GpuTest, SparseTopKGridMatchesCpuAndIgnoresBatch) {
         << "a row's answer moved when another row changed";
     EXPECT_TRUE(std::all_of(other.begin(), other.begin() + k, [](int32_t v) { return v == -1; }))
         << "a row with no positions must answer -1 only";
+  }
+}
+
+// SparseTopK through the backend under each TopKSelect: the same answers bit for bit (the
+// cooperative top-k and the radix kernels over the same logits), within near-ties of the CPU;
+// counts shorter than K, about K and up to max_positions, one row with no positions.
+TEST_F(GpuTest, SparseTopKIdenticalUnderEachTopKSelect) {
+  using kernels::TopKSelect;
+  Scene s = MakeScene(Spec(CacheFormat::kFp4, 32, {20000, 700, 9000, 16500}, 2));
+  auto ds = UploadScene(this, s);
+  const int32_t rows = s.num_rows(), maxp = 2048 * 8, k = 512;
+  std::vector<int32_t> cnt(rows);
+  for (int32_t r = 0; r < rows; ++r) {
+    cnt[r] = r == 1 ? 0 : std::min<int32_t>(maxp, s.row_length[r] - r);
+    if (r == 2) cnt[r] = k + static_cast<int32_t>(Rng()() % 3) - 1;  // K - 1 .. K + 1
+  }
+  const std::vector<int32_t> pos = RandomSortedPositions(s, cnt, maxp);
+  DeviceBuffer dpos = Upload(pos), dcnt = Upload(cnt);
+  std::vector<int32_t> first;
+  for (const TopKSelect sel : {TopKSelect::kGeneral, TopKSelect::kCooperative, TopKSelect::kAuto}) {
+    SCOPED_TRACE(::testing::Message() << "select " << static_cast<int>(sel));
+    DeviceBuffer dout = Poisoned<int32_t>(int64_t{rows} * k, kPoisonI32);
+    ASSERT_TRUE(backend_->Synchronize().ok());
+    ASSERT_TRUE(backend_
+                    ->SparseTopK({ds->cache, ds->rows, ds->q, dpos.as<int32_t>(),
+                                  dcnt.as<int32_t>(), maxp, k, dout.as<int32_t>(), sel})
+                    .ok());
+    const std::vector<int32_t> got = Download<int32_t>(dout, int64_t{rows} * k);
+    if (first.empty()) {
+      first = got;
+      ExpectSparseTopKNearCpu(s, pos, cnt, maxp, k, got);
+    } else {
+      EXPECT_EQ(got, first) << "answers differ between top-k selects";
+    }
   }
 }
 
@@ -1565,14 +1821,14 @@ TEST_F(GpuTest, SparseLogitsMmaMatchesCpuAndGrid) {
 
 // The kMma variants against the CPU and kMma: FP4 32 heads (the consumer's shape), 20 heads
 // (padded n-tile), 48 heads (wide), and FP8 64 heads (which every variant runs with kMma's
-// kernel: bit-identical to it). kMmaPair, kMmaQShared and kMmaPairLeanCopy compute kMma's sums
-// in kMma's order: bit-identical to it everywhere; the folded ones (kMmaFolded, kMmaFoldedPair)
-// within the tolerance. About 1 in 6 cache slots gets one group scale lowered so that the key's
-// groups lie 23 (still folded, the edge), 24 (not folded) or 18-30 binades apart: those keys take
-// the group-scaled path inside a tile of folded keys. Row 1 has q scales kMma does not fold (the
-// row runs kMma's unfolded path). Shuffled page tables, candidate blocks of 8, counts shorter and
-// longer than K, poisoned outputs; a logit depends only on (row, position): across runs, list
-// orders and other rows' counts.
+// kernel: bit-identical to it). kMmaPair, kMmaQShared, kMmaPairLeanCopy, kMmaPairLean and
+// kMmaPairLeanOcc compute kMma's sums in kMma's order: bit-identical to it everywhere; the folded
+// ones (kMmaFolded, kMmaFoldedPair) within the tolerance. About 1 in 6 cache slots gets one group
+// scale lowered so that the key's groups lie 23 (still folded, the edge), 24 (not folded) or 18-30
+// binades apart: those keys take the group-scaled path inside a tile of folded keys. Row 1 has q
+// scales kMma does not fold (the row runs kMma's unfolded path). Shuffled page tables, candidate
+// blocks of 8, counts shorter and longer than K, poisoned outputs; a logit depends only on (row,
+// position): across runs, list orders and other rows' counts.
 TEST_F(GpuTest, SparseLogitsMmaVariantsMatchCpuAndMma) {
   using kernels::cuda::SparseLogitsMath;
   struct Case {
@@ -1650,7 +1906,8 @@ TEST_F(GpuTest, SparseLogitsMmaVariantsMatchCpuAndMma) {
     for (const SparseLogitsMath math :
          {SparseLogitsMath::kMmaFolded, SparseLogitsMath::kMmaFoldedPair,
           SparseLogitsMath::kMmaPair, SparseLogitsMath::kMmaQShared,
-          SparseLogitsMath::kMmaPairLeanCopy}) {
+          SparseLogitsMath::kMmaPairLeanCopy, SparseLogitsMath::kMmaPairLean,
+          SparseLogitsMath::kMmaPairLeanOcc}) {
       SCOPED_TRACE(::testing::Message() << "math " << static_cast<int>(math));
       const std::vector<float> got = GpuSparseLogits(this, *ds, dpos, dcnt, maxp, math);
       if (!fp4 ||

@@ -129,6 +129,12 @@ struct ExpandArgs {
   CandidateExpansion out;
 };
 
+// How a backend runs a consumer's top-k (the answer is the same either way; the CPU backend
+// has one path and ignores it). kGeneral: the radix top-k kernels; kCooperative: the
+// cooperative top-k (one cluster a row, the row's logits in shared memory), refused
+// (InvalidArgument) where its gate does not hold; kAuto: the backend's choice.
+enum class TopKSelect { kAuto, kGeneral, kCooperative };
+
 // A consumer: logits over the expanded candidate positions only, top-k among them.
 struct SparseArgs {
   CacheView cache;  // the source layer's cache
@@ -139,6 +145,7 @@ struct SparseArgs {
   int32_t max_positions = 0;
   int32_t topk = 0;
   int32_t* topk_out = nullptr;
+  TopKSelect topk_select = TopKSelect::kAuto;
 };
 
 // The fallback consumer: dense logits with every position outside the row's candidate blocks
