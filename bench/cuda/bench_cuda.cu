@@ -867,7 +867,9 @@ int main(int argc, char** argv) {
           CHECK_OK(dc::LaunchPagedMqaLogits(a, sms, st), "logits");
         };
         using Algo = dc::TopKArgs::Algo;
-        auto run_topk = [&](Algo algo = Algo::kCompact, int cluster = 0, bool hist = false,
+        // The default is the backend's own choice (kAuto: cooperative, multi-pass or compact
+        // by shape), so the `top-k` and `both` columns are what DenseTopK runs.
+        auto run_topk = [&](Algo algo = Algo::kAuto, int cluster = 0, bool hist = false,
                             int32_t* dst = nullptr) {
           dc::TopKArgs t;
           t.num_rows = rows;
@@ -936,6 +938,8 @@ int main(int argc, char** argv) {
             run_topk(Algo::kCompact, c);
             check();
           }
+          run_topk();  // the default (kAuto)
+          check();
           // The logits again (the same values: keys-M fused, the kernel with the hook), now
           // filling the threshold-filter histogram.
           math = dc::MqaMath::kWgmmaKeysMFused;

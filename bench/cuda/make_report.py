@@ -66,7 +66,7 @@ def main():
          if new else
          "`logits` = device schedule + paged logits kernel (the default path: wgmma, keys as M, "
          "f16 products, exact to rounding); ")
-      + "`top-k` = radix top-k on those logits; `both` = the "
+      + "`top-k` = the backend's top-k (TopKArgs kAuto) on those logits; `both` = the "
       "two together. Key bytes = sum of L_b * 132 (each key read once per request). "
       "PyTorch = gather pages, dequantize (e4m3 -> bf16), bmm, relu, weights, head sum, key "
       "scale, mask, torch.topk, sort (CUDA events, median of 5).\n")
@@ -145,7 +145,9 @@ def topk_variant_table(cu, p):
         return
     p("\n## Top-k: the variants in the same run\n")
     p("Top-k alone on the default kernel's logits (us). `default` = the launcher's choice "
-      "(multi-pass radix for few rows, compacted candidates otherwise); `multi-pass` = radix "
+      "(kAuto: the cooperative top-k where CooperativeTopKPreferred holds, else multi-pass "
+      "radix for few rows, compacted candidates otherwise; runs before 13:25 on 2026-11-30 "
+      "timed compact c-auto here instead, a bench bug); `multi-pass` = radix "
       "select re-reading the row each pass; `compact cN` = sampled threshold, candidates "
       "compacted into shared memory, N blocks a row. `both+hist` = fused keys-M logits filling "
       "the sampled histogram in its epilogue, then top-k (the threshold filter; off by "

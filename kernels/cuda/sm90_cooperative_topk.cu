@@ -238,9 +238,13 @@ bool CooperativeTopKPreferred(int32_t num_rows, int32_t max_length, int32_t k, i
   // the step at once (the cluster sizes assume a 132-SM H100/H200), for rows of at least the
   // shortest measured bound (shorter rows: not measured, the radix kernels as before). Row
   // counts between the measured 1, 8 and 64 are judged by the same keys-per-block bound.
+  // Not for 9-32 rows: 16 rows (8 requests x next_n 2) in clusters of 8 measured 34-44 us
+  // against 20-38 us for the radix kernels at 32K-128K (13:21 run): that many 8-block clusters
+  // do not all fit the GPCs at once, so they run in two waves. 1-8 and 33-64 rows measured
+  // faster.
   constexpr int64_t kPreferredKeysPerBlock = 24 * 1024;
   constexpr int32_t kShortestMeasured = 16 * 1024;
-  return num_sms >= 128 && max_length >= kShortestMeasured &&
+  return num_sms >= 128 && max_length >= kShortestMeasured && (num_rows <= 8 || num_rows > 32) &&
          CooperativeTopKSupported(num_rows, max_length, k) &&
          CoopSegment(max_length, CoopClusterSize(num_rows)) <= kPreferredKeysPerBlock;
 }

@@ -617,7 +617,8 @@ TEST(CooperativeTopKGate, RowsSharedMemoryAndRefusals) {
   EXPECT_TRUE(CooperativeTopKPreferred(64, 16384, 512, 132));  // the v41 consumer
   EXPECT_TRUE(CooperativeTopKPreferred(64, 49152, k, 132));
   EXPECT_FALSE(CooperativeTopKPreferred(64, 49153, k, 132));
-  EXPECT_TRUE(CooperativeTopKPreferred(1 + static_cast<int32_t>(Rng()() % 16), 196608, k, 132));
+  EXPECT_TRUE(CooperativeTopKPreferred(1 + static_cast<int32_t>(Rng()() % 8), 196608, k, 132));
+  EXPECT_FALSE(CooperativeTopKPreferred(9 + static_cast<int32_t>(Rng()() % 24), 32768, k, 132));
   EXPECT_FALSE(CooperativeTopKPreferred(8, 196609, k, 132));
   EXPECT_FALSE(CooperativeTopKPreferred(8, 16383, k, 132));
   EXPECT_FALSE(CooperativeTopKPreferred(65, 16384, k, 132));
