@@ -555,6 +555,7 @@ void BenchV41(const Args& a) {
   // (ranks, graphs, next_n, overlap) -> round us; next_n -> the source's candidates.
   std::map<std::tuple<int, bool, int, bool>, double> round_us;
   std::map<int, std::vector<int32_t>> candidates;
+  std::vector<std::string> phase_rows;
   for (int ranks : a.ranks) {
     for (bool graphs : a.graphs) {
       for (bool overlap : {true, false}) {
@@ -583,6 +584,27 @@ void BenchV41(const Args& a) {
                       all.collective_us, all.replays, ov);
           std::fflush(stdout);
           round_us[{ranks, graphs, n, overlap}] = all.step_us;
+          // Where the source's and a consumer's steps go (a consumer: the round's means
+          // less the source's share, over the four consumers).
+          auto consumer = [&](double round_mean, double source) {
+            return (5 * round_mean - source) / 4;
+          };
+          char line[512];
+          std::snprintf(
+              line, sizeof line,
+              "| %d | %s | %d | %s | source | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n"
+              "| %d | %s | %d | %s | consumer | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n",
+              ranks, graphs ? "on" : "off", n, overlap ? "on" : "off", src.step_us, src.plan_us,
+              src.uploads_us, src.launch_us, src.copies_us, src.wait_us,
+              src.ranks_us - (src.uploads_us + src.launch_us + src.copies_us + src.wait_us), ranks,
+              graphs ? "on" : "off", n, overlap ? "on" : "off", (all.step_us - src.step_us) / 4,
+              consumer(all.plan_us, src.plan_us), consumer(all.uploads_us, src.uploads_us),
+              consumer(all.launch_us, src.launch_us), consumer(all.copies_us, src.copies_us),
+              consumer(all.wait_us, src.wait_us),
+              consumer(
+                  all.ranks_us - (all.uploads_us + all.launch_us + all.copies_us + all.wait_us),
+                  src.ranks_us - (src.uploads_us + src.launch_us + src.copies_us + src.wait_us)));
+          phase_rows.push_back(line);
           if (candidates.count(n) == 0) {
             di::exec::StepInput s = round[0];
             s.return_candidates = true;
@@ -593,6 +615,12 @@ void BenchV41(const Args& a) {
       }
     }
   }
+  std::printf(
+      "\n### Where a v41 step goes (means, us; columns as in the v32 table)\n\n| ranks | "
+      "graphs | next_n | overlap | layer | step | plan | uploads | launch | copies | wait | "
+      "rest |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const std::string& row : phase_rows) std::fputs(row.c_str(), stdout);
+  std::fflush(stdout);
 #ifdef DI_BENCH_CUDA
   if (a.backend != "cuda") return;
   std::printf(
