@@ -535,9 +535,9 @@ class CudaBackend final : public Backend {
     // 16-position tiles per warp step, a lean copy issue, key scales decoded once, 4 blocks per
     // SM: 51.7 us vs kMmaPair's 55.2 on the H200, 13:04 run; other shapes run kMma, and those it
     // does not take fall back to the grid kernel inside).
-    if (absl::Status s = cuda::LaunchSparseLogits(cache, rows, q, positions, counts, max_positions,
-                                                  sparse_logits_, main_,
-                                                  cuda::SparseLogitsMath::kMmaPairLeanOcc);
+    if (absl::Status s =
+            cuda::LaunchSparseLogits(cache, rows, q, positions, counts, max_positions,
+                                     sparse_logits_, main_, cuda::kSparseLogitsMathDefault);
         !s.ok()) {
       return s;
     }

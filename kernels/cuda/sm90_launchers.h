@@ -48,6 +48,9 @@ absl::Status LaunchMqaSchedule(const RowBatch& rows, const MqaSchedule& schedule
 // PagedLogitsNeedsSchedule), split widening at one row per pass. kWgmmaKeysMBitMove: all of
 // the widening by integer ops (a measurement).
 enum class MqaMath {
+  // mma.sync m16n8k32 (every format and head count). FP4 caches and FP8 with other than 64
+  // heads run the sparse tensor-core kernel over the dense rows instead unless this is asked
+  // for explicitly (LaunchPagedMqaLogits).
   kMmaSync,
   kWgmmaF16,
   kWgmmaFp8,
@@ -247,7 +250,12 @@ absl::Status LaunchSparseLogits(const CacheView& cache, const RowBatch& rows, co
                                 SparseLogitsMath math = SparseLogitsMath::kGrid);
 // The kMma kernel (sm90_sparse_logits_mma.cu), reached through LaunchSparseLogits: whether it
 // takes the shape (head dim 128, 1-64 heads, 16-byte aligned pages, 4-byte scales), and its
-// launch (Unimplemented for other shapes).
+// launch (Unimplemented for other shapes). positions == nullptr scores a dense row: row r's
+// positions 0 .. counts[r] - 1, logits at [r * max_positions + position]; this is how
+// LaunchPagedMqaLogits runs the dense layers the keys-M kernels do not take (FP4, FP8 with
+// other than 64 heads).
+// The tensor-core variant the backend runs (measured fastest, kMma's logits bit for bit).
+inline constexpr SparseLogitsMath kSparseLogitsMathDefault = SparseLogitsMath::kMmaPairLeanOcc;
 bool SparseLogitsMmaTakes(const CacheView& cache, const QView& q);
 absl::Status LaunchSparseLogitsMma(const CacheView& cache, const RowBatch& rows, const QView& q,
                                    const int32_t* positions, const int32_t* counts,

@@ -402,6 +402,17 @@ absl::Status LaunchPagedMqaLogits(const PagedLogitsArgs& args, int num_sms, cuda
   }
   if (args.rows.num_rows <= 0 || args.rows.num_requests <= 0) return absl::OkStatus();
   const bool fp4 = geo.format == CacheFormat::kFp4;
+  // FP4 caches, and FP8 with other than 64 heads, have no keys-M kernel: the sparse consumer's
+  // tensor-core kernel scores the dense rows (no position list: position = index), in place of
+  // the mma.sync kernel below, which stays reachable as MqaMath::kMmaSync (the v41 source
+  // layer's ~473 us of device work at 64 x 32K was mostly that kernel: docs/results/
+  // multigpu.md, 13:27).
+  if ((fp4 || args.q.num_heads != 64) && args.math != MqaMath::kMmaSync &&
+      args.logits_stride <= INT32_MAX && SparseLogitsMmaTakes(args.cache, args.q)) {
+    return LaunchSparseLogitsMma(args.cache, args.rows, args.q, /*positions=*/nullptr,
+                                 args.rows.row_length, static_cast<int32_t>(args.logits_stride),
+                                 args.logits, stream, kSparseLogitsMathDefault);
+  }
   switch (args.q.num_heads) {
     case 32:
       return fp4 ? LaunchRows<32, true>(args, num_sms, stream)

@@ -265,7 +265,12 @@ __global__ void __launch_bounds__(
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int k = i * kThreads + tid;
-    pos[i] = first + k < count ? __ldg(&positions[int64_t{row} * max_positions + first + k]) : -1;
+    // No list: a dense row (LaunchPagedMqaLogits), position = index.
+    const int at = first + k;
+    pos[i] =
+        at < count
+            ? (positions != nullptr ? __ldg(&positions[int64_t{row} * max_positions + at]) : at)
+            : -1;
   }
   // This thread's head (tid < kHeadsP): weight and FP4 group scales.
   const bool has_head = tid < heads;

@@ -946,8 +946,9 @@ TEST_F(GpuTest, PagedLogitsAndDenseTopKMatchCpu) {
     // variants must be as close to the CPU, the fp8-wgmma one within its reduced precision.
     const bool twin = c.format == CacheFormat::kFp8 && c.heads == 64;
     using kernels::cuda::MqaMath;
-    const std::vector<float> gl_mma =
-        twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kMmaSync) : std::vector<float>();
+    // kMmaSync: the mma.sync kernel, every shape (the default runs the sparse tensor-core
+    // kernel over the dense rows where keys-M does not apply: FP4, FP8 with != 64 heads).
+    const std::vector<float> gl_mma = GpuLogits(this, *ds, stride, num_sms, MqaMath::kMmaSync);
     const std::vector<float> gl_f16 =
         twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaF16) : std::vector<float>();
     const std::vector<float> gl_fp8 =
@@ -1019,8 +1020,8 @@ TEST_F(GpuTest, PagedLogitsAndDenseTopKMatchCpu) {
         const double err = std::fabs(double{g} - cpu[t]);
         if (!(err <= tol)) ++bad;  // NaN (unwritten) counts as bad
         worst = std::max(worst, err / (tol / kLogitRelTol));
+        if (!(std::fabs(double{gl_mma[r * stride + t]} - cpu[t]) <= tol)) ++bad;
         if (twin) {
-          if (!(std::fabs(double{gl_mma[r * stride + t]} - cpu[t]) <= tol)) ++bad;
           if (!(std::fabs(double{gl_f16[r * stride + t]} - cpu[t]) <= tol)) ++bad;
           const double e8 = std::fabs(double{gl_fp8[r * stride + t]} - cpu[t]);
           if (!(e8 <= tol * kFp8WgmmaRelTol / kLogitRelTol)) ++bad;
@@ -1029,6 +1030,7 @@ TEST_F(GpuTest, PagedLogitsAndDenseTopKMatchCpu) {
       }
       for (int64_t t = s.row_length[r]; t < stride; ++t) {
         if (!std::isnan(gl[r * stride + t])) ++bad;  // written past the row's length
+        if (!std::isnan(gl_mma[r * stride + t])) ++bad;
       }
       EXPECT_EQ(bad, 0) << "row " << r;
       EXPECT_TRUE(CheckTopKRow(topk.data() + int64_t{r} * c.k, c.k, ToDouble(cpu), 2 * tol))
