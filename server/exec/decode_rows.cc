@@ -613,17 +613,27 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   const bool gather_candidates = plan.sharded && source;
   const bool direct = plan.sharded && !gather_topk;
   if (gather_topk || gather_candidates) {
-    // The rank's own work first, so the time below is the collectives' alone.
-    if (status.ok()) status = be.Synchronize();
-    const auto gather_start = std::chrono::steady_clock::now();
-    rank.last_score_ns = since(step_start);
     // Every rank reaches the agreement whatever happened above, and all skip the all-gathers
-    // if any failed: a device collective would otherwise wait for the failed rank.
+    // if any failed: a device collective would otherwise wait for the failed rank. The
+    // agreement is on what the host knows (every launch went in) and runs while the kernels
+    // do: its hand-off costs nothing then.
     status = collective.Agree(rank.index(), status);
     if (status.ok() && injected && plan.fault == StepPlan::Fault::kHang) {
       return absl::InternalError(
           absl::StrCat("injected hang: rank ", rank.index(), " skipped the all-gather"));
     }
+    // The rank's own work, so the time below is the collectives' alone. A device error found
+    // here comes after the others agreed: abort, so that none waits in the all-gather for
+    // this rank (the collective then stays aborted, as for any device fault).
+    if (status.ok()) {
+      status = injected && plan.fault == StepPlan::Fault::kDevice
+                   ? absl::InternalError(absl::StrCat("injected device fault on rank ",
+                                                      rank.index(), " after the agreement"))
+                   : be.Synchronize();
+      if (!status.ok()) collective.Abort(status);
+    }
+    const auto gather_start = std::chrono::steady_clock::now();
+    rank.last_score_ns = since(step_start);
     const int32_t rows_per_rank = plan.num_rows / world;
     if (status.ok() && gather_topk) {
       status = collective.AllGather(rank.index(), b.topk + int64_t{range.start} * s.topk, b.topk,
@@ -635,10 +645,11 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     }
     rank.last_collective_ns = since(gather_start);
   }
-  if (status.ok() && injected && plan.fault == StepPlan::Fault::kHang) {
-    // No collective in this step to stay away from: the injected hang is a plain failure.
+  if (status.ok() && injected &&
+      (plan.fault == StepPlan::Fault::kHang || plan.fault == StepPlan::Fault::kDevice)) {
+    // No collective in this step to stay away from: the injected fault is a plain failure.
     status = absl::InternalError(
-        absl::StrCat("injected hang: rank ", rank.index(), " (a step with no collective)"));
+        absl::StrCat("injected fault: rank ", rank.index(), " (a step with no collective)"));
   }
   if (!status.ok()) {
     // Copies queued before the failure may still read the host staging the next step reuses.

@@ -52,11 +52,12 @@ struct StepPlan {
   bool masked_consumer = false;
   bool reuse_expansion = false;  // consumer: every rank's expansion already holds these rows
   bool fork_expansion = false;   // source: fork the expansion after writing candidates
-  // Test hook (DI_INJECT_FAULT): this rank fails the step, as a kernel error would
-  // (kError), or passes the host agreement and then never joins the all-gather, as a stuck
-  // device would (kHang). -1: none.
+  // Test hook (DI_INJECT_FAULT): this rank fails the step, as a launch error would
+  // (kError), passes the host agreement and then never joins the all-gather, as a stuck device
+  // would (kHang), or passes the agreement and then fails its synchronize, as an asynchronous
+  // kernel fault would (kDevice). -1: none.
   int32_t fault_rank = -1;
-  enum class Fault { kError, kHang } fault = Fault::kError;
+  enum class Fault { kError, kHang, kDevice } fault = Fault::kError;
   // Host outputs, written by the answering rank.
   int32_t answer_rank = 0;
   int32_t* topk_out = nullptr;        // [rows, topk]

@@ -256,15 +256,16 @@ FaultInjection FaultFromEnv() {
   char kind[16] = {0};
   unsigned long long step = 0;
   const int n = std::sscanf(env, "%d:%15[a-z]:%llu", &rank, kind, &step);
-  if (n < 2 || (std::string(kind) != "error" && std::string(kind) != "hang")) {
-    spdlog::warn("DI_INJECT_FAULT=\"{}\" ignored: want RANK:error|hang[:STEP]", env);
+  const std::string k = kind;
+  if (n < 2 || (k != "error" && k != "hang" && k != "device")) {
+    spdlog::warn("DI_INJECT_FAULT=\"{}\" ignored: want RANK:error|hang|device[:STEP]", env);
     return f;
   }
   f.rank = rank;
-  f.hang = std::string(kind) == "hang";
+  f.hang = k == "hang";
+  f.device = k == "device";
   f.step = step;
-  spdlog::warn("DI_INJECT_FAULT: rank {} will {} at decode step {}", rank, f.hang ? "hang" : "fail",
-               step);
+  spdlog::warn("DI_INJECT_FAULT: rank {} will {} at decode step {}", rank, k, step);
   return f;
 }
 
@@ -758,7 +759,9 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
 
   if (fault_.rank >= 0 && steps_to_ranks_ == fault_.step) {
     plan.fault_rank = fault_.rank;
-    plan.fault = fault_.hang ? StepPlan::Fault::kHang : StepPlan::Fault::kError;
+    plan.fault = fault_.hang     ? StepPlan::Fault::kHang
+                 : fault_.device ? StepPlan::Fault::kDevice
+                                 : StepPlan::Fault::kError;
     fault_ = FaultInjection{};  // once
   }
   ++steps_to_ranks_;

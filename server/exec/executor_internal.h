@@ -24,16 +24,19 @@ absl::StatusOr<std::unique_ptr<Executor>> CreateExecutorWithBackends(const confi
                                                                      const ExecutorOptions& options,
                                                                      BackendFactory factory);
 
-// Test hook, also reachable as DI_INJECT_FAULT=RANK:error|hang[:STEP]: the decode step `step`
-// calls from now (0: the next one to reach the ranks) fails on `rank`: with an error before
-// scoring (as a kernel error would), or, in a sharded step with a collective, by passing the
-// host agreement and then skipping the all-gather (as a stuck device would), which the
-// collective's timeout ends. A sharded step with no collective (direct answers, not a source)
-// has nothing to hang in: there the hang is an error after scoring.
+// Test hook, also reachable as DI_INJECT_FAULT=RANK:error|hang|device[:STEP]: the decode step
+// `step` calls from now (0: the next one to reach the ranks) fails on `rank`: with an error
+// before scoring (as a launch error would); or, in a sharded step with a collective, by
+// passing the host agreement and then skipping the all-gather (hang: as a stuck device would),
+// which the collective's timeout ends; or by passing the agreement and then failing the
+// synchronize that waits for its kernels (device: as an asynchronous kernel fault would),
+// which must abort the collective at once. A sharded step with no collective (direct
+// answers, not a source) has nothing to hang in: there both are an error after scoring.
 struct FaultInjection {
   int32_t rank = -1;  // -1: none
   bool hang = false;
   uint64_t step = 0;
+  bool device = false;  // (with hang false) the device kind
 };
 void InjectFault(Executor& executor, const FaultInjection& fault);
 

@@ -495,12 +495,12 @@ TEST(MultiRankCpu, LengthBucketsBoundTheLengthAndAreFew) {
 // agreement's copy); with direct answers (no collective in a dense step) the others finish
 // their rows and only the failing rank's status is an error.
 void ExpectFaultOnEveryRank(Executor& e, Harness& h, const std::vector<uint64_t>& ids,
-                            int32_t failing, bool hang, absl::StatusCode later,
-                            bool direct = false) {
+                            int32_t failing, bool hang, absl::StatusCode later, bool direct = false,
+                            bool device = false, double max_wait_s = 60.0) {
   std::vector<SeqPlan> plans;
   for (uint64_t id : ids) plans.push_back({id, 2, 2, {}});
   std::unique_ptr<StepData> step = h.MakeStep(0, plans);
-  exec::InjectFault(e, {failing, hang, 0});
+  exec::InjectFault(e, {failing, hang, 0, device});
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<StepResult> r = e.DecodeStep(step->input);
   const double waited_s =
@@ -516,9 +516,9 @@ void ExpectFaultOnEveryRank(Executor& e, Harness& h, const std::vector<uint64_t>
     EXPECT_EQ(per_rank[rank].code(), fails ? absl::StatusCode::kInternal : absl::StatusCode::kOk)
         << "rank " << rank << ": " << per_rank[rank];
   }
-  // Bounded: a hang ends at the collective timeout, an error at once (generous bound: the
-  // point is that it returns, not how fast).
-  EXPECT_LT(waited_s, 60.0);
+  // Bounded: a hang ends at the collective timeout, an error at once (generous bound unless
+  // the caller's point is how fast).
+  EXPECT_LT(waited_s, max_wait_s);
   // What comes next.
   std::unique_ptr<StepData> again = h.MakeStep(0, plans);
   absl::StatusOr<StepResult> next = e.DecodeStep(again->input);
@@ -584,6 +584,27 @@ TEST(MultiRankCpu, InjectedHangEndsAtTheTimeoutAndTurnsUnhealthy) {
   std::unique_ptr<Executor> e = Prefilled(h.profile(), o, h, &ids, 8, 40);
   ASSERT_NE(e, nullptr);
   ExpectFaultOnEveryRank(*e, h, ids, 2, /*hang=*/true, absl::StatusCode::kUnavailable);
+}
+
+// A device fault found after the ranks agreed (the synchronize that waits for a rank's own
+// kernels fails while the others may already wait in the all-gather): the failing rank aborts
+// the collective, so every rank returns INTERNAL at once, not at the collective timeout (20 s
+// here), and the executor turns unhealthy.
+TEST(MultiRankCpu, InjectedDeviceFaultAfterTheAgreementAbortsAtOnce) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  Harness h(SmallV32(), seed);
+  for (int32_t failing : {1, 0}) {
+    SCOPED_TRACE(absl::StrCat("failing rank ", failing));
+    ExecutorOptions o = CpuOptions(2);
+    o.collective_timeout_ms = 20000;
+    o.direct_answers = false;  // the answer's all-gather is the collective to wait in
+    std::vector<uint64_t> ids;
+    std::unique_ptr<Executor> e = Prefilled(h.profile(), o, h, &ids, 8, 40);
+    ASSERT_NE(e, nullptr);
+    ExpectFaultOnEveryRank(*e, h, ids, failing, /*hang=*/false, absl::StatusCode::kUnavailable,
+                           /*direct=*/false, /*device=*/true, /*max_wait_s=*/10.0);
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -714,6 +735,23 @@ TEST(MultiGpu, InjectedErrorFailsEveryRankAndTurnsUnhealthy) {
   // INTERNAL and a CUDA INTERNAL turns the executor unhealthy.
   ExpectFaultOnEveryRank(*e, h, ids, 1, /*hang=*/false, absl::StatusCode::kUnavailable,
                          /*direct=*/true);
+}
+
+// A device fault after the agreement on NCCL ranks: the failing rank's abort (ncclCommAbort)
+// wakes the rank waiting inside ncclAllGather at once, long before the 20 s watchdog bound.
+TEST(MultiGpu, InjectedDeviceFaultAfterTheAgreementAbortsAtOnce) {
+  SKIP_WITHOUT_TWO_GPUS();
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  Harness h(GpuV32(), seed);
+  ExecutorOptions o = GpuOptions(2);
+  o.collective_timeout_ms = 20000;
+  o.direct_answers = false;
+  std::vector<uint64_t> ids;
+  std::unique_ptr<Executor> e = Prefilled(h.profile(), o, h, &ids, 8, 600);
+  ASSERT_NE(e, nullptr);
+  ExpectFaultOnEveryRank(*e, h, ids, 1, /*hang=*/false, absl::StatusCode::kUnavailable,
+                         /*direct=*/false, /*device=*/true, /*max_wait_s=*/10.0);
 }
 
 TEST(MultiGpu, InjectedHangIsAbortedByTheWatchdog) {
