@@ -44,6 +44,7 @@
 #include <tuple>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
@@ -282,6 +283,9 @@ struct Timing {
   // commit; the slowest rank's phases (uploads issued, kernels issued, copies issued, wait).
   double plan_us = 0, ranks_us = 0, commit_us = 0;
   double uploads_us = 0, launch_us = 0, copies_us = 0, wait_us = 0;
+  // The slowest rank's scoring kernels (Backend::LastScoringUs, eager steps only; -1: none).
+  double kernels_us = -1;
+  int kernel_samples = 0;
   // CandidateOverlap, read after each round that had a fork/join pair (means over rounds and
   // ranks): the side stream's expansion span from the fork, the main stream's span until it
   // reached the join, and the hidden share min(1, main / side).
@@ -325,6 +329,10 @@ Timing TimeSteps(Executor& e, const std::vector<di::exec::StepInput>& round, int
         t.launch_us += slow_rank->launch_ns / 1000.0;
         t.copies_us += slow_rank->copies_ns / 1000.0;
         t.wait_us += slow_rank->wait_ns / 1000.0;
+        if (slow_rank->scoring_us >= 0) {
+          t.kernels_us = (t.kernel_samples == 0 ? 0 : t.kernels_us) + slow_rank->scoring_us;
+          ++t.kernel_samples;
+        }
       }
       const di::exec::StepPhases ph = di::exec::LastStepPhases(e);
       t.plan_us += ph.plan_ns / 1000.0;
@@ -346,6 +354,7 @@ Timing TimeSteps(Executor& e, const std::vector<di::exec::StepInput>& round, int
                     &t.copies_us, &t.wait_us}) {
     *v /= n_steps;
   }
+  if (t.kernel_samples > 0) t.kernels_us /= t.kernel_samples;
   if (t.overlap_samples > 0) {
     t.side_us /= t.overlap_samples;
     t.main_us /= t.overlap_samples;
@@ -438,13 +447,15 @@ void BenchV32(const Args& a) {
                     t.collective_us, 100.0 * t.collective_us / t.step_us, t.score_us, t.replays);
                 std::fflush(stdout);
                 char line[512];
-                std::snprintf(line, sizeof line,
-                              "| %d | %s | %s | %s | %d | %d | %d | %.1f | %.1f | %.1f | %.1f | "
-                              "%.1f | %.1f | %.1f | %.1f | %.1f |\n",
-                              ranks, graphs ? "on" : "off", pinned ? "on" : "off",
-                              direct ? "on" : "off", req, ctx, n, t.step_us, t.plan_us, t.ranks_us,
-                              t.commit_us, t.uploads_us, t.launch_us, t.copies_us, t.wait_us,
-                              t.ranks_us - (t.uploads_us + t.launch_us + t.copies_us + t.wait_us));
+                std::snprintf(
+                    line, sizeof line,
+                    "| %d | %s | %s | %s | %d | %d | %d | %.1f | %.1f | %.1f | %.1f | "
+                    "%.1f | %.1f | %.1f | %.1f | %.1f | %s |\n",
+                    ranks, graphs ? "on" : "off", pinned ? "on" : "off", direct ? "on" : "off", req,
+                    ctx, n, t.step_us, t.plan_us, t.ranks_us, t.commit_us, t.uploads_us,
+                    t.launch_us, t.copies_us, t.wait_us,
+                    t.ranks_us - (t.uploads_us + t.launch_us + t.copies_us + t.wait_us),
+                    t.kernel_samples > 0 ? absl::StrFormat("%.1f", t.kernels_us).c_str() : "-");
                 phase_rows.push_back(line);
               }
             }
@@ -460,11 +471,12 @@ void BenchV32(const Args& a) {
       "uploads issued, keys inserted), launch (kernel section issued: eager or a graph "
       "replay), copies (answer copies issued, after any collective), wait (the final "
       "synchronize: the device's remaining work); rest = ranks - the four (hand-offs, "
-      "collectives, the other rank).\n\n");
+      "collectives, the other rank); kernels = the slowest rank's scoring kernels alone "
+      "(events around them on its stream; eager steps only, `-` with graphs on).\n\n");
   std::printf(
       "| ranks | graphs | pinned | direct | requests | context | next_n | step | plan | ranks | "
-      "commit | uploads | launch | copies | wait | rest |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "commit | uploads | launch | copies | wait | rest | kernels |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const std::string& row : phase_rows) std::fputs(row.c_str(), stdout);
   std::fflush(stdout);
 }

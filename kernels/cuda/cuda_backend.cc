@@ -58,6 +58,8 @@ class CudaBackend final : public Backend {
     if (fork_event_ != nullptr) cudaEventDestroy(fork_event_);
     if (join_event_ != nullptr) cudaEventDestroy(join_event_);
     if (join_reached_event_ != nullptr) cudaEventDestroy(join_reached_event_);
+    if (score_start_ != nullptr) cudaEventDestroy(score_start_);
+    if (score_end_ != nullptr) cudaEventDestroy(score_end_);
     if (side_ != nullptr) cudaStreamDestroy(side_);
     if (main_ != nullptr) cudaStreamDestroy(main_);
   }
@@ -82,6 +84,8 @@ class CudaBackend final : public Backend {
     DI_CUDA_RETURN_IF_ERROR(cudaEventCreate(&fork_event_), "create fork event");
     DI_CUDA_RETURN_IF_ERROR(cudaEventCreate(&join_event_), "create join event");
     DI_CUDA_RETURN_IF_ERROR(cudaEventCreate(&join_reached_event_), "create join-reached event");
+    DI_CUDA_RETURN_IF_ERROR(cudaEventCreate(&score_start_), "create scoring-start event");
+    DI_CUDA_RETURN_IF_ERROR(cudaEventCreate(&score_end_), "create scoring-end event");
     const int64_t rows = std::max(1, limits_.max_rows);
     const int64_t requests = std::max(1, limits_.max_requests);
     logits_stride_cap_ = RoundUp4(std::max<int64_t>(1, limits_.max_context));
@@ -172,6 +176,9 @@ class CudaBackend final : public Backend {
   }
 
   absl::Status DenseTopK(const DenseArgs& args) override {
+    return TimedScoring([&] { return DenseTopKUntimed(args); });
+  }
+  absl::Status DenseTopKUntimed(const DenseArgs& args) {
     DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     const RowBatch& rows = args.rows;
     if (rows.num_rows == 0) return absl::OkStatus();
@@ -280,6 +287,9 @@ class CudaBackend final : public Backend {
   }
 
   absl::Status SparseTopK(const SparseArgs& args) override {
+    return TimedScoring([&] { return SparseTopKUntimed(args); });
+  }
+  absl::Status SparseTopKUntimed(const SparseArgs& args) {
     DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     if (args.rows.num_rows == 0) return absl::OkStatus();
     if (absl::Status s = CheckRows(args.rows); !s.ok()) return s;
@@ -288,6 +298,9 @@ class CudaBackend final : public Backend {
   }
 
   absl::Status MaskedTopK(const MaskedArgs& args) override {
+    return TimedScoring([&] { return MaskedTopKUntimed(args); });
+  }
+  absl::Status MaskedTopKUntimed(const MaskedArgs& args) {
     DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     if (args.rows.num_rows == 0) return absl::OkStatus();
     if (absl::Status s = CheckRows(args.rows); !s.ok()) return s;
@@ -338,6 +351,15 @@ class CudaBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  absl::StatusOr<double> LastScoringUs() override {
+    if (!scoring_timed_) return absl::FailedPreconditionError("no eager scoring call yet");
+    DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    float ms = 0;
+    DI_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, score_start_, score_end_),
+                            "scoring time: elapsed");
+    return 1000.0 * ms;
+  }
+
   absl::StatusOr<OverlapTiming> LastOverlapTiming() override {
     if (!overlap_timed_) return absl::FailedPreconditionError("no fork/join pair has completed");
     DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
@@ -378,6 +400,7 @@ class CudaBackend final : public Backend {
     DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     DI_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(main_, cudaStreamCaptureModeThreadLocal),
                             "begin graph capture on the main stream");
+    capturing_ = true;
     return absl::OkStatus();
   }
   // Ends the capture and instantiates the graph, keeping it under `key` (replacing any graph
@@ -387,6 +410,7 @@ class CudaBackend final : public Backend {
     DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     cudaGraph_t graph = nullptr;
     const cudaError_t end = cudaStreamEndCapture(main_, &graph);
+    capturing_ = false;
     if (end != cudaSuccess || graph == nullptr) {
       if (graph != nullptr) cudaGraphDestroy(graph);
       cudaGetLastError();  // a capture error is not sticky: clear it for the eager fallback
@@ -411,6 +435,7 @@ class CudaBackend final : public Backend {
     return absl::OkStatus();
   }
   void AbortCapture() override {
+    capturing_ = false;
     cudaSetDevice(device_);
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(main_, &status) == cudaSuccess &&
@@ -568,6 +593,26 @@ class CudaBackend final : public Backend {
   cudaEvent_t fork_event_ = nullptr;
   cudaEvent_t join_event_ = nullptr;
   cudaEvent_t join_reached_event_ = nullptr;
+  // LastScoringUs: events around the last eager scoring call (none while capturing: a graph
+  // would bake the records in).
+  cudaEvent_t score_start_ = nullptr;
+  cudaEvent_t score_end_ = nullptr;
+  bool scoring_timed_ = false;
+  bool capturing_ = false;
+  template <typename F>
+  absl::Status TimedScoring(F&& scoring) {
+    const bool timed = !capturing_ && score_start_ != nullptr;
+    if (timed) {
+      DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+      DI_CUDA_RETURN_IF_ERROR(cudaEventRecord(score_start_, main_), "record scoring start");
+    }
+    absl::Status s = scoring();
+    if (timed && s.ok()) {
+      DI_CUDA_RETURN_IF_ERROR(cudaEventRecord(score_end_, main_), "record scoring end");
+      scoring_timed_ = true;
+    }
+    return s;
+  }
   bool join_pending_ = false;
   bool overlap_timed_ = false;  // a fork/join pair completed: LastOverlapTiming has events
   int32_t* schedule_ws_ = nullptr;

@@ -958,8 +958,10 @@ std::vector<RankStepTimes> LastRankStepTimes(const Executor& executor) {
   // Written by the rank threads inside a step; read between steps.
   for (const auto& r : e.ranks_) {
     const Rank::Phases& ph = r->last_phases;
+    const absl::StatusOr<double> scoring =
+        r->last_graph_replayed ? absl::StatusOr<double>(-1.0) : r->backend().LastScoringUs();
     out.push_back({r->last_score_ns, r->last_collective_ns, ph.uploads_ns, ph.launch_ns,
-                   ph.copies_ns, ph.wait_ns});
+                   ph.copies_ns, ph.wait_ns, scoring.ok() ? *scoring : -1.0});
   }
   return out;
 }

@@ -53,6 +53,9 @@ struct RankStepTimes {
   int64_t launch_ns = 0;
   int64_t copies_ns = 0;
   int64_t wait_ns = 0;
+  // Backend::LastScoringUs of the last eager scoring call (its kernels' device time); -1
+  // where the backend does not time them or the step replayed a graph.
+  double scoring_us = -1;
 };
 std::vector<RankStepTimes> LastRankStepTimes(const Executor& executor);
 

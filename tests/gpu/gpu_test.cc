@@ -1009,6 +1009,11 @@ TEST_F(GpuTest, PagedLogitsAndDenseTopKMatchCpu) {
     d.topk_out = dout.as<int32_t>();
     ASSERT_TRUE(backend_->DenseTopK(d).ok());
     const std::vector<int32_t> topk = Download<int32_t>(dout, int64_t{rows} * c.k);
+    // The benchmarks' kernel timing (events around the eager scoring call).
+    ASSERT_TRUE(backend_->Synchronize().ok());
+    const absl::StatusOr<double> scoring_us = backend_->LastScoringUs();
+    ASSERT_TRUE(scoring_us.ok()) << scoring_us.status();
+    EXPECT_GT(*scoring_us, 0.0);
 
     double worst = 0.0;
     for (int32_t r = 0; r < rows; ++r) {

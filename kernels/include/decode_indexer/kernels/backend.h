@@ -226,6 +226,12 @@ class Backend {
   virtual absl::StatusOr<OverlapTiming> LastOverlapTiming() {
     return absl::UnimplementedError("this backend has no side stream");
   }
+  // Device time of the last scoring call's kernels (DenseTopK, SparseTopK or MaskedTopK run
+  // eagerly; not one replayed from a graph), from events around them on the stream: what a
+  // step's kernels cost apart from its copies. Benchmarks; valid after a Synchronize.
+  virtual absl::StatusOr<double> LastScoringUs() {
+    return absl::UnimplementedError("this backend does not time its kernels");
+  }
 
   // Host memory for staging a step's uploads. A GPU backend page-locks it (and makes it usable
   // from every device), so CopyToDevice from it is a true asynchronous DMA instead of a bounce
