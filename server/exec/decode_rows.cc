@@ -78,46 +78,70 @@ class Staging {
   HostArena& arena_;
 };
 
-// The step's device-to-host answer copies. To pageable memory (a StepResult vector, a gRPC
-// response) the driver bounces a copy through its own buffer in pieces, each waiting for the
-// stream; so the copy lands in the rank's page-locked readback space (one DMA) and Finish,
-// after the step's Synchronize, moves it on with a memcpy (each rank its own rows, in
-// parallel). Page-locked destinations, and ranks without readback space, copy directly.
+// The step's device-to-host answer copies. To pageable memory (a gRPC response) the driver
+// bounces a copy through its own buffer in pieces, each waiting for the stream; so the copy
+// lands in the rank's page-locked readback space (one DMA) and Finish, after the step's
+// Synchronize, moves it on with a memcpy (each rank its own rows, in parallel). Page-locked
+// destinations, and ranks without readback space, copy directly. Deferred answers (the
+// executor's own vectors: StepPlan::defer_topk / defer_candidates) stay in the readback space
+// and Finish hands them to the executor (Rank::last_readback).
 class Readback {
  public:
-  Readback(Rank& rank, bool destination_page_locked)
-      : be_(rank.backend()), space_(rank.readback()), direct_(destination_page_locked) {
+  enum class Answer { kTopK, kCandidates };
+
+  Readback(Rank& rank, const StepPlan& plan)
+      : rank_(rank), be_(rank.backend()), space_(rank.readback()), plan_(plan) {
     space_.used = 0;
+    rank_.last_readback.clear();
   }
 
-  absl::Status Copy(int32_t* host_dst, const int32_t* src, size_t bytes) {
+  // `bytes` of answer `which` from element `elem_offset` on.
+  absl::Status Copy(Answer which, int64_t elem_offset, const int32_t* src, size_t bytes) {
     if (bytes == 0) return absl::OkStatus();
+    const bool candidates = which == Answer::kCandidates;
+    const bool defer = candidates ? plan_.defer_candidates : plan_.defer_topk;
+    int32_t* dst = defer ? nullptr : (candidates ? plan_.candidates_out : plan_.topk_out);
     const size_t aligned = (bytes + 63) / 64 * 64;
-    if (direct_ || !space_.pinned || space_.used + aligned > space_.capacity) {
-      return be_.CopyToHost(host_dst, src, bytes);
+    const bool fits = space_.pinned && space_.used + aligned <= space_.capacity;
+    if (!defer && (plan_.host_page_locked || !fits)) {
+      return be_.CopyToHost(dst + elem_offset, src, bytes);
+    }
+    if (!fits) {  // the executor defers only where every rank has room for every row
+      return absl::InternalError("a deferred answer does not fit the readback space");
     }
     uint8_t* landing = space_.base + space_.used;
     space_.used += aligned;
     if (absl::Status s = be_.CopyToHost(landing, src, bytes); !s.ok()) return s;
-    pending_.push_back({host_dst, landing, bytes});
+    pending_.push_back({candidates, elem_offset, dst == nullptr ? nullptr : dst + elem_offset,
+                        reinterpret_cast<const int32_t*>(landing), bytes});
     return absl::OkStatus();
   }
 
   // After the Synchronize that completed the copies.
   void Finish() {
-    for (const Pending& p : pending_) std::memcpy(p.dst, p.landing, p.bytes);
+    for (const Pending& p : pending_) {
+      if (p.dst != nullptr) {
+        std::memcpy(p.dst, p.landing, p.bytes);
+      } else {
+        rank_.last_readback.push_back(
+            {p.candidates, p.elem_offset, p.landing, p.bytes / sizeof(int32_t)});
+      }
+    }
     pending_.clear();
   }
 
  private:
   struct Pending {
-    int32_t* dst;
-    const uint8_t* landing;
+    bool candidates;
+    int64_t elem_offset;
+    int32_t* dst;  // null: deferred
+    const int32_t* landing;
     size_t bytes;
   };
+  Rank& rank_;
   kernels::Backend& be_;
   HostArena& space_;
-  const bool direct_;
+  const StepPlan& plan_;
   std::vector<Pending> pending_;
 };
 
@@ -597,7 +621,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   // The step's host staging; the previous step's copies from it have finished (every step
   // ends in a Synchronize, a failed one too).
   Staging staging(rank);
-  Readback readback(rank, plan.host_page_locked);
+  Readback readback(rank, plan);
   if (status.ok()) status = ScoreRows(rank, staging, plan, range);
   rank.last_collective_ns = 0;
   // Which sharded steps still need a collective. An answer bound for host memory does not:
@@ -676,14 +700,14 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     // This rank's rows only, to their place in the host answer (see gather_topk above); the
     // candidates too, though every rank holds them all, so the copies split across devices.
     const int32_t n = range.end - range.start;
-    DI_RETURN_IF_ERROR(readback.Copy(plan.topk_out + int64_t{range.start} * s.topk,
+    DI_RETURN_IF_ERROR(readback.Copy(Readback::Answer::kTopK, int64_t{range.start} * s.topk,
                                      b.topk + int64_t{range.start} * s.topk,
                                      size_t(n) * s.topk * sizeof(int32_t)));
     if (plan.candidates_device_out != nullptr && rank.index() == plan.answer_rank) {
       DI_RETURN_IF_ERROR(be.CopyDeviceToDevice(plan.candidates_device_out, b.candidates,
                                                size_t(plan.num_rows) * NB * sizeof(int32_t)));
-    } else if (plan.candidates_out != nullptr) {
-      DI_RETURN_IF_ERROR(readback.Copy(plan.candidates_out + int64_t{range.start} * NB,
+    } else if (plan.candidates_out != nullptr || plan.defer_candidates) {
+      DI_RETURN_IF_ERROR(readback.Copy(Readback::Answer::kCandidates, int64_t{range.start} * NB,
                                        b.candidates + int64_t{range.start} * NB,
                                        size_t(n) * NB * sizeof(int32_t)));
     }
@@ -693,13 +717,13 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     if (plan.topk_device_out != nullptr) {
       DI_RETURN_IF_ERROR(be.CopyDeviceToDevice(plan.topk_device_out, b.topk, topk_bytes));
     } else {
-      DI_RETURN_IF_ERROR(readback.Copy(plan.topk_out, b.topk, topk_bytes));
+      DI_RETURN_IF_ERROR(readback.Copy(Readback::Answer::kTopK, 0, b.topk, topk_bytes));
     }
     if (plan.candidates_device_out != nullptr) {
       DI_RETURN_IF_ERROR(
           be.CopyDeviceToDevice(plan.candidates_device_out, b.candidates, cand_bytes));
-    } else if (plan.candidates_out != nullptr) {
-      DI_RETURN_IF_ERROR(readback.Copy(plan.candidates_out, b.candidates, cand_bytes));
+    } else if (plan.candidates_out != nullptr || plan.defer_candidates) {
+      DI_RETURN_IF_ERROR(readback.Copy(Readback::Answer::kCandidates, 0, b.candidates, cand_bytes));
     }
   }
   const auto wait_start = std::chrono::steady_clock::now();

@@ -65,6 +65,12 @@ struct StepPlan {
   // StepInput::host_memory_page_locked: q is uploaded and the host answers are written with
   // no staging copy.
   bool host_page_locked = false;
+  // Deferred answers (the executor's own StepResult vectors, every rank with page-locked
+  // readback space): topk_out / candidates_out stay null, each rank leaves its rows in its
+  // readback space (Rank::last_readback) and the executor builds the vectors from there after
+  // the join: no zero-filled vector, no second host copy.
+  bool defer_topk = false;
+  bool defer_candidates = false;
   // Instead of topk_out / candidates_out: memory of the answering rank's backend (a client's
   // CUDA IPC buffer), written device to device with no host copy.
   int32_t* topk_device_out = nullptr;        // [rows, topk]

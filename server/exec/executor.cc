@@ -184,6 +184,32 @@ class ExecutorImpl final : public Executor {
     return absl::UnavailableError(
         absl::StrCat("the executor is unhealthy after a fault: ", stats_.health_detail));
   }
+  // A deferred answer (StepPlan::defer_topk / defer_candidates) from the ranks' readback
+  // pieces, in element order; they must tile [0, total) exactly.
+  absl::Status AssembleDeferred(bool candidates, size_t total, std::vector<int32_t>& out) const {
+    std::vector<const Rank::ReadbackPiece*> pieces;
+    for (const auto& r : ranks_) {
+      for (const Rank::ReadbackPiece& piece : r->last_readback) {
+        if (piece.candidates == candidates) pieces.push_back(&piece);
+      }
+    }
+    std::sort(pieces.begin(), pieces.end(),
+              [](const auto* a, const auto* b) { return a->elem_offset < b->elem_offset; });
+    out.clear();
+    out.reserve(total);
+    for (const Rank::ReadbackPiece* piece : pieces) {
+      if (piece->elem_offset != static_cast<int64_t>(out.size()) ||
+          out.size() + piece->elems > total) {
+        return absl::InternalError("deferred answer rows do not tile the answer");
+      }
+      out.insert(out.end(), piece->data, piece->data + piece->elems);
+    }
+    if (out.size() != total) {
+      return absl::InternalError(
+          absl::StrCat("deferred answer: ", out.size(), " of ", total, " entries came back"));
+    }
+    return absl::OkStatus();
+  }
   absl::StatusOr<StepResult> DecodeStepLocked(const StepInput& step, StepPlan& plan,
                                               std::vector<std::vector<int32_t>>& new_pages,
                                               std::vector<int32_t>& new_blocks);
@@ -737,10 +763,17 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
   // The data plane may name where the answer goes (a client region, host or device); else
   // it comes back in the result's vectors.
   plan.host_page_locked = step.host_memory_page_locked;
+  // The result's own vectors: built after the join from the ranks' readback space where
+  // every rank has one (a device backend with page-locked staging), else filled in place.
+  const bool defer = std::all_of(ranks_.begin(), ranks_.end(), [](const std::unique_ptr<Rank>& r) {
+    return r->readback().pinned;
+  });
   if (step.answer_device != nullptr) {
     plan.topk_device_out = step.answer_device;
   } else if (step.answer_host != nullptr) {
     plan.topk_out = step.answer_host;
+  } else if (defer) {
+    plan.defer_topk = true;
   } else {
     result.topk_indices.resize(size_t(num_rows) * p.topk);
     plan.topk_out = result.topk_indices.data();
@@ -751,6 +784,8 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
       plan.candidates_device_out = step.candidates_device;
     } else if (step.candidates_host != nullptr) {
       plan.candidates_out = step.candidates_host;
+    } else if (defer) {
+      plan.defer_candidates = true;
     } else {
       result.candidate_blocks.resize(size_t(num_rows) * p.num_candidate_blocks);
       plan.candidates_out = result.candidate_blocks.data();
@@ -777,6 +812,13 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
   for (const auto& r : ranks_) {
     stats_.graph_captures += r->last_graph_captured;
     stats_.graph_replays += r->last_graph_replayed;
+  }
+  if (status.ok() && plan.defer_topk) {
+    status = AssembleDeferred(/*candidates=*/false, size_t(num_rows) * p.topk, result.topk_indices);
+  }
+  if (status.ok() && plan.defer_candidates) {
+    status = AssembleDeferred(/*candidates=*/true, size_t(num_rows) * p.num_candidate_blocks,
+                              result.candidate_blocks);
   }
 
   if (!status.ok()) {

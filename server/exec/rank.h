@@ -179,6 +179,16 @@ class Rank {
   // candidates of every row), so the device-to-host copy is one DMA; the host copies them on
   // to their destination after the step's Synchronize. Empty where staging is not pinned.
   HostArena& readback() { return readback_; }
+  // The last step's deferred answer rows (StepPlan::defer_topk / defer_candidates), in this
+  // rank's readback space until its next step: `elems` int32 of the top-k (or candidates)
+  // answer starting at element `elem_offset`.
+  struct ReadbackPiece {
+    bool candidates = false;
+    int64_t elem_offset = 0;
+    const int32_t* data = nullptr;
+    size_t elems = 0;
+  };
+  std::vector<ReadbackPiece> last_readback;
 
   // Job handoff: Start hands the job to the rank's thread (rank 0, which has none, runs it
   // before returning); Wait returns its status.

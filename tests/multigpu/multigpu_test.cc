@@ -54,6 +54,9 @@ struct Script {
   int32_t max_length = 100;
   int32_t rounds = 1;  // passes through the layers per next_n (shapes repeat: graphs replay)
   bool page_locked_inputs = false;  // StepInput::host_memory_page_locked on every step
+  // Answers into the caller's buffers (StepInput::answer_host / candidates_host, poisoned
+  // first) instead of the result's vectors.
+  bool caller_buffers = false;
 };
 
 struct RunResult {
@@ -108,10 +111,25 @@ RunResult RunScript(const Script& s, Executor& e, uint64_t seed) {
         std::unique_ptr<StepData> step = h.MakeStep(l.layer, step_plans);
         step->input.return_candidates = l.role == LayerRole::kCandidateSource;
         step->input.host_memory_page_locked = s.page_locked_inputs;
+        std::vector<int32_t> answer_buf, candidates_buf;
+        if (s.caller_buffers) {
+          answer_buf.assign(size_t(step->input.num_rows) * s.profile.topk, -7);
+          step->input.answer_host = answer_buf.data();
+          if (step->input.return_candidates) {
+            candidates_buf.assign(size_t(step->input.num_rows) * s.profile.num_candidate_blocks,
+                                  -7);
+            step->input.candidates_host = candidates_buf.data();
+          }
+        }
         SCOPED_TRACE(absl::StrCat("next_n ", n, " round ", round, " layer ", l.layer));
         absl::StatusOr<StepResult> r = e.DecodeStep(step->input);
         EXPECT_TRUE(r.ok()) << r.status();
         if (!r.ok()) return out;
+        if (s.caller_buffers) {  // the answers are in the buffers, the vectors stay empty
+          EXPECT_TRUE(r->topk_indices.empty() && r->candidate_blocks.empty());
+          r->topk_indices = answer_buf;
+          r->candidate_blocks = candidates_buf;
+        }
         h.RecordStep(*step);
         ++out.steps;
         out.sharded += r->sharded;
@@ -409,7 +427,8 @@ class StagedCpuBackend final : public kernels::Backend {
 };
 
 // The device backends' host paths (staging, readback, per-rank page-table slices, inputs
-// already page-locked) answer bit for bit as the plain CPU backend, at 1, 2 and 4 ranks,
+// already page-locked, answers deferred into the result's vectors or copied on into the
+// caller's buffers) answer bit for bit as the plain CPU backend, at 1, 2 and 4 ranks,
 // sharded with direct answers and all-gathered.
 TEST(MultiRankCpu, StagedCopiesAnswerAsPlainCopies) {
   const uint64_t seed = FreshSeed();
@@ -423,33 +442,36 @@ TEST(MultiRankCpu, StagedCopiesAnswerAsPlainCopies) {
     EXPECT_GT(base.answered, base.steps * s.requests);
     for (bool page_locked : {false, true}) {
       for (bool direct : {true, false}) {
-        for (int32_t ranks : {1, 2, 4}) {
-          SCOPED_TRACE(
-              absl::StrCat(ranks, " staged ranks, direct ", direct, ", page-locked ", page_locked));
-          ExecutorOptions o = CpuOptions(ranks);
-          o.direct_answers = direct;
-          o.pinned_staging = true;
-          std::vector<StagedCpuBackend*> made_backends;
-          auto factory = [&made_backends](int32_t, const kernels::BackendLimits& limits)
-              -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
-            auto b = std::make_unique<StagedCpuBackend>(kernels::MakeCpuBackend(limits, 1));
-            made_backends.push_back(b.get());
-            return b;
-          };
-          absl::StatusOr<std::unique_ptr<Executor>> made =
-              exec::CreateExecutorWithBackends(p, o, factory);
-          ASSERT_TRUE(made.ok()) << made.status();
-          Script staged = s;
-          staged.page_locked_inputs = page_locked;
-          const RunResult r = RunScript(staged, **made, seed);
-          EXPECT_EQ(r.steps, base.steps);
-          EXPECT_EQ(r.sharded, ranks > 1 ? r.steps : 0);
-          EXPECT_TRUE(r.answers == base.answers) << "staged copies change the answers";
-          // Every rank took the page-locked paths: a staging arena and a readback space;
-          // rank 0's backend also holds the planner's page table, which every rank reads.
-          ASSERT_EQ(made_backends.size(), size_t(ranks));
-          for (size_t b = 0; b < made_backends.size(); ++b) {
-            EXPECT_EQ(made_backends[b]->host_allocations.load(), b == 0 ? 3 : 2) << "rank " << b;
+        for (bool caller_buffers : {false, true}) {
+          for (int32_t ranks : {1, 2, 4}) {
+            SCOPED_TRACE(absl::StrCat(ranks, " staged ranks, direct ", direct, ", page-locked ",
+                                      page_locked, ", caller buffers ", caller_buffers));
+            ExecutorOptions o = CpuOptions(ranks);
+            o.direct_answers = direct;
+            o.pinned_staging = true;
+            std::vector<StagedCpuBackend*> made_backends;
+            auto factory = [&made_backends](int32_t, const kernels::BackendLimits& limits)
+                -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
+              auto b = std::make_unique<StagedCpuBackend>(kernels::MakeCpuBackend(limits, 1));
+              made_backends.push_back(b.get());
+              return b;
+            };
+            absl::StatusOr<std::unique_ptr<Executor>> made =
+                exec::CreateExecutorWithBackends(p, o, factory);
+            ASSERT_TRUE(made.ok()) << made.status();
+            Script staged = s;
+            staged.page_locked_inputs = page_locked;
+            staged.caller_buffers = caller_buffers;
+            const RunResult r = RunScript(staged, **made, seed);
+            EXPECT_EQ(r.steps, base.steps);
+            EXPECT_EQ(r.sharded, ranks > 1 ? r.steps : 0);
+            EXPECT_TRUE(r.answers == base.answers) << "staged copies change the answers";
+            // Every rank took the page-locked paths: a staging arena and a readback space;
+            // rank 0's backend also holds the planner's page table, which every rank reads.
+            ASSERT_EQ(made_backends.size(), size_t(ranks));
+            for (size_t b = 0; b < made_backends.size(); ++b) {
+              EXPECT_EQ(made_backends[b]->host_allocations.load(), b == 0 ? 3 : 2) << "rank " << b;
+            }
           }
         }
       }
