@@ -895,28 +895,21 @@ int main(int argc, char** argv) {
         float t_pairs = 0;              // pipelined, one row per pass by page pairs
         float t_ws2 = 0, t_ws4 = 0;     // v7: producer warpgroup + 2 / 4 consumer warpgroups
         if (!topk_only) {
-          math = dc::MqaMath::kWgmmaFp8;
-          t_fp8 = time_batches([&](int i) { run_logits(i); });
-          math = dc::MqaMath::kMmaSync;
-          t_mma = time_batches([&](int i) { run_logits(i); });
-          math = dc::MqaMath::kWgmmaF16;
-          t_f16 = time_batches([&](int i) { run_logits(i); });
-          math = dc::MqaMath::kWgmmaKeysMSplit;
-          t_split = time_batches([&](int i) { run_logits(i); });
-          math = dc::MqaMath::kWgmmaKeysM;  // v4, the default until the 08:20 run
-          t_keysm = time_batches([&](int i) { run_logits(i); });
-          math = dc::MqaMath::kWgmmaKeysMBitMove;
-          t_bitmove = time_batches([&](int i) { run_logits(i); });
-          math = dc::MqaMath::kWgmmaKeysMPipelined;
-          t_pipe = time_batches([&](int i) { run_logits(i); });
-          math = dc::MqaMath::kWgmmaKeysMFused;  // the default until the 10:30 run
-          t_fused = time_batches([&](int i) { run_logits(i); });
-          math = dc::MqaMath::kWgmmaKeysMPipelinedPagePairs;
-          t_pairs = time_batches([&](int i) { run_logits(i); });
-          math = dc::MqaMath::kWgmmaKeysMPipelinedWs2;
-          t_ws2 = time_batches([&](int i) { run_logits(i); });
-          math = dc::MqaMath::kWgmmaKeysMPipelinedWs4;
-          t_ws4 = time_batches([&](int i) { run_logits(i); });
+          auto time_math = [&](dc::MqaMath m) {
+            math = m;
+            return time_batches([&](int i) { run_logits(i); });
+          };
+          t_fp8 = time_math(dc::MqaMath::kWgmmaFp8);
+          t_mma = time_math(dc::MqaMath::kMmaSync);
+          t_f16 = time_math(dc::MqaMath::kWgmmaF16);
+          t_split = time_math(dc::MqaMath::kWgmmaKeysMSplit);
+          t_keysm = time_math(dc::MqaMath::kWgmmaKeysM);  // v4, the default until 08:20
+          t_bitmove = time_math(dc::MqaMath::kWgmmaKeysMBitMove);
+          t_pipe = time_math(dc::MqaMath::kWgmmaKeysMPipelined);
+          t_fused = time_math(dc::MqaMath::kWgmmaKeysMFused);  // the default until 10:30
+          t_pairs = time_math(dc::MqaMath::kWgmmaKeysMPipelinedPagePairs);
+          t_ws2 = time_math(dc::MqaMath::kWgmmaKeysMPipelinedWs2);
+          t_ws4 = time_math(dc::MqaMath::kWgmmaKeysMPipelinedWs4);
         }
         math = dc::PagedLogitsArgs{}.math;
         const float t_logits = time_batches([&](int i) { run_logits(i); });

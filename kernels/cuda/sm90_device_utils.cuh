@@ -129,33 +129,34 @@ __device__ __forceinline__ uint32_t WidenFp4x4(uint32_t packed16) {
          (E2M1ToE4M3((packed16 >> 8) & 0xFu) << 16) | (E2M1ToE4M3((packed16 >> 12) & 0xFu) << 24);
 }
 
-// Block-wide exclusive scan of one uint32 per thread; *total receives the block sum. scratch
-// holds 32 words. Every thread of the block must call it.
-__device__ __forceinline__ uint32_t BlockExclusiveScan(uint32_t v, uint32_t* scratch,
-                                                       uint32_t* total) {
+// Block-wide exclusive scan of one unsigned value per thread (uint32_t, or uint64_t holding
+// several packed counters); *total receives the block sum. scratch holds 32 values. Every
+// thread of the block must call it.
+template <typename T>
+__device__ __forceinline__ T BlockExclusiveScan(T v, T* scratch, T* total) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int num_warps = (blockDim.x + 31) >> 5;
-  uint32_t inc = v;
+  T inc = v;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    const uint32_t n = __shfl_up_sync(kFullMask, inc, o);
+    const T n = __shfl_up_sync(kFullMask, inc, o);
     if (lane >= o) inc += n;
   }
   __syncthreads();  // scratch may still be read by a previous call
   if (lane == 31) scratch[warp] = inc;
   __syncthreads();
   if (warp == 0) {
-    uint32_t w = lane < num_warps ? scratch[lane] : 0u;
+    T w = lane < num_warps ? scratch[lane] : T{0};
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-      const uint32_t n = __shfl_up_sync(kFullMask, w, o);
+      const T n = __shfl_up_sync(kFullMask, w, o);
       if (lane >= o) w += n;
     }
     scratch[lane] = w;  // inclusive over warps
   }
   __syncthreads();
-  const uint32_t warp_base = warp == 0 ? 0u : scratch[warp - 1];
+  const T warp_base = warp == 0 ? T{0} : scratch[warp - 1];
   *total = scratch[num_warps - 1];
   return warp_base + inc - v;
 }

@@ -119,34 +119,63 @@ __device__ __forceinline__ void StoreQQuad(uint8_t* qt, int head, int quad, uint
   }
 }
 
-// This warp's 16 keys of the page in `kv` as f16 A fragments, 8 k-steps of 16 dims: ldmatrix,
-// then cvt or bit moves per k-step.
+// Keys g and g + 8 of a keys-M wgmma accumulator (acc[4 j + e] and acc[4 j + 2 + e]: heads
+// 8 j + 2 c + e) through relu, times the head's weight `weight(j, e)`, summed over this lane's
+// heads in keys-M's order; then the 4 lanes of the group complete the 64-head sum (each lane
+// ends with it). Every keys-M variant's epilogue, so their logits stay bit for bit equal.
+template <typename Weight>
+__device__ __forceinline__ void KeysMHeadSums(const float (&acc)[32], Weight&& weight, float& s0,
+                                              float& s1) {
+  s0 = 0.f;
+  s1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float wv = weight(j, e);
+      s0 += wv * fmaxf(acc[4 * j + e], 0.f);
+      s1 += wv * fmaxf(acc[4 * j + 2 + e], 0.f);
+    }
+  }
+  s0 += __shfl_xor_sync(kFullMask, s0, 1);
+  s1 += __shfl_xor_sync(kFullMask, s1, 1);
+  s0 += __shfl_xor_sync(kFullMask, s0, 2);
+  s1 += __shfl_xor_sync(kFullMask, s1, 2);
+}
+
+// k-steps 2 sp and 2 sp + 1 of this warp's 16 keys of the page in `kv` as f16 A fragments
+// (lo, hi): one ldmatrix, then cvt or bit moves.
+template <int kWiden>
+__device__ __forceinline__ void WidenKSteps(const uint8_t* kv, int warp, int lane, int sp,
+                                            uint32_t (&lo)[4], uint32_t (&hi)[4]) {
+  uint32_t r[4];
+  const int mi = lane >> 3;
+  const int key = warp * 16 + (lane & 7) + 8 * (mi & 1);
+  const int chunk = 2 * sp + (mi >> 1);
+  LdMatrixX4(r, kv + key * 128 + ((chunk ^ (key & 7)) << 4));
+  if (BitMoveStep(kWiden, 2 * sp)) {
+    E4M3x4ToF16x2ScaledBitMove(r[0], lo[0], lo[2]);
+    E4M3x4ToF16x2ScaledBitMove(r[1], lo[1], lo[3]);
+    E4M3x4ToF16x2ScaledBitMove(r[2], hi[0], hi[2]);
+    E4M3x4ToF16x2ScaledBitMove(r[3], hi[1], hi[3]);
+    return;
+  }
+  lo[0] = E4M3x2ToF16x2(r[0]);
+  lo[2] = E4M3x2ToF16x2(r[0] >> 16);
+  lo[1] = E4M3x2ToF16x2(r[1]);
+  lo[3] = E4M3x2ToF16x2(r[1] >> 16);
+  hi[0] = E4M3x2ToF16x2(r[2]);
+  hi[2] = E4M3x2ToF16x2(r[2] >> 16);
+  hi[1] = E4M3x2ToF16x2(r[3]);
+  hi[3] = E4M3x2ToF16x2(r[3] >> 16);
+}
+
+// This warp's 16 keys of the page in `kv` as f16 A fragments, 8 k-steps of 16 dims.
 template <int kWiden>
 __device__ __forceinline__ void WidenPage(const uint8_t* kv, int warp, int lane,
                                           uint32_t (&a)[8][4]) {
 #pragma unroll
-  for (int sp = 0; sp < 4; ++sp) {
-    uint32_t r[4];
-    const int mi = lane >> 3;
-    const int key = warp * 16 + (lane & 7) + 8 * (mi & 1);
-    const int chunk = 2 * sp + (mi >> 1);
-    LdMatrixX4(r, kv + key * 128 + ((chunk ^ (key & 7)) << 4));
-    if (BitMoveStep(kWiden, 2 * sp)) {
-      E4M3x4ToF16x2ScaledBitMove(r[0], a[2 * sp][0], a[2 * sp][2]);
-      E4M3x4ToF16x2ScaledBitMove(r[1], a[2 * sp][1], a[2 * sp][3]);
-      E4M3x4ToF16x2ScaledBitMove(r[2], a[2 * sp + 1][0], a[2 * sp + 1][2]);
-      E4M3x4ToF16x2ScaledBitMove(r[3], a[2 * sp + 1][1], a[2 * sp + 1][3]);
-      continue;
-    }
-    a[2 * sp][0] = E4M3x2ToF16x2(r[0]);
-    a[2 * sp][2] = E4M3x2ToF16x2(r[0] >> 16);
-    a[2 * sp][1] = E4M3x2ToF16x2(r[1]);
-    a[2 * sp][3] = E4M3x2ToF16x2(r[1] >> 16);
-    a[2 * sp + 1][0] = E4M3x2ToF16x2(r[2]);
-    a[2 * sp + 1][2] = E4M3x2ToF16x2(r[2] >> 16);
-    a[2 * sp + 1][1] = E4M3x2ToF16x2(r[3]);
-    a[2 * sp + 1][3] = E4M3x2ToF16x2(r[3] >> 16);
-  }
+  for (int sp = 0; sp < 4; ++sp) WidenKSteps<kWiden>(kv, warp, lane, sp, a[2 * sp], a[2 * sp + 1]);
 }
 
 // The schedule kernel's work, per block in shared memory `own` (kOwnScheduleBytes; the launcher

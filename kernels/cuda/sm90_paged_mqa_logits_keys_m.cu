@@ -244,20 +244,9 @@ __global__ void __launch_bounds__(kThreads, 4) PagedMqaLogitsKeysMKernel(const P
         // Keys key0 and key0 + 8 against heads 8 j + 2 c + e: relu * w, then the 4 lanes of
         // the group complete the 64-head sum.
         const float* w = w_smem + rr * kHeads;
-        float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float wv = w[8 * j + 2 * c + e];
-            s0 += wv * fmaxf(acc[4 * j + e], 0.f);
-            s1 += wv * fmaxf(acc[4 * j + 2 + e], 0.f);
-          }
-        }
-        s0 += __shfl_xor_sync(kFullMask, s0, 1);
-        s1 += __shfl_xor_sync(kFullMask, s1, 1);
-        s0 += __shfl_xor_sync(kFullMask, s0, 2);
-        s1 += __shfl_xor_sync(kFullMask, s1, 2);
+        float s0, s1;
+        KeysMHeadSums(
+            acc, [&](int j, int e) { return w[8 * j + 2 * c + e]; }, s0, s1);
         if (c < 2) {
           const int key = key0 + 8 * c;
           const int pos = base_pos + key;

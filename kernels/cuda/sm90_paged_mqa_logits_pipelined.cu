@@ -50,6 +50,24 @@ constexpr int kQBytes = kHeads * kMqaHeadDim * 2;    // one row's q in f16: 16 K
 constexpr int kHalfBytes = kHeads * 128;             // 64 dims of q: one swizzled tile
 constexpr int kQBarrier = 1;                         // named barrier of the consumer warpgroup
 
+// A producer warp's cp.async copies of one page into a ring slot: the codes swizzled (16-byte
+// chunk col of key row at col ^ (row & 7), for conflict-free ldmatrix), then the scales; keys
+// at or past `valid` are zero-filled.
+__device__ __forceinline__ void CopyPageToStage(const uint8_t* src, uint8_t* dv, uint8_t* ds,
+                                                int valid, int lane) {
+#pragma unroll
+  for (int k0 = 0; k0 < (kPageBytes / 16 + 31) / 32; ++k0) {
+    const int ch = k0 * 32 + lane;
+    if (ch < kValues / 16) {
+      const int row = ch >> 3, col = ch & 7;
+      CpAsync16(dv + row * 128 + ((col ^ (row & 7)) << 4), src + ch * 16, row < valid);
+    } else if (ch < kPageBytes / 16) {
+      const int sc = ch - kValues / 16;
+      CpAsync16(ds + sc * 16, src + kValues + sc * 16, sc * 4 < valid);
+    }
+  }
+}
+
 template <int kRowsPerPass, bool kOwnSchedule>
 constexpr int SmemBytes() {
   return kStages * kValues + kRowsPerPass * kQBytes + kStages * kScales +
@@ -138,17 +156,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       const uint8_t* src = cache + int64_t{page} * kPageBytes;
       uint8_t* dv = stage_values + st * kValues;
       uint8_t* ds = stage_scales + st * kScales;
-#pragma unroll
-      for (int k0 = 0; k0 < (kPageBytes / 16 + 31) / 32; ++k0) {
-        const int ch = k0 * 32 + lane;
-        if (ch < kValues / 16) {
-          const int row = ch >> 3, col = ch & 7;
-          CpAsync16(dv + row * 128 + ((col ^ (row & 7)) << 4), src + ch * 16, row < valid);
-        } else if (ch < kPageBytes / 16) {
-          const int sc = ch - kValues / 16;
-          CpAsync16(ds + sc * 16, src + kValues + sc * 16, sc * 4 < valid);
-        }
-      }
+      CopyPageToStage(src, dv, ds, valid, lane);
       CpAsyncMbarArrive(&full[st]);
     }
     CpAsyncWait<0>();
@@ -227,20 +235,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     // the same request (same q); when there is none, the first page's fragments are widened twice
     // and the second result is dropped.
     auto epilogue = [&](const float(&acc)[32], int64_t row, int base, float k0, float k1) {
-      float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float wv = w_reg[2 * j + e];
-          s0 += wv * fmaxf(acc[4 * j + e], 0.f);
-          s1 += wv * fmaxf(acc[4 * j + 2 + e], 0.f);
-        }
-      }
-      s0 += __shfl_xor_sync(kFullMask, s0, 1);
-      s1 += __shfl_xor_sync(kFullMask, s1, 1);
-      s0 += __shfl_xor_sync(kFullMask, s0, 2);
-      s1 += __shfl_xor_sync(kFullMask, s1, 2);
+      float s0, s1;
+      KeysMHeadSums(
+          acc, [&](int j, int e) { return w_reg[2 * j + e]; }, s0, s1);
       if (c < 2) {
         const int pos = base + warp * 16 + g + 8 * c;
         if (pos < len_smem[0]) p.logits[row * p.logits_stride + pos] = c == 0 ? s0 * k0 : s1 * k1;
@@ -328,20 +325,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       // complete the 64-head sum (keys-M's order); stores below the row's length.
       auto epilogue = [&](const float(&acc)[32], int pass, int rr) {
         const float* w = w_smem + rr * kHeads;
-        float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float wv = kRowsPerPass == 1 ? w_reg[2 * j + e] : w[8 * j + 2 * c + e];
-            s0 += wv * fmaxf(acc[4 * j + e], 0.f);
-            s1 += wv * fmaxf(acc[4 * j + 2 + e], 0.f);
-          }
-        }
-        s0 += __shfl_xor_sync(kFullMask, s0, 1);
-        s1 += __shfl_xor_sync(kFullMask, s1, 1);
-        s0 += __shfl_xor_sync(kFullMask, s0, 2);
-        s1 += __shfl_xor_sync(kFullMask, s1, 2);
+        float s0, s1;
+        KeysMHeadSums(
+            acc,
+            [&](int j, int e) {
+              return kRowsPerPass == 1 ? w_reg[2 * j + e] : w[8 * j + 2 * c + e];
+            },
+            s0, s1);
         if (c < 2) {
           const int key = key0 + 8 * c;
           const int pos = base_pos + key;
@@ -452,29 +442,8 @@ template <int kWiden, int kHalf>
 __device__ __forceinline__ void WidenHalfPage(const uint8_t* kv, int warp, int lane,
                                               uint32_t (&a)[4][4]) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int sp = 2 * kHalf + h;
-    uint32_t r[4];
-    const int mi = lane >> 3;
-    const int key = warp * 16 + (lane & 7) + 8 * (mi & 1);
-    const int chunk = 2 * sp + (mi >> 1);
-    LdMatrixX4(r, kv + key * 128 + ((chunk ^ (key & 7)) << 4));
-    if (BitMoveStep(kWiden, 2 * sp)) {
-      E4M3x4ToF16x2ScaledBitMove(r[0], a[2 * h][0], a[2 * h][2]);
-      E4M3x4ToF16x2ScaledBitMove(r[1], a[2 * h][1], a[2 * h][3]);
-      E4M3x4ToF16x2ScaledBitMove(r[2], a[2 * h + 1][0], a[2 * h + 1][2]);
-      E4M3x4ToF16x2ScaledBitMove(r[3], a[2 * h + 1][1], a[2 * h + 1][3]);
-      continue;
-    }
-    a[2 * h][0] = E4M3x2ToF16x2(r[0]);
-    a[2 * h][2] = E4M3x2ToF16x2(r[0] >> 16);
-    a[2 * h][1] = E4M3x2ToF16x2(r[1]);
-    a[2 * h][3] = E4M3x2ToF16x2(r[1] >> 16);
-    a[2 * h + 1][0] = E4M3x2ToF16x2(r[2]);
-    a[2 * h + 1][2] = E4M3x2ToF16x2(r[2] >> 16);
-    a[2 * h + 1][1] = E4M3x2ToF16x2(r[3]);
-    a[2 * h + 1][3] = E4M3x2ToF16x2(r[3] >> 16);
-  }
+  for (int h = 0; h < 2; ++h)
+    WidenKSteps<kWiden>(kv, warp, lane, 2 * kHalf + h, a[2 * h], a[2 * h + 1]);
 }
 
 // ---- v7: a producer warpgroup and several consumer warpgroups (setmaxnreg) ----
@@ -590,17 +559,7 @@ __global__ void __launch_bounds__(WsConfig<kConsumers>::kThreads, WsConfig<kCons
       const uint8_t* src = cache + int64_t{page} * kPageBytes;
       uint8_t* dv = stage_values + st * kValues;
       uint8_t* ds = stage_scales + st * kScales;
-#pragma unroll
-      for (int k0 = 0; k0 < (kPageBytes / 16 + 31) / 32; ++k0) {
-        const int ch = k0 * 32 + lane;
-        if (ch < kValues / 16) {
-          const int row = ch >> 3, col = ch & 7;
-          CpAsync16(dv + row * 128 + ((col ^ (row & 7)) << 4), src + ch * 16, row < valid);
-        } else if (ch < kPageBytes / 16) {
-          const int sc = ch - kValues / 16;
-          CpAsync16(ds + sc * 16, src + kValues + sc * 16, sc * 4 < valid);
-        }
-      }
+      CopyPageToStage(src, dv, ds, valid, lane);
       CpAsyncMbarArrive(&full[st]);
     }
     CpAsyncWait<0>();
@@ -706,20 +665,10 @@ __global__ void __launch_bounds__(WsConfig<kConsumers>::kThreads, WsConfig<kCons
       WgmmaCommit();
       WgmmaWait<0>();
       // v6's epilogue: relu * w over this thread's heads, then the 4 lanes of the group.
-      float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float wv = w_smem[8 * j + 2 * c + e];  // (16 fewer live registers than v6)
-          s0 += wv * fmaxf(acc[4 * j + e], 0.f);
-          s1 += wv * fmaxf(acc[4 * j + 2 + e], 0.f);
-        }
-      }
-      s0 += __shfl_xor_sync(kFullMask, s0, 1);
-      s1 += __shfl_xor_sync(kFullMask, s1, 1);
-      s0 += __shfl_xor_sync(kFullMask, s0, 2);
-      s1 += __shfl_xor_sync(kFullMask, s1, 2);
+      // (16 fewer live registers than v6)
+      float s0, s1;
+      KeysMHeadSums(
+          acc, [&](int j, int e) { return w_smem[8 * j + 2 * c + e]; }, s0, s1);
       if (c < 2) {
         const int pos = base_pos + key0 + 8 * c;
         if (pos < len_smem[0])

@@ -180,35 +180,6 @@ __device__ __forceinline__ void StreamSegment(const float* __restrict__ v, bool 
   }
 }
 
-// BlockExclusiveScan for 64-bit values (four 16-bit counters at once).
-__device__ __forceinline__ uint64_t BlockExclusiveScan64(uint64_t v, uint64_t* scratch,
-                                                         uint64_t* total) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int num_warps = (blockDim.x + 31) >> 5;
-  uint64_t inc = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const uint64_t n = __shfl_up_sync(kFullMask, inc, o);
-    if (lane >= o) inc += n;
-  }
-  __syncthreads();  // scratch may still be read by a previous call
-  if (lane == 31) scratch[warp] = inc;
-  __syncthreads();
-  if (warp == 0) {
-    uint64_t w = lane < num_warps ? scratch[lane] : 0ull;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const uint64_t n = __shfl_up_sync(kFullMask, w, o);
-      if (lane >= o) w += n;
-    }
-    scratch[lane] = w;
-  }
-  __syncthreads();
-  const uint64_t warp_base = warp == 0 ? 0ull : scratch[warp - 1];
-  *total = scratch[num_warps - 1];
-  return warp_base + inc - v;
-}
 
 template <bool kCluster>
 __global__ void __launch_bounds__(kTopKThreads) RadixTopKCompactKernel(const TopKArgs a) {
@@ -273,7 +244,7 @@ __global__ void __launch_bounds__(kTopKThreads) RadixTopKCompactKernel(const Top
         packed |= static_cast<uint64_t>(cnt) << (16 * j);
       }
       uint64_t chunk_total;
-      const uint64_t excl = BlockExclusiveScan64(packed, scratch64, &chunk_total);
+      const uint64_t excl = BlockExclusiveScan(packed, scratch64, &chunk_total);
       int before = n;  // candidates of loads j' < j of the whole block
 #pragma unroll
       for (int j = 0; j < kLoads; ++j) {

@@ -216,6 +216,29 @@ __device__ __forceinline__ uint32_t KeyFoldMultiplier(uint32_t e4, int grp) {
 
 // Byte offset of 16-byte chunk `ch` of key `key` in a stage: swizzled so that the ldmatrix
 // reads (8 keys x one chunk each) hit 8 distinct bank groups.
+// Each head's sum through relu, times the head's weight, added in head order to s0 (the
+// fragment's row g) and s1 (row g + 8); lane c holds heads 8j + 2c + e.
+template <int kNT>
+__device__ __forceinline__ void AddWeightedHeads(const float (&sums)[kNT][4],
+                                                 const float* __restrict__ w_s, int c, float& s0,
+                                                 float& s1) {
+#pragma unroll
+  for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float wv = w_s[8 * j + 2 * c + e];
+      s0 = fmaf(wv, fmaxf(sums[j][e], 0.f), s0);
+      s1 = fmaf(wv, fmaxf(sums[j][2 + e], 0.f), s1);
+    }
+  }
+}
+
+template <int kNT>
+__device__ __forceinline__ void ZeroAcc(float (&acc)[kNT][4]) {
+#pragma unroll
+  for (int j = 0; j < kNT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+}
+
 template <bool kFp8>
 __device__ __forceinline__ int StageOffset(int key, int ch) {
   if constexpr (kFp8) {
@@ -506,15 +529,7 @@ __global__ void __launch_bounds__(
         }
       }
     }
-#pragma unroll
-    for (int j = 0; j < kNT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float wv = w_s[8 * j + 2 * c + e];
-        s0 = fmaf(wv, fmaxf(tot[j][e], 0.f), s0);
-        s1 = fmaf(wv, fmaxf(tot[j][2 + e], 0.f), s1);
-      }
-    }
+    AddWeightedHeads(tot, w_s, c, s0, s1);
   };
 
   // FP4 group-scaled, kGroupOuter: group_sums for all kMT m-tiles of a step at once, in the
@@ -588,15 +603,7 @@ __global__ void __launch_bounds__(
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
       float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-      for (int j = 0; j < kNT; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float wv = w_s[8 * j + 2 * c + e];
-          s0 = fmaf(wv, fmaxf(tot[mt][j][e], 0.f), s0);
-          s1 = fmaf(wv, fmaxf(tot[mt][j][2 + e], 0.f), s1);
-        }
-      }
+      AddWeightedHeads(tot[mt], w_s, c, s0, s1);
       s[mt][0] = s0;
       s[mt][1] = s1;
     }
@@ -639,8 +646,7 @@ __global__ void __launch_bounds__(
         float mul0, mul1;          // what those sums are multiplied by at the end
         if constexpr (kFp8) {
           float acc[kNT][4];
-#pragma unroll
-          for (int j = 0; j < kNT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+          ZeroAcc(acc);
 #pragma unroll
           for (int u = 0; u < 4; ++u) {
             uint32_t r[4];
@@ -657,15 +663,7 @@ __global__ void __launch_bounds__(
               MmaF16(acc[j], a1, b.z, b.w);
             }
           }
-#pragma unroll
-          for (int j = 0; j < kNT; ++j) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float wv = w_s[8 * j + 2 * c + e];
-              s0 = fmaf(wv, fmaxf(acc[j][e], 0.f), s0);
-              s1 = fmaf(wv, fmaxf(acc[j][2 + e], 0.f), s1);
-            }
-          }
+          AddWeightedHeads(acc, w_s, c, s0, s1);
           // q and keys each carried 2^-8: 65536 * k_scale is exact.
           mul0 = 65536.f * __uint_as_float(sc0);
           mul1 = 65536.f * __uint_as_float(sc1);
@@ -678,8 +676,7 @@ __global__ void __launch_bounds__(
           const uint32_t e0 = KeyFoldExponents(sc0, ok0, kb0);
           const uint32_t e1 = KeyFoldExponents(sc1, ok1, kb1);
           float acc[kNT][4];
-#pragma unroll
-          for (int j = 0; j < kNT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+          ZeroAcc(acc);
 #pragma unroll
           for (int pair = 0; pair < 2; ++pair) {
             uint32_t r[4];  // words c of groups 2 pair (keys g, g + 8) and 2 pair + 1
@@ -704,15 +701,7 @@ __global__ void __launch_bounds__(
               }
             }
           }
-#pragma unroll
-          for (int j = 0; j < kNT; ++j) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float wv = w_s[8 * j + 2 * c + e];
-              s0 = fmaf(wv, fmaxf(acc[j][e], 0.f), s0);
-              s1 = fmaf(wv, fmaxf(acc[j][2 + e], 0.f), s1);
-            }
-          }
+          AddWeightedHeads(acc, w_s, c, s0, s1);
           mul0 = kb0;
           mul1 = kb1;
           // Keys that do not fold (group scales more than 2^23 apart; rare for quantized

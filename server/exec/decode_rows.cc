@@ -211,6 +211,28 @@ absl::Status InsertStepKeys(Rank& rank, Staging& staging, int32_t pool,
   return absl::OkStatus();
 }
 
+// The step's rows between the rank's candidate buffer and the per-sequence candidate store
+// (rows plan.store_rows): a source scatters its new candidates into the store, a consumer
+// gathers its source's from it.
+absl::Status CopyStoreRows(Rank& rank, Staging& staging, const StepPlan& plan, bool into_store) {
+  RankBuffers& b = rank.buffers();
+  DI_RETURN_IF_ERROR(
+      staging.Upload(b.store_index, plan.store_rows.data(), plan.num_rows * sizeof(int32_t)));
+  kernels::CopyRowsArgs copy;
+  copy.num_rows = plan.num_rows;
+  copy.row_elems = rank.sizes().num_candidate_blocks;
+  if (into_store) {
+    copy.dst = b.candidate_store;
+    copy.dst_index = b.store_index;
+    copy.src = b.candidates;
+  } else {
+    copy.dst = b.candidates;
+    copy.src = b.candidate_store;
+    copy.src_index = b.store_index;
+  }
+  return rank.backend().CopyRows(copy);
+}
+
 // Runs the step's kernel section through the rank's step graphs (seed: warm): eager at a
 // shape's first sighting, captured at its second, replayed after. A capture that fails (an
 // unsupported call while capturing) leaves the stream as it was: the shape stays eager and
@@ -356,15 +378,7 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
     const bool need_candidates = plan.masked_consumer || !plan.reuse_expansion;
     if (need_candidates) {
       // The source's candidates for these rows, from the per-sequence store.
-      DI_RETURN_IF_ERROR(
-          staging.Upload(b.store_index, plan.store_rows.data(), plan.num_rows * sizeof(int32_t)));
-      kernels::CopyRowsArgs gather;
-      gather.num_rows = plan.num_rows;
-      gather.row_elems = NB;
-      gather.dst = b.candidates;
-      gather.src = b.candidate_store;
-      gather.src_index = b.store_index;
-      DI_RETURN_IF_ERROR(be.CopyRows(gather));
+      DI_RETURN_IF_ERROR(CopyStoreRows(rank, staging, plan, /*into_store=*/false));
     }
     // Fork and join (the side stream): outside any graph.
     if (!plan.masked_consumer && !plan.reuse_expansion) {
@@ -685,15 +699,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   if (source) {
     // Into fresh store rows; the executor retires the old ones only on commit, so a failed
     // step leaves the sequence's published candidates intact.
-    DI_RETURN_IF_ERROR(
-        staging.Upload(b.store_index, plan.store_rows.data(), plan.num_rows * sizeof(int32_t)));
-    kernels::CopyRowsArgs scatter;
-    scatter.num_rows = plan.num_rows;
-    scatter.row_elems = NB;
-    scatter.dst = b.candidate_store;
-    scatter.dst_index = b.store_index;
-    scatter.src = b.candidates;
-    DI_RETURN_IF_ERROR(be.CopyRows(scatter));
+    DI_RETURN_IF_ERROR(CopyStoreRows(rank, staging, plan, /*into_store=*/true));
     if (plan.fork_expansion) DI_RETURN_IF_ERROR(ForkExpansion(rank, plan.num_rows));
   }
   if (direct) {

@@ -147,25 +147,8 @@ TEST(GpuExecutorTest, CudaBackendAnswersAsTheCpuBackend) {
 // masked fallback whose expansion runs inside the graph); a longest row that moves inside one
 // length bucket (4091 .. 4095) and then into the next (4097 ..). The replay counter must grow,
 // so the test fails if graphs silently never replay.
-config::Profile GraphV32() {
-  config::Profile p = *config::BuiltinProfile("v32");
-  p.max_context = 16384;
-  p.layers.resize(2);
-  return p;
-}
-
-config::Profile GraphV41() {
-  config::Profile p = *config::BuiltinProfile("v41");
-  p.max_context = 16384;
-  p.num_candidate_blocks = 256;
-  p.layers.resize(6);
-  p.layers[0] = {0, LayerRole::kDense, 0, kernels::CacheFormat::kFp4};
-  p.layers[1] = {1, LayerRole::kCandidateSource, 1, kernels::CacheFormat::kFp4};
-  for (int32_t i = 2; i < 6; ++i) {
-    p.layers[i] = {i, LayerRole::kCandidateConsumer, 1, kernels::CacheFormat::kFp4};
-  }
-  return p;
-}
+config::Profile GraphV32() { return FullWidthV32(16384); }
+config::Profile GraphV41() { return FullWidthV41(16384); }
 
 TEST(GpuExecutorTest, GraphReplaysAnswerAsEagerStepsBitForBit) {
   if (!kernels::CudaBackendAvailable()) {

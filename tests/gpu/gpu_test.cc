@@ -434,45 +434,6 @@ TEST_F(GpuTest, RadixTopKMatchesCpuExactly) {
   }
 }
 
-TEST_F(GpuTest, CandidateBlocksMatchCpuExactly) {
-  const int32_t block = 8, num_blocks = 2048;
-  const std::vector<int32_t> lengths = {5, 8, 9, 16383, 16384, 16385, 100000, 1 << 20};
-  const int32_t rows = static_cast<int32_t>(lengths.size());
-  const int64_t stride = (1 << 20);
-  std::vector<float> logits(rows * stride, NAN);
-  std::vector<int32_t> expect(int64_t{rows} * num_blocks);
-  for (int32_t r = 0; r < rows; ++r) {
-    std::vector<float> row = TieHeavyLogits(lengths[r]);
-    std::copy(row.begin(), row.end(), logits.begin() + r * stride);
-    kernels::cpu::SelectCandidateBlocks(row.data(), lengths[r], num_blocks, block,
-                                        expect.data() + int64_t{r} * num_blocks);
-  }
-  DeviceBuffer dl = Upload(logits), dlen = Upload(lengths);
-  const int64_t sstride = stride / block;
-  DeviceBuffer dscores = Poisoned<float>(rows * sstride, NAN);
-  DeviceBuffer dout = Poisoned<int32_t>(expect.size(), kPoisonI32);
-  ASSERT_TRUE(backend_->Synchronize().ok());
-  ASSERT_TRUE(kernels::cuda::LaunchCandidateScores(rows, dl.as<float>(), stride, dlen.as<int32_t>(),
-                                                   block, dscores.as<float>(), sstride,
-                                                   static_cast<int32_t>(sstride), nullptr)
-                  .ok());
-  kernels::cuda::TopKArgs a;
-  a.num_rows = rows;
-  a.values = dscores.as<float>();
-  a.stride = sstride;
-  a.lengths = dlen.as<int32_t>();
-  a.length_divisor = block;
-  a.k = num_blocks;
-  a.out = dout.as<int32_t>();
-  a.max_length = static_cast<int32_t>(sstride);
-  ASSERT_TRUE(kernels::cuda::LaunchRadixTopK(a, NumSms(), nullptr).ok());
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_EQ(Download<int32_t>(dout, expect.size()), expect);
-}
-
-// ---- Cooperative candidate selection: the single launch against the CPU twin and the
-// general path (scores + radix top-k), exactly ----------------------------------------------
-
 // The general path's answer (what DenseTopK runs with CandidateSelect::kGeneral).
 std::vector<int32_t> GeneralCandidates(GpuTest* t, const DeviceBuffer& logits, int64_t stride,
                                        const DeviceBuffer& lengths, int32_t rows, int32_t block,
@@ -498,6 +459,26 @@ std::vector<int32_t> GeneralCandidates(GpuTest* t, const DeviceBuffer& logits, i
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   return t->Download<int32_t>(dout, int64_t{rows} * k);
 }
+
+TEST_F(GpuTest, CandidateBlocksMatchCpuExactly) {
+  const int32_t block = 8, num_blocks = 2048;
+  const std::vector<int32_t> lengths = {5, 8, 9, 16383, 16384, 16385, 100000, 1 << 20};
+  const int32_t rows = static_cast<int32_t>(lengths.size());
+  const int64_t stride = (1 << 20);
+  std::vector<float> logits(rows * stride, NAN);
+  std::vector<int32_t> expect(int64_t{rows} * num_blocks);
+  for (int32_t r = 0; r < rows; ++r) {
+    std::vector<float> row = TieHeavyLogits(lengths[r]);
+    std::copy(row.begin(), row.end(), logits.begin() + r * stride);
+    kernels::cpu::SelectCandidateBlocks(row.data(), lengths[r], num_blocks, block,
+                                        expect.data() + int64_t{r} * num_blocks);
+  }
+  DeviceBuffer dl = Upload(logits), dlen = Upload(lengths);
+  EXPECT_EQ(GeneralCandidates(this, dl, stride, dlen, rows, block, num_blocks, 1 << 20), expect);
+}
+
+// ---- Cooperative candidate selection: the single launch against the CPU twin and the
+// general path (scores + radix top-k), exactly ----------------------------------------------
 
 TEST(CooperativeCandidatesGate, RowsAndSharedMemory) {
   using kernels::cuda::CooperativeCandidatesSupported;

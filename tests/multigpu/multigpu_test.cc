@@ -659,28 +659,8 @@ ExecutorOptions GpuOptions(int32_t ranks) {
   return o;
 }
 
-// v32 at full width (H 64, D 128, K 2048, FP8, YaRN NeoX RoPE), two layers, short context.
-config::Profile GpuV32() {
-  config::Profile p = *config::BuiltinProfile("v32");
-  p.max_context = 8192;
-  p.layers.resize(2);
-  return p;
-}
-
-// v41-like: H 32, D 128, K 512, FP4, blocks of 8; a dense layer, the source and four
-// consumers; 256 candidate blocks so consumers score a real subset of a 4-6K context.
-config::Profile GpuV41() {
-  config::Profile p = *config::BuiltinProfile("v41");
-  p.max_context = 8192;
-  p.num_candidate_blocks = 256;
-  p.layers.resize(6);
-  p.layers[0] = {0, LayerRole::kDense, 0, kernels::CacheFormat::kFp4};
-  p.layers[1] = {1, LayerRole::kCandidateSource, 1, kernels::CacheFormat::kFp4};
-  for (int32_t i = 2; i < 6; ++i) {
-    p.layers[i] = {i, LayerRole::kCandidateConsumer, 1, kernels::CacheFormat::kFp4};
-  }
-  return p;
-}
+config::Profile GpuV32() { return FullWidthV32(8192); }
+config::Profile GpuV41() { return FullWidthV41(8192); }
 
 TEST(MultiGpu, ShardedTwoRanksMatchOneRankV32) {
   SKIP_WITHOUT_TWO_GPUS();

@@ -46,6 +46,26 @@ config::Profile SmallV41() {
   return p;
 }
 
+config::Profile FullWidthV32(int64_t max_context) {
+  config::Profile p = *config::BuiltinProfile("v32");
+  p.max_context = max_context;
+  p.layers.resize(2);
+  return p;
+}
+
+config::Profile FullWidthV41(int64_t max_context) {
+  config::Profile p = *config::BuiltinProfile("v41");
+  p.max_context = max_context;
+  p.num_candidate_blocks = 256;
+  p.layers.resize(6);
+  p.layers[0] = {0, config::LayerRole::kDense, 0, kernels::CacheFormat::kFp4};
+  p.layers[1] = {1, config::LayerRole::kCandidateSource, 1, kernels::CacheFormat::kFp4};
+  for (int32_t i = 2; i < 6; ++i) {
+    p.layers[i] = {i, config::LayerRole::kCandidateConsumer, 1, kernels::CacheFormat::kFp4};
+  }
+  return p;
+}
+
 config::Profile SmallV32() {
   config::Profile p = *config::BuiltinProfile("v32");
   p.name = "v32-test";

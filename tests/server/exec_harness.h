@@ -24,6 +24,12 @@ uint64_t FreshSeed();
 config::Profile SmallV41();
 // v32-style: H 4, D 128, K 32, page 16, FP8, NeoX YaRN RoPE, Hadamard on; 2 dense layers.
 config::Profile SmallV32();
+// At the CUDA kernels' full width, short context (GPU tests): v32 (H 64, D 128, K 2048, FP8,
+// YaRN NeoX RoPE), two dense layers; and v41-like (H 32, D 128, K 512, FP4, blocks of 8): a
+// dense layer, the source and four consumers, 256 candidate blocks so that consumers score a
+// real subset of a few-thousand-token context.
+config::Profile FullWidthV32(int64_t max_context);
+config::Profile FullWidthV41(int64_t max_context);
 
 exec::ExecutorOptions CpuOptions(int32_t ranks);
 
