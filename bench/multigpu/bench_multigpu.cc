@@ -400,6 +400,7 @@ std::unique_ptr<Executor> MakeExecutor(const di::config::Profile& p, const Args&
     return nullptr;
   }
   for (int i = 0; i < requests; ++i) (void)(*e)->CreateSequence(i + 1);
+  di::exec::SetScoringTiming(**e, true);  // the phase tables' `kernels` column
   return *std::move(e);
 }
 

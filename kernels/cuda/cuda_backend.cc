@@ -351,6 +351,7 @@ class CudaBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  void SetScoringTiming(bool on) override { scoring_timing_ = on; }
   absl::StatusOr<double> LastScoringUs() override {
     if (!scoring_timed_) return absl::FailedPreconditionError("no eager scoring call yet");
     DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
@@ -598,10 +599,11 @@ class CudaBackend final : public Backend {
   cudaEvent_t score_start_ = nullptr;
   cudaEvent_t score_end_ = nullptr;
   bool scoring_timed_ = false;
+  bool scoring_timing_ = false;  // SetScoringTiming
   bool capturing_ = false;
   template <typename F>
   absl::Status TimedScoring(F&& scoring) {
-    const bool timed = !capturing_ && score_start_ != nullptr;
+    const bool timed = scoring_timing_ && !capturing_ && score_start_ != nullptr;
     if (timed) {
       DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
       DI_CUDA_RETURN_IF_ERROR(cudaEventRecord(score_start_, main_), "record scoring start");

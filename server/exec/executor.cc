@@ -220,6 +220,7 @@ class ExecutorImpl final : public Executor {
   friend std::vector<absl::Status>(::decode_indexer::exec::LastRankStatuses)(
       const Executor& executor);
   friend StepPhases(::decode_indexer::exec::LastStepPhases)(const Executor& executor);
+  friend void(::decode_indexer::exec::SetScoringTiming)(Executor& executor, bool on);
   friend std::vector<absl::StatusOr<kernels::Backend::OverlapTiming>>(
       ::decode_indexer::exec::LastOverlapTimings)(const Executor& executor);
 
@@ -242,6 +243,10 @@ class ExecutorImpl final : public Executor {
     bool page_locked = false;
   };
   PageTableBuffer page_table_;
+  // The result's own answer vectors are built after the join from the ranks' readback space
+  // (StepPlan::defer_topk / defer_candidates): where every rank has one (a device backend
+  // with page-locked staging). Fixed at start-up.
+  bool defer_answers_ = false;
 
   // Host truth. Changed only by the call holding the turn, under mu_ so Status() can read.
   mutable std::mutex mu_;
@@ -389,6 +394,8 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
     page_table_.base = static_cast<int32_t*>(*table);
     page_table_.page_locked = pinned;
   }
+  defer_answers_ = std::all_of(ranks_.begin(), ranks_.end(),
+                               [](const std::unique_ptr<Rank>& r) { return r->readback().pinned; });
   fault_ = FaultFromEnv();
 
   stats_.backend = backend_name_;
@@ -763,16 +770,11 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
   // The data plane may name where the answer goes (a client region, host or device); else
   // it comes back in the result's vectors.
   plan.host_page_locked = step.host_memory_page_locked;
-  // The result's own vectors: built after the join from the ranks' readback space where
-  // every rank has one (a device backend with page-locked staging), else filled in place.
-  const bool defer = std::all_of(ranks_.begin(), ranks_.end(), [](const std::unique_ptr<Rank>& r) {
-    return r->readback().pinned;
-  });
   if (step.answer_device != nullptr) {
     plan.topk_device_out = step.answer_device;
   } else if (step.answer_host != nullptr) {
     plan.topk_out = step.answer_host;
-  } else if (defer) {
+  } else if (defer_answers_) {
     plan.defer_topk = true;
   } else {
     result.topk_indices.resize(size_t(num_rows) * p.topk);
@@ -784,7 +786,7 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
       plan.candidates_device_out = step.candidates_device;
     } else if (step.candidates_host != nullptr) {
       plan.candidates_out = step.candidates_host;
-    } else if (defer) {
+    } else if (defer_answers_) {
       plan.defer_candidates = true;
     } else {
       result.candidate_blocks.resize(size_t(num_rows) * p.num_candidate_blocks);
@@ -1015,6 +1017,11 @@ std::vector<absl::StatusOr<kernels::Backend::OverlapTiming>> LastOverlapTimings(
   // Between steps no rank thread touches its backend.
   for (const auto& r : e.ranks_) out.push_back(r->backend().LastOverlapTiming());
   return out;
+}
+
+void SetScoringTiming(Executor& executor, bool on) {
+  auto& e = dynamic_cast<ExecutorImpl&>(executor);
+  for (const auto& r : e.ranks_) r->backend().SetScoringTiming(on);
 }
 
 StepPhases LastStepPhases(const Executor& executor) {

@@ -58,6 +58,8 @@ struct RankStepTimes {
   double scoring_us = -1;
 };
 std::vector<RankStepTimes> LastRankStepTimes(const Executor& executor);
+// Backend::SetScoringTiming on every rank (benchmarks; call between steps).
+void SetScoringTiming(Executor& executor, bool on);
 
 // The executor's own share of the last decode step (ns): planning under the turn (checks,
 // page reservation, the plan), the fan-out to the ranks and back (the rank jobs and the

@@ -228,7 +228,9 @@ class Backend {
   }
   // Device time of the last scoring call's kernels (DenseTopK, SparseTopK or MaskedTopK run
   // eagerly; not one replayed from a graph), from events around them on the stream: what a
-  // step's kernels cost apart from its copies. Benchmarks; valid after a Synchronize.
+  // step's kernels cost apart from its copies. Benchmarks: off unless SetScoringTiming(true)
+  // (two event records a step otherwise spent for nobody); valid after a Synchronize.
+  virtual void SetScoringTiming(bool on) { (void)on; }
   virtual absl::StatusOr<double> LastScoringUs() {
     return absl::UnimplementedError("this backend does not time its kernels");
   }
