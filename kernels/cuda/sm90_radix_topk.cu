@@ -180,7 +180,6 @@ __device__ __forceinline__ void StreamSegment(const float* __restrict__ v, bool 
   }
 }
 
-
 template <bool kCluster>
 __global__ void __launch_bounds__(kTopKThreads) RadixTopKCompactKernel(const TopKArgs a) {
   extern __shared__ __align__(16) uint32_t cand_smem[];
