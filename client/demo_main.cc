@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "client/indexer_client.h"
 #include "client/tensor.h"
+#include "common/cli.h"
 
 namespace dc = decode_indexer::client;
 namespace v1 = decode_indexer::v1;
@@ -278,7 +279,8 @@ int main(int argc, char** argv) {
   app.add_option("--seed", flags.seed, "random seed");
   app.add_option("--first-sequence-id", flags.first_sequence_id,
                  "id of the first sequence (0: derived from the seed)");
-  CLI11_PARSE(app, argc, argv);
+  decode_indexer::cli::AddVersion(app);
+  DI_CLI_PARSE(app, argc, argv);
   if (flags.max_context < flags.min_context) std::swap(flags.max_context, flags.min_context);
   const absl::Status s = Run(flags);
   if (!s.ok()) {

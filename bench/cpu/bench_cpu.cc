@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "CLI/CLI.hpp"
+#include "common/cli.h"
 #include "decode_indexer/kernels/backend.h"
 #include "decode_indexer/kernels/cpu_reference.h"
 
@@ -165,24 +167,27 @@ void RunCase(const Case& c, const Options& opt) {
 
 int main(int argc, char** argv) {
   Options opt;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i];
-    const int value = std::atoi(argv[i + 1]);
-    if (flag == "--threads") {
-      opt.threads = value;
-    } else if (flag == "--reps") {
-      opt.reps = std::max(1, value);
-    } else if (flag == "--seqs") {
-      opt.seqs = std::max(1, value);
-    } else if (flag == "--context") {
-      opt.context = std::max(opt.next_n, value);
-    } else if (flag == "--next-n") {
-      opt.next_n = std::max(1, value);
-    } else {
-      std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
-      return 2;
-    }
-  }
+  CLI::App app{
+      "decode-indexer-bench-cpu: times the CPU backend's decode step (v32 dense FP8, "
+      "then a v41-like FP4 source step)"};
+  app.add_option("--threads", opt.threads, "backend threads (0: hardware threads)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--reps", opt.reps, "timed repetitions")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--seqs", opt.seqs, "sequences in the step")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--context", opt.context, "keys per sequence")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--next-n", opt.next_n, "rows per sequence")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  decode_indexer::cli::AddVersion(app);
+  DI_CLI_PARSE(app, argc, argv);
+  opt.context = std::max(opt.next_n, opt.context);
   RunCase({"v32 dense (FP8)", CacheFormat::kFp8, 64, 2048, 0}, opt);
   RunCase({"v41-like source (FP4)", CacheFormat::kFp4, 32, 512, 2048}, opt);
   return 0;

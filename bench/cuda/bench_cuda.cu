@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "common/version_line.h"
 #include "kernels/cuda/sm90_launchers.h"
 #include "kernels/cuda/sm90_tile_config.h"
 
@@ -671,6 +672,24 @@ int main(int argc, char** argv) {
   bool coop_topk = false;  // --coop-topk: the cooperative top-k vs the general kernels
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::printf(
+          "decode-indexer-bench-cuda [--out PATH] [--batches N] [--subset] [--consumer] "
+          "[--candidates] [--topk] [--coop-topk] [--only REQUESTS NEXT_N AVG_CONTEXT]\n");
+      return 0;
+    }
+    if (a == "--version") {
+      std::printf("%s\n", decode_indexer::cli::VersionLine().c_str());
+      return 0;
+    }
+    static const char* const kKnown[] = {"--out",        "--batches", "--subset",    "--consumer",
+                                         "--candidates", "--topk",    "--coop-topk", "--only"};
+    bool known = false;
+    for (const char* k : kKnown) known = known || a == k;
+    if (!known) {
+      std::fprintf(stderr, "decode-indexer-bench-cuda: unknown flag %s (see --help)\n", a.c_str());
+      return 2;
+    }
     if (a == "--out" && i + 1 < argc) out_path = argv[++i];
     if (a == "--batches" && i + 1 < argc) batches = std::atoi(argv[++i]);
     if (a == "--subset") subset = true;

@@ -35,6 +35,7 @@
 #include "CLI/CLI.hpp"
 #include "client/indexer_client.h"
 #include "client/tensor.h"
+#include "common/cli.h"
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
 #include "server/service/indexer_service.h"
@@ -625,7 +626,8 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed steps per mode")->capture_default_str();
   app.add_option("--first-id", first_id, "first sequence id (server mode)")->capture_default_str();
   app.add_flag("!--no-pieces", pieces, "skip timing the pieces (echo mode)");
-  CLI11_PARSE(app, argc, argv);
+  decode_indexer::cli::AddVersion(app);
+  DI_CLI_PARSE(app, argc, argv);
   std::mt19937_64 rng(42);
   if (!target.empty()) return RunServer(target, requests, context, warmup, iters, first_id, rng);
 

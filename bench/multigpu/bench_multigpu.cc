@@ -46,6 +46,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "common/version_line.h"
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
 #include "server/exec/executor_internal.h"
@@ -140,7 +141,13 @@ Args Parse(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (f == "--backend")
+    if (f == "--help" || f == "-h") {
+      std::printf("decode-indexer-bench-multigpu: flags are listed in the source's header\n");
+      std::exit(0);
+    } else if (f == "--version") {
+      std::printf("%s\n", decode_indexer::cli::VersionLine().c_str());
+      std::exit(0);
+    } else if (f == "--backend")
       a.backend = next();
     else if (f == "--ranks")
       a.ranks = IntList(next());
