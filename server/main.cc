@@ -14,7 +14,9 @@
 #include <thread>
 
 #include "CLI/CLI.hpp"
+#include "common/cli.h"
 #include "server/config/profile.h"
+#include "server/service/logging.h"
 #include "server/service/server.h"
 #include "spdlog/spdlog.h"
 
@@ -36,7 +38,9 @@ int main(int argc, char** argv) {
   namespace service = decode_indexer::service;
   std::string profile_name = "v32";
   std::string log_level = "info";
+  std::string log_format = "text";
   int drain_seconds = 10;
+  double drain_grace_seconds = 0;
   service::ServerOptions options;
   CLI::App app{"decode-indexer-server: the sparse-attention lightning indexer over gRPC"};
   app.add_option("--listen", options.listen, "host:port to serve on (port 0: pick one)")
@@ -87,8 +91,18 @@ int main(int argc, char** argv) {
                  "seconds in-flight calls get on SIGTERM/SIGINT before they are cancelled")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_option("--drain-grace", drain_grace_seconds,
+                 "seconds health already answers NOT_SERVING on SIGTERM/SIGINT while calls are "
+                 "still accepted, so balancers stop routing here first; then the drain above")
+      ->check(CLI::Range(0.0, 3600.0))
+      ->capture_default_str();
+  // The flag wins over the environment (the container image sets DI_METRICS_LISTEN).
   app.add_option("--metrics-listen", options.metrics_listen,
-                 "host:port for Prometheus GET /metrics (empty: off)");
+                 "host:port for Prometheus GET /metrics (empty: off)")
+      ->envname("DI_METRICS_LISTEN");
+  app.add_flag("--metrics-auth", options.metrics_auth,
+               "GET /metrics also demands \"Authorization: Bearer <token>\" with the server's "
+               "bearer token (--auth-token / DI_AUTH_TOKEN)");
   app.add_option("--auth-token", options.auth_token,
                  "bearer token every call must carry (default: env DI_AUTH_TOKEN; empty: off)");
   app.add_option("--tls-cert", options.tls_cert, "PEM server certificate (enables TLS)")
@@ -106,15 +120,21 @@ int main(int argc, char** argv) {
   app.add_option("--keepalive-min-ping-ms", options.keepalive_min_ping_ms,
                  "shortest client ping interval accepted, also without calls (0: gRPC default)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--log-format", log_format,
+                 "text, or json: one JSON object a line (time, level, message, request_id)")
+      ->check(CLI::IsMember({"text", "json"}))
+      ->capture_default_str();
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error, critical, off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
       ->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
+  decode_indexer::cli::AddVersion(app);
+  DI_CLI_PARSE(app, argc, argv);
   if (options.auth_token.empty()) {
     // From the environment so the token stays out of `ps`.
     if (const char* env = std::getenv("DI_AUTH_TOKEN")) options.auth_token = env;
   }
-  spdlog::set_level(spdlog::level::from_str(log_level));
+  service::ConfigureLogging(log_format, log_level);
+  options.drain_grace = std::chrono::milliseconds(static_cast<int64_t>(drain_grace_seconds * 1e3));
 
   absl::StatusOr<decode_indexer::config::Profile> profile =
       decode_indexer::config::LoadProfile(profile_name);
@@ -144,10 +164,11 @@ int main(int argc, char** argv) {
   int64_t pages = 0;
   for (const auto& c : st.caches) pages += c.pages_total;
   spdlog::info(
-      "decode-indexer-server started: profile {} ({} layers, {} cache pools), backend {} ({}), "
+      "{} started: profile {} ({} layers, {} cache pools), backend {} ({}), "
       "{} rank(s), {} pages ({} per pool), listening on {} (port {})",
-      profile->name, profile->layers.size(), st.caches.size(), st.backend, st.backend_desc,
-      st.num_ranks, pages, options.executor.cache_pages, options.listen, (*server)->port());
+      decode_indexer::cli::VersionLine(), profile->name, profile->layers.size(), st.caches.size(),
+      st.backend, st.backend_desc, st.num_ranks, pages, options.executor.cache_pages,
+      options.listen, (*server)->port());
   if ((*server)->metrics_port() != 0) {
     spdlog::info("metrics on {} (port {})", options.metrics_listen, (*server)->metrics_port());
   }
@@ -160,7 +181,10 @@ int main(int argc, char** argv) {
       n = read(g_signal_pipe[0], &byte, 1);
     } while (n < 0 && errno == EINTR);
     if (n == 1 && byte != 0) {
-      spdlog::info("signal {}: draining (up to {} s)", static_cast<int>(byte), drain_seconds);
+      spdlog::info(
+          "signal {}: draining ({} s NOT_SERVING while accepting, then up to {} s for "
+          "in-flight calls)",
+          static_cast<int>(byte), drain_grace_seconds, drain_seconds);
     }
     stopping = true;
     (*server)->Shutdown(std::chrono::seconds(drain_seconds));

@@ -82,7 +82,17 @@ absl::StatusOr<uint64_t> SharedMemoryRegistry::Register(
   }
   const int fd = shm_open(name.c_str(), O_RDWR, 0);
   if (fd < 0) {
-    return absl::NotFoundError(absl::StrCat("name: shm_open ", name, ": ", std::strerror(errno)));
+    const int open_errno = errno;
+    if (open_errno == EACCES || open_errno == EPERM) {
+      // Typically the frontend and the server run as different users (the image's server is
+      // uid 10001) and the object is mode 0600.
+      return absl::PermissionDeniedError(absl::StrCat(
+          "name: shm_open ", name, ": ", std::strerror(open_errno), " (server uid ", geteuid(),
+          "): create the object readable and writable by the server's user (same uid, or a "
+          "shared group and mode 0660)"));
+    }
+    return absl::NotFoundError(
+        absl::StrCat("name: shm_open ", name, ": ", std::strerror(open_errno)));
   }
   struct stat st = {};
   if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < size) {

@@ -9,6 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "decode_indexer/kernels/backend.h"
+#include "decode_indexer/version.h"
+#include "server/service/logging.h"
 #include "server/service/request_decode.h"
 #include "server/service/status_mapping.h"
 #include "spdlog/spdlog.h"
@@ -21,6 +23,42 @@ using Clock = std::chrono::steady_clock;
 double MicrosSince(Clock::time_point start) {
   return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
 }
+
+// The client's x-request-id when it is 1..128 printable ASCII characters, else a fresh one.
+std::string RequestIdOf(const grpc::ServerContext* context) {
+  const auto& md = context->client_metadata();
+  auto it = md.find(kRequestIdKey);
+  if (it != md.end() && !it->second.empty() && it->second.size() <= 128) {
+    bool printable = true;
+    for (char c : it->second) printable = printable && c > 0x20 && c < 0x7f;
+    if (printable) return std::string(it->second.data(), it->second.size());
+  }
+  return NewRequestId();
+}
+
+// An unknown sequence id is what a client sees when the replica that held the sequence was
+// lost (restarted, or left a balancer's pool so that its ids now hash to another replica):
+// the message says so and how to recover.
+absl::Status WithLostSequenceHint(absl::Status s) {
+  if (s.code() != absl::StatusCode::kNotFound ||
+      s.message().find("sequence_id: no sequence ") == absl::string_view::npos) {
+    return s;
+  }
+  return absl::NotFoundError(absl::StrCat(
+      s.message(),
+      " on this server (if it was created, it may have been lost with the replica that held "
+      "it: re-create it and prefill it again)"));
+}
+
+// Echoes the call's request id in the initial and trailing metadata and makes it this
+// thread's (log lines carry it).
+struct RequestIdScope {
+  explicit RequestIdScope(grpc::ServerContext* context) : scope(RequestIdOf(context)) {
+    context->AddInitialMetadata(kRequestIdKey, CurrentRequestId());
+    context->AddTrailingMetadata(kRequestIdKey, CurrentRequestId());
+  }
+  ScopedRequestId scope;
+};
 
 v1::LayerRole ToProto(config::LayerRole role) {
   switch (role) {
@@ -160,7 +198,42 @@ void LatencyStats::Fill(v1::RpcStatistics& out) const {
 
 IndexerService::IndexerService(exec::Executor& executor, std::string version,
                                ServiceOptions options)
-    : executor_(executor), version_(std::move(version)), options_(std::move(options)) {}
+    : executor_(executor), version_(std::move(version)), options_(std::move(options)) {
+  auto& rpc = prometheus::BuildHistogram()
+                  .Name("decode_indexer_rpc_duration_seconds")
+                  .Help(
+                      "Time in the handler of every answered RPC (DecodeStream: of each step), "
+                      "by method.")
+                  .Register(*registry_);
+  for (int m = 0; m < kNumMethods; ++m) {
+    rpc_seconds_[m] = &rpc.Add({{"method", MethodName(Method(m))}}, LatencyBuckets());
+  }
+  auto& step = prometheus::BuildHistogram()
+                   .Name("decode_indexer_step_latency_seconds")
+                   .Help(
+                       "Server time of a successful decode step, from read to answer, by "
+                       "layer kind.")
+                   .Register(*registry_);
+  static constexpr const char* kKinds[3] = {"dense", "source", "consumer"};
+  for (int k = 0; k < 3; ++k) step_seconds_[k] = &step.Add({{"kind", kKinds[k]}}, LatencyBuckets());
+  queue_seconds_ = &prometheus::BuildHistogram()
+                        .Name("decode_indexer_queue_seconds")
+                        .Help(
+                            "Time a successful step waited before its computation started "
+                            "(admission plus the executor's turn; ServerTiming.queue_us).")
+                        .Register(*registry_)
+                        .Add({}, LatencyBuckets());
+  rows_per_step_ = &prometheus::BuildHistogram()
+                        .Name("decode_indexer_rows_per_step")
+                        .Help("Rows (decode_rows) of a successful step.")
+                        .Register(*registry_)
+                        .Add({}, RowBuckets());
+  steps_in_flight_ = &prometheus::BuildGauge()
+                          .Name("decode_indexer_steps_in_flight")
+                          .Help("Decode steps read and not yet answered (waiting or running).")
+                          .Register(*registry_)
+                          .Add({});
+}
 
 absl::Status IndexerService::Authorize(const grpc::ServerContext* context) const {
   if (options_.auth_token.empty()) return absl::OkStatus();
@@ -266,10 +339,15 @@ void IndexerService::FillServerInfo(v1::ServerInfo& info) const {
 template <typename F>
 grpc::Status IndexerService::Handle(Method method, grpc::ServerContext* context, F&& body) {
   const auto start = Clock::now();
+  RequestIdScope request_id(context);
   absl::Status s = Authorize(context);
-  if (s.ok()) s = Guarded(std::forward<F>(body));
-  stats_[method].Record(MicrosSince(start), s.code());
-  if (!s.ok()) spdlog::debug("{}: {}", MethodName(method), s.ToString());
+  if (s.ok()) s = WithLostSequenceHint(Guarded(std::forward<F>(body)));
+  const double us = MicrosSince(start);
+  stats_[method].Record(us, s.code());
+  rpc_seconds_[method]->Observe(us * 1e-6);
+  spdlog::debug("{} {} in {:.0f} us (request {}){}{}", MethodName(method),
+                absl::StatusCodeToString(s.code()), us, CurrentRequestId(), s.ok() ? "" : ": ",
+                std::string(s.message()));
   return ToGrpcStatus(s);
 }
 
@@ -321,6 +399,11 @@ absl::Status IndexerService::RunStep(grpc::ServerContext* context,
                                      const v1::DecodeStepRequest& request,
                                      v1::DecodeStepResponse& response,
                                      std::chrono::steady_clock::time_point read_at) {
+  steps_in_flight_->Increment();
+  struct InFlight {
+    prometheus::Gauge* gauge;
+    ~InFlight() { gauge->Decrement(); }
+  } in_flight{steps_in_flight_};
   if (request.answer_cuda_ipc()) {
     return absl::UnimplementedError(
         "answer_cuda_ipc: superseded by cuda_ipc (register your own device buffer with "
@@ -449,9 +532,10 @@ absl::Status IndexerService::RunStep(grpc::ServerContext* context,
   const int kind = role == config::LayerRole::kCandidateSource     ? 1
                    : role == config::LayerRole::kCandidateConsumer ? 2
                                                                    : 0;
-  step_seconds_[kind].Observe(MicrosSince(read_at) * 1e-6);
-  queue_seconds_.Observe(static_cast<double>(result->queue_us) * 1e-6);
-  rows_per_step_.Observe(result->num_rows);
+  step_seconds_[kind]->Observe(MicrosSince(read_at) * 1e-6);
+  queue_seconds_->Observe(static_cast<double>(result->queue_us) * 1e-6);
+  queue_us_total_ += result->queue_us;
+  rows_per_step_->Observe(result->num_rows);
   response.set_step_id(result->step_id);
   if (answer_elsewhere) {
     SetShapeOnly(result->num_rows, result->topk, *response.mutable_topk());
@@ -486,6 +570,7 @@ grpc::Status IndexerService::DecodeStep(grpc::ServerContext* context,
 grpc::Status IndexerService::DecodeStream(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::DecodeStepResponse, v1::DecodeStepRequest>* stream) {
+  RequestIdScope request_id(context);
   if (absl::Status a = Authorize(context); !a.ok()) {
     stats_[kDecodeStream].Record(0, a.code());
     return ToGrpcStatus(a);
@@ -497,10 +582,14 @@ grpc::Status IndexerService::DecodeStream(
     const auto read_at = Clock::now();
     if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
     response.Clear();
-    absl::Status s = Guarded([&] { return RunStep(context, request, response, read_at); });
-    stats_[kDecodeStream].Record(MicrosSince(read_at), s.code());
+    absl::Status s =
+        WithLostSequenceHint(Guarded([&] { return RunStep(context, request, response, read_at); }));
+    const double us = MicrosSince(read_at);
+    stats_[kDecodeStream].Record(us, s.code());
+    rpc_seconds_[kDecodeStream]->Observe(us * 1e-6);
     if (!s.ok()) {
-      spdlog::debug("DecodeStream step {}: {}", request.step_id(), s.ToString());
+      spdlog::debug("DecodeStream step {} (request {}): {}", request.step_id(), CurrentRequestId(),
+                    s.ToString());
       return ToGrpcStatus(s);
     }
     if (!stream->Write(response)) {
@@ -528,7 +617,8 @@ void IndexerService::FillStatistics(v1::Statistics& out) const {
   out.set_pages_total(total);
   out.set_pages_in_use(total - free);
   out.set_rows_scored(st.rows_scored);
-  out.set_queue_us_total(st.queue_us_total);
+  // The same queue as each response's ServerTiming.queue_us (admission + executor turn).
+  out.set_queue_us_total(static_cast<double>(queue_us_total_.load()));
   out.set_compute_us_total(st.compute_us_total);
   out.set_sequences(st.sequences);
   out.set_collective_us_total(st.collective_us_total);
@@ -654,75 +744,87 @@ std::string IndexerService::RenderMetrics() const {
                                                                    "UNAVAILABLE",
                                                                    "DATA_LOSS",
                                                                    "UNAUTHENTICATED"};
-  static constexpr const char* kKinds[3] = {"dense", "source", "consumer"};
-  std::string out;
-  auto head = [&out](const char* name, const char* type, const char* help) {
-    absl::StrAppend(&out, "# HELP decode_indexer_", name, " ", help, "\n# TYPE decode_indexer_",
-                    name, " ", type, "\n");
+  using prometheus::MetricFamily;
+  using prometheus::MetricType;
+  std::vector<MetricFamily> out = registry_->Collect();
+  auto family = [&out](const char* name, MetricType type, const char* help) -> MetricFamily& {
+    out.push_back(MetricFamily{absl::StrCat("decode_indexer_", name), help, type, {}});
+    return out.back();
   };
-  head("rpcs_total", "counter", "RPCs answered, by method and gRPC status code.");
+  auto sample = [](MetricFamily& f, std::vector<prometheus::ClientMetric::Label> labels,
+                   double value) {
+    prometheus::ClientMetric m;
+    m.label = std::move(labels);
+    if (f.type == MetricType::Counter) {
+      m.counter.value = value;
+    } else {
+      m.gauge.value = value;
+    }
+    f.metric.push_back(std::move(m));
+  };
+  MetricFamily& rpcs =
+      family("rpcs_total", MetricType::Counter, "RPCs answered, by method and gRPC status code.");
   for (int m = 0; m < kNumMethods; ++m) {
     const std::array<uint64_t, LatencyStats::kCodes> codes = stats_[m].Codes();
     for (int c = 0; c < LatencyStats::kCodes; ++c) {
       if (codes[c] == 0 && c != 0) continue;
-      absl::StrAppend(&out, "decode_indexer_rpcs_total{method=\"", MethodName(Method(m)),
-                      "\",code=\"", kCodeNames[c], "\"} ", codes[c], "\n");
+      sample(rpcs, {{"method", MethodName(Method(m))}, {"code", kCodeNames[c]}}, double(codes[c]));
     }
   }
-  head("step_latency_seconds", "histogram",
-       "Server time of a successful decode step, by layer kind.");
-  for (int k = 0; k < 3; ++k) {
-    step_seconds_[k].Render("decode_indexer_step_latency_seconds",
-                            absl::StrCat("kind=\"", kKinds[k], "\""), out);
-  }
-  head("queue_seconds", "histogram", "Time a step waited behind earlier work.");
-  queue_seconds_.Render("decode_indexer_queue_seconds", "", out);
-  head("rows_per_step", "histogram", "Rows (decode_rows) of a successful step.");
-  rows_per_step_.Render("decode_indexer_rows_per_step", "", out);
 
   const exec::ExecutorStatus st = executor_.Status();
-  head("steps_total", "counter", "Steps the executor ran.");
-  absl::StrAppend(&out, "decode_indexer_steps_total ", st.steps, "\n");
-  head("steps_sharded_total", "counter", "Steps row-sharded across ranks.");
-  absl::StrAppend(&out, "decode_indexer_steps_sharded_total ", st.steps_sharded, "\n");
-  head("steps_unsharded_total", "counter", "Steps run whole on every rank.");
-  absl::StrAppend(&out, "decode_indexer_steps_unsharded_total ", st.steps_unsharded, "\n");
-  head("rows_scored_total", "counter", "Rows scored.");
-  absl::StrAppend(&out, "decode_indexer_rows_scored_total ", st.rows_scored, "\n");
-  head("executor_queue_seconds_total", "counter", "Executor queue time summed over steps.");
-  absl::StrAppend(&out, "decode_indexer_executor_queue_seconds_total ",
-                  PromValue(st.queue_us_total * 1e-6), "\n");
-  head("compute_seconds_total", "counter", "Executor compute time summed over steps.");
-  absl::StrAppend(&out, "decode_indexer_compute_seconds_total ",
-                  PromValue(st.compute_us_total * 1e-6), "\n");
-  head("collective_seconds_total", "counter", "Rank 0's time in all-gathers.");
-  absl::StrAppend(&out, "decode_indexer_collective_seconds_total ",
-                  PromValue(st.collective_us_total * 1e-6), "\n");
-  head("sequences", "gauge", "Live sequences.");
-  absl::StrAppend(&out, "decode_indexer_sequences ", st.sequences, "\n");
-  head("healthy", "gauge", "1 while the ranks are healthy.");
-  absl::StrAppend(&out, "decode_indexer_healthy ", st.healthy ? 1 : 0, "\n");
-  head("cache_pages_in_use", "gauge", "Pages in use, per cache pool.");
+  sample(family("build_info", MetricType::Gauge,
+                "1, labelled with the server's version, source revision, build type and "
+                "backend."),
+         {{"version", version_},
+          {"revision", DI_GIT_REVISION},
+          {"build_type", DI_BUILD_TYPE},
+          {"cuda_built", DI_BUILT_WITH_CUDA},
+          {"backend", st.backend}},
+         1);
+  sample(family("steps_total", MetricType::Counter, "Steps the executor ran."), {},
+         double(st.steps));
+  sample(family("steps_sharded_total", MetricType::Counter, "Steps row-sharded across ranks."), {},
+         double(st.steps_sharded));
+  sample(family("steps_unsharded_total", MetricType::Counter, "Steps run whole on every rank."), {},
+         double(st.steps_unsharded));
+  sample(family("rows_scored_total", MetricType::Counter, "Rows scored."), {},
+         double(st.rows_scored));
+  sample(family("compute_seconds_total", MetricType::Counter,
+                "Executor compute time summed over steps."),
+         {}, st.compute_us_total * 1e-6);
+  sample(family("collective_seconds_total", MetricType::Counter, "Rank 0's time in all-gathers."),
+         {}, st.collective_us_total * 1e-6);
+  sample(family("sequences", MetricType::Gauge, "Live sequences."), {}, double(st.sequences));
+  sample(family("max_sequences", MetricType::Gauge, "Live sequences at most (--max-sequences)."),
+         {}, double(st.max_sequences));
+  sample(family("healthy", MetricType::Gauge, "1 while the ranks are healthy."), {},
+         st.healthy ? 1 : 0);
+  sample(family("ranks", MetricType::Gauge, "Ranks (one per GPU on CUDA)."), {},
+         double(st.num_ranks));
+  MetricFamily& in_use =
+      family("cache_pages_in_use", MetricType::Gauge, "Pages in use, per cache pool.");
   for (const exec::CachePoolStatus& c : st.caches) {
-    absl::StrAppend(&out, "decode_indexer_cache_pages_in_use{cache_layer=\"", c.cache_layer, "\"} ",
-                    c.pages_total - c.pages_free, "\n");
+    sample(in_use, {{"cache_layer", std::to_string(c.cache_layer)}},
+           double(c.pages_total - c.pages_free));
   }
-  head("cache_pages_total", "gauge", "Pages, per cache pool.");
+  MetricFamily& pages =
+      family("cache_pages", MetricType::Gauge, "Pages per cache pool (its capacity).");
   for (const exec::CachePoolStatus& c : st.caches) {
-    absl::StrAppend(&out, "decode_indexer_cache_pages_total{cache_layer=\"", c.cache_layer, "\"} ",
-                    c.pages_total, "\n");
+    sample(pages, {{"cache_layer", std::to_string(c.cache_layer)}}, double(c.pages_total));
   }
   // Device-wide bytes in use on each rank's GPU (cudaMemGetInfo), sampled by the executor;
   // host backends keep everything in host memory and report 0 with device="host".
-  head("device_memory_bytes", "gauge", "Device memory in use per rank (0 on host backends).");
-  const std::string device = st.backend == "cuda" ? "cuda" : "host";
+  MetricFamily& device = family("device_memory_bytes", MetricType::Gauge,
+                                "Device memory in use per rank (0 on host backends).");
+  const std::string device_kind = st.backend == "cuda" ? "cuda" : "host";
   for (int r = 0; r < st.num_ranks; ++r) {
     const int64_t bytes =
         size_t(r) < st.device_memory_bytes.size() ? st.device_memory_bytes[r] : int64_t{0};
-    absl::StrAppend(&out, "decode_indexer_device_memory_bytes{rank=\"", r, "\",device=\"", device,
-                    "\"} ", bytes, "\n");
+    sample(device, {{"rank", std::to_string(r)}, {"device", device_kind}}, double(bytes));
   }
-  return out;
+  for (MetricFamily& f : ProcessMetrics()) out.push_back(std::move(f));
+  return SerializeMetrics(out);
 }
 
 }  // namespace decode_indexer::service

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -11,6 +12,9 @@
 #include <string>
 
 #include "decode_indexer/v1/indexer.grpc.pb.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
 #include "server/exec/executor.h"
 #include "server/service/data_plane.h"
 #include "server/service/metrics.h"
@@ -85,7 +89,7 @@ class IndexerService final : public v1::DecodeIndexer::Service {
 
   void FillServerInfo(v1::ServerInfo& info) const;
   void FillStatistics(v1::Statistics& out) const;
-  // The Prometheus text exposition (decode_indexer_*), from the same counters as
+  // The Prometheus text exposition (decode_indexer_*, process_*), from the same counters as
   // GetStatistics.
   std::string RenderMetrics() const;
 
@@ -140,12 +144,18 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   // Declared after executor_ (their release hooks call it) and destroyed first.
   SharedMemoryRegistry shm_;
   CudaIpcRegistry cuda_ipc_;
-  // Successful steps by layer role (dense, source, consumer): wall time in the handler.
-  std::array<Histogram, 3> step_seconds_{Histogram(Histogram::LatencyBounds()),
-                                         Histogram(Histogram::LatencyBounds()),
-                                         Histogram(Histogram::LatencyBounds())};
-  Histogram queue_seconds_{Histogram::LatencyBounds()};
-  Histogram rows_per_step_{Histogram::RowBounds()};
+  // prometheus-cpp metrics (thread-safe; the registry owns them). Per method: every answer's
+  // time in the handler (a stream: each step's). Successful steps by layer role (dense,
+  // source, consumer): wall time from read to answer; their queue time (see ServerTiming:
+  // admission plus the executor's turn) and rows. Steps read and not yet answered.
+  std::shared_ptr<prometheus::Registry> registry_ = std::make_shared<prometheus::Registry>();
+  std::array<prometheus::Histogram*, kNumMethods> rpc_seconds_{};
+  std::array<prometheus::Histogram*, 3> step_seconds_{};
+  prometheus::Histogram* queue_seconds_ = nullptr;
+  prometheus::Histogram* rows_per_step_ = nullptr;
+  prometheus::Gauge* steps_in_flight_ = nullptr;
+  // Sum of successful steps' ServerTiming.queue_us (GetStatistics.queue_us_total).
+  std::atomic<int64_t> queue_us_total_{0};
   std::mutex health_mu_;
   std::function<void(bool)> health_sink_;
   bool reported_unhealthy_ = false;

@@ -1,212 +1,263 @@
 #include "server/service/metrics.h"
 
-#include <fcntl.h>
+#include <arpa/inet.h>
+#include <dirent.h>
 #include <netdb.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <sys/time.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
-#include <cerrno>
-#include <cmath>
+#include <civetweb.h>
+
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "prometheus/text_serializer.h"
 #include "spdlog/spdlog.h"
 
 namespace decode_indexer::service {
 
-Histogram::Histogram(std::vector<double> bounds)
-    : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
-
-void Histogram::Observe(double value) {
-  size_t b = 0;
-  while (b < bounds_.size() && value > bounds_[b]) ++b;
-  std::lock_guard<std::mutex> lock(mu_);
-  ++counts_[b];
-  sum_ += value;
-  ++count_;
-}
-
-uint64_t Histogram::count() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return count_;
-}
-
-void Histogram::Render(const std::string& name, const std::string& labels, std::string& out) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  const std::string sep = labels.empty() ? "" : ",";
-  uint64_t cumulative = 0;
-  for (size_t b = 0; b < bounds_.size(); ++b) {
-    cumulative += counts_[b];
-    absl::StrAppend(&out, name, "_bucket{", labels, sep, "le=\"", PromValue(bounds_[b]), "\"} ",
-                    cumulative, "\n");
-  }
-  absl::StrAppend(&out, name, "_bucket{", labels, sep, "le=\"+Inf\"} ", count_, "\n");
-  const std::string braces = labels.empty() ? "" : absl::StrCat("{", labels, "}");
-  absl::StrAppend(&out, name, "_sum", braces, " ", PromValue(sum_), "\n");
-  absl::StrAppend(&out, name, "_count", braces, " ", count_, "\n");
-}
-
-std::vector<double> Histogram::LatencyBounds() {
+std::vector<double> LatencyBuckets() {
   std::vector<double> b;
-  for (int i = 0; i < 24; ++i) b.push_back(std::ldexp(10e-6, i));
+  for (int exp = -5; exp <= 1; ++exp) {
+    for (int m : {1, 2, 5}) b.push_back(std::stod(absl::StrCat(m, "e", exp)));
+  }
+  b.push_back(100);
   return b;
 }
 
-std::vector<double> Histogram::RowBounds() {
+std::vector<double> RowBuckets() {
   std::vector<double> b;
-  for (int i = 0; i <= 12; ++i) b.push_back(std::ldexp(1.0, i));
+  for (int i = 0; i <= 12; ++i) b.push_back(double(1 << i));
   return b;
 }
 
-std::string PromValue(double value) {
-  if (std::isnan(value)) return "NaN";
-  if (std::isinf(value)) return value > 0 ? "+Inf" : "-Inf";
-  if (value == std::floor(value) && std::fabs(value) < 1e15) {
-    return absl::StrCat(static_cast<int64_t>(value));
+namespace {
+
+prometheus::MetricFamily OneSample(const std::string& name, const std::string& help,
+                                   prometheus::MetricType type, double value) {
+  prometheus::MetricFamily f;
+  f.name = name;
+  f.help = help;
+  f.type = type;
+  prometheus::ClientMetric m;
+  if (type == prometheus::MetricType::Counter) {
+    m.counter.value = value;
+  } else {
+    m.gauge.value = value;
   }
-  return absl::StrFormat("%.17g", value);
+  f.metric.push_back(std::move(m));
+  return f;
 }
 
-absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    const std::string& listen, std::function<std::string()> render) {
+std::string ReadSmallFile(const char* path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+prometheus::MetricFamily GaugeFamily(const std::string& name, const std::string& help,
+                                     double value) {
+  return OneSample(name, help, prometheus::MetricType::Gauge, value);
+}
+
+prometheus::MetricFamily CounterFamily(const std::string& name, const std::string& help,
+                                       double value) {
+  return OneSample(name, help, prometheus::MetricType::Counter, value);
+}
+
+std::vector<prometheus::MetricFamily> ProcessMetrics() {
+  std::vector<prometheus::MetricFamily> out;
+  const double ticks = double(sysconf(_SC_CLK_TCK));
+  const double page = double(sysconf(_SC_PAGESIZE));
+  // /proc/self/stat: "pid (comm) state ..."; comm may hold spaces, so split after the last ')'.
+  const std::string stat = ReadSmallFile("/proc/self/stat");
+  const size_t paren = stat.rfind(')');
+  if (paren != std::string::npos && ticks > 0) {
+    std::vector<std::string> f = absl::StrSplit(stat.substr(paren + 2), ' ', absl::SkipEmpty());
+    // f[0] is field 3 (state): field N is f[N - 3].
+    double utime = 0, stime = 0, start = 0, vsize = 0, rss = 0;
+    if (f.size() > 21 && absl::SimpleAtod(f[11], &utime) && absl::SimpleAtod(f[12], &stime) &&
+        absl::SimpleAtod(f[19], &start) && absl::SimpleAtod(f[20], &vsize) &&
+        absl::SimpleAtod(f[21], &rss)) {
+      out.push_back(CounterFamily("process_cpu_seconds_total",
+                                  "Total user and system CPU time spent in seconds.",
+                                  (utime + stime) / ticks));
+      out.push_back(GaugeFamily("process_resident_memory_bytes", "Resident memory size in bytes.",
+                                rss * page));
+      out.push_back(
+          GaugeFamily("process_virtual_memory_bytes", "Virtual memory size in bytes.", vsize));
+      // Start time: boot time (btime in /proc/stat) plus the start in ticks after boot.
+      for (absl::string_view line : absl::StrSplit(ReadSmallFile("/proc/stat"), '\n')) {
+        double btime = 0;
+        if (absl::ConsumePrefix(&line, "btime ") && absl::SimpleAtod(line, &btime)) {
+          out.push_back(GaugeFamily("process_start_time_seconds",
+                                    "Start time of the process since unix epoch in seconds.",
+                                    btime + start / ticks));
+        }
+      }
+    }
+  }
+  if (DIR* d = opendir("/proc/self/fd")) {
+    int n = 0;
+    while (dirent* e = readdir(d)) {
+      if (e->d_name[0] != '.') ++n;
+    }
+    closedir(d);
+    out.push_back(GaugeFamily("process_open_fds", "Number of open file descriptors.", n - 1));
+  }
+  rlimit lim = {};
+  if (getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY) {
+    out.push_back(GaugeFamily("process_max_fds", "Maximum number of open file descriptors.",
+                              double(lim.rlim_cur)));
+  }
+  return out;
+}
+
+std::string SerializeMetrics(const std::vector<prometheus::MetricFamily>& families) {
+  std::ostringstream out;
+  prometheus::TextSerializer().Serialize(out, families);
+  return out.str();
+}
+
+namespace {
+
+// civetweb reports start-up errors (a port in use) through this callback on the thread that
+// calls mg_start.
+thread_local std::string t_start_error;
+
+int LogMessage(const mg_connection*, const char* message) {
+  t_start_error = message;
+  return 1;  // handled: civetweb prints nothing itself
+}
+
+// "host:port" -> civetweb's listening_ports syntax ("127.0.0.1:9464", "[::]:9464", "9464").
+absl::StatusOr<std::string> CivetPort(const std::string& listen) {
   const size_t colon = listen.rfind(':');
   if (colon == std::string::npos) {
     return absl::InvalidArgumentError(
         absl::StrCat("metrics-listen: expected host:port, got \"", listen, "\""));
   }
   std::string host = listen.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
   const std::string port = listen.substr(colon + 1);
-  addrinfo hints = {};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE;
-  addrinfo* res = nullptr;
-  const int gai = getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &res);
-  if (gai != 0) {
+  int port_number = 0;
+  if (!absl::SimpleAtoi(port, &port_number) || port_number < 0 || port_number > 65535) {
     return absl::InvalidArgumentError(
-        absl::StrCat("metrics-listen ", listen, ": ", gai_strerror(gai)));
+        absl::StrCat("metrics-listen: port must be 0..65535, got \"", port, "\""));
   }
-  std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer());
-  server->render_ = std::move(render);
-  int fd = -1;
-  std::string last_error = "no address";
-  for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
-    fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) {
-      last_error = std::strerror(errno);
-      continue;
-    }
-    const int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 16) == 0) break;
-    last_error = std::strerror(errno);
-    close(fd);
-    fd = -1;
+  if (host.empty()) return port;
+  if (host.front() == '[') return absl::StrCat(host, ":", port);
+  in_addr v4;
+  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return absl::StrCat(host, ":", port);
+  // A host name: civetweb binds addresses only, so resolve it (first IPv4 address).
+  addrinfo hints = {};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0 || res == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics-listen ", listen, ": cannot resolve ", host));
   }
+  char text[INET_ADDRSTRLEN] = {};
+  inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr, text, sizeof(text));
   freeaddrinfo(res);
-  if (fd < 0) {
-    return absl::UnavailableError(absl::StrCat("metrics-listen ", listen, ": ", last_error));
-  }
-  server->listen_fd_ = fd;
-  sockaddr_storage bound = {};
-  socklen_t len = sizeof(bound);
-  if (getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len) == 0) {
-    server->port_ = bound.ss_family == AF_INET6
-                        ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
-                        : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
-  }
-  // The destructor wakes the poll through this pipe.
-  if (pipe2(server->wake_pipe_, O_CLOEXEC) != 0) {
-    return absl::InternalError(absl::StrCat("metrics: pipe: ", std::strerror(errno)));
-  }
-  server->thread_ = std::thread([s = server.get()] { s->Loop(); });
-  return server;
+  return absl::StrCat(text, ":", port);
 }
 
-MetricsHttpServer::~MetricsHttpServer() {
-  if (thread_.joinable()) {
-    const char byte = 1;
-    [[maybe_unused]] ssize_t n = write(wake_pipe_[1], &byte, 1);
-    thread_.join();
-  }
-  for (int fd : {listen_fd_, wake_pipe_[0], wake_pipe_[1]}) {
-    if (fd >= 0) close(fd);
-  }
+void Reply(mg_connection* conn, int code, const char* reason, const std::string& content_type,
+           const std::string& body, bool head_only, const char* extra_header = "") {
+  const std::string head = absl::StrCat(
+      "HTTP/1.1 ", code, " ", reason, "\r\nContent-Type: ", content_type,
+      "\r\nContent-Length: ", body.size(), "\r\n", extra_header, "Connection: close\r\n\r\n");
+  mg_write(conn, head.data(), head.size());
+  if (!head_only) mg_write(conn, body.data(), body.size());
 }
 
-void MetricsHttpServer::Loop() {
-  for (;;) {
-    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_pipe_[0], POLLIN, 0}};
-    const int n = poll(fds, 2, -1);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      spdlog::error("metrics: poll: {}", std::strerror(errno));
-      return;
-    }
-    if (fds[1].revents != 0) return;
-    if (fds[0].revents & POLLIN) {
-      const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd < 0) continue;
-      Serve(fd);
-      close(fd);
-    }
-  }
-}
-
-namespace {
-
-void WriteAll(int fd, const std::string& data) {
-  size_t off = 0;
-  while (off < data.size()) {
-    const ssize_t n = send(fd, data.data() + off, data.size() - off, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
-    off += static_cast<size_t>(n);
-  }
-}
-
-std::string Response(const char* status, const std::string& content_type, const std::string& body) {
-  return absl::StrCat("HTTP/1.0 ", status, "\r\nContent-Type: ", content_type,
-                      "\r\nContent-Length: ", body.size(), "\r\nConnection: close\r\n\r\n", body);
+bool ConstantTimeEquals(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= unsigned(static_cast<unsigned char>(a[i] ^ b[i]));
+  return diff == 0;
 }
 
 }  // namespace
 
-void MetricsHttpServer::Serve(int fd) {
-  // A slow or silent client must not wedge the only thread.
-  timeval tv = {2, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  std::string request;
-  char buf[1024];
-  while (request.find("\r\n\r\n") == std::string::npos &&
-         request.find("\n\n") == std::string::npos && request.size() < 8192) {
-    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    request.append(buf, static_cast<size_t>(n));
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
+    const MetricsHttpOptions& options, std::function<std::string()> render) {
+  absl::StatusOr<std::string> ports = CivetPort(options.listen);
+  if (!ports.ok()) return ports.status();
+  std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer());
+  server->render_ = std::move(render);
+  server->bearer_token_ = options.bearer_token;
+  mg_init_library(0);
+  const std::string threads = std::to_string(options.threads > 0 ? options.threads : 1);
+  const std::string timeout = std::to_string(options.request_timeout_ms);
+  const char* civet_options[] = {
+      "listening_ports", ports->c_str(),      "num_threads", threads.c_str(), "request_timeout_ms",
+      timeout.c_str(),   "enable_keep_alive", "no",          nullptr};
+  mg_callbacks callbacks = {};
+  callbacks.log_message = LogMessage;
+  t_start_error.clear();
+  server->ctx_ = mg_start(&callbacks, nullptr, civet_options);
+  if (server->ctx_ == nullptr) {
+    mg_exit_library();
+    return absl::UnavailableError(
+        absl::StrCat("metrics-listen ", options.listen, ": ",
+                     t_start_error.empty() ? std::string("cannot listen") : t_start_error));
   }
-  const std::string line = request.substr(0, request.find_first_of("\r\n"));
-  const size_t sp1 = line.find(' ');
-  const size_t sp2 = sp1 == std::string::npos ? std::string::npos : line.find(' ', sp1 + 1);
-  const std::string method = line.substr(0, sp1);
-  const std::string path = sp1 == std::string::npos ? "" : line.substr(sp1 + 1, sp2 - sp1 - 1);
-  if (method != "GET") {
-    WriteAll(fd, Response("405 Method Not Allowed", "text/plain", "GET only\n"));
-  } else if (path != "/metrics") {
-    WriteAll(fd, Response("404 Not Found", "text/plain", "only /metrics\n"));
-  } else {
-    WriteAll(fd, Response("200 OK", "text/plain; version=0.0.4", render_()));
+  mg_set_request_handler(server->ctx_, "/metrics", &MetricsHttpServer::HandleMetrics, server.get());
+  mg_set_request_handler(server->ctx_, "/", &MetricsHttpServer::HandleOther, server.get());
+  mg_server_port bound[4] = {};
+  const int n = mg_get_server_ports(server->ctx_, 4, bound);
+  if (n > 0) server->port_ = bound[0].port;
+  return server;
+}
+
+MetricsHttpServer::~MetricsHttpServer() {
+  if (ctx_ != nullptr) {
+    mg_stop(ctx_);  // joins the worker threads: no handler runs after this
+    mg_exit_library();
   }
+}
+
+int MetricsHttpServer::HandleMetrics(mg_connection* conn, void* cbdata) {
+  const auto* self = static_cast<const MetricsHttpServer*>(cbdata);
+  const mg_request_info* ri = mg_get_request_info(conn);
+  const std::string method = ri != nullptr && ri->request_method ? ri->request_method : "";
+  const bool head = method == "HEAD";
+  if (ri == nullptr || ri->local_uri == nullptr || std::strcmp(ri->local_uri, "/metrics") != 0) {
+    return HandleOther(conn, cbdata);
+  }
+  if (method != "GET" && !head) {
+    Reply(conn, 405, "Method Not Allowed", "text/plain", "GET only\n", false,
+          "Allow: GET, HEAD\r\n");
+    return 405;
+  }
+  if (!self->bearer_token_.empty()) {
+    const char* auth = mg_get_header(conn, "Authorization");
+    if (auth == nullptr ||
+        !ConstantTimeEquals(auth, absl::StrCat("Bearer ", self->bearer_token_))) {
+      Reply(conn, 401, "Unauthorized", "text/plain",
+            "missing or wrong bearer token (Authorization: Bearer <token>)\n", head,
+            "WWW-Authenticate: Bearer\r\n");
+      return 401;
+    }
+  }
+  Reply(conn, 200, "OK", "text/plain; version=0.0.4; charset=utf-8", self->render_(), head);
+  return 200;
+}
+
+int MetricsHttpServer::HandleOther(mg_connection* conn, void*) {
+  Reply(conn, 404, "Not Found", "text/plain", "only /metrics\n", false);
+  return 404;
 }
 
 }  // namespace decode_indexer::service

@@ -7,15 +7,14 @@
 
 #include <fstream>
 #include <sstream>
+#include <thread>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
 
-#ifndef DI_VERSION
-#define DI_VERSION "unknown"
-#endif
+#include "decode_indexer/version.h"
 
 namespace decode_indexer::service {
 namespace {
@@ -76,7 +75,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   ServiceOptions service_options;
   service_options.auth_token = options.auth_token;
   server->service_ =
-      std::make_unique<IndexerService>(*server->executor_, DI_VERSION, service_options);
+      std::make_unique<IndexerService>(*server->executor_, DI_VERSION_STRING, service_options);
 
   // Both are process-wide switches read when the builder is made.
   grpc::EnableDefaultHealthCheckService(true);
@@ -103,10 +102,20 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     return absl::UnavailableError(absl::StrCat("listen: cannot serve on ", options.listen));
   }
   server->address_ = ConnectAddress(options.listen, server->port_);
+  server->drain_grace_ = options.drain_grace;
+  if (options.metrics_auth && options.auth_token.empty()) {
+    server->server_->Shutdown();
+    server->executor_->Shutdown();
+    return absl::InvalidArgumentError(
+        "metrics-auth: needs the server's bearer token (--auth-token or DI_AUTH_TOKEN)");
+  }
   if (!options.metrics_listen.empty()) {
     IndexerService* service = server->service_.get();
-    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> metrics = MetricsHttpServer::Start(
-        options.metrics_listen, [service] { return service->RenderMetrics(); });
+    MetricsHttpOptions http;
+    http.listen = options.metrics_listen;
+    if (options.metrics_auth) http.bearer_token = options.auth_token;
+    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> metrics =
+        MetricsHttpServer::Start(http, [service] { return service->RenderMetrics(); });
     if (!metrics.ok()) {
       server->server_->Shutdown();
       server->executor_->Shutdown();
@@ -115,7 +124,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     server->metrics_ = std::move(*metrics);
   }
   if (grpc::HealthCheckServiceInterface* health = server->server_->GetHealthCheckService()) {
-    health->SetServingStatus(server->executor_->Status().healthy);
+    // By name too: a balancer may ask for the DecodeIndexer service rather than "".
+    const bool healthy = server->executor_->Status().healthy;
+    health->SetServingStatus(kHealthServiceName, healthy);
+    health->SetServingStatus(healthy);
     // A device or collective fault later turns the whole server NOT_SERVING.
     server->service_->SetHealthSink([health](bool serving) { health->SetServingStatus(serving); });
   }
@@ -130,7 +142,12 @@ void Server::Shutdown(std::chrono::milliseconds deadline) {
   shut_down_ = true;
   if (server_ != nullptr) {
     if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
-      health->SetServingStatus(false);
+      health->SetServingStatus(false);  // every name, "" and kHealthServiceName
+    }
+    // Still serving, but reporting NOT_SERVING: balancers take this replica out first.
+    if (drain_grace_.count() > 0) {
+      spdlog::info("drain: health NOT_SERVING; still accepting for {} ms", drain_grace_.count());
+      std::this_thread::sleep_for(drain_grace_);
     }
     // Stops accepting at once; in-flight calls get until the deadline, then are cancelled.
     server_->Shutdown(std::chrono::system_clock::now() + deadline);

@@ -29,6 +29,11 @@ struct ServerOptions {
   std::string metrics_listen;
   // Bearer token every DecodeIndexer call must carry; empty: no authentication.
   std::string auth_token;
+  // Whether GET /metrics also demands "Authorization: Bearer <auth_token>" (needs a token).
+  bool metrics_auth = false;
+  // Health NOT_SERVING this long before a drain stops accepting calls, so that balancers
+  // watching grpc.health.v1 stop routing here first (0: stop at once).
+  std::chrono::milliseconds drain_grace{0};
   // PEM files. cert + key: TLS; plus client_ca: mutual TLS (clients must present a
   // certificate signed by it). All empty: plaintext.
   std::string tls_cert;
@@ -57,7 +62,11 @@ class Server {
   const exec::Executor& executor() const { return *executor_; }
   exec::Executor& executor() { return *executor_; }
 
-  // Drains: health NOT_SERVING, stop accepting, let in-flight calls finish until `deadline`
+  // The name health reports for the DecodeIndexer service ("" covers the whole server).
+  static constexpr const char* kHealthServiceName = "decode_indexer.v1.DecodeIndexer";
+
+  // Drains: health NOT_SERVING (every service name), wait drain_grace while still serving,
+  // stop accepting, let in-flight calls finish until `deadline`
   // (then cancel them), then shut the executor down. Idempotent; thread-safe.
   void Shutdown(std::chrono::milliseconds deadline = std::chrono::seconds(10));
   // Blocks until Shutdown() has completed.
@@ -72,6 +81,7 @@ class Server {
   std::unique_ptr<MetricsHttpServer> metrics_;
   int port_ = 0;
   std::string address_;
+  std::chrono::milliseconds drain_grace_{0};
   std::mutex shutdown_mu_;
   bool shut_down_ = false;
 };

@@ -17,7 +17,17 @@
 #include <sstream>
 #include <thread>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+
+#include <nlohmann/json.hpp>
+
 #include "health_subset.grpc.pb.h"
+#include "server/service/data_plane.h"
+#include "server/service/logging.h"
+#include "spdlog/sinks/ostream_sink.h"
+#include "spdlog/spdlog.h"
 #include "tests/service/service_harness.h"
 
 namespace decode_indexer::testing {
@@ -55,6 +65,9 @@ service::ServerOptions BaseOptions(int ranks = 1) {
 std::pair<std::string, std::string> HttpRequest(int port, const std::string& request) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   EXPECT_GE(fd, 0);
+  // A generous deadline, only so that a wedged server fails the test instead of hanging it.
+  timeval tv = {60, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   sockaddr_in addr = {};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(port));
@@ -86,7 +99,7 @@ std::map<std::string, double> ParseMetrics(const std::string& text) {
     const size_t sp = line.rfind(' ');
     EXPECT_NE(sp, std::string::npos) << line;
     if (sp == std::string::npos) continue;
-    EXPECT_EQ(line.rfind("decode_indexer_", 0), 0u) << line;
+    EXPECT_TRUE(line.rfind("decode_indexer_", 0) == 0 || line.rfind("process_", 0) == 0) << line;
     const std::string value = line.substr(sp + 1);
     out[line.substr(0, sp)] = value == "+Inf" ? INFINITY : std::stod(value);
   }
@@ -144,7 +157,7 @@ TEST(MetricsTest, ScrapeAgreesWithStatistics) {
   EXPECT_EQ(session.client->DecodeStep(bad).status().code(), absl::StatusCode::kNotFound);
 
   auto [status, body] = HttpRequest(s->server->metrics_port(), "GET /metrics HTTP/1.0\r\n\r\n");
-  ASSERT_EQ(status, "HTTP/1.0 200 OK") << body;
+  ASSERT_EQ(status, "HTTP/1.1 200 OK") << body;
   absl::StatusOr<v1::Statistics> st = session.client->GetStatistics();
   ASSERT_TRUE(st.ok()) << st.status();
   absl::StatusOr<v1::ServerInfo> info = session.client->ServerInfo();
@@ -179,6 +192,26 @@ TEST(MetricsTest, ScrapeAgreesWithStatistics) {
   EXPECT_EQ(m.at("decode_indexer_rows_per_step_count"), st->steps());
   EXPECT_EQ(m.at("decode_indexer_rows_per_step_sum"), st->rows_scored());
   EXPECT_EQ(m.at("decode_indexer_queue_seconds_count"), st->steps());
+  // "Queue" is one thing: the histogram sums what GetStatistics sums (each response's
+  // ServerTiming.queue_us).
+  EXPECT_NEAR(m.at("decode_indexer_queue_seconds_sum"), st->queue_us_total() * 1e-6, 1e-6);
+  EXPECT_EQ(m.at("decode_indexer_steps_in_flight"), 0);
+  EXPECT_EQ(m.at("decode_indexer_rpc_duration_seconds_count{method=\"DecodeStep\"}"),
+            FindRpc(*st, "DecodeStep")->count());
+  EXPECT_EQ(m.at("decode_indexer_rpc_duration_seconds_count{method=\"AppendKeys\"}"),
+            FindRpc(*st, "AppendKeys")->count());
+  // Build info and the process metrics.
+  EXPECT_NE(body.find("decode_indexer_build_info{version=\"" DI_TEST_VERSION "\""),
+            std::string::npos);
+  EXPECT_GT(m.at("process_resident_memory_bytes"), 0);
+  EXPECT_GT(m.at("process_open_fds"), 0);
+  EXPECT_GT(m.at("process_start_time_seconds"), 1.6e9);
+  EXPECT_GE(m.at("process_cpu_seconds_total"), 0);
+  // Bucket labels are short decimals (le="2e-05", never le="2.0000000000000002e-05").
+  for (size_t at = body.find("le=\""); at != std::string::npos; at = body.find("le=\"", at + 1)) {
+    const std::string le = body.substr(at + 4, body.find('"', at + 4) - at - 4);
+    EXPECT_LE(le.size(), 6u) << le;
+  }
   // Buckets are cumulative and end at the count.
   double prev = 0;
   for (double le : {1, 2, 4, 8, 16}) {
@@ -214,9 +247,9 @@ TEST(MetricsTest, ScrapeAgreesWithStatistics) {
   }
 
   EXPECT_EQ(HttpRequest(s->server->metrics_port(), "GET /other HTTP/1.0\r\n\r\n").first,
-            "HTTP/1.0 404 Not Found");
+            "HTTP/1.1 404 Not Found");
   EXPECT_EQ(HttpRequest(s->server->metrics_port(), "POST /metrics HTTP/1.0\r\n\r\n").first,
-            "HTTP/1.0 405 Method Not Allowed");
+            "HTTP/1.1 405 Method Not Allowed");
 }
 
 // A step queued behind admission whose deadline passes answers DEADLINE_EXCEEDED and changes
@@ -434,6 +467,262 @@ TEST_F(TlsTest, MutualTlsRequiresClientCertificate) {
   auto no_cert = client::IndexerClient::Connect(s->server->address(), Tls(false));
   ASSERT_TRUE(no_cert.ok());
   EXPECT_EQ((*no_cert)->ServerInfo().status().code(), absl::StatusCode::kUnavailable);
+}
+
+// A connected TCP socket to 127.0.0.1:port (-1 on failure).
+int ConnectLoopback(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd >= 0 && connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Three clients connect to the metrics port and send nothing; a scrape is still answered
+// while all three are held open (the old single-threaded server served them one after the
+// other, closing each on its 2 s timeout before it reached the scrape). The idle timeout is
+// set far above anything a loaded machine needs, so this checks order, not speed.
+TEST(MetricsTest, IdleConnectionsDoNotBlockAScrape) {
+  service::MetricsHttpOptions http;
+  http.listen = "127.0.0.1:0";
+  http.request_timeout_ms = 120000;
+  auto metrics =
+      service::MetricsHttpServer::Start(http, [] { return std::string("decode_indexer_up 1\n"); });
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  const int port = (*metrics)->port();
+  ASSERT_GT(port, 0);
+  std::vector<int> idle;
+  for (int i = 0; i < 3; ++i) {
+    idle.push_back(ConnectLoopback(port));
+    ASSERT_GE(idle.back(), 0);
+  }
+  auto [status, body] = HttpRequest(port, "GET /metrics HTTP/1.0\r\n\r\n");
+  EXPECT_EQ(status, "HTTP/1.1 200 OK");
+  EXPECT_EQ(body, "decode_indexer_up 1\n");
+  // The idle connections are still open: the scrape did not wait for them to time out.
+  for (int fd : idle) {
+    char byte;
+    const ssize_t n = recv(fd, &byte, 1, MSG_DONTWAIT);
+    EXPECT_TRUE(n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+        << "an idle connection was closed before the scrape was answered";
+    close(fd);
+  }
+}
+
+// --metrics-auth: /metrics demands the bearer token; the server refuses to start with
+// metrics auth and no token.
+TEST(MetricsTest, BearerTokenOnMetrics) {
+  service::MetricsHttpOptions http;
+  http.listen = "127.0.0.1:0";
+  http.bearer_token = "metrics-" + std::to_string(Seed());
+  auto metrics =
+      service::MetricsHttpServer::Start(http, [] { return std::string("decode_indexer_up 1\n"); });
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  const int port = (*metrics)->port();
+  EXPECT_EQ(HttpRequest(port, "GET /metrics HTTP/1.0\r\n\r\n").first, "HTTP/1.1 401 Unauthorized");
+  EXPECT_EQ(HttpRequest(port, "GET /metrics HTTP/1.0\r\nAuthorization: Bearer " +
+                                  http.bearer_token + "x\r\n\r\n")
+                .first,
+            "HTTP/1.1 401 Unauthorized");
+  auto [status, body] = HttpRequest(
+      port, "GET /metrics HTTP/1.0\r\nAuthorization: Bearer " + http.bearer_token + "\r\n\r\n");
+  EXPECT_EQ(status, "HTTP/1.1 200 OK");
+  EXPECT_EQ(body, "decode_indexer_up 1\n");
+
+  service::ServerOptions so = BaseOptions();
+  so.listen = "127.0.0.1:0";
+  so.metrics_listen = "127.0.0.1:0";
+  so.metrics_auth = true;
+  absl::StatusOr<std::unique_ptr<service::Server>> refused = service::Server::Start(so);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("metrics-auth"), std::string::npos);
+  so.auth_token = http.bearer_token;
+  auto s = StartOps(so);
+  ASSERT_NE(s, nullptr);
+  EXPECT_EQ(HttpRequest(s->server->metrics_port(), "GET /metrics HTTP/1.0\r\n\r\n").first,
+            "HTTP/1.1 401 Unauthorized");
+  EXPECT_EQ(
+      HttpRequest(s->server->metrics_port(),
+                  "GET /metrics HTTP/1.0\r\nAuthorization: Bearer " + so.auth_token + "\r\n\r\n")
+          .first,
+      "HTTP/1.1 200 OK");
+}
+
+grpc::health::v1::HealthCheckResponse::ServingStatus HealthOf(const std::string& address,
+                                                              const std::string& service,
+                                                              grpc::StatusCode* code) {
+  std::shared_ptr<grpc::Channel> ch =
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(ch);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  grpc::health::v1::HealthCheckResponse res;
+  *code = health->Check(&ctx, req, &res).error_code();
+  return res.status();
+}
+
+// Health answers for "" and for the service's own name; a drain reports NOT_SERVING for both
+// during --drain-grace while calls are still accepted, and only then stops accepting.
+TEST(HealthTest, PerServiceNameAndDrainGrace) {
+  service::ServerOptions so = BaseOptions();
+  so.drain_grace = std::chrono::seconds(5);
+  auto s = StartOps(so);
+  ASSERT_NE(s, nullptr);
+  const std::string address = s->server->address();
+  grpc::StatusCode code;
+  for (const std::string name : {"", service::Server::kHealthServiceName}) {
+    EXPECT_EQ(HealthOf(address, name, &code), grpc::health::v1::HealthCheckResponse::SERVING)
+        << "'" << name << "'";
+    EXPECT_EQ(code, grpc::StatusCode::OK);
+  }
+  HealthOf(address, "no.such.Service", &code);
+  EXPECT_EQ(code, grpc::StatusCode::NOT_FOUND);
+
+  auto c = client::IndexerClient::Connect(address);
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::thread drain([&] { s->server->Shutdown(std::chrono::seconds(1)); });
+  // Health turns NOT_SERVING first (bounded poll: the drain thread may not have started yet).
+  grpc::health::v1::HealthCheckResponse::ServingStatus st =
+      grpc::health::v1::HealthCheckResponse::SERVING;
+  for (int i = 0; i < 1000 && st == grpc::health::v1::HealthCheckResponse::SERVING; ++i) {
+    st = HealthOf(address, service::Server::kHealthServiceName, &code);
+    if (st == grpc::health::v1::HealthCheckResponse::SERVING) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
+  EXPECT_EQ(st, grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(HealthOf(address, "", &code), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  // ... while calls are still served, on the open connection and on a new one.
+  EXPECT_TRUE((*c)->CreateSequence(7).ok());
+  auto late = client::IndexerClient::Connect(address);
+  ASSERT_TRUE(late.ok());
+  absl::StatusOr<v1::ServerInfo> info = (*late)->ServerInfo();
+  EXPECT_TRUE(info.ok()) << info.status();
+  drain.join();
+  EXPECT_FALSE((*c)->ServerInfo().ok());
+}
+
+// Every answer carries the request id: the client's x-request-id when sent, else a fresh one;
+// in the initial and the trailing metadata, on success and on failure.
+TEST(RequestIdTest, EchoedOrGenerated) {
+  auto s = StartOps(BaseOptions());
+  ASSERT_NE(s, nullptr);
+  std::shared_ptr<grpc::Channel> ch =
+      grpc::CreateChannel(s->server->address(), grpc::InsecureChannelCredentials());
+  auto stub = v1::DecodeIndexer::NewStub(ch);
+  auto first = [](const std::multimap<grpc::string_ref, grpc::string_ref>& md) {
+    auto it = md.find(service::kRequestIdKey);
+    return it == md.end() ? std::string() : std::string(it->second.data(), it->second.size());
+  };
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata(service::kRequestIdKey, "req-" + std::to_string(Seed()));
+    v1::ServerInfo info;
+    ASSERT_TRUE(stub->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
+    EXPECT_EQ(first(ctx.GetServerInitialMetadata()), "req-" + std::to_string(Seed()));
+    EXPECT_EQ(first(ctx.GetServerTrailingMetadata()), "req-" + std::to_string(Seed()));
+  }
+  std::string generated;
+  {
+    grpc::ClientContext ctx;
+    v1::ReleaseSequenceRequest req;
+    req.set_sequence_id(424242);
+    v1::ReleaseSequenceResponse res;
+    EXPECT_EQ(stub->ReleaseSequence(&ctx, req, &res).error_code(), grpc::StatusCode::NOT_FOUND);
+    generated = first(ctx.GetServerTrailingMetadata());
+    EXPECT_EQ(generated.size(), 16u) << generated;
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::ServerInfo info;
+    ASSERT_TRUE(stub->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
+    EXPECT_EQ(first(ctx.GetServerInitialMetadata()).size(), 16u);
+    EXPECT_NE(first(ctx.GetServerInitialMetadata()), generated);  // one per call
+  }
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata(service::kRequestIdKey, "stream-1");
+    auto stream = stub->DecodeStream(&ctx);
+    stream->WritesDone();
+    v1::DecodeStepResponse res;
+    EXPECT_FALSE(stream->Read(&res));
+    EXPECT_TRUE(stream->Finish().ok());
+    EXPECT_EQ(first(ctx.GetServerInitialMetadata()), "stream-1");
+  }
+}
+
+// --log-format json: one object a line with time, level, message (escaped) and the request id
+// of the call being handled.
+TEST(LoggingTest, JsonLinesCarryTheRequestId) {
+  std::ostringstream out;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out);
+  spdlog::logger logger("json-test", sink);
+  logger.set_formatter(service::MakeJsonFormatter());
+  logger.info("plain");
+  {
+    service::ScopedRequestId id("rid-7");
+    logger.warn("a \"quoted\"\nline\t{}", 3);
+  }
+  std::istringstream in(out.str());
+  std::string line;
+  std::vector<nlohmann::json> lines;
+  while (std::getline(in, line)) lines.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(lines.size(), 2u) << out.str();
+  EXPECT_EQ(lines[0]["level"], "info");
+  EXPECT_EQ(lines[0]["message"], "plain");
+  EXPECT_FALSE(lines[0].contains("request_id"));
+  EXPECT_EQ(lines[1]["level"], "warning");
+  EXPECT_EQ(lines[1]["message"], "a \"quoted\"\nline\t3");
+  EXPECT_EQ(lines[1]["request_id"], "rid-7");
+  EXPECT_EQ(lines[1]["time"].get<std::string>().back(), 'Z');
+}
+
+// A shared-memory object the server's user may not open is PERMISSION_DENIED with a hint,
+// not NOT_FOUND. As root (which may open anything) the registry runs in a child that dropped
+// to uid/gid 65534; otherwise the object is made mode 0000.
+TEST(SharedMemoryTest, PermissionDeniedIsNotNotFound) {
+  const std::string name =
+      "/di-perm-" + std::to_string(getpid()) + "-" + std::to_string(Seed() % 100000);
+  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, geteuid() == 0 ? 0600 : 0000);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  close(fd);
+  auto check = [&]() -> int {
+    service::SharedMemoryRegistry registry;
+    absl::StatusOr<uint64_t> id = registry.Register(name, 4096);
+    if (id.ok()) return 10;
+    if (id.status().code() != absl::StatusCode::kPermissionDenied) return 11;
+    if (id.status().message().find("server's user") == absl::string_view::npos) return 12;
+    return 0;
+  };
+  int rc;
+  if (geteuid() == 0) {
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      if (setgid(65534) != 0 || setuid(65534) != 0) _exit(13);
+      _exit(check());
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFEXITED(status));
+    rc = WEXITSTATUS(status);
+  } else {
+    rc = check();
+  }
+  shm_unlink(name.c_str());
+  EXPECT_EQ(rc, 0) << "10: opened, 11: another code, 12: no hint, 13: could not drop privileges";
+  // A name that does not exist is still NOT_FOUND.
+  service::SharedMemoryRegistry registry;
+  EXPECT_EQ(registry.Register(name, 4096).status().code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace
