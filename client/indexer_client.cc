@@ -126,6 +126,7 @@ absl::StatusOr<v1::ServerInfo> IndexerClient::ServerInfo() {
 absl::Status IndexerClient::CreateSequence(uint64_t sequence_id) {
   grpc::ClientContext context;
   Prepare(context);
+  RouteBySequence(context, sequence_id);
   v1::CreateSequenceRequest request;
   request.set_sequence_id(sequence_id);
   v1::CreateSequenceResponse response;
@@ -135,6 +136,7 @@ absl::Status IndexerClient::CreateSequence(uint64_t sequence_id) {
 absl::StatusOr<int64_t> IndexerClient::AppendKeys(const v1::AppendKeysRequest& request) {
   grpc::ClientContext context;
   Prepare(context);
+  RouteBySequence(context, request.sequence_id());
   v1::AppendKeysResponse response;
   grpc::Status s = stub_->AppendKeys(&context, request, &response);
   if (!s.ok()) return FromGrpcStatus(s);
@@ -168,6 +170,7 @@ absl::StatusOr<int64_t> IndexerClient::AppendKeys(uint64_t sequence_id, int32_t 
 absl::StatusOr<int64_t> IndexerClient::ReleaseSequence(uint64_t sequence_id) {
   grpc::ClientContext context;
   Prepare(context);
+  RouteBySequence(context, sequence_id);
   v1::ReleaseSequenceRequest request;
   request.set_sequence_id(sequence_id);
   v1::ReleaseSequenceResponse response;
@@ -179,6 +182,8 @@ absl::StatusOr<int64_t> IndexerClient::ReleaseSequence(uint64_t sequence_id) {
 absl::StatusOr<StepAnswer> IndexerClient::DecodeStep(const v1::DecodeStepRequest& request) {
   grpc::ClientContext context;
   Prepare(context);
+  // A batch is replica-affine: it is routed by its first sequence.
+  if (request.sequences_size() > 0) RouteBySequence(context, request.sequences(0).sequence_id());
   v1::DecodeStepResponse response;
   const auto start = Clock::now();
   grpc::Status s = stub_->DecodeStep(&context, request, &response);
@@ -189,10 +194,16 @@ absl::StatusOr<StepAnswer> IndexerClient::DecodeStep(const v1::DecodeStepRequest
   return answer;
 }
 
-absl::StatusOr<std::unique_ptr<StepStream>> IndexerClient::OpenStream() {
+void RouteBySequence(grpc::ClientContext& context, uint64_t sequence_id) {
+  context.AddMetadata(kSequenceIdMetadata, std::to_string(sequence_id));
+}
+
+absl::StatusOr<std::unique_ptr<StepStream>> IndexerClient::OpenStream(
+    std::optional<uint64_t> route_sequence_id) {
   std::unique_ptr<StepStream> stream(new StepStream());
   stream->context_ = std::make_unique<grpc::ClientContext>();
   Prepare(*stream->context_);
+  if (route_sequence_id.has_value()) RouteBySequence(*stream->context_, *route_sequence_id);
   stream->stream_ = stub_->DecodeStream(stream->context_.get());
   if (stream->stream_ == nullptr) return absl::UnavailableError("DecodeStream: cannot open");
   return stream;

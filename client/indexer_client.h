@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -19,6 +20,12 @@
 #include "decode_indexer/v1/indexer.grpc.pb.h"
 
 namespace decode_indexer::client {
+
+// Scale-out: every call that names sequences carries the (first) sequence id in this
+// metadata key, so that a balancer hashing on it keeps a sequence on one replica.
+inline constexpr const char* kSequenceIdMetadata = "x-di-sequence-id";
+// Adds it to `context`.
+void RouteBySequence(grpc::ClientContext& context, uint64_t sequence_id);
 
 // grpc::Status -> absl::Status, code and message unchanged.
 absl::Status FromGrpcStatus(const grpc::Status& status);
@@ -133,7 +140,10 @@ class IndexerClient {
   // Answers the pages freed.
   absl::StatusOr<int64_t> ReleaseSequence(uint64_t sequence_id);
   absl::StatusOr<StepAnswer> DecodeStep(const v1::DecodeStepRequest& request);
-  absl::StatusOr<std::unique_ptr<StepStream>> OpenStream();
+  // route_sequence_id: sent as x-di-sequence-id so that a balancer routes the stream to the
+  // replica holding that sequence (every step on it must name that replica's sequences).
+  absl::StatusOr<std::unique_ptr<StepStream>> OpenStream(
+      std::optional<uint64_t> route_sequence_id = std::nullopt);
   absl::StatusOr<v1::Statistics> GetStatistics();
   // Answers the region id for DecodeStepRequest.shared_memory.region_id.
   absl::StatusOr<uint64_t> RegisterSharedMemory(const std::string& name, uint64_t size);

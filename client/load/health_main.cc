@@ -8,6 +8,7 @@
 
 #include "CLI/CLI.hpp"
 #include "client/load/channel.h"
+#include "common/cli.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace {
@@ -34,22 +35,26 @@ int main(int argc, char** argv) {
   double timeout_s = 2.0;
   bool quiet = false;
   CLI::App app{"Checks grpc.health.v1 of a decode-indexer server; exit 0 when SERVING."};
+  // Every flag can come from the environment (the flag wins), so that a container's fixed
+  // HEALTHCHECK command follows the deployment's address and TLS settings.
   app.add_option("--addr,--target", config.target, "server address host:port")
+      ->envname("DI_HEALTH_ADDR")
       ->capture_default_str();
-  app.add_option("--service", service, "service name to check (\"\": the whole server)");
+  app.add_option("--service", service, "service name to check (\"\": the whole server)")
+      ->envname("DI_HEALTH_SERVICE");
   app.add_option("--timeout", timeout_s, "RPC deadline in seconds")->capture_default_str();
-  app.add_option("--tls-ca", config.tls_ca, "CA certificate (PEM): use TLS");
-  app.add_option("--tls-cert", config.tls_cert, "client certificate (PEM) for mutual TLS");
-  app.add_option("--tls-key", config.tls_key, "client key (PEM) for mutual TLS");
-  app.add_option("--tls-server-name", config.tls_server_name, "name to verify in the cert");
+  app.add_option("--tls-ca", config.tls_ca, "CA certificate (PEM): use TLS")
+      ->envname("DI_HEALTH_TLS_CA");
+  app.add_option("--tls-cert", config.tls_cert, "client certificate (PEM) for mutual TLS")
+      ->envname("DI_HEALTH_TLS_CERT");
+  app.add_option("--tls-key", config.tls_key, "client key (PEM) for mutual TLS")
+      ->envname("DI_HEALTH_TLS_KEY");
+  app.add_option("--tls-server-name", config.tls_server_name, "name to verify in the cert")
+      ->envname("DI_HEALTH_TLS_SERVER_NAME");
   app.add_option("--token", config.bearer_token, "bearer token");
   app.add_flag("-q,--quiet", quiet, "print nothing");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int rc = app.exit(e);
-    return rc == 0 ? 0 : 2;
-  }
+  decode_indexer::cli::AddVersion(app);
+  DI_CLI_PARSE(app, argc, argv);
 
   auto channel = decode_indexer::load::MakeChannel(config);
   if (!channel.ok()) {

@@ -13,6 +13,7 @@
 
 #include "CLI/CLI.hpp"
 #include "client/load/runner.h"
+#include "common/cli.h"
 
 int main(int argc, char** argv) {
   using decode_indexer::load::LoadOptions;
@@ -40,6 +41,14 @@ int main(int argc, char** argv) {
   app.add_option("--warmup-steps", o.warmup_steps,
                  "token steps discarded first (default: one per worker)");
   app.add_flag("--streaming", o.streaming, "DecodeStream per worker instead of unary calls");
+  app.add_option("--backoff-initial-ms", o.backoff_initial_ms,
+                 "after a failed token step a worker waits this long (doubling with each "
+                 "failure in a row, jittered to 50-100%; 0: no backoff)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--backoff-max-ms", o.backoff_max_ms, "longest wait after failures")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--deadline", o.deadline_ms,
                  "deadline in ms (0: none): per RPC (unary), per step (--streaming: the "
                  "step's timeout_us)")
@@ -84,7 +93,8 @@ int main(int argc, char** argv) {
                  "near-tie slack relative to the K-th logit (0: exact answers only)")
       ->capture_default_str();
   app.add_option("--json", json_path, "write the JSON report here (- for stdout)");
-  app.add_option("--csv", csv_path, "write a one-line CSV report here (- for stdout)");
+  app.add_option("--csv", csv_path,
+                 "append a one-row CSV report here, one row per run (header once; - for stdout)");
   app.add_option("--progress", progress, "live progress line: auto (on a TTY), on, off")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
@@ -96,12 +106,8 @@ int main(int argc, char** argv) {
   app.add_option("--tls-server-name", o.channel.tls_server_name,
                  "name checked in the server certificate");
   app.add_option("--token", o.channel.bearer_token, "bearer token for every call");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int rc = app.exit(e);
-    return rc == 0 ? 0 : 2;
-  }
+  decode_indexer::cli::AddVersion(app);
+  DI_CLI_PARSE(app, argc, argv);
   if (o.steps == 0 && o.duration_s == 0) o.duration_s = 10;
   o.poisson = arrival == "poisson";
   o.answer_encoding = answer_encoding == "delta" ? decode_indexer::v1::ANSWER_ENCODING_DELTA_VARINT
@@ -124,7 +130,7 @@ int main(int argc, char** argv) {
     }
   }
   if (!csv_path.empty()) {
-    if (auto s = decode_indexer::load::WriteOutput(csv_path, report->ToCsv()); !s.ok()) {
+    if (auto s = decode_indexer::load::AppendCsv(csv_path, report->ToCsv()); !s.ok()) {
       std::fprintf(stderr, "decode-indexer-load: %s\n", s.ToString().c_str());
       return 3;
     }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <fstream>
 #include <sstream>
 
@@ -55,7 +56,38 @@ void Samples::Merge(const Samples& other) {
   timed_rpcs += other.timed_rpcs;
   sharded_rpcs += other.sharded_rpcs;
   late_starts += other.late_starts;
+  backoff_waits += other.backoff_waits;
+  backoff_ms += other.backoff_ms;
   max_start_lag_us = std::max(max_start_lag_us, other.max_start_lag_us);
+}
+
+std::vector<double> HistogramBoundsMs() {
+  std::vector<double> b;
+  for (int exp = -2; exp <= 4; ++exp) {
+    for (int m : {1, 2, 5}) b.push_back(std::stod(absl::StrCat(m, "e", exp)));
+  }
+  b.push_back(1e5);
+  return b;
+}
+
+nlohmann::json HistogramJson(const std::vector<double>& us) {
+  const std::vector<double> bounds = HistogramBoundsMs();
+  std::vector<uint64_t> counts(bounds.size() + 1, 0);
+  for (double v : us) {
+    const double ms = v / 1e3;
+    const size_t b = std::lower_bound(bounds.begin(), bounds.end(), ms) - bounds.begin();
+    ++counts[b];
+  }
+  return {{"bounds_ms", bounds}, {"counts", counts}};
+}
+
+std::string IsoTimeUtc(double unix_seconds) {
+  const std::time_t t = static_cast<std::time_t>(std::floor(unix_seconds));
+  const int millis = static_cast<int>((unix_seconds - std::floor(unix_seconds)) * 1e3);
+  std::tm tm = {};
+  gmtime_r(&t, &tm);
+  return absl::StrFormat("%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1,
+                         tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, millis);
 }
 
 LatencySummary Summarize(std::vector<double> us) {
@@ -80,13 +112,17 @@ nlohmann::json Report::ToJson() const {
   nlohmann::json j;
   j["config"] = config;
   j["server"] = server;
+  j["started_at"] = started_at;
+  j["finished_at"] = finished_at;
+  j["started_unix_s"] = started_unix_s;
   j["measured_s"] = measured_s;
   const uint64_t steps_ok = s.step_us.size();
   j["steps"] = {{"count", steps_ok + s.steps_failed},
                 {"ok", steps_ok},
                 {"failed", s.steps_failed},
                 {"rate_per_s", PerSecond(double(steps_ok), measured_s)},
-                {"latency_ms", LatencyJson(Summarize(s.step_us))}};
+                {"latency_ms", LatencyJson(Summarize(s.step_us))},
+                {"histogram", HistogramJson(s.step_us)}};
   std::vector<double> all_rpcs;
   nlohmann::json by_role = nlohmann::json::object();
   for (const auto& [role, values] : s.rpc_us) {
@@ -99,7 +135,9 @@ nlohmann::json Report::ToJson() const {
                {"rate_per_s", PerSecond(double(all_rpcs.size()), measured_s)},
                {"sharded", s.sharded_rpcs},
                {"latency_ms", LatencyJson(Summarize(all_rpcs))},
+               {"histogram", HistogramJson(all_rpcs)},
                {"by_role", by_role}};
+  j["backoff"] = {{"waits", s.backoff_waits}, {"total_ms", s.backoff_ms}};
   j["errors"] = s.errors;
   if (!first_error.empty()) j["first_error"] = first_error;
   const double n = s.timed_rpcs > 0 ? double(s.timed_rpcs) : 1.0;
@@ -154,6 +192,19 @@ std::string Report::ToText() const {
       j["rpcs"]["rate_per_s"].get<double>(), j["throughput"]["rows_per_s"].get<double>());
   out << "latency (ms):\n";
   out << LatencyLine("step", Summarize(samples.step_us));
+  {
+    // The step histogram's occupied buckets: "<=2ms 10, <=5ms 3, ...".
+    const nlohmann::json h = j["steps"]["histogram"];
+    std::vector<std::string> parts;
+    for (size_t b = 0; b < h["counts"].size(); ++b) {
+      const uint64_t n = h["counts"][b].get<uint64_t>();
+      if (n == 0) continue;
+      parts.push_back(b < h["bounds_ms"].size()
+                          ? absl::StrCat("<=", h["bounds_ms"][b].get<double>(), "ms ", n)
+                          : absl::StrCat(">", h["bounds_ms"].back().get<double>(), "ms ", n));
+    }
+    if (!parts.empty()) out << "  step histogram: " << absl::StrJoin(parts, ", ") << "\n";
+  }
   std::vector<double> all;
   for (const auto& [role, values] : samples.rpc_us) {
     all.insert(all.end(), values.begin(), values.end());
@@ -196,6 +247,10 @@ std::string Report::ToText() const {
     out << absl::StrFormat("open loop: %d steps started late, max lag %.3f ms\n",
                            samples.late_starts, samples.max_start_lag_us / 1e3);
   }
+  if (samples.backoff_waits > 0) {
+    out << absl::StrFormat("backoff: %d waits after failed steps, %.1f ms in all\n",
+                           samples.backoff_waits, samples.backoff_ms);
+  }
   if (!first_error.empty()) out << "first error: " << first_error << "\n";
   if (samples.errors.empty()) {
     out << "errors: none\n";
@@ -225,6 +280,7 @@ std::string Report::ToCsv() const {
   auto add = [&](const std::string& name, const nlohmann::json& v) {
     cols.emplace_back(name, v.is_string() ? v.get<std::string>() : v.dump());
   };
+  add("started_at", started_at);
   for (const char* key :
        {"target", "concurrency", "rate", "requests_per_step", "next_n", "context", "layers",
         "streaming", "answer_encoding", "shared_memory", "deadline_ms"}) {
@@ -267,6 +323,29 @@ absl::Status WriteOutput(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   if (!out) return absl::UnavailableError(absl::StrCat("cannot write ", path));
   out << text;
+  if (!out) return absl::UnavailableError(absl::StrCat("writing ", path, " failed"));
+  return absl::OkStatus();
+}
+
+absl::Status AppendCsv(const std::string& path, const std::string& csv) {
+  if (path == "-") return WriteOutput(path, csv);
+  const size_t newline = csv.find('\n');
+  const std::string header = csv.substr(0, newline);
+  std::string existing_header;
+  {
+    std::ifstream in(path);
+    if (in) std::getline(in, existing_header);
+  }
+  std::ofstream out(path, std::ios::binary | std::ios::app);
+  if (!out) return absl::UnavailableError(absl::StrCat("cannot write ", path));
+  if (existing_header.empty()) {
+    out << csv;
+  } else if (existing_header == header) {
+    out << csv.substr(newline + 1);
+  } else {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, " holds another report's columns; not appending (use a new --csv)"));
+  }
   if (!out) return absl::UnavailableError(absl::StrCat("writing ", path, " failed"));
   return absl::OkStatus();
 }

@@ -35,6 +35,9 @@ struct Samples {
   // Open loop: how late steps started behind their intended time.
   uint64_t late_starts = 0;
   double max_start_lag_us = 0;
+  // Waits after failed steps (exponential backoff with jitter) and their total.
+  uint64_t backoff_waits = 0;
+  double backoff_ms = 0;
 
   void Merge(const Samples& other);
 };
@@ -44,6 +47,12 @@ struct LatencySummary {
   double mean = 0, p50 = 0, p90 = 0, p95 = 0, p99 = 0, p999 = 0, max = 0;  // milliseconds
 };
 LatencySummary Summarize(std::vector<double> us);
+
+// Latency histogram bounds in milliseconds: a 1-2-5 series from 0.01 ms to 100 s.
+std::vector<double> HistogramBoundsMs();
+// {"bounds_ms": [...], "counts": [...]}: counts[i] latencies in (bounds[i-1], bounds[i]] ms,
+// the last count those above every bound (not cumulative).
+nlohmann::json HistogramJson(const std::vector<double>& us);
 
 struct VerifyCounts {
   bool enabled = false;
@@ -67,6 +76,9 @@ struct Report {
   nlohmann::json server_statistics;
   // The first failed RPC's status, "CODE: message" (empty when none failed).
   std::string first_error;
+  // When the run started and ended (UTC, ISO 8601) and its start in Unix seconds.
+  std::string started_at, finished_at;
+  double started_unix_s = 0;
 
   nlohmann::json ToJson() const;
   std::string ToText() const;
@@ -76,5 +88,12 @@ struct Report {
 
 // Writes `text` to path ("-": stdout).
 absl::Status WriteOutput(const std::string& path, const std::string& text);
+// Appends a CSV report (header line + value line) to path: a new or empty file gets both, a
+// file with the same header gets the value line only (one row per run), a file with another
+// header is refused (FAILED_PRECONDITION) rather than mixed. "-": stdout, both lines.
+absl::Status AppendCsv(const std::string& path, const std::string& csv);
+
+// "2026-12-01T19:42:06.123Z".
+std::string IsoTimeUtc(double unix_seconds);
 
 }  // namespace decode_indexer::load

@@ -3,8 +3,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -36,13 +38,40 @@ absl::Status FromGrpc(const grpc::Status& status, const std::string& what) {
                       absl::StrCat(what, ": ", status.error_message()));
 }
 
-// Counters the progress line reads while workers run.
+// Counters the progress line reads while workers run, and a log-bucketed histogram of step
+// latencies (four buckets an octave from 1 us) for its percentiles.
 struct Live {
+  static constexpr int kBuckets = 128;
   std::atomic<uint64_t> steps{0};
   std::atomic<uint64_t> failed{0};
   std::atomic<uint64_t> rpcs{0};
   std::atomic<uint64_t> step_us_total{0};
+  std::array<std::atomic<uint64_t>, kBuckets> step_buckets{};
+
+  static int Bucket(double us) {
+    const int b = us <= 1.0 ? 0 : static_cast<int>(std::ceil(4.0 * std::log2(us)));
+    return std::clamp(b, 0, kBuckets - 1);
+  }
+  static double BucketUpperUs(int b) { return std::exp2(b / 4.0); }
 };
+
+// The q-quantile of a bucket histogram (bucket upper bounds, in us).
+double BucketQuantileUs(const std::array<uint64_t, Live::kBuckets>& counts, double q) {
+  uint64_t total = 0;
+  for (uint64_t c : counts) total += c;
+  if (total == 0) return 0;
+  const uint64_t rank = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(q * total)));
+  uint64_t seen = 0;
+  for (int b = 0; b < Live::kBuckets; ++b) {
+    seen += counts[b];
+    if (seen >= rank) return Live::BucketUpperUs(b);
+  }
+  return Live::BucketUpperUs(Live::kBuckets - 1);
+}
+
+void AddSequenceId(grpc::ClientContext* context, uint64_t sequence_id) {
+  context->AddMetadata(kSequenceIdKey, std::to_string(sequence_id));
+}
 
 // Where a step's tensors lie in a worker's shared-memory region (--shared-memory), sized for
 // the largest step of the plan. Offsets are 64-byte aligned.
@@ -97,6 +126,7 @@ struct Worker {
   // Bytes of q, q_scales and weights the current step put in the region (for --verify).
   size_t region_bytes[3] = {0, 0, 0};
   uint64_t next_step_id = 0;
+  int failures_in_a_row = 0;  // for the backoff
   Clock::time_point last_done;
   absl::Status fatal;  // set when prefill fails
 };
@@ -160,6 +190,7 @@ class LoadRun {
       {
         grpc::ClientContext context;
         PrepareContext(options_.channel, &context);
+        AddSequenceId(&context, seq.id);
         v1::CreateSequenceRequest request;
         request.set_sequence_id(seq.id);
         v1::CreateSequenceResponse response;
@@ -177,6 +208,7 @@ class LoadRun {
               static_cast<int32_t>(std::min<int64_t>(options_.prefill_chunk, length - done));
           grpc::ClientContext context;
           PrepareContext(options_.channel, &context);
+          AddSequenceId(&context, seq.id);
           v1::AppendKeysRequest request;
           request.set_sequence_id(seq.id);
           request.set_layer(layer);
@@ -275,6 +307,7 @@ class LoadRun {
     w.last_done = done;
     live_.steps++;
     live_.step_us_total += static_cast<uint64_t>(Micros(done - intended_start));
+    live_.step_buckets[Live::Bucket(Micros(done - intended_start))]++;
     if (measured) w.samples.step_us.push_back(Micros(done - intended_start));
     return true;
   }
@@ -289,7 +322,28 @@ class LoadRun {
         if (options_.duration_s > 0 && Clock::now() >= MeasureEnd()) return;
       }
       const Clock::time_point start = Clock::now();
-      TokenStep(w, measured, start);
+      if (!TokenStep(w, measured, start)) {
+        Backoff(w, measured);
+      } else {
+        w.failures_in_a_row = 0;
+      }
+    }
+  }
+
+  // Waits after a failed step (see BackoffDelayMs), never past the measured window's end.
+  void Backoff(Worker& w, bool measured) {
+    ++w.failures_in_a_row;
+    std::uniform_real_distribution<double> unit(0.0, 1.0);
+    const double ms = BackoffDelayMs(w.failures_in_a_row, options_.backoff_initial_ms,
+                                     options_.backoff_max_ms, unit(w.rng));
+    if (ms <= 0) return;
+    Clock::time_point until =
+        Clock::now() + std::chrono::microseconds(static_cast<int64_t>(ms * 1e3));
+    if (options_.duration_s > 0 && measure_started()) until = std::min(until, MeasureEnd());
+    std::this_thread::sleep_until(until);
+    if (measured) {
+      w.samples.backoff_waits++;
+      w.samples.backoff_ms += ms;
     }
   }
 
@@ -314,7 +368,11 @@ class LoadRun {
       // A start more than a millisecond behind schedule had to wait for a free worker.
       if (measured && lag > 1000) w.samples.late_starts++;
       if (measured) w.samples.max_start_lag_us = std::max(w.samples.max_start_lag_us, lag);
-      TokenStep(w, measured, intended);
+      if (!TokenStep(w, measured, intended)) {
+        Backoff(w, measured);
+      } else {
+        w.failures_in_a_row = 0;
+      }
     }
   }
 
@@ -332,6 +390,7 @@ class LoadRun {
     for (const Sequence& seq : w.sequences) {
       grpc::ClientContext context;
       PrepareContext(options_.channel, &context);
+      AddSequenceId(&context, seq.id);
       context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
       v1::ReleaseSequenceRequest request;
       request.set_sequence_id(seq.id);
@@ -481,6 +540,8 @@ class LoadRun {
     if (!options_.streaming) {
       grpc::ClientContext context;
       PrepareContext(options_.channel, &context);
+      // A batch is replica-affine: routed by its first sequence.
+      if (request.sequences_size() > 0) AddSequenceId(&context, request.sequences(0).sequence_id());
       if (options_.deadline_ms > 0) {
         context.set_deadline(
             std::chrono::system_clock::now() +
@@ -491,6 +552,9 @@ class LoadRun {
     if (!w.stream) {
       w.stream_context = std::make_unique<grpc::ClientContext>();
       PrepareContext(options_.channel, w.stream_context.get());
+      // A stream is routed once, at its start: by the worker's first sequence (every step of
+      // the stream must name sequences of that one replica).
+      if (!w.sequences.empty()) AddSequenceId(w.stream_context.get(), w.sequences[0].id);
       w.stream = w.stub->DecodeStream(w.stream_context.get());
     }
     if (w.stream->Write(request) && w.stream->Read(response)) return grpc::Status::OK;
@@ -645,6 +709,12 @@ absl::Status CheckOptions(const LoadOptions& o) {
 
 }  // namespace
 
+double BackoffDelayMs(int failures, double initial_ms, double max_ms, double jitter) {
+  if (failures <= 0 || initial_ms <= 0 || max_ms <= 0) return 0;
+  const double ceiling = std::min(max_ms, initial_ms * std::exp2(std::min(failures - 1, 60)));
+  return ceiling * (0.5 + 0.5 * std::clamp(jitter, 0.0, 1.0));
+}
+
 absl::StatusOr<Report> RunLoad(const LoadOptions& options_in) {
   LoadOptions options = options_in;
   if (absl::Status s = CheckOptions(options); !s.ok()) return s;
@@ -763,6 +833,8 @@ absl::StatusOr<Report> RunLoad(const LoadOptions& options_in) {
   }
   run.StartSchedule();
   const Clock::time_point started = Clock::now();
+  const double started_unix =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   go.count_down();
 
   // The live line: elapsed, steps done, rate and mean step latency since the last line.
@@ -771,24 +843,34 @@ absl::StatusOr<Report> RunLoad(const LoadOptions& options_in) {
   if (options.progress && !abort) {
     progress = std::thread([&] {
       uint64_t last_steps = 0, last_us = 0;
+      std::array<uint64_t, Live::kBuckets> last_buckets{};
       Clock::time_point last = Clock::now();
       while (!finished) {
         std::this_thread::sleep_for(std::chrono::milliseconds(500));
         const uint64_t steps = run.live().steps, us = run.live().step_us_total;
+        // Percentiles over the steps since the last line (bucket bounds: within 19%).
+        std::array<uint64_t, Live::kBuckets> now_buckets{}, window{};
+        for (int b = 0; b < Live::kBuckets; ++b) {
+          now_buckets[b] = run.live().step_buckets[b].load();
+          window[b] = now_buckets[b] - last_buckets[b];
+        }
         const Clock::time_point now = Clock::now();
         const double dt = std::chrono::duration<double>(now - last).count();
         const uint64_t ds = steps - last_steps;
         std::fprintf(stderr,
-                     "\r[%7.1fs] steps %-8llu %8.1f steps/s  mean step %8.3f ms  rpcs %-9llu "
-                     "errors %-6llu",
+                     "\r[%7.1fs] steps %-8llu %8.1f steps/s  step ms mean %7.3f p50 %7.3f "
+                     "p90 %7.3f p99 %7.3f  rpcs %-9llu errors %-6llu",
                      std::chrono::duration<double>(now - started).count(),
                      static_cast<unsigned long long>(steps), dt > 0 ? ds / dt : 0.0,
                      ds ? double(us - last_us) / ds / 1e3 : 0.0,
+                     BucketQuantileUs(window, 0.50) / 1e3, BucketQuantileUs(window, 0.90) / 1e3,
+                     BucketQuantileUs(window, 0.99) / 1e3,
                      static_cast<unsigned long long>(run.live().rpcs.load()),
                      static_cast<unsigned long long>(run.live().failed.load()));
         std::fflush(stderr);
         last_steps = steps;
         last_us = us;
+        last_buckets = now_buckets;
         last = now;
       }
       std::fprintf(stderr, "\n");
@@ -799,6 +881,10 @@ absl::StatusOr<Report> RunLoad(const LoadOptions& options_in) {
   if (progress.joinable()) progress.join();
 
   Report report;
+  report.started_unix_s = started_unix;
+  report.started_at = IsoTimeUtc(started_unix);
+  report.finished_at = IsoTimeUtc(
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
   for (auto& w : workers) {
     if (!w->fatal.ok()) {
       for (auto& other : workers) run.ReleaseAll(*other);
@@ -857,6 +943,8 @@ absl::StatusOr<Report> RunLoad(const LoadOptions& options_in) {
       {"q_format", options.q_format == PayloadFormat::kFp32 ? "fp32" : "quantized"},
       {"key_format", options.key_format == PayloadFormat::kFp32 ? "fp32" : "quantized"},
       {"verify_sequences", tracked},
+      {"backoff_initial_ms", options.backoff_initial_ms},
+      {"backoff_max_ms", options.backoff_max_ms},
       {"seed", options.seed}};
   report.server = {{"profile", info.profile()},     {"backend", info.backend()},
                    {"num_ranks", info.num_ranks()}, {"num_heads", info.num_heads()},

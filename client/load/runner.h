@@ -54,7 +54,20 @@ struct LoadOptions {
   int32_t verify_every = 1;        // score every n-th token step of a tracked worker
   double verify_tolerance = 1e-4;  // near-tie slack (relative to the K-th logit); 0: exact
   bool progress = false;           // live line on stderr
+  // After a failed token step a worker waits BackoffDelayMs (doubling from backoff_initial_ms
+  // up to backoff_max_ms, with jitter) before its next one; a success resets it.
+  double backoff_initial_ms = 10;
+  double backoff_max_ms = 2000;
 };
+
+// The wait after the `failures`-th failure in a row (1, 2, ...): min(max, initial *
+// 2^(failures-1)) scaled by `jitter` in [0, 1) into [50%, 100%) of that ("equal jitter"), so
+// that workers failing together spread out.
+double BackoffDelayMs(int failures, double initial_ms, double max_ms, double jitter);
+
+// The metadata key that carries a sequence id on every RPC naming sequences, so that a
+// balancer can route all calls for a sequence to the replica that holds it.
+inline constexpr const char* kSequenceIdKey = "x-di-sequence-id";
 
 // Runs the whole load (connect, prefill, warm-up, measure, release) and reports. An error
 // only where the run could not take place (no server, prefill refused, bad options); RPC

@@ -79,6 +79,16 @@ TEST_F(LoadTest, HealthProbeFollowsServingStatus) {
                         "--timeout", "0.5"},
                        Path("h.log"), seconds(10)),
             1);
+  // The address may come from the environment (a container's fixed HEALTHCHECK command);
+  // the flag wins over it.
+  setenv("DI_HEALTH_ADDR", server.target().c_str(), 1);
+  EXPECT_EQ(RunProcess({DI_HEALTH_BINARY, "--quiet"}, Path("h.log"), seconds(10)), 0)
+      << ReadText(Path("h.log"));
+  EXPECT_EQ(RunProcess({DI_HEALTH_BINARY, "--addr", "127.0.0.1:" + std::to_string(port),
+                        "--timeout", "0.5"},
+                       Path("h.log"), seconds(10)),
+            1);
+  unsetenv("DI_HEALTH_ADDR");
 }
 
 TEST_F(LoadTest, VerifyCatchesWrongAnswers) {
@@ -155,6 +165,61 @@ TEST_F(LoadTest, OpenLoopWritesJsonAndCsv) {
   EXPECT_EQ(std::count(header.begin(), header.end(), ','),
             std::count(values.begin(), values.end(), ','));
   EXPECT_NE(header.find("step_p99_ms"), std::string::npos);
+  // A timestamp and the latency histogram in the JSON: every measured step in one bucket.
+  EXPECT_EQ(report["started_at"].get<std::string>().back(), 'Z');
+  EXPECT_GT(report["started_unix_s"].get<double>(), 1.6e9);
+  uint64_t in_buckets = 0;
+  for (const auto& c : report["steps"]["histogram"]["counts"]) in_buckets += c.get<uint64_t>();
+  EXPECT_EQ(in_buckets, 12u);
+  EXPECT_EQ(report["steps"]["histogram"]["counts"].size(),
+            report["steps"]["histogram"]["bounds_ms"].size() + 1);
+  // A second run appends its row under the same header.
+  ASSERT_EQ(RunLoad({"--target", server.target(), "--concurrency", "1", "--steps", "2", "--context",
+                     "50", "--seed", Seed(), "--csv", Path("r.csv")}),
+            0)
+      << Log();
+  const std::string twice = ReadText(Path("r.csv"));
+  EXPECT_EQ(std::count(twice.begin(), twice.end(), '\n'), 3) << twice;
+  EXPECT_EQ(twice.rfind(header, 0), 0u);
+}
+
+// A server that fails every step: workers back off (exponentially, with jitter) instead of
+// hammering it. Each wait is at least half of --backoff-initial-ms, so over the run's
+// measured wall time a worker fails at most once per 50 ms (plus its first failure); without
+// backoff it would fail thousands of times.
+TEST_F(LoadTest, FailuresBackOff) {
+  FakeServer server(1);
+  const auto start = std::chrono::steady_clock::now();
+  const int rc = RunLoad({"--target",
+                          server.target(),
+                          "--concurrency",
+                          "2",
+                          "--requests-per-step",
+                          "1",
+                          "--context",
+                          "32",
+                          "--duration",
+                          "1",
+                          "--warmup-steps",
+                          "0",
+                          "--backoff-initial-ms",
+                          "100",
+                          "--backoff-max-ms",
+                          "100",
+                          "--allow-errors",
+                          "--seed",
+                          Seed(),
+                          "--json",
+                          Path("r.json")});
+  const double elapsed_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_EQ(rc, 0) << Log();
+  const nlohmann::json report = ReadJson("r.json");
+  const int64_t failed = report["steps"]["failed"].get<int64_t>();
+  EXPECT_GT(failed, 0);
+  EXPECT_EQ(report["steps"]["ok"].get<int64_t>(), 0);
+  EXPECT_LE(server.indexer().steps(), 2 * (1 + int64_t(elapsed_ms / 50))) << elapsed_ms;
+  EXPECT_GT(report["backoff"]["waits"].get<int64_t>(), 0);
 }
 
 // The region holds the answer as int32: asking for delta answers there is a usage error.

@@ -1,11 +1,18 @@
 // Unit tests of the load tester's pieces that need no server: the near-tie rule --verify
 // applies to other backends, the layer plan, and the percentile summary.
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <random>
 #include <vector>
 
+#include <unistd.h>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
 #include "client/load/report.h"
+#include "client/load/runner.h"
 #include "client/load/server_model.h"
 #include "client/load/verify.h"
 #include "gtest/gtest.h"
@@ -174,6 +181,68 @@ TEST(ReportTest, PercentilesAreNearestRank) {
   EXPECT_DOUBLE_EQ(s.p999, rank(99.9));
   EXPECT_DOUBLE_EQ(s.max, sorted.back() / 1e3);
   EXPECT_NEAR(s.mean, std::accumulate(us.begin(), us.end(), 0.0) / us.size() / 1e3, 1e-9);
+}
+
+// Backoff after failures: doubles from the initial wait, capped, jittered into [50%, 100%)
+// of the envelope, and nothing before the first failure.
+TEST(BackoffTest, ExponentialCappedJittered) {
+  EXPECT_EQ(BackoffDelayMs(0, 10, 1000, 0.5), 0);
+  EXPECT_EQ(BackoffDelayMs(3, 0, 1000, 0.5), 0);  // --backoff-initial-ms 0: off
+  std::mt19937_64 rng(std::random_device{}());
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  for (int failures = 1; failures <= 40; ++failures) {
+    const double envelope = std::min(1000.0, 10.0 * std::pow(2.0, failures - 1));
+    const double d = BackoffDelayMs(failures, 10, 1000, unit(rng));
+    EXPECT_GE(d, 0.5 * envelope) << failures;
+    EXPECT_LE(d, envelope) << failures;
+  }
+  EXPECT_EQ(BackoffDelayMs(1, 10, 1000, 0.0), 5);
+  EXPECT_EQ(BackoffDelayMs(4, 10, 1000, 1.0), 80);
+  EXPECT_EQ(BackoffDelayMs(30, 10, 1000, 1.0), 1000);
+  // Two workers failing together with different jitter wait different times.
+  EXPECT_NE(BackoffDelayMs(5, 10, 1000, 0.1), BackoffDelayMs(5, 10, 1000, 0.9));
+}
+
+// The JSON histogram: every latency in exactly one bucket, the right one.
+TEST(ReportTest, HistogramBucketsEveryLatency) {
+  const std::vector<double> us = {5, 10, 11, 1500, 2000, 2001, 7e5, 2e11};
+  const nlohmann::json h = HistogramJson(us);
+  const std::vector<double> bounds = h["bounds_ms"];
+  const std::vector<uint64_t> counts = h["counts"];
+  ASSERT_EQ(counts.size(), bounds.size() + 1);
+  EXPECT_EQ(std::accumulate(counts.begin(), counts.end(), uint64_t{0}), us.size());
+  auto at = [&](double ms) {
+    return std::lower_bound(bounds.begin(), bounds.end(), ms) - bounds.begin();
+  };
+  EXPECT_EQ(counts[at(0.01)], 2u);  // 5 us and 10 us: <= 0.01 ms
+  EXPECT_EQ(counts[at(0.02)], 1u);  // 11 us
+  EXPECT_EQ(counts[at(2)], 2u);     // 1.5 ms, 2 ms
+  EXPECT_EQ(counts[at(5)], 1u);     // 2.001 ms
+  EXPECT_EQ(counts.back(), 1u);     // above every bound
+  // Clean decimal bounds (no 0.30000000000000004).
+  for (double b : bounds) EXPECT_LE(nlohmann::json(b).dump().size(), 8u) << b;
+}
+
+// --csv appends: the header once, one row per run; another report's columns are refused.
+TEST(ReportTest, CsvIsAppendedNotOverwritten) {
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("di-load-csv-" + std::to_string(getpid()) + ".csv"))
+                               .string();
+  std::filesystem::remove(path);
+  ASSERT_TRUE(AppendCsv(path, "a,b\n1,2\n").ok());
+  ASSERT_TRUE(AppendCsv(path, "a,b\n3,4\n").ok());
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  EXPECT_EQ(ss.str(), "a,b\n1,2\n3,4\n");
+  const absl::Status other = AppendCsv(path, "a,b,c\n5,6,7\n");
+  EXPECT_EQ(other.code(), absl::StatusCode::kFailedPrecondition);
+  std::filesystem::remove(path);
+}
+
+TEST(ReportTest, IsoTimeIsUtc) {
+  EXPECT_EQ(IsoTimeUtc(0), "1970-01-01T00:00:00.000Z");
+  EXPECT_EQ(IsoTimeUtc(1764618126.25), "2025-12-01T19:42:06.250Z");
 }
 
 }  // namespace
