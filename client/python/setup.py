@@ -26,14 +26,22 @@ class BuildPyWithStubs(build_py):
     def run(self):
         gen = _generator()
         root = gen.find_proto_root()
-        if root is None:
+        shipped = (gen.GEN_DIR / "indexer_pb2.py").is_file()
+        if root is None and not shipped:
             raise SystemExit(f"decode_indexer: {gen.PROTO_REL} not found; build from the "
                              "repository checkout or set DI_PROTO_ROOT")
-        packaged = gen.PACKAGED_PROTO_ROOT / gen.PROTO_REL
-        if root.resolve() != gen.PACKAGED_PROTO_ROOT.resolve():
-            packaged.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(root / gen.PROTO_REL, packaged)
-        gen.generate(root)
+        if root is not None:
+            packaged = gen.PACKAGED_PROTO_ROOT / gen.PROTO_REL
+            if root.resolve() != gen.PACKAGED_PROTO_ROOT.resolve():
+                packaged.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(root / gen.PROTO_REL, packaged)
+        # The generated modules are checked in: regenerate only where a generator exists
+        # (no system protoc is needed to install the package).
+        if root is not None and gen.have_generator():
+            gen.generate(root)
+        elif not gen.is_current(root):
+            raise SystemExit("decode_indexer: the shipped modules do not match the proto and no "
+                             "protoc / grpcio-tools is available to regenerate them")
         super().run()
 
 

@@ -1,9 +1,12 @@
 """Generates the Protobuf/gRPC modules of decode_indexer.v1 into decode_indexer/_gen/.
 
-The generated files are not checked in (they depend on the local protoc). They are made:
-  * at package build time (setup.py runs this before building),
-  * lazily on the first import when they are missing or older than the repository's proto,
-  * by hand:  python3 -m decode_indexer._generate [--proto-root DIR]
+The generated modules are checked in (made by Debian 12's protoc 3.21.12 and
+grpc_python_plugin 1.51), so `pip install ./client/python` needs no protoc. CI checks that they
+match the proto (tests/python/test_packaging.py). They are remade:
+  * by hand after changing the proto:  python3 -m decode_indexer._generate  (then commit them),
+  * at package build time where a generator exists (setup.py; without one the committed
+    modules are packaged as they are),
+  * on import from a writable checkout when the proto changed and a generator exists.
 
 Tools, first found wins: `protoc` + `grpc_python_plugin` on PATH (Debian's protobuf-compiler
 and protobuf-compiler-grpc, which match Debian's python3-protobuf/python3-grpcio runtime),
@@ -116,13 +119,20 @@ def generate(proto_root: Path | None = None, gen_dir: Path = GEN_DIR) -> Path:
     return gen_dir
 
 
+def have_generator() -> bool:
+    """Whether protoc (or grpcio-tools) is available to regenerate the modules."""
+    return shutil.which("protoc") is not None or importlib.util.find_spec("grpc_tools") is not None
+
+
 def ensure_generated() -> None:
-    """Called on import: regenerate when missing or stale, if the package dir is writable."""
+    """Called on import: regenerate when missing or stale, if the package dir is writable and a
+    generator exists; otherwise use the modules that are there."""
     proto_root = find_proto_root()
     if is_current(proto_root):
         return
-    if (GEN_DIR / "indexer_pb2.py").is_file() and not os.access(GEN_DIR, os.W_OK):
-        return  # an installed, read-only copy: keep what the build generated
+    present = (GEN_DIR / "indexer_pb2.py").is_file()
+    if present and (not os.access(GEN_DIR, os.W_OK) or not have_generator()):
+        return  # an installed copy, or no protoc: keep the modules that were shipped
     generate(proto_root)
 
 

@@ -24,6 +24,8 @@ from .errors import IndexerError
 from .shm import SharedMemoryRegion
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["DecodeIndexer"].full_name
+# The metadata key carrying the (first) sequence id of every call that names sequences.
+SEQUENCE_ID_METADATA = "x-di-sequence-id"
 
 # Answers grow with rows x K (128 rows x 2048 x 4 B = 1 MiB at v32) and prefill requests with
 # the keys sent; gRPC's default 4 MiB receive cap is an accident waiting to happen.
@@ -382,9 +384,14 @@ class Client:
             raise IndexerError(grpc.StatusCode.UNAVAILABLE,
                                f"no server at {self.target} after {timeout} s", "connect") from None
 
-    def _call(self, method: str, fn: Any, request: Any, timeout: float | None) -> Any:
+    def _call(self, method: str, fn: Any, request: Any, timeout: float | None,
+              sequence_id: int | None = None) -> Any:
+        # Calls naming a sequence carry it as metadata, so that a balancer hashing on
+        # x-di-sequence-id keeps every call for the sequence on the replica that holds it.
+        metadata = None if sequence_id is None else ((SEQUENCE_ID_METADATA, str(sequence_id)),)
         try:
-            return fn(request, timeout=self.timeout if timeout is None else timeout)
+            return fn(request, timeout=self.timeout if timeout is None else timeout,
+                      metadata=metadata)
         except grpc.RpcError as e:
             raise IndexerError.from_rpc_error(e, method) from None
 
@@ -400,7 +407,7 @@ class Client:
         if sequence_id is None:
             sequence_id = random.getrandbits(63)
         self._call("CreateSequence", self._create,
-                   pb.CreateSequenceRequest(sequence_id=sequence_id), timeout)
+                   pb.CreateSequenceRequest(sequence_id=sequence_id), timeout, sequence_id)
         return sequence_id
 
     def append_keys(self, sequence_id: int, layer: int, keys: Any, key_scales: Any = None, *,
@@ -412,13 +419,15 @@ class Client:
         logical [n, D]) with typed UE8M0 key_scales [n, D/32] (see decode_indexer.quant).
         """
         resp = self._call("AppendKeys", self._append,
-                          _encode_append(sequence_id, layer, keys, key_scales), timeout)
+                          _encode_append(sequence_id, layer, keys, key_scales), timeout,
+                          sequence_id)
         return resp.length
 
     def release_sequence(self, sequence_id: int, *, timeout: float | None = None) -> int:
         """Frees every page of the sequence; returns how many were freed."""
         return self._call("ReleaseSequence", self._release,
-                          pb.ReleaseSequenceRequest(sequence_id=sequence_id), timeout).pages_freed
+                          pb.ReleaseSequenceRequest(sequence_id=sequence_id), timeout,
+                          sequence_id).pages_freed
 
     def decode_step(self, layer: int, steps: Sequence[SequenceStep], q: Any, weights: Any,
                     q_scales: Any = None, positions: Any = None, step_id: int = 0,
@@ -448,7 +457,9 @@ class Client:
                                        return_candidates, shared_memory, answer, candidates,
                                        answer_encoding, timeout_us)
         start = time.perf_counter()
-        resp = self._call("DecodeStep", self._decode, request, timeout)
+        # A batch is replica-affine (all its sequences on one replica): routed by the first.
+        resp = self._call("DecodeStep", self._decode, request, timeout,
+                          steps[0].sequence_id if steps else None)
         return _result(resp, (time.perf_counter() - start) * 1e6, placed,
                        answer_encoding == "delta")
 
@@ -475,12 +486,15 @@ class Client:
         """The server's cumulative counters (a decode_indexer.v1.Statistics message)."""
         return self._call("GetStatistics", self._stats, pb.GetStatisticsRequest(), timeout)
 
-    def stream(self, *, timeout: float | None = None) -> "DecodeStream":
+    def stream(self, *, timeout: float | None = None,
+               route_sequence_id: int | None = None) -> "DecodeStream":
         """Opens a DecodeStream session: send steps without waiting, receive answers in order.
 
         timeout: a deadline for the whole session, in seconds (the client's per-call default
-        does not apply: a session lives for many steps)."""
-        return DecodeStream(self, timeout)
+        does not apply: a session lives for many steps). route_sequence_id: sent as
+        x-di-sequence-id so that a balancer routes the session to that sequence's replica
+        (every step on it must then name sequences of that replica)."""
+        return DecodeStream(self, timeout, route_sequence_id)
 
 
 _END = object()
@@ -497,9 +511,13 @@ class DecodeStream:
     one thread may send while another receives.
     """
 
-    def __init__(self, client: Client, timeout: float | None):
+    def __init__(self, client: Client, timeout: float | None,
+                 route_sequence_id: int | None = None):
         self._requests: queue.Queue = queue.Queue()
-        self._call = client._decode_stream(iter(self._requests.get, _END), timeout=timeout)
+        metadata = (None if route_sequence_id is None
+                    else ((SEQUENCE_ID_METADATA, str(route_sequence_id)),))
+        self._call = client._decode_stream(iter(self._requests.get, _END), timeout=timeout,
+                                           metadata=metadata)
         # (step_id, send time, shared-memory placement, delta-encoded answer)
         self._pending: collections.deque = collections.deque()
         self._lock = threading.Lock()
