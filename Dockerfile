@@ -24,6 +24,7 @@ RUN apt-get update \
         protobuf-compiler protobuf-compiler-grpc libprotobuf-dev libgrpc++-dev \
         libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libcli11-dev \
         libtomlplusplus-dev libyaml-cpp-dev nlohmann-json3-dev \
+        prometheus-cpp-dev libcivetweb-dev \
         libssl-dev zlib1g-dev libc-ares-dev libre2-dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
@@ -32,35 +33,44 @@ RUN cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release -DDI_CUDA=ON \
         -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH} \
     && cmake --build /build -j "${BUILD_JOBS}" \
         --target decode-indexer-server decode-indexer-load decode-indexer-health
-# The binaries and the shared libraries they load that a CUDA runtime image lacks (gRPC,
-# Protobuf, Abseil, spdlog, ...): copying exactly what ldd resolves keeps the runtime image
-# free of -dev packages and of guesses at Ubuntu's runtime package names.
-RUN deploy/bundle-runtime.sh /out \
-        /build/server/decode-indexer-server \
-        /build/client/load/decode-indexer-load \
-        /build/client/load/decode-indexer-health
+# The runtime stage installs the distribution packages that own the libraries these binaries
+# load (listed here with dpkg -S), so the image's libraries are packages: scanners see them
+# and upgrades patch them.
+RUN mkdir -p /out/bin \
+    && cp /build/server/decode-indexer-server /build/client/load/decode-indexer-load \
+        /build/client/load/decode-indexer-health /out/bin/ \
+    && deploy/runtime-packages.sh /out/bin/* > /out/runtime-packages.txt \
+    && cat /out/runtime-packages.txt
 
 # ---- runtime ------------------------------------------------------------------------------
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU} AS runtime
 LABEL org.opencontainers.image.title="decode-indexer" \
-      org.opencontainers.image.description="Sparse-attention lightning indexer over gRPC"
-COPY --from=build /out/bin/ /usr/local/bin/
-COPY --from=build /out/lib/ /opt/decode-indexer/lib/
-COPY deploy/entrypoint.sh /usr/local/bin/decode-indexer-entrypoint
-COPY deploy/profiles/ /etc/decode-indexer/profiles/
-RUN echo /opt/decode-indexer/lib > /etc/ld.so.conf.d/decode-indexer.conf \
-    && ldconfig \
+      org.opencontainers.image.description="Sparse-attention lightning indexer over gRPC" \
+      org.opencontainers.image.licenses="Apache-2.0"
+ENV DEBIAN_FRONTEND=noninteractive
+COPY --from=build /out/runtime-packages.txt /tmp/runtime-packages.txt
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && xargs -a /tmp/runtime-packages.txt apt-get install -y --no-install-recommends \
+    && rm -rf /var/lib/apt/lists/* /tmp/runtime-packages.txt \
     && groupadd --system --gid 10001 indexer \
     && useradd --system --uid 10001 --gid indexer --no-create-home \
         --shell /usr/sbin/nologin indexer
+COPY --from=build /out/bin/ /usr/local/bin/
+COPY deploy/entrypoint.sh /usr/local/bin/decode-indexer-entrypoint
+COPY deploy/profiles/ /etc/decode-indexer/profiles/
+COPY LICENSE /usr/share/doc/decode-indexer/LICENSE
 USER 10001:10001
 # NCCL multicast (NVLS) stays off: see docs/deploy.md.
+# The server reads DI_METRICS_LISTEN when --metrics-listen is not given (the flag wins);
+# decode-indexer-health reads DI_HEALTH_ADDR / DI_HEALTH_TLS_* (TLS deployments set them).
 ENV NCCL_NVLS_ENABLE=0 \
-    DI_METRICS_LISTEN=0.0.0.0:9464
+    DI_METRICS_LISTEN=0.0.0.0:9464 \
+    DI_HEALTH_ADDR=127.0.0.1:50051
 # 50051: gRPC (DecodeIndexer + grpc.health.v1); 9464: Prometheus metrics.
 EXPOSE 50051 9464
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
-    CMD ["decode-indexer-health", "--addr", "127.0.0.1:50051", "--timeout", "2", "--quiet"]
+    CMD ["decode-indexer-health", "--timeout", "2", "--quiet"]
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["decode-indexer-entrypoint"]
-CMD ["--listen", "0.0.0.0:50051", "--backend", "auto", "--profile", "v41"]
+CMD ["--listen", "0.0.0.0:50051", "--backend", "auto", "--profile", "v41", "--drain-grace", "5"]

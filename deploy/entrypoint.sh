@@ -1,12 +1,8 @@
 #!/bin/sh
-# Container entrypoint: runs decode-indexer-server with the given flags, adding
-# --metrics-listen "$DI_METRICS_LISTEN" when that is set and this server build has the flag
-# (so one image works before and after the metrics endpoint lands). exec makes the server
-# PID 1, so the SIGTERM of `docker stop` reaches it directly and
-# starts the drain.
+# Container entrypoint: exec decode-indexer-server with the given flags, so that the server is
+# PID 1 and the SIGTERM of `docker stop` / Kubernetes reaches it directly and starts the
+# drain. Settings from the environment are read by the server itself, a flag winning over its
+# variable (DI_METRICS_LISTEN for --metrics-listen, DI_AUTH_TOKEN for --auth-token), so a
+# flag on the command line never clashes with the image's environment.
 set -eu
-if [ -n "${DI_METRICS_LISTEN:-}" ] \
-    && decode-indexer-server --help 2>&1 | grep -q -- '--metrics-listen'; then
-  set -- "$@" --metrics-listen "$DI_METRICS_LISTEN"
-fi
 exec decode-indexer-server "$@"

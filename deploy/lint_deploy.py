@@ -5,7 +5,7 @@ plus this project's own requirements; the compose checks are the project's requi
 (GPU reservations, NCCL settings, health check, grace period) on top of what
 `docker compose config` validates. Exit 0 when everything holds, 1 with one line per problem.
 
-usage: lint_deploy.py dockerfile PATH | compose PATH
+usage: lint_deploy.py dockerfile PATH | compose PATH | k8s DIR
 """
 import json
 import os
@@ -228,11 +228,20 @@ def lint_compose(path):
         bad("indexer: the healthcheck does not run decode-indexer-health")
     grace = str(server.get("stop_grace_period", ""))
     match = re.fullmatch(r"(\d+)s", grace)
-    drain = re.search(r"--drain-seconds=\$\{\w+:-(\d+)\}", " ".join(server.get("command") or []))
+    command = " ".join(server.get("command") or [])
+    drain = re.search(r"--drain-seconds=\$\{\w+:-(\d+)\}", command)
+    drain_grace = re.search(r"--drain-grace=\$\{\w+:-(\d+)\}", command)
+    total = (int(drain.group(1)) if drain else 0) + (int(drain_grace.group(1)) if drain_grace else 0)
     if not match:
         bad("indexer: stop_grace_period should be given in seconds")
-    elif drain and int(match.group(1)) <= int(drain.group(1)):
-        bad("indexer: stop_grace_period must outlast --drain-seconds")
+    elif int(match.group(1)) <= total:
+        bad("indexer: stop_grace_period must outlast --drain-grace + --drain-seconds")
+    # The entrypoint must not add flags the command may also give (a repeated
+    # --metrics-listen made the server refuse to start and the container crash-loop).
+    entry = os.path.join(root, "entrypoint.sh")
+    if os.path.isfile(entry) and re.search(r"set -- .*--", open(entry, encoding="utf-8").read()):
+        bad("entrypoint.sh: adds flags to the server's command line; let the server read its "
+            "environment instead (DI_METRICS_LISTEN)")
     for env_file in server.get("env_file") or []:
         if not os.path.isfile(os.path.join(root, env_file)):
             bad(f"indexer: env_file {env_file} does not exist")
@@ -260,11 +269,79 @@ def lint_compose(path):
     return problems
 
 
+def _seconds(flag, args):
+    for a in args:
+        m = re.fullmatch(rf"{flag}=(\d+(?:\.\d+)?)", a)
+        if m:
+            return float(m.group(1))
+    return 0.0
+
+
+def lint_k8s(directory):
+    """The Kubernetes manifests' structure: what kubectl's offline dry run cannot check."""
+    try:
+        import yaml
+    except ImportError:
+        print("SKIP k8s structure: no PyYAML for this python3")
+        return []
+    problems = []
+    docs = []
+    for name in sorted(os.listdir(directory)):
+        if name.endswith((".yaml", ".yml")):
+            path = os.path.join(directory, name)
+            docs += [(path, d) for d in yaml.safe_load_all(open(path, encoding="utf-8")) if d]
+    workloads = [(p, d) for p, d in docs if d.get("kind") in ("StatefulSet", "Deployment")]
+    services = [d for _, d in docs if d.get("kind") == "Service"]
+    if not workloads:
+        return [f"{directory}: no StatefulSet or Deployment"]
+    for path, w in workloads:
+        def bad(message):
+            problems.append(f"{path}: {w['kind']} {w['metadata']['name']}: {message}")
+        pod = w["spec"]["template"]
+        labels = pod["metadata"].get("labels") or {}
+        if w["spec"]["selector"].get("matchLabels") != {k: labels.get(k) for k in
+                                                         w["spec"]["selector"]["matchLabels"]}:
+            bad("the selector does not match the pod template's labels")
+        containers = pod["spec"]["containers"]
+        c = next((c for c in containers if "decode-indexer" in c.get("image", "")), None)
+        if c is None:
+            bad("no container runs the decode-indexer image")
+            continue
+        args = c.get("args") or []
+        ready = (c.get("readinessProbe") or {}).get("grpc") or {}
+        if not ready:
+            bad("the readiness probe should be a gRPC (grpc.health.v1) probe")
+        elif ready.get("service") != "decode_indexer.v1.DecodeIndexer":
+            bad("the readiness probe should ask for service decode_indexer.v1.DecodeIndexer")
+        port = str(ready.get("port", ""))
+        if port and f"--listen=0.0.0.0:{port}" not in args:
+            bad(f"the readiness probe's port {port} is not the server's --listen port")
+        grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
+        drain = _seconds("--drain-grace", args) + _seconds("--drain-timeout", args)
+        if grace <= drain:
+            bad(f"terminationGracePeriodSeconds {grace} must outlast --drain-grace + "
+                f"--drain-timeout ({drain:g} s)")
+        if _seconds("--drain-grace", args) <= 0:
+            bad("--drain-grace should be > 0 so that readiness fails before the server stops")
+        period = (c.get("readinessProbe") or {}).get("periodSeconds", 10) * \
+            (c.get("readinessProbe") or {}).get("failureThreshold", 3)
+        if _seconds("--drain-grace", args) < period:
+            bad(f"--drain-grace should cover the readiness probe's detection time ({period} s)")
+        gpus = ((c.get("resources") or {}).get("limits") or {}).get("nvidia.com/gpu")
+        if not gpus:
+            bad("no nvidia.com/gpu limit")
+        if not any(s["spec"].get("selector") == {k: labels.get(k) for k in s["spec"]["selector"]}
+                   and s["spec"].get("clusterIP") == "None" for s in services):
+            bad("no headless Service selects the pods (a hashing gateway needs every pod)")
+    return problems
+
+
 def main():
-    if len(sys.argv) != 3 or sys.argv[1] not in ("dockerfile", "compose"):
+    linters = {"dockerfile": lint_dockerfile, "compose": lint_compose, "k8s": lint_k8s}
+    if len(sys.argv) != 3 or sys.argv[1] not in linters:
         print(__doc__.strip().splitlines()[-1], file=sys.stderr)
         return 2
-    problems = (lint_dockerfile if sys.argv[1] == "dockerfile" else lint_compose)(sys.argv[2])
+    problems = linters[sys.argv[1]](sys.argv[2])
     for p in problems:
         print(p)
     return 1 if problems else 0

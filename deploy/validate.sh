@@ -1,7 +1,7 @@
 #!/bin/bash
 # Validates the deployment files on a machine without a Docker engine.
 #
-#   deploy/validate.sh [lint|compose|all]     (default: all)
+#   deploy/validate.sh [lint|compose|k8s|all]     (default: all)
 #
 # lint:    the Dockerfile against a hadolint-like rule subset plus the project's own rules,
 #          the compose file's structure (GPU reservation, NCCL, health check, grace period),
@@ -11,6 +11,11 @@
 #          the compose file parsed and checked against the Compose schema, with the defaults
 #          and with deploy/example.env, load profile included. Exits 77 (ctest: skipped) and
 #          says so when neither client exists.
+# k8s:     deploy/k8s/ through `kubectl apply --dry-run=client --validate=false` against a
+#          discovery-only stand-in API (deploy/k8s/offline_api.py: kubectl needs an API server
+#          to map kinds even for a client dry run), and the manifests' structure (readiness on
+#          grpc.health.v1, drain window vs termination grace, GPU limits, a headless Service).
+#          Exits 77 when kubectl is missing.
 # Exit status: 0 all checks passed, 1 a check failed, 77 nothing could run (compose only).
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -32,10 +37,10 @@ run_lint() {
   echo "== compose structure"
   "$python" "$here/lint_deploy.py" compose "$here/docker-compose.yml" || failed=1
   echo "== shell scripts"
-  bash -n "$here/bundle-runtime.sh" || failed=1
+  bash -n "$here/runtime-packages.sh" || failed=1
   bash -n "$here/validate.sh" || failed=1
   sh -n "$here/entrypoint.sh" || failed=1
-  for f in "$here/bundle-runtime.sh" "$here/entrypoint.sh"; do
+  for f in "$here/runtime-packages.sh" "$here/entrypoint.sh"; do
     [ -x "$f" ] || { echo "$f: not executable (the image runs it)"; failed=1; }
   done
 }
@@ -70,8 +75,39 @@ run_compose() {
   return 0
 }
 
+# kubectl's client-side dry run of deploy/k8s/ against deploy/k8s/offline_api.py (discovery
+# only: no cluster needed), plus the manifests' structure (lint_deploy.py k8s).
+run_k8s() {
+  echo "== k8s structure"
+  "$python" "$here/lint_deploy.py" k8s "$here/k8s" || failed=1
+  if ! command -v kubectl > /dev/null; then
+    echo "SKIPPED: kubectl apply --dry-run=client: kubectl not installed (Debian: kubernetes-client)"
+    return 77
+  fi
+  local tmp port api rc
+  tmp=$(mktemp -d)
+  "$python" "$here/k8s/offline_api.py" "$tmp/port" &
+  api=$!
+  for _ in $(seq 100); do [ -s "$tmp/port" ] && break; sleep 0.1; done
+  port=$(cat "$tmp/port" 2> /dev/null || true)
+  echo "== kubectl apply --dry-run=client --validate=false ($(kubectl version --client 2>/dev/null | head -1))"
+  KUBECONFIG=$tmp/none kubectl --server "http://127.0.0.1:${port:-1}" apply --dry-run=client \
+    --validate=false -f "$here/k8s/"
+  rc=$?
+  kill "$api" 2> /dev/null
+  wait "$api" 2> /dev/null
+  rm -rf "$tmp"
+  [ "$rc" -eq 0 ] || failed=1
+  return 0
+}
+
 case "$mode" in
   lint) run_lint ;;
+  k8s)
+    run_k8s
+    rc=$?
+    [ "$rc" -eq 77 ] && [ "$failed" -eq 0 ] && exit 77
+    ;;
   compose)
     run_compose
     rc=$?
@@ -80,9 +116,10 @@ case "$mode" in
   all)
     run_lint
     run_compose
+    run_k8s
     ;;
   *)
-    echo "usage: $0 [lint|compose|all]" >&2
+    echo "usage: $0 [lint|compose|k8s|all]" >&2
     exit 2
     ;;
 esac

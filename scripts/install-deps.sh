@@ -10,9 +10,20 @@ packages=(
   libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev
   libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libyaml-cpp-dev
   python3 python3-grpcio python3-protobuf python3-numpy
-  # deploy/validate.sh checks the compose file; TLS tests make their own certificates.
-  docker-compose openssl
+  # The Python package's offline install test (pip --no-build-isolation).
+  python3-pip python3-setuptools
+  # deploy/validate.sh checks the compose file (and PyYAML its structure); TLS tests make
+  # their own certificates.
+  docker-compose python3-yaml openssl
+  # Metrics: prometheus-cpp (types, registry, serializer) and civetweb (HTTP); promtool (from
+  # the prometheus package) checks the scraped text in CI.
+  prometheus-cpp-dev libcivetweb-dev prometheus
+  # The three-replica balancer test (tests/python/test_balancer.py).
+  haproxy
 )
+# kubectl for the Kubernetes manifests' offline dry run: Debian's kubernetes-client, unless a
+# kubectl is installed already (e.g. from the Kubernetes or Google Cloud apt repositories).
+command -v kubectl > /dev/null || packages+=(kubernetes-client)
 
 missing=()
 for p in "${packages[@]}"; do

@@ -41,14 +41,15 @@ def _free_port() -> int:
 class ServerProcess:
     """A decode-indexer-server on a free local port, stopped by stop()."""
 
-    def __init__(self, binary: str, profile: str, cache_pages: int, extra: list[str] = ()):
+    def __init__(self, binary: str, profile: str, cache_pages: int, extra: list[str] = (),
+                 env: dict | None = None):
         self.log = tempfile.NamedTemporaryFile(prefix="di_server_", suffix=".log", delete=False)
         for _ in range(3):  # the free port can be taken between probe and bind: retry
             self.port = _free_port()
             self.target = f"127.0.0.1:{self.port}"
             cmd = [binary, "--listen", self.target, "--backend", "cpu", "--profile", profile,
                    "--cache-pages", str(cache_pages), *extra]
-            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
             client = di.Client(self.target)
             try:
                 deadline = time.monotonic() + 60
