@@ -84,7 +84,8 @@ int main(int argc, char** argv) {
   app.add_option("--seed", o.seed, "random seed (0: from the clock)");
   app.add_option("--sequence-id-base", o.sequence_id_base, "first sequence id (0: random)");
   app.add_flag("--keep-sequences", o.keep_sequences, "do not release the sequences at the end");
-  app.add_flag("--verify", o.verify, "check sampled answers against the CPU reference");
+  app.add_flag("--verify", o.verify,
+               "check sampled answers against the independent reference (di_reference)");
   app.add_option("--verify-sequences", o.verify_sequences, "sequences checked by --verify")
       ->capture_default_str();
   app.add_option("--verify-every", o.verify_every, "check every n-th token step")

@@ -12,10 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
-#ifdef DI_LOAD_HAVE_VERIFY
-#include "decode_indexer/kernels/cpu_reference.h"
-#include "decode_indexer/kernels/types.h"
-#endif
+#include "reference/reference.h"
 
 namespace decode_indexer::load {
 
@@ -55,61 +52,43 @@ bool TopKWithinTolerance(const std::vector<float>& logits, const std::vector<int
   return true;
 }
 
-#ifndef DI_LOAD_HAVE_VERIFY
-
-absl::StatusOr<std::unique_ptr<Verifier>> Verifier::Create(const ServerModel&, int32_t, double) {
-  return absl::UnimplementedError("--verify: this build has no CPU reference (di_kernels)");
-}
-
-#else
-
 namespace {
 
-namespace k = decode_indexer::kernels;
-
-absl::StatusOr<k::ElemType> KeyType(const v1::Tensor& keys) {
-  switch (keys.dtype()) {
-    case v1::DTYPE_FP32:
-      return k::ElemType::kF32;
-    case v1::DTYPE_BF16:
-      return k::ElemType::kBF16;
-    case v1::DTYPE_FP8_E4M3:
-      return k::ElemType::kFp8E4M3;
-    case v1::DTYPE_FP4_E2M1:
-      return k::ElemType::kFp4E2M1;
-    default:
-      return absl::InvalidArgumentError("verify: unsupported key dtype");
-  }
-}
-
-// One sequence's copy of one cache: pages 0..n-1 in order (identity page table).
-struct MirrorCache {
-  std::vector<uint8_t> storage;
-  k::CacheView view;
-  std::vector<int32_t> page_table;
-  int64_t length = 0;
-
-  void Reserve(int64_t entries) {
-    const int64_t page = view.geometry.page_size;
-    const int64_t need = (entries + page - 1) / page;
-    if (need <= view.num_pages) return;
-    const int64_t pages = std::max<int64_t>(need, 2 * view.num_pages);
-    storage.resize(size_t(pages) * view.geometry.page_bytes());
-    view.base = storage.data();
-    view.num_pages = pages;
-    page_table.resize(pages);
-    for (int64_t p = 0; p < pages; ++p) page_table[p] = static_cast<int32_t>(p);
-  }
-};
+namespace ref = decode_indexer::reference;
 
 std::string Preview(const int32_t* row, int32_t n) {
   std::vector<int32_t> head(row, row + std::min(n, 8));
   return absl::StrCat("[", absl::StrJoin(head, ","), n > 8 ? ",..." : "", "]");
 }
 
-class CpuVerifier final : public Verifier {
+float Bf16(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// fp32 or bf16 tensor data as floats.
+std::vector<float> Floats(const v1::Tensor& t) {
+  if (t.dtype() == v1::DTYPE_BF16) {
+    std::vector<float> out(t.data().size() / 2);
+    for (size_t i = 0; i < out.size(); ++i) {
+      uint16_t b;
+      std::memcpy(&b, t.data().data() + 2 * i, 2);
+      out[i] = Bf16(b);
+    }
+    return out;
+  }
+  std::vector<float> out(t.data().size() / 4);
+  std::memcpy(out.data(), t.data().data(), out.size() * 4);
+  return out;
+}
+
+// Checks answers with the independent reference (reference/reference.h): it shares no code
+// with the server's backends, dequantizes the codes itself and scores in double.
+class RefVerifier final : public Verifier {
  public:
-  CpuVerifier(const ServerModel& model, int32_t max_rows, double tolerance)
+  RefVerifier(const ServerModel& model, int32_t max_rows, double tolerance)
       : tolerance_(tolerance), model_(model), max_rows_(max_rows) {}
 
   void Track(uint64_t sequence_id) override { tracked_[sequence_id]; }
@@ -119,24 +98,39 @@ class CpuVerifier final : public Verifier {
                           const v1::Tensor& key_scales) override {
     auto it = tracked_.find(sequence_id);
     if (it == tracked_.end()) return absl::OkStatus();
-    MirrorCache& cache = CacheOf(it->second, cache_layer);
-    auto type = KeyType(keys);
-    if (!type.ok()) return type.status();
+    ref::Cache& cache = CacheOf(it->second, cache_layer);
     const int32_t n = keys.shape_size() > 0 ? static_cast<int32_t>(keys.shape(0)) : 0;
     if (n == 0) return absl::OkStatus();
-    cache.Reserve(cache.length + n);
-    std::vector<int64_t> slots(n);
-    for (int32_t i = 0; i < n; ++i) slots[i] = cache.length + i;
-    k::KeyInsertArgs args;
-    args.cache = cache.view;
-    args.num_keys = n;
-    args.key_type = *type;
-    args.keys = keys.data().data();
-    args.key_scales = key_scales.data().empty() ? nullptr : key_scales.data().data();
-    args.slots = slots.data();
-    args.hadamard = model_.info.hadamard();
-    if (absl::Status s = k::cpu::InsertKeys(args); !s.ok()) return s;
-    cache.length += n;
+    const auto* k = reinterpret_cast<const uint8_t*>(keys.data().data());
+    const auto* s = reinterpret_cast<const uint8_t*>(key_scales.data().data());
+    const bool fp4 = cache.format() == ref::Format::kFp4;
+    switch (keys.dtype()) {
+      case v1::DTYPE_FP32:
+      case v1::DTYPE_BF16: {
+        const std::vector<float> f = Floats(keys);
+        if (f.size() != size_t(n) * model_.head_dim) {
+          return absl::InvalidArgumentError("verify: keys of the wrong size");
+        }
+        cache.AppendFloat(f.data(), n, model_.info.hadamard());
+        break;
+      }
+      case v1::DTYPE_FP8_E4M3:
+        if (fp4 || keys.data().size() != size_t(n) * model_.head_dim ||
+            key_scales.data().size() != size_t(n) * 4) {
+          return absl::InvalidArgumentError("verify: FP8 keys do not fit the cache");
+        }
+        cache.AppendFp8(k, s, n);
+        break;
+      case v1::DTYPE_FP4_E2M1:
+        if (!fp4 || keys.data().size() != size_t(n) * model_.head_dim / 2 ||
+            key_scales.data().size() != size_t(n) * model_.head_dim / 32) {
+          return absl::InvalidArgumentError("verify: FP4 keys do not fit the cache");
+        }
+        cache.AppendFp4(k, s, n);
+        break;
+      default:
+        return absl::InvalidArgumentError("verify: unsupported key dtype");
+    }
     return absl::OkStatus();
   }
 
@@ -163,7 +157,7 @@ class CpuVerifier final : public Verifier {
         }
         if (score) {
           absl::Status s =
-              CheckRows(*layer, it->first, it->second, request, response, row0, n, counts);
+              CheckRows(*layer, it->first, it->second, request, response, i, row0, n, counts);
           if (!s.ok()) return s;
         }
       }
@@ -174,20 +168,15 @@ class CpuVerifier final : public Verifier {
 
  private:
   struct Tracked {
-    std::map<int32_t, MirrorCache> caches;  // cache layer -> mirror
+    std::map<int32_t, ref::Cache> caches;  // cache layer -> the entries, dequantized
   };
 
-  MirrorCache& CacheOf(Tracked& t, int32_t cache_layer) {
-    auto [it, inserted] = t.caches.try_emplace(cache_layer);
-    if (inserted) {
-      MirrorCache& c = it->second;
-      c.view.geometry.format = FormatOf(cache_layer) == v1::CACHE_FORMAT_FP4 ? k::CacheFormat::kFp4
-                                                                             : k::CacheFormat::kFp8;
-      c.view.geometry.head_dim = model_.head_dim;
-      c.view.geometry.page_size = model_.page_size;
-      c.Reserve(model_.page_size);
-    }
-    return it->second;
+  ref::Cache& CacheOf(Tracked& t, int32_t cache_layer) {
+    auto it = t.caches.find(cache_layer);
+    if (it != t.caches.end()) return it->second;
+    const ref::Format f =
+        FormatOf(cache_layer) == v1::CACHE_FORMAT_FP4 ? ref::Format::kFp4 : ref::Format::kFp8;
+    return t.caches.emplace(cache_layer, ref::Cache(f, model_.head_dim)).first->second;
   }
 
   v1::CacheFormat FormatOf(int32_t layer) const {
@@ -201,26 +190,40 @@ class CpuVerifier final : public Verifier {
     if (counts->first_mismatches.size() < 4) counts->first_mismatches.push_back(std::move(what));
   }
 
+  // The section-6 tolerance: fp32 rounding of the exact logits (4 ulps of the row's largest),
+  // widened by --verify-tolerance x |K-th| for a backend that sums in another order.
+  double Tol(const std::vector<double>& exact, int32_t k) const {
+    double t = ref::Tolerance(exact);
+    if (tolerance_ > 0 && static_cast<int32_t>(exact.size()) > k) {
+      std::vector<double> sorted = exact;
+      std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end(),
+                       std::greater<double>());
+      const double kth = sorted[k - 1];
+      if (std::isfinite(kth)) t = std::max(t, tolerance_ * std::max(1e-6, std::fabs(kth)));
+    }
+    return t;
+  }
+
   absl::Status CheckRows(const LayerStep& layer, uint64_t sequence_id, Tracked& tracked,
                          const v1::DecodeStepRequest& request,
-                         const v1::DecodeStepResponse& response, int32_t row0, int32_t n,
-                         VerifyCounts* counts) {
+                         const v1::DecodeStepResponse& response, int seq_index, int32_t row0,
+                         int32_t n, VerifyCounts* counts) {
     if (n > max_rows_) return absl::InternalError("verify: more rows than configured");
-    MirrorCache& cache = CacheOf(tracked, layer.cache_layer);
-    const int64_t length = cache.length;
+    const ref::Cache& cache = CacheOf(tracked, layer.cache_layer);
+    const int64_t length = cache.size();
     const int32_t h = model_.num_heads, d = model_.head_dim, topk = model_.topk;
     const bool fp4 = layer.format == v1::CACHE_FORMAT_FP4;
+    const ref::Format format = fp4 ? ref::Format::kFp4 : ref::Format::kFp8;
 
     // Row lengths: explicit or causal (spec section 5).
-    std::vector<int32_t> row_length(n), row_request(n, 0);
-    int seq_index = -1;
-    for (int i = 0; i < request.sequences_size(); ++i) {
-      if (request.sequences(i).sequence_id() == sequence_id) seq_index = i;
-    }
     const v1::SequenceStep& mine = request.sequences(seq_index);
+    std::vector<int32_t> row_length(n);
     for (int32_t j = 0; j < n; ++j) {
       row_length[j] = mine.row_lengths_size() == n ? mine.row_lengths(j)
                                                    : static_cast<int32_t>(length - n + j + 1);
+      if (row_length[j] < 0 || row_length[j] > length) {
+        return absl::InternalError("verify: a row longer than the mirrored sequence");
+      }
     }
     if (layer.owns_cache && response.lengths(seq_index) != length) {
       counts->rows_mismatched += n;
@@ -230,185 +233,102 @@ class CpuVerifier final : public Verifier {
       return absl::OkStatus();
     }
 
-    // q of these rows, quantized as the server would.
-    const int32_t value_bytes = fp4 ? d / 2 : d;
-    std::vector<uint8_t> codes(size_t(n) * h * value_bytes);
-    std::vector<uint8_t> scales(fp4 ? size_t(n) * h * d / 32 : 0);
-    std::vector<float> weights(size_t(n) * h);
-    const float* raw_weights =
-        reinterpret_cast<const float*>(request.weights().data().data()) + size_t(row0) * h;
-    if (request.q().dtype() == v1::DTYPE_FP32) {
-      k::QPrepArgs prep;
-      prep.num_rows = n;
-      prep.num_heads = h;
-      prep.head_dim = d;
-      prep.q_type = k::ElemType::kF32;
-      prep.q = reinterpret_cast<const float*>(request.q().data().data()) + size_t(row0) * h * d;
-      prep.weights_raw = raw_weights;
-      prep.hadamard = model_.info.hadamard();
-      prep.format = fp4 ? k::CacheFormat::kFp4 : k::CacheFormat::kFp8;
-      prep.q_codes = codes.data();
-      prep.q_scales = fp4 ? scales.data() : nullptr;
-      prep.weights_out = weights.data();
-      if (absl::Status s = k::cpu::RopeQuantQ(prep); !s.ok()) return s;
-    } else {
-      std::memcpy(codes.data(), request.q().data().data() + size_t(row0) * h * value_bytes,
-                  codes.size());
-      if (fp4) {
-        std::memcpy(scales.data(), request.q_scales().data().data() + size_t(row0) * h * d / 32,
-                    scales.size());
+    // q of these rows, dequantized (quantized first as the spec says, from fp32/bf16).
+    const std::vector<float> weights = Floats(request.weights());
+    std::vector<float> qf;
+    const v1::DType qt = request.q().dtype();
+    if (qt == v1::DTYPE_FP32 || qt == v1::DTYPE_BF16) qf = Floats(request.q());
+    const auto* qb = reinterpret_cast<const uint8_t*>(request.q().data().data());
+    const auto* qs = reinterpret_cast<const uint8_t*>(request.q_scales().data().data());
+    std::vector<ref::Query> queries(n);
+    for (int32_t j = 0; j < n; ++j) {
+      const size_t v = (size_t(row0) + j) * h;
+      if (weights.size() < v + h) return absl::InternalError("verify: weights too short");
+      if (!qf.empty()) {
+        queries[j] = ref::QueryFloat(qf.data() + v * d, weights.data() + v, h, d, format, nullptr,
+                                     nullptr, 0, model_.info.hadamard());
+      } else if (!fp4) {
+        queries[j] = ref::QueryFp8(qb + v * d, weights.data() + v, h, d);
+      } else {
+        queries[j] = ref::QueryFp4(qb + v * d / 2, qs + v * d / 32, weights.data() + v, h, d);
       }
-      std::memcpy(weights.data(), raw_weights, weights.size() * sizeof(float));
     }
-
-    k::RowBatch rows;
-    rows.num_rows = n;
-    rows.row_request = row_request.data();
-    rows.row_length = row_length.data();
-    rows.page_table = cache.page_table.data();
-    rows.page_table_stride = static_cast<int32_t>(cache.page_table.size());
-    rows.num_requests = 1;
-    rows.max_row_length = *std::max_element(row_length.begin(), row_length.end());
-    k::QView q;
-    q.codes = codes.data();
-    q.scales = fp4 ? scales.data() : nullptr;
-    q.weights = weights.data();
-    q.num_heads = h;
 
     const int32_t* served =
         reinterpret_cast<const int32_t*>(response.topk().data().data()) + size_t(row0) * topk;
-    std::vector<int32_t> expected(size_t(n) * topk);
     const int32_t nb = model_.num_candidate_blocks, bs = model_.candidate_block_size;
 
     if (layer.role != Role::kConsumer) {
-      std::vector<int32_t> ref_candidates(layer.role == Role::kSource ? size_t(n) * nb : 0);
-      k::DenseArgs dense;
-      dense.cache = cache.view;
-      dense.rows = rows;
-      dense.q = q;
-      dense.topk = topk;
-      dense.topk_out = expected.data();
-      if (layer.role == Role::kSource) {
-        dense.candidates_out = ref_candidates.data();
-        dense.num_candidate_blocks = nb;
-        dense.candidate_block_size = bs;
-      }
-      if (absl::Status s = k::cpu::DenseTopK(dense); !s.ok()) return s;
+      std::vector<int32_t> used;
+      const std::string& got = response.candidate_blocks().data();
+      const bool has_blocks =
+          layer.role == Role::kSource && got.size() >= (size_t(row0) + n) * nb * sizeof(int32_t);
+      const int32_t* server_blocks =
+          has_blocks ? reinterpret_cast<const int32_t*>(got.data()) + size_t(row0) * nb : nullptr;
       for (int32_t j = 0; j < n; ++j) {
-        std::vector<int32_t> all(row_length[j]);
-        for (int32_t p = 0; p < row_length[j]; ++p) all[p] = p;
-        CompareRow(layer, sequence_id, j, rows, q, all, served + size_t(j) * topk,
-                   expected.data() + size_t(j) * topk, counts);
-      }
-      if (layer.role == Role::kSource) {
-        // Consumers are checked against the candidates the server itself used (each
-        // layer's answer on its own); the candidates are checked here.
-        std::vector<int32_t> used = ref_candidates;
-        const std::string& got = response.candidate_blocks().data();
-        if (got.size() >= (size_t(row0) + n) * nb * sizeof(int32_t)) {
-          const int32_t* server_blocks =
-              reinterpret_cast<const int32_t*>(got.data()) + size_t(row0) * nb;
-          used.assign(server_blocks, server_blocks + size_t(n) * nb);
-          for (int32_t j = 0; j < n; ++j) {
-            counts->candidate_rows_checked++;
-            const int32_t* mine = server_blocks + size_t(j) * nb;
-            if (std::equal(mine, mine + nb, ref_candidates.begin() + size_t(j) * nb)) continue;
-            if (tolerance_ > 0 &&
-                BlocksWithinTolerance(cache.view, rows, q, j, row_length[j], mine)) {
-              counts->candidate_rows_near_tie++;
-              continue;
-            }
-            {
-              counts->candidate_rows_mismatched++;
-              Mismatch(
-                  counts,
-                  absl::StrCat("layer ", layer.layer, " sequence ", sequence_id, " row ", j,
-                               ": candidate blocks ", Preview(server_blocks + size_t(j) * nb, nb),
-                               " expected ", Preview(ref_candidates.data() + size_t(j) * nb, nb)));
-            }
-          }
+        const std::vector<double> logits = ref::DenseLogits(queries[j], cache, row_length[j]);
+        const std::vector<int32_t> expected = ref::NaiveTopK(logits, topk);
+        CompareRow(layer, sequence_id, j, logits, nullptr, served + size_t(j) * topk, expected,
+                   counts);
+        if (layer.role != Role::kSource) continue;
+        const std::vector<int32_t> ref_blocks = ref::CandidateBlocks(logits, nb, bs);
+        if (server_blocks == nullptr) {
+          used.insert(used.end(), ref_blocks.begin(), ref_blocks.end());
+          continue;
         }
-        candidates_[sequence_id] = std::move(used);
+        // Consumers are checked against the candidates the server itself used (each layer's
+        // answer on its own); the candidates are checked here.
+        const int32_t* blocks = server_blocks + size_t(j) * nb;
+        used.insert(used.end(), blocks, blocks + nb);
+        counts->candidate_rows_checked++;
+        if (std::equal(blocks, blocks + nb, ref_blocks.begin())) continue;
+        if (ref::CheckCandidateRow(blocks, nb, bs, logits, Tol(logits, topk)).empty()) {
+          counts->candidate_rows_near_tie++;
+          continue;
+        }
+        counts->candidate_rows_mismatched++;
+        Mismatch(counts, absl::StrCat("layer ", layer.layer, " sequence ", sequence_id, " row ", j,
+                                      ": candidate blocks ", Preview(blocks, nb), " expected ",
+                                      Preview(ref_blocks.data(), nb)));
       }
+      if (layer.role == Role::kSource) candidates_[sequence_id] = std::move(used);
       return absl::OkStatus();
     }
 
     // A consumer: score the source's candidate blocks (from this token step) only.
     auto cand = candidates_.find(sequence_id);
     if (cand == candidates_.end()) return absl::OkStatus();  // source not scored this step
-    const int32_t max_positions = nb * bs;
-    std::vector<int32_t> positions(size_t(n) * max_positions), pos_counts(n);
-    k::ExpandArgs expand;
-    expand.num_rows = n;
-    expand.candidates = cand->second.data();
-    expand.row_length = row_length.data();
-    expand.num_candidate_blocks = nb;
-    expand.candidate_block_size = bs;
-    expand.out.positions = positions.data();
-    expand.out.counts = pos_counts.data();
-    expand.out.max_positions = max_positions;
-    if (absl::Status s = k::cpu::ExpandCandidates(expand); !s.ok()) return s;
-    k::SparseArgs sparse;
-    sparse.cache = cache.view;
-    sparse.rows = rows;
-    sparse.q = q;
-    sparse.positions = positions.data();
-    sparse.counts = pos_counts.data();
-    sparse.max_positions = max_positions;
-    sparse.topk = topk;
-    sparse.topk_out = expected.data();
-    if (absl::Status s = k::cpu::SparseTopK(sparse); !s.ok()) return s;
+    if (cand->second.size() < size_t(n) * nb) {
+      return absl::InternalError("verify: consumer rows differ from the source's");
+    }
     for (int32_t j = 0; j < n; ++j) {
-      const int32_t* p = positions.data() + size_t(j) * max_positions;
-      std::vector<int32_t> scored(p, p + pos_counts[j]);
-      CompareRow(layer, sequence_id, j, rows, q, scored, served + size_t(j) * topk,
-                 expected.data() + size_t(j) * topk, counts);
+      const std::vector<int32_t> scored =
+          ref::ExpandBlocks(cand->second.data() + size_t(j) * nb, nb, bs, row_length[j]);
+      const std::vector<double> logits = ref::LogitsAt(queries[j], cache, scored);
+      const std::vector<int32_t> expected = ref::NaiveTopK(logits, topk, &scored);
+      CompareRow(layer, sequence_id, j, logits, &scored, served + size_t(j) * topk, expected,
+                 counts);
     }
     return absl::OkStatus();
   }
 
-  // Exact match, else a near-tie difference within the spec's tolerance, else a mismatch.
+  // The reference's exact top-k, else a near-tie difference within the spec's tolerance
+  // (counted apart), else a mismatch.
   void CompareRow(const LayerStep& layer, uint64_t sequence_id, int32_t row,
-                  const k::RowBatch& rows, const k::QView& q, const std::vector<int32_t>& scored,
-                  const int32_t* served, const int32_t* expected, VerifyCounts* counts) {
+                  const std::vector<double>& logits, const std::vector<int32_t>* scored,
+                  const int32_t* served, const std::vector<int32_t>& expected,
+                  VerifyCounts* counts) {
     const int32_t topk = model_.topk;
     counts->rows_checked++;
-    if (std::equal(served, served + topk, expected)) return;
-    if (tolerance_ > 0) {
-      std::vector<float> logits(scored.size());
-      k::cpu::RowLogitsAt(CacheViewFor(layer, sequence_id), rows, q, row, scored.data(),
-                          static_cast<int32_t>(scored.size()), logits.data());
-      if (TopKWithinTolerance(logits, scored, served, topk, tolerance_)) {
-        counts->rows_near_tie++;
-        return;
-      }
+    if (std::equal(served, served + topk, expected.begin())) return;
+    if (ref::CheckTopKRow(served, topk, logits, Tol(logits, topk), scored).empty()) {
+      counts->rows_near_tie++;
+      return;
     }
     counts->rows_mismatched++;
     Mismatch(counts, absl::StrCat("layer ", layer.layer, " (", RoleName(layer.role), ") sequence ",
                                   sequence_id, " row ", row, ": got ", Preview(served, topk),
-                                  " expected ", Preview(expected, topk)));
-  }
-
-  // Candidate blocks that differ from the reference only at near-tied block scores.
-  bool BlocksWithinTolerance(const k::CacheView& cache, const k::RowBatch& rows, const k::QView& q,
-                             int32_t row, int32_t length, const int32_t* served) {
-    const int32_t bs = model_.candidate_block_size;
-    const std::vector<float> logits = k::cpu::RowLogits(cache, rows, q, row);
-    const int32_t blocks = (length + bs - 1) / bs;
-    std::vector<float> scores(blocks, -std::numeric_limits<float>::infinity());
-    std::vector<int32_t> ids(blocks);
-    for (int32_t b = 0; b < blocks; ++b) {
-      ids[b] = b;
-      for (int32_t p = b * bs; p < std::min(length, (b + 1) * bs); ++p) {
-        scores[b] = std::max(scores[b], logits[p]);
-      }
-    }
-    scores[blocks - 1] = std::numeric_limits<float>::infinity();  // the newest block
-    return TopKWithinTolerance(scores, ids, served, model_.num_candidate_blocks, tolerance_);
-  }
-
-  k::CacheView CacheViewFor(const LayerStep& layer, uint64_t sequence_id) {
-    return CacheOf(tracked_[sequence_id], layer.cache_layer).view;
+                                  " expected ", Preview(expected.data(), topk)));
   }
 
   const double tolerance_;
@@ -424,9 +344,7 @@ class CpuVerifier final : public Verifier {
 absl::StatusOr<std::unique_ptr<Verifier>> Verifier::Create(const ServerModel& model,
                                                            int32_t max_rows_per_sequence,
                                                            double tolerance) {
-  return std::make_unique<CpuVerifier>(model, max_rows_per_sequence, tolerance);
+  return std::make_unique<RefVerifier>(model, max_rows_per_sequence, tolerance);
 }
-
-#endif  // DI_LOAD_HAVE_VERIFY
 
 }  // namespace decode_indexer::load

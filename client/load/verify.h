@@ -1,14 +1,15 @@
-// --verify: recomputes sampled answers with the CPU reference backend and compares them
-// with the server's, bit for bit (the CPU backend is the oracle; spec section 6).
+// --verify: recomputes sampled answers with the independent reference (reference/reference.h,
+// di_reference: it shares no code with the server's backends) and compares them with the
+// server's: the reference's exact top-k, or a near-tie difference (spec section 6).
 //
-// A backend that accumulates in another order (CUDA) may differ at near-ties (spec section 6):
-// with tolerance > 0 a differing row passes when every chosen position's exact logit is within
-// tolerance x |K-th logit| of the K-th and no left-out one beats it by more; such rows are
-// counted apart (rows_near_tie), so a CPU server can be held to zero of them.
+// Near-ties: fp32 rounding of the exact logits (4 ulps of the row's largest) always; with
+// tolerance > 0 also within tolerance x |K-th logit| of the K-th (a backend that accumulates
+// in another order, CUDA). Such rows are counted apart (rows_near_tie), so a CPU server can be
+// held to zero of them.
 //
 // A Verifier follows a few tracked sequences of one worker: it mirrors every key the server
-// accepted for them into its own paged caches (same quantization code as the server's CPU
-// backend), so it can score any later step of theirs exactly as the server should.
+// accepted for them (dequantized, quantizing fp32/bf16 keys itself as the spec says), so it
+// can score any later step of theirs exactly as the server should.
 #pragma once
 
 #include <cstdint>
@@ -32,7 +33,6 @@ bool TopKWithinTolerance(const std::vector<float>& logits, const std::vector<int
 
 class Verifier {
  public:
-  // Unimplemented where the load tester was built without the kernels library.
   static absl::StatusOr<std::unique_ptr<Verifier>> Create(const ServerModel& model,
                                                           int32_t max_rows_per_sequence,
                                                           double tolerance);

@@ -1,6 +1,6 @@
 // Test fixtures for the kernel tests: random decode steps over a shuffled paged cache, and a
-// naive double-precision oracle written from the spec, independent of kernels/cpu (its own
-// code decoders, its own page addressing).
+// naive double-precision oracle written from the spec, independent of kernels/cpu (the
+// decoders of di_reference, its own page addressing).
 #pragma once
 
 #include <algorithm>
@@ -15,6 +15,7 @@
 #include "decode_indexer/kernels/cpu_reference.h"
 #include "decode_indexer/kernels/types.h"
 #include "gtest/gtest.h"
+#include "reference/reference.h"
 
 namespace decode_indexer::testing {
 
@@ -24,20 +25,10 @@ inline const char* FormatName(CacheFormat f) { return f == CacheFormat::kFp8 ? "
 
 // ---- Independent decoders (spec section 2) -------------------------------------------------
 
-inline double OracleE4M3(uint8_t code) {
-  const int sign = (code & 0x80) ? -1 : 1;
-  const int e = (code >> 3) & 0xF;
-  const int m = code & 0x7;
-  if (e == 0) return sign * std::ldexp(m, -9);
-  return sign * std::ldexp(1.0 + m / 8.0, e - 7);
-}
-
-inline double OracleE2M1(uint8_t nibble) {
-  static const double kMagnitudes[8] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0};
-  return (nibble & 0x8) ? -kMagnitudes[nibble & 7] : kMagnitudes[nibble & 7];
-}
-
-inline double OracleUE8M0(uint8_t byte) { return std::ldexp(1.0, byte - 127); }
+// The decoders of di_reference (reference/reference.h), derived from the bit layouts.
+inline double OracleE4M3(uint8_t code) { return reference::DecodeE4M3(code); }
+inline double OracleE2M1(uint8_t nibble) { return reference::DecodeE2M1(nibble); }
+inline double OracleUE8M0(uint8_t byte) { return reference::DecodeUE8M0(byte); }
 
 // ---- A random decode step ------------------------------------------------------------------
 

@@ -19,63 +19,19 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "reference/reference.h"
 
 namespace decode_indexer::testing {
 
 // answer: k entries. exact[i]: the exact logit of valid position i (positions == nullptr: the
-// valid positions are 0..exact.size()-1) or of (*positions)[i] (ascending).
+// valid positions are 0..exact.size()-1) or of (*positions)[i] (ascending). The rule is
+// di_reference's (reference::CheckTopKRow).
 inline ::testing::AssertionResult CheckTopKRow(const int32_t* answer, int32_t k,
                                                const std::vector<double>& exact, double tol,
                                                const std::vector<int32_t>* positions = nullptr) {
-  const int64_t n = static_cast<int64_t>(exact.size());
-  if (positions != nullptr && static_cast<int64_t>(positions->size()) != n) {
-    return ::testing::AssertionFailure() << "checker misuse: positions and exact differ in size";
-  }
-  std::unordered_map<int32_t, int64_t> index_of;  // position -> index into exact
-  index_of.reserve(static_cast<size_t>(n) * 2);
-  for (int64_t i = 0; i < n; ++i) {
-    index_of[positions ? (*positions)[i] : static_cast<int32_t>(i)] = i;
-  }
-  const int64_t expected = std::min<int64_t>(k, n);
-  std::vector<char> taken(static_cast<size_t>(n), 0);
-  for (int64_t j = 0; j < k; ++j) {
-    const int32_t p = answer[j];
-    if (j >= expected) {
-      if (p != -1) {
-        return ::testing::AssertionFailure()
-               << "entry " << j << " = " << p << ", expected -1 padding after " << expected
-               << " positions";
-      }
-      continue;
-    }
-    const auto it = index_of.find(p);
-    if (it == index_of.end()) {
-      return ::testing::AssertionFailure()
-             << "entry " << j << " = " << p << " is not a valid position of the row";
-    }
-    if (j > 0 && p <= answer[j - 1]) {
-      return ::testing::AssertionFailure()
-             << "entries " << j - 1 << ", " << j << " (" << answer[j - 1] << ", " << p
-             << ") are not strictly ascending";
-    }
-    taken[it->second] = 1;
-  }
-  if (n <= k) return ::testing::AssertionSuccess();  // every valid position, checked above
-  std::vector<double> sorted = exact;
-  std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end(), std::greater<double>());
-  const double kth = sorted[k - 1];
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t p = positions ? (*positions)[i] : static_cast<int32_t>(i);
-    if (taken[i] && exact[i] < kth - tol) {
-      return ::testing::AssertionFailure() << "returned position " << p << " has logit " << exact[i]
-                                           << " < K-th largest " << kth << " - " << tol;
-    }
-    if (!taken[i] && exact[i] > kth + tol) {
-      return ::testing::AssertionFailure() << "left-out position " << p << " has logit " << exact[i]
-                                           << " > K-th largest " << kth << " + " << tol;
-    }
-  }
-  return ::testing::AssertionSuccess();
+  const std::string why = reference::CheckTopKRow(answer, k, exact, tol, positions);
+  if (why.empty()) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << why;
 }
 
 // A tolerance of `ulps` float ulps of the row's largest magnitude: what rounding the exact

@@ -1,11 +1,12 @@
 #include "tests/server/exec_harness.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <numeric>
 
-#include "decode_indexer/kernels/cpu_reference.h"
-#include "decode_indexer/kernels/rope.h"
 #include "gtest/gtest.h"
+#include "reference/reference.h"
 
 namespace decode_indexer::testing {
 namespace {
@@ -13,8 +14,6 @@ namespace {
 using config::LayerRole;
 using kernels::CacheFormat;
 using kernels::ElemType;
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 uint16_t ToBF16(float f) {
   uint32_t bits;
@@ -92,10 +91,8 @@ exec::ExecutorOptions CpuOptions(int32_t ranks) {
 }
 
 Harness::Harness(config::Profile profile, uint64_t seed)
-    : profile_(std::move(profile)), rng_(seed) {
-  if (profile_.rope.style != kernels::RopeStyle::kNone) {
-    inv_freq_ = kernels::ComputeInvFreq(profile_.rope);
-  }
+    : profile_(std::move(profile)), rng_(seed), rope_(RefRope(profile_)) {
+  inv_freq_ = reference::InvFreq(rope_);
 }
 
 void Harness::RandomKeys(int32_t layer, int32_t count, KeyForm form, std::vector<uint8_t>* keys,
@@ -133,7 +130,7 @@ void Harness::RandomKeys(int32_t layer, int32_t count, KeyForm form, std::vector
         scales->resize(size_t(count) * 4);
         for (int32_t i = 0; i < count; ++i) {
           const float s =
-              kernels::cpu::QuantizeFp8(&values[size_t(i) * D], D, keys->data() + size_t(i) * D);
+              reference::QuantizeFp8(&values[size_t(i) * D], D, keys->data() + size_t(i) * D);
           std::memcpy(scales->data() + 4 * size_t(i), &s, 4);
         }
       } else {
@@ -141,8 +138,8 @@ void Harness::RandomKeys(int32_t layer, int32_t count, KeyForm form, std::vector
         keys->resize(size_t(count) * D / 2);
         scales->resize(size_t(count) * D / 32);
         for (int32_t i = 0; i < count; ++i) {
-          kernels::cpu::QuantizeFp4(&values[size_t(i) * D], D, keys->data() + size_t(i) * D / 2,
-                                    scales->data() + size_t(i) * D / 32);
+          reference::QuantizeFp4(&values[size_t(i) * D], D, keys->data() + size_t(i) * D / 2,
+                                 scales->data() + size_t(i) * D / 32);
         }
       }
       break;
@@ -207,27 +204,30 @@ std::unique_ptr<StepData> Harness::MakeStep(int32_t layer, const std::vector<Seq
       in.q.positions = with_positions ? step->positions.data() : nullptr;
       break;
     case QForm::kQuantized: {
-      // Quantized by the reference itself: the client-side rope_quant_q.
+      // Quantized by the client with the independent reference: RoPE, Hadamard, codes and
+      // the folded weights (spec sections 2 and 3).
       const bool fp8 = format == CacheFormat::kFp8;
       step->q.resize(size_t(rows) * H * (fp8 ? D : D / 2));
       step->q_scales.resize(fp8 ? 0 : size_t(rows) * H * D / 32);
       std::vector<float> folded(size_t(rows) * H);
-      kernels::QPrepArgs prep;
-      prep.num_rows = rows;
-      prep.num_heads = H;
-      prep.head_dim = D;
-      prep.q_type = ElemType::kF32;
-      prep.q = q.data();
-      prep.weights_raw = step->weights.data();
-      prep.positions = with_positions ? step->positions.data() : nullptr;
-      prep.rope = {profile_.rope.style, profile_.rope.dim_offset, profile_.rope.rope_dim,
-                   inv_freq_.data()};
-      prep.hadamard = profile_.hadamard;
-      prep.format = format;
-      prep.q_codes = step->q.data();
-      prep.q_scales = fp8 ? nullptr : step->q_scales.data();
-      prep.weights_out = folded.data();
-      EXPECT_TRUE(kernels::cpu::RopeQuantQ(prep).ok());
+      const float c = static_cast<float>(1.0 / std::sqrt(double(H) * D));
+      std::vector<float> x(D);
+      for (int32_t r = 0; r < rows; ++r) {
+        for (int32_t hh = 0; hh < H; ++hh) {
+          const size_t v = size_t(r) * H + hh;
+          std::copy(q.begin() + v * D, q.begin() + (v + 1) * D, x.begin());
+          if (with_positions) reference::ApplyRope(x.data(), step->positions[r], rope_, inv_freq_);
+          if (profile_.hadamard) reference::Hadamard(x.data(), D);
+          if (fp8) {
+            const float s = reference::QuantizeFp8(x.data(), D, step->q.data() + v * D);
+            folded[v] = (step->weights[v] * c) * s;
+          } else {
+            reference::QuantizeFp4(x.data(), D, step->q.data() + v * D / 2,
+                                   step->q_scales.data() + v * D / 32);
+            folded[v] = step->weights[v] * c;
+          }
+        }
+      }
       step->weights = folded;
       in.q.type = fp8 ? ElemType::kFp8E4M3 : ElemType::kFp4E2M1;
       in.q.scales = fp8 ? nullptr : step->q_scales.data();
@@ -281,126 +281,133 @@ Harness::Answer Harness::Oracle(const StepData& step) {
   const int32_t H = profile_.num_heads;
   const int32_t D = profile_.head_dim;
   const int32_t K = profile_.topk;
-  const int32_t P = profile_.page_size;
   const int32_t NB = profile_.num_candidate_blocks;
-  const CacheFormat format = spec.cache_format;
-  const kernels::CacheGeometry geometry{format, D, P};
+  const int32_t BS = profile_.candidate_block_size;
+  const reference::Format format = RefFormat(spec.cache_format);
+  const bool fp8 = format == reference::Format::kFp8;
   const int32_t rows = in.num_rows;
-
-  // q exactly as the server must prepare it.
-  std::vector<uint8_t> codes;
-  std::vector<uint8_t> qscales;
-  std::vector<float> weights;
-  const bool fp8 = format == CacheFormat::kFp8;
-  if (in.q.type == ElemType::kF32 || in.q.type == ElemType::kBF16) {
-    codes.resize(size_t(rows) * H * (fp8 ? D : D / 2));
-    qscales.resize(size_t(rows) * H * D / 32);
-    weights.resize(size_t(rows) * H);
-    kernels::QPrepArgs prep;
-    prep.num_rows = rows;
-    prep.num_heads = H;
-    prep.head_dim = D;
-    prep.q_type = in.q.type;
-    prep.q = in.q.q;
-    prep.weights_raw = in.q.weights;
-    prep.positions = in.q.positions;
-    prep.rope = {profile_.rope.style, profile_.rope.dim_offset, profile_.rope.rope_dim,
-                 inv_freq_.data()};
-    prep.hadamard = profile_.hadamard;
-    prep.format = format;
-    prep.q_codes = codes.data();
-    prep.q_scales = fp8 ? nullptr : qscales.data();
-    prep.weights_out = weights.data();
-    EXPECT_TRUE(kernels::cpu::RopeQuantQ(prep).ok());
-  } else {
-    const auto* c = static_cast<const uint8_t*>(in.q.q);
-    codes.assign(c, c + size_t(rows) * H * (fp8 ? D : D / 2));
-    if (!fp8) qscales.assign(in.q.scales, in.q.scales + size_t(rows) * H * D / 32);
-    weights.assign(in.q.weights, in.q.weights + size_t(rows) * H);
-  }
+  const bool source = spec.role == LayerRole::kCandidateSource;
 
   Answer out;
+  out.rows = rows;
+  out.k = K;
+  out.num_candidate_blocks = NB;
+  out.candidate_block_size = BS;
   out.topk.assign(size_t(rows) * K, -2);
-  if (spec.role == LayerRole::kCandidateSource) out.candidates.assign(size_t(rows) * NB, -2);
+  out.positions.resize(rows);
+  out.logits.resize(rows);
+  if (source) out.candidates.assign(size_t(rows) * NB, -2);
   int32_t row0 = 0;
   for (const exec::SequenceStepInput& s : in.sequences) {
     SeqModel& m = model_[s.sequence_id];
     const int64_t L = m.length[spec.cache_layer];
-    // The sequence's cache, contiguous: position p in page p / P.
-    const int64_t pages = std::max<int64_t>(1, CeilDiv(L, P));
-    std::vector<uint8_t> buffer(size_t(pages * geometry.page_bytes()));
-    kernels::CacheView cache{buffer.data(), pages, geometry};
-    int64_t at = 0;
+    // The sequence's entries, dequantized, from every accepted insert in order.
+    reference::Cache cache(format, D);
     for (const KeyBatch& b : m.inserts[spec.cache_layer]) {
-      std::vector<int64_t> slots(b.count);
-      for (int32_t i = 0; i < b.count; ++i) slots[i] = at + i;
-      kernels::KeyInsertArgs ins;
-      ins.cache = cache;
-      ins.num_keys = b.count;
-      ins.key_type = b.type;
-      ins.keys = b.keys.data();
-      ins.key_scales = b.scales.empty() ? nullptr : b.scales.data();
-      ins.slots = slots.data();
-      ins.hadamard = profile_.hadamard;
-      EXPECT_TRUE(kernels::cpu::InsertKeys(ins).ok());
-      at += b.count;
+      switch (b.type) {
+        case ElemType::kF32:
+          cache.AppendFloat(reinterpret_cast<const float*>(b.keys.data()), b.count,
+                            profile_.hadamard);
+          break;
+        case ElemType::kBF16: {
+          std::vector<float> f(size_t(b.count) * D);
+          for (size_t i = 0; i < f.size(); ++i) {
+            uint16_t u;
+            std::memcpy(&u, b.keys.data() + 2 * i, 2);
+            f[i] = Bf16Bits(u);
+          }
+          cache.AppendFloat(f.data(), b.count, profile_.hadamard);
+          break;
+        }
+        case ElemType::kFp8E4M3:
+          cache.AppendFp8(b.keys.data(), b.scales.data(), b.count);
+          break;
+        default:
+          cache.AppendFp4(b.keys.data(), b.scales.data(), b.count);
+          break;
+      }
     }
-    std::vector<int32_t> page_table(pages);
-    for (int64_t i = 0; i < pages; ++i) page_table[i] = static_cast<int32_t>(i);
-    std::vector<int32_t> row_request(s.num_rows, 0);
-    std::vector<int32_t> row_length(s.num_rows);
+    EXPECT_EQ(cache.size(), L);
     for (int32_t j = 0; j < s.num_rows; ++j) {
-      row_length[j] =
+      const int32_t r = row0 + j;
+      const int32_t len =
           s.row_lengths.empty() ? static_cast<int32_t>(L - s.num_rows + j + 1) : s.row_lengths[j];
+      const size_t v = size_t(r) * H;
+      reference::Query q;
+      if (in.q.type == ElemType::kF32 || in.q.type == ElemType::kBF16) {
+        std::vector<float> qf(size_t(H) * D);
+        if (in.q.type == ElemType::kF32) {
+          std::memcpy(qf.data(), static_cast<const float*>(in.q.q) + v * D, qf.size() * 4);
+        } else {
+          const auto* b16 = static_cast<const uint16_t*>(in.q.q) + v * D;
+          for (size_t i = 0; i < qf.size(); ++i) qf[i] = Bf16Bits(b16[i]);
+        }
+        const bool rope = in.q.positions != nullptr && rope_.style != reference::RopeStyle::kNone;
+        q = reference::QueryFloat(qf.data(), in.q.weights + v, H, D, format,
+                                  rope ? &rope_ : nullptr, &inv_freq_, rope ? in.q.positions[r] : 0,
+                                  profile_.hadamard);
+      } else if (fp8) {
+        q = reference::QueryFp8(static_cast<const uint8_t*>(in.q.q) + v * D, in.q.weights + v, H,
+                                D);
+      } else {
+        q = reference::QueryFp4(static_cast<const uint8_t*>(in.q.q) + v * D / 2,
+                                in.q.scales + v * D / 32, in.q.weights + v, H, D);
+      }
+      int32_t* topk = out.topk.data() + size_t(r) * K;
+      if (spec.role == LayerRole::kCandidateConsumer) {
+        EXPECT_EQ(m.candidates.size(), size_t(s.num_rows) * NB);
+        if (m.candidates.size() < size_t(j + 1) * NB) continue;
+        out.positions[r] =
+            reference::ExpandBlocks(m.candidates.data() + size_t(j) * NB, NB, BS, len);
+        out.logits[r] = reference::LogitsAt(q, cache, out.positions[r]);
+        const std::vector<int32_t> top = reference::NaiveTopK(out.logits[r], K, &out.positions[r]);
+        std::copy(top.begin(), top.end(), topk);
+      } else {
+        out.logits[r] = reference::DenseLogits(q, cache, len);
+        out.positions[r].resize(len);
+        std::iota(out.positions[r].begin(), out.positions[r].end(), 0);
+        const std::vector<int32_t> top = reference::NaiveTopK(out.logits[r], K);
+        std::copy(top.begin(), top.end(), topk);
+        if (source) {
+          const std::vector<int32_t> blocks = reference::CandidateBlocks(out.logits[r], NB, BS);
+          std::copy(blocks.begin(), blocks.end(), out.candidates.begin() + size_t(r) * NB);
+        }
+      }
     }
-    kernels::RowBatch batch;
-    batch.num_rows = s.num_rows;
-    batch.row_request = row_request.data();
-    batch.row_length = row_length.data();
-    batch.page_table = page_table.data();
-    batch.page_table_stride = static_cast<int32_t>(pages);
-    batch.num_requests = 1;
-    batch.max_row_length = *std::max_element(row_length.begin(), row_length.end());
-    kernels::QView qv;
-    qv.codes = codes.data() + size_t(row0) * H * (fp8 ? D : D / 2);
-    qv.scales = fp8 ? nullptr : qscales.data() + size_t(row0) * H * D / 32;
-    qv.weights = weights.data() + size_t(row0) * H;
-    qv.num_heads = H;
-    int32_t* topk = out.topk.data() + size_t(row0) * K;
-    if (spec.role == LayerRole::kCandidateConsumer) {
-      // The masked consumer as the oracle: independent of the expansion the executor uses.
-      kernels::MaskedArgs a;
-      a.cache = cache;
-      a.rows = batch;
-      a.q = qv;
-      a.candidates = m.candidates.data();
-      a.num_candidate_blocks = NB;
-      a.candidate_block_size = profile_.candidate_block_size;
-      a.topk = K;
-      a.topk_out = topk;
-      EXPECT_EQ(m.candidates.size(), size_t(s.num_rows) * NB);
-      EXPECT_TRUE(kernels::cpu::MaskedTopK(a).ok());
-    } else {
-      kernels::DenseArgs a;
-      a.cache = cache;
-      a.rows = batch;
-      a.q = qv;
-      a.topk = K;
-      a.topk_out = topk;
-      if (spec.role == LayerRole::kCandidateSource) {
-        a.candidates_out = out.candidates.data() + size_t(row0) * NB;
-        a.num_candidate_blocks = NB;
-        a.candidate_block_size = profile_.candidate_block_size;
-      }
-      EXPECT_TRUE(kernels::cpu::DenseTopK(a).ok());
-      if (spec.role == LayerRole::kCandidateSource) {
-        m.candidates.assign(out.candidates.begin() + size_t(row0) * NB,
-                            out.candidates.begin() + size_t(row0 + s.num_rows) * NB);
-      }
+    if (source) {
+      m.candidates.assign(out.candidates.begin() + size_t(row0) * NB,
+                          out.candidates.begin() + size_t(row0 + s.num_rows) * NB);
     }
     row0 += s.num_rows;
   }
   return out;
+}
+
+void Harness::AdoptCandidates(const StepData& step, const std::vector<int32_t>& blocks) {
+  const int32_t NB = profile_.num_candidate_blocks;
+  size_t at = 0;
+  for (const exec::SequenceStepInput& s : step.input.sequences) {
+    const size_t n = size_t(s.num_rows) * NB;
+    if (at + n > blocks.size()) return;
+    model_[s.sequence_id].candidates.assign(blocks.begin() + at, blocks.begin() + at + n);
+    at += n;
+  }
+}
+
+::testing::AssertionResult Harness::Check(const StepData& step, const exec::StepResult& result) {
+  const Answer want = Oracle(step);
+  const bool source = profile_.layers[step.input.layer].role == LayerRole::kCandidateSource;
+  ::testing::AssertionResult ok = want.Matches(
+      result.topk_indices,
+      source && step.input.return_candidates ? result.candidate_blocks : std::vector<int32_t>{});
+  if (ok && source && step.input.return_candidates) {
+    if (result.candidate_blocks.size() != want.candidates.size()) {
+      return ::testing::AssertionFailure() << "candidate blocks: " << result.candidate_blocks.size()
+                                           << " entries, expected " << want.candidates.size();
+    }
+    AdoptCandidates(step, result.candidate_blocks);
+  }
+  return ok;
 }
 
 }  // namespace decode_indexer::testing

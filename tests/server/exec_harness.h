@@ -1,7 +1,8 @@
 // Test harness for the executor: small profiles, random steps, and an oracle that recomputes
-// every answer with the kernels' CPU free functions on its own contiguous caches (no pages,
-// no ranks, no staging), so the executor's paging, sharding and plumbing are checked against
-// an independent path.
+// every answer with the independent reference (reference/reference.h: no code shared with
+// kernels/, the backends under test) from its own record of every accepted key (no pages, no
+// ranks, no staging), so the executor's math, paging, sharding and plumbing are all checked.
+// Answers are held to the spec's section-6 rule (Answer::Matches).
 #pragma once
 
 #include <cstdint>
@@ -13,6 +14,7 @@
 #include "decode_indexer/kernels/types.h"
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
+#include "tests/reference/profile_reference.h"
 
 namespace decode_indexer::testing {
 
@@ -80,12 +82,13 @@ class Harness {
   int64_t Length(uint64_t id, int32_t cache_layer) const;
 
   // The oracle's answer for a step already recorded with RecordStep. At a source it also
-  // keeps the candidates that later consumer steps use.
-  struct Answer {
-    std::vector<int32_t> topk;        // [rows, K]
-    std::vector<int32_t> candidates;  // [rows, NB] at a source
-  };
+  // keeps the candidates that later consumer steps use (AdoptCandidates replaces them with
+  // the executor's, once checked: they may legally differ at near-ties).
+  using Answer = RefAnswer;
   Answer Oracle(const StepData& step);
+  void AdoptCandidates(const StepData& step, const std::vector<int32_t>& blocks);
+  // Oracle(step), then Matches(result) (candidates at a source, then adopted).
+  ::testing::AssertionResult Check(const StepData& step, const exec::StepResult& result);
 
  private:
   struct KeyBatch {
@@ -102,6 +105,7 @@ class Harness {
 
   config::Profile profile_;
   std::mt19937_64 rng_;
+  reference::Rope rope_;
   std::vector<double> inv_freq_;
   std::map<uint64_t, SeqModel> model_;
 };

@@ -152,11 +152,9 @@ ScenarioResult RunScenario(const config::Profile& profile, const ExecutorOptions
         EXPECT_EQ(r->lengths[i], h.Length(step_plans[i].id, layer.cache_layer));
       }
       if (check_oracle) {
-        Harness::Answer want = h.Oracle(*step);
-        EXPECT_EQ(r->topk_indices, want.topk);
+        EXPECT_TRUE(h.Check(*step, *r));
         if (layer.role == LayerRole::kCandidateSource) {
           EXPECT_EQ(r->num_candidate_blocks, profile.num_candidate_blocks);
-          EXPECT_EQ(r->candidate_blocks, want.candidates);
         }
       }
       out.answers.push_back(r->topk_indices);
