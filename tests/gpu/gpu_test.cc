@@ -578,16 +578,32 @@ TEST(CooperativeTopKGate, RowsSharedMemoryAndRefusals) {
   using kernels::cuda::CooperativeTopKSupported;
   std::uniform_int_distribution<int32_t> kd(1, 4096);
   const int32_t k = kd(Rng());
-  // One gate for both cooperative launches (the candidates' row bound in blocks is its keys):
-  // the same answer at random and edge row counts and bounds (CooperativeCandidatesGate checks
-  // the bounds themselves).
+  // Both cooperative launches' gates (the candidates' row bound in blocks is its keys) against
+  // a model written here from the documented limits, not from the gate's code: 1-64 rows,
+  // k >= 1, and a row's keys split over a cluster of 8 blocks (<= 16 rows), 4 (<= 32) or 2,
+  // each block's segment (rounded up to 4 keys) at most 52K keys of shared memory.
+  auto model = [](int32_t rows, int64_t len, int32_t kk) {
+    if (rows < 1 || rows > 64 || len < 1 || kk < 1) return false;
+    const int64_t cluster = rows <= 16 ? 8 : rows <= 32 ? 4 : 2;
+    const int64_t segment = ((len + cluster - 1) / cluster + 3) / 4 * 4;
+    return segment <= 52 * 1024;
+  };
   std::uniform_int_distribution<int32_t> rows_d(0, 70), len_d(0, 500000);
   for (int i = 0; i < 200; ++i) {
-    const int32_t rows = i < 4 ? std::array{0, 1, 64, 65}[i] : rows_d(Rng());
+    const int32_t rows = i < 8 ? std::array{0, 1, 16, 17, 32, 33, 64, 65}[i] : rows_d(Rng());
     const int32_t len = i % 3 == 0 ? std::array{0, 1, 106496, 106497, 425984}[i % 5] : len_d(Rng());
-    EXPECT_EQ(CooperativeTopKSupported(rows, len, k),
-              kernels::cuda::CooperativeCandidatesSupported(rows, len, k))
-        << rows << " rows of " << len;
+    EXPECT_EQ(CooperativeTopKSupported(rows, len, k), model(rows, len, k))
+        << rows << " rows of " << len << ", k " << k;
+    EXPECT_EQ(kernels::cuda::CooperativeCandidatesSupported(rows, len, k), model(rows, len, k))
+        << rows << " rows of " << len << " blocks, k " << k;
+  }
+  // The bounds at each cluster size: 8 x 52K keys up to 16 rows, 4 x 52K up to 32, 2 x 52K.
+  for (auto [rows, keys] : {std::pair{16, 8 * 53248}, std::pair{17, 4 * 53248},
+                            std::pair{32, 4 * 53248}, std::pair{33, 2 * 53248}}) {
+    EXPECT_TRUE(CooperativeTopKSupported(rows, keys, k)) << rows << " rows of " << keys;
+    EXPECT_FALSE(CooperativeTopKSupported(rows, keys + 1, k)) << rows << " rows of " << keys + 1;
+    EXPECT_TRUE(kernels::cuda::CooperativeCandidatesSupported(rows, keys, k));
+    EXPECT_FALSE(kernels::cuda::CooperativeCandidatesSupported(rows, keys + 1, k));
   }
   EXPECT_TRUE(CooperativeTopKSupported(64, 106496, k));
   EXPECT_FALSE(CooperativeTopKSupported(64, 106497, k));
@@ -604,11 +620,21 @@ TEST(CooperativeTopKGate, RowsSharedMemoryAndRefusals) {
   EXPECT_FALSE(CooperativeTopKPreferred(8, 16383, k, 132));
   EXPECT_FALSE(CooperativeTopKPreferred(65, 16384, k, 132));
   EXPECT_FALSE(CooperativeTopKPreferred(64, 16384, k, 114));  // fewer SMs than blocks
-  for (int i = 0; i < 100; ++i) {
-    const int32_t rows = rows_d(Rng()), len = len_d(Rng());
-    if (CooperativeTopKPreferred(rows, len, k, 132)) {
-      EXPECT_TRUE(CooperativeTopKSupported(rows, len, k)) << rows << " rows of " << len;
+  // kAuto's choice against a model of its documented rule (not its code): a GPU of >= 128
+  // SMs, rows of >= 16K keys, 1-8 or 33-64 rows, the gate's limits (model above), and a
+  // block's segment of at most 24K keys.
+  auto preferred = [&](int32_t rows, int64_t len, int32_t kk, int sms) {
+    if (sms < 128 || len < 16384 || !(rows <= 8 || rows > 32) || !model(rows, len, kk)) {
+      return false;
     }
+    const int64_t cluster = rows <= 16 ? 8 : rows <= 32 ? 4 : 2;
+    return ((len + cluster - 1) / cluster + 3) / 4 * 4 <= 24 * 1024;
+  };
+  for (int i = 0; i < 300; ++i) {
+    const int32_t rows = rows_d(Rng()), len = len_d(Rng());
+    const int sms = i % 4 == 0 ? 114 : 132;
+    EXPECT_EQ(CooperativeTopKPreferred(rows, len, k, sms), preferred(rows, len, k, sms))
+        << rows << " rows of " << len << ", k " << k << ", " << sms << " SMs";
   }
   // LaunchRadixTopK's kCooperative refuses what the gate refuses (and a missing bound, a
   // row histogram, a bad cluster size), before touching the device.

@@ -2,6 +2,7 @@
 // consumers (sparse and masked) against each other and the oracle.
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -48,9 +49,23 @@ TEST_P(DenseLogitsTest, MatchOracleOnEveryRow) {
   spec.seed = 100 + c.heads + c.next_n;
   Scene s = MakeScene(spec);
   for (int32_t r = 0; r < s.num_rows(); ++r) ExpectLogitsMatchOracle(s, r);
-  // Row j of a request sees L - n + j + 1 positions.
+  // The kernel scores exactly [0, row_length) of each row: with K above every length the
+  // answer is every such position and nothing else, although the cache holds the request's
+  // later keys (row j of a request sees L - n + j + 1 of its L positions).
+  const int32_t k = 320;
+  std::vector<int32_t> out(size_t(s.num_rows()) * k, -9);
+  DenseArgs a;
+  a.cache = s.cache();
+  a.rows = s.rows();
+  a.q = s.q();
+  a.topk = k;
+  a.topk_out = out.data();
+  ASSERT_TRUE(cpu::DenseTopK(a).ok());
   for (int32_t r = 0; r < s.num_rows(); ++r) {
-    EXPECT_EQ(s.row_length[r], spec.lengths[r / c.next_n] - c.next_n + r % c.next_n + 1);
+    const int32_t len = spec.lengths[r / c.next_n] - c.next_n + r % c.next_n + 1;
+    std::vector<int32_t> want(k, -1);
+    std::iota(want.begin(), want.begin() + len, 0);
+    EXPECT_TRUE(std::equal(want.begin(), want.end(), out.begin() + size_t(r) * k)) << "row " << r;
   }
 }
 

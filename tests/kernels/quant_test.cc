@@ -70,7 +70,7 @@ TEST(E4M3, EncodeMatchesNearestCodeOnRandomValues) {
 TEST(E4M3, TiesRoundToEvenAndNeighboursRoundToNearest) {
   // Every midpoint between adjacent positive codes (subnormal and normal), and the floats
   // just around it.
-  int ties = 0;
+  int rounded_up = 0;  // ties that went to the upper code: those whose upper code is even
   for (int c = 0; c < 0x7E; ++c) {
     const double lo = OracleE4M3(static_cast<uint8_t>(c));
     const double hi = OracleE4M3(static_cast<uint8_t>(c + 1));
@@ -81,9 +81,10 @@ TEST(E4M3, TiesRoundToEvenAndNeighboursRoundToNearest) {
     EXPECT_EQ(EncodeE4M3(-mid), 0x80 | even) << -mid;
     EXPECT_EQ(EncodeE4M3(std::nextafter(mid, 0.0f)), c) << mid;
     EXPECT_EQ(EncodeE4M3(std::nextafter(mid, 1e9f)), c + 1) << mid;
-    ++ties;
+    rounded_up += EncodeE4M3(mid) == c + 1;
   }
-  EXPECT_EQ(ties, 126);
+  // Half of the 126 ties round up (c odd), half down: not always one way.
+  EXPECT_EQ(rounded_up, 63);
 }
 
 TEST(E4M3, SaturatesAt448) {

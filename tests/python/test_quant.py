@@ -1,5 +1,7 @@
 """decode_indexer.quant against brute-force definitions of spec section 2 (no server needed;
-test_server checks the same quantizers against the server's own)."""
+test_server checks the same quantizers against the server's own). The code values the brute
+force searches are derived here from the bit layouts (sign, exponent, mantissa fields), not
+taken from the package's own lookup tables, which are checked against them."""
 
 import math
 import os
@@ -34,10 +36,43 @@ def _nearest_even(x: np.ndarray, values: np.ndarray, codes: np.ndarray, max_valu
     return codes[np.argmin(pref, axis=1)]
 
 
+def _e4m3_value(code: int) -> float:
+    """OCP e4m3 (FN): bias 7, 3 mantissa bits; exponent field 0 is subnormal (m/8 * 2^-6)."""
+    sign = -1.0 if code & 0x80 else 1.0
+    e, m = (code >> 3) & 0xF, code & 0x7
+    return sign * (math.ldexp(m / 8, -6) if e == 0 else math.ldexp(1 + m / 8, e - 7))
+
+
+def _e2m1_value(nibble: int) -> float:
+    """e2m1: bias 1, 1 mantissa bit; exponent field 0 is subnormal (m/2); sign in bit 3."""
+    sign = -1.0 if nibble & 0x8 else 1.0
+    e, m = (nibble >> 1) & 0x3, nibble & 0x1
+    return sign * (m / 2 if e == 0 else math.ldexp(1 + m / 2, e - 1))
+
+
+E4M3_FROM_BITS = np.array([_e4m3_value(c) for c in range(0x7F)])
+E2M1_FROM_BITS = np.array([_e2m1_value(c) for c in range(8)])
+
+
+class TablesTest(unittest.TestCase):
+    def test_package_tables_equal_the_bit_layouts(self):
+        # The spec's stated points too: 448 the largest e4m3, 2^-9 its smallest subnormal, and
+        # e2m1's magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6.
+        self.assertEqual(E4M3_FROM_BITS[0x7E], 448.0)
+        self.assertEqual(E4M3_FROM_BITS[1], 2.0 ** -9)
+        self.assertEqual(list(E2M1_FROM_BITS), [0, .5, 1, 1.5, 2, 3, 4, 6])
+        codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], dtype=np.uint8)
+        want = np.array([_e4m3_value(int(c)) for c in codes])
+        np.testing.assert_array_equal(quant.decode_e4m3(codes).astype(np.float64), want)
+        nibbles = np.arange(16, dtype=np.uint8)
+        np.testing.assert_array_equal(quant.decode_e2m1(nibbles).astype(np.float64),
+                                      np.array([_e2m1_value(int(c)) for c in nibbles]))
+
+
 class E4M3Test(unittest.TestCase):
-    # Non-negative finite codes and their values.
+    # Non-negative finite codes and their values (from the bit layout).
     CODES = np.arange(0x7F, dtype=np.uint8)
-    VALUES = quant.E4M3_VALUES[:0x7F]
+    VALUES = E4M3_FROM_BITS
 
     def brute(self, x: np.ndarray) -> np.ndarray:
         mag = _nearest_even(x, self.VALUES, self.CODES, 448.0, lambda c: (c & 1) == 0)
@@ -65,7 +100,7 @@ class E4M3Test(unittest.TestCase):
 
 class E2M1Test(unittest.TestCase):
     CODES = np.arange(8, dtype=np.uint8)
-    VALUES = quant.E2M1_VALUES[:8]
+    VALUES = E2M1_FROM_BITS
 
     def brute(self, x: np.ndarray) -> np.ndarray:
         mag = _nearest_even(x, self.VALUES, self.CODES, 6.0, lambda c: (c & 1) == 0)

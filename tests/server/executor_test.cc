@@ -397,8 +397,11 @@ TEST(Executor, ConcurrentCallersAreServedInOrder) {
     ASSERT_EQ(results[t].size(), size_t(steps));
     for (int32_t s = 0; s < steps; ++s) {
       h.RecordStep(*work[t][s]);
-      EXPECT_EQ(results[t][s].topk_indices, h.Oracle(*work[t][s]).topk);
-      EXPECT_GE(results[t][s].queue_us, 0);
+      EXPECT_TRUE(h.Check(*work[t][s], results[t][s])) << "thread " << t << " step " << s;
+      // Each caller gets its own step's result (not another thread's).
+      EXPECT_EQ(results[t][s].step_id, work[t][s]->input.step_id) << "thread " << t;
+      ASSERT_EQ(results[t][s].lengths.size(), 1u);
+      EXPECT_EQ(results[t][s].lengths[0], h.Length(100 + t, 0)) << "thread " << t << " step " << s;
     }
   }
   exec::ExecutorStatus st = e->Status();
