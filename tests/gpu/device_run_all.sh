@@ -5,7 +5,12 @@
 #     build/tests/service/cuda_vs_cpu_test build/server/decode-indexer-server \
 #     build/bench/cuda/decode-indexer-bench-cuda
 # usage (on the GPU machine, repo root): tests/gpu/device_run_all.sh BUNDLE OUT_DIR [bench]
-# Each log lands in OUT_DIR; rc.txt holds every exit status. With "bench" the full CUDA bench
+# Each log lands in OUT_DIR; rc.txt holds every exit status. On a GPU machine a GPU binary may
+# not skip anything: every skipped test is listed with its reason in skips.txt and counts as a
+# failure (rc.txt "NAME skipped=N"), except the tests that need two GPUs where fewer are
+# visible (allowed, and listed). The run's own exit status is 1 when anything failed or
+# skipped. Test data (profiles) come from the checkout: DI_TEST_DATA_DIR points the tests at
+# tests/service/profiles here, whatever folder they were built in. With "bench" the full CUDA bench
 # and the PyTorch baseline on the same shapes follow (cuda_bench.json, torch_bench.json: feed
 # them to bench/cuda/make_report.py here).
 set -uo pipefail
@@ -14,6 +19,27 @@ out=$2
 mode=${3:-}
 nccl_dir=$(dirname "$(ldconfig -p | awk '/libnccl.so.2 /{print $NF; exit}')")
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export DI_TEST_DATA_DIR="$PWD/tests/service/profiles"
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+failed=0
+# Lists the skipped tests of a gtest log with their reasons; answers how many are not allowed.
+count_skips() {  # name
+  python3 - "$out/$1.log" "$gpus" "$1" <<'PY' | tee -a "$out/skips.txt" | tail -1
+import re, sys
+log, gpus, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+reason, bad, lines = "", 0, open(log, errors="replace").read().splitlines()
+for i, line in enumerate(lines):
+    if line.endswith(": Skipped") or line.endswith(" Skipped"):
+        reason = lines[i + 1] if i + 1 < len(lines) else ""
+    m = re.match(r"\[  SKIPPED \] (\S+) \(", line)
+    if m:
+        allowed = gpus < 2 and "fewer than 2 GPUs" in reason
+        bad += not allowed
+        print(f"{name}: {m.group(1)} skipped{' (allowed: ' + str(gpus) + ' GPU)' if allowed else ''}: {reason}")
+        reason = ""
+print(bad)
+PY
+}
 run() {  # name, timeout seconds, command...: our binaries see the bundle's libraries only
   local name=$1 limit=$2
   shift 2
@@ -21,7 +47,10 @@ run() {  # name, timeout seconds, command...: our binaries see the bundle's libr
   LD_LIBRARY_PATH="$bundle/lib:$nccl_dir" DI_SERVER_BINARY="$bundle/decode-indexer-server" \
     timeout "$limit" "$@" >>"$out/$name.log" 2>&1
   local rc=$?
-  echo "$name rc=$rc" | tee -a "$out/rc.txt"
+  local skipped=0
+  [[ $name == bench_cuda ]] || skipped=$(count_skips "$name")
+  echo "$name rc=$rc skipped=$skipped" | tee -a "$out/rc.txt"
+  [[ $rc -ne 0 || $skipped -ne 0 ]] && failed=1
   tail -3 "$out/$name.log"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
@@ -40,3 +69,9 @@ if [ "$mode" = bench ]; then
   echo "torch rc=$?" | tee -a "$out/rc.txt"
 fi
 cat "$out/rc.txt"
+[[ -s "$out/skips.txt" ]] && { echo "== skipped tests:"; grep -v '^[0-9]*$' "$out/skips.txt"; }
+if [[ $failed -ne 0 ]]; then
+  echo "device_run_all: FAILED (a binary failed, or skipped a test on this GPU machine)"
+  exit 1
+fi
+echo "device_run_all: every GPU binary passed, nothing skipped that this machine could run"
