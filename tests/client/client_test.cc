@@ -9,14 +9,13 @@
 
 #include "client/indexer_client.h"
 #include "client/tensor.h"
+#include "tests/test_seed.h"
 
 namespace decode_indexer::client {
 namespace {
 
-std::mt19937_64& Rng() {
-  static std::mt19937_64 rng(std::random_device{}());
-  return rng;
-}
+// Seeded per test (tests/test_seed.h): a failing test prints its seed; DI_TEST_SEED replays.
+std::mt19937_64& Rng() { return ::decode_indexer::testing::PerTestRng(); }
 
 std::vector<float> Normal(size_t n) {
   std::normal_distribution<float> d(0.0f, 3.0f);

@@ -28,6 +28,7 @@
 
 #include "client/indexer_client.h"
 #include "client/tensor.h"
+#include "tests/test_seed.h"
 
 extern char** environ;
 
@@ -129,7 +130,7 @@ TEST(GpuIpcTest, AnswerInTheExportedBufferEqualsThePlainGrpcAnswer) {
   const int H = info->num_heads(), D = info->head_dim(), K = info->topk();
 
   // Sequences of fresh random keys (fp32, quantized by the server) on dense layer 0.
-  std::mt19937_64 rng(std::random_device{}());
+  std::mt19937_64 rng(::decode_indexer::testing::TestSeed());
   std::normal_distribution<float> normal;
   const int requests = 8;
   std::vector<int64_t> lengths;

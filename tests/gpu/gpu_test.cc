@@ -29,6 +29,7 @@
 #include "kernels/cuda/sm90_topk_bucket.cuh"
 #include "tests/kernels/kernel_test_util.h"
 #include "tests/kernels/topk_check.h"
+#include "tests/test_seed.h"
 
 namespace decode_indexer::testing {
 namespace {
@@ -55,10 +56,8 @@ int NumSms() {
   return n;
 }
 
-std::mt19937_64& Rng() {
-  static std::mt19937_64 rng(std::random_device{}());
-  return rng;
-}
+// Seeded per test (tests/test_seed.h): a failing test prints its seed; DI_TEST_SEED replays.
+std::mt19937_64& Rng() { return ::decode_indexer::testing::PerTestRng(); }
 
 // A buffer in the backend's (device) memory.
 class DeviceBuffer {

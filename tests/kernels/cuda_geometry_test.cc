@@ -9,6 +9,7 @@
 #include "decode_indexer/kernels/types.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/test_seed.h"
 
 namespace decode_indexer::kernels {
 namespace {
@@ -36,7 +37,7 @@ void ExpectRefused(const absl::Status& s, const std::string& field, int32_t valu
 }
 
 TEST(CudaGeometryTest, AcceptsWhatTheKernelsTake) {
-  std::mt19937 rng(std::random_device{}());
+  std::mt19937 rng(static_cast<uint32_t>(::decode_indexer::testing::TestSeed()));
   for (CacheFormat f : {CacheFormat::kFp8, CacheFormat::kFp4}) {
     for (int32_t heads : {32, 64}) {
       EXPECT_TRUE(CudaSupportsGeometry(Supported(f), heads, 0).ok());  // no candidate layers
@@ -49,7 +50,7 @@ TEST(CudaGeometryTest, AcceptsWhatTheKernelsTake) {
 }
 
 TEST(CudaGeometryTest, RefusesPageSize) {
-  std::mt19937 rng(std::random_device{}());
+  std::mt19937 rng(static_cast<uint32_t>(::decode_indexer::testing::TestSeed()));
   for (int trial = 0; trial < 8; ++trial) {
     CacheGeometry g = Supported(trial % 2 ? CacheFormat::kFp4 : CacheFormat::kFp8);
     g.page_size = Draw(rng, 1, 4096, {64});
@@ -63,7 +64,7 @@ TEST(CudaGeometryTest, RefusesPageSize) {
 }
 
 TEST(CudaGeometryTest, RefusesHeadDim) {
-  std::mt19937 rng(std::random_device{}());
+  std::mt19937 rng(static_cast<uint32_t>(::decode_indexer::testing::TestSeed()));
   for (int trial = 0; trial < 8; ++trial) {
     CacheGeometry g = Supported(trial % 2 ? CacheFormat::kFp4 : CacheFormat::kFp8);
     g.head_dim = 32 * Draw(rng, 1, 32, {4});
@@ -73,7 +74,7 @@ TEST(CudaGeometryTest, RefusesHeadDim) {
 }
 
 TEST(CudaGeometryTest, RefusesHeads) {
-  std::mt19937 rng(std::random_device{}());
+  std::mt19937 rng(static_cast<uint32_t>(::decode_indexer::testing::TestSeed()));
   for (int32_t heads : {Draw(rng, 1, 31, {}), Draw(rng, 33, 63, {}), Draw(rng, 65, 1024, {})}) {
     ExpectRefused(CudaSupportsGeometry(Supported(CacheFormat::kFp8), heads, 8), "num_heads", heads,
                   "32 or 64");
@@ -81,7 +82,7 @@ TEST(CudaGeometryTest, RefusesHeads) {
 }
 
 TEST(CudaGeometryTest, RefusesSmallCandidateBlocks) {
-  std::mt19937 rng(std::random_device{}());
+  std::mt19937 rng(static_cast<uint32_t>(::decode_indexer::testing::TestSeed()));
   const int32_t bs = Draw(rng, 1, 7, {});
   ExpectRefused(CudaSupportsGeometry(Supported(CacheFormat::kFp4), 32, bs), "candidate_block_size",
                 bs, "0 (no candidate layers) or >= 8");
@@ -94,7 +95,7 @@ TEST(CudaGeometryTest, RefusesUnknownFormat) {
 }
 
 TEST(CudaGeometryTest, RefusesRanks) {
-  std::mt19937 rng(std::random_device{}());
+  std::mt19937 rng(static_cast<uint32_t>(::decode_indexer::testing::TestSeed()));
   for (int32_t r : {0, Draw(rng, 17, 64, {})})
     ExpectRefused(CudaSupportsRanks(r), "ranks", r, "1 to 16");
 }

@@ -19,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "process.h"
+#include "tests/test_seed.h"
 
 namespace decode_indexer::load_test {
 namespace {
@@ -55,7 +56,7 @@ class LoadTest : public ::testing::Test {
   std::string Log() const { return ReadText(Path("load.log")); }
 
   // A fresh seed per run: the payloads differ every time the test runs.
-  static std::string Seed() { return std::to_string(std::random_device{}() | 1u); }
+  static std::string Seed() { return std::to_string(::decode_indexer::testing::TestSeed() | 1u); }
 
   std::filesystem::path dir_;
 };
@@ -107,7 +108,7 @@ TEST_F(LoadTest, VerifyCatchesWrongAnswers) {
 }
 
 TEST_F(LoadTest, ErrorsAreCountedByStatusCode) {
-  std::mt19937 rng(std::random_device{}());
+  std::mt19937 rng(static_cast<uint32_t>(::decode_indexer::testing::TestSeed()));
   const int fail_every = 2 + static_cast<int>(rng() % 4);
   FakeServer server(fail_every);
   const std::vector<std::string> args = {"--target",

@@ -16,6 +16,7 @@
 #include "client/load/server_model.h"
 #include "client/load/verify.h"
 #include "gtest/gtest.h"
+#include "tests/test_seed.h"
 
 namespace decode_indexer::load {
 namespace {
@@ -40,7 +41,7 @@ std::vector<int32_t> CanonicalTopK(const std::vector<float>& logits,
 class ToleranceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::mt19937 rng(std::random_device{}());
+    std::mt19937 rng(static_cast<uint32_t>(::decode_indexer::testing::TestSeed()));
     std::normal_distribution<float> normal(0, 1);
     const int n = 200 + static_cast<int>(rng() % 200);
     // A sparse, shuffled subset of positions, as a consumer scores.
@@ -166,7 +167,7 @@ TEST(ServerModelTest, ConsumersRunAfterTheirSource) {
 }
 
 TEST(ReportTest, PercentilesAreNearestRank) {
-  std::mt19937 rng(std::random_device{}());
+  std::mt19937 rng(static_cast<uint32_t>(::decode_indexer::testing::TestSeed()));
   std::vector<double> us(1000 + rng() % 1000);
   for (double& v : us) v = 1 + rng() % 1000000;
   std::vector<double> sorted = us;

@@ -10,6 +10,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/config/profile.h"
+#include "tests/test_seed.h"
 
 namespace decode_indexer::config {
 namespace {
@@ -210,7 +211,7 @@ TEST(LoadProfile, OverridesOnABase) {
 std::string FormatDouble(double v) { return absl::StrFormat("%.17g", v); }
 
 TEST(LoadProfile, RandomProfilesRoundTripInEveryFormat) {
-  const uint64_t seed = std::random_device{}();
+  const uint64_t seed = ::decode_indexer::testing::TestSeed();
   SCOPED_TRACE(absl::StrCat("seed ", seed));
   std::mt19937_64 rng(seed);
   auto uni = [&](int64_t lo, int64_t hi) {

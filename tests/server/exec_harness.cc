@@ -7,6 +7,7 @@
 
 #include "gtest/gtest.h"
 #include "reference/reference.h"
+#include "tests/test_seed.h"
 
 namespace decode_indexer::testing {
 namespace {
@@ -23,9 +24,7 @@ uint16_t ToBF16(float f) {
 
 }  // namespace
 
-uint64_t FreshSeed() {
-  return std::random_device{}() * 0x9E3779B97F4A7C15ull ^ std::random_device{}();
-}
+uint64_t FreshSeed() { return TestSeed(); }
 
 config::Profile SmallV41() {
   config::Profile p = *config::BuiltinProfile("v41");

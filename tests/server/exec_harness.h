@@ -18,7 +18,7 @@
 
 namespace decode_indexer::testing {
 
-// A fresh seed per run, printed by the tests (SCOPED_TRACE) so a failure can be replayed.
+// The test's seed (tests/test_seed.h: DI_TEST_SEED replays one; printed when a test fails).
 uint64_t FreshSeed();
 
 // v41-style: H 4, D 128, K 24, page 16, FP4, candidate block 4 x 10 blocks; layers 0 dense,

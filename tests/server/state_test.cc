@@ -9,6 +9,7 @@
 #include "server/exec/row_shard.h"
 #include "server/state/page_allocator.h"
 #include "server/state/sequence_table.h"
+#include "tests/test_seed.h"
 
 namespace decode_indexer {
 namespace {
@@ -36,7 +37,7 @@ TEST(PageAllocator, ReserveIsAllOrNothing) {
 // A random run of reserves and releases against a model: units are never handed out twice,
 // every one comes back, and the counts agree.
 TEST(PageAllocator, RandomReserveReleaseMatchesModel) {
-  const uint64_t seed = std::random_device{}();
+  const uint64_t seed = ::decode_indexer::testing::TestSeed();
   SCOPED_TRACE(absl::StrCat("seed ", seed));
   std::mt19937_64 rng(seed);
   const int64_t total = 200;

@@ -24,10 +24,8 @@
 namespace decode_indexer::testing {
 namespace {
 
-uint64_t Seed() {
-  static const uint64_t seed = std::random_device{}();
-  return seed;
-}
+// The test's seed (tests/test_seed.h): printed when the test fails; DI_TEST_SEED replays it.
+uint64_t Seed() { return TestSeed(); }
 
 TEST(DeltaEncodingTest, RoundTripsRandomRows) {
   Gen gen(Seed());

@@ -18,6 +18,7 @@
 
 #include "health_subset.grpc.pb.h"
 #include "tests/service/service_harness.h"
+#include "tests/test_seed.h"
 
 extern char** environ;
 
@@ -39,7 +40,7 @@ int LoggedPort(const std::string& log) {
 }
 
 TEST(DrainTest, SigtermDrainsInFlightAndStopsWithinDrainTimeout) {
-  const uint64_t seed = std::random_device{}();
+  const uint64_t seed = ::decode_indexer::testing::TestSeed();
   const std::string token = "drain-" + std::to_string(seed);
   const std::string log =
       (std::filesystem::temp_directory_path() / ("di-drain-" + std::to_string(getpid()) + ".log"))

@@ -14,6 +14,7 @@
 
 #include "client/tensor.h"
 #include "server/config/profile.h"
+#include "tests/test_seed.h"
 
 namespace decode_indexer::service {
 namespace {
@@ -33,7 +34,7 @@ class RequestDecodeTest : public ::testing::Test {
     auto v41 = config::BuiltinProfile("v41");
     ASSERT_TRUE(v41.ok()) << v41.status();
     v41_ = *v41;
-    rng_.seed(std::random_device{}());
+    rng_.seed(::decode_indexer::testing::TestSeed());
   }
 
   std::vector<float> Random(size_t n) {

@@ -17,6 +17,7 @@
 #include "server/config/profile.h"
 #include "server/service/server.h"
 #include "tests/service/service_oracle.h"
+#include "tests/test_seed.h"
 
 namespace decode_indexer::testing {
 
