@@ -1,50 +1,58 @@
-// A --backend=cuda server against a cpu one, through the API: identical answers except at
-// near-ties (spec section 6, checked against the reference's logits), and bit-identical
-// answers across CUDA runs and rank counts. Skips visibly where there is no CUDA backend.
+// A --backend=cuda server against a cpu one and the independent reference, through the API.
+// What is compared is printed and checked:
+//  - CudaServerMatchesReference (any GPU count): the CPU server and the CUDA server (1 rank)
+//    each against the reference (di_reference) by the spec's section-6 rule (the CPU within
+//    fp32 rounding, 4 fp32 ulps of the row's largest logit; CUDA within kCudaUlps),
+//    candidate blocks included; lengths equal.
+//  - CudaRanksAgree (2+ GPUs only; skipped, saying so, with fewer): 1 rank vs 2 ranks
+//    bit-identical (spec section 6: same backend, any rank count), and 2 ranks against the
+//    reference.
+// Skips visibly where there is no CUDA backend.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdlib>
+#include <iostream>
 #include <random>
 
 #include "decode_indexer/kernels/backend.h"
-#include "tests/kernels/topk_check.h"
 #include "tests/service/service_harness.h"
+#include "tests/test_seed.h"
 
 namespace decode_indexer::testing {
 namespace {
 
-TEST(CudaVsCpuTest, AnswersMatchUpToNearTies) {
-  if (!kernels::CudaBackendAvailable()) {
-    GTEST_SKIP() << "kernels::CudaBackendAvailable() is false: this build has no CUDA backend "
-                    "or the machine has no usable GPU";
-  }
-  const uint64_t seed = std::random_device{}();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+constexpr int64_t kPages = 1024;
+// The CUDA backend's near-tie tolerance in fp32 ulps of a row's largest logit: its fp32 sums
+// in another order differ from the exact logits by up to ~5 ulps (gpu_test measures it).
+constexpr double kCudaUlps = 16.0;
+
+// Runs v41-tiny's plan at the CUDA geometry and v32 on every session in `sessions` (the
+// first is the CPU server) and calls check(step label, request, answers, reference).
+template <typename Check>
+void RunSteps(const std::vector<exec::ExecutorOptions>& options, uint64_t seed, Check check) {
   // The CUDA kernels take 64-entry pages of 128 dims (a CUDA server refuses v41-tiny's
   // 16-entry pages at start-up), so this test runs v41-tiny's plan at that geometry.
   // v32 rows reach 3 K = 6144 entries: 4 sequences need ~300 of its 64-entry pages.
-  constexpr int64_t kPages = 1024;
-  const std::string tiny_cuda = DI_SERVICE_TEST_DIR "/profiles/v41-tiny-cuda.toml";
+  const std::string tiny_cuda = TestProfilePath("v41-tiny-cuda.toml");
   for (const std::string& name : {tiny_cuda, std::string("v32")}) {
     SCOPED_TRACE(name);
     const config::Profile p = LoadOrDie(name);
-    exec::ExecutorOptions cuda = CpuOptions(1, kPages);
-    cuda.backend = "cuda";
-    exec::ExecutorOptions cuda_many = cuda;
-    cuda_many.ranks = std::min(2, kernels::CudaDeviceCount());
-    auto gpu = StartSession(p, cuda);
-    auto gpu2 = StartSession(p, cuda_many);
-    auto cpu = StartSession(p, CpuOptions(1, kPages));
-    ASSERT_TRUE(gpu && gpu2 && cpu);
+    std::vector<std::unique_ptr<Session>> sessions;
+    for (const exec::ExecutorOptions& o : options) {
+      sessions.push_back(StartSession(p, o));
+      ASSERT_TRUE(sessions.back()) << o.backend << " x" << o.ranks;
+    }
     ServiceOracle oracle(p, kPages, seed);
     const std::vector<uint64_t> ids = {1, 2, 3, 4};
     std::vector<int64_t> lengths = {int64_t(p.topk / 3), int64_t(p.topk + 5),
                                     int64_t(2 * p.topk + seed % 100), int64_t(3 * p.topk)};
     std::vector<int> layers;
     for (int l = 0; l < static_cast<int>(p.layers.size()) && l < 5; ++l) layers.push_back(l);
-    for (Session* s : {gpu.get(), gpu2.get(), cpu.get()}) {
+    for (size_t i = 0; i < sessions.size(); ++i) {
       Gen gen(seed + 1);
       ServiceOracle scratch(p, kPages, seed);
-      Prefill(*s, s == cpu.get() ? oracle : scratch, gen, ids, lengths, layers);
+      Prefill(*sessions[i], i == 0 ? oracle : scratch, gen, ids, lengths, layers);
     }
     for (int step = 0; step < 3; ++step) {
       for (int layer : layers) {
@@ -53,30 +61,87 @@ TEST(CudaVsCpuTest, AnswersMatchUpToNearTies) {
         Gen gen(seed * 7 + step * 100 + layer);
         v1::DecodeStepRequest req = MakeStep(gen, p, layer, ids, before, 1 + step,
                                              static_cast<QForm>(step % 4), KeyForm::kF32, step);
-        const std::string what = absl::StrCat("step ", step, " layer ", layer);
-        absl::StatusOr<client::StepAnswer> g = gpu->client->DecodeStep(req);
-        absl::StatusOr<client::StepAnswer> g2 = gpu2->client->DecodeStep(req);
-        ASSERT_TRUE(g.ok() && g2.ok()) << what << ": " << g.status() << " / " << g2.status();
-        absl::StatusOr<client::StepAnswer> c = cpu->client->DecodeStep(req);
-        absl::StatusOr<OracleAnswer> want = oracle.Step(req);
-        ASSERT_TRUE(c.ok() && want.ok()) << what;
-        EXPECT_EQ(c->topk, want->topk) << what << ": cpu vs reference";
-        // CUDA is deterministic across rank counts.
-        EXPECT_EQ(g->topk, g2->topk) << what << ": cuda 1 rank vs " << cuda_many.ranks;
-        EXPECT_EQ(g->candidates, g2->candidates) << what;
-        EXPECT_EQ(g->lengths, want->lengths) << what;
-        for (int r = 0; r < want->rows; ++r) {
-          const double tol = TopKTolerance(want->logits[r]);
-          EXPECT_TRUE(
-              CheckTopKRow(g->Row(r).data(), g->k, want->logits[r], tol, &want->positions[r]))
-              << what << " row " << r;
+        const std::string what = absl::StrCat(name, " step ", step, " layer ", layer);
+        std::vector<client::StepAnswer> answers;
+        for (auto& s : sessions) {
+          absl::StatusOr<client::StepAnswer> a = s->client->DecodeStep(req);
+          ASSERT_TRUE(a.ok()) << what << ": " << a.status();
+          answers.push_back(*std::move(a));
         }
-        // Candidate block scores are maxima of random logits: exact ties are improbable, so
-        // the blocks (and hence the consumers' positions) agree.
-        EXPECT_EQ(g->candidates, want->candidates) << what << ": candidate blocks";
+        absl::StatusOr<OracleAnswer> want = oracle.Step(req);
+        ASSERT_TRUE(want.ok()) << what << ": " << want.status();
+        check(what, req, answers, *want);
+        // Later consumers score the CPU server's candidate blocks (each checked above).
+        if (req.return_candidates()) oracle.AdoptCandidates(req, answers[0].candidates);
       }
     }
   }
+}
+
+TEST(CudaVsCpuTest, CudaServerMatchesReference) {
+  if (!kernels::CudaBackendAvailable()) {
+    GTEST_SKIP() << "kernels::CudaBackendAvailable() is false: this build has no CUDA backend "
+                    "or the machine has no usable GPU";
+  }
+  const uint64_t seed = TestSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (DI_TEST_SEED replays it)");
+  std::cout << "comparing: CPU server vs reference, CUDA server (1 rank) vs reference "
+               "(spec section 6: 4 / 16 fp32 ulps of each row's largest logit), over "
+            << kernels::CudaDeviceCount() << " visible GPU(s)\n";
+  exec::ExecutorOptions cuda = CpuOptions(1, kPages);
+  cuda.backend = "cuda";
+  int64_t rows = 0, cuda_differs_from_cpu = 0;
+  RunSteps({CpuOptions(1, kPages), cuda}, seed,
+           [&](const std::string& what, const v1::DecodeStepRequest& req,
+               const std::vector<client::StepAnswer>& a, const OracleAnswer& want) {
+             const bool cand = req.return_candidates();
+             EXPECT_TRUE(want.Matches(a[0].topk, cand ? a[0].candidates : std::vector<int32_t>{}))
+                 << what << ": cpu server vs reference";
+             EXPECT_TRUE(want.Matches(a[1].topk, cand ? a[1].candidates : std::vector<int32_t>{},
+                                      kCudaUlps))
+                 << what << ": cuda server vs reference";
+             EXPECT_EQ(a[1].lengths, want.lengths) << what;
+             EXPECT_EQ(a[0].lengths, want.lengths) << what;
+             if (cand) {
+               // The consumers score the CPU server's blocks: the CUDA server must have
+               // chosen the same (block scores are maxima of random logits: no near-ties).
+               EXPECT_EQ(a[1].candidates, a[0].candidates) << what << ": candidate blocks";
+             }
+             for (int r = 0; r < want.rows; ++r) {
+               ++rows;
+               const auto x = a[0].Row(r), y = a[1].Row(r);
+               cuda_differs_from_cpu += !std::equal(x.begin(), x.end(), y.begin(), y.end());
+             }
+           });
+  std::cout << "checked " << rows << " rows; CUDA differs from CPU (near-ties) in "
+            << cuda_differs_from_cpu << "\n";
+  EXPECT_GT(rows, 0);
+}
+
+TEST(CudaVsCpuTest, CudaRanksAgree) {
+  if (!kernels::CudaBackendAvailable()) {
+    GTEST_SKIP() << "kernels::CudaBackendAvailable() is false: this build has no CUDA backend "
+                    "or the machine has no usable GPU";
+  }
+  if (kernels::CudaDeviceCount() < 2) {
+    GTEST_SKIP() << "fewer than 2 GPUs visible (" << kernels::CudaDeviceCount()
+                 << "): the CUDA 1-rank vs 2-rank comparison needs two";
+  }
+  const uint64_t seed = TestSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (DI_TEST_SEED replays it)");
+  std::cout << "comparing: CUDA server 1 rank vs 2 ranks (bit-identical), 2 ranks vs reference\n";
+  exec::ExecutorOptions one = CpuOptions(1, kPages), two = CpuOptions(2, kPages);
+  one.backend = two.backend = "cuda";
+  RunSteps({CpuOptions(1, kPages), one, two}, seed,
+           [&](const std::string& what, const v1::DecodeStepRequest& req,
+               const std::vector<client::StepAnswer>& a, const OracleAnswer& want) {
+             EXPECT_EQ(a[1].topk, a[2].topk) << what << ": cuda 1 rank vs 2";
+             EXPECT_EQ(a[1].candidates, a[2].candidates) << what << ": cuda 1 rank vs 2";
+             EXPECT_TRUE(want.Matches(
+                 a[2].topk, req.return_candidates() ? a[2].candidates : std::vector<int32_t>{},
+                 kCudaUlps))
+                 << what << ": cuda 2 ranks vs reference";
+           });
 }
 
 }  // namespace

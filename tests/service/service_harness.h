@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
@@ -21,7 +23,26 @@
 
 namespace decode_indexer::testing {
 
-inline std::string TinyProfilePath() { return DI_SERVICE_TEST_DIR "/profiles/v41-tiny.toml"; }
+// A test profile file, found relative to the test binary, not at a path baked in when it was
+// built: $DI_TEST_DATA_DIR/NAME if set (the GPU runner points it at the checkout's
+// tests/service/profiles), else profiles/NAME beside the binary (the build copies them
+// there), else the checkout's tests/service/profiles from the current directory.
+inline std::string TestProfilePath(const std::string& name) {
+  std::vector<std::filesystem::path> dirs;
+  if (const char* env = std::getenv("DI_TEST_DATA_DIR"); env != nullptr && *env)
+    dirs.push_back(env);
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) dirs.push_back(exe.parent_path() / "profiles");
+  dirs.push_back(std::filesystem::current_path(ec) / "tests/service/profiles");
+  for (const std::filesystem::path& d : dirs) {
+    if (std::filesystem::exists(d / name, ec)) return (d / name).string();
+  }
+  ADD_FAILURE() << "test profile " << name << " not found (set DI_TEST_DATA_DIR to the "
+                << "checkout's tests/service/profiles)";
+  return name;
+}
+inline std::string TinyProfilePath() { return TestProfilePath("v41-tiny.toml"); }
 
 inline config::Profile LoadOrDie(const std::string& name) {
   absl::StatusOr<config::Profile> p = config::LoadProfile(name);
