@@ -638,6 +638,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   Readback readback(rank, plan);
   if (status.ok()) status = ScoreRows(rank, staging, plan, range);
   rank.last_collective_ns = 0;
+  rank.last_collectives = 0;
   // Which sharded steps still need a collective. An answer bound for host memory does not:
   // each rank copies its own rows straight from its device to their place in the host answer
   // (direct_answers), so a sharded dense or consumer step runs with no all-gather and no host
@@ -656,6 +657,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     // agreement is on what the host knows (every launch went in) and runs while the kernels
     // do: its hand-off costs nothing then.
     status = collective.Agree(rank.index(), status);
+    ++rank.last_collectives;
     if (status.ok() && injected && plan.fault == StepPlan::Fault::kHang) {
       return absl::InternalError(
           absl::StrCat("injected hang: rank ", rank.index(), " skipped the all-gather"));
@@ -676,10 +678,12 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     if (status.ok() && gather_topk) {
       status = collective.AllGather(rank.index(), b.topk + int64_t{range.start} * s.topk, b.topk,
                                     size_t(rows_per_rank) * s.topk * sizeof(int32_t));
+      ++rank.last_collectives;
     }
     if (status.ok() && source) {
       status = collective.AllGather(rank.index(), b.candidates + int64_t{range.start} * NB,
                                     b.candidates, size_t(rows_per_rank) * NB * sizeof(int32_t));
+      ++rank.last_collectives;
     }
     rank.last_collective_ns = since(gather_start);
   }

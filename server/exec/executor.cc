@@ -859,6 +859,7 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
   ++stats_.steps;
   ++(plan.sharded ? stats_.steps_sharded : stats_.steps_unsharded);
   stats_.collective_us_total += double(ranks_[0]->last_collective_ns) / 1000.0;
+  stats_.collectives_total += uint64_t(ranks_[0]->last_collectives);
   stats_.rows_scored += uint64_t(num_rows);
   SampleDeviceMemory();
   last_phases_.commit_ns = Nanos(Clock::now() - joined);

@@ -141,6 +141,8 @@ struct ExecutorStatus {
   double compute_us_total = 0;
   // Of compute_us_total: rank 0's time in the sharded steps' collectives (all-gathers).
   double collective_us_total = 0;
+  // Collective calls (agreements and all-gathers) rank 0 made in the sharded steps.
+  uint64_t collectives_total = 0;
   // False once a device or collective fault (a CUDA/NCCL error, an aborted communicator, a
   // collective timeout) has left the ranks in an unknown state: every later AppendKeys and
   // DecodeStep fails UNAVAILABLE, and the service reports NOT_SERVING.

@@ -154,6 +154,9 @@ class Rank {
   // Time the last decode step spent in its collectives (agreement and all-gathers, after the
   // rank's own work had finished): the all-gather's share of a step.
   int64_t last_collective_ns = 0;
+  // Collective calls (agreements and all-gathers) the last decode step made on this rank: a
+  // count, so tests can tell whether a step ran a collective without reading a clock.
+  int64_t last_collectives = 0;
   // Time the last decode step spent before its collectives: uploads, keys, q prep and scoring,
   // up to the rank's own work finishing (the whole step when unsharded).
   int64_t last_score_ns = 0;

@@ -492,7 +492,10 @@ absl::Status IndexerService::RunStep(grpc::ServerContext* context,
   step.host_memory_page_locked = region != nullptr && region->page_locked();
 
   const auto queued = Clock::now();
+  last_queued_deadline_.store(context->deadline().time_since_epoch().count());
+  ++steps_waiting_;
   std::unique_lock<std::mutex> admitted(step_mu_);
+  --steps_waiting_;
   const int64_t admission_us = static_cast<int64_t>(MicrosSince(queued));
   // Checked once admitted and before any state changes: an expired or abandoned step is
   // answered without touching the caches.

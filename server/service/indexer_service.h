@@ -99,6 +99,14 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   std::unique_lock<std::mutex> HoldStepAdmissionForTesting() {
     return std::unique_lock<std::mutex>(step_mu_);
   }
+  // Tests: steps now waiting for admission, and the latest deadline (the server's, from its
+  // grpc-timeout) of a step that queued, so a test knows a step is queued and when the server
+  // will find it expired instead of sleeping and hoping.
+  int StepsWaitingForAdmissionForTesting() const { return steps_waiting_.load(); }
+  std::chrono::system_clock::time_point LastQueuedDeadlineForTesting() const {
+    return std::chrono::system_clock::time_point(
+        std::chrono::system_clock::duration(last_queued_deadline_.load()));
+  }
 
   // Called with false once the executor reports itself unhealthy (a device or collective
   // fault): the Server points it at the health service (NOT_SERVING).
@@ -141,6 +149,8 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   ServiceOptions options_;
   std::array<LatencyStats, kNumMethods> stats_;
   std::mutex step_mu_;
+  std::atomic<int> steps_waiting_{0};
+  std::atomic<int64_t> last_queued_deadline_{0};  // system_clock ticks
   // Declared after executor_ (their release hooks call it) and destroyed first.
   SharedMemoryRegistry shm_;
   CudaIpcRegistry cuda_ipc_;

@@ -64,7 +64,7 @@ struct RunResult {
   int32_t steps = 0;
   int32_t sharded = 0;
   int32_t dense_or_consumer_steps = 0;  // steps with no candidates to all-gather
-  double collective_us = 0;             // ExecutorStatus::collective_us_total at the end
+  uint64_t collectives = 0;             // ExecutorStatus::collectives_total at the end
   int64_t answered = 0;                 // answer entries that are positions (not -1 padding)
   uint64_t graph_captures = 0;
   uint64_t graph_replays = 0;
@@ -141,7 +141,7 @@ RunResult RunScript(const Script& s, Executor& e, uint64_t seed) {
     }
   }
   EXPECT_TRUE(e.Status().healthy);
-  out.collective_us = e.Status().collective_us_total;
+  out.collectives = e.Status().collectives_total;
   out.graph_captures = e.Status().graph_captures;
   out.graph_replays = e.Status().graph_replays;
   return out;
@@ -207,11 +207,8 @@ TEST(MultiRankCpu, DirectAnswersSkipTheCollectiveOfDenseSteps) {
     const RunResult r = RunScript(s, o, seed);
     ASSERT_GT(r.steps, 0);
     EXPECT_EQ(r.sharded, r.steps);
-    if (direct) {
-      EXPECT_EQ(r.collective_us, 0.0);
-    } else {
-      EXPECT_GT(r.collective_us, 0.0);
-    }
+    // Counted, not timed: an agreement and an all-gather per gathered step, none direct.
+    EXPECT_EQ(r.collectives, direct ? 0u : 2u * uint64_t(r.steps));
   }
 }
 
@@ -518,15 +515,12 @@ TEST(MultiRankCpu, LengthBucketsBoundTheLengthAndAreFew) {
 // their rows and only the failing rank's status is an error.
 void ExpectFaultOnEveryRank(Executor& e, Harness& h, const std::vector<uint64_t>& ids,
                             int32_t failing, bool hang, absl::StatusCode later, bool direct = false,
-                            bool device = false, double max_wait_s = 60.0) {
+                            bool device = false) {
   std::vector<SeqPlan> plans;
   for (uint64_t id : ids) plans.push_back({id, 2, 2, {}});
   std::unique_ptr<StepData> step = h.MakeStep(0, plans);
   exec::InjectFault(e, {failing, hang, 0, device});
-  const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<StepResult> r = e.DecodeStep(step->input);
-  const double waited_s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal) << r.status();
   EXPECT_NE(r.status().message().find(absl::StrCat("rank ", failing)), std::string::npos)
@@ -538,9 +532,15 @@ void ExpectFaultOnEveryRank(Executor& e, Harness& h, const std::vector<uint64_t>
     EXPECT_EQ(per_rank[rank].code(), fails ? absl::StatusCode::kInternal : absl::StatusCode::kOk)
         << "rank " << rank << ": " << per_rank[rank];
   }
-  // Bounded: a hang ends at the collective timeout, an error at once (generous bound unless
-  // the caller's point is how fast).
-  EXPECT_LT(waited_s, max_wait_s);
+  // How it ended, from the ranks' statuses rather than a clock: a hang ends at the
+  // collective timeout (some rank reports having waited it out), anything else at once (the
+  // agreement or the abort told every rank; none waited for the timeout).
+  bool timed_out = false;
+  for (const absl::Status& st : per_rank) {
+    timed_out |= st.message().find("ms for the other ranks") != std::string::npos ||  // host
+                 st.message().find("did not finish within") != std::string::npos;     // NCCL
+  }
+  EXPECT_EQ(timed_out, hang) << r.status();
   // What comes next.
   std::unique_ptr<StepData> again = h.MakeStep(0, plans);
   absl::StatusOr<StepResult> next = e.DecodeStep(again->input);
@@ -625,7 +625,7 @@ TEST(MultiRankCpu, InjectedDeviceFaultAfterTheAgreementAbortsAtOnce) {
     std::unique_ptr<Executor> e = Prefilled(h.profile(), o, h, &ids, 8, 40);
     ASSERT_NE(e, nullptr);
     ExpectFaultOnEveryRank(*e, h, ids, failing, /*hang=*/false, absl::StatusCode::kUnavailable,
-                           /*direct=*/false, /*device=*/true, /*max_wait_s=*/10.0);
+                           /*direct=*/false, /*device=*/true);
   }
 }
 
@@ -753,7 +753,7 @@ TEST(MultiGpu, InjectedDeviceFaultAfterTheAgreementAbortsAtOnce) {
   std::unique_ptr<Executor> e = Prefilled(h.profile(), o, h, &ids, 8, 600);
   ASSERT_NE(e, nullptr);
   ExpectFaultOnEveryRank(*e, h, ids, 1, /*hang=*/false, absl::StatusCode::kUnavailable,
-                         /*direct=*/false, /*device=*/true, /*max_wait_s=*/10.0);
+                         /*direct=*/false, /*device=*/true);
 }
 
 TEST(MultiGpu, InjectedHangIsAbortedByTheWatchdog) {

@@ -231,10 +231,13 @@ TEST_F(DataPlaneTest, StepTimeoutExpiresBeforeTheStepRuns) {
   absl::StatusOr<std::unique_ptr<client::StepStream>> stream = s_->client->OpenStream();
   ASSERT_TRUE(stream.ok()) << stream.status();
   {
-    // Held admission: the step cannot run before far more than 1 us has passed.
+    // Held admission: released only once the step is queued behind it (a count, not a
+    // sleep), so it is admitted after it was read, later than its 1 us allows.
     std::unique_lock<std::mutex> hold = s_->server->service().HoldStepAdmissionForTesting();
     ASSERT_TRUE((*stream)->Write(late).ok());
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    while (s_->server->service().StepsWaitingForAdmissionForTesting() == 0) {
+      std::this_thread::yield();
+    }
   }
   absl::StatusOr<client::StepAnswer> got = (*stream)->Read();
   EXPECT_EQ(got.status().code(), absl::StatusCode::kDeadlineExceeded) << got.status();

@@ -271,12 +271,17 @@ TEST(DeadlineTest, ExpiredWhileQueuedChangesNothing) {
   auto impatient = client::IndexerClient::Connect(s->server->address(), short_deadline);
   ASSERT_TRUE(impatient.ok()) << impatient.status();
   {
-    std::unique_lock<std::mutex> hold = s->server->service().HoldStepAdmissionForTesting();
+    service::IndexerService& svc = s->server->service();
+    std::unique_lock<std::mutex> hold = svc.HoldStepAdmissionForTesting();
     // The client gives up while the step waits for admission.
     EXPECT_EQ((*impatient)->DecodeStep(req).status().code(), absl::StatusCode::kDeadlineExceeded);
-    // The server's deadline runs from when the call reached it (its grpc-timeout), which on a
-    // loaded machine is later than the client's: keep holding well past it.
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    // The step is queued (a count, not a guess), and its server-side deadline (from its
+    // grpc-timeout, later than the client's) has passed before admission is released: the
+    // server must then find it expired.
+    while (svc.StepsWaitingForAdmissionForTesting() == 0) std::this_thread::yield();
+    while (std::chrono::system_clock::now() <= svc.LastQueuedDeadlineForTesting()) {
+      std::this_thread::yield();
+    }
   }
   // The server answers the abandoned step once admitted; wait until it has been counted.
   uint64_t count = 0;
