@@ -1,6 +1,9 @@
 // SIGTERM drain of the real decode-indexer-server binary: health turns NOT_SERVING, an
 // in-flight DecodeStream keeps being answered, and the process exits 0 once --drain-timeout
 // has passed (cancelling the stream that never closed). The token comes from DI_AUTH_TOKEN.
+// And, in process (Server::Shutdown, what the binary's SIGTERM handler calls), a step inside
+// the server when the drain begins: it completes with the right answer, health turns
+// NOT_SERVING, and new calls are refused.
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -160,6 +163,67 @@ TEST(DrainTest, SigtermDrainsInFlightAndStopsWithinDrainTimeout) {
   EXPECT_NE(ReadAll(log).find("decode-indexer-server stopped"), std::string::npos);
   wctx.TryCancel();
   std::filesystem::remove(log);
+}
+
+// A step already inside the server (held at admission, so deterministically in flight) when
+// the drain begins: health turns NOT_SERVING, new calls are refused, and once admitted the
+// step completes and its answer (checked against the reference) reaches the client.
+TEST(DrainTest, StepInFlightAtShutdownCompletes) {
+  const uint64_t seed = ::decode_indexer::testing::TestSeed();
+  const config::Profile profile = LoadOrDie(TinyProfilePath());
+  std::unique_ptr<Session> s = StartSession(profile, CpuOptions(1, 64));
+  ASSERT_NE(s, nullptr);
+  ServiceOracle oracle(profile, 64, seed);
+  Gen gen(seed);
+  const std::vector<uint64_t> ids = {1, 2};
+  const std::vector<int64_t> lengths = {17, 40};
+  Prefill(*s, oracle, gen, ids, lengths, {0});
+  const v1::DecodeStepRequest req =
+      MakeStep(gen, profile, 0, ids, lengths, 2, QForm::kF32Rope, KeyForm::kF32, 99);
+
+  std::shared_ptr<grpc::Channel> ch =
+      grpc::CreateChannel(s->server->address(), grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(ch);
+  grpc::ClientContext wctx;
+  auto watch = health->Watch(&wctx, grpc::health::v1::HealthCheckRequest());
+  grpc::health::v1::HealthCheckResponse hres;
+  ASSERT_TRUE(watch->Read(&hres));
+  EXPECT_EQ(hres.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+
+  service::IndexerService& svc = s->server->service();
+  std::unique_lock<std::mutex> hold = svc.HoldStepAdmissionForTesting();
+  absl::StatusOr<client::StepAnswer> answer;
+  std::thread caller([&] { answer = s->client->DecodeStep(req); });
+  while (svc.StepsWaitingForAdmissionForTesting() == 0) std::this_thread::yield();
+
+  // The drain begins while the step is inside the server.
+  std::thread drain([&] { s->server->Shutdown(std::chrono::seconds(60)); });
+  bool not_serving = false;
+  while (!not_serving && watch->Read(&hres)) {
+    not_serving = hres.status() == grpc::health::v1::HealthCheckResponse::NOT_SERVING;
+  }
+  EXPECT_TRUE(not_serving);
+  wctx.TryCancel();  // the drain waits for open calls: this one is done
+  // New calls are refused (once the server stops accepting, right after the health change).
+  auto late = client::IndexerClient::Connect(s->server->address());
+  ASSERT_TRUE(late.ok());
+  bool refused = false;
+  for (int i = 0; i < 2000 && !refused; ++i) {
+    refused = !(*late)->ServerInfo().ok();
+    if (!refused) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_TRUE(refused) << "calls still accepted while draining";
+  EXPECT_FALSE((*late)->CreateSequence(3).ok());
+
+  hold.unlock();  // the held step runs now
+  caller.join();
+  drain.join();
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  absl::StatusOr<OracleAnswer> want = oracle.Step(req);
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_EQ(answer->step_id, 99u);
+  EXPECT_EQ(answer->lengths, want->lengths);
+  EXPECT_TRUE(want->Matches(answer->topk));
 }
 
 }  // namespace

@@ -373,8 +373,8 @@ TEST(LimitsTest, MessageSizeLimitAndKeepalive) {
   EXPECT_EQ(info->sequences(), 1);
 }
 
-// Certificates from the openssl CLI: a CA, a server cert for localhost/127.0.0.1 and a client
-// cert, all EC P-256 (fast to make).
+// Certificates from the openssl CLI: a CA, a server cert for localhost/127.0.0.1, a client
+// cert, and an unrelated CA (other-ca.pem) that signed nothing here, all EC P-256 (fast).
 class TlsTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -399,7 +399,9 @@ class TlsTest : public ::testing::Test {
         ec +
         " -keyout client.key -out client.csr -subj /CN=di-test-client && "
         "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial "
-        "-out client.pem -days 2)";
+        "-out client.pem -days 2 && "
+        "openssl req -x509 " +
+        ec + " -keyout other-ca.key -out other-ca.pem -days 2 -subj /CN=di-other-ca)";
     ASSERT_EQ(std::system((cmd + " > /dev/null 2>&1").c_str()), 0) << cmd;
   }
   void TearDown() override {
@@ -447,6 +449,40 @@ TEST_F(TlsTest, ServerTls) {
   auto insecure = client::IndexerClient::Connect(s->server->address(), plain);
   ASSERT_TRUE(insecure.ok());
   EXPECT_FALSE((*insecure)->ServerInfo().ok());
+}
+
+// A client that trusts another CA, or expects another host name than the certificate's, must
+// refuse the server: UNAVAILABLE, and nothing it asked for happens. The same server answers
+// a client that trusts its CA under its own name (so the refusals are the checks', not a
+// broken setup).
+TEST_F(TlsTest, UntrustedCaAndWrongHostnameAreRefused) {
+  service::ServerOptions so = BaseOptions();
+  so.tls_cert = Path("server.pem");
+  so.tls_key = Path("server.key");
+  auto s = StartOps(so);
+  ASSERT_NE(s, nullptr);
+
+  client::ClientOptions untrusted = Tls(false);
+  untrusted.tls_root_ca = Read("other-ca.pem");
+  client::ClientOptions wrong_name = Tls(false);
+  wrong_name.tls_target_name = "not-the-server.example";
+  for (const auto& [what, opts] :
+       {std::pair{"untrusted CA", untrusted}, std::pair{"wrong host name", wrong_name}}) {
+    SCOPED_TRACE(what);
+    auto c = client::IndexerClient::Connect(s->server->address(), opts);
+    ASSERT_TRUE(c.ok()) << c.status();  // lazy connect: the handshake fails on the first call
+    EXPECT_EQ((*c)->CreateSequence(7).code(), absl::StatusCode::kUnavailable);
+    EXPECT_EQ((*c)->ServerInfo().status().code(), absl::StatusCode::kUnavailable);
+  }
+
+  client::ClientOptions right_name = Tls(false);
+  right_name.tls_target_name = "localhost";
+  auto good = client::IndexerClient::Connect(s->server->address(), right_name);
+  ASSERT_TRUE(good.ok()) << good.status();
+  absl::StatusOr<v1::ServerInfo> info = (*good)->ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->sequences(), 0);  // the refused clients created nothing
+  EXPECT_TRUE((*good)->CreateSequence(7).ok());
 }
 
 TEST_F(TlsTest, MutualTlsRequiresClientCertificate) {
