@@ -29,13 +29,16 @@ inline State& Current() {
   return s;
 }
 
+// Listeners run with gtest's UnitTest mutex held (a failure is reported under it), so this
+// one must not call back into UnitTest (current_test_info() would deadlock): it tracks the
+// running test itself.
 class Printer : public ::testing::EmptyTestEventListener {
+  const ::testing::TestInfo* running_ = nullptr;
+  void OnTestStart(const ::testing::TestInfo& info) override { running_ = &info; }
+  void OnTestEnd(const ::testing::TestInfo&) override { running_ = nullptr; }
   void OnTestPartResult(const ::testing::TestPartResult& r) override {
     State& s = Current();
-    if (!r.failed() || s.draws == 0 || s.printed ||
-        s.test != ::testing::UnitTest::GetInstance()->current_test_info()) {
-      return;
-    }
+    if (!r.failed() || s.draws == 0 || s.printed || s.test != running_) return;
     s.printed = true;
     std::printf("[   SEED   ] this test's seed is %llu: DI_TEST_SEED=%llu replays it\n",
                 static_cast<unsigned long long>(s.base), static_cast<unsigned long long>(s.base));
