@@ -300,9 +300,14 @@ Harness::Answer Harness::Oracle(const StepData& step) {
   for (const exec::SequenceStepInput& s : in.sequences) {
     SeqModel& m = model_[s.sequence_id];
     const int64_t L = m.length[spec.cache_layer];
-    // The sequence's entries, dequantized, from every accepted insert in order.
-    reference::Cache cache(format, D);
-    for (const KeyBatch& b : m.inserts[spec.cache_layer]) {
+    // The sequence's entries, dequantized, from every accepted insert in order (the inserts
+    // not yet applied since the last call).
+    auto [it, fresh] = m.entries.try_emplace(spec.cache_layer, format, D);
+    reference::Cache& cache = it->second;
+    size_t& applied = m.applied[spec.cache_layer];
+    const std::vector<KeyBatch>& inserts = m.inserts[spec.cache_layer];
+    for (; applied < inserts.size(); ++applied) {
+      const KeyBatch& b = inserts[applied];
       switch (b.type) {
         case ElemType::kF32:
           cache.AppendFloat(reinterpret_cast<const float*>(b.keys.data()), b.count,

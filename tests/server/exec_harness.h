@@ -101,6 +101,9 @@ class Harness {
     std::map<int32_t, std::vector<KeyBatch>> inserts;  // by cache layer
     std::map<int32_t, int64_t> length;
     std::vector<int32_t> candidates;  // the last source answer's rows, [rows, NB]
+    // The reference's dequantized entries, and how many of `inserts` they already hold.
+    std::map<int32_t, reference::Cache> entries;
+    std::map<int32_t, size_t> applied;
   };
 
   config::Profile profile_;
