@@ -56,7 +56,7 @@ run() {  # name, timeout seconds, command...: our binaries see the bundle's libr
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 date -u | tee -a "$out/gpu.txt"
 run gpu_test 120 "$bundle/gpu_test"
-run gpu_executor_test 60 "$bundle/gpu_executor_test"
+run gpu_executor_test 180 "$bundle/gpu_executor_test"
 [ -x "$bundle/gpu_ipc_test" ] && run gpu_ipc_test 60 "$bundle/gpu_ipc_test"
 run multigpu_test 120 "$bundle/multigpu_test"
 run cuda_vs_cpu_test 60 "$bundle/cuda_vs_cpu_test"
