@@ -100,7 +100,7 @@ def main() -> int:
                 path.write_text(original)
             rows.append((p, caught, note))
             verdict = "caught by " + "; ".join(
-                f"{b}: {', '.join(t[:3])}{' ...' if len(t) > 3 else ''}" for b, t in caught.items()
+                f"{b} ({len(t)}): {', '.join(t)}" for b, t in caught.items()
             ) if caught else "NOT CAUGHT"
             print(f"{p['name']}: {verdict} ({time.time() - t0:.0f} s)", flush=True)
     finally:
@@ -125,7 +125,7 @@ def main() -> int:
         elif not caught:
             by = "**NOT CAUGHT**"
         else:
-            by = "; ".join(f"`{b}`: {', '.join(t[:3])}{' …' if len(t) > 3 else ''}"
+            by = "; ".join(f"`{b}` ({len(t)} failed): {', '.join(t[:4])}{', …' if len(t) > 4 else ''}"
                            for b, t in caught.items())
             if note:
                 by += f" ({note})"

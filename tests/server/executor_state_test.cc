@@ -168,6 +168,15 @@ TEST_F(ExecutorState, RejectedCallsChangeNothing) {
     step->input.sequences[0].new_keys.type = kernels::ElemType::kFp8E4M3;  // FP4 cache
     RejectStep(*step, absl::StatusCode::kInvalidArgument, "cache's format");
   }
+  {
+    // A good sequence followed by one whose keys are in the wrong format: refused at
+    // sequences[1], and sequence 1's keys must not land either. A step of sequence 1 alone
+    // then answers at its old length (Step checks the lengths and the answer).
+    std::unique_ptr<StepData> step = h_->MakeStep(0, {{1, 2, 2, {}}, {2, 1, 1, {}}});
+    step->input.sequences[1].new_keys.type = kernels::ElemType::kFp8E4M3;  // FP4 cache
+    RejectStep(*step, absl::StatusCode::kInvalidArgument, "sequences[1].new_keys: pre-quantized");
+    Step(0, {{1, 1, 1, {}}});
+  }
   // return_candidates away from the source.
   {
     std::unique_ptr<StepData> step = h_->MakeStep(0, {{1, 1, 1, {}}});
