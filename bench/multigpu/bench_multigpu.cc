@@ -142,7 +142,11 @@ Args Parse(int argc, char** argv) {
       return argv[++i];
     };
     if (f == "--help" || f == "-h") {
-      std::printf("decode-indexer-bench-multigpu: flags are listed in the source's header\n");
+      std::printf(
+          "usage: decode-indexer-bench-multigpu [--backend cuda|cpu|host] [--ranks 1,2] "
+          "[--requests 64,128]\n  [--contexts 32768,65536] [--next-n 1,2] [--steps 20] "
+          "[--v41-requests 64] [--v41-context 32768]\n  [--skip-v32] [--skip-v41] "
+          "[--graphs on,off] [--pinned on] [--direct on,off] [--version]\n");
       std::exit(0);
     } else if (f == "--version") {
       std::printf("%s\n", decode_indexer::cli::VersionLine().c_str());
