@@ -53,7 +53,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--profile", profile_name, "built-in profile (v32, v41) or a profile file")
       ->capture_default_str();
-  app.add_option("--cache-pages", options.executor.cache_pages, "pages in each cache pool")
+  app.add_option("--cache-pages", options.executor.cache_pages,
+                 "pages in EACH cache pool (one pool per cache-owning layer and rank: memory is "
+                 "pools x pages x page bytes, e.g. v32: 61 x 4096 x 8448 B = 2.1 GB)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--row-shard-min-requests", options.executor.row_shard_min_requests,

@@ -134,7 +134,7 @@ class LogsAndHealthTest(BinaryTestCase):
         self.assertIn("ReleaseSequence", mine[0]["message"])
 
     def test_health_by_name_and_drain_grace(self):
-        s = self.start(["--drain-grace", "3", "--drain-timeout", "1"])
+        s = self.start(["--drain-grace", "5", "--drain-timeout", "1"])
         self.assertEqual(health(s.target, ""), SERVING)
         self.assertEqual(health(s.target, SERVICE), SERVING)
         with self.assertRaises(grpc.RpcError) as cm:
