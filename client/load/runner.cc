@@ -69,6 +69,9 @@ double BucketQuantileUs(const std::array<uint64_t, Live::kBuckets>& counts, doub
   return Live::BucketUpperUs(Live::kBuckets - 1);
 }
 
+// The routing key every call of a worker carries: its first sequence's id, for all of its
+// sequences, so that a balancer hashing on the header puts a worker's sequences on one
+// replica and its batches stay replica-affine.
 void AddSequenceId(grpc::ClientContext* context, uint64_t sequence_id) {
   context->AddMetadata(kSequenceIdKey, std::to_string(sequence_id));
 }
@@ -190,7 +193,7 @@ class LoadRun {
       {
         grpc::ClientContext context;
         PrepareContext(options_.channel, &context);
-        AddSequenceId(&context, seq.id);
+        AddSequenceId(&context, w.sequences.front().id);
         v1::CreateSequenceRequest request;
         request.set_sequence_id(seq.id);
         v1::CreateSequenceResponse response;
@@ -208,7 +211,7 @@ class LoadRun {
               static_cast<int32_t>(std::min<int64_t>(options_.prefill_chunk, length - done));
           grpc::ClientContext context;
           PrepareContext(options_.channel, &context);
-          AddSequenceId(&context, seq.id);
+          AddSequenceId(&context, w.sequences.front().id);
           v1::AppendKeysRequest request;
           request.set_sequence_id(seq.id);
           request.set_layer(layer);
@@ -390,7 +393,7 @@ class LoadRun {
     for (const Sequence& seq : w.sequences) {
       grpc::ClientContext context;
       PrepareContext(options_.channel, &context);
-      AddSequenceId(&context, seq.id);
+      AddSequenceId(&context, w.sequences.front().id);
       context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
       v1::ReleaseSequenceRequest request;
       request.set_sequence_id(seq.id);

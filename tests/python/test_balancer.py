@@ -124,11 +124,48 @@ class ThreeReplicasBehindHaproxy(unittest.TestCase):
                 self.assertEqual(e.code, grpc.StatusCode.NOT_FOUND, e)
                 return False
 
+    def _load_through_balancer(self) -> None:
+        """decode-indexer-load keys all of a worker's calls by its first sequence, so its
+        multi-sequence batches stay on one replica: a verified run through the balancer."""
+        load = Path(find_server_binary()).resolve().parents[1] / "client/load/decode-indexer-load"
+        if not load.is_file():
+            return
+        done = subprocess.run(
+            [str(load), "--target", self.balancer.target, "--concurrency", "3",
+             "--requests-per-step", "3", "--context", "48", "--steps", "6", "--warmup-steps",
+             "0", "--verify", "--verify-sequences", "3", "--progress", "off", "-q"],
+            capture_output=True, text=True, timeout=300)
+        self.assertEqual(done.returncode, 0, done.stdout[-3000:] + done.stderr[-3000:])
+
+    def _batch_with_one_route_key(self, lb: di.Client, ref: di.Client, info, rng) -> None:
+        """Sequences created, prefilled and stepped under one routing key share a replica, so
+        a batch of them works through the balancer and answers as a single server."""
+        ids = [int(x) for x in rng.choice(1 << 62, 4, replace=False)]
+        key = ids[0]
+        for s in ids:
+            keys = {layer: rng.standard_normal((PREFILL, info.head_dim), dtype=np.float32)
+                    for layer in info.cache_layers}
+            lb.create_sequence(s, route=key)
+            ref.create_sequence(s)
+            for layer in info.cache_layers:
+                lb.append_keys(s, layer, keys[layer], route=key)
+                ref.append_keys(s, layer, keys[layer])
+        q = rng.standard_normal((len(ids), info.num_heads, info.head_dim), dtype=np.float32)
+        w = rng.standard_normal((len(ids), info.num_heads), dtype=np.float32)
+        steps = [di.SequenceStep(s) for s in ids]
+        np.testing.assert_array_equal(lb.decode_step(0, steps, q, w).topk,
+                                      ref.decode_step(0, steps, q, w).topk)
+        for s in ids:
+            lb.release_sequence(s, route=key)
+            ref.release_sequence(s)
+
     def test_sequence_affine_routing_failover_and_recovery(self):
         rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
         lb = di.Client(self.balancer.target, timeout=30)
         ref = di.Client(self.reference.target, timeout=30)
         info = ref.server_info()
+        self._load_through_balancer()
+        self._batch_with_one_route_key(lb, ref, info, rng)
         ids = [int(x) for x in rng.choice(1 << 62, SEQUENCES, replace=False)]
         self.keys = {s: {layer: rng.standard_normal((PREFILL, info.head_dim), dtype=np.float32)
                          for layer in info.cache_layers} for s in ids}

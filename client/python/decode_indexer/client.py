@@ -402,16 +402,22 @@ class Client:
                                      pb.GetServerInfoRequest(), timeout))
 
     def create_sequence(self, sequence_id: int | None = None, *,
-                        timeout: float | None = None) -> int:
-        """Creates an empty sequence and returns its id (a random 63-bit one if not given)."""
+                        timeout: float | None = None, route: int | None = None) -> int:
+        """Creates an empty sequence and returns its id (a random 63-bit one if not given).
+
+        route (here and in append_keys, release_sequence, decode_step): the routing key sent
+        as x-di-sequence-id, by default the sequence's own id (a step: its first sequence's).
+        Sequences that will be batched together behind a balancer must share one key (e.g.
+        the batch's first id) on every call, so that they live on one replica."""
         if sequence_id is None:
             sequence_id = random.getrandbits(63)
         self._call("CreateSequence", self._create,
-                   pb.CreateSequenceRequest(sequence_id=sequence_id), timeout, sequence_id)
+                   pb.CreateSequenceRequest(sequence_id=sequence_id), timeout,
+                   sequence_id if route is None else route)
         return sequence_id
 
     def append_keys(self, sequence_id: int, layer: int, keys: Any, key_scales: Any = None, *,
-                    timeout: float | None = None) -> int:
+                    timeout: float | None = None, route: int | None = None) -> int:
         """Appends prefill keys to the cache `layer` owns; returns the cache's new length.
 
         keys: [n, D] float32 / bfloat16 (the server quantizes), or pre-quantized in the cache's
@@ -420,14 +426,15 @@ class Client:
         """
         resp = self._call("AppendKeys", self._append,
                           _encode_append(sequence_id, layer, keys, key_scales), timeout,
-                          sequence_id)
+                          sequence_id if route is None else route)
         return resp.length
 
-    def release_sequence(self, sequence_id: int, *, timeout: float | None = None) -> int:
+    def release_sequence(self, sequence_id: int, *, timeout: float | None = None,
+                         route: int | None = None) -> int:
         """Frees every page of the sequence; returns how many were freed."""
         return self._call("ReleaseSequence", self._release,
                           pb.ReleaseSequenceRequest(sequence_id=sequence_id), timeout,
-                          sequence_id).pages_freed
+                          sequence_id if route is None else route).pages_freed
 
     def decode_step(self, layer: int, steps: Sequence[SequenceStep], q: Any, weights: Any,
                     q_scales: Any = None, positions: Any = None, step_id: int = 0,
@@ -435,7 +442,7 @@ class Client:
                     shared_memory: SharedMemoryRegion | None = None, answer: Any = None,
                     candidates: Any = None, answer_encoding: str = "raw",
                     timeout_us: int | None = None,
-                    timeout: float | None = None) -> DecodeResult:
+                    timeout: float | None = None, route: int | None = None) -> DecodeResult:
         """Runs one decode step of one layer and returns each row's top-k positions.
 
         q: [rows, H, D] float32/bfloat16 (raw weights; the server quantizes, folds and, given
@@ -458,8 +465,9 @@ class Client:
                                        answer_encoding, timeout_us)
         start = time.perf_counter()
         # A batch is replica-affine (all its sequences on one replica): routed by the first.
-        resp = self._call("DecodeStep", self._decode, request, timeout,
-                          steps[0].sequence_id if steps else None)
+        if route is None and steps:
+            route = steps[0].sequence_id
+        resp = self._call("DecodeStep", self._decode, request, timeout, route)
         return _result(resp, (time.perf_counter() - start) * 1e6, placed,
                        answer_encoding == "delta")
 
