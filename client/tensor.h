@@ -113,6 +113,13 @@ inline absl::StatusOr<std::vector<float>> ParseF32(const v1::Tensor& t) {
 // Decodes ANSWER_ENCODING_DELTA_VARINT (see the proto) into rows x k positions, -1 padded.
 inline absl::StatusOr<std::vector<int32_t>> DecodeTopkDelta(const std::string& bytes, int64_t rows,
                                                             int64_t k) {
+  // The shape comes from the response: a row takes at least one byte, and the answer is
+  // bounded (k up to 2^20, at most 2^28 positions) before anything is allocated.
+  if (rows < 0 || k < 0 || k > (int64_t{1} << 20) || rows > static_cast<int64_t>(bytes.size()) ||
+      rows * k > (int64_t{1} << 28)) {
+    return absl::DataLossError(absl::StrCat("topk_delta: shape [", rows, ", ", k, "] does not fit ",
+                                            bytes.size(), " bytes"));
+  }
   std::vector<int32_t> out(static_cast<size_t>(rows * k), -1);
   size_t at = 0;
   auto next = [&](uint64_t& v) {

@@ -20,6 +20,9 @@ packages=(
   prometheus-cpp-dev libcivetweb-dev prometheus
   # The three-replica balancer test (tests/python/test_balancer.py).
   haproxy
+  # libssl-dev: the TLS key/certificate check; the fuzz targets (tests/fuzz): clang 14 with
+  # libFuzzer.
+  libssl-dev clang-14 libfuzzer-14-dev
 )
 # kubectl for the Kubernetes manifests' offline dry run: Debian's kubernetes-client, unless a
 # kubectl is installed already (e.g. from the Kubernetes or Google Cloud apt repositories).

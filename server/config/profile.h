@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -47,6 +48,9 @@ absl::StatusOr<Profile> BuiltinProfile(const std::string& name);
 // --profile: a built-in name, or a path to a .toml, .yaml/.yml or .json file. A file may
 // start from a built-in (`base = "v41"`) and override any constant, the layer plan included.
 absl::StatusOr<Profile> LoadProfile(const std::string& name_or_path);
+// The same from a document's text; `format` is "toml", "yaml" or "json" (the fuzz target's
+// entry point: no file system).
+absl::StatusOr<Profile> ParseProfileText(std::string_view text, const std::string& format);
 // Every constraint the kernels and the server rely on (D a multiple of 32, a consumer's
 // cache layer a source, ...). LoadProfile calls it.
 absl::Status ValidateProfile(const Profile& profile);

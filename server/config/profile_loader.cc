@@ -8,6 +8,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
@@ -78,39 +79,49 @@ json YamlToJson(const YAML::Node& node) {
   }
 }
 
+// Parses a profile document of type `ext` (".toml", ".yaml"/".yml", ".json"); `label` (the
+// file's path) prefixes the messages.
+absl::StatusOr<json> ParseTree(std::string_view text, const std::string& ext,
+                               const std::string& label) {
+  try {
+    if (ext == ".toml") {
+      toml::table t = toml::parse(text, std::string_view(label));
+      return TomlToJson(t);
+    }
+    if (ext == ".yaml" || ext == ".yml") {
+      YAML::Node root = YAML::Load(std::string(text));
+      if (!root.IsMap()) {
+        return absl::InvalidArgumentError(absl::StrCat(label, ": the top level must be a map"));
+      }
+      return YamlToJson(root);
+    }
+    if (ext == ".json") {
+      json root = json::parse(text, nullptr, /*allow_exceptions=*/true, /*ignore_comments=*/true);
+      return root;
+    }
+  } catch (const toml::parse_error& e) {
+    return absl::InvalidArgumentError(absl::StrCat(label, ":", e.source().begin.line, ":",
+                                                   e.source().begin.column, ": ",
+                                                   std::string(e.description())));
+  } catch (const std::exception& e) {
+    // yaml-cpp and nlohmann report the line and column inside what().
+    return absl::InvalidArgumentError(absl::StrCat(label, ": ", e.what()));
+  }
+  return absl::InvalidArgumentError(absl::StrCat("profile ", label, ": unknown file type \"", ext,
+                                                 "\" (use .toml, .yaml, .yml or .json)"));
+}
+
 absl::StatusOr<json> ReadTree(const std::string& path) {
   std::string ext = absl::AsciiStrToLower(std::filesystem::path(path).extension().string());
   std::error_code ec;
   if (!std::filesystem::is_regular_file(path, ec)) {
     return absl::NotFoundError(absl::StrCat("profile file ", path, " does not exist"));
   }
-  try {
-    if (ext == ".toml") {
-      toml::table t = toml::parse_file(path);
-      return TomlToJson(t);
-    }
-    if (ext == ".yaml" || ext == ".yml") {
-      YAML::Node root = YAML::LoadFile(path);
-      if (!root.IsMap()) {
-        return absl::InvalidArgumentError(absl::StrCat(path, ": the top level must be a map"));
-      }
-      return YamlToJson(root);
-    }
-    if (ext == ".json") {
-      std::ifstream in(path);
-      json root = json::parse(in, nullptr, /*allow_exceptions=*/true, /*ignore_comments=*/true);
-      return root;
-    }
-  } catch (const toml::parse_error& e) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ":", e.source().begin.line, ":",
-                                                   e.source().begin.column, ": ",
-                                                   std::string(e.description())));
-  } catch (const std::exception& e) {
-    // yaml-cpp and nlohmann report the line and column inside what().
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", e.what()));
-  }
-  return absl::InvalidArgumentError(absl::StrCat("profile ", path, ": unknown file type \"", ext,
-                                                 "\" (use .toml, .yaml, .yml or .json)"));
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  if (!in && !in.eof()) return absl::InvalidArgumentError(absl::StrCat(path, ": cannot read"));
+  return ParseTree(text.str(), ext, path);
 }
 
 // ---- The schema walker ----------------------------------------------------------------------
@@ -405,6 +416,15 @@ absl::StatusOr<Profile> ApplyTree(const json& root, const std::string& file) {
 #undef DI_RETURN_IF_ERROR
 
 }  // namespace
+
+absl::StatusOr<Profile> ParseProfileText(std::string_view text, const std::string& format) {
+  absl::StatusOr<json> tree = ParseTree(text, absl::StrCat(".", format), "profile");
+  if (!tree.ok()) return tree.status();
+  absl::StatusOr<Profile> profile = ApplyTree(*tree, "profile");
+  if (!profile.ok()) return profile.status();
+  if (absl::Status s = ValidateProfile(*profile); !s.ok()) return s;
+  return profile;
+}
 
 absl::StatusOr<Profile> LoadProfile(const std::string& name_or_path) {
   absl::StatusOr<Profile> profile;

@@ -1,0 +1,82 @@
+// Request decoding and validation (server/service/request_decode.cc) on arbitrary bytes: the
+// first byte picks the profile and the message (DecodeStepRequest or AppendKeysRequest, with
+// q / weights "in shared memory" or not); the rest is parsed as that message. Decoding must
+// never crash, refuse only with a non-empty INVALID_ARGUMENT message, and a decoded step must
+// be consistent with its request (rows, pointers).
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "server/config/profile.h"
+#include "server/service/request_decode.h"
+
+namespace {
+
+using decode_indexer::config::Profile;
+namespace service = decode_indexer::service;
+namespace v1 = decode_indexer::v1;
+
+void Check(bool ok) {
+  if (!ok) std::abort();
+}
+
+void CheckRefusal(const absl::Status& s) {
+  Check(s.code() == absl::StatusCode::kInvalidArgument);
+  Check(!s.message().empty());
+  Check(s.message().size() <= 4096);  // bounded: no echo of unbounded input
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static const Profile v32 = *decode_indexer::config::BuiltinProfile("v32");
+  static const Profile v41 = *decode_indexer::config::BuiltinProfile("v41");
+  if (size < 1) return 0;
+  const uint8_t mode = data[0];
+  const Profile& profile = (mode & 1) ? v41 : v32;
+  ++data;
+  --size;
+  if (mode & 2) {
+    v1::AppendKeysRequest request;
+    if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
+    absl::StatusOr<service::DecodedAppend> decoded = service::DecodeAppendKeys(request, profile);
+    if (!decoded.ok()) {
+      CheckRefusal(decoded.status());
+      return 0;
+    }
+    Check(decoded->keys.count > 0 && decoded->keys.count <= profile.max_context);
+    Check(decoded->keys.keys != nullptr);
+    return 0;
+  }
+  v1::DecodeStepRequest request;
+  if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
+  // Shared memory: the tensors' bytes come from elsewhere (here: copies of their data fields,
+  // which the request then must not carry).
+  service::ExternalStepBytes external;
+  std::string q, w;
+  if (mode & 4) {
+    q = request.q().data();
+    w = request.weights().data();
+    request.mutable_q()->clear_data();
+    request.mutable_weights()->clear_data();
+    external.q = q;
+    external.weights = w;
+  }
+  absl::StatusOr<service::DecodedStep> decoded =
+      service::DecodeStepRequest(request, profile, external);
+  if (!decoded.ok()) {
+    CheckRefusal(decoded.status());
+    return 0;
+  }
+  int64_t rows = 0;
+  for (const auto& s : decoded->step.sequences) {
+    Check(s.num_rows >= 1 && s.num_rows <= profile.max_rows_per_sequence);
+    Check(s.row_lengths.empty() || static_cast<int32_t>(s.row_lengths.size()) == s.num_rows);
+    rows += s.num_rows;
+  }
+  Check(rows == decoded->step.num_rows);
+  Check(static_cast<int>(decoded->step.sequences.size()) == request.sequences_size());
+  Check(decoded->step.q.q != nullptr && decoded->step.q.weights != nullptr);
+  return 0;
+}
