@@ -6,6 +6,8 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -218,17 +220,75 @@ absl::StatusOr<v1::Statistics> IndexerClient::GetStatistics() {
   return stats;
 }
 
-absl::StatusOr<uint64_t> IndexerClient::RegisterSharedMemory(const std::string& name,
-                                                             uint64_t size) {
-  grpc::ClientContext context;
-  Prepare(context);
-  v1::RegisterSharedMemoryRequest request;
-  request.set_name(name);
-  request.set_size(size);
-  v1::RegisterSharedMemoryResponse response;
-  grpc::Status s = stub_->RegisterSharedMemory(&context, request, &response);
-  if (!s.ok()) return FromGrpcStatus(s);
-  return response.region_id();
+absl::StatusOr<uint64_t> IndexerClient::RegisterSharedMemory(const SharedMemory& shm,
+                                                             const std::string& socket_path) {
+  std::string path = socket_path;
+  if (path.empty()) {
+    absl::StatusOr<v1::ServerInfo> info = ServerInfo();
+    if (!info.ok()) return info.status();
+    path = info->shm_socket();
+    if (path.empty()) {
+      return absl::FailedPreconditionError(
+          "shared memory: the server has no --shm-socket (ServerInfo.shm_socket is empty)");
+    }
+  }
+  return RegisterMemfd(path, shm.fd(), shm.size());
+}
+
+absl::StatusOr<uint64_t> RegisterMemfd(const std::string& socket_path, int fd, uint64_t size) {
+  sockaddr_un addr = {};
+  addr.sun_family = AF_UNIX;
+  if (socket_path.empty() || socket_path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError("shm socket: path too long or empty");
+  }
+  std::memcpy(addr.sun_path, socket_path.data(), socket_path.size());
+  const int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (sock < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+  if (connect(sock, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const int err = errno;
+    close(sock);
+    return absl::UnavailableError(
+        absl::StrCat("shm socket ", socket_path, ": connect: ", std::strerror(err)));
+  }
+  char payload[16];
+  std::memcpy(payload, "DISHM001", 8);
+  for (int i = 0; i < 8; ++i) payload[8 + i] = static_cast<char>(size >> (8 * i));
+  iovec iov = {payload, sizeof(payload)};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg = {};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  if (sendmsg(sock, &msg, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(payload))) {
+    const int err = errno;
+    close(sock);
+    return absl::UnavailableError(absl::StrCat("shm socket: sendmsg: ", std::strerror(err)));
+  }
+  char reply[12 + 256];
+  ssize_t n;
+  do {
+    n = recv(sock, reply, sizeof(reply), 0);
+  } while (n < 0 && errno == EINTR);
+  close(sock);
+  if (n < 12) return absl::UnavailableError("shm socket: no reply from the server");
+  uint32_t code = 0;
+  uint64_t id = 0;
+  for (int i = 0; i < 4; ++i)
+    code |= static_cast<uint32_t>(static_cast<uint8_t>(reply[i])) << (8 * i);
+  for (int i = 0; i < 8; ++i)
+    id |= static_cast<uint64_t>(static_cast<uint8_t>(reply[4 + i])) << (8 * i);
+  if (code != 0) {
+    const absl::StatusCode sc =
+        code <= 16 ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnknown;
+    return absl::Status(sc, std::string(reply + 12, static_cast<size_t>(n - 12)));
+  }
+  return id;
 }
 
 absl::Status IndexerClient::UnregisterSharedMemory(uint64_t region_id) {
@@ -265,33 +325,37 @@ absl::Status IndexerClient::UnregisterCudaIpcMemory(uint64_t region_id) {
 
 absl::StatusOr<std::unique_ptr<SharedMemory>> SharedMemory::Create(const std::string& name,
                                                                    uint64_t size) {
-  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  const std::string label = name.empty() ? std::string("di-client") : name;
+  const int fd = memfd_create(label.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) {
-    return absl::UnavailableError(absl::StrCat("shm_open ", name, ": ", std::strerror(errno)));
+    return absl::UnavailableError(absl::StrCat("memfd_create: ", std::strerror(errno)));
   }
-  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+  // Sized, then sealed: neither this process nor anyone it passes the descriptor to can
+  // change the size again, which is what lets the server map it safely.
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0 ||
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
     const int err = errno;
     close(fd);
-    shm_unlink(name.c_str());
-    return absl::ResourceExhaustedError(absl::StrCat("ftruncate ", name, ": ", std::strerror(err)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("memfd of ", size, " bytes: ", std::strerror(err)));
   }
   void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const int err = errno;
-  close(fd);
   if (base == MAP_FAILED) {
-    shm_unlink(name.c_str());
-    return absl::ResourceExhaustedError(absl::StrCat("mmap ", name, ": ", std::strerror(err)));
+    const int err = errno;
+    close(fd);
+    return absl::ResourceExhaustedError(absl::StrCat("mmap: ", std::strerror(err)));
   }
   std::unique_ptr<SharedMemory> shm(new SharedMemory());
   shm->base_ = static_cast<uint8_t*>(base);
   shm->size_ = size;
-  shm->name_ = name;
+  shm->name_ = label;
+  shm->fd_ = fd;
   return shm;
 }
 
 SharedMemory::~SharedMemory() {
   if (base_ != nullptr) munmap(base_, size_);
-  shm_unlink(name_.c_str());
+  if (fd_ >= 0) close(fd_);
 }
 
 StepStream::~StepStream() {

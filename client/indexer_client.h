@@ -79,11 +79,13 @@ struct ClientOptions {
   int keepalive_timeout_ms = 0;
 };
 
-// A POSIX shared-memory object the client creates (shm_open + ftruncate + mmap) for
-// RegisterSharedMemory; unlinked and unmapped on destruction.
+// A sealed memfd the client creates (memfd_create + ftruncate + F_SEAL_SHRINK | F_SEAL_GROW |
+// F_SEAL_SEAL + mmap) and hands to the server over its shm socket (RegisterSharedMemory
+// below): its size can never change again, so the server can map it safely. Unmapped and
+// closed on destruction (the server keeps its own mapping until the region is unregistered).
 class SharedMemory {
  public:
-  // `name` "/di-..." (the server accepts only that prefix).
+  // `name` only labels the memfd (/proc/PID/fd); size in bytes.
   static absl::StatusOr<std::unique_ptr<SharedMemory>> Create(const std::string& name,
                                                               uint64_t size);
   ~SharedMemory();
@@ -92,13 +94,19 @@ class SharedMemory {
   uint8_t* data() { return base_; }
   uint64_t size() const { return size_; }
   const std::string& name() const { return name_; }
+  int fd() const { return fd_; }
 
  private:
   SharedMemory() = default;
   uint8_t* base_ = nullptr;
   uint64_t size_ = 0;
   std::string name_;
+  int fd_ = -1;
 };
+
+// Hands `size` bytes of the sealed memfd `fd` to the server listening on `socket_path`
+// (--shm-socket); answers the region id (a random capability: keep it private).
+absl::StatusOr<uint64_t> RegisterMemfd(const std::string& socket_path, int fd, uint64_t size);
 
 // A DecodeStream session: steps answered in order; the stream ends with the first failing
 // step's status (Read then fails and Finish answers it).
@@ -145,8 +153,10 @@ class IndexerClient {
   absl::StatusOr<std::unique_ptr<StepStream>> OpenStream(
       std::optional<uint64_t> route_sequence_id = std::nullopt);
   absl::StatusOr<v1::Statistics> GetStatistics();
-  // Answers the region id for DecodeStepRequest.shared_memory.region_id.
-  absl::StatusOr<uint64_t> RegisterSharedMemory(const std::string& name, uint64_t size);
+  // Registers `shm` over the server's shm socket (`socket_path`, else ServerInfo.shm_socket);
+  // answers the region id for DecodeStepRequest.shared_memory.region_id.
+  absl::StatusOr<uint64_t> RegisterSharedMemory(const SharedMemory& shm,
+                                                const std::string& socket_path = "");
   absl::Status UnregisterSharedMemory(uint64_t region_id);
   // A device buffer exported with cudaIpcGetMemHandle (`handle`: the 64 bytes of the
   // cudaIpcMemHandle_t) on `device` (the server's ordinal of that GPU): answers the region id

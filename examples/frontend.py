@@ -7,7 +7,7 @@ through every layer of the profile, as a model's forward pass would: source laye
 their consumers, new keys only at the layers that own a cache, q as float32 with positions (the
 server applies RoPE and quantizes). Each step's layers are pipelined over one DecodeStream
 (--unary: one DecodeStep call per layer). With --shared-memory (a server on this host) q and
-weights are generated straight into a registered POSIX shared-memory region and the answers
+weights are generated straight into a registered shared-memory region (a sealed memfd sent over the server's --shm-socket) and the answers
 are read there: only shapes and offsets cross gRPC. Prints a summary of the answers and the
 latencies; exits 0 when every answer is well-formed.
 
@@ -187,7 +187,7 @@ def main() -> int:
               f"({'unary' if args.unary else 'stream'}"
               f"{', shared memory' if args.shared_memory else ''})")
         if region is not None:
-            region.close()  # unregisters it and unlinks its name
+            region.close()  # unregisters and unmaps it
         stats = client.statistics()
         print(f"server: {stats.steps} steps ({stats.steps_sharded} sharded), "
               f"{stats.rows_scored} rows scored, {stats.pages_in_use}/{stats.pages_total} pages")

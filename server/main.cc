@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -86,8 +88,32 @@ int main(int argc, char** argv) {
                  "host instead of all-gathering them first (a source layer's candidate blocks "
                  "and CUDA IPC answers are still all-gathered)")
       ->capture_default_str();
-  app.add_option("--max-message-bytes", options.max_message_bytes, "gRPC message size limit")
+  app.add_option("--max-message-bytes", options.max_message_bytes,
+                 "gRPC message size limit (0: sized from the profile's largest legal step, at "
+                 "least 64 MiB)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--max-sequences-per-step", options.max_sequences_per_step,
+                 "sequences one DecodeStep may carry (bounds the largest legal request)")
       ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  options.max_concurrent_streams = 64;
+  options.max_threads = 512;
+  app.add_option("--max-concurrent-streams", options.max_concurrent_streams,
+                 "HTTP/2 streams (calls) one connection may have open at once")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-threads", options.max_threads,
+                 "threads the gRPC handlers may use in all (calls beyond wait for one)")
+      ->check(CLI::Range(8, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--shm-socket", options.shm_socket,
+                 "Unix socket on which clients of this host register sealed memfds as "
+                 "shared-memory regions (empty: no shared memory)");
+  std::string reflection = "auto";
+  app.add_option("--reflection", reflection,
+                 "serve grpc.reflection: on, off, or auto (on unless a token is set)")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
   app.add_option("--drain-timeout,--drain-seconds", drain_seconds,
                  "seconds in-flight calls get on SIGTERM/SIGINT before they are cancelled")
@@ -106,7 +132,12 @@ int main(int argc, char** argv) {
                "GET /metrics also demands \"Authorization: Bearer <token>\" with the server's "
                "bearer token (--auth-token / DI_AUTH_TOKEN)");
   app.add_option("--auth-token", options.auth_token,
-                 "bearer token every call must carry (default: env DI_AUTH_TOKEN; empty: off)");
+                 "deprecated (the token shows in ps): use --auth-token-file or DI_AUTH_TOKEN");
+  std::string auth_token_file;
+  app.add_option("--auth-token-file", auth_token_file,
+                 "file holding the bearer token every call must carry (default: env "
+                 "DI_AUTH_TOKEN; neither: no token)")
+      ->check(CLI::ExistingFile);
   app.add_option("--tls-cert", options.tls_cert, "PEM server certificate (enables TLS)")
       ->check(CLI::ExistingFile);
   app.add_option("--tls-key", options.tls_key, "PEM server private key")->check(CLI::ExistingFile);
@@ -131,12 +162,37 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   decode_indexer::cli::AddVersion(app);
   DI_CLI_PARSE(app, argc, argv);
+  service::ConfigureLogging(log_format, log_level);
+  options.drain_grace = std::chrono::milliseconds(static_cast<int64_t>(drain_grace_seconds * 1e3));
+  if (!options.auth_token.empty()) {
+    spdlog::warn(
+        "--auth-token shows the token to anyone who can list processes; use "
+        "--auth-token-file or DI_AUTH_TOKEN");
+  }
+  if (!auth_token_file.empty()) {
+    if (!options.auth_token.empty()) {
+      spdlog::critical("--auth-token and --auth-token-file: give one");
+      return 2;
+    }
+    std::ifstream in(auth_token_file, std::ios::binary);
+    std::stringstream text;
+    text << in.rdbuf();
+    options.auth_token = text.str();
+    // A trailing newline (echo token > file) is not part of the token.
+    while (!options.auth_token.empty() &&
+           (options.auth_token.back() == '\n' || options.auth_token.back() == '\r')) {
+      options.auth_token.pop_back();
+    }
+    if (!in || options.auth_token.empty()) {
+      spdlog::critical("--auth-token-file {}: unreadable or empty", auth_token_file);
+      return 2;
+    }
+  }
   if (options.auth_token.empty()) {
     // From the environment so the token stays out of `ps`.
     if (const char* env = std::getenv("DI_AUTH_TOKEN")) options.auth_token = env;
   }
-  service::ConfigureLogging(log_format, log_level);
-  options.drain_grace = std::chrono::milliseconds(static_cast<int64_t>(drain_grace_seconds * 1e3));
+  options.reflection = reflection == "on" || (reflection == "auto" && options.auth_token.empty());
 
   absl::StatusOr<decode_indexer::config::Profile> profile =
       decode_indexer::config::LoadProfile(profile_name);

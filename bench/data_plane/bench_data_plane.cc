@@ -342,6 +342,11 @@ int RunEcho(const di::config::Profile& profile, const Request& req, int64_t cont
             int iters, bool pieces) {
   EchoExecutor echo(profile, context, 1234);
   di::service::IndexerService service(echo, "bench");
+  const std::string socket_path = "/tmp/di-bench-" + std::to_string(getpid()) + ".sock";
+  if (absl::Status s = service.StartShmSocket(socket_path); !s.ok()) {
+    std::fprintf(stderr, "shm socket: %s\n", s.ToString().c_str());
+    return 1;
+  }
   PrintHeader(false);
   for (bool tuned : {false, true}) {
     grpc::ServerBuilder builder;
@@ -389,14 +394,13 @@ int RunEcho(const di::config::Profile& profile, const Request& req, int64_t cont
       std::fprintf(stderr, "shm: %s\n", shm.status().ToString().c_str());
       return 1;
     }
-    grpc::ClientContext rctx;
-    di::v1::RegisterSharedMemoryRequest rreq;
-    rreq.set_name(name);
-    rreq.set_size(size);
-    di::v1::RegisterSharedMemoryResponse rresp;
-    if (!stub->RegisterSharedMemory(&rctx, rreq, &rresp).ok()) return 1;
+    absl::StatusOr<uint64_t> region = di::client::RegisterMemfd(socket_path, (*shm)->fd(), size);
+    if (!region.ok()) {
+      std::fprintf(stderr, "shm: %s\n", region.status().ToString().c_str());
+      return 1;
+    }
     Request shared = req;
-    MoveToShared(shared, (*shm)->data(), rresp.region_id());
+    MoveToShared(shared, (*shm)->data(), *region);
     mode("unary shm", shared, false);
     mode("stream shm", shared, true);
     server->Shutdown();
@@ -552,17 +556,15 @@ int RunServer(const std::string& target, int requests, int64_t context, int warm
     std::fprintf(stderr, "shm: %s\n", shm.status().ToString().c_str());
     return 1;
   }
-  grpc::ClientContext rctx;
-  di::v1::RegisterSharedMemoryRequest rreq;
-  rreq.set_name(name);
-  rreq.set_size(size);
-  di::v1::RegisterSharedMemoryResponse rresp;
-  if (grpc::Status rs = stub->RegisterSharedMemory(&rctx, rreq, &rresp); !rs.ok()) {
-    std::fprintf(stderr, "RegisterSharedMemory: %s\n", rs.error_message().c_str());
+  absl::StatusOr<uint64_t> region =
+      di::client::RegisterMemfd(info.shm_socket(), (*shm)->fd(), size);
+  if (!region.ok()) {
+    std::fprintf(stderr, "RegisterSharedMemory (start the server with --shm-socket): %s\n",
+                 region.status().ToString().c_str());
     return 1;
   }
   Request shared = req;
-  MoveToShared(shared, (*shm)->data(), rresp.region_id());
+  MoveToShared(shared, (*shm)->data(), *region);
   mode("unary shm", shared, false);
   mode("stream shm", shared, true);
 #ifdef DI_BENCH_CUDA

@@ -149,25 +149,30 @@ class LoadRun {
     // killed run with a recycled pid.
     const std::string name = absl::StrCat("/di-load-", getpid(), "-", w.index, "-",
                                           absl::Hex(options_.seed & 0xffffffffu));
-    auto shm = client::SharedMemory::Create(name, layout_.size);
+    auto shm = client::SharedMemory::Create(name.substr(1), layout_.size);
     if (!shm.ok()) return shm.status();
     w.shm = *std::move(shm);
+    // The region is a sealed memfd handed over the server's shm socket (ServerInfo says
+    // where; the server must run on this host).
     grpc::ClientContext context;
     PrepareContext(options_.channel, &context);
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    v1::RegisterSharedMemoryRequest request;
-    request.set_name(name);
-    request.set_size(layout_.size);
-    v1::RegisterSharedMemoryResponse response;
-    grpc::Status status = w.stub->RegisterSharedMemory(&context, request, &response);
-    if (!status.ok()) {
-      // NOT_FOUND: the server could not open the name, i.e. it runs on another host.
-      return FromGrpc(status, absl::StrCat("RegisterSharedMemory ", name,
-                                           status.error_code() == grpc::StatusCode::NOT_FOUND
-                                               ? " (--shared-memory needs the server on this host)"
-                                               : ""));
+    v1::ServerInfo info;
+    grpc::Status status = w.stub->GetServerInfo(&context, v1::GetServerInfoRequest(), &info);
+    if (!status.ok()) return FromGrpc(status, "GetServerInfo");
+    if (info.shm_socket().empty()) {
+      return absl::FailedPreconditionError(
+          "--shared-memory: the server has no --shm-socket (ServerInfo.shm_socket is empty)");
     }
-    w.region_id = response.region_id();
+    absl::StatusOr<uint64_t> region =
+        client::RegisterMemfd(info.shm_socket(), w.shm->fd(), layout_.size);
+    if (!region.ok()) {
+      return absl::Status(region.status().code(),
+                          absl::StrCat("registering shared memory over ", info.shm_socket(),
+                                       " (--shared-memory needs the server on this host): ",
+                                       region.status().message()));
+    }
+    w.region_id = *region;
     w.region_registered = true;
     return absl::OkStatus();
   }

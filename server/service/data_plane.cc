@@ -2,11 +2,13 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <random>
 #include <utility>
 #include <vector>
 
@@ -57,62 +59,91 @@ absl::StatusOr<uint8_t*> SharedMemoryRegion::Span(const char* field, uint64_t of
   if (offset > size_ || bytes > size_ - offset) {
     return absl::InvalidArgumentError(absl::StrCat("shared_memory.", field, ": [", offset, ", +",
                                                    bytes, ") is outside the region of ", size_,
-                                                   " bytes (", name_, ")"));
+                                                   " bytes"));
   }
   return base_ + offset;
 }
 
-absl::StatusOr<uint64_t> SharedMemoryRegistry::Register(
-    const std::string& name, uint64_t size,
-    const std::function<void(SharedMemoryRegion&)>& on_map) {
-  // Only objects named for this purpose: a remote caller must not map arbitrary shm
-  // objects of the server's host.
-  if (name.size() < 5 || name.size() > 255 || name.rfind("/di-", 0) != 0 ||
-      name.find('/', 1) != std::string::npos) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("name: expected a POSIX shm name \"/di-...\", got \"", name, "\""));
+uint64_t RandomRegionId() {
+  uint64_t id = 0;
+  while (id == 0) {
+    if (getrandom(&id, sizeof(id), 0) != static_cast<ssize_t>(sizeof(id))) {
+      std::random_device rd;  // getrandom cannot fail on Linux >= 3.17 for 8 bytes
+      id = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    }
   }
-  if (size == 0) return absl::InvalidArgumentError("size: must be positive");
+  return id;
+}
+
+absl::StatusOr<uint64_t> SharedMemoryRegistry::RegisterFd(
+    int fd, uint64_t size, uint32_t owner_uid,
+    const std::function<void(SharedMemoryRegion&)>& on_map) {
+  if (size == 0 || size > kMaxRegionBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("size: must be in [1, 2^40] bytes, got ", size));
+  }
+  // The server writes answers into it: the client must hold it read-write too.
+  const int flags = fcntl(fd, F_GETFL);
+  if (flags < 0 || (flags & O_ACCMODE) != O_RDWR) {
+    return absl::PermissionDeniedError("descriptor: not open read-write");
+  }
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0) {
+    return absl::InvalidArgumentError(
+        "descriptor: not a sealable memfd (create it with memfd_create(MFD_ALLOW_SEALING))");
+  }
+  constexpr int kNeeded = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+  if ((seals & kNeeded) != kNeeded) {
+    return absl::FailedPreconditionError(
+        "descriptor: seal it with F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL first (an unsealed "
+        "object could be shrunk under the server)");
+  }
+  if ((seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0) {
+    return absl::FailedPreconditionError("descriptor: write-sealed (the answer is written there)");
+  }
+  struct stat st = {};
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError("descriptor: not a memfd");
+  }
+  if (static_cast<uint64_t>(st.st_size) < size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("size: ", size, " exceeds the memfd's ", st.st_size, " bytes"));
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (regions_.size() >= kMaxRegions) {
       return absl::ResourceExhaustedError(
           absl::StrCat("at most ", kMaxRegions, " shared-memory regions"));
     }
-  }
-  const int fd = shm_open(name.c_str(), O_RDWR, 0);
-  if (fd < 0) {
-    const int open_errno = errno;
-    if (open_errno == EACCES || open_errno == EPERM) {
-      // Typically the frontend and the server run as different users (the image's server is
-      // uid 10001) and the object is mode 0600.
-      return absl::PermissionDeniedError(absl::StrCat(
-          "name: shm_open ", name, ": ", std::strerror(open_errno), " (server uid ", geteuid(),
-          "): create the object readable and writable by the server's user (same uid, or a "
-          "shared group and mode 0660)"));
+    size_t owned = 0;
+    for (const auto& [id, r] : regions_) owned += r->owner_uid() == owner_uid;
+    if (owned >= kMaxRegionsPerOwner) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("at most ", kMaxRegionsPerOwner, " shared-memory regions per client user"));
     }
-    return absl::NotFoundError(
-        absl::StrCat("name: shm_open ", name, ": ", std::strerror(open_errno)));
   }
-  struct stat st = {};
-  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < size) {
-    close(fd);
-    return absl::InvalidArgumentError(absl::StrCat("size: ", size, " exceeds the object's ",
-                                                   static_cast<int64_t>(st.st_size), " bytes"));
-  }
-  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const int mmap_errno = errno;
-  close(fd);  // the mapping keeps the object alive
+  // Populated now: the pages exist before any step touches them.
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   if (base == MAP_FAILED) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("mmap ", name, ": ", std::strerror(mmap_errno)));
+    return absl::ResourceExhaustedError(absl::StrCat("mmap: ", std::strerror(errno)));
   }
-  auto region = std::make_shared<SharedMemoryRegion>(base, size, name);
+  auto region = std::make_shared<SharedMemoryRegion>(base, size, owner_uid);
   if (on_map) on_map(*region);
   std::lock_guard<std::mutex> lock(mu_);
-  const uint64_t id = next_id_++;
+  // Checked again: a racing registration may have taken the last slot meanwhile.
+  size_t owned = 0;
+  for (const auto& [id, r] : regions_) owned += r->owner_uid() == owner_uid;
+  if (regions_.size() >= kMaxRegions || owned >= kMaxRegionsPerOwner) {
+    return absl::ResourceExhaustedError("shared-memory regions: quota reached meanwhile");
+  }
+  uint64_t id = RandomRegionId();
+  while (regions_.count(id) != 0) id = RandomRegionId();
   regions_.emplace(id, std::move(region));
   return id;
+}
+
+size_t SharedMemoryRegistry::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return regions_.size();
 }
 
 absl::Status SharedMemoryRegistry::Unregister(uint64_t region_id) {
@@ -121,7 +152,7 @@ absl::Status SharedMemoryRegistry::Unregister(uint64_t region_id) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = regions_.find(region_id);
     if (it == regions_.end()) {
-      return absl::NotFoundError(absl::StrCat("region_id: no region ", region_id));
+      return absl::NotFoundError("region_id: no such region");
     }
     gone = std::move(it->second);
     regions_.erase(it);
@@ -134,8 +165,7 @@ absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryRegistry::Get(
   std::lock_guard<std::mutex> lock(mu_);
   auto it = regions_.find(region_id);
   if (it == regions_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("shared_memory.region_id: no region ", region_id, " (register it first)"));
+    return absl::NotFoundError("shared_memory.region_id: no such region (register it first)");
   }
   return it->second;
 }
@@ -163,7 +193,8 @@ absl::StatusOr<uint64_t> CudaIpcRegistry::Add(std::shared_ptr<CudaIpcRegion> reg
   if (regions_.size() >= kMaxRegions) {
     return absl::ResourceExhaustedError(absl::StrCat("at most ", kMaxRegions, " CUDA IPC regions"));
   }
-  const uint64_t id = next_id_++;
+  uint64_t id = RandomRegionId();
+  while (regions_.count(id) != 0) id = RandomRegionId();
   regions_.emplace(id, std::move(region));
   return id;
 }
@@ -174,7 +205,7 @@ absl::Status CudaIpcRegistry::Remove(uint64_t region_id) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = regions_.find(region_id);
     if (it == regions_.end()) {
-      return absl::NotFoundError(absl::StrCat("region_id: no CUDA IPC region ", region_id));
+      return absl::NotFoundError("region_id: no such CUDA IPC region");
     }
     gone = std::move(it->second);
     regions_.erase(it);
@@ -186,8 +217,7 @@ absl::StatusOr<std::shared_ptr<CudaIpcRegion>> CudaIpcRegistry::Get(uint64_t reg
   std::lock_guard<std::mutex> lock(mu_);
   auto it = regions_.find(region_id);
   if (it == regions_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("cuda_ipc.region_id: no CUDA IPC region ", region_id, " (register it first)"));
+    return absl::NotFoundError("cuda_ipc.region_id: no such CUDA IPC region (register it first)");
   }
   return it->second;
 }

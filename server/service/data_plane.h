@@ -20,11 +20,15 @@ namespace decode_indexer::service {
 // Appends rows x k sorted, -1 padded positions in ANSWER_ENCODING_DELTA_VARINT form.
 void EncodeTopkDelta(std::span<const int32_t> topk, int32_t rows, int32_t k, std::string& out);
 
-// A mapped client region; unmapped when the last step using it lets go.
+// 64 random bits, never 0: region ids are capabilities (whoever holds one may use and
+// unregister the region), so they must not be guessable.
+uint64_t RandomRegionId();
+
+// A mapped client region (a sealed memfd); unmapped when the last step using it lets go.
 class SharedMemoryRegion {
  public:
-  SharedMemoryRegion(void* base, uint64_t size, std::string name)
-      : base_(static_cast<uint8_t*>(base)), size_(size), name_(std::move(name)) {}
+  SharedMemoryRegion(void* base, uint64_t size, uint32_t owner_uid)
+      : base_(static_cast<uint8_t*>(base)), size_(size), owner_uid_(owner_uid) {}
   ~SharedMemoryRegion();
   SharedMemoryRegion(const SharedMemoryRegion&) = delete;
   SharedMemoryRegion& operator=(const SharedMemoryRegion&) = delete;
@@ -34,6 +38,7 @@ class SharedMemoryRegion {
   absl::StatusOr<uint8_t*> Span(const char* field, uint64_t offset, uint64_t bytes) const;
   uint8_t* base() const { return base_; }
   uint64_t size() const { return size_; }
+  uint32_t owner_uid() const { return owner_uid_; }
   // Runs just before the unmap (e.g. to undo a page-lock of the region).
   void SetReleaseHook(std::function<void()> hook) { release_ = std::move(hook); }
   // Whether the region was page-locked for every device (set once, before first use): the
@@ -44,25 +49,32 @@ class SharedMemoryRegion {
  private:
   uint8_t* base_;
   uint64_t size_;
-  std::string name_;
+  uint32_t owner_uid_;
   std::function<void()> release_;
   bool page_locked_ = false;
 };
 
 class SharedMemoryRegistry {
  public:
-  // Opens and maps the client's POSIX shm object `name` ("/..." without further slashes);
-  // `on_map` (optional) sees the new region before it can be used (page-locking).
-  absl::StatusOr<uint64_t> Register(
-      const std::string& name, uint64_t size,
+  static constexpr size_t kMaxRegions = 64;
+  static constexpr size_t kMaxRegionsPerOwner = 16;
+  static constexpr uint64_t kMaxRegionBytes = uint64_t{1} << 40;
+
+  // Maps `size` bytes of the memfd `fd` (the caller keeps and closes fd) for a client of
+  // `owner_uid`: the descriptor must be a read-write memfd sealed against shrinking and
+  // growing with the seals themselves sealed (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), so
+  // the mapping can never lose its pages (no SIGBUS), of at least `size` bytes. `on_map`
+  // (optional) sees the new region before it can be used (page-locking). Answers the new
+  // region's random id.
+  absl::StatusOr<uint64_t> RegisterFd(
+      int fd, uint64_t size, uint32_t owner_uid,
       const std::function<void(SharedMemoryRegion&)>& on_map = nullptr);
   absl::Status Unregister(uint64_t region_id);
   absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> Get(uint64_t region_id) const;
+  size_t size() const;
 
  private:
-  static constexpr size_t kMaxRegions = 64;
   mutable std::mutex mu_;
-  uint64_t next_id_ = 1;
   std::unordered_map<uint64_t, std::shared_ptr<SharedMemoryRegion>> regions_;
 };
 
@@ -104,7 +116,6 @@ class CudaIpcRegistry {
 
  private:
   mutable std::mutex mu_;
-  uint64_t next_id_ = 1;
   std::unordered_map<uint64_t, std::shared_ptr<CudaIpcRegion>> regions_;
 };
 

@@ -140,6 +140,36 @@ void SetShapeOnly(int64_t rows, int64_t cols, v1::Tensor& out) {
   out.add_shape(cols);
 }
 
+// Bytes of a varint holding v.
+uint64_t VarintBytes(uint64_t v) {
+  uint64_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++n;
+  }
+  return n;
+}
+
+// The most bytes a step's response can take on the wire: the answer (raw int32, or delta
+// varints whose gaps are bounded by max_context), candidate blocks, lengths and the fixed
+// fields. Computed before the step runs.
+uint64_t ResponseBound(const v1::DecodeStepRequest& request, const config::Profile& profile,
+                       uint64_t rows, bool answer_elsewhere) {
+  const uint64_t k = static_cast<uint64_t>(profile.topk);
+  uint64_t bytes = 160;  // step_id, timing, sharded, tensor and field headers (~120)
+  bytes += static_cast<uint64_t>(request.sequences_size()) * 11;  // lengths
+  if (answer_elsewhere) return bytes;
+  if (request.answer_encoding() == v1::ANSWER_ENCODING_DELTA_VARINT) {
+    bytes += rows * (VarintBytes(k) + k * VarintBytes(static_cast<uint64_t>(profile.max_context)));
+  } else {
+    bytes += rows * k * 4;
+  }
+  if (request.return_candidates()) {
+    bytes += rows * static_cast<uint64_t>(profile.num_candidate_blocks) * 4;
+  }
+  return bytes;
+}
+
 // Handlers never let an exception (e.g. bad_alloc) escape into gRPC.
 template <typename F>
 absl::Status Guarded(F&& f) {
@@ -316,6 +346,7 @@ void IndexerService::FillServerInfo(v1::ServerInfo& info) const {
   info.set_healthy(st.healthy);
   info.set_health_detail(st.health_detail);
   info.set_collective(st.collective);
+  if (shm_socket_) info.set_shm_socket(shm_socket_->path());
   for (const config::LayerSpec& l : p.layers) {
     v1::LayerInfo* li = info.add_layers();
     li->set_layer(l.layer);
@@ -409,6 +440,12 @@ absl::Status IndexerService::RunStep(grpc::ServerContext* context,
         "answer_cuda_ipc: superseded by cuda_ipc (register your own device buffer with "
         "RegisterCudaIpcMemory; the server copies the answer into it)");
   }
+  if (options_.max_sequences_per_step > 0 &&
+      request.sequences_size() > options_.max_sequences_per_step) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequences: ", request.sequences_size(), " in one step exceed ",
+                     options_.max_sequences_per_step, " (--max-sequences-per-step)"));
+  }
   if (request.timeout_us() < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("timeout_us: must be >= 0 (0: none), got ", request.timeout_us()));
@@ -490,6 +527,18 @@ absl::Status IndexerService::RunStep(grpc::ServerContext* context,
   }
   const bool answer_elsewhere = ipc != nullptr || region != nullptr;
   step.host_memory_page_locked = region != nullptr && region->page_locked();
+  // An answer the transport could not send would fail the call after the step committed
+  // (a retry would append its keys twice): refuse it before anything runs.
+  if (options_.max_send_message_bytes > 0) {
+    const uint64_t bound = ResponseBound(request, profile, rows, answer_elsewhere);
+    if (bound > static_cast<uint64_t>(options_.max_send_message_bytes)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "answer: up to ", bound, " bytes for ", rows, " rows would exceed the message limit of ",
+          options_.max_send_message_bytes,
+          " bytes; nothing was run (use answer_encoding DELTA_VARINT, shared memory or fewer "
+          "rows per step)"));
+    }
+  }
 
   const auto queued = Clock::now();
   last_queued_deadline_.store(context->deadline().time_since_epoch().count());
@@ -643,32 +692,44 @@ grpc::Status IndexerService::GetStatistics(grpc::ServerContext* context,
   });
 }
 
+void IndexerService::PinRegion(SharedMemoryRegion& region) {
+  // Page-lock the region with the answering rank's backend, so q is copied to the device
+  // and the answer back by direct DMA; a region that cannot be pinned still works.
+  absl::Status pinned = executor_.WithAnswerBackend(
+      [&](kernels::Backend& be) { return be.RegisterHostMemory(region.base(), region.size()); });
+  if (!pinned.ok()) {
+    spdlog::info("shared memory: region of {} bytes stays pageable: {}", region.size(),
+                 pinned.ToString());
+    return;
+  }
+  region.MarkPageLocked();
+  region.SetReleaseHook([this, base = region.base()] {
+    absl::Status s = executor_.WithAnswerBackend(
+        [base](kernels::Backend& be) { return be.UnregisterHostMemory(base); });
+    if (!s.ok()) spdlog::warn("shared memory: unpinning a region: {}", s.ToString());
+  });
+}
+
+absl::Status IndexerService::StartShmSocket(const std::string& path) {
+  absl::StatusOr<std::unique_ptr<ShmSocketServer>> socket =
+      ShmSocketServer::Start(path, shm_, [this](SharedMemoryRegion& r) { PinRegion(r); });
+  if (!socket.ok()) return socket.status();
+  shm_socket_ = *std::move(socket);
+  return absl::OkStatus();
+}
+
 grpc::Status IndexerService::RegisterSharedMemory(grpc::ServerContext* context,
                                                   const v1::RegisterSharedMemoryRequest* request,
-                                                  v1::RegisterSharedMemoryResponse* response) {
+                                                  v1::RegisterSharedMemoryResponse*) {
   return Handle(kRegisterSharedMemory, context, [&]() -> absl::Status {
-    // Page-lock the region with the answering rank's backend, so q is copied to the device
-    // and the answer back by direct DMA; a region that cannot be pinned still works.
-    auto pin = [this](SharedMemoryRegion& region) {
-      absl::Status pinned = executor_.WithAnswerBackend([&](kernels::Backend& be) {
-        return be.RegisterHostMemory(region.base(), region.size());
-      });
-      if (!pinned.ok()) {
-        spdlog::info("shared memory: region of {} bytes stays pageable: {}", region.size(),
-                     pinned.ToString());
-        return;
-      }
-      region.MarkPageLocked();
-      region.SetReleaseHook([this, base = region.base()] {
-        absl::Status s = executor_.WithAnswerBackend(
-            [base](kernels::Backend& be) { return be.UnregisterHostMemory(base); });
-        if (!s.ok()) spdlog::warn("shared memory: unpinning a region: {}", s.ToString());
-      });
-    };
-    absl::StatusOr<uint64_t> id = shm_.Register(request->name(), request->size(), pin);
-    if (!id.ok()) return id.status();
-    response->set_region_id(*id);
-    return absl::OkStatus();
+    // A named POSIX object can be shrunk by whoever can open it, and a server reading a
+    // shrunk mapping dies of SIGBUS; names can also be guessed and modes bypassed by a root
+    // server. Only sealed memfds, handed over the Unix socket, are mapped.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "name ", EchoInput(request->name()),
+        ": POSIX shared-memory names are not mapped (the object could be shrunk under the "
+        "server); send a sealed memfd over the server's shm socket (ServerInfo.shm_socket",
+        shm_socket_ ? "" : "; this server has none: start it with --shm-socket", ")"));
   });
 }
 

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 
@@ -18,6 +19,7 @@
 #include "server/exec/executor.h"
 #include "server/service/data_plane.h"
 #include "server/service/metrics.h"
+#include "server/service/shm_socket.h"
 
 namespace decode_indexer::service {
 
@@ -49,6 +51,11 @@ struct ServiceOptions {
   // When set, every DecodeIndexer call must carry "authorization: Bearer <token>"
   // (UNAUTHENTICATED otherwise). The health service is separate and stays open.
   std::string auth_token;
+  // The gRPC send limit: a step whose answer could exceed it is refused before it runs
+  // (RESOURCE_EXHAUSTED), so a failed send never follows a committed step. 0: no check.
+  int64_t max_send_message_bytes = 0;
+  // Sequences a step may carry; 0: no limit.
+  int max_sequences_per_step = 0;
 };
 
 class IndexerService final : public v1::DecodeIndexer::Service {
@@ -86,6 +93,10 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   grpc::Status UnregisterCudaIpcMemory(grpc::ServerContext* context,
                                        const v1::UnregisterCudaIpcMemoryRequest* request,
                                        v1::UnregisterCudaIpcMemoryResponse* response) override;
+
+  // Serves sealed-memfd registrations on the Unix socket `path` (see shm_socket.h); the path
+  // is then advertised in ServerInfo.shm_socket.
+  absl::Status StartShmSocket(const std::string& path);
 
   void FillServerInfo(v1::ServerInfo& info) const;
   void FillStatistics(v1::Statistics& out) const;
@@ -143,6 +154,8 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   absl::Status Authorize(const grpc::ServerContext* context) const;
   // After a failed call: whether the executor turned unhealthy; if so, tell the sink once.
   void CheckHealth(const absl::Status& status);
+  // Page-locks a newly mapped region with the answering rank's backend (where it can).
+  void PinRegion(SharedMemoryRegion& region);
 
   exec::Executor& executor_;
   std::string version_;
@@ -166,6 +179,8 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   prometheus::Gauge* steps_in_flight_ = nullptr;
   // Sum of successful steps' ServerTiming.queue_us (GetStatistics.queue_us_total).
   std::atomic<int64_t> queue_us_total_{0};
+  // Registers into shm_ (and pins through executor_): stopped before either goes.
+  std::unique_ptr<ShmSocketServer> shm_socket_;
   std::mutex health_mu_;
   std::function<void(bool)> health_sink_;
   bool reported_unhealthy_ = false;

@@ -386,6 +386,12 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
   const int32_t h = profile.num_heads;
   const int32_t d = profile.head_dim;
 
+  if (!v1::AnswerEncoding_IsValid(request.answer_encoding())) {
+    // An open enum keeps unknown numbers: refuse them rather than serve them as RAW.
+    return Invalid("answer_encoding",
+                   absl::StrCat("unknown value ", request.answer_encoding(),
+                                " (expected ANSWER_ENCODING_RAW or ANSWER_ENCODING_DELTA_VARINT)"));
+  }
   if (request.sequences_size() == 0) return Invalid("sequences", "at least one required");
   if (request.return_candidates() && spec.role != config::LayerRole::kCandidateSource) {
     return Invalid("return_candidates",

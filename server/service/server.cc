@@ -2,8 +2,18 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
+#include <grpcpp/support/server_interceptor.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+
+#include <algorithm>
+#include <limits>
+#include <memory>
+#include <vector>
 
 #include <fstream>
 #include <sstream>
@@ -12,6 +22,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "server/service/status_mapping.h"
 #include "spdlog/spdlog.h"
 
 #include "decode_indexer/version.h"
@@ -35,6 +46,29 @@ absl::StatusOr<std::string> ReadFile(const std::string& what, const std::string&
   return ss.str();
 }
 
+// The key must belong to the certificate: gRPC would only say it "cannot serve".
+absl::Status CheckKeyMatchesCertificate(const std::string& cert_pem, const std::string& key_pem) {
+  BIO* cert_bio = BIO_new_mem_buf(cert_pem.data(), static_cast<int>(cert_pem.size()));
+  X509* cert = cert_bio ? PEM_read_bio_X509(cert_bio, nullptr, nullptr, nullptr) : nullptr;
+  BIO_free(cert_bio);
+  BIO* key_bio = BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size()));
+  EVP_PKEY* key = key_bio ? PEM_read_bio_PrivateKey(key_bio, nullptr, nullptr, nullptr) : nullptr;
+  BIO_free(key_bio);
+  absl::Status status = absl::OkStatus();
+  if (cert == nullptr) {
+    status = absl::InvalidArgumentError("tls-cert: not a PEM certificate");
+  } else if (key == nullptr) {
+    status = absl::InvalidArgumentError("tls-key: not a PEM private key (or it is encrypted)");
+  } else if (X509_check_private_key(cert, key) != 1) {
+    status = absl::InvalidArgumentError(
+        "tls-key: the private key does not match the certificate of --tls-cert");
+  }
+  ERR_clear_error();
+  X509_free(cert);
+  EVP_PKEY_free(key);
+  return status;
+}
+
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
     const ServerOptions& options) {
   if (options.tls_cert.empty() && options.tls_key.empty() && options.tls_client_ca.empty()) {
@@ -47,6 +81,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
   if (!cert.ok()) return cert.status();
   absl::StatusOr<std::string> key = ReadFile("tls-key", options.tls_key);
   if (!key.ok()) return key.status();
+  if (absl::Status s = CheckKeyMatchesCertificate(*cert, *key); !s.ok()) return s;
   grpc::SslServerCredentialsOptions ssl;
   ssl.pem_key_cert_pairs.push_back({*key, *cert});
   if (!options.tls_client_ca.empty()) {
@@ -58,7 +93,57 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
   return grpc::SslServerCredentials(ssl);
 }
 
+// The last word on every status a call ends with (gRPC's own included): gRPC answers a
+// request whose bytes do not parse with INTERNAL and no message, which tells the client
+// nothing; and a status message over kMaxStatusMessage is cut so it stays deliverable.
+class StatusInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit StatusInterceptor(grpc::experimental::ServerRpcInfo* info)
+      : method_(info->method() != nullptr ? info->method() : "") {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
+      grpc::Status s = methods->GetSendStatus();
+      if (s.error_code() == grpc::StatusCode::INTERNAL && s.error_message().empty()) {
+        methods->ModifySendStatus(
+            grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                         absl::StrCat("request: the bytes do not parse as the request message of ",
+                                      EchoInput(method_), " (protobuf)")));
+      } else if (s.error_message().size() > kMaxStatusMessage) {
+        methods->ModifySendStatus(grpc::Status(
+            s.error_code(), s.error_message().substr(0, kMaxStatusMessage - 3) + "..."));
+      }
+    }
+    methods->Proceed();
+  }
+
+ private:
+  std::string method_;
+};
+
+class StatusInterceptorFactory final
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    return new StatusInterceptor(info);
+  }
+};
+
 }  // namespace
+
+int DefaultMaxMessageBytes(const config::Profile& profile, int64_t max_sequences) {
+  // The largest legal DecodeStep: every live sequence at max_rows_per_sequence rows, fp32 q
+  // [rows, H, D] + fp32 weights [rows, H] + int64 positions + one fp32 key [D] per row; and
+  // a prefill chunk of 64 MiB (v32: 128K fp32 keys). Plus framing slack. Clients split
+  // larger prefills.
+  const int64_t rows = std::max<int64_t>(1, max_sequences) * profile.max_rows_per_sequence;
+  const int64_t per_row = int64_t{profile.num_heads} * profile.head_dim * 4 +
+                          int64_t{profile.num_heads} * 4 + 8 + int64_t{profile.head_dim} * 4 + 32;
+  const int64_t step = rows * per_row + (1 << 20);
+  const int64_t bytes = std::max<int64_t>(step, int64_t{64} << 20);
+  return static_cast<int>(std::min<int64_t>(bytes, std::numeric_limits<int>::max()));
+}
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   if (options.listen.rfind(':') == std::string::npos) {
@@ -72,18 +157,46 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
       exec::Executor::Create(options.profile, options.executor);
   if (!executor.ok()) return executor.status();
   server->executor_ = std::move(*executor);
+  const int receive_limit =
+      options.max_message_bytes > 0
+          ? options.max_message_bytes
+          : DefaultMaxMessageBytes(options.profile, options.max_sequences_per_step);
+  const int send_limit =
+      options.max_send_message_bytes > 0 ? options.max_send_message_bytes : receive_limit;
   ServiceOptions service_options;
   service_options.auth_token = options.auth_token;
+  service_options.max_send_message_bytes = send_limit;
+  service_options.max_sequences_per_step = options.max_sequences_per_step;
   server->service_ =
       std::make_unique<IndexerService>(*server->executor_, DI_VERSION_STRING, service_options);
+  if (!options.shm_socket.empty()) {
+    if (absl::Status s = server->service_->StartShmSocket(options.shm_socket); !s.ok()) {
+      server->executor_->Shutdown();
+      return s;
+    }
+  }
 
   // Both are process-wide switches read when the builder is made.
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  if (options.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen, *credentials, &server->port_);
-  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
-  builder.SetMaxSendMessageSize(options.max_message_bytes);
+  builder.SetMaxReceiveMessageSize(receive_limit);
+  builder.SetMaxSendMessageSize(send_limit);
+  // Bounded streams and threads: one connection cannot open more than
+  // max_concurrent_streams calls at once (HTTP/2 SETTINGS), and the sync server's handler
+  // threads stop at max_threads (further calls wait for one) instead of one per stream.
+  if (options.max_concurrent_streams > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_concurrent_streams);
+  }
+  if (options.max_threads > 0) {
+    grpc::ResourceQuota quota("decode-indexer");
+    quota.SetMaxThreads(options.max_threads);
+    builder.SetResourceQuota(quota);
+  }
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+  creators.push_back(std::make_unique<StatusInterceptorFactory>());
+  builder.experimental().SetInterceptorCreators(std::move(creators));
   if (options.keepalive_time_ms > 0) {
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, options.keepalive_time_ms);
   }
@@ -99,7 +212,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     server->executor_->Shutdown();
-    return absl::UnavailableError(absl::StrCat("listen: cannot serve on ", options.listen));
+    return absl::UnavailableError(absl::StrCat(
+        "listen: cannot serve on ", EchoInput(options.listen), " (address in use or not local?)"));
   }
   server->address_ = ConnectAddress(options.listen, server->port_);
   server->drain_grace_ = options.drain_grace;

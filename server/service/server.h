@@ -23,8 +23,24 @@ struct ServerOptions {
   std::string listen = "0.0.0.0:50051";
   config::Profile profile;
   exec::ExecutorOptions executor;
-  // Explicit, both ways: a v32 prefill of 128K fp32 keys is 64 MiB.
-  int max_message_bytes = 512 << 20;
+  // The receive (and, unless max_send_message_bytes, send) limit; 0: sized from the profile
+  // (DefaultMaxMessageBytes), so an unauthenticated client cannot make the server buffer
+  // more than the largest legal request.
+  int max_message_bytes = 0;
+  // The send limit when > 0 (else max_message_bytes): answers are checked against it before
+  // a step runs.
+  int max_send_message_bytes = 0;
+  // HTTP/2 streams one connection may have open at once, and the most threads the server's
+  // sync handlers may use (a grpc::ResourceQuota); 0 leaves gRPC's default.
+  int max_concurrent_streams = 0;
+  int max_threads = 0;
+  // Unix socket for sealed-memfd shared-memory registration; empty: no shared memory.
+  std::string shm_socket;
+  // Sequences one DecodeStep may carry (INVALID_ARGUMENT beyond): what bounds the largest
+  // legal request, and so the default message limit.
+  int max_sequences_per_step = 256;
+  // Serve grpc.reflection (decode-indexer-server turns it off when a token is set).
+  bool reflection = true;
   // host:port of the Prometheus /metrics HTTP endpoint; empty: none (port 0 picks one).
   std::string metrics_listen;
   // Bearer token every DecodeIndexer call must carry; empty: no authentication.
@@ -46,6 +62,11 @@ struct ServerOptions {
   int keepalive_timeout_ms = 0;
   int keepalive_min_ping_ms = 0;
 };
+
+// The default message limit: the largest legal DecodeStep of `profile` (`max_sequences`
+// sequences at max_rows_per_sequence rows, fp32 q), or a 64 MiB prefill chunk, whichever is
+// larger, plus slack.
+int DefaultMaxMessageBytes(const config::Profile& profile, int64_t max_sequences);
 
 class Server {
  public:

@@ -76,6 +76,11 @@ class ServerProcess {
     std::vector<std::string> args = {
         ServerBinary(), "--listen", "127.0.0.1:0",   "--backend", "cuda",        "--ranks", "1",
         "--profile",    "v32",      "--cache-pages", "2048",      "--log-level", "info"};
+    // Shared-memory regions are sealed memfds handed over this socket.
+    args.push_back("--shm-socket");
+    args.push_back((std::filesystem::temp_directory_path() /
+                    ("di-gpu-ipc-" + std::to_string(getpid()) + ".sock"))
+                       .string());
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -210,7 +215,7 @@ TEST(GpuIpcTest, AnswerInTheExportedBufferEqualsThePlainGrpcAnswer) {
     absl::StatusOr<std::unique_ptr<client::SharedMemory>> shm =
         client::SharedMemory::Create(name, shm_bytes);
     ASSERT_TRUE(shm.ok()) << shm.status();
-    absl::StatusOr<uint64_t> shm_region = cl.RegisterSharedMemory(name, shm_bytes);
+    absl::StatusOr<uint64_t> shm_region = cl.RegisterSharedMemory(**shm);
     ASSERT_TRUE(shm_region.ok()) << shm_region.status();
     const v1::DecodeStepRequest plain = make_step(20);
     absl::StatusOr<client::StepAnswer> want = cl.DecodeStep(plain);

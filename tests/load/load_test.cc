@@ -242,7 +242,8 @@ class RealServer {
     port_ = PickFreePort();
     process_ = Process::Spawn(
         {DI_SERVER_BINARY, "--listen", target(), "--backend", "cpu", "--profile", profile,
-         "--cache-pages", "1024", "--drain-seconds", "2", "--log-level", "warn"},
+         "--cache-pages", "1024", "--drain-seconds", "2", "--log-level", "warn", "--shm-socket",
+         "/tmp/di-load-test-" + std::to_string(getpid()) + "-" + std::to_string(port_) + ".sock"},
         log);
   }
   std::string target() const { return "127.0.0.1:" + std::to_string(port_); }

@@ -47,8 +47,11 @@ class ServerProcess:
         for _ in range(3):  # the free port can be taken between probe and bind: retry
             self.port = _free_port()
             self.target = f"127.0.0.1:{self.port}"
+            # The shared-memory registration socket: private to this server.
+            self.shm_socket = os.path.join(tempfile.gettempdir(),
+                                           f"di-test-{os.getpid()}-{self.port}.sock")
             cmd = [binary, "--listen", self.target, "--backend", "cpu", "--profile", profile,
-                   "--cache-pages", str(cache_pages), *extra]
+                   "--cache-pages", str(cache_pages), "--shm-socket", self.shm_socket, *extra]
             self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
             client = di.Client(self.target)
             try:

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -67,14 +68,17 @@ inline exec::ExecutorOptions CpuOptions(int ranks = 1, int64_t cache_pages = 256
   return o;
 }
 
-inline std::unique_ptr<Session> StartSession(const config::Profile& profile,
-                                             const exec::ExecutorOptions& options) {
+// `tweak` (optional) adjusts the server's options before it starts.
+inline std::unique_ptr<Session> StartSession(
+    const config::Profile& profile, const exec::ExecutorOptions& options,
+    const std::function<void(service::ServerOptions&)>& tweak = nullptr) {
   auto s = std::make_unique<Session>();
   s->profile = profile;
   service::ServerOptions so;
   so.listen = "127.0.0.1:0";
   so.profile = profile;
   so.executor = options;
+  if (tweak) tweak(so);
   absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(so);
   EXPECT_TRUE(server.ok()) << server.status();
   if (!server.ok()) return nullptr;

@@ -21,7 +21,7 @@ import numpy as np
 from . import _wire
 from ._gen import indexer_pb2 as pb
 from .errors import IndexerError
-from .shm import SharedMemoryRegion
+from .shm import SharedMemoryRegion, register_memfd
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["DecodeIndexer"].full_name
 # The metadata key carrying the (first) sequence id of every call that names sequences.
@@ -471,24 +471,27 @@ class Client:
         return _result(resp, (time.perf_counter() - start) * 1e6, placed,
                        answer_encoding == "delta")
 
-    def register_shared_memory(self, name: str, size: int, *,
+    def register_shared_memory(self, fd: int, size: int, *, socket_path: str | None = None,
                                timeout: float | None = None) -> int:
-        """Maps a POSIX shared-memory object this host's client created ("/di-..."); returns
-        its region id. Client.shared_memory does the creating and registering in one."""
-        return self._call("RegisterSharedMemory", self._register_shm,
-                          pb.RegisterSharedMemoryRequest(name=name, size=size),
-                          timeout).region_id
+        """Hands `size` bytes of a sealed memfd (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) to
+        the server over its shm socket (`socket_path`, else ServerInfo.shm_socket); returns its
+        region id. Client.shared_memory does the creating and registering in one."""
+        path = socket_path or self.server_info(timeout=timeout).shm_socket
+        if not path:
+            raise OSError("the server has no shm socket (start it with --shm-socket PATH)")
+        return register_memfd(path, fd, size, timeout=timeout)
 
     def unregister_shared_memory(self, region_id: int, *, timeout: float | None = None) -> None:
         self._call("UnregisterSharedMemory", self._unregister_shm,
                    pb.UnregisterSharedMemoryRequest(region_id=region_id), timeout)
 
     def shared_memory(self, size: int, *, name: str | None = None,
+                      socket_path: str | None = None,
                       timeout: float | None = None) -> SharedMemoryRegion:
-        """Creates a POSIX shared-memory region of `size` bytes and registers it with the
-        server (which must run on this host); see decode_indexer.shm. Close it (or use it as a
-        context manager) to unregister and unlink it."""
-        return SharedMemoryRegion(self, size, name, timeout=timeout)
+        """Creates a sealed memfd region of `size` bytes and registers it with the server
+        (which must run on this host, with --shm-socket); see decode_indexer.shm. Close it (or
+        use it as a context manager) to unregister and unmap it. `name` labels the memfd."""
+        return SharedMemoryRegion(self, size, name, timeout=timeout, socket_path=socket_path)
 
     def statistics(self, *, timeout: float | None = None) -> pb.Statistics:
         """The server's cumulative counters (a decode_indexer.v1.Statistics message)."""

@@ -1,6 +1,6 @@
-"""The shared-memory data plane: a POSIX shared-memory region the client creates and the server
-maps (RegisterSharedMemory), so that a step's q / q_scales / weights and its answer never cross
-gRPC. Only for a client on the server's host.
+"""The shared-memory data plane: a sealed memfd the client creates and hands to the server over
+its Unix-domain shm socket (ServerInfo.shm_socket, the server's --shm-socket), so that a step's
+q / q_scales / weights and its answer never cross gRPC. Only for a client on the server's host.
 
     with client.shared_memory(1 << 20) as region:
         q = region.alloc((rows, H, D), np.uint8)        # NumPy views into the region
@@ -11,6 +11,10 @@ gRPC. Only for a client on the server's host.
                                shared_memory=region, answer=answer)
         r.topk                                            # a view of `answer`
 
+The memfd is sealed (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) before it is sent: its size can
+never change again, so the server's mapping cannot be pulled from under it. The region id the
+server answers is a random capability: whoever holds it may use and unregister the region.
+
 The request then carries the tensors' dtype and shape only plus a SharedMemoryStep (the region
 id and each tensor's offset, found from the views' addresses); the server reads them in place
 and writes the answer (and candidate blocks) at the given views. A result's `topk` is a view of
@@ -19,10 +23,11 @@ the region: the next step that uses the same answer view overwrites it (.copy() 
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
-import secrets
-import weakref
+import socket
+import struct
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -30,64 +35,71 @@ import numpy as np
 if TYPE_CHECKING:
     from .client import Client
 
-# Linux's shm_open(name) is open("/dev/shm" + name): the server opens what we create here.
-_SHM_DIR = "/dev/shm"
 _ALIGN = 64
+_MAGIC = b"DISHM001"
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+def register_memfd(socket_path: str, fd: int, size: int, *, timeout: float | None = None) -> int:
+    """Hands `size` bytes of the sealed memfd `fd` to the server's shm socket; returns the
+    region id. Raises a decode_indexer error carrying the server's status code."""
+    import grpc
+
+    from .errors import IndexerError
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(timeout if timeout is not None else 30.0)
+        sock.connect(socket_path)
+        socket.send_fds(sock, [_MAGIC + struct.pack("<Q", size)], [fd])
+        reply = sock.recv(12 + 256)
+    if len(reply) < 12:
+        raise ConnectionError(f"shm socket {socket_path}: no reply from the server")
+    code, region_id = struct.unpack("<IQ", reply[:12])
+    if code != 0:
+        by_value = {c.value[0]: c for c in grpc.StatusCode}
+        raise IndexerError(by_value.get(code, grpc.StatusCode.UNKNOWN),
+                           reply[12:].decode("utf-8", "replace"), "RegisterSharedMemory")
+    return region_id
 
 
 class SharedMemoryRegion:
-    """A POSIX shared-memory object ("/di-..."), mapped here and registered with the server.
+    """A sealed memfd, mapped here and registered with the server.
 
     Create it with Client.shared_memory(size). `array`/`alloc` hand out NumPy views of it;
-    close() (or leaving the `with` block) unregisters it, unmaps it and unlinks the name. The
-    name is unlinked even if close() is never called (at garbage collection or exit).
+    close() (or leaving the `with` block) unregisters and unmaps it. Nothing is left on the
+    host when the process ends (a memfd has no name).
     """
 
     def __init__(self, client: "Client", size: int, name: str | None = None, *,
-                 timeout: float | None = None):
+                 timeout: float | None = None, socket_path: str | None = None):
         if size <= 0:
             raise ValueError(f"size must be positive, got {size}")
-        if not os.path.isdir(_SHM_DIR):
-            raise OSError(f"{_SHM_DIR} is missing: POSIX shared memory needs Linux")
-        # pid + random bits: unique on the host, even next to a stale object of a dead pid.
-        self.name = name or f"/di-py-{os.getpid()}-{secrets.token_hex(6)}"
-        if not self.name.startswith("/di-") or "/" in self.name[1:]:
-            raise ValueError(f"name must look like \"/di-...\" (the server accepts only that), "
-                             f"got {self.name!r}")
+        self.name = name or f"di-py-{os.getpid()}"
         self.size = int(size)
         # The answer's widths, so that a step's answer views are checked before it is sent.
         info = client.server_info(timeout=timeout)
         self.topk = int(info.topk)
         self.num_candidate_blocks = int(info.num_candidate_blocks)
-        self._path = _SHM_DIR + self.name
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        self._unlinker = weakref.finalize(self, _unlink, self._path)
+        path = socket_path or info.shm_socket
+        if not path:
+            raise OSError("the server has no shm socket (start it with --shm-socket PATH)")
+        fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, self.size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
             self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED,
                                   mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            self._unlinker()
-            raise
+            self._bytes = np.frombuffer(self._map, dtype=np.uint8)
+            self._base = self._bytes.ctypes.data
+            self._next = 0
+            self._client: Client | None = None
+            try:
+                self.region_id = register_memfd(path, fd, self.size, timeout=timeout)
+            except BaseException:
+                self._release_mapping()
+                raise
         finally:
-            os.close(fd)
-        self._bytes = np.frombuffer(self._map, dtype=np.uint8)
-        self._base = self._bytes.ctypes.data
-        self._next = 0
-        self._client: Client | None = None
-        try:
-            self.region_id = client.register_shared_memory(self.name, self.size, timeout=timeout)
-        except BaseException:
-            self._release_mapping()
-            self._unlinker()
-            raise
+            os.close(fd)  # the mappings (ours and the server's) keep the memory
         self._client = client
 
     # -- views --------------------------------------------------------------------------------
@@ -156,7 +168,7 @@ class SharedMemoryRegion:
         self._map = None
 
     def close(self) -> None:
-        """Unregisters the region (best effort: the server may be gone), unmaps and unlinks."""
+        """Unregisters the region (best effort: the server may be gone) and unmaps it."""
         if self._map is None:
             return
         client, self._client = self._client, None
@@ -167,7 +179,6 @@ class SharedMemoryRegion:
             pass
         finally:
             self._release_mapping()
-            self._unlinker()
 
     def __enter__(self) -> "SharedMemoryRegion":
         return self

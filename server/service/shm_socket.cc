@@ -1,0 +1,174 @@
+#include "server/service/shm_socket.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
+
+namespace decode_indexer::service {
+namespace {
+
+void PutU32(uint32_t v, char* p) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<char>(v >> (8 * i));
+}
+void PutU64(uint64_t v, char* p) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<char>(v >> (8 * i));
+}
+uint64_t GetU64(const char* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(static_cast<uint8_t>(p[i])) << (8 * i);
+  return v;
+}
+
+void Reply(int conn, const absl::StatusOr<uint64_t>& result) {
+  char buf[12 + 256];
+  const absl::Status status = result.status();
+  PutU32(static_cast<uint32_t>(status.code()), buf);
+  PutU64(result.ok() ? *result : 0, buf + 4);
+  const size_t n = std::min<size_t>(status.message().size(), 256);
+  std::memcpy(buf + 12, status.message().data(), n);
+  // A peer that does not read its reply only loses it.
+  [[maybe_unused]] ssize_t sent = send(conn, buf, 12 + n, MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShmSocketServer>> ShmSocketServer::Start(
+    const std::string& path, SharedMemoryRegistry& registry,
+    std::function<void(SharedMemoryRegion&)> on_map) {
+  sockaddr_un addr = {};
+  addr.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(addr.sun_path) || path.find('\0') != path.npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm-socket: a path of 1..", sizeof(addr.sun_path) - 1, " bytes"));
+  }
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  struct stat st = {};
+  if (lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("shm-socket: ", path, " exists and is not a socket"));
+    }
+    unlink(path.c_str());  // a stale socket of an earlier run
+  }
+  std::unique_ptr<ShmSocketServer> server(new ShmSocketServer());
+  server->path_ = path;
+  server->registry_ = &registry;
+  server->on_map_ = std::move(on_map);
+  server->listen_fd_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (server->listen_fd_ < 0) {
+    return absl::InternalError(absl::StrCat("shm-socket: socket: ", std::strerror(errno)));
+  }
+  // Owner-only from the start: no window in which another user could connect.
+  const mode_t old_mask = umask(0077);
+  const int bound = bind(server->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  const int bind_errno = errno;
+  umask(old_mask);
+  if (bound != 0 || listen(server->listen_fd_, 16) != 0) {
+    return absl::UnavailableError(absl::StrCat("shm-socket: cannot listen on ", path, ": ",
+                                               std::strerror(bound != 0 ? bind_errno : errno)));
+  }
+  if (pipe2(server->wake_, O_CLOEXEC) != 0) {
+    return absl::InternalError(absl::StrCat("shm-socket: pipe: ", std::strerror(errno)));
+  }
+  server->thread_ = std::thread([s = server.get()] { s->Serve(); });
+  return server;
+}
+
+ShmSocketServer::~ShmSocketServer() {
+  if (thread_.joinable()) {
+    const char byte = 1;
+    [[maybe_unused]] ssize_t n = write(wake_[1], &byte, 1);
+    thread_.join();
+  }
+  for (int fd : {listen_fd_, wake_[0], wake_[1]}) {
+    if (fd >= 0) close(fd);
+  }
+  if (listen_fd_ >= 0) unlink(path_.c_str());
+}
+
+void ShmSocketServer::Serve() {
+  for (;;) {
+    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
+    if (poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      spdlog::error("shm-socket: poll: {}", std::strerror(errno));
+      return;
+    }
+    if (fds[1].revents != 0) return;
+    if ((fds[0].revents & POLLIN) == 0) continue;
+    const int conn = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (conn < 0) continue;
+    HandleConnection(conn);
+    close(conn);
+  }
+}
+
+void ShmSocketServer::HandleConnection(int conn) {
+  // One connection at a time, each bounded: a peer that sends nothing holds the socket for
+  // at most this long.
+  timeval timeout = {1, 0};
+  setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  ucred cred = {};
+  socklen_t cred_len = sizeof(cred);
+  if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0) {
+    Reply(conn, absl::PermissionDeniedError("peer credentials unavailable"));
+    return;
+  }
+  if (cred.uid != geteuid() && cred.uid != 0) {
+    Reply(conn, absl::PermissionDeniedError("shared memory: only the server's own user (or root) "
+                                            "may register regions"));
+    return;
+  }
+  char buf[64];
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+  iovec iov = {buf, sizeof(buf)};
+  msghdr msg = {};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  ssize_t n;
+  do {
+    n = recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  // Every descriptor that came along is closed here, used or not.
+  std::vector<int> fds;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+      const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        fds.push_back(fd);
+      }
+    }
+  }
+  absl::StatusOr<uint64_t> result;
+  if (n != 16 || std::memcmp(buf, kShmSocketMagic, 8) != 0 || (msg.msg_flags & MSG_TRUNC)) {
+    result = absl::InvalidArgumentError("request: expected \"DISHM001\" and a uint64 size");
+  } else if (fds.size() != 1 || (msg.msg_flags & MSG_CTRUNC)) {
+    result = absl::InvalidArgumentError("request: expected exactly one descriptor (SCM_RIGHTS)");
+  } else {
+    result = registry_->RegisterFd(fds[0], GetU64(buf + 8), cred.uid, on_map_);
+  }
+  for (int fd : fds) close(fd);
+  if (!result.ok()) {
+    spdlog::info("shm-socket: registration by pid {} uid {} refused: {}", cred.pid, cred.uid,
+                 result.status().ToString());
+  }
+  Reply(conn, result);
+}
+
+}  // namespace decode_indexer::service

@@ -1,0 +1,58 @@
+// The shared-memory registration socket (--shm-socket PATH): a Unix-domain SOCK_SEQPACKET
+// socket on which a client on the server's host hands over a sealed memfd (SCM_RIGHTS) and
+// gets back the region's id for DecodeStepRequest.shared_memory.region_id.
+//
+// Why not a POSIX shm name over gRPC: whoever can open a named object can ftruncate it, and a
+// server that reads q from a shrunk mapping dies of SIGBUS. A memfd sealed with
+// F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL can never change size again, so the mapping stays
+// valid for as long as the server holds it; and the client proves it may use the memory by
+// holding the descriptor (no names to guess, no modes to bypass).
+//
+// Wire format (little-endian), one message each way per connection:
+//   request:  "DISHM001" (8 bytes) | uint64 size, with exactly one descriptor (SCM_RIGHTS)
+//   reply:    uint32 status code (absl/gRPC numbering, 0 = OK) | uint64 region id | message
+// The peer's credentials (SO_PEERCRED) decide who may register: the server's own uid and
+// root; the uid is the owner for the per-client quota.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "server/service/data_plane.h"
+
+namespace decode_indexer::service {
+
+inline constexpr char kShmSocketMagic[8] = {'D', 'I', 'S', 'H', 'M', '0', '0', '1'};
+
+class ShmSocketServer {
+ public:
+  // Binds `path` (a stale socket file there is replaced; anything else is refused), mode
+  // 0600, and serves registrations into `registry` on one thread; `on_map` as for
+  // SharedMemoryRegistry::RegisterFd.
+  static absl::StatusOr<std::unique_ptr<ShmSocketServer>> Start(
+      const std::string& path, SharedMemoryRegistry& registry,
+      std::function<void(SharedMemoryRegion&)> on_map);
+  ~ShmSocketServer();  // stops the thread, closes and unlinks the socket
+  ShmSocketServer(const ShmSocketServer&) = delete;
+  ShmSocketServer& operator=(const ShmSocketServer&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  ShmSocketServer() = default;
+  void Serve();
+  void HandleConnection(int conn);
+
+  std::string path_;
+  int listen_fd_ = -1;
+  int wake_[2] = {-1, -1};
+  SharedMemoryRegistry* registry_ = nullptr;
+  std::function<void(SharedMemoryRegion&)> on_map_;
+  std::thread thread_;
+};
+
+}  // namespace decode_indexer::service

@@ -1,0 +1,467 @@
+// Issue 16: what a hostile or careless client can do to the server. Each test is one case of
+// the issue's list and failed on the tree before the fix (see the commit messages): shared
+// memory pulled from under the server, regions without an owner, thread exhaustion by open
+// streams, answers over the message limit and deadlines that change state, unbounded error
+// text, unknown enum values, unparseable bytes.
+#include <fcntl.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <dirent.h>
+
+#include <cerrno>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "server/service/indexer_service.h"
+#include "tests/service/service_harness.h"
+
+namespace decode_indexer::testing {
+namespace {
+
+uint64_t Seed() {
+  static const uint64_t seed = std::random_device{}();
+  return seed;
+}
+
+// Threads of this process (the in-process server's included): a count, not a clock.
+int ThreadCount() {
+  DIR* d = opendir("/proc/self/task");
+  if (d == nullptr) return -1;
+  int n = 0;
+  while (dirent* e = readdir(d)) n += e->d_name[0] != '.';
+  closedir(d);
+  return n;
+}
+
+class SecurityTest : public ::testing::Test {
+ protected:
+  void Start(const std::function<void(service::ServerOptions&)>& tweak = nullptr) {
+    socket_path_ = "/tmp/di-sec-" + std::to_string(getpid()) + "-" +
+                   std::to_string(Seed() % 1000000) + ".sock";
+    s_ = StartSession(LoadOrDie(TinyProfilePath()), CpuOptions(1, 64),
+                      [&](service::ServerOptions& o) {
+                        o.shm_socket = socket_path_;
+                        if (tweak) tweak(o);
+                      });
+    ASSERT_NE(s_, nullptr);
+    oracle_ = std::make_unique<ServiceOracle>(s_->profile, 64, Seed());
+    gen_ = std::make_unique<Gen>(Seed());
+    lengths_ = {20 + int64_t(gen_->rng()() % 20), 33};
+    Prefill(*s_, *oracle_, *gen_, ids_, lengths_, {0, 1, 2});
+  }
+  v1::DecodeStepRequest Step(int layer, QForm qform = QForm::kF32Rope) {
+    return MakeStep(*gen_, s_->profile, layer, ids_, lengths_, 1, qform, KeyForm::kF32, step_id_++);
+  }
+  std::unique_ptr<client::IndexerClient> OtherClient() {
+    client::ClientOptions o;
+    o.timeout = std::chrono::seconds(300);
+    // A second channel: its own connection (another client).
+    absl::StatusOr<std::unique_ptr<client::IndexerClient>> c =
+        client::IndexerClient::Connect(s_->server->address(), o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+
+  // The superseded RegisterSharedMemory by POSIX name, straight through the stub.
+  absl::StatusOr<uint64_t> RegisterByName(const std::string& name, uint64_t size) {
+    auto stub = v1::DecodeIndexer::NewStub(
+        grpc::CreateChannel(s_->server->address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
+    v1::RegisterSharedMemoryRequest request;
+    request.set_name(name);
+    request.set_size(size);
+    v1::RegisterSharedMemoryResponse response;
+    grpc::Status st = stub->RegisterSharedMemory(&context, request, &response);
+    if (!st.ok()) {
+      return absl::Status(static_cast<absl::StatusCode>(st.error_code()), st.error_message());
+    }
+    return response.region_id();
+  }
+
+  std::string socket_path_;
+  std::unique_ptr<Session> s_;
+  std::unique_ptr<ServiceOracle> oracle_;
+  std::unique_ptr<Gen> gen_;
+  const std::vector<uint64_t> ids_ = {41, 42};
+  std::vector<int64_t> lengths_;
+  uint64_t step_id_ = 1;
+};
+
+// ---- answers that cannot be sent, and deadlines --------------------------------------------
+
+// A step whose answer is over the send limit is refused before it runs: the keys it brought
+// are not inserted, so a retry (with a server that can send it) appends once.
+TEST_F(SecurityTest, AnswerOverTheMessageLimitCommitsNothing) {
+  // v41-tiny (K 48), 4 rows: a raw answer takes at least 768 bytes (bounded by 950), a delta
+  // one is bounded by 570.
+  Start([](service::ServerOptions& o) { o.max_send_message_bytes = 700; });
+  v1::DecodeStepRequest big =
+      MakeStep(*gen_, s_->profile, 0, ids_, lengths_, 2, QForm::kF32Rope, KeyForm::kF32, 99);
+  absl::StatusOr<client::StepAnswer> r = s_->client->DecodeStep(big);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_NE(r.status().message().find("message limit"), std::string::npos) << r.status();
+  // Nothing moved: the same step with a delta-encoded answer (which fits) inserts its keys
+  // once, on top of the prefill.
+  big.set_answer_encoding(v1::ANSWER_ENCODING_DELTA_VARINT);
+  absl::StatusOr<client::StepAnswer> p = s_->client->DecodeStep(big);
+  ASSERT_TRUE(p.ok()) << p.status();
+  const std::vector<int64_t> once = {lengths_[0] + 2, lengths_[1] + 2};
+  EXPECT_EQ(p->lengths, once) << "the refused step inserted its keys";
+}
+
+// ---- bounded error text, enums, unparseable bytes ----------------------------------------
+
+TEST_F(SecurityTest, ErrorTextIsBounded) {
+  Start();
+  const std::string name = "/di-" + std::string(10000, 'x');
+  absl::StatusOr<uint64_t> r = RegisterByName(name, 4096);
+  ASSERT_FALSE(r.ok());
+  // The server's own answer (not a transport error about an oversized status), naming the
+  // field, with the echoed name cut short.
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status().code();
+  EXPECT_NE(r.status().message().find("name"), std::string::npos);
+  EXPECT_NE(r.status().message().find("..."), std::string::npos);
+  EXPECT_LT(r.status().message().size(), 400u) << r.status().message().substr(0, 400);
+}
+
+TEST_F(SecurityTest, UnknownAnswerEncodingIsRefused) {
+  Start();
+  v1::DecodeStepRequest req = Step(0);
+  const v1::DecodeStepRequest retry = req;
+  req.set_answer_encoding(static_cast<v1::AnswerEncoding>(7));
+  absl::StatusOr<client::StepAnswer> r = s_->client->DecodeStep(req);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("answer_encoding"), std::string::npos) << r.status();
+  StepAndCompare(*s_, *oracle_, retry, "after the refused encoding");
+}
+
+TEST_F(SecurityTest, UnparseableBytesGetAMessage) {
+  Start();
+  grpc::GenericStub stub(
+      grpc::CreateChannel(s_->server->address(), grpc::InsecureChannelCredentials()));
+  // Field 1 (layer, varint) with a truncated varint: not a DecodeStepRequest.
+  const char garbage[] = {0x08, static_cast<char>(0xFF)};
+  grpc::Slice slice(garbage, sizeof(garbage));
+  grpc::ByteBuffer request(&slice, 1), response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  grpc::Status status;
+  stub.UnaryCall(&context, "/decode_indexer.v1.DecodeIndexer/DecodeStep", grpc::StubOptions(),
+                 &request, &response, [&](grpc::Status s) {
+                   std::lock_guard<std::mutex> lock(mu);
+                   status = s;
+                   done = true;
+                   cv.notify_all();
+                 });
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return done; });
+  EXPECT_TRUE(status.error_code() == grpc::StatusCode::INVALID_ARGUMENT ||
+              status.error_code() == grpc::StatusCode::INTERNAL)
+      << status.error_code();
+  EXPECT_FALSE(status.error_message().empty());
+}
+
+// ---- streams and threads ------------------------------------------------------------------
+
+// Many open streams on one connection do not make a thread each, and another client is
+// still answered.
+TEST_F(SecurityTest, ManyStreamsDoNotMakeManyThreads) {
+  Start([](service::ServerOptions& o) {
+    o.max_concurrent_streams = 16;
+    o.max_threads = 48;
+  });
+  auto channel = grpc::CreateChannel(s_->server->address(), grpc::InsecureChannelCredentials());
+  auto stub = v1::DecodeIndexer::NewStub(channel);
+  constexpr int kStreams = 400;
+  grpc::CompletionQueue cq;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<
+      std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::DecodeStepRequest, v1::DecodeStepResponse>>>
+      streams;
+  for (int i = 0; i < kStreams; ++i) {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    streams.push_back(stub->AsyncDecodeStream(contexts.back().get(), &cq,
+                                              reinterpret_cast<void*>(intptr_t(i + 1))));
+  }
+  // Another connection is answered while the streams are open; a bounded number of round
+  // trips gives the server time to see them (the old server made a thread per stream).
+  std::unique_ptr<client::IndexerClient> other = OtherClient();
+  ASSERT_NE(other, nullptr);
+  ASSERT_TRUE(other->ServerInfo().ok());
+  for (int i = 0; i < 50 && ThreadCount() < kStreams / 2; ++i) {
+    ASSERT_TRUE(other->GetStatistics().ok());
+  }
+  const int threads = ThreadCount();
+  EXPECT_LT(threads, kStreams / 2) << "threads with " << kStreams << " open streams";
+  ASSERT_TRUE(other->ServerInfo().ok());
+  for (auto& c : contexts) c->TryCancel();
+  std::vector<grpc::Status> finals(kStreams);
+  for (int i = 0; i < kStreams; ++i) streams[i]->Finish(&finals[i], nullptr);
+  cq.Shutdown();
+  void* tag;
+  bool ok;
+  while (cq.Next(&tag, &ok)) {
+  }
+}
+
+// ---- shared memory ------------------------------------------------------------------------
+
+std::string ShmName(const char* what) {
+  return "/di-sec-" + std::string(what) + "-" + std::to_string(getpid()) + "-" +
+         std::to_string(Seed() % 1000000);
+}
+
+// Puts q / weights of `req` into `data` and points the request there (region `region`);
+// answers the answer's offset.
+uint64_t MoveToRegion(v1::DecodeStepRequest& req, uint8_t* data, uint64_t region) {
+  uint64_t at = 64;
+  auto place = [&](v1::Tensor* t) {
+    const uint64_t off = at;
+    std::memcpy(data + off, t->data().data(), t->data().size());
+    at += (t->data().size() + 63) / 64 * 64;
+    t->clear_data();
+    return off;
+  };
+  v1::SharedMemoryStep* sm = req.mutable_shared_memory();
+  sm->set_region_id(region);
+  sm->set_q_offset(place(req.mutable_q()));
+  if (req.has_q_scales()) sm->set_q_scales_offset(place(req.mutable_q_scales()));
+  sm->set_weights_offset(place(req.mutable_weights()));
+  sm->set_answer_offset(at);
+  sm->set_candidates_offset(at + 4096);
+  return at;
+}
+
+// A client that shrinks its object after registering it must not kill the server (the old
+// server died of SIGBUS reading q from the shrunk POSIX object). Names are not mapped any
+// more; a registered memfd is sealed, so it cannot shrink; unsealed descriptors are refused.
+TEST_F(SecurityTest, ShrunkSharedMemoryDoesNotKillTheServer) {
+  Start();
+  // The old way: a POSIX object the client can ftruncate. Refused, so never mapped.
+  const std::string name = ShmName("shrink");
+  const int pfd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(pfd, 0);
+  ASSERT_EQ(ftruncate(pfd, 1 << 20), 0);
+  absl::StatusOr<uint64_t> by_name = RegisterByName(name, 1 << 20);
+  EXPECT_EQ(by_name.status().code(), absl::StatusCode::kFailedPrecondition) << by_name.status();
+  EXPECT_EQ(ftruncate(pfd, 0), 0);
+  close(pfd);
+  shm_unlink(name.c_str());
+
+  // A sealed memfd: the client cannot shrink it, and steps through it keep working.
+  auto shm = client::SharedMemory::Create("di-sec-shrink", 1 << 20);
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  absl::StatusOr<uint64_t> region = s_->client->RegisterSharedMemory(**shm);
+  ASSERT_TRUE(region.ok()) << region.status();
+  EXPECT_NE(ftruncate((*shm)->fd(), 0), 0);
+  EXPECT_EQ(errno, EPERM);
+  const v1::DecodeStepRequest plain = Step(0);
+  v1::DecodeStepRequest shared = plain;
+  const uint64_t answer_at = MoveToRegion(shared, (*shm)->data(), *region);
+  absl::StatusOr<client::StepAnswer> got = s_->client->DecodeStep(shared);
+  ASSERT_TRUE(got.ok()) << got.status();
+  absl::StatusOr<OracleAnswer> want = oracle_->Step(plain);
+  ASSERT_TRUE(want.ok()) << want.status();
+  std::vector<int32_t> answer(want->topk.size());
+  std::memcpy(answer.data(), (*shm)->data() + answer_at, answer.size() * 4);
+  EXPECT_EQ(answer, want->topk);
+
+  // Descriptors that could still change size (or are no memfd at all) are refused.
+  const int unsealed = memfd_create("di-sec-unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(unsealed, 0);
+  ASSERT_EQ(ftruncate(unsealed, 1 << 16), 0);
+  absl::StatusOr<uint64_t> r = client::RegisterMemfd(socket_path_, unsealed, 1 << 16);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_NE(r.status().message().find("F_SEAL_SHRINK"), std::string::npos) << r.status();
+  ASSERT_EQ(fcntl(unsealed, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SEAL), 0);  // shrinkable still
+  r = client::RegisterMemfd(socket_path_, unsealed, 1 << 16);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  close(unsealed);
+  FILE* file = tmpfile();
+  ASSERT_NE(file, nullptr);
+  ASSERT_EQ(ftruncate(fileno(file), 1 << 16), 0);
+  r = client::RegisterMemfd(socket_path_, fileno(file), 1 << 16);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  fclose(file);
+  // Bigger than the memfd.
+  r = client::RegisterMemfd(socket_path_, (*shm)->fd(), 2 << 20);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_TRUE(s_->client->ServerInfo().ok());
+  EXPECT_TRUE(s_->client->UnregisterSharedMemory(*region).ok());
+}
+
+// Region ids cannot be guessed: another client cannot unregister (or use) one (the old ids
+// were 1, 2, 3, ...).
+TEST_F(SecurityTest, AnotherClientCannotGuessARegion) {
+  Start();
+  auto a = client::SharedMemory::Create("di-sec-a", 1 << 16);
+  auto b = client::SharedMemory::Create("di-sec-b", 1 << 16);
+  ASSERT_TRUE(a.ok() && b.ok());
+  absl::StatusOr<uint64_t> ra = s_->client->RegisterSharedMemory(**a);
+  absl::StatusOr<uint64_t> rb = s_->client->RegisterSharedMemory(**b);
+  ASSERT_TRUE(ra.ok() && rb.ok()) << ra.status() << rb.status();
+  EXPECT_GT(*ra > *rb ? *ra - *rb : *rb - *ra, uint64_t{1} << 16) << "sequential ids";
+  std::unique_ptr<client::IndexerClient> other = OtherClient();
+  ASSERT_NE(other, nullptr);
+  for (uint64_t id = 0; id < 256; ++id) {
+    EXPECT_EQ(other->UnregisterSharedMemory(id).code(), absl::StatusCode::kNotFound) << id;
+  }
+  for (uint64_t id : {*ra + 1, *ra - 1, *rb + 1, *rb - 1}) {
+    EXPECT_EQ(other->UnregisterSharedMemory(id).code(), absl::StatusCode::kNotFound) << id;
+  }
+  v1::DecodeStepRequest req = Step(0);
+  MoveToRegion(req, (*a)->data(), *ra + 1);
+  absl::StatusOr<client::StepAnswer> r = other->DecodeStep(req);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status();
+  EXPECT_TRUE(s_->client->UnregisterSharedMemory(*ra).ok());
+  EXPECT_TRUE(s_->client->UnregisterSharedMemory(*rb).ok());
+}
+
+// Registration errors say nothing about other objects of the host: an existing and an absent
+// name get the same answer, with no size (the old server answered NOT_FOUND for one and
+// "exceeds the object's 4096 bytes" for the other).
+TEST_F(SecurityTest, RegistrationErrorsDoNotLeakObjects) {
+  Start();
+  const std::string name = ShmName("secret");
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  close(fd);
+  absl::StatusOr<uint64_t> present = RegisterByName(name, 1 << 20);
+  absl::StatusOr<uint64_t> absent = RegisterByName(ShmName("absent"), 1 << 20);
+  shm_unlink(name.c_str());
+  ASSERT_FALSE(present.ok());
+  ASSERT_FALSE(absent.ok());
+  EXPECT_EQ(present.status().code(), absent.status().code());
+  EXPECT_EQ(present.status().message().find("4096"), std::string::npos) << present.status();
+  // And an unknown region id is just unknown.
+  v1::DecodeStepRequest req = Step(0);
+  auto shm = client::SharedMemory::Create("di-sec-leak", 1 << 16);
+  ASSERT_TRUE(shm.ok());
+  MoveToRegion(req, (*shm)->data(), 12345);
+  absl::StatusOr<client::StepAnswer> r = s_->client->DecodeStep(req);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(r.status().message().find("12345"), std::string::npos) << r.status();
+}
+
+// Memory a client could not open read-write itself is not mapped for it: a mode-0 POSIX
+// object (the old root server mapped it), a read-only descriptor of a memfd.
+TEST_F(SecurityTest, UnopenableObjectIsNotMapped) {
+  Start();
+  const std::string name = ShmName("mode0");
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  close(fd);
+  absl::StatusOr<uint64_t> r = RegisterByName(name, 4096);
+  shm_unlink(name.c_str());
+  EXPECT_FALSE(r.ok());
+  auto shm = client::SharedMemory::Create("di-sec-ro", 1 << 16);
+  ASSERT_TRUE(shm.ok());
+  const std::string self = "/proc/self/fd/" + std::to_string((*shm)->fd());
+  const int ro = open(self.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(ro, 0);
+  r = client::RegisterMemfd(socket_path_, ro, 1 << 16);
+  close(ro);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied) << r.status();
+}
+
+// A name with an embedded NUL does not map the object named by its prefix (the old server
+// mapped it), and the NUL shows escaped in the answer.
+TEST_F(SecurityTest, EmbeddedNulNameIsRefused) {
+  Start();
+  const std::string name = ShmName("nul");
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  close(fd);
+  std::string evil = name;
+  evil.push_back('\0');
+  evil += "-other";
+  absl::StatusOr<uint64_t> r = RegisterByName(evil, 4096);
+  shm_unlink(name.c_str());
+  EXPECT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("\\x00"), std::string::npos) << r.status();
+}
+
+// One client cannot take every region slot (the old server let one take all 64).
+TEST_F(SecurityTest, RegionsHaveAPerClientQuota) {
+  Start();
+  std::vector<std::unique_ptr<client::SharedMemory>> objects;
+  std::vector<uint64_t> ids;
+  int refused = 0;
+  for (int i = 0; i < 64; ++i) {
+    auto shm = client::SharedMemory::Create("di-sec-quota", 4096);
+    ASSERT_TRUE(shm.ok()) << shm.status();
+    absl::StatusOr<uint64_t> r = s_->client->RegisterSharedMemory(**shm, socket_path_);
+    if (r.ok()) {
+      ids.push_back(*r);
+    } else {
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+      ++refused;
+    }
+    objects.push_back(std::move(*shm));
+  }
+  EXPECT_EQ(ids.size(), service::SharedMemoryRegistry::kMaxRegionsPerOwner);
+  EXPECT_GT(refused, 0) << "one client registered all 64 regions";
+  for (uint64_t id : ids) EXPECT_TRUE(s_->client->UnregisterSharedMemory(id).ok());
+  // Freed slots can be taken again.
+  auto again = client::SharedMemory::Create("di-sec-quota", 4096);
+  ASSERT_TRUE(again.ok());
+  absl::StatusOr<uint64_t> r = s_->client->RegisterSharedMemory(**again, socket_path_);
+  EXPECT_TRUE(r.ok()) << r.status();
+}
+
+// ---- TLS misconfiguration -------------------------------------------------------------------
+
+// A key that does not belong to the certificate is named at start-up (the old server said
+// only "cannot serve on ...").
+TEST(SecurityTlsTest, MismatchedKeyIsReportedClearly) {
+  if (std::system("openssl version > /dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "openssl CLI not installed";
+  }
+  const std::string d = "/tmp/di-sec-tls-" + std::to_string(getpid());
+  const std::string cmd =
+      "mkdir -p " + d + " && cd " + d +
+      " && openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -keyout a.key"
+      " -out a.pem -days 1 -subj /CN=localhost > /dev/null 2>&1"
+      " && openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out b.key"
+      " > /dev/null 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  service::ServerOptions so;
+  so.listen = "127.0.0.1:0";
+  so.profile = LoadOrDie(TinyProfilePath());
+  so.executor = CpuOptions(1, 16);
+  so.tls_cert = d + "/a.pem";
+  so.tls_key = d + "/b.key";
+  absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(so);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument) << server.status();
+  EXPECT_NE(server.status().message().find("does not match"), std::string::npos) << server.status();
+  so.tls_key = d + "/a.key";
+  server = service::Server::Start(so);
+  EXPECT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ(std::system(("rm -rf " + d).c_str()), 0);
+}
+
+}  // namespace
+}  // namespace decode_indexer::testing
