@@ -353,7 +353,14 @@ absl::StatusOr<exec::KeysInput> DecodeKeys(const v1::Tensor& keys, const v1::Ten
 }  // namespace
 
 std::string ShapeString(const v1::Tensor& tensor) {
-  return absl::StrCat("[", absl::StrJoin(tensor.shape(), ", "), "]");
+  // Bounded: a client's shape of 40,000 dims must not become a 130 kB message.
+  constexpr int kMaxDims = 8;
+  if (tensor.shape_size() <= kMaxDims) {
+    return absl::StrCat("[", absl::StrJoin(tensor.shape(), ", "), "]");
+  }
+  return absl::StrCat(
+      "[", absl::StrJoin(tensor.shape().begin(), tensor.shape().begin() + kMaxDims, ", "),
+      ", ... (", tensor.shape_size(), " dims)]");
 }
 
 absl::StatusOr<DecodedAppend> DecodeAppendKeys(const v1::AppendKeysRequest& request,
