@@ -118,14 +118,16 @@ class DecodeIndexerServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def RegisterSharedMemory(self, request, context):
-        """Maps a client-created POSIX shared-memory object for steps with shared_memory set.
+        """Superseded (FAILED_PRECONDITION): shared-memory regions are registered as sealed memfds
+        over the server's shm socket (ServerInfo.shm_socket).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UnregisterSharedMemory(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Unmaps a region; only its id (a random capability) is needed.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
