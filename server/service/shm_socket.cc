@@ -60,7 +60,16 @@ absl::StatusOr<std::unique_ptr<ShmSocketServer>> ShmSocketServer::Start(
       return absl::AlreadyExistsError(
           absl::StrCat("shm-socket: ", path, " exists and is not a socket"));
     }
-    unlink(path.c_str());  // a stale socket of an earlier run
+    // A stale socket of an earlier run is replaced; a live one (another server) is not.
+    const int probe = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    const bool live =
+        probe >= 0 && connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    if (probe >= 0) close(probe);
+    if (live) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("shm-socket: another server is listening on ", path));
+    }
+    unlink(path.c_str());
   }
   std::unique_ptr<ShmSocketServer> server(new ShmSocketServer());
   server->path_ = path;
@@ -75,6 +84,7 @@ absl::StatusOr<std::unique_ptr<ShmSocketServer>> ShmSocketServer::Start(
   const int bound = bind(server->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   const int bind_errno = errno;
   umask(old_mask);
+  server->bound_ = bound == 0;
   if (bound != 0 || listen(server->listen_fd_, 16) != 0) {
     return absl::UnavailableError(absl::StrCat("shm-socket: cannot listen on ", path, ": ",
                                                std::strerror(bound != 0 ? bind_errno : errno)));
@@ -95,7 +105,7 @@ ShmSocketServer::~ShmSocketServer() {
   for (int fd : {listen_fd_, wake_[0], wake_[1]}) {
     if (fd >= 0) close(fd);
   }
-  if (listen_fd_ >= 0) unlink(path_.c_str());
+  if (bound_) unlink(path_.c_str());
 }
 
 void ShmSocketServer::Serve() {

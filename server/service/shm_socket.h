@@ -31,7 +31,8 @@ inline constexpr char kShmSocketMagic[8] = {'D', 'I', 'S', 'H', 'M', '0', '0', '
 
 class ShmSocketServer {
  public:
-  // Binds `path` (a stale socket file there is replaced; anything else is refused), mode
+  // Binds `path` (a stale socket file there is replaced; a live one or anything else is
+  // refused), mode
   // 0600, and serves registrations into `registry` on one thread; `on_map` as for
   // SharedMemoryRegistry::RegisterFd.
   static absl::StatusOr<std::unique_ptr<ShmSocketServer>> Start(
@@ -49,6 +50,7 @@ class ShmSocketServer {
 
   std::string path_;
   int listen_fd_ = -1;
+  bool bound_ = false;  // the path is ours to unlink
   int wake_[2] = {-1, -1};
   SharedMemoryRegistry* registry_ = nullptr;
   std::function<void(SharedMemoryRegion&)> on_map_;

@@ -307,6 +307,11 @@ TEST_F(SecurityTest, ShrunkSharedMemoryDoesNotKillTheServer) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
   EXPECT_TRUE(s_->client->ServerInfo().ok());
   EXPECT_TRUE(s_->client->UnregisterSharedMemory(*region).ok());
+  // A second server cannot take over the live socket (its start fails and leaves it alone).
+  service::SharedMemoryRegistry other_registry;
+  EXPECT_EQ(service::ShmSocketServer::Start(socket_path_, other_registry, nullptr).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_TRUE(client::RegisterMemfd(socket_path_, (*shm)->fd(), 1 << 16).ok());
 }
 
 // Region ids cannot be guessed: another client cannot unregister (or use) one (the old ids
