@@ -37,7 +37,7 @@ void Reply(int conn, const absl::StatusOr<uint64_t>& result) {
   PutU32(static_cast<uint32_t>(status.code()), buf);
   PutU64(result.ok() ? *result : 0, buf + 4);
   const size_t n = std::min<size_t>(status.message().size(), 256);
-  std::memcpy(buf + 12, status.message().data(), n);
+  if (n > 0) std::memcpy(buf + 12, status.message().data(), n);
   // A peer that does not read its reply only loses it.
   [[maybe_unused]] ssize_t sent = send(conn, buf, 12 + n, MSG_DONTWAIT | MSG_NOSIGNAL);
 }
