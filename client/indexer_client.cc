@@ -181,6 +181,129 @@ absl::StatusOr<int64_t> IndexerClient::ReleaseSequence(uint64_t sequence_id) {
   return response.pages_freed();
 }
 
+absl::StatusOr<int64_t> IndexerClient::AppendKeysAt(uint64_t sequence_id, int32_t layer,
+                                                    int64_t position, std::span<const float> keys,
+                                                    int32_t head_dim) {
+  if (head_dim <= 0 || keys.size() % head_dim != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("keys: ", keys.size(), " values are not [n, ", head_dim, "]"));
+  }
+  v1::AppendKeysRequest request;
+  request.set_sequence_id(sequence_id);
+  request.set_layer(layer);
+  request.set_position(position);
+  if (!keys.empty()) {
+    *request.mutable_keys() =
+        F32Tensor(keys, {static_cast<int64_t>(keys.size() / head_dim), head_dim});
+  }
+  return AppendKeys(request);
+}
+
+absl::StatusOr<int64_t> IndexerClient::TruncateSequence(uint64_t sequence_id, int64_t length) {
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::TruncateSequenceRequest request;
+  request.set_sequence_id(sequence_id);
+  request.set_length(length);
+  v1::TruncateSequenceResponse response;
+  grpc::Status s = stub_->TruncateSequence(&context, request, &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response.pages_freed();
+}
+
+absl::Status IndexerClient::ForkSequence(uint64_t parent_id, uint64_t new_id, int64_t length) {
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::ForkSequenceRequest request;
+  request.set_parent_id(parent_id);
+  request.set_new_id(new_id);
+  request.set_length(length);
+  v1::ForkSequenceResponse response;
+  return FromGrpcStatus(stub_->ForkSequence(&context, request, &response));
+}
+
+absl::StatusOr<v1::GetSequenceResponse> IndexerClient::GetSequence(uint64_t sequence_id) {
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::GetSequenceRequest request;
+  request.set_sequence_id(sequence_id);
+  v1::GetSequenceResponse response;
+  grpc::Status s = stub_->GetSequence(&context, request, &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response;
+}
+
+absl::StatusOr<std::vector<v1::SequenceChunk>> IndexerClient::ExportSequence(uint64_t sequence_id,
+                                                                             int64_t chunk_bytes) {
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::ExportSequenceRequest request;
+  request.set_sequence_id(sequence_id);
+  request.set_chunk_bytes(chunk_bytes);
+  std::unique_ptr<grpc::ClientReader<v1::SequenceChunk>> reader =
+      stub_->ExportSequence(&context, request);
+  std::vector<v1::SequenceChunk> chunks;
+  v1::SequenceChunk chunk;
+  while (reader->Read(&chunk)) chunks.push_back(std::move(chunk));
+  grpc::Status s = reader->Finish();
+  if (!s.ok()) return FromGrpcStatus(s);
+  return chunks;
+}
+
+absl::StatusOr<uint64_t> IndexerClient::ImportSequence(uint64_t sequence_id,
+                                                       std::span<const v1::SequenceChunk> chunks) {
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::ImportSequenceResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::ImportSequenceRequest>> writer =
+      stub_->ImportSequence(&context, &response);
+  bool first = true;
+  for (const v1::SequenceChunk& chunk : chunks) {
+    v1::ImportSequenceRequest request;
+    if (first) request.set_sequence_id(sequence_id);
+    first = false;
+    *request.mutable_chunk() = chunk;
+    if (!writer->Write(request)) break;  // the server answered early: Finish says why
+  }
+  writer->WritesDone();
+  grpc::Status s = writer->Finish();
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response.sequence_id();
+}
+
+absl::StatusOr<uint64_t> IndexerClient::MigrateSequence(uint64_t sequence_id, IndexerClient& to,
+                                                        uint64_t new_id) {
+  grpc::ClientContext export_context;
+  Prepare(export_context);
+  v1::ExportSequenceRequest request;
+  request.set_sequence_id(sequence_id);
+  std::unique_ptr<grpc::ClientReader<v1::SequenceChunk>> reader =
+      stub_->ExportSequence(&export_context, request);
+  grpc::ClientContext import_context;
+  to.Prepare(import_context);
+  v1::ImportSequenceResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::ImportSequenceRequest>> writer =
+      to.stub_->ImportSequence(&import_context, &response);
+  v1::ImportSequenceRequest out;
+  out.set_sequence_id(new_id == 0 ? sequence_id : new_id);
+  bool writing = true;
+  while (reader->Read(out.mutable_chunk())) {
+    if (writing && !writer->Write(out)) writing = false;
+    out.set_sequence_id(0);
+  }
+  grpc::Status exported = reader->Finish();
+  if (!exported.ok()) {
+    // The importer must not take a partial stream: cancel it.
+    import_context.TryCancel();
+    writer->Finish().ok();
+    return FromGrpcStatus(exported);
+  }
+  writer->WritesDone();
+  grpc::Status s = writer->Finish();
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response.sequence_id();
+}
+
 absl::StatusOr<StepAnswer> IndexerClient::DecodeStep(const v1::DecodeStepRequest& request) {
   grpc::ClientContext context;
   Prepare(context);

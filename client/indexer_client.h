@@ -166,6 +166,26 @@ class IndexerClient {
                                                  int32_t device);
   absl::Status UnregisterCudaIpcMemory(uint64_t region_id);
 
+  // Sequence lifecycle (spec section 10). Rollback is an AppendKeys / a step whose keys carry
+  // a position (AppendKeysRequest.position, SequenceStep.new_keys_position).
+  // Fp32 keys [n, head_dim] written at `position` (cut back there first); answers the length.
+  absl::StatusOr<int64_t> AppendKeysAt(uint64_t sequence_id, int32_t layer, int64_t position,
+                                       std::span<const float> keys, int32_t head_dim);
+  // Cuts every cache longer than `length`; answers the pages freed.
+  absl::StatusOr<int64_t> TruncateSequence(uint64_t sequence_id, int64_t length);
+  absl::Status ForkSequence(uint64_t parent_id, uint64_t new_id, int64_t length);
+  absl::StatusOr<v1::GetSequenceResponse> GetSequence(uint64_t sequence_id);
+  // The whole export stream, in order.
+  absl::StatusOr<std::vector<v1::SequenceChunk>> ExportSequence(uint64_t sequence_id,
+                                                                int64_t chunk_bytes = 0);
+  // Sends `chunks` as `sequence_id` (0: the exporter's id); answers the id it got.
+  absl::StatusOr<uint64_t> ImportSequence(uint64_t sequence_id,
+                                          std::span<const v1::SequenceChunk> chunks);
+  // Export from here, import into `to` (as `new_id`, 0: the same id), chunk by chunk without
+  // holding the whole stream.
+  absl::StatusOr<uint64_t> MigrateSequence(uint64_t sequence_id, IndexerClient& to,
+                                           uint64_t new_id = 0);
+
   grpc::Channel& channel() { return *channel_; }
 
  private:

@@ -9,6 +9,8 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev
   libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libyaml-cpp-dev
+  # CRC-32 of exported sequences and snapshots.
+  zlib1g-dev
   python3 python3-grpcio python3-protobuf python3-numpy
   # The Python package's offline install test (pip --no-build-isolation).
   python3-pip python3-setuptools

@@ -17,6 +17,7 @@
 
 #include "CLI/CLI.hpp"
 #include "common/cli.h"
+#include "absl/strings/match.h"
 #include "server/config/profile.h"
 #include "server/service/logging.h"
 #include "server/service/server.h"
@@ -157,6 +158,14 @@ int main(int argc, char** argv) {
                  "text, or json: one JSON object a line (time, level, message, request_id)")
       ->check(CLI::IsMember({"text", "json"}))
       ->capture_default_str();
+  app.add_option("--snapshot-dir", options.snapshot_dir,
+                 "on SIGTERM, after the drain, write every sequence here; on start, restore "
+                 "them before health reports SERVING (exit 3 if the snapshot is refused)");
+  double idle_seconds = 0;
+  app.add_option("--idle-sequence-timeout", idle_seconds,
+                 "seconds after which a sequence no call has named is released (0: never)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error, critical, off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
       ->capture_default_str();
@@ -188,6 +197,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  options.executor.idle_sequence_timeout_ms = static_cast<int64_t>(idle_seconds * 1000.0 + 0.5);
   if (options.auth_token.empty()) {
     // From the environment so the token stays out of `ps`.
     if (const char* env = std::getenv("DI_AUTH_TOKEN")) options.auth_token = env;
@@ -216,7 +226,11 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(options);
   if (!server.ok()) {
     spdlog::critical("cannot start: {}", server.status().ToString());
-    return 1;
+    // A refused snapshot has its own exit code: the operator must look at the file.
+    return absl::StrContains(server.status().message(), "snapshot ") &&
+                   absl::StrContains(server.status().message(), " refused: ")
+               ? 3
+               : 1;
   }
   const decode_indexer::exec::ExecutorStatus st = (*server)->executor().Status();
   int64_t pages = 0;
@@ -255,6 +269,10 @@ int main(int argc, char** argv) {
   }
   waiter.join();
   (*server)->Shutdown();  // idempotent: makes sure the executor is down
+  if (!(*server)->snapshot_status().ok()) {
+    spdlog::critical("decode-indexer-server stopped, but its snapshot was not written");
+    return 4;
+  }
   spdlog::info("decode-indexer-server stopped");
   return 0;
 }

@@ -210,4 +210,23 @@ absl::Status ValidateProfile(const Profile& p) {
   return absl::OkStatus();
 }
 
+uint64_t CacheIdentityHash(const Profile& p) {
+  std::string text = absl::StrCat("di-cache-identity-1;head_dim=", p.head_dim,
+                                  ";page_size=", p.page_size, ";hadamard=", p.hadamard ? 1 : 0,
+                                  ";candidate_block_size=", p.candidate_block_size,
+                                  ";num_candidate_blocks=", p.num_candidate_blocks,
+                                  ";max_rows_per_sequence=", p.max_rows_per_sequence,
+                                  ";max_context=", p.max_context, ";layers=");
+  for (const LayerSpec& l : p.layers) {
+    absl::StrAppend(&text, l.layer, ":", static_cast<int>(l.role), ":", l.cache_layer, ":",
+                    static_cast<int>(l.cache_format), ",");
+  }
+  uint64_t h = 14695981039346656037ull;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
 }  // namespace decode_indexer::config

@@ -55,4 +55,11 @@ absl::StatusOr<Profile> ParseProfileText(std::string_view text, const std::strin
 // cache layer a source, ...). LoadProfile calls it.
 absl::Status ValidateProfile(const Profile& profile);
 
+// The profile's identity for moving cache contents between servers (ExportSequence,
+// snapshots): a 64-bit FNV-1a hash of every constant that gives a cache's bytes or a
+// candidate record their meaning (head dim, page size, Hadamard, candidate geometry, rows per
+// sequence, max context, the layer plan with each cache's format). Two servers whose hashes
+// and names agree read each other's pages the same way.
+uint64_t CacheIdentityHash(const Profile& profile);
+
 }  // namespace decode_indexer::config

@@ -318,7 +318,9 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
                            : staging.Upload(b.page_table + first * stride,
                                             plan.page_table + first * stride, bytes));
   }
-  // Keys go into every replica whatever rows this rank scores.
+  // Keys go into every replica whatever rows this rank scores; pages they share with another
+  // sequence (or that a cut-back rewrites) are copied first.
+  DI_RETURN_IF_ERROR(CopyPagesOnRank(rank, plan.pool, plan.page_copies));
   DI_RETURN_IF_ERROR(InsertStepKeys(rank, staging, plan.pool, plan.key_writes, plan.hadamard));
 
   // q of this rank's rows only, at the rows' own offsets in the staging buffers.
@@ -489,15 +491,29 @@ void StepPlan::Reset() {
   row_length.clear();
   key_writes.clear();
   store_rows.clear();
+  page_copies.clear();
   std::vector<int32_t> keep_request = std::move(row_request);
   std::vector<int32_t> keep_length = std::move(row_length);
   std::vector<KeyWrite> keep_writes = std::move(key_writes);
   std::vector<int32_t> keep_store = std::move(store_rows);
+  std::vector<std::pair<int32_t, int32_t>> keep_copies = std::move(page_copies);
   *this = StepPlan{};
+  page_copies = std::move(keep_copies);
   row_request = std::move(keep_request);
   row_length = std::move(keep_length);
   key_writes = std::move(keep_writes);
   store_rows = std::move(keep_store);
+}
+
+absl::Status CopyPagesOnRank(Rank& rank, int32_t pool,
+                             std::span<const std::pair<int32_t, int32_t>> copies) {
+  const kernels::CacheView& cache = rank.buffers().caches[pool];
+  const int64_t bytes = cache.geometry.page_bytes();
+  for (const auto& [src, dst] : copies) {
+    DI_RETURN_IF_ERROR(rank.backend().CopyDeviceToDevice(cache.base + dst * bytes,
+                                                         cache.base + src * bytes, bytes));
+  }
+  return absl::OkStatus();
 }
 
 int64_t KeyValueBytes(ElemType type, int32_t head_dim) {

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -39,6 +41,9 @@ struct StepPlan {
   bool page_table_page_locked = false;
   int32_t page_table_stride = 0;
   std::vector<KeyWrite> key_writes;
+  // (src, dst) pages of `pool` copied before the keys are written: copy-on-write of a page
+  // another sequence holds, or of a page a cut-back rewrites (state::PlanCacheWrite).
+  std::vector<std::pair<int32_t, int32_t>> page_copies;
   bool hadamard = false;
   QInput q;
   kernels::RopeConfig rope;  // inv_freq filled in per rank
@@ -95,6 +100,11 @@ absl::Status InsertKeysOnRank(Rank& rank, int32_t pool, const std::vector<KeyWri
 absl::Status BroadcastInsertKeysOnRank(Rank& rank, int32_t pool,
                                        const std::vector<KeyWrite>& writes, bool hadamard,
                                        Collective& collective);
+
+// Copies whole pages (src, dst) of one pool of this rank's replica, in stream order before
+// whatever the rank issues next.
+absl::Status CopyPagesOnRank(Rank& rank, int32_t pool,
+                             std::span<const std::pair<int32_t, int32_t>> copies);
 
 // Bytes of one key (values) and of its scale in a given input form.
 int64_t KeyValueBytes(kernels::ElemType type, int32_t head_dim);

@@ -8,8 +8,11 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <deque>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 #include <unordered_set>
 
@@ -108,6 +111,26 @@ absl::Status CheckKeys(const KeysInput& keys, CacheFormat format, const std::str
   }
 }
 
+// A position for keys (KeysInput::position): at most the cache's committed length.
+absl::Status CheckPosition(const std::optional<int64_t>& position, int64_t length,
+                           int32_t cache_layer, const std::string& field) {
+  if (!position.has_value()) return absl::OkStatus();
+  if (*position < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": must be >= 0, got ", *position));
+  }
+  if (*position > length) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": ", *position, " is past the sequence's length ", length, " in layer ",
+        cache_layer, "'s cache (it would leave a hole); positions must be <= the length"));
+  }
+  return absl::OkStatus();
+}
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
 class ExecutorImpl final : public Executor {
  public:
   ExecutorImpl(const config::Profile& profile, const ExecutorOptions& options)
@@ -124,6 +147,13 @@ class ExecutorImpl final : public Executor {
   absl::StatusOr<int64_t> AppendKeys(uint64_t sequence_id, int32_t layer,
                                      const KeysInput& keys) override;
   absl::StatusOr<int64_t> ReleaseSequence(uint64_t sequence_id) override;
+  absl::StatusOr<int64_t> TruncateSequence(uint64_t sequence_id, int64_t length) override;
+  absl::Status ForkSequence(uint64_t parent_id, uint64_t new_id, int64_t length) override;
+  absl::StatusOr<SequenceInfo> GetSequence(uint64_t sequence_id) override;
+  absl::StatusOr<SequenceImage> ExportSequence(uint64_t sequence_id) override;
+  absl::Status ImportSequence(uint64_t sequence_id, const SequenceImage& image) override;
+  std::vector<uint64_t> SequenceIds() const override;
+  int64_t ReleaseIdleSequences(int64_t idle_ms) override;
   absl::StatusOr<StepResult> DecodeStep(const StepInput& step) override;
   ExecutorStatus Status() const override;
   absl::Status WithAnswerBackend(const std::function<absl::Status(kernels::Backend&)>& fn) override;
@@ -132,6 +162,42 @@ class ExecutorImpl final : public Executor {
 
  private:
   absl::Status Unavailable() const { return absl::UnavailableError("the executor is shut down"); }
+  // NOT_FOUND for an unknown id, saying so when the idle timeout released it. mu_ held.
+  absl::Status NoSequence(const std::string& field, uint64_t id) const {
+    if (idle_released_set_.contains(id)) {
+      return absl::NotFoundError(absl::StrCat(
+          field, ": no sequence ", id, " (it was released after ",
+          options_.idle_sequence_timeout_ms / 1000.0, " s idle: --idle-sequence-timeout)"));
+    }
+    return absl::NotFoundError(absl::StrCat(field, ": no sequence ", id));
+  }
+  // Removes a sequence and lets go of everything it holds; answers the pages freed. mu_ held.
+  int64_t RemoveLocked(uint64_t id) {
+    state::SequenceState removed;
+    if (!table_.Remove(id, &removed).ok()) return 0;
+    int64_t freed = 0;
+    for (size_t pool = 0; pool < removed.caches.size(); ++pool) {
+      const int64_t before = pools_[pool].free();
+      DropCache(removed.caches[pool], pools_[pool]);
+      freed += pools_[pool].free() - before;
+    }
+    DropCandidatesOfPool(removed, -1);
+    return freed;
+  }
+  // Drops the candidates of the sources whose cache is `pool` (-1: every source): they were
+  // computed over entries that changed. mu_ held.
+  void DropCandidatesOfPool(state::SequenceState& seq, int32_t pool) {
+    for (auto it = seq.candidates.begin(); it != seq.candidates.end();) {
+      const int32_t src_pool = pool_of_layer_[profile_.layers[it->first].cache_layer];
+      if (pool >= 0 && src_pool != pool) {
+        ++it;
+        continue;
+      }
+      if (it->second.store_block >= 0) store_blocks_->Release({&it->second.store_block, 1});
+      it = seq.candidates.erase(it);
+    }
+  }
+  void IdleLoop();
   // The failing rank's status, or OK when every rank succeeded. A rank's own failure wins
   // over a copy of another rank's (Collective::Agree), so the answer names where it began.
   static absl::Status FirstError(const std::vector<absl::Status>& statuses) {
@@ -211,7 +277,7 @@ class ExecutorImpl final : public Executor {
     return absl::OkStatus();
   }
   absl::StatusOr<StepResult> DecodeStepLocked(const StepInput& step, StepPlan& plan,
-                                              std::vector<std::vector<int32_t>>& new_pages,
+                                              std::vector<state::CacheWrite>& writes,
                                               std::vector<int32_t>& new_blocks);
 
   friend void ::decode_indexer::exec::InjectFault(Executor& executor, const FaultInjection& fault);
@@ -257,6 +323,15 @@ class ExecutorImpl final : public Executor {
   uint64_t next_candidate_version_ = 1;
   ExecutorStatus stats_;
   bool healthy_ = true;
+  // Ids the idle timeout released (the most recent kIdleMemory), for NOT_FOUND's message.
+  static constexpr size_t kIdleMemory = 65536;
+  std::deque<uint64_t> idle_released_;
+  std::unordered_set<uint64_t> idle_released_set_;
+  // The idle timeout's thread (ExecutorOptions::idle_sequence_timeout_ms > 0).
+  std::thread idle_thread_;
+  std::mutex idle_mu_;
+  std::condition_variable idle_cv_;
+  bool idle_stop_ = false;
   std::vector<absl::Status> last_rank_statuses_;
   StepPhases last_phases_;       // of the last decode step that reached the ranks (benchmarks)
   FaultInjection fault_;         // test hook (DI_INJECT_FAULT)
@@ -404,6 +479,7 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
   stats_.collective = std::string(collective_->name());
   stats_.row_shard_min_requests = options_.row_shard_min_requests;
   stats_.max_sequences = options_.max_sequences;
+  stats_.idle_sequence_timeout_ms = options_.idle_sequence_timeout_ms;
   SampleDeviceMemory();
   spdlog::info(
       "executor: profile {} ({} layers, {} cache pools), backend {} x{} ranks ({} collective), "
@@ -413,7 +489,19 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
       options_.masked_consumer ? "masked" : "sparse",
       options_.cuda_graphs && ranks_[0]->graphs_enabled() ? "on" : "off",
       options_.pinned_staging && ranks_[0]->host_arena().pinned ? "on" : "off");
+  if (options_.idle_sequence_timeout_ms > 0) idle_thread_ = std::thread([this] { IdleLoop(); });
   return absl::OkStatus();
+}
+
+void ExecutorImpl::IdleLoop() {
+  const int64_t timeout = options_.idle_sequence_timeout_ms;
+  const auto period = std::chrono::milliseconds(std::clamp<int64_t>(timeout / 4, 1, 1000));
+  std::unique_lock lock(idle_mu_);
+  while (!idle_cv_.wait_for(lock, period, [&] { return idle_stop_; })) {
+    lock.unlock();
+    ReleaseIdleSequences(timeout);
+    lock.lock();
+  }
 }
 
 absl::Status ExecutorImpl::CreateSequence(uint64_t sequence_id) {
@@ -421,7 +509,10 @@ absl::Status ExecutorImpl::CreateSequence(uint64_t sequence_id) {
   FifoTurns::Turn turn = turns_.Wait();
   if (shut_down_) return Unavailable();
   std::lock_guard lock(mu_);
-  return table_.Create(sequence_id);
+  if (absl::Status s = table_.Create(sequence_id); !s.ok()) return s;
+  table_.Find(sequence_id)->last_used_ms = NowMs();
+  idle_released_set_.erase(sequence_id);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(uint64_t sequence_id, int32_t layer,
@@ -443,34 +534,38 @@ absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(uint64_t sequence_id, int32_t l
                      spec->cache_layer, "'s cache; append keys to layer ", spec->cache_layer));
   }
   state::SequenceState* seq = table_.Find(sequence_id);
-  if (seq == nullptr) {
-    return absl::NotFoundError(absl::StrCat("sequence_id: no sequence ", sequence_id));
-  }
+  if (seq == nullptr) return NoSequence("sequence_id", sequence_id);
   const int32_t pool = pool_of_layer_[layer];
   if (absl::Status s = CheckKeys(keys, spec->cache_format, "keys"); !s.ok()) return s;
   state::CachePages& cp = seq->caches[pool];
-  const int64_t new_length = cp.length + keys.count;
+  if (absl::Status s = CheckPosition(keys.position, cp.length, layer, "position"); !s.ok()) {
+    return s;
+  }
+  const int64_t start = keys.position.value_or(cp.length);
+  const int64_t new_length = start + keys.count;
   if (new_length > profile_.max_context) {
     return absl::OutOfRangeError(absl::StrCat("keys: length ", new_length,
                                               " would exceed max_context ", profile_.max_context));
   }
-  if (keys.count == 0) return cp.length;
+  seq->last_used_ms = NowMs();
+  if (new_length == cp.length && keys.count == 0) return cp.length;
   const int32_t P = profile_.page_size;
-  const int64_t need = std::max<int64_t>(0, CeilDiv(new_length, P) - int64_t(cp.pages.size()));
-  absl::StatusOr<std::vector<int32_t>> fresh = pools_[pool].Reserve(need);
-  if (!fresh.ok()) return fresh.status();
-
-  std::vector<int32_t> pages = cp.pages;
-  pages.insert(pages.end(), fresh->begin(), fresh->end());
+  absl::StatusOr<state::CacheWrite> planned =
+      state::PlanCacheWrite(cp, start, keys.count, P, pools_[pool]);
+  if (!planned.ok()) return planned.status();
+  state::CacheWrite w = *std::move(planned);
   std::vector<int64_t> slots(keys.count);
-  for (int64_t i = 0; i < keys.count; ++i) {
-    const int64_t p = cp.length + i;
-    slots[i] = int64_t{pages[p / P]} * P + p % P;
-  }
-  std::vector<KeyWrite> writes = {{keys.type, keys.count, keys.keys, keys.scales, slots.data()}};
+  for (int64_t i = 0; i < keys.count; ++i) slots[i] = w.Slot(cp, start + i, P);
+  std::vector<KeyWrite> writes;
+  if (keys.count > 0)
+    writes.push_back({keys.type, keys.count, keys.keys, keys.scales, slots.data()});
+  std::vector<std::pair<int32_t, int32_t>> copies;
+  for (const state::PageCopy& c : w.copies) copies.emplace_back(c.src, c.dst);
   lock.unlock();
   absl::Status status = FirstError(RunOnAllRanks([&](Rank& rank) -> absl::Status {
     if (absl::Status s = JoinExpansion(rank); !s.ok()) return s;
+    if (absl::Status s = CopyPagesOnRank(rank, pool, copies); !s.ok()) return s;
+    if (writes.empty()) return rank.backend().Synchronize();
     // Bulk prefill crosses NVLink once per rank (broadcast from rank 0) where the collective
     // can; otherwise every rank copies the keys from host memory.
     const absl::Status s =
@@ -482,12 +577,13 @@ absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(uint64_t sequence_id, int32_t l
   }));
   lock.lock();
   if (!status.ok()) {
-    // The keys written lie beyond the committed length, in pages handed back.
-    pools_[pool].Release(*fresh);
+    // The keys written lie beyond the committed length or in fresh pages, handed back.
+    AbortCacheWrite(w, pools_[pool]);
     return status;
   }
-  cp.pages = std::move(pages);
-  cp.length = new_length;
+  CommitCacheWrite(cp, w, pools_[pool]);
+  // The source's candidates were computed over the entries just replaced.
+  DropCandidatesOfPool(*seq, pool);
   spdlog::debug("append: sequence {} layer {} +{} keys -> {}", sequence_id, layer, keys.count,
                 new_length);
   return new_length;
@@ -498,18 +594,8 @@ absl::StatusOr<int64_t> ExecutorImpl::ReleaseSequence(uint64_t sequence_id) {
   FifoTurns::Turn turn = turns_.Wait();
   if (shut_down_) return Unavailable();
   std::lock_guard lock(mu_);
-  state::SequenceState removed;
-  if (absl::Status s = table_.Remove(sequence_id, &removed); !s.ok()) return s;
-  int64_t freed = 0;
-  for (size_t pool = 0; pool < removed.caches.size(); ++pool) {
-    freed += static_cast<int64_t>(removed.caches[pool].pages.size());
-    pools_[pool].Release(removed.caches[pool].pages);
-  }
-  for (const auto& [layer, record] : removed.candidates) {
-    const int32_t block = record.store_block;
-    store_blocks_->Release({&block, 1});
-  }
-  return freed;
+  if (table_.Find(sequence_id) == nullptr) return NoSequence("sequence_id", sequence_id);
+  return RemoveLocked(sequence_id);
 }
 
 absl::StatusOr<StepResult> ExecutorImpl::DecodeStep(const StepInput& step) {
@@ -523,9 +609,9 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStep(const StepInput& step) {
   // Only the turn holder touches the reused plan.
   StepPlan& plan = plan_;
   plan.Reset();
-  std::vector<std::vector<int32_t>> new_pages;
+  std::vector<state::CacheWrite> writes;
   std::vector<int32_t> new_blocks;
-  absl::StatusOr<StepResult> result = DecodeStepLocked(step, plan, new_pages, new_blocks);
+  absl::StatusOr<StepResult> result = DecodeStepLocked(step, plan, writes, new_blocks);
   if (result.ok()) {
     result->queue_us = Micros(started - arrived);
     result->compute_us = Micros(Clock::now() - started);
@@ -539,9 +625,9 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStep(const StepInput& step) {
   return result;
 }
 
-absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
-    const StepInput& step, StepPlan& plan, std::vector<std::vector<int32_t>>& new_pages,
-    std::vector<int32_t>& new_blocks) {
+absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step, StepPlan& plan,
+                                                          std::vector<state::CacheWrite>& writes,
+                                                          std::vector<int32_t>& new_blocks) {
   const Clock::time_point plan_start = Clock::now();
   std::unique_lock lock(mu_);
   const config::Profile& p = profile_;
@@ -587,7 +673,6 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
   const int32_t P = p.page_size;
   const int32_t M = p.max_rows_per_sequence;
   int32_t num_rows = 0;
-  int64_t pages_needed = 0;
   int32_t stride = 1;
   std::vector<state::SequenceState*> seqs(num_requests);
   std::vector<int64_t> lengths(num_requests);
@@ -610,9 +695,7 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
           absl::StrCat(field, ".sequence_id: sequence ", in.sequence_id, " appears twice"));
     }
     state::SequenceState* seq = table_.Find(in.sequence_id);
-    if (seq == nullptr) {
-      return absl::NotFoundError(absl::StrCat(field, ".sequence_id: no sequence ", in.sequence_id));
-    }
+    if (seq == nullptr) return NoSequence(field + ".sequence_id", in.sequence_id);
     seqs[i] = seq;
     if (consumer && in.new_keys.count > 0) {
       return absl::InvalidArgumentError(
@@ -621,7 +704,17 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
     }
     if (absl::Status s = CheckKeys(in.new_keys, format, field + ".new_keys"); !s.ok()) return s;
     const state::CachePages& cp = seq->caches[pool];
-    const int64_t L = cp.length + in.new_keys.count;
+    if (consumer && in.new_keys.position.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".new_keys_position: layer ",
+                                                     step.layer, " reads layer ", spec->cache_layer,
+                                                     "'s cache and takes no keys"));
+    }
+    if (absl::Status s = CheckPosition(in.new_keys.position, cp.length, spec->cache_layer,
+                                       field + ".new_keys_position");
+        !s.ok()) {
+      return s;
+    }
+    const int64_t L = in.new_keys.position.value_or(cp.length) + in.new_keys.count;
     if (L > p.max_context) {
       return absl::OutOfRangeError(absl::StrCat(field, ".new_keys: length ", L,
                                                 " would exceed max_context ", p.max_context));
@@ -666,9 +759,7 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
     }
     for (int32_t j = 0; j < in.num_rows; ++j) plan.row_request.push_back(i);
     num_rows += in.num_rows;
-    const int64_t pages = CeilDiv(L, P);
-    pages_needed += std::max<int64_t>(0, pages - int64_t(cp.pages.size()));
-    stride = std::max<int32_t>(stride, static_cast<int32_t>(pages));
+    stride = std::max<int32_t>(stride, static_cast<int32_t>(CeilDiv(L, P)));
   }
   if (num_rows != step.num_rows) {
     return absl::InvalidArgumentError(absl::StrCat("num_rows: the sequences bring ", num_rows,
@@ -684,13 +775,29 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
         stride, static_cast<int32_t>(CeilDiv(BucketRowLength(longest, p.max_context), P)));
   }
 
-  // Reserve all-or-nothing: a step that does not fit leaves no trace.
-  absl::StatusOr<std::vector<int32_t>> fresh = pools_[pool].Reserve(pages_needed);
-  if (!fresh.ok()) return fresh.status();
+  // Reserve all-or-nothing: a step that does not fit leaves no trace. Each sequence's write
+  // (a cut back to its position, then its keys) lands in fresh pages wherever it would touch a
+  // shared page or committed entries, so a failed step leaves the committed state intact.
+  auto abort_writes = [&] {
+    for (state::CacheWrite& w : writes) AbortCacheWrite(w, pools_[pool]);
+    writes.clear();
+  };
+  writes.reserve(num_requests);
+  for (int32_t i = 0; i < num_requests; ++i) {
+    const state::CachePages& cp = seqs[i]->caches[pool];
+    const KeysInput& keys = step.sequences[i].new_keys;
+    absl::StatusOr<state::CacheWrite> w =
+        state::PlanCacheWrite(cp, keys.position.value_or(cp.length), keys.count, P, pools_[pool]);
+    if (!w.ok()) {
+      abort_writes();
+      return w.status();
+    }
+    writes.push_back(*std::move(w));
+  }
   if (source) {
     absl::StatusOr<std::vector<int32_t>> blocks = store_blocks_->Reserve(num_requests);
     if (!blocks.ok()) {
-      pools_[pool].Release(*fresh);
+      abort_writes();
       return blocks.status();
     }
     new_blocks = *std::move(blocks);
@@ -715,34 +822,25 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
   plan.row_shard_min_requests = options_.row_shard_min_requests;
   plan.direct_answers = options_.direct_answers;
   plan.masked_consumer = options_.masked_consumer;
-  new_pages.resize(num_requests);
   std::vector<std::vector<int64_t>> slots(num_requests);
   std::vector<uint64_t> versions(num_requests, 0);
-  size_t next_fresh = 0;
   int32_t row = 0;
   for (int32_t i = 0; i < num_requests; ++i) {
     const SequenceStepInput& in = step.sequences[i];
     const state::CachePages& cp = seqs[i]->caches[pool];
-    const int64_t want = CeilDiv(lengths[i], P) - int64_t(cp.pages.size());
-    for (int64_t k = 0; k < want; ++k) new_pages[i].push_back((*fresh)[next_fresh++]);
-    auto page_at = [&](int64_t index) {
-      return index < int64_t(cp.pages.size()) ? cp.pages[index]
-                                              : new_pages[i][index - cp.pages.size()];
-    };
-    // The sequence's pages, then its fresh ones: two block copies (this table is requests x
-    // pages long, 64K entries at 64 requests x 64K tokens, so a per-entry loop costs tens of
-    // microseconds a step). want may be negative (a row shorter than the pages held): then
-    // only the first pages the length needs.
+    const state::CacheWrite& w = writes[i];
+    // The pages kept, then the write's tail (pages written in place, copies, fresh ones): two
+    // block copies (this table is requests x pages long, 64K entries at 64 requests x 64K
+    // tokens, so a per-entry loop costs tens of microseconds a step).
     int32_t* table_row = page_table_.base + size_t(i) * stride;
-    const size_t held = std::min<size_t>(cp.pages.size(), size_t(CeilDiv(lengths[i], P)));
-    table_row = std::copy_n(cp.pages.begin(), held, table_row);
-    table_row = std::copy(new_pages[i].begin(), new_pages[i].end(), table_row);
+    table_row = std::copy_n(cp.pages.begin(), w.keep, table_row);
+    table_row = std::copy(w.tail.begin(), w.tail.end(), table_row);
     std::fill(table_row, page_table_.base + size_t(i + 1) * stride, 0);
+    for (const state::PageCopy& c : w.copies) plan.page_copies.push_back({c.src, c.dst});
     if (in.new_keys.count > 0) {
       slots[i].resize(in.new_keys.count);
       for (int32_t k = 0; k < in.new_keys.count; ++k) {
-        const int64_t pos = cp.length + k;
-        slots[i][k] = int64_t{page_at(pos / P)} * P + pos % P;
+        slots[i][k] = w.Slot(cp, w.position + k, P);
       }
       plan.key_writes.push_back({in.new_keys.type, in.new_keys.count, in.new_keys.keys,
                                  in.new_keys.scales, slots[i].data()});
@@ -824,7 +922,7 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
   }
 
   if (!status.ok()) {
-    pools_[pool].Release(*fresh);
+    abort_writes();
     if (source) store_blocks_->Release(new_blocks);
     // The ranks may have rewritten their expansion buffers.
     if (source || consumer) overlap_.Invalidate();
@@ -834,10 +932,10 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
 
   // Commit: every rank succeeded.
   for (int32_t i = 0; i < num_requests; ++i) {
-    state::CachePages& cp = seqs[i]->caches[pool];
-    cp.pages.insert(cp.pages.end(), new_pages[i].begin(), new_pages[i].end());
-    cp.length = lengths[i];
+    CommitCacheWrite(seqs[i]->caches[pool], writes[i], pools_[pool]);
+    seqs[i]->last_used_ms = NowMs();
   }
+  writes.clear();
   if (source) {
     row = 0;
     for (int32_t i = 0; i < num_requests; ++i) {
@@ -866,6 +964,313 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(
   return result;
 }
 
+absl::StatusOr<int64_t> ExecutorImpl::TruncateSequence(uint64_t sequence_id, int64_t length) {
+  if (shut_down_) return Unavailable();
+  FifoTurns::Turn turn = turns_.Wait();
+  if (shut_down_) return Unavailable();
+  std::lock_guard lock(mu_);
+  state::SequenceState* seq = table_.Find(sequence_id);
+  if (seq == nullptr) return NoSequence("sequence_id", sequence_id);
+  if (length < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("length: must be >= 0, got ", length));
+  }
+  seq->last_used_ms = NowMs();
+  int64_t freed = 0;
+  for (size_t pool = 0; pool < seq->caches.size(); ++pool) {
+    state::CachePages& cp = seq->caches[pool];
+    if (cp.length <= length) continue;
+    const int64_t before = pools_[pool].free();
+    TruncateCache(cp, length, profile_.page_size, pools_[pool]);
+    freed += pools_[pool].free() - before;
+    DropCandidatesOfPool(*seq, static_cast<int32_t>(pool));
+  }
+  return freed;
+}
+
+absl::Status ExecutorImpl::ForkSequence(uint64_t parent_id, uint64_t new_id, int64_t length) {
+  if (shut_down_) return Unavailable();
+  FifoTurns::Turn turn = turns_.Wait();
+  if (shut_down_) return Unavailable();
+  std::lock_guard lock(mu_);
+  state::SequenceState* parent = table_.Find(parent_id);
+  if (parent == nullptr) return NoSequence("parent_id", parent_id);
+  if (table_.Find(new_id) != nullptr) {
+    return absl::AlreadyExistsError(absl::StrCat("new_id: sequence ", new_id, " exists"));
+  }
+  if (length < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("length: must be >= 0, got ", length));
+  }
+  const std::vector<int32_t> cache_layers = profile_.CacheLayers();
+  for (size_t pool = 0; pool < parent->caches.size(); ++pool) {
+    if (parent->caches[pool].length < length) {
+      return absl::OutOfRangeError(absl::StrCat("length: ", length, " is past parent ", parent_id,
+                                                "'s length ", parent->caches[pool].length,
+                                                " in layer ", cache_layers[pool], "'s cache"));
+    }
+  }
+  if (absl::Status s = table_.Create(new_id); !s.ok()) return s;
+  idle_released_set_.erase(new_id);
+  parent = table_.Find(parent_id);  // Create may have rehashed the table
+  state::SequenceState* child = table_.Find(new_id);
+  for (size_t pool = 0; pool < parent->caches.size(); ++pool) {
+    ShareCache(parent->caches[pool], length, profile_.page_size, pools_[pool], child->caches[pool]);
+  }
+  parent->last_used_ms = child->last_used_ms = NowMs();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SequenceInfo> ExecutorImpl::GetSequence(uint64_t sequence_id) {
+  if (shut_down_) return Unavailable();
+  std::lock_guard lock(mu_);
+  state::SequenceState* seq = table_.Find(sequence_id);
+  if (seq == nullptr) return NoSequence("sequence_id", sequence_id);
+  seq->last_used_ms = NowMs();
+  SequenceInfo info;
+  info.sequence_id = sequence_id;
+  const std::vector<int32_t> cache_layers = profile_.CacheLayers();
+  for (size_t pool = 0; pool < seq->caches.size(); ++pool) {
+    const state::CachePages& cp = seq->caches[pool];
+    int64_t shared = 0;
+    for (int32_t page : cp.pages) shared += pools_[pool].holders(page) > 1;
+    info.caches.push_back({cache_layers[pool], cp.length, int64_t(cp.pages.size()), shared});
+  }
+  for (const auto& [layer, rec] : seq->candidates) info.candidates.emplace_back(layer, rec.length);
+  return info;
+}
+
+std::vector<uint64_t> ExecutorImpl::SequenceIds() const {
+  std::lock_guard lock(mu_);
+  std::vector<uint64_t> ids = table_.Ids();
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+int64_t ExecutorImpl::ReleaseIdleSequences(int64_t idle_ms) {
+  if (shut_down_) return 0;
+  FifoTurns::Turn turn = turns_.Wait();
+  if (shut_down_) return 0;
+  std::lock_guard lock(mu_);
+  const int64_t now = NowMs();
+  int64_t released = 0;
+  for (uint64_t id : table_.Ids()) {
+    if (now - table_.Find(id)->last_used_ms < idle_ms) continue;
+    RemoveLocked(id);
+    ++released;
+    if (idle_released_set_.insert(id).second) idle_released_.push_back(id);
+    while (idle_released_.size() > kIdleMemory) {
+      idle_released_set_.erase(idle_released_.front());
+      idle_released_.pop_front();
+    }
+    spdlog::info("sequence {} released after {} ms idle", id, idle_ms);
+  }
+  return released;
+}
+
+absl::StatusOr<SequenceImage> ExecutorImpl::ExportSequence(uint64_t sequence_id) {
+  if (shut_down_) return Unavailable();
+  FifoTurns::Turn turn = turns_.Wait();
+  if (shut_down_) return Unavailable();
+  if (absl::Status s = CheckHealthy(); !s.ok()) return s;
+  std::unique_lock lock(mu_);
+  state::SequenceState* seq = table_.Find(sequence_id);
+  if (seq == nullptr) return NoSequence("sequence_id", sequence_id);
+  seq->last_used_ms = NowMs();
+  const std::vector<int32_t> cache_layers = profile_.CacheLayers();
+  const int32_t M = profile_.max_rows_per_sequence;
+  const int32_t NB = profile_.num_candidate_blocks;
+  SequenceImage image;
+  image.caches.resize(seq->caches.size());
+  for (size_t pool = 0; pool < seq->caches.size(); ++pool) {
+    const state::CachePages& cp = seq->caches[pool];
+    image.caches[pool].cache_layer = cache_layers[pool];
+    image.caches[pool].length = cp.length;
+    image.caches[pool].pages.resize(cp.pages.size() * pool_geometry_[pool].page_bytes());
+  }
+  for (const auto& [layer, rec] : seq->candidates) {
+    CandidateImage c;
+    c.source_layer = layer;
+    c.length = rec.length;
+    c.row_lengths = rec.row_lengths;
+    c.blocks.resize(size_t(rec.rows) * NB);
+    image.candidates.push_back(std::move(c));
+  }
+  // The caches are read from rank 0's replica (every rank holds the same); the turn keeps any
+  // step from changing them meanwhile.
+  const state::SequenceState& s = *seq;
+  lock.unlock();
+  absl::Status status = FirstError(RunOnAllRanks([&](Rank& rank) -> absl::Status {
+    if (rank.index() != 0) return absl::OkStatus();
+    if (absl::Status st = JoinExpansion(rank); !st.ok()) return st;
+    for (size_t pool = 0; pool < s.caches.size(); ++pool) {
+      const kernels::CacheView& cache = rank.buffers().caches[pool];
+      const int64_t bytes = cache.geometry.page_bytes();
+      char* out = image.caches[pool].pages.data();
+      for (size_t k = 0; k < s.caches[pool].pages.size(); ++k) {
+        if (absl::Status st = rank.backend().CopyToHost(
+                out + k * bytes, cache.base + s.caches[pool].pages[k] * bytes, bytes);
+            !st.ok()) {
+          return st;
+        }
+      }
+    }
+    size_t c = 0;
+    for (const auto& [layer, rec] : s.candidates) {
+      int32_t* store = rank.buffers().candidate_store + int64_t{rec.store_block} * M * NB;
+      if (absl::Status st = rank.backend().CopyToHost(image.candidates[c++].blocks.data(), store,
+                                                      size_t(rec.rows) * NB * sizeof(int32_t));
+          !st.ok()) {
+        return st;
+      }
+    }
+    return rank.backend().Synchronize();
+  }));
+  if (!status.ok()) return status;
+  // The slots past the length hold whatever was there before: zero them, so an image says
+  // only what the sequence holds.
+  for (size_t pool = 0; pool < image.caches.size(); ++pool) {
+    const kernels::CacheGeometry& g = pool_geometry_[pool];
+    const int64_t used = image.caches[pool].length % g.page_size;
+    if (used == 0) continue;
+    char* last = image.caches[pool].pages.data() + image.caches[pool].pages.size() - g.page_bytes();
+    const int64_t V = g.value_bytes(), S = g.scale_bytes(), P = g.page_size;
+    std::memset(last + used * V, 0, (P - used) * V);
+    std::memset(last + P * V + used * S, 0, (P - used) * S);
+  }
+  return image;
+}
+
+absl::Status ExecutorImpl::ImportSequence(uint64_t sequence_id, const SequenceImage& image) {
+  if (shut_down_) return Unavailable();
+  FifoTurns::Turn turn = turns_.Wait();
+  if (shut_down_) return Unavailable();
+  if (absl::Status s = CheckHealthy(); !s.ok()) return s;
+  std::unique_lock lock(mu_);
+  const std::vector<int32_t> cache_layers = profile_.CacheLayers();
+  const int32_t P = profile_.page_size;
+  const int32_t M = profile_.max_rows_per_sequence;
+  const int32_t NB = profile_.num_candidate_blocks;
+  if (table_.Find(sequence_id) != nullptr) {
+    return absl::AlreadyExistsError(absl::StrCat("sequence_id: sequence ", sequence_id, " exists"));
+  }
+  if (image.caches.size() != cache_layers.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "caches: ", image.caches.size(), " caches for a profile with ", cache_layers.size()));
+  }
+  for (size_t pool = 0; pool < image.caches.size(); ++pool) {
+    const CacheImage& c = image.caches[pool];
+    const std::string field = absl::StrCat("caches[", pool, "]");
+    if (c.cache_layer != cache_layers[pool]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".cache_layer: ", c.cache_layer, ", expected ", cache_layers[pool]));
+    }
+    if (c.length < 0 || c.length > profile_.max_context) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".length: ", c.length, " is out of [0, ", profile_.max_context, "]"));
+    }
+    const int64_t want = CeilDiv(c.length, P) * pool_geometry_[pool].page_bytes();
+    if (int64_t(c.pages.size()) != want) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".pages: ", c.pages.size(), " bytes, expected ", want, " for length ", c.length));
+    }
+  }
+  std::set<int32_t> sources;
+  for (size_t i = 0; i < image.candidates.size(); ++i) {
+    const CandidateImage& c = image.candidates[i];
+    const std::string field = absl::StrCat("candidates[", i, "]");
+    const LayerSpec* spec = profile_.FindLayer(c.source_layer);
+    if (spec == nullptr || spec->role != LayerRole::kCandidateSource ||
+        !sources.insert(c.source_layer).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".source_layer: ", c.source_layer, " is not a (new) source layer"));
+    }
+    const int64_t rows = int64_t(c.row_lengths.size());
+    if (rows < 1 || rows > M || int64_t(c.blocks.size()) != rows * NB ||
+        c.length != image.caches[pool_of_layer_[spec->cache_layer]].length) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": rows, blocks or length do not fit the profile and the caches"));
+    }
+  }
+  // Reserve all-or-nothing.
+  std::vector<std::vector<int32_t>> pages(image.caches.size());
+  std::vector<int32_t> blocks;
+  auto give_back = [&] {
+    for (size_t pool = 0; pool < pages.size(); ++pool) pools_[pool].Release(pages[pool]);
+    if (!blocks.empty()) store_blocks_->Release(blocks);
+  };
+  for (size_t pool = 0; pool < image.caches.size(); ++pool) {
+    absl::StatusOr<std::vector<int32_t>> got =
+        pools_[pool].Reserve(CeilDiv(image.caches[pool].length, P));
+    if (!got.ok()) {
+      give_back();
+      return got.status();
+    }
+    pages[pool] = *std::move(got);
+  }
+  if (!image.candidates.empty()) {
+    absl::StatusOr<std::vector<int32_t>> got = store_blocks_->Reserve(image.candidates.size());
+    if (!got.ok()) {
+      give_back();
+      return got.status();
+    }
+    blocks = *std::move(got);
+  }
+  if (absl::Status s = table_.CanCreate(sequence_id); !s.ok()) {
+    give_back();
+    return s;
+  }
+  lock.unlock();
+  absl::Status status = FirstError(RunOnAllRanks([&](Rank& rank) -> absl::Status {
+    if (absl::Status st = JoinExpansion(rank); !st.ok()) return st;
+    for (size_t pool = 0; pool < pages.size(); ++pool) {
+      const kernels::CacheView& cache = rank.buffers().caches[pool];
+      const int64_t bytes = cache.geometry.page_bytes();
+      const char* in = image.caches[pool].pages.data();
+      for (size_t k = 0; k < pages[pool].size(); ++k) {
+        if (absl::Status st = rank.backend().CopyToDevice(cache.base + pages[pool][k] * bytes,
+                                                          in + k * bytes, bytes);
+            !st.ok()) {
+          return st;
+        }
+      }
+    }
+    for (size_t c = 0; c < blocks.size(); ++c) {
+      int32_t* store = rank.buffers().candidate_store + int64_t{blocks[c]} * M * NB;
+      if (absl::Status st =
+              rank.backend().CopyToDevice(store, image.candidates[c].blocks.data(),
+                                          image.candidates[c].blocks.size() * sizeof(int32_t));
+          !st.ok()) {
+        return st;
+      }
+    }
+    return rank.backend().Synchronize();
+  }));
+  lock.lock();
+  if (!status.ok()) {
+    give_back();
+    return status;
+  }
+  if (absl::Status s = table_.Create(sequence_id); !s.ok()) {
+    give_back();
+    return s;
+  }
+  idle_released_set_.erase(sequence_id);
+  state::SequenceState* seq = table_.Find(sequence_id);
+  seq->last_used_ms = NowMs();
+  for (size_t pool = 0; pool < pages.size(); ++pool) {
+    AdoptCache(seq->caches[pool], std::move(pages[pool]), image.caches[pool].length);
+  }
+  for (size_t c = 0; c < blocks.size(); ++c) {
+    const CandidateImage& ci = image.candidates[c];
+    state::CandidateRecord& rec = seq->candidates[ci.source_layer];
+    rec.version = next_candidate_version_++;
+    rec.length = ci.length;
+    rec.rows = static_cast<int32_t>(ci.row_lengths.size());
+    rec.row_lengths = ci.row_lengths;
+    rec.store_block = blocks[c];
+  }
+  return absl::OkStatus();
+}
+
 ExecutorStatus ExecutorImpl::Status() const {
   std::lock_guard lock(mu_);
   ExecutorStatus s = stats_;
@@ -888,6 +1293,14 @@ absl::Status ExecutorImpl::WithAnswerBackend(
 
 void ExecutorImpl::Shutdown() {
   if (shut_down_.exchange(true)) return;
+  if (idle_thread_.joinable()) {
+    {
+      std::lock_guard lock(idle_mu_);
+      idle_stop_ = true;
+    }
+    idle_cv_.notify_all();
+    idle_thread_.join();
+  }
   // Calls that already hold tickets finish first; later ones see shut_down_.
   FifoTurns::Turn turn = turns_.Wait();
   collective_.reset();

@@ -16,7 +16,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -56,6 +58,9 @@ struct ExecutorOptions {
   // consumer step needs no all-gather and no host agreement (--direct-answers; off: rank 0
   // gathers every row and copies the whole answer, as before). Answers are the same.
   bool direct_answers = true;
+  // A sequence no call has named for this long is released (0: never). Later calls naming it
+  // answer NOT_FOUND saying it was released as idle (--idle-sequence-timeout).
+  int64_t idle_sequence_timeout_ms = 0;
 };
 
 // Keys in one of the accepted forms (AppendKeys.keys / SequenceStep.new_keys).
@@ -64,6 +69,10 @@ struct KeysInput {
   int32_t count = 0;                                 // n (0: no keys)
   const void* keys = nullptr;                        // host bytes, validated size
   const void* scales = nullptr;                      // FP8: float[n]; FP4: uint8[n, D/32]
+  // The position of the first key (AppendKeysRequest.position / new_keys_position): below
+  // the cache's length the sequence is first cut back to it; above it is a hole (refused).
+  // Absent: append at the length.
+  std::optional<int64_t> position;
 };
 
 struct SequenceStepInput {
@@ -119,6 +128,41 @@ struct StepResult {
   std::vector<int64_t> lengths;  // per sequence, after the step
 };
 
+// A sequence's lengths (GetSequence): per cache pool, in the profile's cache-layer order.
+struct SequenceCacheInfo {
+  int32_t cache_layer = 0;
+  int64_t length = 0;
+  int64_t pages = 0;         // pages it holds
+  int64_t shared_pages = 0;  // of those, held by another sequence too
+};
+struct SequenceInfo {
+  uint64_t sequence_id = 0;
+  std::vector<SequenceCacheInfo> caches;
+  // Source layers whose candidates a consumer may use now, and the length they were made at.
+  std::vector<std::pair<int32_t, int64_t>> candidates;
+};
+
+// A sequence's entries in every cache, page by page, and the candidates its sources last
+// published (ExportSequence / ImportSequence, snapshots). Tied to the profile's identity
+// (config::CacheIdentity), which the carrier checks.
+struct CacheImage {
+  int32_t cache_layer = 0;
+  int64_t length = 0;
+  // ceil(length / page_size) pages in the cache's page layout (spec section 4); the slots
+  // past `length` in the last page are zero.
+  std::string pages;
+};
+struct CandidateImage {
+  int32_t source_layer = 0;
+  int64_t length = 0;                // the source cache's length they were computed at
+  std::vector<int32_t> row_lengths;  // [rows]
+  std::vector<int32_t> blocks;       // [rows, num_candidate_blocks]
+};
+struct SequenceImage {
+  std::vector<CacheImage> caches;  // one per cache pool, in cache-layer order
+  std::vector<CandidateImage> candidates;
+};
+
 struct CachePoolStatus {
   int32_t cache_layer = 0;
   int64_t pages_total = 0;
@@ -149,6 +193,7 @@ struct ExecutorStatus {
   bool healthy = true;
   std::string health_detail;  // why not healthy
   std::string collective;     // "in-process" | "nccl"
+  int64_t idle_sequence_timeout_ms = 0;
   // CUDA graphs, summed over the ranks: kernel sections captured, and replayed from a graph.
   uint64_t graph_captures = 0;
   uint64_t graph_replays = 0;
@@ -168,8 +213,25 @@ class Executor {
   // Appends prefill keys to the cache `layer` owns; answers the new length.
   virtual absl::StatusOr<int64_t> AppendKeys(uint64_t sequence_id, int32_t layer,
                                              const KeysInput& keys) = 0;
-  // Frees the sequence's pages in every cache; answers how many.
+  // Lets go of the sequence's pages in every cache; answers how many went back to the free
+  // lists (a page another sequence still holds is not freed).
   virtual absl::StatusOr<int64_t> ReleaseSequence(uint64_t sequence_id) = 0;
+  // Cuts every cache longer than `length` to `length` (shorter ones stay); answers the pages
+  // freed. The candidates of a source whose cache was cut are dropped.
+  virtual absl::StatusOr<int64_t> TruncateSequence(uint64_t sequence_id, int64_t length) = 0;
+  // `new_id` starts as the first `length` entries of `parent_id` in every cache, sharing its
+  // pages (copy-on-write). Without candidates: run the source layer before its consumers.
+  virtual absl::Status ForkSequence(uint64_t parent_id, uint64_t new_id, int64_t length) = 0;
+  virtual absl::StatusOr<SequenceInfo> GetSequence(uint64_t sequence_id) = 0;
+  virtual absl::StatusOr<SequenceImage> ExportSequence(uint64_t sequence_id) = 0;
+  // A new sequence `sequence_id` holding the image (checked against the profile's geometry:
+  // one cache per pool, lengths, page bytes); all-or-nothing.
+  virtual absl::Status ImportSequence(uint64_t sequence_id, const SequenceImage& image) = 0;
+  // Every live sequence id, ascending.
+  virtual std::vector<uint64_t> SequenceIds() const = 0;
+  // Releases the sequences no call named for `idle_ms`; answers how many (the idle timeout
+  // calls it; tests call it directly).
+  virtual int64_t ReleaseIdleSequences(int64_t idle_ms) = 0;
   virtual absl::StatusOr<StepResult> DecodeStep(const StepInput& step) = 0;
 
   virtual ExecutorStatus Status() const = 0;

@@ -12,6 +12,7 @@
 #include "decode_indexer/version.h"
 #include "server/service/logging.h"
 #include "server/service/request_decode.h"
+#include "server/service/sequence_transfer.h"
 #include "server/service/status_mapping.h"
 #include "spdlog/spdlog.h"
 
@@ -41,13 +42,15 @@ std::string RequestIdOf(const grpc::ServerContext* context) {
 // the message says so and how to recover.
 absl::Status WithLostSequenceHint(absl::Status s) {
   if (s.code() != absl::StatusCode::kNotFound ||
-      s.message().find("sequence_id: no sequence ") == absl::string_view::npos) {
+      s.message().find("sequence_id: no sequence ") == absl::string_view::npos ||
+      s.message().find(" idle") != absl::string_view::npos) {  // the idle release said why
     return s;
   }
   return absl::NotFoundError(absl::StrCat(
       s.message(),
       " on this server (if it was created, it may have been lost with the replica that held "
-      "it: re-create it and prefill it again)"));
+      "it: a changed ServerInfo.instance_id says the server restarted without its snapshot; "
+      "re-create it and prefill it again)"));
 }
 
 // Echoes the call's request id in the initial and trailing metadata and makes it this
@@ -316,7 +319,12 @@ const char* IndexerService::MethodName(Method m) {
                                            "RegisterSharedMemory",
                                            "UnregisterSharedMemory",
                                            "RegisterCudaIpcMemory",
-                                           "UnregisterCudaIpcMemory"};
+                                           "UnregisterCudaIpcMemory",
+                                           "TruncateSequence",
+                                           "ForkSequence",
+                                           "GetSequence",
+                                           "ExportSequence",
+                                           "ImportSequence"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == kNumMethods);
   return kNames[m];
 }
@@ -347,6 +355,9 @@ void IndexerService::FillServerInfo(v1::ServerInfo& info) const {
   info.set_health_detail(st.health_detail);
   info.set_collective(st.collective);
   if (shm_socket_) info.set_shm_socket(shm_socket_->path());
+  info.set_instance_id(instance_id());
+  info.set_profile_hash(config::CacheIdentityHash(p));
+  info.set_idle_sequence_timeout_ms(st.idle_sequence_timeout_ms);
   for (const config::LayerSpec& l : p.layers) {
     v1::LayerInfo* li = info.add_layers();
     li->set_layer(l.layer);
@@ -372,6 +383,9 @@ grpc::Status IndexerService::Handle(Method method, grpc::ServerContext* context,
   const auto start = Clock::now();
   RequestIdScope request_id(context);
   absl::Status s = Authorize(context);
+  if (s.ok() && restoring_) {
+    s = absl::UnavailableError("the server is restoring its snapshot (health NOT_SERVING); retry");
+  }
   if (s.ok()) s = WithLostSequenceHint(Guarded(std::forward<F>(body)));
   const double us = MicrosSince(start);
   stats_[method].Record(us, s.code());
@@ -889,6 +903,102 @@ std::string IndexerService::RenderMetrics() const {
   }
   for (MetricFamily& f : ProcessMetrics()) out.push_back(std::move(f));
   return SerializeMetrics(out);
+}
+
+}  // namespace decode_indexer::service
+
+namespace decode_indexer::service {
+
+grpc::Status IndexerService::TruncateSequence(grpc::ServerContext* context,
+                                              const v1::TruncateSequenceRequest* request,
+                                              v1::TruncateSequenceResponse* response) {
+  return Handle(kTruncateSequence, context, [&]() -> absl::Status {
+    absl::StatusOr<int64_t> freed =
+        executor_.TruncateSequence(request->sequence_id(), request->length());
+    if (!freed.ok()) return freed.status();
+    response->set_pages_freed(*freed);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status IndexerService::ForkSequence(grpc::ServerContext* context,
+                                          const v1::ForkSequenceRequest* request,
+                                          v1::ForkSequenceResponse*) {
+  return Handle(kForkSequence, context, [&] {
+    return executor_.ForkSequence(request->parent_id(), request->new_id(), request->length());
+  });
+}
+
+grpc::Status IndexerService::GetSequence(grpc::ServerContext* context,
+                                         const v1::GetSequenceRequest* request,
+                                         v1::GetSequenceResponse* response) {
+  return Handle(kGetSequence, context, [&]() -> absl::Status {
+    absl::StatusOr<exec::SequenceInfo> info = executor_.GetSequence(request->sequence_id());
+    if (!info.ok()) return info.status();
+    for (const exec::SequenceCacheInfo& c : info->caches) {
+      v1::SequenceCacheLength* out = response->add_caches();
+      out->set_cache_layer(c.cache_layer);
+      out->set_length(c.length);
+      out->set_pages(c.pages);
+      out->set_shared_pages(c.shared_pages);
+    }
+    for (const auto& [layer, length] : info->candidates) response->add_candidate_layers(layer);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status IndexerService::ExportSequence(grpc::ServerContext* context,
+                                            const v1::ExportSequenceRequest* request,
+                                            grpc::ServerWriter<v1::SequenceChunk>* writer) {
+  return Handle(kExportSequence, context, [&]() -> absl::Status {
+    if (request->chunk_bytes() < 0 || request->chunk_bytes() > (int64_t{64} << 20)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "chunk_bytes: must be in [0, 64 MiB] (0: 1 MiB), got ", request->chunk_bytes()));
+    }
+    absl::StatusOr<exec::SequenceImage> image = executor_.ExportSequence(request->sequence_id());
+    if (!image.ok()) {
+      CheckHealth(image.status());
+      return image.status();
+    }
+    return EmitSequenceChunks(*image, executor_.profile(), request->sequence_id(),
+                              request->chunk_bytes(), [&](v1::SequenceChunk& chunk) {
+                                if (context->IsCancelled() || !writer->Write(chunk)) {
+                                  return absl::CancelledError("the client went away");
+                                }
+                                return absl::OkStatus();
+                              });
+  });
+}
+
+grpc::Status IndexerService::ImportSequence(grpc::ServerContext* context,
+                                            grpc::ServerReader<v1::ImportSequenceRequest>* reader,
+                                            v1::ImportSequenceResponse* response) {
+  return Handle(kImportSequence, context, [&]() -> absl::Status {
+    SequenceAssembler assembler(executor_.profile());
+    v1::ImportSequenceRequest request;
+    uint64_t id = 0;
+    bool first = true;
+    while (reader->Read(&request)) {
+      if (first) {
+        id = request.sequence_id();
+        first = false;
+      } else if (request.sequence_id() != 0 && request.sequence_id() != id) {
+        return absl::InvalidArgumentError("sequence_id: only the first message names the sequence");
+      }
+      if (absl::Status s = assembler.Add(request.chunk()); !s.ok()) return s;
+    }
+    if (context->IsCancelled()) return absl::CancelledError("the client cancelled the import");
+    absl::StatusOr<exec::SequenceImage> image = assembler.Finish();
+    if (!image.ok()) return image.status();
+    if (id == 0) id = assembler.exported_id();
+    if (absl::Status s = executor_.ImportSequence(id, *image); !s.ok()) {
+      CheckHealth(s);
+      return s;
+    }
+    response->set_sequence_id(id);
+    for (const exec::CacheImage& c : image->caches) response->add_lengths(c.length);
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace decode_indexer::service

@@ -93,6 +93,31 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   grpc::Status UnregisterCudaIpcMemory(grpc::ServerContext* context,
                                        const v1::UnregisterCudaIpcMemoryRequest* request,
                                        v1::UnregisterCudaIpcMemoryResponse* response) override;
+  grpc::Status TruncateSequence(grpc::ServerContext* context,
+                                const v1::TruncateSequenceRequest* request,
+                                v1::TruncateSequenceResponse* response) override;
+  grpc::Status ForkSequence(grpc::ServerContext* context, const v1::ForkSequenceRequest* request,
+                            v1::ForkSequenceResponse* response) override;
+  grpc::Status GetSequence(grpc::ServerContext* context, const v1::GetSequenceRequest* request,
+                           v1::GetSequenceResponse* response) override;
+  grpc::Status ExportSequence(grpc::ServerContext* context,
+                              const v1::ExportSequenceRequest* request,
+                              grpc::ServerWriter<v1::SequenceChunk>* writer) override;
+  grpc::Status ImportSequence(grpc::ServerContext* context,
+                              grpc::ServerReader<v1::ImportSequenceRequest>* reader,
+                              v1::ImportSequenceResponse* response) override;
+
+  // ServerInfo.instance_id (set by the Server before it serves: new, or the snapshot's).
+  void SetInstanceId(std::string id) {
+    std::lock_guard<std::mutex> lock(info_mu_);
+    instance_id_ = std::move(id);
+  }
+  std::string instance_id() const {
+    std::lock_guard<std::mutex> lock(info_mu_);
+    return instance_id_;
+  }
+  // While set, every DecodeIndexer call answers UNAVAILABLE (the Server restores a snapshot).
+  void SetRestoring(bool restoring) { restoring_ = restoring; }
 
   // Serves sealed-memfd registrations on the Unix socket `path` (see shm_socket.h); the path
   // is then advertised in ServerInfo.shm_socket.
@@ -136,6 +161,11 @@ class IndexerService final : public v1::DecodeIndexer::Service {
     kUnregisterSharedMemory,
     kRegisterCudaIpcMemory,
     kUnregisterCudaIpcMemory,
+    kTruncateSequence,
+    kForkSequence,
+    kGetSequence,
+    kExportSequence,
+    kImportSequence,
     kNumMethods
   };
   static const char* MethodName(Method m);
@@ -184,6 +214,9 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   std::mutex health_mu_;
   std::function<void(bool)> health_sink_;
   bool reported_unhealthy_ = false;
+  mutable std::mutex info_mu_;
+  std::string instance_id_;
+  std::atomic<bool> restoring_{false};
 };
 
 }  // namespace decode_indexer::service

@@ -371,15 +371,27 @@ absl::StatusOr<DecodedAppend> DecodeAppendKeys(const v1::AppendKeysRequest& requ
     return Invalid("layer", absl::StrCat(request.layer(), " reads layer ", (*spec)->cache_layer,
                                          "'s cache; append keys to layer ", (*spec)->cache_layer));
   }
-  if (IsAbsent(request.keys())) return Invalid("keys", "required");
+  if (IsAbsent(request.keys()) && !request.has_position()) return Invalid("keys", "required");
+  if (request.has_position() && request.position() < 0) {
+    return Invalid("position", absl::StrCat("must be >= 0, got ", request.position()));
+  }
   DecodedAppend out;
+  if (request.has_position()) out.keys.position = request.position();
+  if (IsAbsent(request.keys())) {
+    // A cut back to `position` with nothing written.
+    out.sequence_id = request.sequence_id();
+    out.layer = request.layer();
+    return out;
+  }
   out.sequence_id = request.sequence_id();
   out.layer = request.layer();
   absl::StatusOr<exec::KeysInput> keys =
       DecodeKeys(request.keys(), request.key_scales(), "keys", "key_scales", (*spec)->cache_format,
                  profile, out.scale_storage, out.realigned);
   if (!keys.ok()) return keys.status();
+  const std::optional<int64_t> position = out.keys.position;
   out.keys = *keys;
+  out.keys.position = position;
   return out;
 }
 
@@ -462,6 +474,18 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
                      out.realigned);
       if (!keys.ok()) return keys.status();
       in.new_keys = *keys;
+    }
+    if (seq.has_new_keys_position()) {
+      if (!OwnsCache(spec)) {
+        return Invalid(absl::StrCat(prefix, ".new_keys_position"),
+                       absl::StrCat("layer ", spec.layer, " reads layer ", spec.cache_layer,
+                                    "'s cache and takes no keys"));
+      }
+      if (seq.new_keys_position() < 0) {
+        return Invalid(absl::StrCat(prefix, ".new_keys_position"),
+                       absl::StrCat("must be >= 0, got ", seq.new_keys_position()));
+      }
+      in.new_keys.position = seq.new_keys_position();
     }
     total_rows += rows;
     out.step.sequences.push_back(std::move(in));

@@ -15,7 +15,12 @@
 #include <memory>
 #include <vector>
 
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <thread>
 #include <utility>
@@ -23,6 +28,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "server/service/status_mapping.h"
+#include "absl/strings/str_format.h"
+#include "server/service/snapshot.h"
 #include "spdlog/spdlog.h"
 
 #include "decode_indexer/version.h"
@@ -129,6 +136,13 @@ class StatusInterceptorFactory final
     return new StatusInterceptor(info);
   }
 };
+// 128 random bits as hex: ServerInfo.instance_id of a start without a restore.
+std::string NewInstanceId() {
+  std::random_device rd;
+  uint64_t a = (uint64_t(rd()) << 32) ^ rd();
+  uint64_t b = (uint64_t(rd()) << 32) ^ rd();
+  return absl::StrFormat("%016x%016x", a, b);
+}
 
 }  // namespace
 
@@ -152,7 +166,21 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = MakeCredentials(options);
   if (!credentials.ok()) return credentials.status();
+  if (!options.snapshot_dir.empty()) {
+    struct stat st;
+    if (::stat(options.snapshot_dir.c_str(), &st) != 0 &&
+        ::mkdir(options.snapshot_dir.c_str(), 0755) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "snapshot_dir: cannot create ", options.snapshot_dir, ": ", std::strerror(errno)));
+    }
+    if (::stat(options.snapshot_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) ||
+        ::access(options.snapshot_dir.c_str(), W_OK) != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("snapshot_dir: ", options.snapshot_dir, " is not a writable directory"));
+    }
+  }
   std::unique_ptr<Server> server(new Server());
+  server->snapshot_dir_ = options.snapshot_dir;
   absl::StatusOr<std::unique_ptr<exec::Executor>> executor =
       exec::Executor::Create(options.profile, options.executor);
   if (!executor.ok()) return executor.status();
@@ -175,6 +203,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
       return s;
     }
   }
+  server->service_->SetInstanceId(NewInstanceId());
+  // Until the snapshot is restored every call answers UNAVAILABLE and health NOT_SERVING.
+  server->service_->SetRestoring(!options.snapshot_dir.empty());
 
   // Both are process-wide switches read when the builder is made.
   grpc::EnableDefaultHealthCheckService(true);
@@ -237,6 +268,29 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     }
     server->metrics_ = std::move(*metrics);
   }
+  if (!options.snapshot_dir.empty()) {
+    if (grpc::HealthCheckServiceInterface* health = server->server_->GetHealthCheckService()) {
+      health->SetServingStatus(false);
+    }
+    absl::StatusOr<std::optional<SnapshotInfo>> restored =
+        RestoreSnapshot(*server->executor_, options.snapshot_dir);
+    if (!restored.ok()) {
+      server->server_->Shutdown(std::chrono::system_clock::now());
+      server->executor_->Shutdown();
+      server->shut_down_ = true;
+      return restored.status();
+    }
+    if (restored->has_value()) {
+      const SnapshotInfo& info = **restored;
+      server->service_->SetInstanceId(info.instance_id);
+      spdlog::info("snapshot: restored {} sequences ({} bytes) from {} in {:.3f} s; instance {}",
+                   info.sequences, info.bytes, info.path, info.seconds, info.instance_id);
+    } else {
+      spdlog::info("snapshot: none in {}; starting empty as instance {}", options.snapshot_dir,
+                   server->service_->instance_id());
+    }
+    server->service_->SetRestoring(false);
+  }
   if (grpc::HealthCheckServiceInterface* health = server->server_->GetHealthCheckService()) {
     // By name too: a balancer may ask for the DecodeIndexer service rather than "".
     const bool healthy = server->executor_->Status().healthy;
@@ -265,6 +319,18 @@ void Server::Shutdown(std::chrono::milliseconds deadline) {
     }
     // Stops accepting at once; in-flight calls get until the deadline, then are cancelled.
     server_->Shutdown(std::chrono::system_clock::now() + deadline);
+  }
+  if (executor_ != nullptr && !snapshot_dir_.empty()) {
+    // After the drain: no call can change a sequence any more.
+    absl::StatusOr<SnapshotInfo> info =
+        WriteSnapshot(*executor_, snapshot_dir_, service_->instance_id());
+    if (info.ok()) {
+      spdlog::info("snapshot: wrote {} sequences ({} bytes) to {} in {:.3f} s", info->sequences,
+                   info->bytes, info->path, info->seconds);
+    } else {
+      snapshot_status_ = info.status();
+      spdlog::error("snapshot: {}", info.status().ToString());
+    }
   }
   if (executor_ != nullptr) executor_->Shutdown();
   metrics_.reset();

@@ -61,6 +61,10 @@ struct ServerOptions {
   int keepalive_time_ms = 0;
   int keepalive_timeout_ms = 0;
   int keepalive_min_ping_ms = 0;
+  // --snapshot-dir: on Shutdown, after the drain, every sequence is written to
+  // DIR/snapshot.bin (service/snapshot.h); Start restores it before health reports SERVING
+  // (the instance id is kept) and refuses to start on a torn, corrupt or mismatched file.
+  std::string snapshot_dir;
 };
 
 // The default message limit: the largest legal DecodeStep of `profile` (`max_sequences`
@@ -92,6 +96,11 @@ class Server {
   void Shutdown(std::chrono::milliseconds deadline = std::chrono::seconds(10));
   // Blocks until Shutdown() has completed.
   void Wait();
+  // What Shutdown's snapshot came to (OK without --snapshot-dir).
+  absl::Status snapshot_status() const {
+    std::lock_guard<std::mutex> lock(shutdown_mu_);
+    return snapshot_status_;
+  }
 
  private:
   Server() = default;
@@ -103,8 +112,10 @@ class Server {
   int port_ = 0;
   std::string address_;
   std::chrono::milliseconds drain_grace_{0};
-  std::mutex shutdown_mu_;
+  mutable std::mutex shutdown_mu_;
   bool shut_down_ = false;
+  std::string snapshot_dir_;
+  absl::Status snapshot_status_;
 };
 
 }  // namespace decode_indexer::service

@@ -11,6 +11,7 @@ PageAllocator::PageAllocator(std::string owner, std::string unit, int64_t count)
     : owner_(std::move(owner)), unit_(std::move(unit)), total_(count) {
   assert(count >= 0 && count <= INT32_MAX);
   free_.reserve(count);
+  refs_.assign(count, 0);
   // Unit 0 on top, so a fresh pool hands out 0, 1, 2, ...
   for (int64_t i = count; i-- > 0;) free_.push_back(static_cast<int32_t>(i));
 }
@@ -22,13 +23,21 @@ absl::StatusOr<std::vector<int32_t>> PageAllocator::Reserve(int64_t n) {
   }
   std::vector<int32_t> out(free_.end() - n, free_.end());
   free_.resize(free_.size() - n);
+  for (int32_t u : out) refs_[u] = 1;
   return out;
+}
+
+void PageAllocator::Share(std::span<const int32_t> units) {
+  for (int32_t u : units) {
+    assert(u >= 0 && u < total_ && refs_[u] > 0);
+    ++refs_[u];
+  }
 }
 
 void PageAllocator::Release(std::span<const int32_t> units) {
   for (int32_t u : units) {
-    assert(u >= 0 && u < total_);
-    free_.push_back(u);
+    assert(u >= 0 && u < total_ && refs_[u] > 0);
+    if (--refs_[u] == 0) free_.push_back(u);
   }
   assert(free() <= total_);
 }

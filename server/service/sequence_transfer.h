@@ -1,0 +1,54 @@
+// A sequence in transit: exec::SequenceImage to and from the SequenceChunk stream of
+// ExportSequence / ImportSequence (also the records of a snapshot file). The stream is a
+// header (the profile's identity, each cache's length and byte count, the candidates), then
+// each cache's pages in order, each chunk with a CRC-32, the last one marked.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "decode_indexer/v1/indexer.pb.h"
+#include "server/config/profile.h"
+#include "server/exec/executor.h"
+
+namespace decode_indexer::service {
+
+// zlib's CRC-32 of `bytes`, continuing from `crc` (0 to start).
+uint32_t Crc32(absl::string_view bytes, uint32_t crc = 0);
+
+// Calls `emit` with each chunk of `image` in order (the header first, `last` set on the final
+// one); stops at the first error `emit` returns. chunk_bytes <= 0: 1 MiB.
+absl::Status EmitSequenceChunks(const exec::SequenceImage& image, const config::Profile& profile,
+                                uint64_t sequence_id, int64_t chunk_bytes,
+                                const std::function<absl::Status(v1::SequenceChunk&)>& emit);
+
+// Rebuilds an image from a chunk stream, checking it as it comes: the header against this
+// server's profile (name and CacheIdentityHash; FAILED_PRECONDITION on a mismatch), every
+// chunk's CRC-32 (DATA_LOSS), the order and sizes (INVALID_ARGUMENT). Nothing changes state.
+class SequenceAssembler {
+ public:
+  explicit SequenceAssembler(const config::Profile& profile) : profile_(profile) {}
+
+  absl::Status Add(const v1::SequenceChunk& chunk);
+  // Whether the chunk marked `last` arrived (and everything before it checked out).
+  bool complete() const { return complete_; }
+  // The sequence id the exporter had (the header's).
+  uint64_t exported_id() const { return exported_id_; }
+  // The image; DATA_LOSS naming where the stream stopped when it is not complete.
+  absl::StatusOr<exec::SequenceImage> Finish();
+
+ private:
+  const config::Profile& profile_;
+  bool have_header_ = false;
+  bool complete_ = false;
+  uint64_t exported_id_ = 0;
+  int64_t chunks_ = 0;
+  exec::SequenceImage image_;
+  std::vector<int64_t> want_bytes_;  // per cache
+  size_t cache_ = 0;                 // the cache being filled
+};
+
+}  // namespace decode_indexer::service
