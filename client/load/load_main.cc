@@ -65,6 +65,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--next-n", o.next_n, "rows per request (1 + speculative tokens)")
       ->capture_default_str();
+  app.add_option("--draft-reject", o.draft_reject,
+                 "speculative mode: probability that a draft token (rows 2..next-n) is "
+                 "rejected; the next step writes at the accepted position, rolling the rest "
+                 "back (0: off)")
+      ->check(CLI::Range(0.0, 1.0));
   app.add_option("--context", o.context, "mean prefill length in cache entries")
       ->capture_default_str();
   app.add_option("--context-spread", o.context_spread,

@@ -58,6 +58,8 @@ void Samples::Merge(const Samples& other) {
   late_starts += other.late_starts;
   backoff_waits += other.backoff_waits;
   backoff_ms += other.backoff_ms;
+  drafts += other.drafts;
+  drafts_rejected += other.drafts_rejected;
   max_start_lag_us = std::max(max_start_lag_us, other.max_start_lag_us);
 }
 
@@ -153,6 +155,9 @@ nlohmann::json Report::ToJson() const {
                      {"response_bytes_per_s", PerSecond(double(s.response_bytes), measured_s)},
                      {"request_bytes", s.request_bytes},
                      {"response_bytes", s.response_bytes}};
+  if (config.value("draft_reject", 0.0) > 0) {
+    j["speculative"] = {{"drafts", s.drafts}, {"drafts_rejected", s.drafts_rejected}};
+  }
   if (config.value("rate", 0.0) > 0) {
     j["open_loop"] = {{"late_starts", s.late_starts},
                       {"max_start_lag_ms", s.max_start_lag_us / 1e3}};
@@ -243,6 +248,10 @@ std::string Report::ToText() const {
   out << absl::StrFormat("payload: %.1f MB/s sent, %.1f MB/s received\n",
                          j["throughput"]["request_bytes_per_s"].get<double>() / 1e6,
                          j["throughput"]["response_bytes_per_s"].get<double>() / 1e6);
+  if (j.contains("speculative")) {
+    out << absl::StrFormat("speculative: %d of %d drafts rejected and rolled back by position\n",
+                           samples.drafts_rejected, samples.drafts);
+  }
   if (j.contains("open_loop")) {
     out << absl::StrFormat("open loop: %d steps started late, max lag %.3f ms\n",
                            samples.late_starts, samples.max_start_lag_us / 1e3);

@@ -34,6 +34,9 @@ struct Samples {
   uint64_t sharded_rpcs = 0;
   // Open loop: how late steps started behind their intended time.
   uint64_t late_starts = 0;
+  // --draft-reject: draft tokens judged, and of those rejected (rolled back by position).
+  uint64_t drafts = 0;
+  uint64_t drafts_rejected = 0;
   double max_start_lag_us = 0;
   // Waits after failed steps (exponential backoff with jitter) and their total.
   uint64_t backoff_waits = 0;

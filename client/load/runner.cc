@@ -108,6 +108,9 @@ RegionLayout LayoutRegion(const LoadOptions& o, const ServerModel& model) {
 struct Sequence {
   uint64_t id = 0;
   int64_t length = 0;  // entries in the first cache, for positions and row lengths
+  // --draft-reject: where this token step writes its keys (the previous step's accepted
+  // length), -1 before the first step (append).
+  int64_t write_at = -1;
 };
 
 struct Worker {
@@ -249,6 +252,21 @@ class LoadRun {
     }
     const int32_t rows_per_seq = options_.next_n;
     const int32_t rows = rows_per_seq * static_cast<int32_t>(w.sequences.size());
+    if (options_.draft_reject > 0) {
+      // The previous step's drafts were judged: write this step's keys after the accepted ones
+      // (position < length when a draft was rejected: the server rolls it back).
+      for (Sequence& seq : w.sequences) {
+        if (seq.write_at < 0) continue;
+        int64_t accepted = 1;  // the first row's token is not a draft
+        std::uniform_real_distribution<double> u(0.0, 1.0);
+        while (accepted < options_.next_n && u(w.rng) >= options_.draft_reject) ++accepted;
+        seq.write_at = seq.length - options_.next_n + accepted;
+        if (measured) {
+          w.samples.drafts_rejected += options_.next_n - accepted;
+          w.samples.drafts += options_.next_n - 1;
+        }
+      }
+    }
     for (size_t li = 0; li < model_.plan.size(); ++li) {
       const LayerStep& layer = model_.plan[li];
       v1::DecodeStepRequest& request = w.requests[li];
@@ -301,6 +319,9 @@ class LoadRun {
         for (int i = 0; i < response.lengths_size(); ++i) {
           w.sequences[i].length = response.lengths(i);
         }
+      }
+      if (li + 1 == model_.plan.size() && options_.draft_reject > 0) {
+        for (Sequence& seq : w.sequences) seq.write_at = seq.length;
       }
       if (w.verifier) {
         absl::Status s = w.verifier->CheckStep(request, response, score, &w.verify);
@@ -451,6 +472,11 @@ class LoadRun {
         seq->clear_new_keys();
         seq->clear_new_key_scales();
       }
+      if (layer.owns_cache && w.sequences[i].write_at >= 0) {
+        seq->set_new_keys_position(w.sequences[i].write_at);
+      } else {
+        seq->clear_new_keys_position();
+      }
     }
     FillQuery(pool_, w.rng, model_, layer.format, options_.q_format, rows, request);
     if (options_.positions) {
@@ -462,10 +488,10 @@ class LoadRun {
       data->resize(size_t(rows) * sizeof(int64_t));
       int64_t* out = reinterpret_cast<int64_t*>(data->data());
       for (int i = 0; i < n; ++i) {
-        // The new tokens follow the sequence's current length.
-        for (int j = 0; j < options_.next_n; ++j) {
-          *out++ = w.sequences[i].length + j;
-        }
+        // The new tokens follow the sequence's current (accepted) length.
+        const int64_t first =
+            w.sequences[i].write_at >= 0 ? w.sequences[i].write_at : w.sequences[i].length;
+        for (int j = 0; j < options_.next_n; ++j) *out++ = first + j;
       }
     } else {
       request->clear_positions();
@@ -689,6 +715,12 @@ absl::Status CheckOptions(const LoadOptions& o) {
     return absl::InvalidArgumentError("--requests-per-step must be >= 1");
   }
   if (o.next_n < 1) return absl::InvalidArgumentError("--next-n must be >= 1");
+  if (o.draft_reject < 0 || o.draft_reject > 1) {
+    return absl::InvalidArgumentError("--draft-reject must be in [0, 1]");
+  }
+  if (o.draft_reject > 0 && o.next_n < 2) {
+    return absl::InvalidArgumentError("--draft-reject needs --next-n >= 2 (drafts to reject)");
+  }
   if (o.context < 1) return absl::InvalidArgumentError("--context must be >= 1");
   if (o.context_spread < 0 || o.context_spread >= 1) {
     return absl::InvalidArgumentError("--context-spread must be in [0, 1)");
@@ -945,6 +977,7 @@ absl::StatusOr<Report> RunLoad(const LoadOptions& options_in) {
       {"shared_memory", options.shared_memory},
       {"requests_per_step", options.requests_per_step},
       {"next_n", options.next_n},
+      {"draft_reject", options.draft_reject},
       {"context", options.context},
       {"sequences", sequences},
       {"layers", model->plan.size()},

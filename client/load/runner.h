@@ -39,6 +39,11 @@ struct LoadOptions {
   bool shared_memory = false;
   int32_t requests_per_step = 8;
   int32_t next_n = 1;
+  // Speculative decoding (needs next_n > 1): each draft token (rows 2..next_n of a request) is
+  // rejected with this probability, and the drafts after a rejected one with it; the next
+  // token step writes its keys at the accepted position (new_keys_position), which rolls the
+  // rejected drafts' keys back in every cache. 0: off (keys always append).
+  double draft_reject = 0;
   int64_t context = 4096;       // mean prefill length (entries)
   double context_spread = 0.3;  // lengths uniform in [1-s, 1+s] x context
   int32_t max_layers = 0;       // 0: every layer of the profile

@@ -150,6 +150,14 @@ class RefVerifier final : public Verifier {
       const int32_t n = seq.num_rows() > 0 ? seq.num_rows() : seq.row_lengths_size();
       auto it = tracked_.find(seq.sequence_id());
       if (it != tracked_.end()) {
+        if (layer->owns_cache && seq.has_new_keys_position()) {
+          // The server cut the cache back to the position before writing (rollback).
+          MirrorCache& cache = CacheOf(it->second, layer->cache_layer);
+          if (seq.new_keys_position() > cache.length) {
+            return absl::InternalError("verify: the server took a step with a hole");
+          }
+          cache.length = seq.new_keys_position();
+        }
         if (layer->owns_cache && seq.has_new_keys()) {
           absl::Status s = AppendKeys(seq.sequence_id(), layer->cache_layer, seq.new_keys(),
                                       seq.new_key_scales());

@@ -335,6 +335,26 @@ TEST_F(LoadTest, RealServerCandidateProfileVerifies) {
   EXPECT_EQ(*stopped, 0) << ReadText(Path("server.log"));
 }
 
+// Speculative mode: next_n 3, half the drafts rejected and rolled back by position in every
+// cache (the v41 source and its consumers included); the verifier's mirror follows the
+// rollbacks, and every checked row still matches the reference exactly.
+TEST_F(LoadTest, RealServerSpeculativeRollbackVerifies) {
+  RealServer server(std::string(DI_LOAD_TEST_DIR) + "/v41-tiny.toml", Path("server.log"));
+  ASSERT_TRUE(server.WaitReady()) << ReadText(Path("server.log"));
+  const int rc = RunLoad({"--target", server.target(), "--concurrency", "2",
+                          "--requests-per-step", "2", "--next-n", "3", "--draft-reject", "0.5",
+                          "--context", "300", "--steps", "6", "--positions", "--q-format", "fp32",
+                          "--verify", "--verify-sequences", "4", "--verify-tolerance", "0",
+                          "--seed", Seed(), "--json", Path("r.json")});
+  EXPECT_EQ(rc, 0) << Log() << ReadText(Path("server.log"));
+  const nlohmann::json report = ReadJson("r.json");
+  ExpectCleanVerifiedRun(report, 6);
+  EXPECT_GT(report["speculative"]["drafts"].get<int>(), 0);
+  EXPECT_GT(report["speculative"]["drafts_rejected"].get<int>(), 0) << "nothing rolled back";
+  EXPECT_EQ(report["verify"]["candidate_rows_mismatched"].get<int>(), 0);
+  EXPECT_TRUE(server.Stop().has_value());
+}
+
 TEST_F(LoadTest, RealServerDenseStreamingFp32Verifies) {
   RealServer server(std::string(DI_LOAD_TEST_DIR) + "/v32-tiny.toml", Path("server.log"));
   ASSERT_TRUE(server.WaitReady()) << ReadText(Path("server.log"));

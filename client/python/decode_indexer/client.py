@@ -41,6 +41,9 @@ class SequenceStep:
     new_keys / new_key_scales: keys inserted into the layer's own cache before scoring, in the
       forms `append_keys` takes; leave None at a layer that reads another layer's cache.
     row_lengths: optional explicit length of each row (default causal).
+    position: where new_keys start in the layer's cache (None: append). Below the length the
+      cache is cut back there first (rolling back rejected speculative keys); above it is a
+      hole and refused. A step retried with the same positions is idempotent.
     """
 
     sequence_id: int
@@ -48,6 +51,7 @@ class SequenceStep:
     new_keys: Any = None
     new_key_scales: Any = None
     row_lengths: Sequence[int] | None = None
+    position: int | None = None
 
 
 @dataclass(frozen=True)
@@ -216,9 +220,14 @@ def _result(resp: pb.DecodeStepResponse, client_us: float,
     )
 
 
-def _encode_append(sequence_id: int, layer: int, keys: Any, key_scales: Any) -> bytes:
-    parts: list = [pb.AppendKeysRequest(sequence_id=sequence_id, layer=layer).SerializeToString()]
-    parts += _wire.encode_tensor_field(3, _wire.to_wire(keys, "keys"))
+def _encode_append(sequence_id: int, layer: int, keys: Any, key_scales: Any,
+                   position: int | None = None) -> bytes:
+    head = pb.AppendKeysRequest(sequence_id=sequence_id, layer=layer)
+    if position is not None:
+        head.position = position
+    parts: list = [head.SerializeToString()]
+    if keys is not None:
+        parts += _wire.encode_tensor_field(3, _wire.to_wire(keys, "keys"))
     if key_scales is not None:
         parts += _wire.encode_tensor_field(4, _wire.to_wire(key_scales, "key_scales"))
     return _wire.join(parts)
@@ -297,8 +306,11 @@ def _encode_step(layer: int, steps: Sequence[SequenceStep], q: Any, weights: Any
     for i, s in enumerate(steps):
         if not isinstance(s, SequenceStep):
             raise TypeError(f"steps[{i}]: expected a SequenceStep, got {type(s).__name__}")
-        sub: list = [pb.SequenceStep(sequence_id=s.sequence_id, num_rows=s.num_rows,
-                                     row_lengths=list(s.row_lengths or ())).SerializeToString()]
+        seq = pb.SequenceStep(sequence_id=s.sequence_id, num_rows=s.num_rows,
+                              row_lengths=list(s.row_lengths or ()))
+        if s.position is not None:
+            seq.new_keys_position = s.position
+        sub: list = [seq.SerializeToString()]
         if s.new_keys is not None:
             sub += _wire.encode_tensor_field(3, _wire.to_wire(s.new_keys,
                                                               f"sequences[{i}].new_keys"))
@@ -361,6 +373,18 @@ class Client:
                                    pb.RegisterSharedMemoryRequest)
         self._unregister_shm = unary("UnregisterSharedMemory", pb.UnregisterSharedMemoryResponse,
                                      pb.UnregisterSharedMemoryRequest)
+        self._truncate = unary("TruncateSequence", pb.TruncateSequenceResponse,
+                               pb.TruncateSequenceRequest)
+        self._fork = unary("ForkSequence", pb.ForkSequenceResponse, pb.ForkSequenceRequest)
+        self._get_sequence = unary("GetSequence", pb.GetSequenceResponse, pb.GetSequenceRequest)
+        self._export = self._channel.unary_stream(
+            f"/{_SERVICE}/ExportSequence",
+            request_serializer=pb.ExportSequenceRequest.SerializeToString,
+            response_deserializer=pb.SequenceChunk.FromString)
+        self._import = self._channel.stream_unary(
+            f"/{_SERVICE}/ImportSequence",
+            request_serializer=pb.ImportSequenceRequest.SerializeToString,
+            response_deserializer=pb.ImportSequenceResponse.FromString)
         self._decode_stream = self._channel.stream_stream(
             f"/{_SERVICE}/DecodeStream", request_serializer=None,
             response_deserializer=pb.DecodeStepResponse.FromString)
@@ -417,17 +441,85 @@ class Client:
         return sequence_id
 
     def append_keys(self, sequence_id: int, layer: int, keys: Any, key_scales: Any = None, *,
-                    timeout: float | None = None, route: int | None = None) -> int:
+                    position: int | None = None, timeout: float | None = None,
+                    route: int | None = None) -> int:
         """Appends prefill keys to the cache `layer` owns; returns the cache's new length.
 
         keys: [n, D] float32 / bfloat16 (the server quantizes), or pre-quantized in the cache's
         format: typed FP8 codes [n, D] with float32 key_scales [n], or typed FP4 codes (packed,
         logical [n, D]) with typed UE8M0 key_scales [n, D/32] (see decode_indexer.quant).
+        position: where the keys start (None: append); below the length the cache is cut back
+        there first. keys=None with a position is a pure cut of that one cache.
         """
+        if keys is None and position is None:
+            raise ValueError("append_keys: keys are required (or a position to cut back to)")
         resp = self._call("AppendKeys", self._append,
-                          _encode_append(sequence_id, layer, keys, key_scales), timeout,
+                          _encode_append(sequence_id, layer, keys, key_scales, position), timeout,
                           sequence_id if route is None else route)
         return resp.length
+
+    # -- sequence lifecycle (docs/lifecycle.md) ---------------------------------------------
+
+    def truncate_sequence(self, sequence_id: int, length: int, *,
+                          timeout: float | None = None) -> int:
+        """Cuts every cache longer than `length` to `length`; returns the pages freed."""
+        return self._call("TruncateSequence", self._truncate,
+                          pb.TruncateSequenceRequest(sequence_id=sequence_id, length=length),
+                          timeout, sequence_id).pages_freed
+
+    def fork_sequence(self, parent_id: int, new_id: int | None = None, length: int = 0, *,
+                      timeout: float | None = None) -> int:
+        """A new sequence holding the parent's first `length` entries in every cache (pages
+        shared copy-on-write); returns its id (random if not given). It has no candidates:
+        run the source layer before its consumers."""
+        if new_id is None:
+            new_id = random.getrandbits(63)
+        self._call("ForkSequence", self._fork,
+                   pb.ForkSequenceRequest(parent_id=parent_id, new_id=new_id, length=length),
+                   timeout, parent_id)
+        return new_id
+
+    def get_sequence(self, sequence_id: int, *,
+                     timeout: float | None = None) -> pb.GetSequenceResponse:
+        """Each cache's length, pages and shared pages, without a step."""
+        return self._call("GetSequence", self._get_sequence,
+                          pb.GetSequenceRequest(sequence_id=sequence_id), timeout, sequence_id)
+
+    def export_sequence(self, sequence_id: int, *, chunk_bytes: int = 0,
+                        timeout: float | None = None) -> list[pb.SequenceChunk]:
+        """The sequence's export stream (header, pages, CRC-32 each), for import_sequence."""
+        return list(self.iter_export(sequence_id, chunk_bytes=chunk_bytes, timeout=timeout))
+
+    def iter_export(self, sequence_id: int, *, chunk_bytes: int = 0,
+                    timeout: float | None = None) -> Iterator[pb.SequenceChunk]:
+        request = pb.ExportSequenceRequest(sequence_id=sequence_id, chunk_bytes=chunk_bytes)
+        try:
+            yield from self._export(request, timeout=self.timeout if timeout is None else timeout,
+                                    metadata=((SEQUENCE_ID_METADATA, str(sequence_id)),))
+        except grpc.RpcError as e:
+            raise IndexerError.from_rpc_error(e, "ExportSequence") from None
+
+    def import_sequence(self, chunks: Any, sequence_id: int = 0, *,
+                        timeout: float | None = None) -> int:
+        """Imports an export stream (any iterable of chunks) as `sequence_id` (0: the
+        exporter's id); returns the id. All or nothing: a mismatched profile, a truncated or
+        corrupt stream or a taken id is refused and changes nothing."""
+
+        def requests() -> Iterator[pb.ImportSequenceRequest]:
+            first = True
+            for chunk in chunks:
+                yield pb.ImportSequenceRequest(sequence_id=sequence_id if first else 0,
+                                               chunk=chunk)
+                first = False
+
+        return self._call("ImportSequence", self._import, requests(), timeout,
+                          sequence_id or None).sequence_id
+
+    def migrate_sequence(self, sequence_id: int, to: "Client", new_id: int = 0, *,
+                         timeout: float | None = None) -> int:
+        """Streams this server's export of the sequence into `to`'s import, chunk by chunk."""
+        return to.import_sequence(self.iter_export(sequence_id, timeout=timeout),
+                                  new_id or sequence_id, timeout=timeout)
 
     def release_sequence(self, sequence_id: int, *, timeout: float | None = None,
                          route: int | None = None) -> int:
