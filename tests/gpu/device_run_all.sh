@@ -1,6 +1,7 @@
 #!/bin/bash
 # Every GPU test and the CUDA benchmark report in one device call, from a bundle made here by
 #   ../shared/tools/bundle-libs.sh BUNDLE build/tests/gpu/gpu_test build/tests/gpu/gpu_executor_test \
+#     build/tests/gpu/gpu_lifecycle_test \
 #     build/tests/gpu/gpu_ipc_test build/tests/multigpu/multigpu_test \
 #     build/tests/service/cuda_vs_cpu_test build/server/decode-indexer-server \
 #     build/bench/cuda/decode-indexer-bench-cuda
@@ -57,6 +58,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out
 date -u | tee -a "$out/gpu.txt"
 run gpu_test 120 "$bundle/gpu_test"
 run gpu_executor_test 180 "$bundle/gpu_executor_test"
+run gpu_lifecycle_test 180 "$bundle/gpu_lifecycle_test"
 [ -x "$bundle/gpu_ipc_test" ] && run gpu_ipc_test 60 "$bundle/gpu_ipc_test"
 run multigpu_test 120 "$bundle/multigpu_test"
 run cuda_vs_cpu_test 60 "$bundle/cuda_vs_cpu_test"
