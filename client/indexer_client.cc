@@ -202,6 +202,7 @@ absl::StatusOr<int64_t> IndexerClient::AppendKeysAt(uint64_t sequence_id, int32_
 absl::StatusOr<int64_t> IndexerClient::TruncateSequence(uint64_t sequence_id, int64_t length) {
   grpc::ClientContext context;
   Prepare(context);
+  RouteBySequence(context, sequence_id);
   v1::TruncateSequenceRequest request;
   request.set_sequence_id(sequence_id);
   request.set_length(length);
@@ -214,6 +215,7 @@ absl::StatusOr<int64_t> IndexerClient::TruncateSequence(uint64_t sequence_id, in
 absl::Status IndexerClient::ForkSequence(uint64_t parent_id, uint64_t new_id, int64_t length) {
   grpc::ClientContext context;
   Prepare(context);
+  RouteBySequence(context, parent_id);  // the fork is made where the parent lives
   v1::ForkSequenceRequest request;
   request.set_parent_id(parent_id);
   request.set_new_id(new_id);
@@ -225,6 +227,7 @@ absl::Status IndexerClient::ForkSequence(uint64_t parent_id, uint64_t new_id, in
 absl::StatusOr<v1::GetSequenceResponse> IndexerClient::GetSequence(uint64_t sequence_id) {
   grpc::ClientContext context;
   Prepare(context);
+  RouteBySequence(context, sequence_id);
   v1::GetSequenceRequest request;
   request.set_sequence_id(sequence_id);
   v1::GetSequenceResponse response;
@@ -237,6 +240,7 @@ absl::StatusOr<std::vector<v1::SequenceChunk>> IndexerClient::ExportSequence(uin
                                                                              int64_t chunk_bytes) {
   grpc::ClientContext context;
   Prepare(context);
+  RouteBySequence(context, sequence_id);
   v1::ExportSequenceRequest request;
   request.set_sequence_id(sequence_id);
   request.set_chunk_bytes(chunk_bytes);
@@ -254,6 +258,7 @@ absl::StatusOr<uint64_t> IndexerClient::ImportSequence(uint64_t sequence_id,
                                                        std::span<const v1::SequenceChunk> chunks) {
   grpc::ClientContext context;
   Prepare(context);
+  if (sequence_id != 0) RouteBySequence(context, sequence_id);
   v1::ImportSequenceResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::ImportSequenceRequest>> writer =
       stub_->ImportSequence(&context, &response);
@@ -275,12 +280,14 @@ absl::StatusOr<uint64_t> IndexerClient::MigrateSequence(uint64_t sequence_id, In
                                                         uint64_t new_id) {
   grpc::ClientContext export_context;
   Prepare(export_context);
+  RouteBySequence(export_context, sequence_id);
   v1::ExportSequenceRequest request;
   request.set_sequence_id(sequence_id);
   std::unique_ptr<grpc::ClientReader<v1::SequenceChunk>> reader =
       stub_->ExportSequence(&export_context, request);
   grpc::ClientContext import_context;
   to.Prepare(import_context);
+  RouteBySequence(import_context, new_id == 0 ? sequence_id : new_id);
   v1::ImportSequenceResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::ImportSequenceRequest>> writer =
       to.stub_->ImportSequence(&import_context, &response);

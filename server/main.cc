@@ -16,8 +16,8 @@
 #include <thread>
 
 #include "CLI/CLI.hpp"
-#include "common/cli.h"
 #include "absl/strings/match.h"
+#include "common/cli.h"
 #include "server/config/profile.h"
 #include "server/service/logging.h"
 #include "server/service/server.h"

@@ -34,11 +34,16 @@ int main(int argc, char** argv) {
   int ranks = 1;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--profile") profile_name = value;
-    else if (flag == "--sequences") sequences = std::atoll(value.c_str());
-    else if (flag == "--length") length = std::atoll(value.c_str());
-    else if (flag == "--dir") dir = value;
-    else if (flag == "--ranks") ranks = std::atoi(value.c_str());
+    if (flag == "--profile")
+      profile_name = value;
+    else if (flag == "--sequences")
+      sequences = std::atoll(value.c_str());
+    else if (flag == "--length")
+      length = std::atoll(value.c_str());
+    else if (flag == "--dir")
+      dir = value;
+    else if (flag == "--ranks")
+      ranks = std::atoi(value.c_str());
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -101,9 +106,10 @@ int main(int argc, char** argv) {
         cache_bytes += length * g.entry_bytes();
       }
     }
-    std::printf("filled %lld sequences x %lld entries x %zu caches (%.2f GB of entries) in %.1f s\n",
-                (long long)sequences, (long long)length, cache_layers.size(), cache_bytes / 1e9,
-                seconds(fill));
+    std::printf(
+        "filled %lld sequences x %lld entries x %zu caches (%.2f GB of entries) in %.1f s\n",
+        (long long)sequences, (long long)length, cache_layers.size(), cache_bytes / 1e9,
+        seconds(fill));
     const Clock::time_point write = Clock::now();
     auto info = di::service::WriteSnapshot(**executor, dir, "bench");
     if (!info.ok()) {

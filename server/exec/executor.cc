@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -122,6 +123,43 @@ absl::Status CheckPosition(const std::optional<int64_t>& position, int64_t lengt
     return absl::InvalidArgumentError(absl::StrCat(
         field, ": ", *position, " is past the sequence's length ", length, " in layer ",
         cache_layer, "'s cache (it would leave a hole); positions must be <= the length"));
+  }
+  return absl::OkStatus();
+}
+
+// An imported cache's entries [0, length): FP8 codes other than the NaN S.1111.111, fp32
+// scales positive and finite; FP4 ue8m0 scales other than the NaN 0xFF.
+absl::Status CheckCacheImage(const CacheImage& c, const kernels::CacheGeometry& g,
+                             const std::string& field) {
+  const int64_t P = g.page_size, V = g.value_bytes(), S = g.scale_bytes();
+  const bool fp8 = g.format == CacheFormat::kFp8;
+  for (int64_t e = 0; e < c.length; ++e) {
+    const uint8_t* page =
+        reinterpret_cast<const uint8_t*>(c.pages.data()) + (e / P) * g.page_bytes();
+    const int64_t o = e % P;
+    const uint8_t* scale = page + P * V + o * S;
+    if (fp8) {
+      const uint8_t* v = page + o * V;
+      for (int64_t i = 0; i < V; ++i) {
+        if ((v[i] & 0x7F) == 0x7F) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(field, ": entry ", e, " holds an FP8 NaN code"));
+        }
+      }
+      float f;
+      std::memcpy(&f, scale, sizeof(f));
+      if (!(f > 0) || !std::isfinite(f)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ": entry ", e, "'s scale ", f, " is not positive and finite"));
+      }
+    } else {
+      for (int64_t i = 0; i < S; ++i) {
+        if (scale[i] == 0xFF) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(field, ": entry ", e, " holds a NaN scale (0xFF)"));
+        }
+      }
+    }
   }
   return absl::OkStatus();
 }
@@ -1173,6 +1211,15 @@ absl::Status ExecutorImpl::ImportSequence(uint64_t sequence_id, const SequenceIm
           field, ".pages: ", c.pages.size(), " bytes, expected ", want, " for length ", c.length));
     }
   }
+  // The bytes must be what a write could have left (an image is not trusted because its
+  // checksums agree): no NaN codes or scales, positive finite FP8 scales.
+  for (size_t pool = 0; pool < image.caches.size(); ++pool) {
+    if (absl::Status s = CheckCacheImage(image.caches[pool], pool_geometry_[pool],
+                                         absl::StrCat("caches[", pool, "].pages"));
+        !s.ok()) {
+      return s;
+    }
+  }
   std::set<int32_t> sources;
   for (size_t i = 0; i < image.candidates.size(); ++i) {
     const CandidateImage& c = image.candidates[i];
@@ -1188,6 +1235,28 @@ absl::Status ExecutorImpl::ImportSequence(uint64_t sequence_id, const SequenceIm
         c.length != image.caches[pool_of_layer_[spec->cache_layer]].length) {
       return absl::InvalidArgumentError(
           absl::StrCat(field, ": rows, blocks or length do not fit the profile and the caches"));
+    }
+    // Each row: ascending block ids below its length's blocks, then -1 (spec section 7), as a
+    // consumer reads them without checking.
+    for (int64_t j = 0; j < rows; ++j) {
+      const int32_t rl = c.row_lengths[j];
+      if (rl < 1 || rl > c.length) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".row_lengths[", j, "]: ", rl, " is out of [1, ", c.length, "]"));
+      }
+      const int64_t blocks = CeilDiv(rl, profile_.candidate_block_size);
+      int64_t prev = -1;
+      bool padding = false;
+      for (int32_t b = 0; b < NB; ++b) {
+        const int32_t v = c.blocks[j * NB + b];
+        const bool ok = v == -1 ? (padding = true) : (!padding && v > prev && v < blocks);
+        if (!ok) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(field, ".blocks: row ", j, " entry ", b, " (", v,
+                           ") is not an ascending block id below ", blocks, " or -1 padding"));
+        }
+        if (v != -1) prev = v;
+      }
     }
   }
   // Reserve all-or-nothing.

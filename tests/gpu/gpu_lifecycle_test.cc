@@ -59,8 +59,8 @@ void ExpectSameImages(Executor& cpu, Executor& gpu, uint64_t id, const std::stri
   ASSERT_EQ(a->caches.size(), b->caches.size()) << what;
   for (size_t c = 0; c < a->caches.size(); ++c) {
     EXPECT_EQ(a->caches[c].length, b->caches[c].length) << what << " cache " << c;
-    EXPECT_TRUE(a->caches[c].pages == b->caches[c].pages) << what << " cache " << c
-                                                          << ": the pages differ";
+    EXPECT_TRUE(a->caches[c].pages == b->caches[c].pages)
+        << what << " cache " << c << ": the pages differ";
   }
 }
 

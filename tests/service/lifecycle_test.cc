@@ -6,9 +6,14 @@
 // ranks, and every refused call is checked to leave the state as it was.
 #include <gtest/gtest.h>
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+
+#include <cstring>
 #include <optional>
 
 #include "server/exec/executor_internal.h"
+#include "server/service/sequence_transfer.h"
 #include "tests/service/service_harness.h"
 
 namespace decode_indexer::testing {
@@ -392,6 +397,30 @@ TEST_P(Lifecycle, ExportImportAcrossServers) {
     std::vector<v1::SequenceChunk> t = *chunks;
     (*t[0].mutable_header()->mutable_candidates(0)->mutable_blocks())[0] ^= 1;
     refused(t, absl::StatusCode::kDataLoss, "header", "a corrupt header");
+  }
+  {
+    // Checksums that agree do not make the bytes trusted: a NaN code is refused.
+    std::vector<v1::SequenceChunk> t = *chunks;
+    (*t[1].mutable_data())[0] = char(0x7F);  // cache 0 is FP8: entry 0's first code
+    t[1].set_crc32(service::Crc32(t[1].data()));
+    refused(t, absl::StatusCode::kInvalidArgument, "NaN", "a NaN code with a good CRC");
+    std::vector<v1::SequenceChunk> u = *chunks;
+    v1::SequenceCandidates* c = u[0].mutable_header()->mutable_candidates(0);
+    int32_t first;
+    std::memcpy(&first, c->blocks().data(), 4);
+    first = 1 << 20;  // far past the blocks that exist
+    std::memcpy(c->mutable_blocks()->data(), &first, 4);
+    u[0].set_crc32(0);
+    // Re-sign the header as the exporter would (its deterministic serialization).
+    std::string bytes;
+    {
+      google::protobuf::io::StringOutputStream out(&bytes);
+      google::protobuf::io::CodedOutputStream coded(&out);
+      coded.SetSerializationDeterministic(true);
+      u[0].header().SerializeToCodedStream(&coded);
+    }
+    u[0].set_crc32(service::Crc32(bytes));
+    refused(u, absl::StatusCode::kInvalidArgument, "blocks", "a candidate block out of range");
   }
   // Into another profile: the same constants but another layer plan.
   {

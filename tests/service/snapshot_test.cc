@@ -43,10 +43,25 @@ class ServerProcess {
  public:
   ServerProcess(const std::string& profile, const std::string& dir, const std::string& log)
       : log_(log) {
-    std::vector<std::string> args = {DI_SERVER_BINARY, "--listen", "127.0.0.1:0", "--profile",
-                                     profile, "--backend", "cpu", "--ranks", "2", "--cpu-threads",
-                                     "1", "--cache-pages", "256", "--snapshot-dir", dir,
-                                     "--drain-timeout", "1", "--log-level", "info"};
+    std::vector<std::string> args = {DI_SERVER_BINARY,
+                                     "--listen",
+                                     "127.0.0.1:0",
+                                     "--profile",
+                                     profile,
+                                     "--backend",
+                                     "cpu",
+                                     "--ranks",
+                                     "2",
+                                     "--cpu-threads",
+                                     "1",
+                                     "--cache-pages",
+                                     "256",
+                                     "--snapshot-dir",
+                                     dir,
+                                     "--drain-timeout",
+                                     "1",
+                                     "--log-level",
+                                     "info"};
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);

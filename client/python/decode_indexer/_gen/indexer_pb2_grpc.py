@@ -69,6 +69,31 @@ class DecodeIndexerStub(object):
                 request_serializer=decode__indexer_dot_v1_dot_indexer__pb2.UnregisterCudaIpcMemoryRequest.SerializeToString,
                 response_deserializer=decode__indexer_dot_v1_dot_indexer__pb2.UnregisterCudaIpcMemoryResponse.FromString,
                 )
+        self.TruncateSequence = channel.unary_unary(
+                '/decode_indexer.v1.DecodeIndexer/TruncateSequence',
+                request_serializer=decode__indexer_dot_v1_dot_indexer__pb2.TruncateSequenceRequest.SerializeToString,
+                response_deserializer=decode__indexer_dot_v1_dot_indexer__pb2.TruncateSequenceResponse.FromString,
+                )
+        self.ForkSequence = channel.unary_unary(
+                '/decode_indexer.v1.DecodeIndexer/ForkSequence',
+                request_serializer=decode__indexer_dot_v1_dot_indexer__pb2.ForkSequenceRequest.SerializeToString,
+                response_deserializer=decode__indexer_dot_v1_dot_indexer__pb2.ForkSequenceResponse.FromString,
+                )
+        self.GetSequence = channel.unary_unary(
+                '/decode_indexer.v1.DecodeIndexer/GetSequence',
+                request_serializer=decode__indexer_dot_v1_dot_indexer__pb2.GetSequenceRequest.SerializeToString,
+                response_deserializer=decode__indexer_dot_v1_dot_indexer__pb2.GetSequenceResponse.FromString,
+                )
+        self.ExportSequence = channel.unary_stream(
+                '/decode_indexer.v1.DecodeIndexer/ExportSequence',
+                request_serializer=decode__indexer_dot_v1_dot_indexer__pb2.ExportSequenceRequest.SerializeToString,
+                response_deserializer=decode__indexer_dot_v1_dot_indexer__pb2.SequenceChunk.FromString,
+                )
+        self.ImportSequence = channel.stream_unary(
+                '/decode_indexer.v1.DecodeIndexer/ImportSequence',
+                request_serializer=decode__indexer_dot_v1_dot_indexer__pb2.ImportSequenceRequest.SerializeToString,
+                response_deserializer=decode__indexer_dot_v1_dot_indexer__pb2.ImportSequenceResponse.FromString,
+                )
 
 
 class DecodeIndexerServicer(object):
@@ -146,6 +171,38 @@ class DecodeIndexerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TruncateSequence(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForkSequence(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSequence(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportSequence(self, request, context):
+        """The sequence's every cache (and candidates) as a header and chunks (migration).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportSequence(self, request_iterator, context):
+        """A stream from ExportSequence (same profile) becomes a new sequence; all-or-nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeIndexerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +260,31 @@ def add_DecodeIndexerServicer_to_server(servicer, server):
                     servicer.UnregisterCudaIpcMemory,
                     request_deserializer=decode__indexer_dot_v1_dot_indexer__pb2.UnregisterCudaIpcMemoryRequest.FromString,
                     response_serializer=decode__indexer_dot_v1_dot_indexer__pb2.UnregisterCudaIpcMemoryResponse.SerializeToString,
+            ),
+            'TruncateSequence': grpc.unary_unary_rpc_method_handler(
+                    servicer.TruncateSequence,
+                    request_deserializer=decode__indexer_dot_v1_dot_indexer__pb2.TruncateSequenceRequest.FromString,
+                    response_serializer=decode__indexer_dot_v1_dot_indexer__pb2.TruncateSequenceResponse.SerializeToString,
+            ),
+            'ForkSequence': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSequence,
+                    request_deserializer=decode__indexer_dot_v1_dot_indexer__pb2.ForkSequenceRequest.FromString,
+                    response_serializer=decode__indexer_dot_v1_dot_indexer__pb2.ForkSequenceResponse.SerializeToString,
+            ),
+            'GetSequence': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSequence,
+                    request_deserializer=decode__indexer_dot_v1_dot_indexer__pb2.GetSequenceRequest.FromString,
+                    response_serializer=decode__indexer_dot_v1_dot_indexer__pb2.GetSequenceResponse.SerializeToString,
+            ),
+            'ExportSequence': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportSequence,
+                    request_deserializer=decode__indexer_dot_v1_dot_indexer__pb2.ExportSequenceRequest.FromString,
+                    response_serializer=decode__indexer_dot_v1_dot_indexer__pb2.SequenceChunk.SerializeToString,
+            ),
+            'ImportSequence': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportSequence,
+                    request_deserializer=decode__indexer_dot_v1_dot_indexer__pb2.ImportSequenceRequest.FromString,
+                    response_serializer=decode__indexer_dot_v1_dot_indexer__pb2.ImportSequenceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,5 +480,90 @@ class DecodeIndexer(object):
         return grpc.experimental.unary_unary(request, target, '/decode_indexer.v1.DecodeIndexer/UnregisterCudaIpcMemory',
             decode__indexer_dot_v1_dot_indexer__pb2.UnregisterCudaIpcMemoryRequest.SerializeToString,
             decode__indexer_dot_v1_dot_indexer__pb2.UnregisterCudaIpcMemoryResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def TruncateSequence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/decode_indexer.v1.DecodeIndexer/TruncateSequence',
+            decode__indexer_dot_v1_dot_indexer__pb2.TruncateSequenceRequest.SerializeToString,
+            decode__indexer_dot_v1_dot_indexer__pb2.TruncateSequenceResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ForkSequence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/decode_indexer.v1.DecodeIndexer/ForkSequence',
+            decode__indexer_dot_v1_dot_indexer__pb2.ForkSequenceRequest.SerializeToString,
+            decode__indexer_dot_v1_dot_indexer__pb2.ForkSequenceResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def GetSequence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/decode_indexer.v1.DecodeIndexer/GetSequence',
+            decode__indexer_dot_v1_dot_indexer__pb2.GetSequenceRequest.SerializeToString,
+            decode__indexer_dot_v1_dot_indexer__pb2.GetSequenceResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ExportSequence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(request, target, '/decode_indexer.v1.DecodeIndexer/ExportSequence',
+            decode__indexer_dot_v1_dot_indexer__pb2.ExportSequenceRequest.SerializeToString,
+            decode__indexer_dot_v1_dot_indexer__pb2.SequenceChunk.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ImportSequence(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(request_iterator, target, '/decode_indexer.v1.DecodeIndexer/ImportSequence',
+            decode__indexer_dot_v1_dot_indexer__pb2.ImportSequenceRequest.SerializeToString,
+            decode__indexer_dot_v1_dot_indexer__pb2.ImportSequenceResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
