@@ -152,11 +152,11 @@ class RefVerifier final : public Verifier {
       if (it != tracked_.end()) {
         if (layer->owns_cache && seq.has_new_keys_position()) {
           // The server cut the cache back to the position before writing (rollback).
-          MirrorCache& cache = CacheOf(it->second, layer->cache_layer);
-          if (seq.new_keys_position() > cache.length) {
+          ref::Cache& cache = CacheOf(it->second, layer->cache_layer);
+          if (seq.new_keys_position() > cache.size()) {
             return absl::InternalError("verify: the server took a step with a hole");
           }
-          cache.length = seq.new_keys_position();
+          cache.Truncate(seq.new_keys_position());
         }
         if (layer->owns_cache && seq.has_new_keys()) {
           absl::Status s = AppendKeys(seq.sequence_id(), layer->cache_layer, seq.new_keys(),

@@ -289,8 +289,7 @@ TEST_F(SnapshotTest, SigtermThenRestartAnswersBitForBitAndBadFilesAreRefused) {
     ExpectRefused(corrupt, TinyProfilePath(), "corrupt", "a flipped byte");
   }
   ExpectRefused("not a snapshot at all", TinyProfilePath(), "not a snapshot", "a foreign file");
-  ExpectRefused(good, DI_SERVICE_TEST_DIR "/../load/v32-tiny.toml", "mismatched profile",
-                "another profile");
+  ExpectRefused(good, "v32", "mismatched profile", "another profile");
 }
 
 }  // namespace
