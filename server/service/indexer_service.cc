@@ -901,6 +901,19 @@ std::string IndexerService::RenderMetrics() const {
         size_t(r) < st.device_memory_bytes.size() ? st.device_memory_bytes[r] : int64_t{0};
     sample(device, {{"rank", std::to_string(r)}, {"device", device_kind}}, double(bytes));
   }
+  if (st.backend == "cuda") {
+    std::call_once(gpu_utilization_once_,
+                   [&] { gpu_utilization_ = std::make_unique<GpuUtilization>(st.num_ranks); });
+    const std::vector<double> busy = gpu_utilization_->Sample();
+    if (!busy.empty()) {
+      MetricFamily& util =
+          family("device_utilization_ratio", MetricType::Gauge,
+                 "Fraction of NVML's last sample period in which a kernel ran on the rank's GPU.");
+      for (size_t r = 0; r < busy.size(); ++r) {
+        if (busy[r] >= 0) sample(util, {{"rank", std::to_string(r)}}, busy[r]);
+      }
+    }
+  }
   for (MetricFamily& f : ProcessMetrics()) out.push_back(std::move(f));
   return SerializeMetrics(out);
 }

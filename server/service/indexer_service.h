@@ -18,6 +18,7 @@
 #include "prometheus/registry.h"
 #include "server/exec/executor.h"
 #include "server/service/data_plane.h"
+#include "server/service/gpu_utilization.h"
 #include "server/service/metrics.h"
 #include "server/service/shm_socket.h"
 
@@ -217,6 +218,9 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   mutable std::mutex info_mu_;
   std::string instance_id_;
   std::atomic<bool> restoring_{false};
+  // NVML, opened at the first scrape of a CUDA server (never on host backends).
+  mutable std::once_flag gpu_utilization_once_;
+  mutable std::unique_ptr<GpuUtilization> gpu_utilization_;
 };
 
 }  // namespace decode_indexer::service

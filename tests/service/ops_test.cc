@@ -25,6 +25,7 @@
 
 #include "health_subset.grpc.pb.h"
 #include "server/service/data_plane.h"
+#include "server/service/gpu_utilization.h"
 #include "server/service/logging.h"
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
@@ -122,6 +123,19 @@ const v1::RpcStatistics* FindRpc(const v1::Statistics& st, const std::string& me
 
 // Every layer kind steps a few times, sharded (2 ranks, 3 requests) and not, plus a rejected
 // step; then the scrape must agree with GetStatistics and ServerInfo.
+// Which NVML device a rank's utilisation is read from: NVML ignores CUDA_VISIBLE_DEVICES, so
+// the mapping must follow it (a wrong mapping reports another GPU's load as ours).
+TEST(MetricsTest, UtilizationFollowsCudaVisibleDevices) {
+  using service::NvmlDevicesForRanks;
+  EXPECT_EQ(NvmlDevicesForRanks(std::nullopt, 2), (std::vector<std::string>{"0", "1"}));
+  EXPECT_EQ(NvmlDevicesForRanks(std::string(""), 2), (std::vector<std::string>{"0", "1"}));
+  EXPECT_EQ(NvmlDevicesForRanks(std::string("3, 1"), 2), (std::vector<std::string>{"3", "1"}));
+  EXPECT_EQ(NvmlDevicesForRanks(std::string("GPU-ab12,GPU-cd34"), 2),
+            (std::vector<std::string>{"GPU-ab12", "GPU-cd34"}));
+  // A rank beyond the list has no device to report.
+  EXPECT_EQ(NvmlDevicesForRanks(std::string("5"), 2), (std::vector<std::string>{"5", ""}));
+}
+
 TEST(MetricsTest, ScrapeAgreesWithStatistics) {
   service::ServerOptions so = BaseOptions(2);
   so.metrics_listen = "127.0.0.1:0";
