@@ -62,6 +62,11 @@ run gpu_lifecycle_test 180 "$bundle/gpu_lifecycle_test"
 [ -x "$bundle/gpu_ipc_test" ] && run gpu_ipc_test 60 "$bundle/gpu_ipc_test"
 run multigpu_test 120 "$bundle/multigpu_test"
 run cuda_vs_cpu_test 60 "$bundle/cuda_vs_cpu_test"
+# The snapshot across a real SIGTERM and restart, on the CUDA backend (the CPU one is
+# tests/service/snapshot_test.cc in ctest).
+snap_work=$(mktemp -d)
+run snapshot_cuda_check 300 python3 tests/gpu/snapshot_cuda_check.py \
+  "$bundle/decode-indexer-server" "$snap_work"
 if [ "$mode" = bench ]; then
   run bench_cuda 300 env CUDA_VISIBLE_DEVICES=0 "$bundle/decode-indexer-bench-cuda" \
     --out "$out/cuda_bench.json"
