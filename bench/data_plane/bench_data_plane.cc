@@ -67,6 +67,16 @@ class EchoExecutor final : public di::exec::Executor {
     return k.count;
   }
   absl::StatusOr<int64_t> ReleaseSequence(uint64_t) override { return 0; }
+  // The echo bench times the step's transport only; it has no cache to cut, fork or move.
+  absl::StatusOr<int64_t> TruncateSequence(uint64_t, int64_t) override { return Unused(); }
+  absl::Status ForkSequence(uint64_t, uint64_t, int64_t) override { return Unused(); }
+  absl::StatusOr<di::exec::SequenceInfo> GetSequence(uint64_t) override { return Unused(); }
+  absl::StatusOr<di::exec::SequenceImage> ExportSequence(uint64_t) override { return Unused(); }
+  absl::Status ImportSequence(uint64_t, const di::exec::SequenceImage&) override {
+    return Unused();
+  }
+  std::vector<uint64_t> SequenceIds() const override { return {}; }
+  int64_t ReleaseIdleSequences(int64_t) override { return 0; }
   absl::StatusOr<di::exec::StepResult> DecodeStep(const di::exec::StepInput& step) override {
     di::exec::StepResult r;
     r.step_id = step.step_id;
@@ -96,6 +106,9 @@ class EchoExecutor final : public di::exec::Executor {
   void Shutdown() override {}
 
  private:
+  static absl::Status Unused() {
+    return absl::UnimplementedError("the echo executor keeps no sequences");
+  }
   static constexpr int kPool = 97;
   di::config::Profile profile_;
   std::vector<int32_t> pool_;
