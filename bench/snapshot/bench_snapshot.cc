@@ -1,9 +1,9 @@
 // decode-indexer-bench-snapshot: how long --snapshot-dir takes to write every sequence on a
-// drain and to restore them on start, on the CPU backend (not a test; figures go to
+// drain and to restore them on start (not a test; figures go to
 // docs/results/snapshot.md).
 //
 //   decode-indexer-bench-snapshot [--profile v32] [--sequences 8] [--length 32768]
-//                                 [--dir /tmp/di-bench-snapshot] [--ranks 1]
+//                                 [--dir /tmp/di-bench-snapshot] [--ranks 1] [--backend cpu]
 //
 // Fills `sequences` sequences with `length` pre-quantized random keys in every cache of the
 // profile, writes the snapshot (as Server::Shutdown does), drops the file from the page cache
@@ -29,7 +29,7 @@
 namespace di = decode_indexer;
 
 int main(int argc, char** argv) {
-  std::string profile_name = "v32", dir = "/tmp/di-bench-snapshot";
+  std::string profile_name = "v32", dir = "/tmp/di-bench-snapshot", backend = "cpu";
   int64_t sequences = 8, length = 32768;
   int ranks = 1;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -44,6 +44,8 @@ int main(int argc, char** argv) {
       dir = value;
     else if (flag == "--ranks")
       ranks = std::atoi(value.c_str());
+    else if (flag == "--backend")
+      backend = value;
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -56,7 +58,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   di::exec::ExecutorOptions o;
-  o.backend = "cpu";
+  o.backend = backend;
   o.ranks = ranks;
   o.max_sequences = sequences;
   o.cache_pages = sequences * ((length + profile->page_size - 1) / profile->page_size);
