@@ -135,20 +135,35 @@ TEST(GpuLifecycleTest, RollbackForkTruncateExportImportMatchTheCpuBackend) {
     for (int32_t layer : {dense, source}) both(layer, {{2, 2, 2, {}}}, at - 40, "fork rewrite");
     ExpectSameImages(*cpu, *gpu, 1, "after truncate");
     ExpectSameImages(*cpu, *gpu, 2, "after the fork's rewrite");
-    // The CPU's image of sequence 2 into the GPU as 9: the same answers as the GPU's own 2,
-    // bit for bit, the consumer first (its candidates came along).
-    auto image = cpu->ExportSequence(2);
-    ASSERT_TRUE(image.ok());
-    ASSERT_TRUE(gpu->ImportSequence(9, *image).ok());
-    for (int32_t layer : {consumer, dense, source, consumer}) {
-      std::unique_ptr<StepData> step = h.MakeStep(
-          layer, {{2, 1, profile.layers[layer].role == LayerRole::kCandidateConsumer ? 0 : 1, {}}},
-          QForm::kF32, KeyForm::kQuantized);
+    // Sequence 2 exported and imported into the GPU: its own image as 9, the CPU's as 10
+    // (the pages are byte-identical, checked above). 9 answers as 2 bit for bit at every
+    // layer, the consumer first (its candidates came along). 10 carries the CPU's candidate
+    // blocks, which may differ from the GPU's at near-tied block scores (spec sections 6-7),
+    // so its first consumer step need only succeed; once the source ran on the GPU, it too
+    // answers as 2 bit for bit.
+    auto gpu_image = gpu->ExportSequence(2);
+    auto cpu_image = cpu->ExportSequence(2);
+    ASSERT_TRUE(gpu_image.ok() && cpu_image.ok());
+    ASSERT_TRUE(gpu->ImportSequence(9, *gpu_image).ok());
+    ASSERT_TRUE(gpu->ImportSequence(10, *cpu_image).ok());
+    // A consumer uses the candidates only with the rows they were computed for: the fork's
+    // last source step had 2 rows, the source step in this loop has 1.
+    const std::vector<std::pair<int32_t, int32_t>> steps = {
+        {consumer, 2}, {dense, 1}, {source, 1}, {consumer, 1}};
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const auto [layer, rows] = steps[i];
+      const bool is_consumer = profile.layers[layer].role == LayerRole::kCandidateConsumer;
+      std::unique_ptr<StepData> step = h.MakeStep(layer, {{2, rows, is_consumer ? 0 : rows, {}}},
+                                                  QForm::kF32, KeyForm::kQuantized);
       auto own = gpu->DecodeStep(step->input);
       step->input.sequences[0].sequence_id = 9;
-      auto imported = gpu->DecodeStep(step->input);
-      ASSERT_TRUE(own.ok() && imported.ok()) << own.status() << " / " << imported.status();
-      EXPECT_EQ(own->topk_indices, imported->topk_indices) << "layer " << layer;
+      auto from_gpu = gpu->DecodeStep(step->input);
+      step->input.sequences[0].sequence_id = 10;
+      auto from_cpu = gpu->DecodeStep(step->input);
+      ASSERT_TRUE(own.ok() && from_gpu.ok() && from_cpu.ok())
+          << own.status() << " / " << from_gpu.status() << " / " << from_cpu.status();
+      EXPECT_EQ(own->topk_indices, from_gpu->topk_indices) << "layer " << layer;
+      if (i > 0) EXPECT_EQ(own->topk_indices, from_cpu->topk_indices) << "layer " << layer;
     }
   }
 }
