@@ -27,9 +27,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "server/service/status_mapping.h"
 #include "absl/strings/str_format.h"
 #include "server/service/snapshot.h"
+#include "server/service/status_mapping.h"
 #include "spdlog/spdlog.h"
 
 #include "decode_indexer/version.h"
