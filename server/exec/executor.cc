@@ -969,9 +969,10 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
   }
 
   // Commit: every rank succeeded.
+  const int64_t now_ms = NowMs();
   for (int32_t i = 0; i < num_requests; ++i) {
     CommitCacheWrite(seqs[i]->caches[pool], writes[i], pools_[pool]);
-    seqs[i]->last_used_ms = NowMs();
+    seqs[i]->last_used_ms = now_ms;
   }
   writes.clear();
   if (source) {

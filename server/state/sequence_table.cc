@@ -23,27 +23,19 @@ absl::StatusOr<CacheWrite> PlanCacheWrite(const CachePages& cp, int64_t position
   // Pages the write touches: [position / P, need). A pure cut touches none.
   const int64_t first = count == 0 ? need : position / P;
   w.keep = static_cast<size_t>(std::min(first, held));
+  // A held page is replaced by a fresh one when another sequence holds it too or when the
+  // write would overwrite committed entries in it; otherwise it is written in place.
+  auto replaced = [&](int64_t k) {
+    return pool.holders(cp.pages[k]) > 1 || cp.length > std::max(position, k * P);
+  };
   int64_t fresh = 0;
-  std::vector<bool> replace(std::max<int64_t>(0, need - first), false);
-  for (int64_t k = first; k < need; ++k) {
-    if (k >= held) {
-      ++fresh;
-      continue;
-    }
-    const int32_t page = cp.pages[k];
-    const bool shared = pool.holders(page) > 1;
-    const bool overwrites = cp.length > std::max(position, k * P);
-    if (shared || overwrites) {
-      replace[k - first] = true;
-      ++fresh;
-    }
-  }
+  for (int64_t k = first; k < need; ++k) fresh += k >= held || replaced(k);
   absl::StatusOr<std::vector<int32_t>> got = pool.Reserve(fresh);
   if (!got.ok()) return got.status();
   w.fresh = *std::move(got);
   size_t next = 0;
   for (int64_t k = first; k < need; ++k) {
-    if (k < held && !replace[k - first]) {
+    if (k < held && !replaced(k)) {
       w.tail.push_back(cp.pages[k]);
       continue;
     }
