@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "decode_indexer/kernels/backend.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/sm90_heuristics.h"
 #include "kernels/cuda/sm90_launchers.h"
 #include "kernels/cuda/sm90_tile_config.h"
 
@@ -42,7 +43,10 @@ constexpr int32_t kMinCandidateBlock = 8;
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(const BackendLimits& limits, int device) : limits_(limits), device_(device) {}
+  CudaBackend(const BackendLimits& limits, int device)
+      : limits_(limits),
+        device_(device),
+        dense_math_(cuda::DenseMqaMath(limits.logits_precision)) {}
 
   ~CudaBackend() override {
     cudaSetDevice(device_);
@@ -191,6 +195,7 @@ class CudaBackend final : public Backend {
     la.schedule = schedule_;
     la.logits = logits_;
     la.logits_stride = stride;
+    la.math = dense_math_;
     absl::Status s;
     // The fused logits variant derives its schedule itself: one launch fewer per step.
     if (cuda::PagedLogitsNeedsSchedule(la)) {
@@ -587,6 +592,8 @@ class CudaBackend final : public Backend {
 
   const BackendLimits limits_;
   const int device_;
+  // The dense FP8 / 64-head logits kernel: the exact or the fp8 one (sm90_heuristics.h).
+  const cuda::MqaMath dense_math_;
   std::string device_name_;
   int num_sms_ = 0;
   cudaStream_t main_ = nullptr;

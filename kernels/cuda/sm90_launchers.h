@@ -72,7 +72,16 @@ enum class MqaMath {
   // consumer warpgroups instead of 3; keys-M's logits bit for bit. One row per pass only;
   // several rows per pass run kWgmmaKeysMPipelined (docs/notes/cuda.md, v7).
   kWgmmaKeysMPipelinedWs2,
-  kWgmmaKeysMPipelinedWs4
+  kWgmmaKeysMPipelinedWs4,
+  // Not exact (spec section 6, the fp8-accumulation tolerance): v6's producer warp and page
+  // ring, the consumer's wgmma m64nNk32 e4m3 reading the page slot and q (e4m3) straight from
+  // shared memory, N = 64 x rows per pass: every key read once per request for next_n 1-4
+  // (sm90_paged_mqa_logits_fp8.cu). Bit-identical across runs, grids and batch compositions.
+  // Which of this and the exact kernel the backend runs: DenseMqaMath (sm90_heuristics.h).
+  kWgmmaKeysMPipelinedFp8,
+  // The same with one m64n64k32 chain per row instead of one N = 64 x rows instruction (the
+  // same instruction shape whatever the rows per pass): a comparison / fallback.
+  kWgmmaKeysMPipelinedFp8PerRow
 };
 struct PagedLogitsArgs {
   CacheView cache;
@@ -109,6 +118,9 @@ absl::Status LaunchPagedMqaLogitsKeysM(const PagedLogitsArgs& args, int num_sms,
 absl::Status LaunchPagedMqaLogitsPipelined(const PagedLogitsArgs& args, int num_sms,
                                            cudaStream_t stream);
 bool PipelinedComputesOwnSchedule(const PagedLogitsArgs& args);
+// The fp8 pipelined kernels (sm90_paged_mqa_logits_fp8.cu), kWgmmaKeysMPipelinedFp8 / PerRow.
+absl::Status LaunchPagedMqaLogitsFp8(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream);
+bool Fp8PipelinedComputesOwnSchedule(const PagedLogitsArgs& args);
 
 // ---- Radix top-k (sm90_radix_topk.cu) ------------------------------------------------------
 // Per row r: the top k of values[r * stride + i], i < lengths[r] (or `fixed_length` when

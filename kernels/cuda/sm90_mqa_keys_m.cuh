@@ -178,6 +178,28 @@ __device__ __forceinline__ void WidenPage(const uint8_t* kv, int warp, int lane,
   for (int sp = 0; sp < 4; ++sp) WidenKSteps<kWiden>(kv, warp, lane, sp, a[2 * sp], a[2 * sp + 1]);
 }
 
+// A producer warp's cp.async copies of one page (64 keys: 8192 e4m3 codes, then 64 fp32 scales)
+// into a ring slot: the codes swizzled (16-byte chunk col of key row at col ^ (row & 7): the
+// 128B swizzle, conflict-free for ldmatrix and, with the slot 1024-byte aligned, wgmma's SW128
+// K-major layout), then the scales; keys at or past `valid` are zero-filled. The pipelined
+// kernels (sm90_paged_mqa_logits_pipelined.cu, sm90_paged_mqa_logits_fp8.cu) share it.
+__device__ __forceinline__ void CopyPageToStage(const uint8_t* src, uint8_t* dv, uint8_t* ds,
+                                                int valid, int lane) {
+  constexpr int kValues = kMqaTileKeys * kMqaHeadDim;
+  constexpr int kPageBytes = kValues + kMqaTileKeys * 4;
+#pragma unroll
+  for (int k0 = 0; k0 < (kPageBytes / 16 + 31) / 32; ++k0) {
+    const int ch = k0 * 32 + lane;
+    if (ch < kValues / 16) {
+      const int row = ch >> 3, col = ch & 7;
+      CpAsync16(dv + row * 128 + ((col ^ (row & 7)) << 4), src + ch * 16, row < valid);
+    } else if (ch < kPageBytes / 16) {
+      const int sc = ch - kValues / 16;
+      CpAsync16(ds + sc * 16, src + kValues + sc * 16, sc * 4 < valid);
+    }
+  }
+}
+
 // The schedule kernel's work, per block in shared memory `own` (kOwnScheduleBytes; the launcher
 // checks that num_requests <= kOwnScheduleMaxRequests), by all kBlockThreads threads. Same
 // numbers as the schedule kernel: min / count / max are order-free. Points the four schedule

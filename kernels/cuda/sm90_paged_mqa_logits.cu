@@ -390,7 +390,8 @@ bool PagedLogitsNeedsSchedule(const PagedLogitsArgs& args) {
   const CacheGeometry& geo = args.cache.geometry;
   const bool keys_m = geo.format == CacheFormat::kFp8 && args.q.num_heads == 64 &&
                       geo.page_size == kMqaTileKeys && geo.head_dim == kMqaHeadDim;
-  return !(keys_m && (KeysMComputesOwnSchedule(args) || PipelinedComputesOwnSchedule(args)));
+  return !(keys_m && (KeysMComputesOwnSchedule(args) || PipelinedComputesOwnSchedule(args) ||
+                      Fp8PipelinedComputesOwnSchedule(args)));
 }
 
 absl::Status LaunchPagedMqaLogits(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
@@ -430,6 +431,9 @@ absl::Status LaunchPagedMqaLogits(const PagedLogitsArgs& args, int num_sms, cuda
         case MqaMath::kWgmmaKeysMPipelinedWs2:
         case MqaMath::kWgmmaKeysMPipelinedWs4:
           return LaunchPagedMqaLogitsPipelined(args, num_sms, stream);
+        case MqaMath::kWgmmaKeysMPipelinedFp8:
+        case MqaMath::kWgmmaKeysMPipelinedFp8PerRow:
+          return LaunchPagedMqaLogitsFp8(args, num_sms, stream);
         case MqaMath::kWgmmaF16:
           return LaunchRows<64, false, kMathWgmmaF16>(args, num_sms, stream);
         case MqaMath::kWgmmaFp8:

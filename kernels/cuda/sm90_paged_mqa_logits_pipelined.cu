@@ -50,24 +50,6 @@ constexpr int kQBytes = kHeads * kMqaHeadDim * 2;    // one row's q in f16: 16 K
 constexpr int kHalfBytes = kHeads * 128;             // 64 dims of q: one swizzled tile
 constexpr int kQBarrier = 1;                         // named barrier of the consumer warpgroup
 
-// A producer warp's cp.async copies of one page into a ring slot: the codes swizzled (16-byte
-// chunk col of key row at col ^ (row & 7), for conflict-free ldmatrix), then the scales; keys
-// at or past `valid` are zero-filled.
-__device__ __forceinline__ void CopyPageToStage(const uint8_t* src, uint8_t* dv, uint8_t* ds,
-                                                int valid, int lane) {
-#pragma unroll
-  for (int k0 = 0; k0 < (kPageBytes / 16 + 31) / 32; ++k0) {
-    const int ch = k0 * 32 + lane;
-    if (ch < kValues / 16) {
-      const int row = ch >> 3, col = ch & 7;
-      CpAsync16(dv + row * 128 + ((col ^ (row & 7)) << 4), src + ch * 16, row < valid);
-    } else if (ch < kPageBytes / 16) {
-      const int sc = ch - kValues / 16;
-      CpAsync16(ds + sc * 16, src + kValues + sc * 16, sc * 4 < valid);
-    }
-  }
-}
-
 template <int kRowsPerPass, bool kOwnSchedule>
 constexpr int SmemBytes() {
   return kStages * kValues + kRowsPerPass * kQBytes + kStages * kScales +

@@ -34,6 +34,14 @@ inline constexpr int kPipeMinBlocksMultiRow = 2;
 inline constexpr int kPipeWsProducerRegs = 64;
 inline constexpr int kPipeWsStagesPerConsumer = 4;
 
+// The fp8 pipelined kernels (kWgmmaKeysMPipelinedFp8 / PerRow, sm90_paged_mqa_logits_fp8.cu):
+// v6's ring depth, and the blocks per SM each rows-per-pass instantiation's register cap is
+// sized for (160 threads a block; ptxas -v): one row, no widened A fragments, fits 96 registers
+// at 4 blocks per SM (48 KB of shared memory each; 28 B of spills); several rows keep at most
+// two rows' accumulators (64) live and need 122-124 registers: 3 blocks (136; 54-71 KB each).
+inline constexpr int kPipeFp8Stages = 4;
+inline constexpr int PipeFp8MinBlocks(int rows_per_pass) { return rows_per_pass <= 1 ? 4 : 3; }
+
 // Rows of one request scored together from each key tile (next_n 1-4 share every key read).
 // Requests with more rows take several passes over the tile in shared memory.
 // rows_per_request: the host's hint (RowBatch::rows_per_request), 0 for the average.

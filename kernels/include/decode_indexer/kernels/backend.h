@@ -172,6 +172,12 @@ struct CopyRowsArgs {
   const int32_t* src_index = nullptr;
 };
 
+// Precision of the dense FP8 logits (spec section 6). kExact: exact products summed in fp32
+// (within 4 fp32 ulps of the row's largest |logit|). kFp8: fp8 tensor-core accumulation (within
+// the fp8-accumulation bound; faster on the GPU). kDefault: the backend's choice (the CUDA
+// backend: sm90_heuristics.h). The CPU backend is exact under every value.
+enum class LogitsPrecision { kDefault, kExact, kFp8 };
+
 // Bounds known at start-up; a backend sizes its workspaces from them once.
 struct BackendLimits {
   int32_t max_rows = 0;      // rows in one step
@@ -181,6 +187,7 @@ struct BackendLimits {
   int32_t head_dim = 0;
   int32_t max_topk = 0;
   int32_t max_candidate_positions = 0;
+  LogitsPrecision logits_precision = LogitsPrecision::kDefault;
 };
 
 class Backend {
