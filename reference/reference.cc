@@ -334,6 +334,28 @@ double Tolerance(const std::vector<double>& exact, double ulps) {
   return m * ulps * std::ldexp(1.0, -24);
 }
 
+double Fp8AccumulationBound(const Query& q, const double* key) {
+  const double unit = (kFp8AccumSlice + 1) * std::ldexp(1.0, -kFp8AccumFractionBits);
+  double bound = 0.0;
+  for (int32_t h = 0; h < q.heads; ++h) {
+    const double* qh = q.q.data() + static_cast<size_t>(h) * q.dim;
+    double partial = 0.0, err = 0.0;
+    for (int32_t s0 = 0; s0 < q.dim; s0 += kFp8AccumSlice) {
+      double m = std::fabs(partial) + err;  // the computed partial sum's magnitude, at most
+      double slice = 0.0;
+      for (int32_t d = s0; d < std::min(q.dim, s0 + kFp8AccumSlice); ++d) {
+        const double prod = qh[d] * key[d];
+        m = std::max(m, std::fabs(prod));
+        slice += prod;
+      }
+      err += unit * m;
+      partial += slice;
+    }
+    bound += std::fabs(q.w[h]) * err;
+  }
+  return bound;
+}
+
 std::string CheckTopKRow(const int32_t* answer, int32_t k, const std::vector<double>& exact,
                          double tol, const std::vector<int32_t>* positions) {
   const int64_t n = static_cast<int64_t>(exact.size());

@@ -142,6 +142,19 @@ std::vector<int32_t> ExpandBlocks(const int32_t* blocks, int32_t num_blocks, int
 // logits to fp32 (in any order) can move them by.
 double Tolerance(const std::vector<double>& exact, double ulps = 4.0);
 
+// Spec section 6, the fp8-accumulation mode: a bound on |L_fp8 - L| for the logit of `key`
+// (dequantized, as Cache::At gives it) under q, where L_fp8 is computed by an fp8 tensor core
+// that sums each head's dot product in slices of 32 dims, each slice's 32 products and the
+// incoming fp32 partial sum aligned to the largest of their exponents and kept to
+// kFp8AccumFractionBits fraction bits (truncated). Per head h and slice s the 33 addends each
+// lose less than 2^-f of the largest one's magnitude, M_hs <= max(|P_hs| + E_h, max |q_hd k_d|)
+// (P_hs: the exact partial sum before the slice, E_h: the bound so far), so
+//   |L_fp8 - L| <= sum_h |w_h| sum_s 33 * 2^-f * M_hs
+// (relu is 1-Lipschitz), plus the fp32 rounding of the head sum that Tolerance() covers.
+inline constexpr int kFp8AccumFractionBits = 13;
+inline constexpr int kFp8AccumSlice = 32;
+double Fp8AccumulationBound(const Query& q, const double* key);
+
 // Spec section 6: "" when `answer` (k entries) is an acceptable top-k of the values `exact`
 // (of positions[i], or of i when positions == nullptr; positions ascending): the first
 // min(k, n) entries distinct valid positions ascending, the rest -1; when n <= k every

@@ -1,8 +1,10 @@
 // di_reference's own checks: its decoders against values the spec and the OCP formats state,
 // its encoders against the kernels' bit-manipulating quantizers (two derivations that share
 // no code), its selection rules on hand-made rows, and the section-6 checker's both sides.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -154,6 +156,62 @@ TEST(Reference, LogitIsTheWeightedReluSum) {
   EXPECT_EQ(ref::Logit(q, k), 0.5 * 3 + 2.0 * 0);
   const double k2[2] = {-1, 1};
   EXPECT_EQ(ref::Logit(q, k2), 0.5 * 1 + 2.0 * 4);
+}
+
+// The fp8-accumulation bound against an emulation of the model it is derived from: per slice of
+// 32 dims, the incoming partial sum and the 32 products aligned to the largest exponent among
+// them and truncated to 13 fraction bits, then summed (exactly: few bits). On random e4m3 codes
+// (dequantized, key scales of any size) the emulated logit stays within the bound, and the bound
+// is not vacuous: it stays well below the logit's scale sum_h |w_h| sum_d |q_hd k_d|.
+TEST(Reference, Fp8AccumulationBoundCoversTheTruncationModel) {
+  std::mt19937_64 rng(17);
+  std::uniform_int_distribution<int> code(0, 255);
+  std::uniform_real_distribution<double> uw(-1.0, 1.0);
+  const int32_t heads = 8, dim = 128;
+  auto e4m3 = [&] {
+    for (;;) {
+      const int c = code(rng);
+      if ((c & 0x7F) != 0x7F) return ref::DecodeE4M3(static_cast<uint8_t>(c));  // not NaN
+    }
+  };
+  auto truncate = [](double v, int e) {  // toward zero, to a multiple of 2^(e - 13)
+    const double u = std::ldexp(1.0, e - ref::kFp8AccumFractionBits);
+    return std::trunc(v / u) * u;
+  };
+  double worst_ratio = 0.0;
+  for (int trial = 0; trial < 400; ++trial) {
+    ref::Query q{heads, dim, std::vector<double>(heads * dim), std::vector<double>(heads)};
+    for (auto& v : q.q) v = e4m3();
+    for (auto& v : q.w) v = uw(rng);
+    const double kscale = std::ldexp(1.0 + uw(rng) * 0.4, trial % 20 - 10);
+    std::vector<double> key(dim);
+    for (auto& v : key) v = e4m3() * kscale;
+    double emulated = 0.0, scale = 0.0;
+    for (int32_t h = 0; h < heads; ++h) {
+      double acc = 0.0;
+      for (int32_t s0 = 0; s0 < dim; s0 += ref::kFp8AccumSlice) {
+        double mx = std::fabs(acc);
+        for (int32_t d = s0; d < s0 + ref::kFp8AccumSlice; ++d) {
+          mx = std::max(mx, std::fabs(q.q[h * dim + d] * key[d]));
+        }
+        if (mx == 0.0) continue;
+        const int e = std::ilogb(mx);
+        double sum = truncate(acc, e);
+        for (int32_t d = s0; d < s0 + ref::kFp8AccumSlice; ++d) {
+          sum += truncate(q.q[h * dim + d] * key[d], e);
+          scale += std::fabs(q.w[h] * q.q[h * dim + d] * key[d]);
+        }
+        acc = sum;
+      }
+      emulated += q.w[h] * std::max(acc, 0.0);
+    }
+    const double exact = ref::Logit(q, key.data());
+    const double bound = ref::Fp8AccumulationBound(q, key.data());
+    EXPECT_LE(std::fabs(emulated - exact), bound) << "trial " << trial;
+    EXPECT_LT(bound, 0.05 * scale) << "trial " << trial;
+    if (bound > 0) worst_ratio = std::max(worst_ratio, std::fabs(emulated - exact) / bound);
+  }
+  std::printf("  [fp8 bound] largest emulated error / bound = %.3g\n", worst_ratio);
 }
 
 }  // namespace
