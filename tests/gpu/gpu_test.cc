@@ -27,6 +27,7 @@
 #include "kernels/cuda/sm90_launchers.h"
 #include "kernels/cuda/sm90_tile_config.h"
 #include "kernels/cuda/sm90_topk_bucket.cuh"
+#include "reference/reference.h"
 #include "tests/kernels/kernel_test_util.h"
 #include "tests/kernels/topk_check.h"
 #include "tests/test_seed.h"
@@ -1113,6 +1114,247 @@ TEST_F(GpuTest, PipelinedLogitsBitIdenticalToKeysM) {
       }
       EXPECT_EQ(diff, 0) << "entries not bit-identical to keys-M";
       EXPECT_EQ(bad, 0) << "entries off the CPU reference or written past the length";
+    }
+  }
+}
+
+// ---- The fp8 tensor-core logits (kWgmmaKeysMPipelinedFp8 / PerRow): not exact ------------
+
+// Row r's exact logits (double, reference/) and the fp8-accumulation bound of each (spec
+// section 6), from the scene's cache bytes and q codes (FP8, 64 heads, head dim 128).
+void ExactAndFp8Bound(const Scene& s, int32_t r, std::vector<double>* exact,
+                      std::vector<double>* bound) {
+  const int32_t heads = s.spec.heads, dim = s.spec.head_dim, page = s.spec.page_size;
+  const reference::Query q = reference::QueryFp8(s.q_codes.data() + int64_t{r} * heads * dim,
+                                                 s.weights.data() + int64_t{r} * heads, heads, dim);
+  const int32_t b = s.row_request[r], len = s.row_length[r];
+  reference::Cache cache(reference::Format::kFp8, dim);
+  const int64_t pb = s.geometry.page_bytes();
+  for (int32_t j = 0; j * page < len; ++j) {
+    const uint8_t* base = s.pool.data() + s.page_table[int64_t{b} * s.stride + j] * pb;
+    cache.AppendFp8(base, base + int64_t{page} * dim, std::min(page, len - j * page));
+  }
+  exact->assign(len, 0.0);
+  bound->assign(len, 0.0);
+  const int threads = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (int i = 0; i < threads; ++i) {
+    pool.emplace_back([&, i] {
+      for (int32_t t = i; t < len; t += threads) {
+        (*exact)[t] = reference::Logit(q, cache.At(t));
+        (*bound)[t] = reference::Fp8AccumulationBound(q, cache.At(t));
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+}
+
+// A scene of some of `s`'s requests and rows, over the same cache pages: for each (request,
+// rows of `s` that belong to it) in order. Rows may repeat.
+Scene SubScene(const Scene& s, const std::vector<std::pair<int32_t, std::vector<int32_t>>>& pick) {
+  Scene o = s;
+  const int64_t qrow = int64_t{s.spec.heads} * s.spec.head_dim;
+  const int64_t srow = int64_t{s.spec.heads} * (s.spec.head_dim / 32);
+  o.spec.lengths.clear();
+  o.page_table.clear();
+  o.row_request.clear();
+  o.row_length.clear();
+  o.q_codes.clear();
+  o.q_scales.clear();
+  o.weights.clear();
+  for (const auto& [b, rows] : pick) {
+    const int32_t nb = static_cast<int32_t>(o.spec.lengths.size());
+    o.spec.lengths.push_back(s.spec.lengths[b]);
+    o.page_table.insert(o.page_table.end(), s.page_table.begin() + int64_t{b} * s.stride,
+                        s.page_table.begin() + int64_t{b + 1} * s.stride);
+    for (int32_t r : rows) {
+      EXPECT_EQ(s.row_request[r], b);
+      o.row_request.push_back(nb);
+      o.row_length.push_back(s.row_length[r]);
+      o.q_codes.insert(o.q_codes.end(), s.q_codes.begin() + r * qrow,
+                       s.q_codes.begin() + (r + 1) * qrow);
+      o.q_scales.insert(o.q_scales.end(), s.q_scales.begin() + r * srow,
+                        s.q_scales.begin() + (r + 1) * srow);
+      o.weights.insert(o.weights.end(), s.weights.begin() + int64_t{r} * s.spec.heads,
+                       s.weights.begin() + int64_t{r + 1} * s.spec.heads);
+    }
+  }
+  return o;
+}
+
+// Fresh random inputs over shuffled pages (MakeScene), NaN-poisoned outputs, rows shorter and
+// longer than k, next_n 1-4, uneven row counts, 300 requests (the global-schedule fallback),
+// grids of 1, 3 and all SMs: every entry within the fp8-accumulation bound of the exact logit
+// (plus the exact mode's 4 fp32 ulps of the row's max), nothing written past a row's length,
+// the same bits on every grid and for both fp8 variants (one m64n128 instruction per row pair
+// vs one m64n64 chain per row), and the backend's top-k (asked for fp8 logits) accepted by the
+// near-tie rule at the fp8 tolerance. A wrong swizzle, k-step, key scale, head weight or row
+// mapping moves logits by tens of percent of their scale; the bound is ~1-4% of it (printed).
+TEST_F(GpuTest, Fp8LogitsWithinTheFp8BoundOfTheExactOnes) {
+  using kernels::cuda::MqaMath;
+  struct Case {
+    std::vector<int32_t> lengths;
+    int32_t next_n;
+    bool uneven;  // request 0 takes all but one row of each other request
+    int32_t k;
+  };
+  const std::vector<Case> cases = {
+      {{100, 2047, 2048, 2049, 5000}, 1, false, 2048},
+      {Lengths(4, 6000), 2, false, 2048},
+      {{7000, 64, 65, 2, 3000}, 2, false, 512},
+      {Lengths(3, 4000), 3, false, 2048},
+      {Lengths(3, 3000), 4, false, 512},
+      {Lengths(4, 3000), 2, true, 512},
+      {Lengths(3, 2500), 3, true, 512},
+      {Lengths(300, 150), 1, false, 64},
+  };
+  kernels::BackendLimits limits;
+  limits.max_rows = 320;
+  limits.max_requests = 320;
+  limits.max_context = 1 << 20;
+  limits.num_heads = 64;
+  limits.head_dim = 128;
+  limits.max_topk = 2048;
+  limits.max_candidate_positions = 2048 * 8;
+  limits.logits_precision = kernels::LogitsPrecision::kFp8;
+  auto fp8_backend = kernels::MakeCudaBackend(limits, 0);
+  ASSERT_TRUE(fp8_backend.ok()) << fp8_backend.status();
+  double worst_of_bound = 0.0, worst_of_max = 0.0, bound_of_max = 0.0;
+  for (const Case& c : cases) {
+    Scene s = MakeScene(Spec(CacheFormat::kFp8, 64, c.lengths, c.next_n));
+    if (c.uneven) {
+      const int32_t b_count = s.num_requests(), rows = s.num_rows();
+      const int32_t first_rows = rows - (b_count - 1);
+      for (int32_t r = 0; r < rows; ++r) {
+        const int32_t b = r < first_rows ? 0 : r - first_rows + 1;
+        s.row_request[r] = b;
+        s.row_length[r] =
+            b == 0 ? std::max(1, s.spec.lengths[0] - (first_rows - 1 - r)) : s.spec.lengths[b];
+      }
+    }
+    auto ds = UploadScene(this, s);
+    const int32_t rows = s.num_rows();
+    const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
+    std::vector<std::vector<double>> exact(rows), bound(rows);
+    for (int32_t r = 0; r < rows; ++r) ExactAndFp8Bound(s, r, &exact[r], &bound[r]);
+    std::vector<float> first;
+    for (int v = 0; v < 6; ++v) {
+      const int num_sms = std::array<int, 3>{1, 3, NumSms()}[v % 3];
+      const MqaMath math =
+          v < 3 ? MqaMath::kWgmmaKeysMPipelinedFp8 : MqaMath::kWgmmaKeysMPipelinedFp8PerRow;
+      SCOPED_TRACE(::testing::Message()
+                   << "requests " << s.num_requests() << " rows " << rows << " next_n " << c.next_n
+                   << " uneven " << c.uneven << " sms " << num_sms << " math "
+                   << static_cast<int>(math));
+      const std::vector<float> got = GpuLogits(this, *ds, stride, num_sms, math);
+      int64_t bad = 0;
+      for (int32_t r = 0; r < rows; ++r) {
+        const double ulps = reference::Tolerance(exact[r]);
+        double row_max = 0.0;
+        for (double e : exact[r]) row_max = std::max(row_max, std::fabs(e));
+        for (int32_t t = 0; t < s.row_length[r]; ++t) {
+          const double err = std::fabs(double{got[r * stride + t]} - exact[r][t]);
+          bad += !(err <= bound[r][t] + ulps);  // NaN (unwritten) counts as bad
+          if (bound[r][t] > 0) worst_of_bound = std::max(worst_of_bound, err / bound[r][t]);
+          if (row_max > 0) {
+            worst_of_max = std::max(worst_of_max, err / row_max);
+            bound_of_max = std::max(bound_of_max, bound[r][t] / row_max);
+          }
+        }
+        for (int64_t t = s.row_length[r]; t < stride; ++t) bad += !std::isnan(got[r * stride + t]);
+      }
+      EXPECT_EQ(bad, 0) << "entries off the fp8 bound or written past the length";
+      if (first.empty()) {
+        first = got;
+      } else {
+        EXPECT_EQ(0, std::memcmp(first.data(), got.data(), 4 * got.size()))
+            << "not bit-identical to the grouped variant on all SMs";
+      }
+    }
+
+    kernels::DenseArgs d;
+    d.cache = ds->cache;
+    d.rows = ds->rows;
+    d.q = ds->q;
+    d.topk = c.k;
+    DeviceBuffer dout = Poisoned<int32_t>(int64_t{rows} * c.k, kPoisonI32);
+    d.topk_out = dout.as<int32_t>();
+    ASSERT_TRUE((*fp8_backend)->Synchronize().ok());
+    ASSERT_TRUE((*fp8_backend)->DenseTopK(d).ok());
+    ASSERT_TRUE((*fp8_backend)->Synchronize().ok());
+    const std::vector<int32_t> topk = Download<int32_t>(dout, int64_t{rows} * c.k);
+    for (int32_t r = 0; r < rows; ++r) {
+      double tol = 0.0;
+      for (double e : bound[r]) tol = std::max(tol, e);
+      tol = 2 * (tol + reference::Tolerance(exact[r]));  // two logits, each off by up to it
+      EXPECT_TRUE(CheckTopKRow(topk.data() + int64_t{r} * c.k, c.k, exact[r], tol))
+          << "row " << r << " length " << s.row_length[r] << " next_n " << c.next_n;
+    }
+  }
+  std::printf(
+      "  [fp8 logits] largest |gpu - exact| / bound = %.3g; / row max = %.3g (the bound reaches"
+      " %.3g of the row max)\n",
+      worst_of_bound, worst_of_max, bound_of_max);
+}
+
+// The fp8 logits are fixed by (q row, key) alone: two runs give the same bits; a request's rows
+// scored together (next_n 2-4: one m64n128 instruction per row pair) equal each row scored alone
+// (next_n 1: m64n64); a request alone equals it inside a larger batch and in another order
+// (which changes rows per pass and the schedule), for both fp8 variants.
+TEST_F(GpuTest, Fp8LogitsBitIdenticalAcrossRunsRowsAndBatchCompositions) {
+  using kernels::cuda::MqaMath;
+  for (const int32_t next_n : {2, 3, 4}) {
+    Scene s = MakeScene(Spec(CacheFormat::kFp8, 64, {9000, 3000, 7000}, next_n));
+    for (const MqaMath math :
+         {MqaMath::kWgmmaKeysMPipelinedFp8, MqaMath::kWgmmaKeysMPipelinedFp8PerRow}) {
+      SCOPED_TRACE(::testing::Message()
+                   << "next_n " << next_n << " math " << static_cast<int>(math));
+      auto ds = UploadScene(this, s);
+      const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
+      const std::vector<float> a = GpuLogits(this, *ds, stride, NumSms(), math);
+      const std::vector<float> a2 = GpuLogits(this, *ds, stride, NumSms(), math);
+      EXPECT_EQ(0, std::memcmp(a.data(), a2.data(), 4 * a.size())) << "two runs differ";
+      auto same_row = [&](const std::vector<float>& got, int64_t got_stride, int32_t got_row,
+                          int32_t r) {
+        return std::memcmp(a.data() + r * stride, got.data() + got_row * got_stride,
+                           4 * s.row_length[r]) == 0;
+      };
+      // Each row alone.
+      for (int32_t r = 0; r < s.num_rows(); ++r) {
+        Scene one = SubScene(s, {{s.row_request[r], {r}}});
+        auto d1 = UploadScene(this, one);
+        const int64_t st1 = (d1->rows.max_row_length + 3) / 4 * 4;
+        const std::vector<float> g = GpuLogits(this, *d1, st1, NumSms(), math);
+        EXPECT_TRUE(same_row(g, st1, 0, r)) << "row " << r << " alone differs";
+      }
+      // Request 0 alone; then {request 2 with twice its rows, request 0, request 1} (more rows
+      // per pass, another schedule and order).
+      std::vector<int32_t> rows0, rows1, rows2;
+      for (int32_t r = 0; r < s.num_rows(); ++r) {
+        (s.row_request[r] == 0 ? rows0 : s.row_request[r] == 1 ? rows1 : rows2).push_back(r);
+      }
+      Scene alone = SubScene(s, {{0, rows0}});
+      auto dal = UploadScene(this, alone);
+      const int64_t sal = (dal->rows.max_row_length + 3) / 4 * 4;
+      const std::vector<float> gal = GpuLogits(this, *dal, sal, 3, math);
+      std::vector<int32_t> twice = rows2;
+      twice.insert(twice.end(), rows2.begin(), rows2.end());
+      Scene mixed = SubScene(s, {{2, twice}, {0, rows0}, {1, rows1}});
+      auto dmx = UploadScene(this, mixed);
+      const int64_t smx = (dmx->rows.max_row_length + 3) / 4 * 4;
+      const std::vector<float> gmx = GpuLogits(this, *dmx, smx, NumSms(), math);
+      for (size_t j = 0; j < rows0.size(); ++j) {
+        const int32_t r = rows0[j];
+        EXPECT_TRUE(same_row(gal, sal, static_cast<int32_t>(j), r))
+            << "request 0 alone differs, row " << r;
+        EXPECT_TRUE(same_row(gmx, smx, static_cast<int32_t>(twice.size() + j), r))
+            << "request 0 in the mixed batch differs, row " << r;
+      }
+      for (size_t j = 0; j < rows1.size(); ++j) {
+        EXPECT_TRUE(
+            same_row(gmx, smx, static_cast<int32_t>(twice.size() + rows0.size() + j), rows1[j]))
+            << "request 1 in the mixed batch differs, row " << rows1[j];
+      }
     }
   }
 }
