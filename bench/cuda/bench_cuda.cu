@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "common/version_line.h"
+#include "kernels/cuda/sm90_heuristics.h"
 #include "kernels/cuda/sm90_launchers.h"
 #include "kernels/cuda/sm90_tile_config.h"
 
@@ -136,6 +137,35 @@ float TimeBatches(cudaStream_t st, cudaEvent_t e0, cudaEvent_t e1, int batches, 
     CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
     per_step.push_back(ms * 1000.f / per_batch);
   }
+  return Median(per_step);
+}
+
+// The same timing as CUDA-graph replay: `per_batch` steps captured once into a graph (each step
+// what it would launch eagerly, so the rotated input sets too), replayed `batches` times: GPU time
+// without the host's launch cost, as DeepGEMM's dg_bench.py times its graph column. The
+// launchers' one-time setup must have run (an eager call first).
+template <typename Step>
+float TimeGraph(cudaStream_t st, cudaEvent_t e0, cudaEvent_t e1, int batches, int per_batch,
+                Step&& step) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
+  for (int i = 0; i < per_batch; ++i) step();
+  CHECK_CUDA(cudaStreamEndCapture(st, &graph), "end capture");
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  CHECK_CUDA(cudaGraphLaunch(exec, st), "warm-up replay");
+  std::vector<float> per_step;
+  for (int bt = 0; bt < batches; ++bt) {
+    CHECK_CUDA(cudaEventRecord(e0, st), "record");
+    CHECK_CUDA(cudaGraphLaunch(exec, st), "replay");
+    CHECK_CUDA(cudaEventRecord(e1, st), "record");
+    CHECK_CUDA(cudaEventSynchronize(e1), "sync");
+    float ms;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
+    per_step.push_back(ms * 1000.f / per_batch);
+  }
+  CHECK_CUDA(cudaGraphExecDestroy(exec), "destroy graph exec");
+  CHECK_CUDA(cudaGraphDestroy(graph), "destroy graph");
   return Median(per_step);
 }
 
@@ -786,8 +816,10 @@ int main(int argc, char** argv) {
       "req", "n", "avg", "logits_us", "topk_us", "both_us", "GB/s", "%copy", "fp8wgmma", "mmasync",
       "f16hdsM", "split", "keysM", "bitmove", "pipe", "fused", "pairs", "sets");
   for (int requests : {1, 8, 64, 128}) {
-    for (int next_n : {1, 2}) {
+    for (int next_n : {1, 2, 3, 4}) {
       for (int avg : {8192, 32768, 65536, 131072}) {
+        // next_n 3 and 4 (keys read once per request for 1-4 rows): at 64 x 32K only.
+        if (next_n > 2 && !(requests == 64 && avg == 32768) && only_requests == 0) continue;
         if (only_requests != 0 &&
             (requests != only_requests || next_n != only_next_n || avg != only_avg)) {
           continue;
@@ -930,7 +962,29 @@ int main(int argc, char** argv) {
           t_ws2 = time_math(dc::MqaMath::kWgmmaKeysMPipelinedWs2);
           t_ws4 = time_math(dc::MqaMath::kWgmmaKeysMPipelinedWs4);
         }
-        math = dc::PagedLogitsArgs{}.math;
+        // The two production kernels (sm90_heuristics.h), eager and as graph replay: exact (v6)
+        // and fp8 (keys read once per request, fp8 tensor cores), and the fp8 per-row variant.
+        float t_exact = 0, t_exact_graph = 0, t_f8 = 0, t_f8_graph = 0, t_f8_row = 0;
+        float t_f8_row_graph = 0;
+        if (!topk_only) {
+          auto eager = [&](dc::MqaMath m) {
+            math = m;
+            return time_batches([&](int i) { run_logits(i); });
+          };
+          auto graph = [&](dc::MqaMath m) {
+            math = m;
+            int i = 0;
+            return TimeGraph(st, e0, e1, batches, per_batch, [&] { run_logits(i++); });
+          };
+          t_exact = eager(dc::kExactDenseMqaMath);
+          t_exact_graph = graph(dc::kExactDenseMqaMath);
+          t_f8 = eager(dc::kFp8DenseMqaMath);
+          t_f8_graph = graph(dc::kFp8DenseMqaMath);
+          t_f8_row = eager(dc::MqaMath::kWgmmaKeysMPipelinedFp8PerRow);
+          t_f8_row_graph = graph(dc::MqaMath::kWgmmaKeysMPipelinedFp8PerRow);
+        }
+        // The default: what DenseTopK runs (DI_LOGITS_PRECISION=exact / fp8 overrides it).
+        math = dc::DenseMqaMath(di::LogitsPrecision::kDefault);
         const float t_logits = time_batches([&](int i) { run_logits(i); });
         run_logits(0);
         // Top-k variants on the same logits; they must agree entry for entry.
@@ -958,7 +1012,7 @@ int main(int argc, char** argv) {
           with_hist = true;
           run_logits(0);
           with_hist = false;
-          math = dc::PagedLogitsArgs{}.math;
+          math = dc::DenseMqaMath(di::LogitsPrecision::kDefault);
           run_topk(Algo::kCompact, 0, true);
           check();
         }
@@ -989,7 +1043,7 @@ int main(int argc, char** argv) {
           run_topk(Algo::kCompact, 0, true);
         });
         with_hist = false;
-        math = dc::PagedLogitsArgs{}.math;
+        math = dc::DenseMqaMath(di::LogitsPrecision::kDefault);
         CHECK_CUDA(cudaStreamSynchronize(st), "sync");
         CHECK_CUDA(cudaGetLastError(), "after timing");
         const double gbs = key_bytes / (t_logits * 1e-6) / 1e9;
@@ -1006,8 +1060,21 @@ int main(int argc, char** argv) {
             t_both, t_logits_kmf, t_both_kmf, t_both_fused, static_cast<long long>(topk_mismatch));
         std::printf("      logits v7 (setmaxnreg warp specialization): ws2 %.1f ws4 %.1f\n", t_ws2,
                     t_ws4);
-        std::fprintf(out, "{\"logits_keys_m_ws2_us\": %.2f, \"logits_keys_m_ws4_us\": %.2f, ",
-                     t_ws2, t_ws4);
+        auto pct = [&](float us) { return 100.0 * key_bytes / (us * 1e-6) / 1e9 / copy_gbs; };
+        std::printf(
+            "      production logits, eager / graph us (%% of copy): exact %.1f / %.1f (%.1f%% / "
+            "%.1f%%) | fp8 %.1f / %.1f (%.1f%% / %.1f%%) | fp8 per-row %.1f / %.1f\n",
+            t_exact, t_exact_graph, pct(t_exact), pct(t_exact_graph), t_f8, t_f8_graph, pct(t_f8),
+            pct(t_f8_graph), t_f8_row, t_f8_row_graph);
+        std::fprintf(out,
+                     "{\"logits_exact_us\": %.2f, \"logits_exact_graph_us\": %.2f, "
+                     "\"logits_fp8_us\": %.2f, \"logits_fp8_graph_us\": %.2f, "
+                     "\"logits_fp8_per_row_us\": %.2f, \"logits_fp8_per_row_graph_us\": %.2f, "
+                     "\"default_fp8\": %s, ",
+                     t_exact, t_exact_graph, t_f8, t_f8_graph, t_f8_row, t_f8_row_graph,
+                     math == dc::kFp8DenseMqaMath ? "true" : "false");
+        std::fprintf(out, "\"logits_keys_m_ws2_us\": %.2f, \"logits_keys_m_ws4_us\": %.2f, ", t_ws2,
+                     t_ws4);
         std::fprintf(out,
                      "\"topk_multipass_us\": %.2f, \"topk_compact_c1_us\": %.2f, "
                      "\"topk_compact_c2_us\": %.2f, \"topk_compact_c4_us\": %.2f, "
