@@ -77,6 +77,12 @@ int main(int argc, char** argv) {
                  "unhealthy")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--logits-precision", options.executor.logits_precision,
+                 "default|exact|fp8: dense FP8 logits on the GPU summed exactly in fp32, or on "
+                 "the fp8 tensor cores (faster, within spec section 6's fp8 bound); default: "
+                 "the CUDA backend's choice")
+      ->check(CLI::IsMember({"default", "exact", "fp8"}))
+      ->capture_default_str();
   app.add_option("--cuda-graphs", options.executor.cuda_graphs,
                  "on|off: replay a step's kernels from a captured CUDA graph once its shape "
                  "was seen (CUDA backend)")

@@ -1394,6 +1394,11 @@ absl::StatusOr<std::unique_ptr<Executor>> Executor::Create(const config::Profile
   auto bad = [](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat("executor options: ", parts...));
   };
+  if (options.logits_precision != "default" && options.logits_precision != "exact" &&
+      options.logits_precision != "fp8") {
+    return bad("logits_precision \"", options.logits_precision,
+               "\": expected default, exact or fp8");
+  }
   if (options.cache_pages < 1 || options.cache_pages > INT32_MAX) {
     return bad("cache_pages must be in [1, 2^31 - 1], got ", options.cache_pages);
   }
@@ -1461,8 +1466,14 @@ absl::StatusOr<std::unique_ptr<Executor>> Executor::Create(const config::Profile
   resolved.ranks = ranks;
   BackendFactory factory;
   if (backend == "cuda") {
-    factory = [](int32_t rank, const kernels::BackendLimits& limits) {
-      return kernels::MakeCudaBackend(limits, rank);
+    const kernels::LogitsPrecision precision =
+        options.logits_precision == "exact" ? kernels::LogitsPrecision::kExact
+        : options.logits_precision == "fp8" ? kernels::LogitsPrecision::kFp8
+                                            : kernels::LogitsPrecision::kDefault;
+    factory = [precision](int32_t rank, const kernels::BackendLimits& limits) {
+      kernels::BackendLimits with_precision = limits;
+      with_precision.logits_precision = precision;
+      return kernels::MakeCudaBackend(with_precision, rank);
     };
   } else {
     factory = [threads](int32_t, const kernels::BackendLimits& limits)

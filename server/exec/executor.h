@@ -61,6 +61,10 @@ struct ExecutorOptions {
   // A sequence no call has named for this long is released (0: never). Later calls naming it
   // answer NOT_FOUND saying it was released as idle (--idle-sequence-timeout).
   int64_t idle_sequence_timeout_ms = 0;
+  // Dense FP8 logits on the GPU (--logits-precision, spec section 6): "exact" (fp32 sums of
+  // exact products), "fp8" (fp8 tensor-core accumulation, within the fp8 bound) or "default"
+  // (the CUDA backend's choice, kernels/cuda/sm90_heuristics.h). The CPU backend is exact.
+  std::string logits_precision = "default";
 };
 
 // Keys in one of the accepted forms (AppendKeys.keys / SequenceStep.new_keys).
