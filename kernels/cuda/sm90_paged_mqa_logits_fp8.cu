@@ -216,6 +216,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 
     const int st = i % kStages;
     MbarWait(&full[st], (i / kStages) & 1);
+    // cp.async writes the slot through the generic proxy and the wgmmas read it through the
+    // async proxy: order the two (the mbarrier's acquire made the bytes visible to this thread).
+    FenceProxyAsyncShared();
     const uint8_t* kv = stage_values + st * kValues;
     const float* ksc = reinterpret_cast<const float*>(stage_scales + st * kScales);
     const float ks0 = ksc[key0];
