@@ -409,5 +409,21 @@ TEST(Executor, ConcurrentCallersAreServedInOrder) {
   EXPECT_EQ(st.num_ranks, 2);
 }
 
+// --logits-precision reaches the executor as a string: anything but default / exact / fp8 is
+// refused naming the field, and the CPU backend (always exact) takes each valid value.
+TEST(Executor, LogitsPrecisionOptionIsValidated) {
+  ExecutorOptions o = CpuOptions(1);
+  o.logits_precision = "fast";
+  const absl::StatusOr<std::unique_ptr<Executor>> bad = Executor::Create(SmallV32(), o);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("logits_precision"), std::string_view::npos)
+      << bad.status();
+  for (const char* v : {"default", "exact", "fp8"}) {
+    o.logits_precision = v;
+    EXPECT_TRUE(Executor::Create(SmallV32(), o).ok()) << v;
+  }
+}
+
 }  // namespace
 }  // namespace decode_indexer::testing
