@@ -2,12 +2,14 @@
 // it returns, so Synchronize is a no-op and ForkExpand runs inline). The scoring runs on a
 // fixed thread pool with per-thread scratch sized once from the limits.
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 
 #include "absl/strings/str_cat.h"
 #include "decode_indexer/kernels/backend.h"
@@ -31,17 +33,35 @@ class CpuBackend final : public Backend {
     return absl::StrCat("cpu (", pool_.size(), pool_.size() == 1 ? " thread)" : " threads)");
   }
 
+  // calloc, aligned by hand: a large block comes from fresh zero pages that the OS commits on
+  // first touch (glibc and ASan's allocator both skip clearing them), so a big, sparsely used
+  // buffer (a resident page table with a row per possible sequence) costs only what is used.
   absl::StatusOr<void*> Allocate(size_t bytes) override {
     const size_t rounded =
         std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
-    void* ptr = std::aligned_alloc(kAlignment, rounded);
-    if (ptr == nullptr) {
+    void* raw = std::calloc(1, rounded + kAlignment);
+    if (raw == nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat("cpu: cannot allocate ", bytes, " bytes"));
     }
-    std::memset(ptr, 0, rounded);
+    const uintptr_t at =
+        (reinterpret_cast<uintptr_t>(raw) + kAlignment - 1) / kAlignment * kAlignment;
+    void* ptr = reinterpret_cast<void*>(at);
+    std::lock_guard<std::mutex> lock(alloc_mu_);
+    blocks_[ptr] = raw;
     return ptr;
   }
-  void Free(void* ptr) override { std::free(ptr); }
+  void Free(void* ptr) override {
+    if (ptr == nullptr) return;
+    void* raw = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(alloc_mu_);
+      auto it = blocks_.find(ptr);
+      if (it == blocks_.end()) return;
+      raw = it->second;
+      blocks_.erase(it);
+    }
+    std::free(raw);
+  }
 
   absl::Status CopyToDevice(void* dst, const void* host_src, size_t bytes) override {
     return Copy(dst, host_src, bytes);
@@ -83,6 +103,8 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  std::mutex alloc_mu_;
+  std::unordered_map<void*, void*> blocks_;  // aligned pointer -> calloc's
   cpu::ThreadPool pool_;
   // The engine's scratch serves one call at a time; a rank calls from one thread, so this
   // lock only matters for misuse.

@@ -123,7 +123,7 @@ absl::Status CheckPages(const CacheView& cache, const RowBatch& rows, int32_t re
     return absl::InvalidArgumentError(
         absl::StrCat("request ", request, ": length ", length, " exceeds its page table"));
   }
-  const int32_t* table = rows.page_table + static_cast<int64_t>(request) * rows.page_table_stride;
+  const int32_t* table = rows.page_table + PageRowOffset(rows, request);
   for (int64_t i = 0; i < pages; ++i) {
     if (table[i] < 0 || table[i] >= cache.num_pages) {
       return absl::InvalidArgumentError(
@@ -255,7 +255,7 @@ void ScoreSpan(const CacheView& cache, const RowBatch& rows, int32_t request, co
                const int32_t* lengths, int64_t begin, int64_t end, float* out, int64_t stride,
                ThreadScratch& s) {
   const int32_t page_size = cache.geometry.page_size;
-  const int32_t* table = rows.page_table + static_cast<int64_t>(request) * rows.page_table_stride;
+  const int32_t* table = rows.page_table + PageRowOffset(rows, request);
   GrowTo(s.slots, kKeyChunk);
   for (int64_t p0 = begin; p0 < end; p0 += kKeyChunk) {
     const int32_t count = static_cast<int32_t>(std::min<int64_t>(kKeyChunk, end - p0));
@@ -275,7 +275,7 @@ void ScoreSpan(const CacheView& cache, const RowBatch& rows, int32_t request, co
 void ScorePositions(const CacheView& cache, const RowBatch& rows, int32_t request, const LoadedQ& q,
                     const int32_t* positions, int32_t count, float* out, ThreadScratch& s) {
   const int32_t page_size = cache.geometry.page_size;
-  const int32_t* table = rows.page_table + static_cast<int64_t>(request) * rows.page_table_stride;
+  const int32_t* table = rows.page_table + PageRowOffset(rows, request);
   GrowTo(s.slots, kKeyChunk);
   for (int32_t i0 = 0; i0 < count; i0 += kKeyChunk) {
     const int32_t n = std::min(kKeyChunk, count - i0);

@@ -98,8 +98,8 @@ uint8_t* EntryScale(const CacheView& cache, int64_t slot_index) {
 
 int64_t PositionSlot(const RowBatch& rows, const CacheGeometry& geometry, int32_t request,
                      int64_t position) {
-  const int32_t page = rows.page_table[static_cast<int64_t>(request) * rows.page_table_stride +
-                                       position / geometry.page_size];
+  const int32_t page =
+      rows.page_table[PageRowOffset(rows, request) + position / geometry.page_size];
   return static_cast<int64_t>(page) * geometry.page_size + position % geometry.page_size;
 }
 

@@ -10,6 +10,15 @@ namespace decode_indexer::kernels::cuda {
 
 inline constexpr unsigned kFullMask = 0xFFFFFFFFu;
 
+// Where request b's row starts in RowBatch::page_table: RowBatch::request_slot[b] (the server's
+// resident per-sequence tables) or b (a table built for the call). A template, so this header
+// needs no host types.
+template <typename Rows>
+__device__ __forceinline__ int64_t PageRowBase(const Rows& rows, int b) {
+  const int row = rows.request_slot != nullptr ? __ldg(&rows.request_slot[b]) : b;
+  return int64_t{row} * rows.page_table_stride;
+}
+
 // 16-byte cp.async (L2 only). When !valid no global byte is read and the 16 bytes are zeroed,
 // so a tile never reads past a row's length yet holds no stale codes.
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {

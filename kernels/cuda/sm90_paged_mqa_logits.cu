@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kRowsPerPass* kHeads / 16 * 32, (kRowsPerPass 
     if (load_i < num_tiles) {
       const int b = load.request;
       const int j = load.tile - __ldg(&prefix[b]);
-      const int page = __ldg(&p.rows.page_table[int64_t{b} * p.rows.page_table_stride + j]);
+      const int page = __ldg(&p.rows.page_table[PageRowBase(p.rows, b) + j]);
       const int valid = min(kMqaTileKeys, __ldg(&p.schedule.request_max_len[b]) - j * kMqaTileKeys);
       const uint8_t* src = cache + int64_t{page} * TB::kPage;
       const int st = load_i % kMqaStages;

@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(kThreads, 4) PagedMqaLogitsKeysMKernel(const P
     if (load_i < num_tiles) {
       const int b = load.request;
       const int j = load.tile - Ld<kOwnSchedule>(&prefix[b]);
-      const int page = __ldg(&p.rows.page_table[int64_t{b} * p.rows.page_table_stride + j]);
+      const int page = __ldg(&p.rows.page_table[PageRowBase(p.rows, b) + j]);
       const int valid = min(kMqaTileKeys, Ld<kOwnSchedule>(&req_max_len[b]) - j * kMqaTileKeys);
       const uint8_t* src = cache + int64_t{page} * kPageBytes;
       const int st = load_i % kKeysMStages;

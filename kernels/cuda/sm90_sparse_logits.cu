@@ -44,14 +44,14 @@ __global__ void __launch_bounds__(kWarpKernelThreads)
   const int warps = blockDim.x >> 5;
   const int count = counts[row];
   const int request = rows.row_request[row];
+  const int64_t table_row = PageRowBase(rows, request);
   const CacheGeometry& geo = cache.geometry;
   const bool fp8 = geo.format == CacheFormat::kFp8;
   const int heads = q.num_heads;
   float* kv = key_values[warp];
   for (int i = warp; i < count; i += warps) {
     const int pos = positions[int64_t{row} * max_positions + i];
-    const int page =
-        rows.page_table[int64_t{request} * rows.page_table_stride + pos / geo.page_size];
+    const int page = rows.page_table[table_row + pos / geo.page_size];
     const int o = pos % geo.page_size;
     const uint8_t* base = cache.base + int64_t{page} * geo.page_bytes();
     const uint8_t* values = base + int64_t{o} * geo.value_bytes();
@@ -149,8 +149,9 @@ __global__ void __launch_bounds__(kGridThreads)
   if (i >= count) return;
   const CacheGeometry& geo = cache.geometry;
   const int request = rows.row_request[row];
+  const int64_t table_row = PageRowBase(rows, request);
   const int pos = positions[int64_t{row} * max_positions + i];
-  const int page = rows.page_table[int64_t{request} * rows.page_table_stride + pos / geo.page_size];
+  const int page = rows.page_table[table_row + pos / geo.page_size];
   const int o = pos % geo.page_size;
   const uint8_t* base = cache.base + int64_t{page} * geo.page_bytes();
   const uint4* values = reinterpret_cast<const uint4*>(base + int64_t{o} * geo.value_bytes());

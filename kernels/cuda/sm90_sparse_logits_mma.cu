@@ -323,6 +323,7 @@ __global__ void __launch_bounds__(
     }
   }
   const int request = rows.row_request[row];
+  const int64_t table_row = PageRowBase(rows, request);
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int k = i * kThreads + tid;
@@ -330,8 +331,7 @@ __global__ void __launch_bounds__(
     const uint64_t none = kLeanCopy ? reinterpret_cast<uint64_t>(base) : 0ull;
     ulonglong2 a = make_ulonglong2(none, none);
     if (pos[i] >= 0) {
-      const int page =
-          __ldg(&rows.page_table[int64_t{request} * rows.page_table_stride + pos[i] / page_size]);
+      const int page = __ldg(&rows.page_table[table_row + pos[i] / page_size]);
       const int o = pos[i] % page_size;
       const uint8_t* page_base = base + page * page_bytes;
       a.x = reinterpret_cast<uint64_t>(page_base + int64_t{o} * value_bytes);

@@ -282,6 +282,29 @@ absl::Status RunKernelSection(Rank& rank, const StepShape& shape,
   return absl::OkStatus();
 }
 
+// Sets the entries of `edits` in `pool`'s resident table (page_table_mirror.h), in stream order
+// before whatever the rank issues next: one scatter per chunk of the rank's edit buffers.
+absl::Status ApplyTableEdits(Rank& rank, Staging& staging, int32_t pool, const TableEdits& edits) {
+  RankBuffers& b = rank.buffers();
+  const size_t chunk = static_cast<size_t>(rank.sizes().table_edit_chunk);
+  for (size_t done = 0; done < edits.size(); done += chunk) {
+    const int32_t n = static_cast<int32_t>(std::min(chunk, edits.size() - done));
+    // The previous chunk's scatter read these buffers; the uploads follow it on the stream.
+    DI_RETURN_IF_ERROR(
+        staging.Upload(b.edit_index, edits.index.data() + done, size_t(n) * sizeof(int32_t)));
+    DI_RETURN_IF_ERROR(
+        staging.Upload(b.edit_pages, edits.page.data() + done, size_t(n) * sizeof(int32_t)));
+    kernels::CopyRowsArgs scatter;
+    scatter.num_rows = n;
+    scatter.row_elems = 1;
+    scatter.dst = b.page_tables[pool];
+    scatter.dst_index = b.edit_index;
+    scatter.src = b.edit_pages;
+    DI_RETURN_IF_ERROR(rank.backend().CopyRows(scatter));
+  }
+  return absl::OkStatus();
+}
+
 // Uploads the step's inputs, inserts its keys, prepares q and scores rows [range) into the
 // rank's topk (and candidates at a source). Everything before the collectives. The uploads,
 // key inserts, the consumer's candidate gather and its inline expansion run eagerly (their
@@ -304,20 +327,14 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
       staging.Upload(b.row_request, plan.row_request.data(), plan.num_rows * sizeof(int32_t)));
   DI_RETURN_IF_ERROR(
       staging.Upload(b.row_length, plan.row_length.data(), plan.num_rows * sizeof(int32_t)));
-  // Only the page-table rows of the requests this rank scores (a sharded rank's slice is a
-  // run of whole requests): the kernels read a row's table through its request index, so the
-  // other requests' entries on the device are never read. Half the bytes at 2 ranks.
-  if (n > 0) {
-    const int64_t first = plan.row_request[range.start];
-    const int64_t last = plan.row_request[range.end - 1];
-    const int64_t stride = plan.page_table_stride;
-    const size_t bytes = (last - first + 1) * stride * sizeof(int32_t);
-    DI_RETURN_IF_ERROR(plan.page_table_page_locked
-                           ? staging.UploadPageLocked(b.page_table + first * stride,
-                                                      plan.page_table + first * stride, bytes)
-                           : staging.Upload(b.page_table + first * stride,
-                                            plan.page_table + first * stride, bytes));
+  // Every rank keeps every pool's resident table in step, whatever rows it scores: first the
+  // edits recorded since a job last applied them, then this step's own.
+  if (plan.pending_edits != nullptr) {
+    DI_RETURN_IF_ERROR(ApplyTableEdits(rank, staging, plan.pool, *plan.pending_edits));
   }
+  DI_RETURN_IF_ERROR(ApplyTableEdits(rank, staging, plan.pool, plan.table_edits));
+  DI_RETURN_IF_ERROR(staging.Upload(b.request_slot, plan.request_slot.data(),
+                                    plan.num_requests * sizeof(int32_t)));
   // Keys go into every replica whatever rows this rank scores; pages they share with another
   // sequence (or that a cut-back rewrites) are copied first.
   DI_RETURN_IF_ERROR(CopyPagesOnRank(rank, plan.pool, plan.page_copies));
@@ -393,8 +410,9 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   rows.num_rows = n;
   rows.row_request = b.row_request + range.start;
   rows.row_length = b.row_length + range.start;
-  rows.page_table = b.page_table;
-  rows.page_table_stride = plan.page_table_stride;
+  rows.page_table = b.page_tables[plan.pool];
+  rows.page_table_stride = s.max_pages_per_sequence;
+  rows.request_slot = b.request_slot;
   rows.num_requests = plan.num_requests;
   // With graphs the bound is bucketed, for eager runs too, so a replay launches exactly what
   // an eager run of the same step would.
@@ -475,7 +493,6 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   shape.range_start = range.start;
   shape.rows = n;
   shape.requests = plan.num_requests;
-  shape.page_table_stride = plan.page_table_stride;
   shape.q_type = static_cast<int32_t>(q.type);
   shape.positions = unquantized && q.positions != nullptr;
   shape.hadamard = unquantized && plan.hadamard;
@@ -487,6 +504,10 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
 }  // namespace
 
 void StepPlan::Reset() {
+  request_slot.clear();
+  table_edits.clear();
+  std::vector<int32_t> keep_slot = std::move(request_slot);
+  TableEdits keep_edits = std::move(table_edits);
   row_request.clear();
   row_length.clear();
   key_writes.clear();
@@ -498,6 +519,8 @@ void StepPlan::Reset() {
   std::vector<int32_t> keep_store = std::move(store_rows);
   std::vector<std::pair<int32_t, int32_t>> keep_copies = std::move(page_copies);
   *this = StepPlan{};
+  request_slot = std::move(keep_slot);
+  table_edits = std::move(keep_edits);
   page_copies = std::move(keep_copies);
   row_request = std::move(keep_request);
   row_length = std::move(keep_length);

@@ -13,6 +13,7 @@
 #include "server/config/profile.h"
 #include "server/exec/collective.h"
 #include "server/exec/executor.h"
+#include "server/exec/page_table_mirror.h"
 #include "server/exec/rank.h"
 
 namespace decode_indexer::exec {
@@ -34,12 +35,13 @@ struct StepPlan {
   std::vector<int32_t> row_request;  // [rows]
   std::vector<int32_t> row_length;   // [rows]
   int32_t max_row_length = 0;
-  // [requests, stride], in the executor's page-table buffer (written by the planner; read by
-  // every rank, each its own requests' rows). Page-locked on a device backend, so the ranks
-  // upload it with no staging copy.
-  const int32_t* page_table = nullptr;
-  bool page_table_page_locked = false;
-  int32_t page_table_stride = 0;
+  // The resident page tables (page_table_mirror.h): the requests' sequence slots (the kernels
+  // read request b's pages from row request_slot[b] of the pool's table), the pool's edits
+  // recorded since a job last applied them, and the pages this step's writes add or replace,
+  // applied after those. Nothing of the size of a page table travels per step.
+  std::vector<int32_t> request_slot;  // [requests]
+  const TableEdits* pending_edits = nullptr;
+  TableEdits table_edits;
   std::vector<KeyWrite> key_writes;
   // (src, dst) pages of `pool` copied before the keys are written: copy-on-write of a page
   // another sequence holds, or of a page a cut-back rewrites (state::PlanCacheWrite).

@@ -24,6 +24,7 @@
 #include "server/exec/collective.h"
 #include "server/exec/decode_rows.h"
 #include "server/exec/executor_internal.h"
+#include "server/exec/page_table_mirror.h"
 #ifdef DI_HAVE_NCCL
 #include "server/exec/nccl_collective.h"
 #endif
@@ -340,13 +341,27 @@ class ExecutorImpl final : public Executor {
   FifoTurns turns_;
   std::atomic<bool> shut_down_{false};
   StepPlan plan_;  // reused by every step (under the turn)
-  // The planner's page table ([max_requests, max pages a sequence], host memory that the
-  // ranks upload from; see Init). Written under the turn.
-  struct PageTableBuffer {
-    int32_t* base = nullptr;
-    bool page_locked = false;
-  };
-  PageTableBuffer page_table_;
+  // The host side of the ranks' resident page tables (page_table_mirror.h): every change of
+  // a sequence's page list is recorded here and applied by the next job on that pool.
+  PageTableMirror mirror_;
+  // A failed step's table edits may have reached some ranks: record the committed pages over
+  // the entries it touched.
+  void RestoreTable(int32_t pool, const state::SequenceState& seq, const state::CacheWrite& w) {
+    const std::vector<int32_t>& pages = seq.caches[pool].pages;
+    const size_t end = std::min(pages.size(), w.keep + w.tail.size());
+    if (end > w.keep) {
+      mirror_.Record(pool, seq.slot, int64_t(w.keep),
+                     std::span<const int32_t>(pages.data() + w.keep, end - w.keep));
+    }
+  }
+  // All of a sequence's pages in `pool` (a fork, an import).
+  void RecordTable(int32_t pool, const state::SequenceState& seq, size_t from = 0) {
+    const std::vector<int32_t>& pages = seq.caches[pool].pages;
+    if (pages.size() > from) {
+      mirror_.Record(pool, seq.slot, int64_t(from),
+                     std::span<const int32_t>(pages.data() + from, pages.size() - from));
+    }
+  }
   // The result's own answer vectors are built after the join from the ranks' readback space
   // (StepPlan::defer_topk / defer_candidates): where every rank has one (a device backend
   // with page-locked staging). Fixed at start-up.
@@ -436,6 +451,17 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
   sizes.max_rows = options_.max_requests_per_step * M;
   sizes.max_requests = options_.max_requests_per_step;
   sizes.max_pages_per_sequence = static_cast<int32_t>(CeilDiv(p.max_context, p.page_size));
+  sizes.max_sequences = options_.max_sequences;
+  if (sizes.max_sequences * sizes.max_pages_per_sequence > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "executor options: max_sequences ", sizes.max_sequences, " x ",
+        sizes.max_pages_per_sequence, " pages of max_context exceed the resident page tables' ",
+        "2^31 entries; at most ", INT32_MAX / sizes.max_pages_per_sequence, " sequences"));
+  }
+  // A decode step edits at most a few entries a request; a prefill or a fork, more (chunked).
+  sizes.table_edit_chunk = std::max(4 * options_.max_requests_per_step, 16384);
+  mirror_ =
+      PageTableMirror(static_cast<int32_t>(pool_geometry_.size()), sizes.max_pages_per_sequence);
   sizes.num_heads = p.num_heads;
   sizes.head_dim = p.head_dim;
   sizes.topk = p.topk;
@@ -494,18 +520,6 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
   }
   if (collective_ == nullptr) {
     collective_ = MakeInProcessCollective(backends, gather_bytes, timeout);
-  }
-  // The planner's page table: page-locked (and portable: every rank's device reads it) where
-  // the ranks stage through page-locked memory, so no rank copies it before its upload.
-  {
-    const size_t bytes =
-        size_t(sizes.max_requests) * sizes.max_pages_per_sequence * sizeof(int32_t);
-    kernels::Backend& be = ranks_[0]->backend();
-    const bool pinned = ranks_[0]->host_arena().pinned;
-    absl::StatusOr<void*> table = pinned ? be.AllocateHost(bytes) : be.Backend::AllocateHost(bytes);
-    if (!table.ok()) return table.status();
-    page_table_.base = static_cast<int32_t*>(*table);
-    page_table_.page_locked = pinned;
   }
   defer_answers_ = std::all_of(ranks_.begin(), ranks_.end(),
                                [](const std::unique_ptr<Rank>& r) { return r->readback().pinned; });
@@ -619,7 +633,9 @@ absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(uint64_t sequence_id, int32_t l
     AbortCacheWrite(w, pools_[pool]);
     return status;
   }
+  const size_t keep = w.keep;
   CommitCacheWrite(cp, w, pools_[pool]);
+  RecordTable(pool, *seq, keep);  // applied by the next step on this pool
   // The source's candidates were computed over the entries just replaced.
   DropCandidatesOfPool(*seq, pool);
   spdlog::debug("append: sequence {} layer {} +{} keys -> {}", sequence_id, layer, keys.count,
@@ -711,7 +727,6 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
   const int32_t P = p.page_size;
   const int32_t M = p.max_rows_per_sequence;
   int32_t num_rows = 0;
-  int32_t stride = 1;
   std::vector<state::SequenceState*> seqs(num_requests);
   std::vector<int64_t> lengths(num_requests);
   std::unordered_set<uint64_t> seen;
@@ -797,20 +812,10 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
     }
     for (int32_t j = 0; j < in.num_rows; ++j) plan.row_request.push_back(i);
     num_rows += in.num_rows;
-    stride = std::max<int32_t>(stride, static_cast<int32_t>(CeilDiv(L, P)));
   }
   if (num_rows != step.num_rows) {
     return absl::InvalidArgumentError(absl::StrCat("num_rows: the sequences bring ", num_rows,
                                                    " rows, the step says ", step.num_rows));
-  }
-
-  if (ranks_[0]->graphs_enabled()) {
-    // The page table's row stride is baked into a captured graph: bucket it like the row
-    // lengths (BucketRowLength), so a decode that grows a page does not capture a new graph
-    // every 64 tokens. The extra entries are padding no row reads.
-    const int32_t longest = static_cast<int32_t>(*std::max_element(lengths.begin(), lengths.end()));
-    stride = std::max<int32_t>(
-        stride, static_cast<int32_t>(CeilDiv(BucketRowLength(longest, p.max_context), P)));
   }
 
   // Reserve all-or-nothing: a step that does not fit leaves no trace. Each sequence's write
@@ -847,11 +852,10 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
   plan.num_rows = num_rows;
   plan.num_requests = num_requests;
   plan.max_row_length = *std::max_element(plan.row_length.begin(), plan.row_length.end());
-  plan.page_table_stride = stride;
-  // Every entry of the step's rows is written below (pages, then zero padding), straight into
-  // the buffer the ranks upload from. The bound holds: stride <= the pages of max_context.
-  plan.page_table = page_table_.base;
-  plan.page_table_page_locked = page_table_.page_locked;
+  // The pages every rank's resident table lacks: edits recorded since a job last applied the
+  // pool's (a prefill, a fork, a failed step's restore), then below the pages this step's
+  // writes add or replace.
+  plan.pending_edits = &mirror_.Pending(pool);
   plan.hadamard = p.hadamard;
   plan.q = q;
   plan.rope.style = p.rope.style;
@@ -867,13 +871,16 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
     const SequenceStepInput& in = step.sequences[i];
     const state::CachePages& cp = seqs[i]->caches[pool];
     const state::CacheWrite& w = writes[i];
-    // The pages kept, then the write's tail (pages written in place, copies, fresh ones): two
-    // block copies (this table is requests x pages long, 64K entries at 64 requests x 64K
-    // tokens, so a per-entry loop costs tens of microseconds a step).
-    int32_t* table_row = page_table_.base + size_t(i) * stride;
-    table_row = std::copy_n(cp.pages.begin(), w.keep, table_row);
-    table_row = std::copy(w.tail.begin(), w.tail.end(), table_row);
-    std::fill(table_row, page_table_.base + size_t(i + 1) * stride, 0);
+    // The write's tail (pages written in place, copies, fresh ones): only the entries that
+    // differ from the committed pages are edits (a decode step adds one every page_size
+    // tokens).
+    plan.request_slot.push_back(seqs[i]->slot);
+    for (size_t j = 0; j < w.tail.size(); ++j) {
+      const size_t at = w.keep + j;
+      if (at >= cp.pages.size() || cp.pages[at] != w.tail[j]) {
+        plan.table_edits.push_back(mirror_.Index(seqs[i]->slot, int64_t(at)), w.tail[j]);
+      }
+    }
     for (const state::PageCopy& c : w.copies) plan.page_copies.push_back({c.src, c.dst});
     if (in.new_keys.count > 0) {
       slots[i].resize(in.new_keys.count);
@@ -960,6 +967,9 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
   }
 
   if (!status.ok()) {
+    // Some ranks may have applied the step's table edits: put the committed pages back (the
+    // pending edits stay pending: a rank may have failed before applying them).
+    for (int32_t i = 0; i < num_requests; ++i) RestoreTable(pool, *seqs[i], writes[i]);
     abort_writes();
     if (source) store_blocks_->Release(new_blocks);
     // The ranks may have rewritten their expansion buffers.
@@ -968,7 +978,8 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
     return status;
   }
 
-  // Commit: every rank succeeded.
+  // Commit: every rank succeeded (and applied the pool's pending and own table edits).
+  mirror_.Applied(pool);
   const int64_t now_ms = NowMs();
   for (int32_t i = 0; i < num_requests; ++i) {
     CommitCacheWrite(seqs[i]->caches[pool], writes[i], pools_[pool]);
@@ -1053,6 +1064,7 @@ absl::Status ExecutorImpl::ForkSequence(uint64_t parent_id, uint64_t new_id, int
   state::SequenceState* child = table_.Find(new_id);
   for (size_t pool = 0; pool < parent->caches.size(); ++pool) {
     ShareCache(parent->caches[pool], length, profile_.page_size, pools_[pool], child->caches[pool]);
+    RecordTable(static_cast<int32_t>(pool), *child);
   }
   parent->last_used_ms = child->last_used_ms = NowMs();
   return absl::OkStatus();
@@ -1328,6 +1340,7 @@ absl::Status ExecutorImpl::ImportSequence(uint64_t sequence_id, const SequenceIm
   seq->last_used_ms = NowMs();
   for (size_t pool = 0; pool < pages.size(); ++pool) {
     AdoptCache(seq->caches[pool], std::move(pages[pool]), image.caches[pool].length);
+    RecordTable(static_cast<int32_t>(pool), *seq);
   }
   for (size_t c = 0; c < blocks.size(); ++c) {
     const CandidateImage& ci = image.candidates[c];
@@ -1374,14 +1387,6 @@ void ExecutorImpl::Shutdown() {
   // Calls that already hold tickets finish first; later ones see shut_down_.
   FifoTurns::Turn turn = turns_.Wait();
   collective_.reset();
-  if (page_table_.base != nullptr) {
-    if (page_table_.page_locked) {
-      ranks_[0]->backend().FreeHost(page_table_.base);
-    } else {
-      ranks_[0]->backend().Backend::FreeHost(page_table_.base);
-    }
-    page_table_ = PageTableBuffer{};
-  }
   ranks_.clear();  // joins the rank threads and frees their memory
   spdlog::info("executor: shut down");
 }

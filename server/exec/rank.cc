@@ -95,6 +95,12 @@ absl::Status Rank::Allocate() {
     buffers_.caches.push_back(view);
   }
   RankBuffers& b = buffers_;
+  b.page_tables.assign(s.pools.size(), nullptr);
+  for (int32_t*& table : b.page_tables) {
+    if (absl::Status st = Alloc(&table, s.max_sequences * s.max_pages_per_sequence); !st.ok()) {
+      return st;
+    }
+  }
   const int64_t cand_positions = int64_t{s.num_candidate_blocks} * s.candidate_block_size;
   for (absl::Status st : {
            Alloc(&b.candidate_store, s.candidate_store_rows * s.num_candidate_blocks),
@@ -103,7 +109,9 @@ absl::Status Rank::Allocate() {
            Alloc(&b.slots, s.key_chunk),
            Alloc(&b.row_request, rows),
            Alloc(&b.row_length, rows),
-           Alloc(&b.page_table, int64_t{s.max_requests} * s.max_pages_per_sequence),
+           Alloc(&b.request_slot, s.max_requests),
+           Alloc(&b.edit_index, s.table_edit_chunk),
+           Alloc(&b.edit_pages, s.table_edit_chunk),
            Alloc(&b.q_raw, rows * hd * 4),
            Alloc(&b.weights_raw, rows * s.num_heads),
            Alloc(&b.positions, rows),
@@ -119,13 +127,13 @@ absl::Status Rank::Allocate() {
        }) {
     if (!st.ok()) return st;
   }
-  // Host staging: the step's row tables, page table, candidate-store rows, q and weights, and
-  // one chunk of keys (with scales and slots), each 64-byte aligned.
+  // Host staging: the step's row tables, request slots, page-table edits, candidate-store rows,
+  // q and weights, and one chunk of keys (with scales and slots), each 64-byte aligned.
   const int64_t key_bytes =
       int64_t{s.key_chunk} * (int64_t{s.head_dim} * 4 + std::max(4, s.head_dim / 32) + 8);
   const int64_t arena_bytes =
-      3 * rows * 4 + int64_t{s.max_requests} * s.max_pages_per_sequence * 4 + rows * hd * 4 +
-      rows * s.num_heads * 4 + rows * hd / 32 + rows * 8 + key_bytes + 16 * 64;
+      3 * rows * 4 + int64_t{s.max_requests} * 4 + int64_t{s.table_edit_chunk} * 8 + rows * hd * 4 +
+      rows * s.num_heads * 4 + rows * hd / 32 + rows * 8 + key_bytes + 24 * 64;
   graphs_enabled_ = s.step_graphs && backend_->SupportsGraphs();
   // Page-locked only where a device copies from it; a host backend gets plain memory (the
   // keys of a step are still gathered there, to insert them in one call).

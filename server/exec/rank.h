@@ -22,9 +22,11 @@ namespace decode_indexer::exec {
 
 // The sizes every rank's buffers are made for.
 struct RankSizes {
-  int32_t max_rows = 0;      // rows in one step
-  int32_t max_requests = 0;  // requests in one step
-  int32_t max_pages_per_sequence = 0;
+  int32_t max_rows = 0;                // rows in one step
+  int32_t max_requests = 0;            // requests in one step
+  int32_t max_pages_per_sequence = 0;  // the resident page tables' row length
+  int64_t max_sequences = 0;           // their rows (sequence slots)
+  int32_t table_edit_chunk = 0;        // page-table edits applied per scatter
   int32_t num_heads = 0;
   int32_t head_dim = 0;
   int32_t topk = 0;
@@ -55,15 +57,14 @@ struct StepShape {
   int32_t range_start = 0;  // this rank's rows
   int32_t rows = 0;
   int32_t requests = 0;
-  int32_t page_table_stride = 0;
   int32_t q_type = 0;
   bool positions = false;
   bool hadamard = false;
   int32_t max_row_length = 0;    // bucketed (BucketRowLength)
   int32_t rows_per_request = 0;  // RowBatch::rows_per_request: picks the kernels' pass width
   auto Tie() const {
-    return std::tie(pool, role, masked, candidates, range_start, rows, requests, page_table_stride,
-                    q_type, positions, hadamard, max_row_length, rows_per_request);
+    return std::tie(pool, role, masked, candidates, range_start, rows, requests, q_type, positions,
+                    hadamard, max_row_length, rows_per_request);
   }
   bool operator<(const StepShape& o) const { return Tie() < o.Tie(); }
 };
@@ -116,7 +117,12 @@ struct RankBuffers {
   // Row description of the step.
   int32_t* row_request = nullptr;  // [max_rows]
   int32_t* row_length = nullptr;   // [max_rows]
-  int32_t* page_table = nullptr;   // [max_requests, max_pages_per_sequence]
+  // Per pool, the resident page table (page_table_mirror.h): [max_sequences,
+  // max_pages_per_sequence], row = sequence slot.
+  std::vector<int32_t*> page_tables;
+  int32_t* request_slot = nullptr;  // [max_requests] the step's requests' slots
+  int32_t* edit_index = nullptr;    // [table_edit_chunk] a scatter's entries
+  int32_t* edit_pages = nullptr;    // [table_edit_chunk] and their pages
   // q: raw inputs (unquantized path) and the quantized q the kernels read.
   uint8_t* q_raw = nullptr;      // [max_rows, H, D] up to 4 bytes an element
   float* weights_raw = nullptr;  // [max_rows, H]

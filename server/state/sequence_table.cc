@@ -107,6 +107,12 @@ absl::Status SequenceTable::Create(uint64_t id) {
   SequenceState& s = sequences_[id];
   s.id = id;
   s.caches.resize(num_pools_);
+  if (!free_slots_.empty()) {
+    s.slot = free_slots_.back();
+    free_slots_.pop_back();
+  } else {
+    s.slot = next_slot_++;  // < max_sequences: CanCreate bounds the live count
+  }
   return absl::OkStatus();
 }
 
@@ -146,6 +152,7 @@ absl::Status SequenceTable::Remove(uint64_t id, SequenceState* removed) {
   }
   *removed = std::move(it->second);
   sequences_.erase(it);
+  free_slots_.push_back(removed->slot);
   return absl::OkStatus();
 }
 

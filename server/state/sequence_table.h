@@ -35,6 +35,9 @@ struct CandidateRecord {
 
 struct SequenceState {
   uint64_t id = 0;
+  // Its row in every rank's resident page tables (PageTableMirror): [0, max_sequences),
+  // unique among live sequences, reused after a release.
+  int32_t slot = -1;
   // When a call last named the sequence (ExecutorOptions::idle_sequence_timeout).
   int64_t last_used_ms = 0;
   std::vector<CachePages> caches;                 // by cache pool index
@@ -108,6 +111,10 @@ class SequenceTable {
   int32_t num_pools_;
   int64_t max_sequences_;
   std::unordered_map<uint64_t, SequenceState> sequences_;
+  // Slots never handed out are [next_slot_, max_sequences); released ones wait here (the most
+  // recently released is reused first, so the tables' touched rows stay few).
+  int32_t next_slot_ = 0;
+  std::vector<int32_t> free_slots_;
 };
 
 }  // namespace decode_indexer::state

@@ -67,10 +67,13 @@ struct RowBatch {
   int32_t num_rows = 0;
   const int32_t* row_request = nullptr;  // [num_rows]
   const int32_t* row_length = nullptr;   // [num_rows], each >= 1
-  // [num_requests, page_table_stride]: request b's position p lives in page
-  // page_table[b * stride + p / page_size], slot p % page_size.
+  // Request b's position p lives in page page_table[PageRow(b) * stride + p / page_size],
+  // slot p % page_size, where PageRow(b) is request_slot[b] when request_slot is given (the
+  // server's resident per-sequence tables: one row per sequence slot, never rebuilt per
+  // step) and b otherwise (a [num_requests, stride] table built for the call).
   const int32_t* page_table = nullptr;
   int32_t page_table_stride = 0;
+  const int32_t* request_slot = nullptr;  // [num_requests] or null
   int32_t num_requests = 0;
   // Host-known bound on row_length (workspace and grid sizing; no device read needed).
   int32_t max_row_length = 0;
@@ -81,6 +84,13 @@ struct RowBatch {
   // the answer does not depend on it.
   int32_t rows_per_request = 0;
 };
+
+// Where request b's page-table row starts in RowBatch::page_table (host code; the CUDA kernels
+// have their own copy of the rule).
+inline int64_t PageRowOffset(const RowBatch& rows, int32_t request) {
+  const int32_t row = rows.request_slot != nullptr ? rows.request_slot[request] : request;
+  return static_cast<int64_t>(row) * rows.page_table_stride;
+}
 
 // Quantized q of the rows of a RowBatch (row r's q at codes + r * H * value_bytes).
 struct QView {
