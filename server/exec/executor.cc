@@ -17,6 +17,7 @@
 #include <thread>
 #include <unordered_set>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "decode_indexer/kernels/backend.h"
 #include "decode_indexer/kernels/rope.h"
@@ -84,13 +85,17 @@ class FifoTurns {
   uint64_t serving_ = 0;
 };
 
+// A request field's name, made only when a check fails (a step checks every sequence: building
+// names up front cost ~3 strings a sequence a step).
+using FieldName = absl::FunctionRef<std::string()>;
+
 // Checks a key input against the cache it goes to.
-absl::Status CheckKeys(const KeysInput& keys, CacheFormat format, const std::string& field) {
+absl::Status CheckKeys(const KeysInput& keys, CacheFormat format, FieldName field) {
   if (keys.count < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": negative key count ", keys.count));
+    return absl::InvalidArgumentError(absl::StrCat(field(), ": negative key count ", keys.count));
   }
   if (keys.count == 0) return absl::OkStatus();
-  if (keys.keys == nullptr) return absl::InvalidArgumentError(absl::StrCat(field, ": no data"));
+  if (keys.keys == nullptr) return absl::InvalidArgumentError(absl::StrCat(field(), ": no data"));
   switch (keys.type) {
     case ElemType::kF32:
     case ElemType::kBF16:
@@ -100,29 +105,29 @@ absl::Status CheckKeys(const KeysInput& keys, CacheFormat format, const std::str
       const bool fp8 = keys.type == ElemType::kFp8E4M3;
       if (fp8 != (format == CacheFormat::kFp8)) {
         return absl::InvalidArgumentError(
-            absl::StrCat(field, ": pre-quantized keys must be in the cache's format (",
+            absl::StrCat(field(), ": pre-quantized keys must be in the cache's format (",
                          format == CacheFormat::kFp8 ? "FP8" : "FP4", ")"));
       }
       if (keys.scales == nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat(field, ": quantized keys need scales"));
+        return absl::InvalidArgumentError(absl::StrCat(field(), ": quantized keys need scales"));
       }
       return absl::OkStatus();
     }
     default:
-      return absl::InvalidArgumentError(absl::StrCat(field, ": unsupported key type"));
+      return absl::InvalidArgumentError(absl::StrCat(field(), ": unsupported key type"));
   }
 }
 
 // A position for keys (KeysInput::position): at most the cache's committed length.
 absl::Status CheckPosition(const std::optional<int64_t>& position, int64_t length,
-                           int32_t cache_layer, const std::string& field) {
+                           int32_t cache_layer, FieldName field) {
   if (!position.has_value()) return absl::OkStatus();
   if (*position < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": must be >= 0, got ", *position));
+    return absl::InvalidArgumentError(absl::StrCat(field(), ": must be >= 0, got ", *position));
   }
   if (*position > length) {
     return absl::InvalidArgumentError(absl::StrCat(
-        field, ": ", *position, " is past the sequence's length ", length, " in layer ",
+        field(), ": ", *position, " is past the sequence's length ", length, " in layer ",
         cache_layer, "'s cache (it would leave a hole); positions must be <= the length"));
   }
   return absl::OkStatus();
@@ -344,6 +349,11 @@ class ExecutorImpl final : public Executor {
   // The host side of the ranks' resident page tables (page_table_mirror.h): every change of
   // a sequence's page list is recorded here and applied by the next job on that pool.
   PageTableMirror mirror_;
+  // Per sequence slot, the mark of the last step that named it (duplicate check), and the
+  // marks handed out; the step's key slots. Turn holder only.
+  std::vector<uint64_t> slot_mark_;
+  uint64_t step_marks_ = 0;
+  std::vector<int64_t> step_slots_;
   // A failed step's table edits may have reached some ranks: record the committed pages over
   // the entries it touched.
   void RestoreTable(int32_t pool, const state::SequenceState& seq, const state::CacheWrite& w) {
@@ -460,6 +470,7 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
   }
   // A decode step edits at most a few entries a request; a prefill or a fork, more (chunked).
   sizes.table_edit_chunk = std::max(4 * options_.max_requests_per_step, 16384);
+  slot_mark_.assign(size_t(options_.max_sequences), 0);
   mirror_ =
       PageTableMirror(static_cast<int32_t>(pool_geometry_.size()), sizes.max_pages_per_sequence);
   sizes.num_heads = p.num_heads;
@@ -588,9 +599,13 @@ absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(uint64_t sequence_id, int32_t l
   state::SequenceState* seq = table_.Find(sequence_id);
   if (seq == nullptr) return NoSequence("sequence_id", sequence_id);
   const int32_t pool = pool_of_layer_[layer];
-  if (absl::Status s = CheckKeys(keys, spec->cache_format, "keys"); !s.ok()) return s;
+  if (absl::Status s = CheckKeys(keys, spec->cache_format, [] { return std::string("keys"); });
+      !s.ok())
+    return s;
   state::CachePages& cp = seq->caches[pool];
-  if (absl::Status s = CheckPosition(keys.position, cp.length, layer, "position"); !s.ok()) {
+  if (absl::Status s =
+          CheckPosition(keys.position, cp.length, layer, [] { return std::string("position"); });
+      !s.ok()) {
     return s;
   }
   const int64_t start = keys.position.value_or(cp.length);
@@ -729,55 +744,61 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
   int32_t num_rows = 0;
   std::vector<state::SequenceState*> seqs(num_requests);
   std::vector<int64_t> lengths(num_requests);
-  std::unordered_set<uint64_t> seen;
+  const uint64_t step_mark = ++step_marks_;
   plan.row_length.clear();
   std::vector<ExpansionRow> expansion;
   for (int32_t i = 0; i < num_requests; ++i) {
     const SequenceStepInput& in = step.sequences[i];
-    const std::string field = absl::StrCat("sequences[", i, "]");
+    auto field = [i](const char* suffix = "") {
+      return absl::StrCat("sequences[", i, "]", suffix);
+    };
     if (in.num_rows < 1 || in.num_rows > M) {
       return absl::InvalidArgumentError(
-          absl::StrCat(field, ".num_rows: must be in [1, ", M, "], got ", in.num_rows));
+          absl::StrCat(field(), ".num_rows: must be in [1, ", M, "], got ", in.num_rows));
     }
     if (!in.row_lengths.empty() && static_cast<int32_t>(in.row_lengths.size()) != in.num_rows) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ".row_lengths: ", in.row_lengths.size(),
-                                                     " entries for ", in.num_rows, " rows"));
-    }
-    if (!seen.insert(in.sequence_id).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ".sequence_id: sequence ", in.sequence_id, " appears twice"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          field(), ".row_lengths: ", in.row_lengths.size(), " entries for ", in.num_rows, " rows"));
     }
     state::SequenceState* seq = table_.Find(in.sequence_id);
-    if (seq == nullptr) return NoSequence(field + ".sequence_id", in.sequence_id);
+    if (seq == nullptr) return NoSequence(field(".sequence_id"), in.sequence_id);
+    // A sequence twice in one step: its slot was marked by this step already.
+    if (slot_mark_[seq->slot] == step_mark) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field(), ".sequence_id: sequence ", in.sequence_id, " appears twice"));
+    }
+    slot_mark_[seq->slot] = step_mark;
     seqs[i] = seq;
     if (consumer && in.new_keys.count > 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat(field, ".new_keys: layer ", step.layer, " reads layer ", spec->cache_layer,
+          absl::StrCat(field(), ".new_keys: layer ", step.layer, " reads layer ", spec->cache_layer,
                        "'s cache; send keys to layer ", spec->cache_layer));
     }
-    if (absl::Status s = CheckKeys(in.new_keys, format, field + ".new_keys"); !s.ok()) return s;
+    if (absl::Status s = CheckKeys(in.new_keys, format, [&] { return field(".new_keys"); });
+        !s.ok())
+      return s;
     const state::CachePages& cp = seq->caches[pool];
     if (consumer && in.new_keys.position.has_value()) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ".new_keys_position: layer ",
+      return absl::InvalidArgumentError(absl::StrCat(field(), ".new_keys_position: layer ",
                                                      step.layer, " reads layer ", spec->cache_layer,
                                                      "'s cache and takes no keys"));
     }
     if (absl::Status s = CheckPosition(in.new_keys.position, cp.length, spec->cache_layer,
-                                       field + ".new_keys_position");
+                                       [&] { return field(".new_keys_position"); });
         !s.ok()) {
       return s;
     }
     const int64_t L = in.new_keys.position.value_or(cp.length) + in.new_keys.count;
     if (L > p.max_context) {
-      return absl::OutOfRangeError(absl::StrCat(field, ".new_keys: length ", L,
+      return absl::OutOfRangeError(absl::StrCat(field(), ".new_keys: length ", L,
                                                 " would exceed max_context ", p.max_context));
     }
     lengths[i] = L;
     const size_t first_row = plan.row_length.size();
     if (in.row_lengths.empty()) {
       if (in.num_rows > L) {
-        return absl::InvalidArgumentError(absl::StrCat(field, ".num_rows: more rows than context (",
-                                                       in.num_rows, " rows, length ", L, ")"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            field(), ".num_rows: more rows than context (", in.num_rows, " rows, length ", L, ")"));
       }
       for (int32_t j = 0; j < in.num_rows; ++j) {
         plan.row_length.push_back(static_cast<int32_t>(L - in.num_rows + j + 1));
@@ -787,7 +808,7 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
         const int32_t rl = in.row_lengths[j];
         if (rl < 1 || rl > L) {
           return absl::InvalidArgumentError(
-              absl::StrCat(field, ".row_lengths[", j, "]: must be in [1, ", L, "], got ", rl));
+              absl::StrCat(field(), ".row_lengths[", j, "]: must be in [1, ", L, "], got ", rl));
         }
         plan.row_length.push_back(rl);
       }
@@ -802,7 +823,7 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
           !std::equal(it->second.row_lengths.begin(), it->second.row_lengths.end(), row_lengths,
                       row_lengths + in.num_rows)) {
         return absl::FailedPreconditionError(
-            absl::StrCat(field, ": no candidates for sequence ", in.sequence_id, " at length ", L,
+            absl::StrCat(field(), ": no candidates for sequence ", in.sequence_id, " at length ", L,
                          "; run the source layer ", src_layer, " first"));
       }
       for (int32_t j = 0; j < in.num_rows; ++j) {
@@ -864,7 +885,11 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
   plan.row_shard_min_requests = options_.row_shard_min_requests;
   plan.direct_answers = options_.direct_answers;
   plan.masked_consumer = options_.masked_consumer;
-  std::vector<std::vector<int64_t>> slots(num_requests);
+  // Every request's key slots in one buffer, sized before any KeyWrite points into it.
+  int64_t total_keys = 0;
+  for (const SequenceStepInput& in : step.sequences) total_keys += in.new_keys.count;
+  step_slots_.resize(size_t(total_keys));
+  int64_t* slots = step_slots_.data();
   std::vector<uint64_t> versions(num_requests, 0);
   int32_t row = 0;
   for (int32_t i = 0; i < num_requests; ++i) {
@@ -883,12 +908,10 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
     }
     for (const state::PageCopy& c : w.copies) plan.page_copies.push_back({c.src, c.dst});
     if (in.new_keys.count > 0) {
-      slots[i].resize(in.new_keys.count);
-      for (int32_t k = 0; k < in.new_keys.count; ++k) {
-        slots[i][k] = w.Slot(cp, w.position + k, P);
-      }
-      plan.key_writes.push_back({in.new_keys.type, in.new_keys.count, in.new_keys.keys,
-                                 in.new_keys.scales, slots[i].data()});
+      for (int32_t k = 0; k < in.new_keys.count; ++k) slots[k] = w.Slot(cp, w.position + k, P);
+      plan.key_writes.push_back(
+          {in.new_keys.type, in.new_keys.count, in.new_keys.keys, in.new_keys.scales, slots});
+      slots += in.new_keys.count;
     }
     if (source) {
       versions[i] = next_candidate_version_++;

@@ -1955,6 +1955,68 @@ std::vector<float> GpuSparseLogits(GpuTest* t, DeviceScene& ds, const DeviceBuff
   return t->Download<float>(out, int64_t{rows} * maxp);
 }
 
+// The resident page tables (RowBatch::request_slot): the same step read through a table with
+// a row per slot, its requests at shuffled slots and decoy pages in every other row, gives the
+// logits, the top-k and the sparse logits of the per-call table bit for bit.
+TEST_F(GpuTest, RequestSlotsReadTheirOwnTableRows) {
+  for (CacheFormat f : {CacheFormat::kFp8, CacheFormat::kFp4}) {
+    SCOPED_TRACE(::testing::Message() << "format " << static_cast<int>(f));
+    const int32_t heads = f == CacheFormat::kFp8 ? 64 : 32;
+    Scene s = MakeScene(Spec(f, heads, Lengths(5, 6000), 2));
+    auto ds = UploadScene(this, s);
+    const int32_t rows = s.num_rows(), k = 2048;
+    const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
+    const SlottedTable st = MakeSlottedTable(s, Rng());
+    DeviceBuffer table = Upload(st.table), slots = Upload(st.slots);
+    kernels::RowBatch slotted = ds->rows;
+    slotted.page_table = table.as<int32_t>();
+    slotted.request_slot = slots.as<int32_t>();
+    const kernels::RowBatch direct = ds->rows;
+
+    const std::vector<float> want = GpuLogits(this, *ds, stride, 132);
+    ds->rows = slotted;
+    const std::vector<float> got = GpuLogits(this, *ds, stride, 132);
+    EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * 4)) << "dense logits";
+
+    std::vector<std::vector<int32_t>> answers;
+    for (const kernels::RowBatch& b : {direct, slotted}) {
+      kernels::DenseArgs d;
+      d.cache = ds->cache;
+      d.rows = b;
+      d.q = ds->q;
+      d.topk = k;
+      DeviceBuffer dout = Poisoned<int32_t>(int64_t{rows} * k, kPoisonI32);
+      d.topk_out = dout.as<int32_t>();
+      ASSERT_TRUE(backend_->DenseTopK(d).ok());
+      answers.push_back(Download<int32_t>(dout, int64_t{rows} * k));
+    }
+    EXPECT_EQ(answers[0], answers[1]) << "dense top-k";
+
+    const int32_t maxp = 4096;
+    std::vector<int32_t> cnt(rows);
+    for (int32_t r = 0; r < rows; ++r) cnt[r] = std::min(maxp, s.row_length[r] / 2 + 1);
+    DeviceBuffer dpos = Upload(RandomSortedPositions(s, cnt, maxp)), dcnt = Upload(cnt);
+    ds->rows = direct;
+    const std::vector<float> a =
+        GpuSparseLogits(this, *ds, dpos, dcnt, maxp, kernels::cuda::SparseLogitsMath::kGrid);
+    ds->rows = slotted;
+    const std::vector<float> b =
+        GpuSparseLogits(this, *ds, dpos, dcnt, maxp, kernels::cuda::SparseLogitsMath::kGrid);
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4)) << "sparse logits";
+    answers.clear();
+    for (const kernels::RowBatch& rb : {direct, slotted}) {  // the backend's own sparse choice
+      DeviceBuffer dout = Poisoned<int32_t>(int64_t{rows} * k, kPoisonI32);
+      ASSERT_TRUE(backend_->Synchronize().ok());
+      ASSERT_TRUE(backend_
+                      ->SparseTopK({ds->cache, rb, ds->q, dpos.as<int32_t>(), dcnt.as<int32_t>(),
+                                    maxp, k, dout.as<int32_t>()})
+                      .ok());
+      answers.push_back(Download<int32_t>(dout, int64_t{rows} * k));
+    }
+    EXPECT_EQ(answers[0], answers[1]) << "sparse top-k";
+  }
+}
+
 // A sparse logit depends only on (row, position), checked for `math` whose logits are `got`:
 // the same bits on a second run; when each row lists its positions in another order (dshuf
 // holds the positions of `pos` permuted by `shuf`: other tile slots and chunks); and when

@@ -45,8 +45,10 @@ struct StepOutputs {
 
 // Rows [row_begin, row_end) of a scene, as a source step and a consumer step (the consumer
 // reuses the source's q: enough to exercise the kernels).
+// With `slotted`, the page table is read as the server's resident tables are (a row per slot,
+// RowBatch::request_slot).
 StepOutputs RunOnBackend(Backend& backend, Scene& s, int32_t topk, int32_t row_begin,
-                         int32_t row_end) {
+                         int32_t row_end, const SlottedTable* slotted = nullptr) {
   std::vector<void*> allocations;
   auto keep = [&](auto* p) {
     allocations.push_back(p);
@@ -62,7 +64,8 @@ StepOutputs RunOnBackend(Backend& backend, Scene& s, int32_t topk, int32_t row_b
                                                                 s.row_request.begin() + row_end)));
   batch.row_length = keep(Upload(backend, std::vector<int32_t>(s.row_length.begin() + row_begin,
                                                                s.row_length.begin() + row_end)));
-  batch.page_table = keep(Upload(backend, s.page_table));
+  batch.page_table = keep(Upload(backend, slotted != nullptr ? slotted->table : s.page_table));
+  if (slotted != nullptr) batch.request_slot = keep(Upload(backend, slotted->slots));
   QView q;
   q.num_heads = h;
   q.codes =
@@ -176,6 +179,17 @@ TEST_P(CpuBackendTest, EqualsTheFreeFunctionsAndTheOracle) {
     const std::vector<double> exact = OracleRow(s, r);
     EXPECT_TRUE(CheckTopKRow(got.topk.data() + r * kTopK, kTopK, exact, TopKTolerance(exact)));
   }
+}
+
+TEST_P(CpuBackendTest, ResidentTablesAnswerAsThePerCallTable) {
+  Scene s = MakeCaseScene();
+  constexpr int32_t kTopK = 100;
+  std::unique_ptr<Backend> backend = MakeCpuBackend(LimitsFor(s, kTopK), 2);
+  std::mt19937_64 rng(s.spec.seed);
+  const SlottedTable slotted = MakeSlottedTable(s, rng);
+  const StepOutputs want = RunOnBackend(*backend, s, kTopK, 0, s.num_rows());
+  const StepOutputs got = RunOnBackend(*backend, s, kTopK, 0, s.num_rows(), &slotted);
+  EXPECT_TRUE(got == want);
 }
 
 TEST_P(CpuBackendTest, ThreadCountAndBatchCompositionDoNotChangeTheAnswer) {

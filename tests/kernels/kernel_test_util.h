@@ -75,6 +75,34 @@ struct Scene {
   }
 };
 
+// A scene's page table laid out as the server's resident tables are (RowBatch::request_slot):
+// a row per sequence slot, the requests at shuffled slots of a table twice as tall, and every
+// other row holding valid pages of other requests (so a read through the wrong row gives
+// wrong keys, not a fault).
+struct SlottedTable {
+  std::vector<int32_t> table;  // [rows, scene.stride]
+  std::vector<int32_t> slots;  // [requests]
+};
+inline SlottedTable MakeSlottedTable(const Scene& s, std::mt19937_64& rng) {
+  const int32_t requests = static_cast<int32_t>(s.spec.lengths.size());
+  const int32_t rows = 2 * requests + 1;
+  std::vector<int32_t> order(rows);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  SlottedTable t;
+  t.slots.assign(order.begin(), order.begin() + requests);
+  t.table.resize(int64_t{rows} * s.stride);
+  for (int32_t r = 0; r < rows; ++r) {  // decoys: request (r + 1) % requests's pages, reversed
+    const int32_t* src = s.page_table.data() + int64_t{(r + 1) % requests} * s.stride;
+    std::reverse_copy(src, src + s.stride, t.table.begin() + int64_t{r} * s.stride);
+  }
+  for (int32_t b = 0; b < requests; ++b) {
+    std::copy_n(s.page_table.begin() + int64_t{b} * s.stride, s.stride,
+                t.table.begin() + int64_t{t.slots[b]} * s.stride);
+  }
+  return t;
+}
+
 // Random floats with a per-vector magnitude spread over several binades, so that the scales
 // differ between vectors; never all zeros.
 inline void FillVectors(std::mt19937_64& rng, int64_t vectors, int32_t dim, float* out) {

@@ -8,6 +8,7 @@
 #include "gtest/gtest.h"
 #include "server/exec/executor.h"
 #include "server/exec/executor_internal.h"
+#include "server/exec/page_table_mirror.h"
 #include "tests/server/checking_backend.h"
 #include "tests/server/exec_harness.h"
 
@@ -255,6 +256,53 @@ TEST_F(ExecutorState, RankFailureAfterKeysChangesNothing) {
   for (int32_t layer : {2, 3}) Step(layer, consumer_plans);
   Round(ids, 2);
   Round(ids, 1);
+}
+
+// A failed step's page-table edits reach the ranks that ran before it failed: every rank's
+// resident table must get the committed pages back, or a later step reads a page that now
+// belongs to another sequence. Here a cut-back rewrites a committed page into a fresh one on
+// rank 0 (the answering rank) while rank 1 fails; another sequence then takes every free page,
+// that fresh one included, and writes its own keys there.
+TEST_F(ExecutorState, FailedStepLeavesNoStalePageInTheTables) {
+  SCOPED_TRACE(absl::StrCat("seed ", seed_));
+  const config::Profile& p = h_->profile();
+  const int32_t P = p.page_size;
+  ASSERT_EQ(p.layers[0].role, LayerRole::kDense);
+  ASSERT_TRUE(e_->CreateSequence(1).ok());
+  Append(1, 0, 10 * P);
+  Step(0, {{1, 2, 0, {}}});  // the table holds the ten pages on every rank
+
+  std::unique_ptr<StepData> cut = h_->MakeStep(0, {{1, 1, 1, {}}});
+  cut->input.sequences[0].new_keys.position = 8 * P + 3;  // rewrites page 8
+  fail_rank_ = 1;
+  RejectStep(*cut, absl::StatusCode::kInternal, "injected fault");
+  fail_rank_ = -1;
+
+  ASSERT_TRUE(e_->CreateSequence(2).ok());
+  const int64_t free_pages = e_->Status().caches[0].pages_free;
+  ASSERT_GT(free_pages, 0);
+  Append(2, 0, static_cast<int32_t>(free_pages * P));
+  ASSERT_EQ(e_->Status().caches[0].pages_free, 0);
+  // Rows that see page 8 and little else past the top-k's reach of the others.
+  Step(0, {{1, 4, 0, {8 * P + 4, 8 * P + 9, 9 * P, 10 * P}}});
+  Step(0, {{1, 1, 0, {}}, {2, 1, 0, {}}});
+}
+
+TEST(PageTableMirror, PendingKeepsTheLastEditOfEachEntry) {
+  exec::PageTableMirror m(/*num_pools=*/2, /*stride=*/8);
+  EXPECT_TRUE(m.Pending(0).empty());
+  const std::vector<int32_t> a = {5, 6, 7};
+  const std::vector<int32_t> b = {9};
+  m.Record(0, /*slot=*/3, /*first=*/1, a);  // entries 25, 26, 27
+  m.Record(0, /*slot=*/3, /*first=*/2, b);  // entry 26 again
+  m.Record(1, /*slot=*/0, /*first=*/0, b);
+  const exec::TableEdits& e = m.Pending(0);
+  EXPECT_EQ(e.index, (std::vector<int32_t>{25, 26, 27}));
+  EXPECT_EQ(e.page, (std::vector<int32_t>{5, 9, 7}));
+  m.Applied(0);
+  EXPECT_TRUE(m.Pending(0).empty());
+  EXPECT_EQ(m.Pending(1).index, (std::vector<int32_t>{0}));
+  EXPECT_EQ(m.Pending(1).page, (std::vector<int32_t>{9}));
 }
 
 TEST_F(ExecutorState, ReleaseFreesPagesAndCandidates) {

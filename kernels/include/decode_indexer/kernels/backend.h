@@ -73,7 +73,6 @@ struct RowBatch {
   // step) and b otherwise (a [num_requests, stride] table built for the call).
   const int32_t* page_table = nullptr;
   int32_t page_table_stride = 0;
-  const int32_t* request_slot = nullptr;  // [num_requests] or null
   int32_t num_requests = 0;
   // Host-known bound on row_length (workspace and grid sizing; no device read needed).
   int32_t max_row_length = 0;
@@ -83,6 +82,8 @@ struct RowBatch {
   // the kernels would re-read each key tile per row instead of sharing it. Sizes passes only:
   // the answer does not depend on it.
   int32_t rows_per_request = 0;
+  // [num_requests] or null: see page_table (last, so positional initializers stay valid).
+  const int32_t* request_slot = nullptr;
 };
 
 // Where request b's page-table row starts in RowBatch::page_table (host code; the CUDA kernels
