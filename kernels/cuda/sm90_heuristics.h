@@ -17,9 +17,10 @@ namespace decode_indexer::kernels::cuda {
 // The two production kernels.
 inline constexpr MqaMath kExactDenseMqaMath = MqaMath::kWgmmaKeysMPipelined;
 inline constexpr MqaMath kFp8DenseMqaMath = MqaMath::kWgmmaKeysMPipelinedFp8;
-// What kDefault means. Exact until the fp8 kernel measures faster on the H200 (issue 17): flip
-// here after the measurement.
-inline constexpr bool kDenseLogitsFp8ByDefault = false;
+// What kDefault means: the fp8 kernel, which measured 1.36x the exact one at 64 x 32K next_n 1
+// (79% against 58% of copy bandwidth) and 1.6x at next_n 2 on the H200 (docs/results/
+// cuda-bench.md, issue 17's first run); the exact one stays a flag away (--logits-precision).
+inline constexpr bool kDenseLogitsFp8ByDefault = true;
 
 // kDefault resolved: DI_LOGITS_PRECISION (exact / fp8) if set, else kDenseLogitsFp8ByDefault.
 inline LogitsPrecision ResolveLogitsPrecision(LogitsPrecision asked) {

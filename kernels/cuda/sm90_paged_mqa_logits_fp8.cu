@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     auto locate = [&](int& page, int& valid) {
       const int b = load.request;
       const int j = load.tile - Ld<kOwnSchedule>(&prefix[b]);
-      page = __ldg(&p.rows.page_table[int64_t{b} * p.rows.page_table_stride + j]);
+      page = __ldg(&p.rows.page_table[PageRowBase(p.rows, b) + j]);
       valid = min(kMqaTileKeys, Ld<kOwnSchedule>(&req_max_len[b]) - j * kMqaTileKeys);
     };
     int next_page, next_valid;
