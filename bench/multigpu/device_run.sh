@@ -16,16 +16,27 @@ bundle=$1
 out=$2
 mode=${3:-}
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
-date -u | tee -a "$out/gpu.txt"
 failed=0
-run() {  # name, timeout seconds, command...
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/bench.log"
+date -u | tee -a "$out/bench.log"
+# Every log goes to OUT/bench.log (the device tool brings back a few files only).
+log="$out/bench.log"
+run() {  # name, timeout seconds, command...: our binaries see the bundle's libraries only
   local name=$1 limit=$2
   shift 2
-  echo "== $name: $*" | tee "$out/$name.log"
-  LD_LIBRARY_PATH="$bundle/lib" timeout "$limit" "$@" >>"$out/$name.log" 2>&1
+  echo "== $name: $*" | tee -a "$log"
+  LD_LIBRARY_PATH="$bundle/lib" timeout "$limit" "$@" >>"$log" 2>&1
   local rc=$?
-  echo "$name rc=$rc" | tee -a "$out/rc.txt"
+  echo "$name rc=$rc" | tee -a "$log"
+  [[ $rc -ne 0 ]] && failed=1
+}
+py() {  # name, timeout seconds, command...: DeepGEMM's tools, with the machine's own libraries
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name: $*" | tee -a "$log"
+  timeout "$limit" "$@" >>"$log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc" | tee -a "$log"
   [[ $rc -ne 0 ]] && failed=1
 }
 args=(--backend cuda --ranks 1 --requests 64 --contexts 32768,65536 --next-n 1,2 --steps 50
@@ -38,8 +49,8 @@ run multigpu_after_exact 150 env DI_LOGITS_PRECISION=exact \
 run multigpu_after 150 "$bundle/decode-indexer-bench-multigpu" "${args[@]}"
 if [ "$mode" = dg ]; then
   run bench_cuda 240 "$bundle/decode-indexer-bench-cuda" --out "$out/cuda_bench.json"
-  run dg_build 120 bash .peer/deepgemm/dg_build.sh
-  run dg_bench 240 python3 .peer/deepgemm/dg_bench.py --configs "$out/cuda_bench.json" \
+  py dg_build 120 bash .peer/deepgemm/dg_build.sh
+  py dg_bench 240 python3 .peer/deepgemm/dg_bench.py --configs "$out/cuda_bench.json" \
     --out "$out/dg.json"
   python3 .peer/deepgemm/compare.py "$out/cuda_bench.json" "$out/dg.json" | tee "$out/compare.md"
 fi
