@@ -46,6 +46,8 @@ if [ -x "$bundle/before/decode-indexer-bench-multigpu" ]; then
 fi
 run multigpu_after_exact 150 env DI_LOGITS_PRECISION=exact \
   "$bundle/decode-indexer-bench-multigpu" "${args[@]}"
+run multigpu_after_exact_no_copy_helpers 150 env DI_LOGITS_PRECISION=exact DI_BULK_COPY_HELPERS=0 \
+  "$bundle/decode-indexer-bench-multigpu" "${args[@]}"
 run multigpu_after 150 "$bundle/decode-indexer-bench-multigpu" "${args[@]}"
 if [ "$mode" = dg ]; then
   run bench_cuda 240 "$bundle/decode-indexer-bench-cuda" --out "$out/cuda_bench.json"

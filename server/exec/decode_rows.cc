@@ -6,6 +6,7 @@
 #include <functional>
 
 #include "absl/strings/str_cat.h"
+#include "server/exec/bulk_copy.h"
 #include "server/exec/candidate_overlap.h"
 #include "server/exec/row_shard.h"
 #include "spdlog/spdlog.h"
@@ -70,7 +71,7 @@ class Staging {
   absl::Status UploadStaged(void* dst, const void* src, size_t bytes) {
     absl::StatusOr<uint8_t*> host = Reserve(bytes);
     if (!host.ok()) return host.status();
-    std::memcpy(*host, src, bytes);
+    BulkCopy(*host, src, bytes);
     return be_.CopyToDevice(dst, *host, bytes);
   }
 
@@ -121,7 +122,7 @@ class Readback {
   void Finish() {
     for (const Pending& p : pending_) {
       if (p.dst != nullptr) {
-        std::memcpy(p.dst, p.landing, p.bytes);
+        BulkCopy(p.dst, p.landing, p.bytes);
       } else {
         rank_.last_readback.push_back(
             {p.candidates, p.elem_offset, p.landing, p.bytes / sizeof(int32_t)});

@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "decode_indexer/kernels/backend.h"
 #include "decode_indexer/kernels/rope.h"
+#include "server/exec/bulk_copy.h"
 #include "server/exec/candidate_overlap.h"
 #include "server/exec/collective.h"
 #include "server/exec/decode_rows.h"
@@ -305,18 +306,20 @@ class ExecutorImpl final : public Executor {
     }
     std::sort(pieces.begin(), pieces.end(),
               [](const auto* a, const auto* b) { return a->elem_offset < b->elem_offset; });
-    out.clear();
-    out.reserve(total);
+    size_t filled = 0;
     for (const Rank::ReadbackPiece* piece : pieces) {
-      if (piece->elem_offset != static_cast<int64_t>(out.size()) ||
-          out.size() + piece->elems > total) {
+      if (piece->elem_offset != static_cast<int64_t>(filled) || filled + piece->elems > total) {
         return absl::InternalError("deferred answer rows do not tile the answer");
       }
-      out.insert(out.end(), piece->data, piece->data + piece->elems);
+      filled += piece->elems;
     }
-    if (out.size() != total) {
+    if (filled != total) {
       return absl::InternalError(
-          absl::StrCat("deferred answer: ", out.size(), " of ", total, " entries came back"));
+          absl::StrCat("deferred answer: ", filled, " of ", total, " entries came back"));
+    }
+    out.resize(total);
+    for (const Rank::ReadbackPiece* piece : pieces) {
+      BulkCopy(out.data() + piece->elem_offset, piece->data, piece->elems * sizeof(int32_t));
     }
     return absl::OkStatus();
   }

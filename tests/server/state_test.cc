@@ -1,11 +1,14 @@
 // Host state: the page allocator, the sequence table, and the row_shard_bounds gate.
 #include <algorithm>
+#include <atomic>
 #include <random>
 #include <set>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/exec/bulk_copy.h"
 #include "server/exec/row_shard.h"
 #include "server/state/page_allocator.h"
 #include "server/state/sequence_table.h"
@@ -127,3 +130,52 @@ TEST(RowShardBounds, GateTable) {
 
 }  // namespace
 }  // namespace decode_indexer
+
+namespace decode_indexer::testing {
+namespace {
+
+// BulkCopy with helper threads copies exactly (every byte, no byte outside the destination),
+// for sizes below and above the threshold, unaligned pointers and lengths, and from several
+// callers at once (the ones that find the helpers busy copy alone).
+TEST(BulkCopy, CopiesExactlyWithHelpersAndConcurrentCallers) {
+  const uint64_t seed = TestSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  for (int helpers : {0, 1, 3}) {
+    exec::SetBulkCopyHelpers(helpers);
+    ASSERT_EQ(exec::BulkCopyHelpers(), helpers);
+    for (size_t bytes : {size_t{1}, size_t{4095}, exec::kBulkCopyMin - 1, exec::kBulkCopyMin,
+                         exec::kBulkCopyMin + 4097, size_t{3} << 20}) {
+      SCOPED_TRACE(absl::StrCat(helpers, " helpers, ", bytes, " bytes"));
+      const size_t skew = rng() % 64;
+      std::vector<uint8_t> src(bytes + 64), dst(bytes + 128, 0xA5);
+      for (auto& b : src) b = static_cast<uint8_t>(rng());
+      exec::BulkCopy(dst.data() + 64 + skew, src.data() + skew, bytes);
+      EXPECT_TRUE(
+          std::equal(src.begin() + skew, src.begin() + skew + bytes, dst.begin() + 64 + skew));
+      EXPECT_TRUE(
+          std::all_of(dst.begin(), dst.begin() + 64 + skew, [](uint8_t b) { return b == 0xA5; }));
+      EXPECT_TRUE(std::all_of(dst.begin() + 64 + skew + bytes, dst.end(),
+                              [](uint8_t b) { return b == 0xA5; }));
+    }
+  }
+  exec::SetBulkCopyHelpers(2);
+  std::vector<std::thread> callers;
+  std::atomic<int> wrong{0};
+  for (int t = 0; t < 4; ++t) {
+    callers.emplace_back([&wrong, t] {
+      std::vector<uint8_t> src(size_t{1} << 20), dst(src.size());
+      for (int round = 0; round < 20; ++round) {
+        for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 7 + t + round);
+        exec::BulkCopy(dst.data(), src.data(), src.size());
+        wrong += dst != src;
+      }
+    });
+  }
+  for (auto& c : callers) c.join();
+  EXPECT_EQ(wrong.load(), 0);
+  exec::SetBulkCopyHelpers(0);
+}
+
+}  // namespace
+}  // namespace decode_indexer::testing
