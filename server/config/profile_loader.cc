@@ -14,6 +14,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "server/config/profile.h"
 #include "toml++/toml.h"
@@ -213,11 +214,6 @@ class Reader {
   std::string path_;
   std::set<std::string> seen_;
 };
-
-#define DI_RETURN_IF_ERROR(expr)                       \
-  do {                                                 \
-    if (absl::Status _s = (expr); !_s.ok()) return _s; \
-  } while (0)
 
 absl::Status ApplyRope(const json& node, const std::string& path, kernels::RopeParams* rope) {
   if (!node.is_object())

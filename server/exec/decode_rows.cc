@@ -6,6 +6,7 @@
 #include <functional>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "server/exec/bulk_copy.h"
 #include "server/exec/candidate_overlap.h"
 #include "server/exec/row_shard.h"
@@ -16,11 +17,6 @@ namespace {
 
 using kernels::CacheFormat;
 using kernels::ElemType;
-
-#define DI_RETURN_IF_ERROR(expr)                       \
-  do {                                                 \
-    if (absl::Status _s = (expr); !_s.ok()) return _s; \
-  } while (0)
 
 int64_t InputElemBytes(ElemType type) { return type == ElemType::kBF16 ? 2 : 4; }
 
