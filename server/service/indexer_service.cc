@@ -7,6 +7,7 @@
 #include <exception>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "decode_indexer/kernels/backend.h"
 #include "decode_indexer/version.h"
@@ -41,8 +42,11 @@ std::string RequestIdOf(const grpc::ServerContext* context) {
 // lost (restarted, or left a balancer's pool so that its ids now hash to another replica):
 // the message says so and how to recover.
 absl::Status WithLostSequenceHint(absl::Status s) {
-  if (s.code() != absl::StatusCode::kNotFound ||
-      s.message().find("sequence_id: no sequence ") == absl::string_view::npos ||
+  const bool unknown_sequence =
+      s.message().find("sequence_id: no sequence ") != absl::string_view::npos ||
+      (absl::StartsWith(s.message(), "sequence_ids[") &&
+       s.message().find("]: no sequence ") != absl::string_view::npos);  // a columnar step
+  if (s.code() != absl::StatusCode::kNotFound || !unknown_sequence ||
       s.message().find(" idle") != absl::string_view::npos) {  // the idle release said why
     return s;
   }
@@ -160,7 +164,7 @@ uint64_t ResponseBound(const v1::DecodeStepRequest& request, const config::Profi
                        uint64_t rows, bool answer_elsewhere) {
   const uint64_t k = static_cast<uint64_t>(profile.topk);
   uint64_t bytes = 160;  // step_id, timing, sharded, tensor and field headers (~120)
-  bytes += static_cast<uint64_t>(request.sequences_size()) * 11;  // lengths
+  bytes += static_cast<uint64_t>(StepRequestCount(request)) * 11;  // lengths
   if (answer_elsewhere) return bytes;
   if (request.answer_encoding() == v1::ANSWER_ENCODING_DELTA_VARINT) {
     bytes += rows * (VarintBytes(k) + k * VarintBytes(static_cast<uint64_t>(profile.max_context)));
@@ -454,11 +458,11 @@ absl::Status IndexerService::RunStep(grpc::ServerContext* context,
         "answer_cuda_ipc: superseded by cuda_ipc (register your own device buffer with "
         "RegisterCudaIpcMemory; the server copies the answer into it)");
   }
-  if (options_.max_sequences_per_step > 0 &&
-      request.sequences_size() > options_.max_sequences_per_step) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sequences: ", request.sequences_size(), " in one step exceed ",
-                     options_.max_sequences_per_step, " (--max-sequences-per-step)"));
+  if (const int requests = StepRequestCount(request);
+      options_.max_sequences_per_step > 0 && requests > options_.max_sequences_per_step) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        request.sequences_size() > 0 ? "sequences: " : "sequence_ids: ", requests,
+        " in one step exceed ", options_.max_sequences_per_step, " (--max-sequences-per-step)"));
   }
   if (request.timeout_us() < 0) {
     return absl::InvalidArgumentError(
@@ -578,7 +582,8 @@ absl::Status IndexerService::RunStep(grpc::ServerContext* context,
   admitted.unlock();
   if (!result.ok()) {
     CheckHealth(result.status());
-    return result.status();
+    // The executor names requests the `sequences` way; a columnar step hears its own fields.
+    return NameColumnarFields(result.status(), request);
   }
   // An executor that ignores the answer targets (a test double) answers in its vectors.
   if (step.answer_host != nullptr && !result->topk_indices.empty()) {

@@ -9,8 +9,11 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 
 namespace decode_indexer::service {
 namespace {
@@ -294,7 +297,8 @@ absl::StatusOr<exec::KeysInput> DecodeKeys(const v1::Tensor& keys, const v1::Ten
                                            absl::string_view scales_field, CacheFormat format,
                                            const config::Profile& profile,
                                            std::vector<float>& scale_storage,
-                                           std::vector<std::vector<uint8_t>>& realigned) {
+                                           std::vector<std::vector<uint8_t>>& realigned,
+                                           int64_t expected_n = kFree) {
   const int32_t d = profile.head_dim;
   const v1::DType quantized = format == CacheFormat::kFp8 ? v1::DTYPE_FP8_E4M3 : v1::DTYPE_FP4_E2M1;
   if (keys.dtype() == v1::DTYPE_FP8_E4M3 || keys.dtype() == v1::DTYPE_FP4_E2M1) {
@@ -306,7 +310,7 @@ absl::StatusOr<exec::KeysInput> DecodeKeys(const v1::Tensor& keys, const v1::Ten
     }
   }
   const v1::DType allowed[] = {v1::DTYPE_FP32, v1::DTYPE_BF16, quantized};
-  const Dim dims[] = {{kFree, "n", profile.max_context}, {d}};
+  const Dim dims[] = {{expected_n, "n", profile.max_context}, {d}};
   absl::StatusOr<std::vector<int64_t>> shape = CheckTensor(keys, keys_field, allowed, dims);
   if (!shape.ok()) return shape.status();
   const int64_t n = (*shape)[0];
@@ -350,77 +354,11 @@ absl::StatusOr<exec::KeysInput> DecodeKeys(const v1::Tensor& keys, const v1::Ten
   return out;
 }
 
-}  // namespace
-
-std::string ShapeString(const v1::Tensor& tensor) {
-  // Bounded: a client's shape of 40,000 dims must not become a 130 kB message.
-  constexpr int kMaxDims = 8;
-  if (tensor.shape_size() <= kMaxDims) {
-    return absl::StrCat("[", absl::StrJoin(tensor.shape(), ", "), "]");
-  }
-  return absl::StrCat(
-      "[", absl::StrJoin(tensor.shape().begin(), tensor.shape().begin() + kMaxDims, ", "),
-      ", ... (", tensor.shape_size(), " dims)]");
-}
-
-absl::StatusOr<DecodedAppend> DecodeAppendKeys(const v1::AppendKeysRequest& request,
-                                               const config::Profile& profile) {
-  absl::StatusOr<const config::LayerSpec*> spec = CheckLayer(profile, request.layer());
-  if (!spec.ok()) return spec.status();
-  if (!OwnsCache(**spec)) {
-    return Invalid("layer", absl::StrCat(request.layer(), " reads layer ", (*spec)->cache_layer,
-                                         "'s cache; append keys to layer ", (*spec)->cache_layer));
-  }
-  if (IsAbsent(request.keys()) && !request.has_position()) return Invalid("keys", "required");
-  if (request.has_position() && request.position() < 0) {
-    return Invalid("position", absl::StrCat("must be >= 0, got ", request.position()));
-  }
-  DecodedAppend out;
-  if (request.has_position()) out.keys.position = request.position();
-  if (IsAbsent(request.keys())) {
-    // A cut back to `position` with nothing written.
-    out.sequence_id = request.sequence_id();
-    out.layer = request.layer();
-    return out;
-  }
-  out.sequence_id = request.sequence_id();
-  out.layer = request.layer();
-  absl::StatusOr<exec::KeysInput> keys =
-      DecodeKeys(request.keys(), request.key_scales(), "keys", "key_scales", (*spec)->cache_format,
-                 profile, out.scale_storage, out.realigned);
-  if (!keys.ok()) return keys.status();
-  const std::optional<int64_t> position = out.keys.position;
-  out.keys = *keys;
-  out.keys.position = position;
-  return out;
-}
-
-absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& request,
-                                              const config::Profile& profile,
-                                              const ExternalStepBytes& external) {
-  absl::StatusOr<const config::LayerSpec*> spec_or = CheckLayer(profile, request.layer());
-  if (!spec_or.ok()) return spec_or.status();
-  const config::LayerSpec& spec = **spec_or;
+// The `sequences` form: one SequenceStep message per request. Answers the step's rows.
+absl::StatusOr<int64_t> DecodeSequenceMessages(const v1::DecodeStepRequest& request,
+                                               const config::LayerSpec& spec,
+                                               const config::Profile& profile, DecodedStep& out) {
   const CacheFormat format = spec.cache_format;
-  const int32_t h = profile.num_heads;
-  const int32_t d = profile.head_dim;
-
-  if (!v1::AnswerEncoding_IsValid(request.answer_encoding())) {
-    // An open enum keeps unknown numbers: refuse them rather than serve them as RAW.
-    return Invalid("answer_encoding",
-                   absl::StrCat("unknown value ", request.answer_encoding(),
-                                " (expected ANSWER_ENCODING_RAW or ANSWER_ENCODING_DELTA_VARINT)"));
-  }
-  if (request.sequences_size() == 0) return Invalid("sequences", "at least one required");
-  if (request.return_candidates() && spec.role != config::LayerRole::kCandidateSource) {
-    return Invalid("return_candidates",
-                   absl::StrCat("layer ", spec.layer, " is not a candidate source"));
-  }
-
-  DecodedStep out;
-  out.step.layer = request.layer();
-  out.step.step_id = request.step_id();
-  out.step.return_candidates = request.return_candidates();
   out.step.sequences.reserve(request.sequences_size());
   out.key_scales.resize(request.sequences_size());
   absl::flat_hash_map<uint64_t, int> seen;
@@ -490,9 +428,307 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
     total_rows += rows;
     out.step.sequences.push_back(std::move(in));
   }
+  return total_rows;
+}
+
+// Whether any field of the columnar form of a step's requests is set, and the first one
+// (in the proto's order) for messages.
+bool HasColumnarFields(const v1::DecodeStepRequest& r) {
+  return r.sequence_ids_size() > 0 || r.num_rows_size() > 0 || r.rows_per_sequence() != 0 ||
+         !IsAbsent(r.new_keys()) || !IsAbsent(r.new_key_scales()) || r.new_key_counts_size() > 0 ||
+         r.new_keys_positions_size() > 0 || r.row_lengths_size() > 0;
+}
+
+absl::string_view FirstColumnarField(const v1::DecodeStepRequest& r) {
+  if (r.sequence_ids_size() > 0) return "sequence_ids";
+  if (r.num_rows_size() > 0) return "num_rows";
+  if (r.rows_per_sequence() != 0) return "rows_per_sequence";
+  if (!IsAbsent(r.new_keys())) return "new_keys";
+  if (!IsAbsent(r.new_key_scales())) return "new_key_scales";
+  if (r.new_key_counts_size() > 0) return "new_key_counts";
+  if (r.new_keys_positions_size() > 0) return "new_keys_positions";
+  return "row_lengths";
+}
+
+// Bytes of one key row of `type` at head dim d.
+size_t KeyRowBytes(ElemType type, int32_t d) {
+  switch (type) {
+    case ElemType::kF32:
+      return size_t(d) * 4;
+    case ElemType::kBF16:
+      return size_t(d) * 2;
+    case ElemType::kFp4E2M1:
+      return size_t(d) / 2;
+    default:
+      return size_t(d);
+  }
+}
+
+// "3 entries for 4 sequence_ids (one per request, or none)".
+absl::Status ColumnLength(absl::string_view field, int got, int64_t want, absl::string_view what,
+                          absl::string_view otherwise) {
+  return Invalid(field,
+                 absl::StrCat(got, " entries for ", want, " ", what, " (one per ",
+                              what == "rows" ? "row" : "request", ", or none", otherwise, ")"));
+}
+
+// The columnar form: packed columns and one stacked keys tensor, decoded into the same
+// StepInput the `sequences` form gives; each request's keys point into the one tensor.
+// Answers the step's rows.
+absl::StatusOr<int64_t> DecodeColumnar(const v1::DecodeStepRequest& request,
+                                       const config::LayerSpec& spec,
+                                       const config::Profile& profile, DecodedStep& out) {
+  const int n = request.sequence_ids_size();
+  const uint64_t* ids = request.sequence_ids().data();
+  const int32_t max_rows = profile.max_rows_per_sequence;
+  const int32_t d = profile.head_dim;
+
+  // Rows: one count per request, or one for all.
+  const int32_t* num_rows = nullptr;
+  const int32_t uniform = request.rows_per_sequence();
+  if (request.num_rows_size() != 0) {
+    if (request.num_rows_size() != n) {
+      return ColumnLength("num_rows", request.num_rows_size(), n, "sequence_ids",
+                          " and rows_per_sequence");
+    }
+    if (uniform != 0) {
+      return Invalid("rows_per_sequence", "set together with num_rows (give one of them)");
+    }
+    num_rows = request.num_rows().data();
+  } else if (uniform == 0) {
+    return Invalid("rows_per_sequence", "required (or num_rows, one per sequence_ids entry)");
+  } else if (uniform < 0) {
+    return Invalid("rows_per_sequence", absl::StrCat("must be >= 1, got ", uniform));
+  } else if (uniform > max_rows) {
+    return Invalid("rows_per_sequence",
+                   absl::StrCat(uniform, " rows exceed max_rows_per_sequence ", max_rows));
+  }
+  const int32_t* counts = nullptr;
+  if (request.new_key_counts_size() != 0) {
+    if (request.new_key_counts_size() != n) {
+      return ColumnLength("new_key_counts", request.new_key_counts_size(), n, "sequence_ids", "");
+    }
+    counts = request.new_key_counts().data();
+  }
+  const int64_t* positions = nullptr;
+  if (request.new_keys_positions_size() != 0) {
+    if (request.new_keys_positions_size() != n) {
+      return ColumnLength("new_keys_positions", request.new_keys_positions_size(), n,
+                          "sequence_ids", "");
+    }
+    positions = request.new_keys_positions().data();
+  }
+  const bool owns = OwnsCache(spec);
+  const bool has_keys = !IsAbsent(request.new_keys()) || !IsAbsent(request.new_key_scales());
+  auto no_keys = [&] {
+    return absl::StrCat("layer ", spec.layer, " reads layer ", spec.cache_layer,
+                        "'s cache and takes no keys");
+  };
+  if (has_keys && !owns) return Invalid("new_keys", no_keys());
+
+  out.step.sequences.resize(n);
+  absl::flat_hash_map<uint64_t, int> seen;
+  seen.reserve(n);
+  int64_t total_rows = 0;
+  int64_t total_keys = 0;
+  for (int i = 0; i < n; ++i) {
+    auto [it, inserted] = seen.emplace(ids[i], i);
+    if (!inserted) {
+      return Invalid(
+          absl::StrCat("sequence_ids[", i, "]"),
+          absl::StrCat(ids[i], " appears twice in one step (also sequence_ids[", it->second, "])"));
+    }
+    const int32_t rows = num_rows != nullptr ? num_rows[i] : uniform;
+    if (rows < 1) {
+      return Invalid(absl::StrCat("num_rows[", i, "]"), absl::StrCat("must be >= 1, got ", rows));
+    }
+    if (rows > max_rows) {
+      return Invalid(absl::StrCat("num_rows[", i, "]"),
+                     absl::StrCat(rows, " rows exceed max_rows_per_sequence ", max_rows));
+    }
+    exec::SequenceStepInput& in = out.step.sequences[i];
+    in.sequence_id = ids[i];
+    in.num_rows = rows;
+    if (counts != nullptr) {
+      const int32_t c = counts[i];
+      const std::string field = absl::StrCat("new_key_counts[", i, "]");
+      if (c < 0) return Invalid(field, absl::StrCat("negative: ", c));
+      if (c > 0 && !owns) return Invalid(field, no_keys());
+      if (c > profile.max_context) {
+        return Invalid(field, absl::StrCat(c, " keys exceed max_context ", profile.max_context));
+      }
+      in.new_keys.count = c;
+    } else if (has_keys) {
+      in.new_keys.count = rows;  // one key per new row
+    }
+    total_keys += in.new_keys.count;
+    if (positions != nullptr) {
+      const int64_t p = positions[i];
+      const std::string field = absl::StrCat("new_keys_positions[", i, "]");
+      if (p < -1) return Invalid(field, absl::StrCat("must be >= 0, or -1 for none, got ", p));
+      if (p >= 0 && !owns) return Invalid(field, no_keys());
+      if (p >= 0) in.new_keys.position = p;
+    }
+    total_rows += rows;
+  }
+
+  // Row lengths: a request's rows are all explicit, or all 0 (causal).
+  if (request.row_lengths_size() != 0) {
+    if (request.row_lengths_size() != total_rows) {
+      return ColumnLength("row_lengths", request.row_lengths_size(), total_rows, "rows", "");
+    }
+    const int32_t* lengths = request.row_lengths().data();
+    int64_t r = 0;
+    for (int i = 0; i < n; ++i) {
+      exec::SequenceStepInput& in = out.step.sequences[i];
+      const int32_t* mine = lengths + r;
+      bool any = false;
+      for (int32_t j = 0; j < in.num_rows; ++j) any = any || mine[j] != 0;
+      if (any) {
+        for (int32_t j = 0; j < in.num_rows; ++j) {
+          const std::string field = absl::StrCat("row_lengths[", r + j, "]");
+          if (mine[j] == 0) {
+            return Invalid(field,
+                           absl::StrCat("0 (causal) among explicit lengths of sequence_ids[", i,
+                                        "]'s rows (give all of a request's rows a length, "
+                                        "or 0 on all of them)"));
+          }
+          if (mine[j] < 1 || mine[j] > profile.max_context) {
+            return Invalid(field, absl::StrCat(mine[j], " is out of range [1, ",
+                                               profile.max_context, "] (0: causal)"));
+          }
+        }
+        in.row_lengths.assign(mine, mine + in.num_rows);
+      }
+      r += in.num_rows;
+    }
+  }
+
+  // Keys: one tensor, each request's slice viewed in place.
+  if (has_keys) {
+    const v1::Tensor& keys = request.new_keys();
+    if (keys.shape_size() == 2 && keys.shape(0) != total_keys) {
+      return Invalid("new_keys.shape",
+                     absl::StrCat("expected [", total_keys, ", ", d, "] (",
+                                  counts != nullptr ? "the sum of new_key_counts"
+                                                    : "one key per row: new_key_counts is empty",
+                                  "), got ", ShapeString(keys)));
+    }
+    out.key_scales.resize(1);
+    absl::StatusOr<exec::KeysInput> all =
+        DecodeKeys(keys, request.new_key_scales(), "new_keys", "new_key_scales", spec.cache_format,
+                   profile, out.key_scales[0], out.realigned, total_keys);
+    if (!all.ok()) return all.status();
+    const char* base = static_cast<const char*>(all->keys);
+    const char* scales = static_cast<const char*>(all->scales);
+    const size_t row_bytes = KeyRowBytes(all->type, d);
+    const size_t scale_bytes =
+        spec.cache_format == CacheFormat::kFp8 ? sizeof(float) : size_t(d) / 32;
+    int64_t at = 0;
+    for (exec::SequenceStepInput& in : out.step.sequences) {
+      if (in.new_keys.count > 0) {
+        in.new_keys.type = all->type;
+        in.new_keys.keys = base + at * row_bytes;
+        in.new_keys.scales = scales != nullptr ? scales + at * scale_bytes : nullptr;
+      }
+      at += in.new_keys.count;
+    }
+  } else if (total_keys > 0) {
+    return Invalid("new_keys", absl::StrCat("required: new_key_counts give ", total_keys, " keys"));
+  }
+  return total_rows;
+}
+
+}  // namespace
+
+std::string ShapeString(const v1::Tensor& tensor) {
+  // Bounded: a client's shape of 40,000 dims must not become a 130 kB message.
+  constexpr int kMaxDims = 8;
+  if (tensor.shape_size() <= kMaxDims) {
+    return absl::StrCat("[", absl::StrJoin(tensor.shape(), ", "), "]");
+  }
+  return absl::StrCat(
+      "[", absl::StrJoin(tensor.shape().begin(), tensor.shape().begin() + kMaxDims, ", "),
+      ", ... (", tensor.shape_size(), " dims)]");
+}
+
+absl::StatusOr<DecodedAppend> DecodeAppendKeys(const v1::AppendKeysRequest& request,
+                                               const config::Profile& profile) {
+  absl::StatusOr<const config::LayerSpec*> spec = CheckLayer(profile, request.layer());
+  if (!spec.ok()) return spec.status();
+  if (!OwnsCache(**spec)) {
+    return Invalid("layer", absl::StrCat(request.layer(), " reads layer ", (*spec)->cache_layer,
+                                         "'s cache; append keys to layer ", (*spec)->cache_layer));
+  }
+  if (IsAbsent(request.keys()) && !request.has_position()) return Invalid("keys", "required");
+  if (request.has_position() && request.position() < 0) {
+    return Invalid("position", absl::StrCat("must be >= 0, got ", request.position()));
+  }
+  DecodedAppend out;
+  if (request.has_position()) out.keys.position = request.position();
+  if (IsAbsent(request.keys())) {
+    // A cut back to `position` with nothing written.
+    out.sequence_id = request.sequence_id();
+    out.layer = request.layer();
+    return out;
+  }
+  out.sequence_id = request.sequence_id();
+  out.layer = request.layer();
+  absl::StatusOr<exec::KeysInput> keys =
+      DecodeKeys(request.keys(), request.key_scales(), "keys", "key_scales", (*spec)->cache_format,
+                 profile, out.scale_storage, out.realigned);
+  if (!keys.ok()) return keys.status();
+  const std::optional<int64_t> position = out.keys.position;
+  out.keys = *keys;
+  out.keys.position = position;
+  return out;
+}
+
+absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& request,
+                                              const config::Profile& profile,
+                                              const ExternalStepBytes& external) {
+  absl::StatusOr<const config::LayerSpec*> spec_or = CheckLayer(profile, request.layer());
+  if (!spec_or.ok()) return spec_or.status();
+  const config::LayerSpec& spec = **spec_or;
+  const CacheFormat format = spec.cache_format;
+  const int32_t h = profile.num_heads;
+  const int32_t d = profile.head_dim;
+
+  if (!v1::AnswerEncoding_IsValid(request.answer_encoding())) {
+    // An open enum keeps unknown numbers: refuse them rather than serve them as RAW.
+    return Invalid("answer_encoding",
+                   absl::StrCat("unknown value ", request.answer_encoding(),
+                                " (expected ANSWER_ENCODING_RAW or ANSWER_ENCODING_DELTA_VARINT)"));
+  }
+  const bool columnar = HasColumnarFields(request);
+  if (columnar && request.sequences_size() > 0) {
+    return Invalid(FirstColumnarField(request),
+                   "the columnar form cannot be mixed with sequences (send one form)");
+  }
+  if (columnar && request.sequence_ids_size() == 0) {
+    return Invalid("sequence_ids", absl::StrCat("required with ", FirstColumnarField(request),
+                                                " (the columnar form)"));
+  }
+  if (!columnar && request.sequences_size() == 0) {
+    return Invalid("sequences", "at least one required (or sequence_ids, the columnar form)");
+  }
+  if (request.return_candidates() && spec.role != config::LayerRole::kCandidateSource) {
+    return Invalid("return_candidates",
+                   absl::StrCat("layer ", spec.layer, " is not a candidate source"));
+  }
+
+  DecodedStep out;
+  out.step.layer = request.layer();
+  out.step.step_id = request.step_id();
+  out.step.return_candidates = request.return_candidates();
+  absl::StatusOr<int64_t> rows_or = columnar ? DecodeColumnar(request, spec, profile, out)
+                                             : DecodeSequenceMessages(request, spec, profile, out);
+  if (!rows_or.ok()) return rows_or.status();
+  const int64_t total_rows = *rows_or;
   // Bounded by sequences * max_rows_per_sequence; still refuse what an int32 cannot count.
   if (total_rows > std::numeric_limits<int32_t>::max() / (int64_t{h} * d)) {
-    return Invalid("sequences", absl::StrCat(total_rows, " rows in one step are too many"));
+    return Invalid(columnar ? "sequence_ids" : "sequences",
+                   absl::StrCat(total_rows, " rows in one step are too many"));
   }
   out.step.num_rows = static_cast<int32_t>(total_rows);
 
@@ -595,6 +831,55 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
     out.step.q.positions = out.positions.data();
   }
   return out;
+}
+
+absl::Status NameColumnarFields(const absl::Status& status, const v1::DecodeStepRequest& request) {
+  const absl::string_view message = status.message();
+  constexpr absl::string_view kPrefix = "sequences[";
+  if (status.ok() || request.sequences_size() > 0 || request.sequence_ids_size() == 0 ||
+      !absl::StartsWith(message, kPrefix)) {
+    return status;
+  }
+  const size_t close = message.find(']');
+  int64_t i = 0;
+  if (close == absl::string_view::npos ||
+      !absl::SimpleAtoi(message.substr(kPrefix.size(), close - kPrefix.size()), &i) || i < 0 ||
+      i >= request.sequence_ids_size()) {
+    return status;
+  }
+  absl::string_view rest = message.substr(close + 1);  // ".row_lengths[1]: ..." or ": ..."
+  const std::string request_name = absl::StrCat("sequence_ids[", i, "]");
+  std::string renamed;
+  auto take = [&](absl::string_view field) { return absl::ConsumePrefix(&rest, field); };
+  if (take(".sequence_id")) {
+    renamed = absl::StrCat(request_name, rest);
+  } else if (take(".num_rows")) {
+    renamed = request.num_rows_size() > 0
+                  ? absl::StrCat("num_rows[", i, "]", rest)
+                  : absl::StrCat("rows_per_sequence (", request_name, ")", rest);
+  } else if (take(".row_lengths[")) {
+    // Row j of request i is entry (rows of the requests before it) + j of the column.
+    const size_t end = rest.find(']');
+    int64_t j = 0;
+    if (end == absl::string_view::npos || !absl::SimpleAtoi(rest.substr(0, end), &j)) {
+      return status;
+    }
+    int64_t first = 0;
+    for (int64_t r = 0; r < i; ++r) {
+      first += request.num_rows_size() > 0 ? request.num_rows(static_cast<int>(r))
+                                           : request.rows_per_sequence();
+    }
+    renamed = absl::StrCat("row_lengths[", first + j, "]", rest.substr(end + 1));
+  } else if (take(".row_lengths")) {
+    renamed = absl::StrCat("row_lengths (", request_name, ")", rest);
+  } else if (take(".new_keys_position")) {
+    renamed = absl::StrCat("new_keys_positions[", i, "]", rest);
+  } else if (take(".new_keys")) {
+    renamed = absl::StrCat("new_keys (", request_name, "'s keys)", rest);
+  } else {
+    renamed = absl::StrCat(request_name, rest);
+  }
+  return absl::Status(status.code(), renamed);
 }
 
 }  // namespace decode_indexer::service

@@ -8,6 +8,12 @@
 // positions -> int64, a misaligned fp32/int64 buffer) is copied into storage the decoded
 // object owns. Error messages name the field the proto way:
 // "sequences[1].new_keys.shape: expected [n, 128], got [3, 64]".
+//
+// A step's requests come as `sequences` (a message per request) or in the columnar form
+// (sequence_ids, num_rows / rows_per_sequence, one stacked new_keys tensor with
+// new_key_counts, new_keys_positions, row_lengths): both decode into the same StepInput,
+// the columnar one without a loop over messages (each request's keys point into the one
+// tensor). A request mixing the forms is refused.
 #pragma once
 
 #include <cstdint>
@@ -36,9 +42,10 @@ struct DecodedAppend {
 // they point into vector buffers, which a move does not relocate.
 struct DecodedStep {
   exec::StepInput step;
-  std::vector<float> weights;                   // fp32 weights when converted or realigned
-  std::vector<int64_t> positions;               // int64 positions (always owned)
-  std::vector<std::vector<float>> key_scales;   // realigned fp32 key scales, per sequence
+  std::vector<float> weights;      // fp32 weights when converted or realigned
+  std::vector<int64_t> positions;  // int64 positions (always owned)
+  // Realigned fp32 key scales: per sequence, or one entry for the columnar form's new_keys.
+  std::vector<std::vector<float>> key_scales;
   std::vector<std::vector<uint8_t>> realigned;  // realigned fp32 q / keys where needed
 };
 
@@ -57,6 +64,18 @@ struct ExternalStepBytes {
 absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& request,
                                               const config::Profile& profile,
                                               const ExternalStepBytes& external = {});
+
+// The requests a step names, in either form (`sequences` or sequence_ids).
+inline int StepRequestCount(const v1::DecodeStepRequest& request) {
+  return request.sequences_size() > 0 ? request.sequences_size() : request.sequence_ids_size();
+}
+
+// An executor's error about a step names the request the `sequences` way
+// ("sequences[2].row_lengths[1]: ..."); for a step sent in the columnar form this answers
+// the same status naming the columnar field ("row_lengths[5]: ...", "sequence_ids[2]: ...",
+// "new_keys_positions[2]: ..."). Other statuses, and steps in the `sequences` form, pass
+// unchanged.
+absl::Status NameColumnarFields(const absl::Status& status, const v1::DecodeStepRequest& request);
 
 // "[3, 64]" — shapes in messages.
 std::string ShapeString(const v1::Tensor& tensor);

@@ -7,13 +7,16 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "client/tensor.h"
 #include "server/config/profile.h"
+#include "tests/service/columnar.h"
 #include "tests/test_seed.h"
 
 namespace decode_indexer::service {
@@ -552,6 +555,446 @@ TEST_F(RequestDecodeTest, ExternalBytesAreReadInPlace) {
   absl::StatusOr<DecodedStep> bad = DecodeStepRequest(shaped, v32_, short_ext);
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(std::string(bad.status().message()).rfind("q.data:", 0), 0u) << bad.status();
+}
+
+// ---- The columnar form (sequence_ids, num_rows, one stacked new_keys, ...) ----
+
+class ColumnarDecodeTest : public RequestDecodeTest {
+ protected:
+  enum class Keys { kF32, kBF16, kCodes };
+
+  // A random step in the `sequences` form: `rows` rows per request (0: 1..3 at random), keys
+  // in one form for all requests where the layer owns a cache (some requests without), and
+  // optionally positions and explicit row lengths on some requests; fp32 q with positions.
+  v1::DecodeStepRequest RandomStep(const config::Profile& p, int layer, int requests, int rows,
+                                   Keys form, bool lengths, bool positions) {
+    const config::LayerSpec& spec = p.layers[layer];
+    const bool owns = spec.role != config::LayerRole::kCandidateConsumer;
+    const int D = p.head_dim;
+    v1::DecodeStepRequest req;
+    req.set_layer(layer);
+    req.set_step_id(rng_());
+    int total = 0;
+    for (int i = 0; i < requests; ++i) {
+      v1::SequenceStep* s = req.add_sequences();
+      s->set_sequence_id(rng_());
+      const int n = rows > 0 ? rows : 1 + static_cast<int>(rng_() % 3);
+      s->set_num_rows(n);
+      total += n;
+      if (lengths && rng_() % 2 == 0) {
+        for (int j = 0; j < n; ++j) s->add_row_lengths(1 + static_cast<int32_t>(rng_() % 9000));
+        if (rng_() % 2 == 0) s->set_num_rows(0);  // the count from row_lengths
+      }
+      if (positions && owns && rng_() % 2 == 0) s->set_new_keys_position(rng_() % 5000);
+      if (!owns || rng_() % 4 == 0) continue;  // this request brings no keys
+      const int k = rng_() % 3 == 0 ? 1 + static_cast<int>(rng_() % 4) : n;
+      switch (form) {
+        case Keys::kF32:
+          *s->mutable_new_keys() = F32Tensor(Random(size_t(k) * D), {k, D});
+          break;
+        case Keys::kBF16:
+          *s->mutable_new_keys() = Bf16Tensor(Random(size_t(k) * D), {k, D});
+          break;
+        case Keys::kCodes:
+          if (spec.cache_format == kernels::CacheFormat::kFp8) {
+            *s->mutable_new_keys() =
+                CodesTensor(v1::DTYPE_FP8_E4M3, RandomFp8(size_t(k) * D), {k, D});
+            std::vector<float> sc(k);
+            for (float& x : sc) x = std::ldexp(1.0f, -static_cast<int>(rng_() % 9));
+            *s->mutable_new_key_scales() = F32Tensor(sc, {k});
+          } else {
+            *s->mutable_new_keys() =
+                CodesTensor(v1::DTYPE_FP4_E2M1, RandomBytes(size_t(k) * D / 2), {k, D});
+            *s->mutable_new_key_scales() =
+                CodesTensor(v1::DTYPE_UE8M0, RandomUe8m0(size_t(k) * D / 32), {k, D / 32});
+          }
+          break;
+      }
+    }
+    *req.mutable_q() =
+        F32Tensor(Random(size_t{1} * total * p.num_heads * D), {total, p.num_heads, D});
+    *req.mutable_weights() =
+        F32Tensor(Random(size_t{1} * total * p.num_heads), {total, p.num_heads});
+    std::vector<int64_t> pos(total);
+    for (int64_t& x : pos) x = rng_() % 5000;
+    *req.mutable_positions() = I64Tensor(pos, {total});
+    return req;
+  }
+
+  // Field by field, the bytes behind the pointers included.
+  static void ExpectSameStep(const exec::StepInput& a, const exec::StepInput& b,
+                             const config::Profile& p, const std::string& what) {
+    ASSERT_EQ(a.sequences.size(), b.sequences.size()) << what;
+    EXPECT_EQ(a.layer, b.layer) << what;
+    EXPECT_EQ(a.step_id, b.step_id) << what;
+    EXPECT_EQ(a.num_rows, b.num_rows) << what;
+    EXPECT_EQ(a.return_candidates, b.return_candidates) << what;
+    const int D = p.head_dim;
+    for (size_t i = 0; i < a.sequences.size(); ++i) {
+      const exec::SequenceStepInput& x = a.sequences[i];
+      const exec::SequenceStepInput& y = b.sequences[i];
+      const std::string at = what + ", request " + std::to_string(i);
+      EXPECT_EQ(x.sequence_id, y.sequence_id) << at;
+      EXPECT_EQ(x.num_rows, y.num_rows) << at;
+      EXPECT_EQ(x.row_lengths, y.row_lengths) << at;
+      EXPECT_EQ(x.new_keys.count, y.new_keys.count) << at;
+      EXPECT_EQ(x.new_keys.position, y.new_keys.position) << at;
+      if (x.new_keys.count == 0 || x.new_keys.count != y.new_keys.count) continue;
+      ASSERT_EQ(x.new_keys.type, y.new_keys.type) << at;
+      const size_t n = size_t(x.new_keys.count);
+      size_t key_bytes = n * D, scale_bytes = 0;
+      switch (x.new_keys.type) {
+        case kernels::ElemType::kF32:
+          key_bytes *= 4;
+          break;
+        case kernels::ElemType::kBF16:
+          key_bytes *= 2;
+          break;
+        case kernels::ElemType::kFp8E4M3:
+          scale_bytes = n * 4;
+          break;
+        default:  // FP4
+          key_bytes /= 2;
+          scale_bytes = n * D / 32;
+          break;
+      }
+      EXPECT_EQ(std::memcmp(x.new_keys.keys, y.new_keys.keys, key_bytes), 0) << at << ": keys";
+      ASSERT_EQ(x.new_keys.scales == nullptr, y.new_keys.scales == nullptr) << at;
+      if (scale_bytes > 0) {
+        EXPECT_EQ(std::memcmp(x.new_keys.scales, y.new_keys.scales, scale_bytes), 0)
+            << at << ": key scales";
+      }
+    }
+    const size_t rows = size_t(a.num_rows);
+    EXPECT_EQ(a.q.type, b.q.type) << what;
+    EXPECT_EQ(std::memcmp(a.q.q, b.q.q, rows * p.num_heads * D * 4), 0) << what << ": q";
+    EXPECT_EQ(std::memcmp(a.q.weights, b.q.weights, rows * p.num_heads * 4), 0) << what;
+    ASSERT_EQ(a.q.positions == nullptr, b.q.positions == nullptr) << what;
+    if (a.q.positions != nullptr) {
+      EXPECT_EQ(std::memcmp(a.q.positions, b.q.positions, rows * 8), 0) << what << ": positions";
+    }
+  }
+
+  int Fp4Layer() const {
+    for (const auto& l : v41_.layers) {
+      if (l.role != config::LayerRole::kCandidateConsumer &&
+          l.cache_format == kernels::CacheFormat::kFp4) {
+        return l.layer;
+      }
+    }
+    return -1;
+  }
+  int ConsumerLayer() const {
+    for (const auto& l : v41_.layers) {
+      if (l.role == config::LayerRole::kCandidateConsumer) return l.layer;
+    }
+    return -1;
+  }
+};
+
+TEST_F(ColumnarDecodeTest, DecodesIntoTheSameStepInputAsSequences) {
+  ASSERT_GE(Fp4Layer(), 0);
+  ASSERT_GE(ConsumerLayer(), 0);
+  struct Case {
+    const config::Profile* p;
+    int layer;
+  };
+  const Case cases[] = {{&v32_, 0}, {&v32_, 7}, {&v41_, Fp4Layer()}, {&v41_, ConsumerLayer()}};
+  for (int iter = 0; iter < 60; ++iter) {
+    const Case& c = cases[iter % 4];
+    const int requests = 1 + static_cast<int>(rng_() % 12);
+    const int rows = static_cast<int>(rng_() % 3);  // 0: mixed
+    const Keys form = static_cast<Keys>(rng_() % 3);
+    const bool lengths = rng_() % 2, positions = rng_() % 2;
+    v1::DecodeStepRequest seq = RandomStep(*c.p, c.layer, requests, rows, form, lengths, positions);
+    ::decode_indexer::testing::ColumnarOptions o;
+    o.uniform_rows = rng_() % 2;
+    o.explicit_counts = rng_() % 2;
+    o.explicit_positions = rng_() % 2;
+    v1::DecodeStepRequest col = ::decode_indexer::testing::ToColumnar(seq, o);
+    const std::string what =
+        absl::StrCat("case ", iter, " (profile ", c.p->name, " layer ", c.layer, ", ", requests,
+                     " requests, keys form ", static_cast<int>(form), ", uniform ", o.uniform_rows,
+                     ", counts ", o.explicit_counts, ")");
+    ASSERT_EQ(col.sequences_size(), 0) << what;
+    absl::StatusOr<DecodedStep> a = DecodeStepRequest(seq, *c.p);
+    ASSERT_TRUE(a.ok()) << what << ": " << a.status();
+    absl::StatusOr<DecodedStep> b = DecodeStepRequest(col, *c.p);
+    ASSERT_TRUE(b.ok()) << what << ": " << b.status() << "\n"
+                        << col.ShortDebugString().substr(0, 600);
+    ExpectSameStep(a->step, b->step, *c.p, what);
+  }
+}
+
+TEST_F(ColumnarDecodeTest, KeysAreViewsOfTheOneTensor) {
+  // FP8 codes and scales: each request's keys point into new_keys' bytes, in order.
+  const int D = v32_.head_dim;
+  v1::DecodeStepRequest col;
+  col.set_layer(3);
+  for (uint64_t id : {11u, 12u, 13u}) col.add_sequence_ids(id);
+  col.set_rows_per_sequence(2);
+  for (int32_t c : {2, 0, 3}) col.add_new_key_counts(c);
+  *col.mutable_new_keys() = CodesTensor(v1::DTYPE_FP8_E4M3, RandomFp8(5 * D), {5, D});
+  *col.mutable_new_key_scales() = F32Tensor(std::vector<float>{1, 0.5f, 0.25f, 2, 4}, {5});
+  for (int64_t p : {-1, 7, 100}) col.add_new_keys_positions(p);
+  *col.mutable_q() = CodesTensor(v1::DTYPE_FP8_E4M3, RandomFp8(6 * 64 * D), {6, 64, D});
+  *col.mutable_weights() = F32Tensor(Random(6 * 64), {6, 64});
+  absl::StatusOr<DecodedStep> d = DecodeStepRequest(col, v32_);
+  ASSERT_TRUE(d.ok()) << d.status();
+  const auto& s = d->step.sequences;
+  ASSERT_EQ(s.size(), 3u);
+  EXPECT_EQ(d->step.num_rows, 6);
+  const char* keys = col.new_keys().data().data();
+  EXPECT_EQ(s[0].new_keys.keys, keys);
+  EXPECT_EQ(s[0].new_keys.count, 2);
+  EXPECT_FALSE(s[0].new_keys.position.has_value());
+  EXPECT_EQ(s[1].new_keys.count, 0);  // a cut back to 7 with no keys
+  EXPECT_EQ(s[1].new_keys.position, 7);
+  EXPECT_EQ(s[2].new_keys.keys, keys + 2 * D);
+  EXPECT_EQ(s[2].new_keys.count, 3);
+  EXPECT_EQ(s[2].new_keys.position, 100);
+  EXPECT_EQ(static_cast<const float*>(s[2].new_keys.scales)[0], 0.25f);
+  for (const auto& x : s) EXPECT_EQ(x.num_rows, 2);
+}
+
+TEST_F(ColumnarDecodeTest, RefusesMixedForms) {
+  const v1::DecodeStepRequest seq = ValidStep(v32_, 0, {1, 1});
+  v1::DecodeStepRequest req = seq;
+  req.add_sequence_ids(5);
+  ExpectRejected(req, v32_, "sequence_ids");
+  struct Field {
+    const char* name;
+    std::function<void(v1::DecodeStepRequest&)> set;
+  };
+  const Field fields[] = {
+      {"num_rows", [](auto& r) { r.add_num_rows(1); }},
+      {"rows_per_sequence", [](auto& r) { r.set_rows_per_sequence(1); }},
+      {"new_keys",
+       [&](auto& r) {
+         *r.mutable_new_keys() = F32Tensor(Random(128), {1, 128});
+       }},
+      {"new_key_scales",
+       [](auto& r) { *r.mutable_new_key_scales() = F32Tensor(std::vector<float>{1}, {1}); }},
+      {"new_key_counts", [](auto& r) { r.add_new_key_counts(1); }},
+      {"new_keys_positions", [](auto& r) { r.add_new_keys_positions(0); }},
+      {"row_lengths", [](auto& r) { r.add_row_lengths(1); }},
+  };
+  for (const Field& f : fields) {
+    req = seq;
+    f.set(req);
+    ExpectRejected(req, v32_, f.name);  // with `sequences`
+    absl::StatusOr<DecodedStep> d = DecodeStepRequest(req, v32_);
+    EXPECT_NE(d.status().message().find("cannot be mixed"), absl::string_view::npos) << d.status();
+    req.clear_sequences();
+    ExpectRejected(req, v32_, "sequence_ids");  // a columnar field without sequence_ids
+  }
+  req = seq;
+  req.clear_sequences();
+  ExpectRejected(req, v32_, "sequences");  // neither form
+}
+
+TEST_F(ColumnarDecodeTest, RejectsBadColumns) {
+  const int D = v32_.head_dim;
+  // Three requests of 1, 2, 1 rows, one fp32 key a row, at a dense v32 layer.
+  const v1::DecodeStepRequest base =
+      ::decode_indexer::testing::ToColumnar(ValidStep(v32_, 0, {1, 2, 1}));
+  ASSERT_TRUE(DecodeStepRequest(base, v32_).ok()) << DecodeStepRequest(base, v32_).status();
+  ASSERT_EQ(base.num_rows_size(), 3);
+  ASSERT_EQ(base.new_key_counts_size(), 0);
+  auto req = base;
+
+  // sequence_ids: duplicates; the rows' sum must still match q.
+  req.set_sequence_ids(2, req.sequence_ids(0));
+  ExpectRejected(req, v32_, "sequence_ids[2]");
+
+  // num_rows / rows_per_sequence.
+  req = base;
+  req.add_num_rows(1);
+  ExpectRejected(req, v32_, "num_rows");
+  req = base;
+  req.set_num_rows(1, 0);
+  ExpectRejected(req, v32_, "num_rows[1]");
+  req.set_num_rows(1, -2);
+  ExpectRejected(req, v32_, "num_rows[1]");
+  req.set_num_rows(1, v32_.max_rows_per_sequence + 1);
+  ExpectRejected(req, v32_, "num_rows[1]");
+  req = base;
+  req.set_rows_per_sequence(2);
+  ExpectRejected(req, v32_, "rows_per_sequence");  // with num_rows
+  req.clear_num_rows();
+  req.set_rows_per_sequence(0);
+  ExpectRejected(req, v32_, "rows_per_sequence");  // neither
+  req.set_rows_per_sequence(-1);
+  ExpectRejected(req, v32_, "rows_per_sequence");
+  req.set_rows_per_sequence(v32_.max_rows_per_sequence + 1);
+  ExpectRejected(req, v32_, "rows_per_sequence");
+  req.set_rows_per_sequence(1);  // 3 rows where q has 4
+  req.clear_new_keys();
+  ExpectRejected(req, v32_, "q.shape");
+
+  // new_key_counts.
+  req = base;
+  for (int32_t c : {1, 2}) req.add_new_key_counts(c);
+  ExpectRejected(req, v32_, "new_key_counts");  // 2 entries for 3 requests
+  req.add_new_key_counts(-1);
+  ExpectRejected(req, v32_, "new_key_counts[2]");
+  req.set_new_key_counts(2, static_cast<int32_t>(v32_.max_context) + 1);
+  ExpectRejected(req, v32_, "new_key_counts[2]");
+  req.set_new_key_counts(2, 2);  // 5 keys where new_keys has 4
+  ExpectRejected(req, v32_, "new_keys.shape");
+  req.set_new_key_counts(2, 1);
+  EXPECT_TRUE(DecodeStepRequest(req, v32_).ok());
+  req.clear_new_keys();  // counts say 4 keys, none sent
+  ExpectRejected(req, v32_, "new_keys");
+  for (int i = 0; i < 3; ++i) req.set_new_key_counts(i, 0);
+  EXPECT_TRUE(DecodeStepRequest(req, v32_).ok()) << "all-zero counts and no keys are valid";
+
+  // new_keys_positions.
+  req = base;
+  req.add_new_keys_positions(3);
+  ExpectRejected(req, v32_, "new_keys_positions");
+  req.add_new_keys_positions(-1);
+  req.add_new_keys_positions(-2);
+  ExpectRejected(req, v32_, "new_keys_positions[2]");
+  req.set_new_keys_positions(2, 0);
+  EXPECT_TRUE(DecodeStepRequest(req, v32_).ok());
+
+  // row_lengths: one per row (4), all or none of a request's rows.
+  req = base;
+  for (int32_t l : {5, 6, 7}) req.add_row_lengths(l);
+  ExpectRejected(req, v32_, "row_lengths");
+  req.add_row_lengths(8);
+  EXPECT_TRUE(DecodeStepRequest(req, v32_).ok());
+  req.set_row_lengths(2, 0);  // request 1's rows are 1 and 2
+  ExpectRejected(req, v32_, "row_lengths[2]");
+  req.set_row_lengths(1, 0);
+  EXPECT_TRUE(DecodeStepRequest(req, v32_).ok()) << "request 1 causal, the others explicit";
+  req.set_row_lengths(3, -4);
+  ExpectRejected(req, v32_, "row_lengths[3]");
+  req.set_row_lengths(3, static_cast<int32_t>(v32_.max_context) + 1);
+  ExpectRejected(req, v32_, "row_lengths[3]");
+
+  // new_keys and new_key_scales.
+  req = base;
+  req.mutable_new_keys()->set_shape(0, 3);
+  ExpectRejected(req, v32_, "new_keys.shape");
+  req = base;
+  req.mutable_new_keys()->set_shape(1, 64);
+  ExpectRejected(req, v32_, "new_keys.shape");
+  req = base;
+  req.mutable_new_keys()->mutable_data()->pop_back();
+  ExpectRejected(req, v32_, "new_keys.data");
+  req = base;
+  req.mutable_new_keys()->set_dtype(v1::DTYPE_INT32);
+  ExpectRejected(req, v32_, "new_keys.dtype");
+  req = base;
+  std::vector<float> k = Random(4 * D);
+  k[rng_() % k.size()] = std::numeric_limits<float>::quiet_NaN();
+  *req.mutable_new_keys() = F32Tensor(k, {4, D});
+  ExpectRejected(req, v32_, "new_keys.data");
+  req = base;
+  *req.mutable_new_keys() = CodesTensor(v1::DTYPE_FP4_E2M1, RandomBytes(4 * D / 2), {4, D});
+  ExpectRejected(req, v32_, "new_keys.dtype");  // FP4 keys at an FP8 cache
+  *req.mutable_new_keys() = CodesTensor(v1::DTYPE_FP8_E4M3, RandomFp8(4 * D), {4, D});
+  ExpectRejected(req, v32_, "new_key_scales");  // required
+  *req.mutable_new_key_scales() = F32Tensor(std::vector<float>{1, 2, 0, 4}, {4});
+  ExpectRejected(req, v32_, "new_key_scales.data");  // non-positive
+  *req.mutable_new_key_scales() = F32Tensor(std::vector<float>{1, 2, 4}, {3});
+  ExpectRejected(req, v32_, "new_key_scales.shape");
+  *req.mutable_new_key_scales() = F32Tensor(std::vector<float>{1, 2, 4, 8}, {4});
+  EXPECT_TRUE(DecodeStepRequest(req, v32_).ok());
+  *req.mutable_new_keys() = F32Tensor(Random(4 * D), {4, D});
+  ExpectRejected(req, v32_, "new_key_scales");  // scales with unquantized keys
+  req = base;
+  *req.mutable_new_keys() = F32Tensor(std::vector<float>{}, {0, D});
+  req.add_new_key_counts(0);
+  req.add_new_key_counts(0);
+  req.add_new_key_counts(0);
+  ExpectRejected(req, v32_, "new_keys.shape");  // present with no keys
+
+  // At a consumer (v41): no keys, no positions, no counts above 0.
+  const int consumer = ConsumerLayer();
+  ASSERT_GE(consumer, 0);
+  const v1::DecodeStepRequest cbase =
+      ::decode_indexer::testing::ToColumnar(ValidStep(v41_, consumer, {1, 1}));
+  ASSERT_TRUE(DecodeStepRequest(cbase, v41_).ok());
+  req = cbase;
+  *req.mutable_new_keys() = F32Tensor(Random(2 * D), {2, D});
+  ExpectRejected(req, v41_, "new_keys");
+  req = cbase;
+  req.add_new_key_counts(0);
+  req.add_new_key_counts(0);
+  EXPECT_TRUE(DecodeStepRequest(req, v41_).ok());
+  req.set_new_key_counts(1, 1);
+  ExpectRejected(req, v41_, "new_key_counts[1]");
+  req = cbase;
+  req.add_new_keys_positions(-1);
+  req.add_new_keys_positions(-1);
+  EXPECT_TRUE(DecodeStepRequest(req, v41_).ok());
+  req.set_new_keys_positions(0, 4);
+  ExpectRejected(req, v41_, "new_keys_positions[0]");
+}
+
+TEST_F(ColumnarDecodeTest, MessagesNameTheColumnarFields) {
+  auto req = ::decode_indexer::testing::ToColumnar(ValidStep(v32_, 0, {1, 1, 1, 1}));
+  req.set_sequence_ids(3, req.sequence_ids(1));
+  absl::StatusOr<DecodedStep> d = DecodeStepRequest(req, v32_);
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().message(),
+            absl::StrCat("sequence_ids[3]: ", req.sequence_ids(1),
+                         " appears twice in one step (also sequence_ids[1])"));
+  req = ::decode_indexer::testing::ToColumnar(ValidStep(v32_, 0, {1, 1}));
+  req.mutable_new_keys()->set_shape(0, 3);
+  d = DecodeStepRequest(req, v32_);
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().message(),
+            "new_keys.shape: expected [2, 128] (one key per row: new_key_counts is empty), got "
+            "[3, 128]");
+}
+
+TEST_F(ColumnarDecodeTest, ExecutorMessagesAreRenamedForColumnarSteps) {
+  // Three requests of 2, 1 and 3 rows: request 2's row 1 is row_lengths[4].
+  v1::DecodeStepRequest col;
+  for (uint64_t id : {5u, 6u, 7u}) col.add_sequence_ids(id);
+  for (int32_t n : {2, 1, 3}) col.add_num_rows(n);
+  auto renamed = [&](absl::StatusCode code, const std::string& message) {
+    return NameColumnarFields(absl::Status(code, message), col);
+  };
+  EXPECT_EQ(renamed(absl::StatusCode::kNotFound, "sequences[2].sequence_id: no sequence 7"),
+            absl::NotFoundError("sequence_ids[2]: no sequence 7"));
+  EXPECT_EQ(renamed(absl::StatusCode::kInvalidArgument,
+                    "sequences[2].row_lengths[1]: must be in [1, 9], got 12"),
+            absl::InvalidArgumentError("row_lengths[4]: must be in [1, 9], got 12"));
+  EXPECT_EQ(
+      renamed(absl::StatusCode::kInvalidArgument,
+              "sequences[1].new_keys_position: 40 is past the sequence's length 30"),
+      absl::InvalidArgumentError("new_keys_positions[1]: 40 is past the sequence's length 30"));
+  EXPECT_EQ(renamed(absl::StatusCode::kInvalidArgument,
+                    "sequences[0].num_rows: more rows than context (2 rows, length 1)"),
+            absl::InvalidArgumentError("num_rows[0]: more rows than context (2 rows, length 1)"));
+  EXPECT_EQ(
+      renamed(absl::StatusCode::kFailedPrecondition,
+              "sequences[1]: no candidates for sequence 6 at length 3"),
+      absl::FailedPreconditionError("sequence_ids[1]: no candidates for sequence 6 at length 3"));
+  EXPECT_EQ(renamed(absl::StatusCode::kOutOfRange, "sequences[0].new_keys: length 5 + 3 > 7"),
+            absl::OutOfRangeError("new_keys (sequence_ids[0]'s keys): length 5 + 3 > 7"));
+  // One count for all: row_lengths offsets by it, num_rows becomes rows_per_sequence.
+  col.clear_num_rows();
+  col.set_rows_per_sequence(2);
+  EXPECT_EQ(renamed(absl::StatusCode::kInvalidArgument, "sequences[2].row_lengths[1]: x"),
+            absl::InvalidArgumentError("row_lengths[5]: x"));
+  EXPECT_EQ(renamed(absl::StatusCode::kInvalidArgument, "sequences[1].num_rows: x"),
+            absl::InvalidArgumentError("rows_per_sequence (sequence_ids[1]): x"));
+  // Not about a request, or a step in the sequences form: unchanged.
+  EXPECT_EQ(renamed(absl::StatusCode::kInternal, "num_rows: 3 vs 4"),
+            absl::InternalError("num_rows: 3 vs 4"));
+  EXPECT_EQ(renamed(absl::StatusCode::kInvalidArgument, "sequences[9].num_rows: x"),
+            absl::InvalidArgumentError("sequences[9].num_rows: x"));  // no such request
+  v1::DecodeStepRequest seq;
+  seq.add_sequences()->set_sequence_id(5);
+  EXPECT_EQ(NameColumnarFields(absl::NotFoundError("sequences[0].sequence_id: no sequence 5"), seq),
+            absl::NotFoundError("sequences[0].sequence_id: no sequence 5"));
+  EXPECT_TRUE(NameColumnarFields(absl::OkStatus(), col).ok());
 }
 
 }  // namespace
