@@ -22,7 +22,56 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+void SetTensor(const TensorView& view, v1::Tensor& out) {
+  out.set_dtype(view.dtype);
+  for (int64_t d : view.shape) out.add_shape(d);
+  out.set_data(view.data.data(), view.data.size());
+}
+
+// Whether a step names sequences, and its first one, in either form.
+bool StepNamesSequences(const v1::DecodeStepRequest& request) {
+  return request.sequences_size() > 0 || request.sequence_ids_size() > 0;
+}
+uint64_t FirstSequence(const v1::DecodeStepRequest& request) {
+  if (request.sequences_size() > 0) return request.sequences(0).sequence_id();
+  if (request.sequence_ids_size() > 0) return request.sequence_ids(0);
+  return 0;
+}
+
 }  // namespace
+
+void BuildColumnarRequest(const ColumnarStep& step, v1::DecodeStepRequest& request) {
+  request.Clear();
+  request.set_layer(step.layer);
+  request.set_step_id(step.step_id);
+  request.set_return_candidates(step.return_candidates);
+  request.set_answer_encoding(step.answer_encoding);
+  request.set_timeout_us(step.timeout_us);
+  request.mutable_sequence_ids()->Add(step.sequence_ids.begin(), step.sequence_ids.end());
+  if (step.num_rows.empty()) {
+    request.set_rows_per_sequence(step.rows_per_sequence);
+  } else {
+    request.mutable_num_rows()->Add(step.num_rows.begin(), step.num_rows.end());
+  }
+  if (step.new_keys.present()) SetTensor(step.new_keys, *request.mutable_new_keys());
+  if (step.new_key_scales.present()) {
+    SetTensor(step.new_key_scales, *request.mutable_new_key_scales());
+  }
+  request.mutable_new_key_counts()->Add(step.new_key_counts.begin(), step.new_key_counts.end());
+  request.mutable_new_keys_positions()->Add(step.new_keys_positions.begin(),
+                                            step.new_keys_positions.end());
+  request.mutable_row_lengths()->Add(step.row_lengths.begin(), step.row_lengths.end());
+  if (step.q.present()) SetTensor(step.q, *request.mutable_q());
+  if (step.q_scales.present()) SetTensor(step.q_scales, *request.mutable_q_scales());
+  if (step.weights.present()) SetTensor(step.weights, *request.mutable_weights());
+  if (step.positions.present()) SetTensor(step.positions, *request.mutable_positions());
+}
+
+v1::DecodeStepRequest BuildColumnarRequest(const ColumnarStep& step) {
+  v1::DecodeStepRequest request;
+  BuildColumnarRequest(step, request);
+  return request;
+}
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
@@ -311,11 +360,15 @@ absl::StatusOr<uint64_t> IndexerClient::MigrateSequence(uint64_t sequence_id, In
   return response.sequence_id();
 }
 
+absl::StatusOr<StepAnswer> IndexerClient::DecodeStepColumnar(const ColumnarStep& step) {
+  return DecodeStep(BuildColumnarRequest(step));
+}
+
 absl::StatusOr<StepAnswer> IndexerClient::DecodeStep(const v1::DecodeStepRequest& request) {
   grpc::ClientContext context;
   Prepare(context);
   // A batch is replica-affine: it is routed by its first sequence.
-  if (request.sequences_size() > 0) RouteBySequence(context, request.sequences(0).sequence_id());
+  if (StepNamesSequences(request)) RouteBySequence(context, FirstSequence(request));
   v1::DecodeStepResponse response;
   const auto start = Clock::now();
   grpc::Status s = stub_->DecodeStep(&context, request, &response);
@@ -503,6 +556,11 @@ absl::Status StepStream::Write(const v1::DecodeStepRequest& request) {
     return s.ok() ? absl::UnavailableError("stream: closed by the server") : s;
   }
   return absl::OkStatus();
+}
+
+absl::Status StepStream::WriteColumnar(const ColumnarStep& step) {
+  BuildColumnarRequest(step, columnar_);
+  return Write(columnar_);
 }
 
 absl::StatusOr<StepAnswer> StepStream::Read() {

@@ -59,6 +59,61 @@ struct StepAnswer {
 // Parses and shape-checks a DecodeStepResponse.
 absl::StatusOr<StepAnswer> ParseStepResponse(const v1::DecodeStepResponse& response);
 
+// A tensor's bytes, not owned: dtype, shape in elements (FP4: the packed bytes hold two a
+// byte) and the raw little-endian row-major bytes. An empty dtype means absent.
+struct TensorView {
+  v1::DType dtype = v1::DTYPE_UNSPECIFIED;
+  std::vector<int64_t> shape;
+  std::span<const uint8_t> data;
+
+  template <typename T>
+  static TensorView Of(v1::DType dtype, std::span<const T> values, std::vector<int64_t> shape) {
+    return {dtype, std::move(shape),
+            std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(values.data()),
+                                     values.size_bytes())};
+  }
+  bool present() const { return dtype != v1::DTYPE_UNSPECIFIED; }
+};
+
+// One layer of a decode step in the columnar form (DecodeStepRequest.sequence_ids ...): the
+// requests as columns and every request's new keys as one stacked tensor, so that building
+// the request takes a constant number of copies whatever the batch (no message per
+// request). Answers exactly what the same step in the `sequences` form answers.
+struct ColumnarStep {
+  int32_t layer = 0;
+  uint64_t step_id = 0;
+  // The requests, in row order.
+  std::span<const uint64_t> sequence_ids;
+  // Rows of each request (one entry per request), or empty: rows_per_sequence for all.
+  std::span<const int32_t> num_rows;
+  int32_t rows_per_sequence = 1;
+  // Every request's new keys stacked in request order, [sum of new_key_counts, D], in any
+  // form AppendKeys takes (pre-quantized with new_key_scales); absent at a layer that reads
+  // another layer's cache.
+  TensorView new_keys;
+  TensorView new_key_scales;
+  // Keys of each request in new_keys (0: none); empty: as many as its rows.
+  std::span<const int32_t> new_key_counts;
+  // Where each request's keys start (-1: append); empty: all append.
+  std::span<const int64_t> new_keys_positions;
+  // One explicit length per row (0 on all of a request's rows: causal); empty: all causal.
+  std::span<const int32_t> row_lengths;
+  // As in DecodeStepRequest: q [rows, H, D], q_scales (FP4), weights [rows, H], positions.
+  TensorView q;
+  TensorView q_scales;
+  TensorView weights;
+  TensorView positions;
+  bool return_candidates = false;
+  v1::AnswerEncoding answer_encoding = v1::ANSWER_ENCODING_RAW;
+  int64_t timeout_us = 0;
+};
+
+// The DecodeStepRequest of `step`, built into `request` (cleared first; its buffers keep
+// their capacity when reused for the next step): every payload byte is copied once. Works
+// for DecodeStep and for a StepStream's Write.
+void BuildColumnarRequest(const ColumnarStep& step, v1::DecodeStepRequest& request);
+v1::DecodeStepRequest BuildColumnarRequest(const ColumnarStep& step);
+
 struct ClientOptions {
   // Per-call deadline.
   std::chrono::milliseconds timeout = std::chrono::seconds(120);
@@ -114,6 +169,8 @@ class StepStream {
  public:
   ~StepStream();
   absl::Status Write(const v1::DecodeStepRequest& request);
+  // The columnar form, built into a request this stream reuses step after step.
+  absl::Status WriteColumnar(const ColumnarStep& step);
   absl::StatusOr<StepAnswer> Read();
   // Write then Read.
   absl::StatusOr<StepAnswer> Step(const v1::DecodeStepRequest& request);
@@ -125,6 +182,7 @@ class StepStream {
   StepStream() = default;
   std::unique_ptr<grpc::ClientContext> context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeStepRequest, v1::DecodeStepResponse>> stream_;
+  v1::DecodeStepRequest columnar_;  // reused by WriteColumnar
   bool writes_done_ = false;
   bool finished_ = false;
   absl::Status final_;
@@ -147,7 +205,10 @@ class IndexerClient {
   absl::StatusOr<int64_t> AppendKeys(const v1::AppendKeysRequest& request);
   // Answers the pages freed.
   absl::StatusOr<int64_t> ReleaseSequence(uint64_t sequence_id);
+  // Either form of a step; a batch is routed by its first sequence.
   absl::StatusOr<StepAnswer> DecodeStep(const v1::DecodeStepRequest& request);
+  // The columnar form (BuildColumnarRequest, then DecodeStep).
+  absl::StatusOr<StepAnswer> DecodeStepColumnar(const ColumnarStep& step);
   // route_sequence_id: sent as x-di-sequence-id so that a balancer routes the stream to the
   // replica holding that sequence (every step on it must name that replica's sequences).
   absl::StatusOr<std::unique_ptr<StepStream>> OpenStream(
