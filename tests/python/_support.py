@@ -42,7 +42,8 @@ class ServerProcess:
     """A decode-indexer-server on a free local port, stopped by stop()."""
 
     def __init__(self, binary: str, profile: str, cache_pages: int, extra: list[str] = (),
-                 env: dict | None = None):
+                 env: dict | None = None, client_kwargs: dict | None = None):
+        # client_kwargs: how a client reaches it (TLS, a token), for the readiness probe.
         self.log = tempfile.NamedTemporaryFile(prefix="di_server_", suffix=".log", delete=False)
         for _ in range(3):  # the free port can be taken between probe and bind: retry
             self.port = _free_port()
@@ -53,7 +54,7 @@ class ServerProcess:
             cmd = [binary, "--listen", self.target, "--backend", "cpu", "--profile", profile,
                    "--cache-pages", str(cache_pages), "--shm-socket", self.shm_socket, *extra]
             self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-            client = di.Client(self.target)
+            client = di.Client(self.target, **(client_kwargs or {}))
             try:
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline and self.proc.poll() is None:
@@ -89,6 +90,10 @@ class ServerTestCase(unittest.TestCase):
 
     PROFILE = "v41"
     CACHE_PAGES = 512
+    # More server flags, and the client options that reach such a server (TLS, a token);
+    # setUpClass may be given them by a subclass that must make files (certificates) first.
+    SERVER_ARGS: tuple = ()
+    CLIENT_KWARGS: dict = {}
 
     @classmethod
     def setUpClass(cls) -> None:
@@ -97,8 +102,9 @@ class ServerTestCase(unittest.TestCase):
             raise unittest.SkipTest("no decode-indexer-server built (set DI_SERVER_BIN)")
         if not os.access(binary, os.X_OK):
             raise FileNotFoundError(f"DI_SERVER_BIN={binary} is not an executable")
-        cls.server = ServerProcess(binary, cls.PROFILE, cls.CACHE_PAGES)
-        cls.client = di.Client(cls.server.target, timeout=60)
+        cls.server = ServerProcess(binary, cls.PROFILE, cls.CACHE_PAGES, list(cls.SERVER_ARGS),
+                                   client_kwargs=cls.CLIENT_KWARGS)
+        cls.client = di.Client(cls.server.target, timeout=60, **cls.CLIENT_KWARGS)
         cls.info = cls.client.server_info()
         seed = int.from_bytes(os.urandom(8), "little")
         print(f"\n[{cls.__name__}] server {binary} profile {cls.PROFILE} seed {seed}",

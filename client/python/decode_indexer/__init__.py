@@ -6,6 +6,8 @@
     client.append_keys(seq, layer=0, keys=keys)          # [n, D] float32, or di.quant codes
     result = client.decode_step(0, [di.SequenceStep(seq)], q, weights, positions=pos)
     result.topk                                          # int32 [rows, K]
+    # a batch as arrays (no message per request): ids [n], keys stacked [n, D]
+    result = client.decode_step_columnar(0, ids, q, weights, new_keys=keys, positions=pos)
 """
 
 from ._generate import ensure_generated as _ensure_generated
@@ -15,6 +17,7 @@ _ensure_generated()
 
 from . import quant  # noqa: E402
 from ._wire import DType, TypedArray, typed  # noqa: E402
+from .aio import AsyncClient, AsyncDecodeStream  # noqa: E402
 from .client import (  # noqa: E402
     Client,
     DecodeResult,
@@ -23,14 +26,15 @@ from .client import (  # noqa: E402
     SequenceStep,
     ServerInfo,
     Timing,
+    encode_columnar_step,
 )
 from .errors import IndexerError  # noqa: E402
 from .shm import SharedMemoryRegion  # noqa: E402
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "Client", "DecodeResult", "DecodeStream", "DType", "IndexerError", "LayerInfo",
-    "SequenceStep", "ServerInfo", "SharedMemoryRegion", "Timing", "TypedArray", "quant",
-    "typed",
+    "AsyncClient", "AsyncDecodeStream", "Client", "DecodeResult", "DecodeStream", "DType",
+    "IndexerError", "LayerInfo", "SequenceStep", "ServerInfo", "SharedMemoryRegion", "Timing",
+    "TypedArray", "encode_columnar_step", "quant", "typed",
 ]

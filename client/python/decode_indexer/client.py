@@ -1,13 +1,18 @@
 """The typed client: a thin layer over the decode_indexer.v1 gRPC API.
 
 Requests carrying tensors (AppendKeys, DecodeStep, DecodeStream) are encoded by `_wire` so the
-payload is copied once; everything else goes through the generated message classes.
+payload is copied once, and a step's answer is read in place from the response bytes (the
+large fields are never copied; the small ones go through the generated class); everything
+else goes through the generated message classes. The generated classes copy a tensor's bytes
+two or three times each way, which measured several times slower for a 64-row step
+(client/python/benchmarks/step_codec.py, docs/results/python-client.md).
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import os
 import queue
 import random
 import threading
@@ -220,6 +225,70 @@ def _result(resp: pb.DecodeStepResponse, client_us: float,
     )
 
 
+def _array_in(buf: bytes, info: tuple, what: str) -> np.ndarray:
+    """The int32 [rows, n] array a response Tensor holds, viewed in the response bytes."""
+    dtype, shape, offset, length = info
+    if dtype != pb.DTYPE_INT32 or len(shape) != 2 or length != shape[0] * shape[1] * 4:
+        raise IndexerError(grpc.StatusCode.INTERNAL,
+                           f"{what}: expected int32 [rows, n] in the response, got "
+                           f"{pb.DType.Name(dtype) if dtype in pb.DType.values() else dtype} "
+                           f"{list(shape)} with {length} bytes")
+    return np.frombuffer(buf, dtype="<i4", count=shape[0] * shape[1],
+                         offset=offset).reshape(shape)
+
+
+def _region_in(info: tuple, flat: np.ndarray | None, rows: int, what: str) -> np.ndarray:
+    """The [rows, n] answer the server wrote into the region (the response has the shape)."""
+    _, shape, _, length = info
+    if len(shape) != 2 or shape[0] != rows or length or flat is None or flat.size < rows * shape[1]:
+        raise IndexerError(grpc.StatusCode.INTERNAL,
+                           f"{what}: expected a shape-only [{rows}, n] answer in shared memory, "
+                           f"got shape {list(shape)} with {length} bytes")
+    return flat[:rows * shape[1]].reshape(shape)
+
+
+def _result_bytes(buf: bytes, client_us: float, placed: _InRegion | None = None,
+                  delta: bool = False) -> DecodeResult:
+    """A step's answer from the serialized DecodeStepResponse, read in place: topk and the
+    candidate blocks are read-only views of `buf`. Anything unexpected in the bytes falls back
+    to the generated class (same answer, a few copies slower)."""
+    try:
+        small, tensors, delta_at = _wire.split_step_response(buf)
+    except (ValueError, IndexError):
+        return _result(pb.DecodeStepResponse.FromString(buf), client_us, placed, delta)
+    head = pb.DecodeStepResponse.FromString(small)
+    lengths = head.lengths
+    topk_info = tensors.get(2, (0, (), 0, 0))
+    cand_info = tensors.get(3)
+    if placed is not None:
+        topk = _region_in(topk_info, placed.answer, placed.rows, "topk")
+        candidates = (None if cand_info is None else
+                      _region_in(cand_info, placed.candidates, placed.rows, "candidate_blocks"))
+    else:
+        if delta:
+            dtype, shape, _, length = topk_info
+            if dtype != pb.DTYPE_INT32 or len(shape) != 2 or length:
+                raise IndexerError(grpc.StatusCode.INTERNAL,
+                                   f"topk: expected a shape-only int32 [rows, K] with a delta "
+                                   f"answer, got {list(shape)} with {length} bytes")
+            at, n = delta_at if delta_at is not None else (0, 0)
+            try:
+                topk = _wire.decode_topk_delta(memoryview(buf)[at:at + n], shape[0], shape[1])
+            except ValueError as e:
+                raise IndexerError(grpc.StatusCode.INTERNAL, str(e)) from None
+        else:
+            topk = _array_in(buf, topk_info, "topk")
+        candidates = None if cand_info is None else _array_in(buf, cand_info, "candidate_blocks")
+    return DecodeResult(
+        step_id=head.step_id,
+        topk=topk,
+        candidate_blocks=candidates,
+        timing=Timing(head.timing.queue_us, head.timing.compute_us, client_us),
+        lengths=np.fromiter(lengths, dtype=np.int64, count=len(lengths)),
+        sharded=head.sharded,
+    )
+
+
 def _encode_append(sequence_id: int, layer: int, keys: Any, key_scales: Any,
                    position: int | None = None) -> bytes:
     head = pb.AppendKeysRequest(sequence_id=sequence_id, layer=layer)
@@ -248,7 +317,7 @@ def _answer_view(region: SharedMemoryRegion, view: Any, need: int, what: str) ->
     return offset, view.reshape(-1)
 
 
-def _place_in_region(region: SharedMemoryRegion, steps: Sequence[SequenceStep], q: Any,
+def _place_in_region(region: SharedMemoryRegion, rows: int, q: Any,
                      q_scales: Any, weights: Any, answer: Any, candidates: Any,
                      return_candidates: bool) -> tuple[pb.SharedMemoryStep, _InRegion]:
     """The step's SharedMemoryStep: the offsets of q / q_scales / weights (views of the region)
@@ -262,7 +331,6 @@ def _place_in_region(region: SharedMemoryRegion, steps: Sequence[SequenceStep], 
     if answer is None:
         raise ValueError("shared_memory: give `answer`, an int32 view of the region with room "
                          "for [rows, K]")
-    rows = _rows_of(steps)
     sm = pb.SharedMemoryStep(region_id=region.region_id, q_offset=offset(q, "q"),
                              weights_offset=offset(weights, "weights"))
     if q_scales is not None:
@@ -296,7 +364,8 @@ def _encode_step(layer: int, steps: Sequence[SequenceStep], q: Any, weights: Any
                          "writes the int32 answer into the region (use 'raw')")
     if shared_memory is not None:
         head["shared_memory"], placed = _place_in_region(
-            shared_memory, steps, q, q_scales, weights, answer, candidates, return_candidates)
+            shared_memory, _rows_of(steps), q, q_scales, weights, answer, candidates,
+            return_candidates)
     elif answer is not None or candidates is not None:
         raise ValueError("answer / candidates views are for shared-memory steps: pass "
                          "shared_memory=region too")
@@ -339,35 +408,190 @@ def encode_decode_step(layer: int, steps: Sequence[SequenceStep], q: Any, weight
                         timeout_us)[0]
 
 
+def _column(values: Any, what: str, kind: str) -> list[int]:
+    """A small integer column (num_rows, new_key_counts, ...) as a list for the generated
+    class: one conversion, whatever the input (list, NumPy array, CPU tensor)."""
+    arr = _wire._as_numpy(values, what) if _wire._is_torch(values) else np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{what}: expected a 1-D array, got shape {list(arr.shape)}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"{what}: expected {kind} integers, got {arr.dtype}")
+    return arr.tolist()
+
+
+def _encode_columnar(layer: int, sequence_ids: Any, q: Any, weights: Any, *, num_rows: Any = 1,
+                     new_keys: Any = None, new_key_scales: Any = None,
+                     new_key_counts: Any = None, new_keys_positions: Any = None,
+                     row_lengths: Any = None, q_scales: Any = None, positions: Any = None,
+                     step_id: int = 0, return_candidates: bool = False,
+                     shared_memory: SharedMemoryRegion | None = None, answer: Any = None,
+                     candidates: Any = None, answer_encoding: str = "raw",
+                     timeout_us: int | None = None) -> tuple[bytes, _InRegion | None]:
+    """The serialized columnar DecodeStepRequest: the scalars and small columns through the
+    generated class, the ids as one packed fixed64 field and each tensor as a header and a
+    view of its bytes, joined once (the payload's one copy). No loop over requests."""
+    scalars = [(1, int(layer)), (7, int(step_id)), (8, 1 if return_candidates else 0),
+               (9, _answer_encoding(answer_encoding)), (12, _timeout_us(timeout_us))]
+    head: dict = {}  # the columns and messages, through the generated class
+    ids = _wire.packed_fixed64_parts(14, sequence_ids, "sequence_ids")
+    if not ids:
+        raise ValueError("sequence_ids: at least one request")
+    if isinstance(num_rows, (int, np.integer)) and not isinstance(num_rows, bool):
+        scalars.append((16, int(num_rows)))
+        rows = int(num_rows) * (len(ids[1]) // 8)
+    else:
+        head["num_rows"] = _column(num_rows, "num_rows", "int32")
+        rows = sum(head["num_rows"])
+    if not 0 <= step_id < 1 << 64 or not -(1 << 31) <= layer < 1 << 31:
+        raise ValueError(f"layer (int32) or step_id (uint64) out of range: {layer}, {step_id}")
+    if new_key_counts is not None:
+        head["new_key_counts"] = _column(new_key_counts, "new_key_counts", "int32")
+    if new_keys_positions is not None:
+        head["new_keys_positions"] = _column(new_keys_positions, "new_keys_positions", "int64")
+    if row_lengths is not None:
+        head["row_lengths"] = _column(row_lengths, "row_lengths", "int32")
+    placed = None
+    if shared_memory is not None and answer_encoding != "raw":
+        raise ValueError("answer_encoding='delta' cannot combine with shared_memory: the server "
+                         "writes the int32 answer into the region (use 'raw')")
+    if shared_memory is not None:
+        head["shared_memory"], placed = _place_in_region(
+            shared_memory, rows, q, q_scales, weights, answer, candidates, return_candidates)
+    elif answer is not None or candidates is not None:
+        raise ValueError("answer / candidates views are for shared-memory steps: pass "
+                         "shared_memory=region too")
+    inline = shared_memory is None
+    parts: list = [_wire.scalar_fields(scalars), *ids]
+    if head:
+        parts.append(pb.DecodeStepRequest(**head).SerializeToString())
+    parts += _wire.tensor_parts(3, q, "q", inline)
+    if q_scales is not None:
+        parts += _wire.tensor_parts(4, q_scales, "q_scales", inline)
+    parts += _wire.tensor_parts(5, weights, "weights", inline)
+    if positions is not None:
+        parts += _wire.tensor_parts(6, positions, "positions")
+    if new_keys is not None:
+        parts += _wire.tensor_parts(17, new_keys, "new_keys")
+    if new_key_scales is not None:
+        parts += _wire.tensor_parts(18, new_key_scales, "new_key_scales")
+    return b"".join(parts), placed
+
+
+def encode_columnar_step(layer: int, sequence_ids: Any, q: Any, weights: Any,
+                         **kwargs: Any) -> bytes:
+    """The serialized columnar DecodeStepRequest (arguments as Client.decode_step_columnar)."""
+    return _encode_columnar(layer, sequence_ids, q, weights, **kwargs)[0]
+
+
+def _first_id(sequence_ids: Any) -> int | None:
+    try:
+        return int(sequence_ids[0])
+    except (IndexError, TypeError):
+        return None
+
+
+def _pem(value: Any, what: str) -> bytes | None:
+    """PEM bytes as given, or read from a path (str / os.PathLike)."""
+    if value is None or isinstance(value, bytes):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        with open(value, "rb") as f:
+            return f.read()
+    raise TypeError(f"{what}: expected PEM bytes or a file path, got {type(value).__name__}")
+
+
+def _read_token(token: str | None, token_file: Any) -> str | None:
+    if token is not None and token_file is not None:
+        raise ValueError("give token or token_file, not both")
+    if token_file is not None:
+        with open(token_file, encoding="utf-8") as f:
+            token = f.read().strip()  # as the server reads --auth-token-file
+        if not token:
+            raise ValueError(f"token_file {os.fspath(token_file)!r} is empty")
+    if token is not None and (not token or any(c in token for c in "\r\n")):
+        raise ValueError("token: must be non-empty and on one line")
+    return token
+
+
+@dataclass(frozen=True)
+class _Channel:
+    """How to reach a server: the channel options, TLS credentials (None: plaintext) and the
+    metadata every call carries (the bearer token), shared by Client and AsyncClient."""
+
+    options: list
+    credentials: Any
+    metadata: tuple
+
+    @staticmethod
+    def make(options: Sequence[tuple[str, Any]] | None, token: str | None, token_file: Any,
+             tls: bool, tls_ca: Any, tls_cert: Any, tls_key: Any,
+             tls_server_name: str | None) -> "_Channel":
+        given = dict(options or ())
+        opts = [o for o in _DEFAULT_OPTIONS if o[0] not in given] + list(given.items())
+        token = _read_token(token, token_file)
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("mutual TLS needs both tls_cert and tls_key")
+        credentials = None
+        if tls or tls_ca is not None or tls_cert is not None:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=_pem(tls_ca, "tls_ca"), private_key=_pem(tls_key, "tls_key"),
+                certificate_chain=_pem(tls_cert, "tls_cert"))
+            if tls_server_name:
+                opts.append(("grpc.ssl_target_name_override", tls_server_name))
+        elif tls_server_name:
+            raise ValueError("tls_server_name is for TLS channels (give tls=True or tls_ca)")
+        metadata = (("authorization", f"Bearer {token}"),) if token is not None else ()
+        return _Channel(opts, credentials, metadata)
+
+    def metadata_for(self, sequence_id: int | None) -> tuple | None:
+        """The call's metadata: the token, and the routing key of calls naming a sequence."""
+        if sequence_id is None:
+            return self.metadata or None
+        return self.metadata + ((SEQUENCE_ID_METADATA, str(sequence_id)),)
+
+
 class Client:
     """A connection to a decode-indexer server.
 
     target: "host:port". timeout: default deadline in seconds for every call (None: none).
     options: extra gRPC channel options, e.g. [("grpc.max_receive_message_length", n)].
+    token / token_file: the server's bearer token (--auth-token-file), sent as
+      `authorization: Bearer <token>` on every call; token_file is read once, stripped.
+    tls: TLS with the system's roots; tls_ca: the CA (PEM bytes or a path) that verifies the
+      server (implies TLS); tls_cert + tls_key: a client certificate (mutual TLS);
+      tls_server_name: the name checked against the server's certificate when it is not the
+      target's host (e.g. "localhost" when dialing 127.0.0.1).
     Thread-safe: calls may come from several threads at once (steps still run in arrival order).
     """
 
     def __init__(self, target: str, *, timeout: float | None = None,
-                 options: Sequence[tuple[str, Any]] | None = None):
+                 options: Sequence[tuple[str, Any]] | None = None, token: str | None = None,
+                 token_file: Any = None, tls: bool = False, tls_ca: Any = None,
+                 tls_cert: Any = None, tls_key: Any = None, tls_server_name: str | None = None):
         self.target = target
         self.timeout = timeout
-        given = dict(options or ())
-        opts = [o for o in _DEFAULT_OPTIONS if o[0] not in given] + list(given.items())
-        self._channel = grpc.insecure_channel(target, options=opts)
+        self._how = _Channel.make(options, token, token_file, tls, tls_ca, tls_cert, tls_key,
+                                  tls_server_name)
+        if self._how.credentials is None:
+            self._channel = grpc.insecure_channel(target, options=self._how.options)
+        else:
+            self._channel = grpc.secure_channel(target, self._how.credentials,
+                                                options=self._how.options)
 
         def unary(name: str, response: Any, request: Any = None):
-            # request None: the caller hands over already-serialized bytes (see _wire).
+            # request None: the caller hands over already-serialized bytes (see _wire);
+            # response None: the caller reads the answer's bytes itself (_result_bytes).
             return self._channel.unary_unary(
                 f"/{_SERVICE}/{name}",
                 request_serializer=request.SerializeToString if request else None,
-                response_deserializer=response.FromString)
+                response_deserializer=response.FromString if response else None)
 
         self._get_server_info = unary("GetServerInfo", pb.ServerInfo, pb.GetServerInfoRequest)
         self._create = unary("CreateSequence", pb.CreateSequenceResponse, pb.CreateSequenceRequest)
         self._append = unary("AppendKeys", pb.AppendKeysResponse)
         self._release = unary("ReleaseSequence", pb.ReleaseSequenceResponse,
                               pb.ReleaseSequenceRequest)
-        self._decode = unary("DecodeStep", pb.DecodeStepResponse)
+        self._decode = unary("DecodeStep", None)
         self._stats = unary("GetStatistics", pb.Statistics, pb.GetStatisticsRequest)
         self._register_shm = unary("RegisterSharedMemory", pb.RegisterSharedMemoryResponse,
                                    pb.RegisterSharedMemoryRequest)
@@ -386,8 +610,7 @@ class Client:
             request_serializer=pb.ImportSequenceRequest.SerializeToString,
             response_deserializer=pb.ImportSequenceResponse.FromString)
         self._decode_stream = self._channel.stream_stream(
-            f"/{_SERVICE}/DecodeStream", request_serializer=None,
-            response_deserializer=pb.DecodeStepResponse.FromString)
+            f"/{_SERVICE}/DecodeStream", request_serializer=None, response_deserializer=None)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -402,9 +625,11 @@ class Client:
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Blocks until the channel connects; IndexerError(UNAVAILABLE) after `timeout` s."""
+        ready = grpc.channel_ready_future(self._channel)
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+            ready.result(timeout=timeout)
         except grpc.FutureTimeoutError:
+            ready.cancel()  # stops its polling thread (which would outlive a closed channel)
             raise IndexerError(grpc.StatusCode.UNAVAILABLE,
                                f"no server at {self.target} after {timeout} s", "connect") from None
 
@@ -412,10 +637,9 @@ class Client:
               sequence_id: int | None = None) -> Any:
         # Calls naming a sequence carry it as metadata, so that a balancer hashing on
         # x-di-sequence-id keeps every call for the sequence on the replica that holds it.
-        metadata = None if sequence_id is None else ((SEQUENCE_ID_METADATA, str(sequence_id)),)
         try:
             return fn(request, timeout=self.timeout if timeout is None else timeout,
-                      metadata=metadata)
+                      metadata=self._how.metadata_for(sequence_id))
         except grpc.RpcError as e:
             raise IndexerError.from_rpc_error(e, method) from None
 
@@ -495,7 +719,7 @@ class Client:
         request = pb.ExportSequenceRequest(sequence_id=sequence_id, chunk_bytes=chunk_bytes)
         try:
             yield from self._export(request, timeout=self.timeout if timeout is None else timeout,
-                                    metadata=((SEQUENCE_ID_METADATA, str(sequence_id)),))
+                                    metadata=self._how.metadata_for(sequence_id))
         except grpc.RpcError as e:
             raise IndexerError.from_rpc_error(e, "ExportSequence") from None
 
@@ -560,8 +784,46 @@ class Client:
         if route is None and steps:
             route = steps[0].sequence_id
         resp = self._call("DecodeStep", self._decode, request, timeout, route)
-        return _result(resp, (time.perf_counter() - start) * 1e6, placed,
-                       answer_encoding == "delta")
+        return _result_bytes(resp, (time.perf_counter() - start) * 1e6, placed,
+                             answer_encoding == "delta")
+
+    def decode_step_columnar(self, layer: int, sequence_ids: Any, q: Any, weights: Any, *,
+                             num_rows: Any = 1, new_keys: Any = None,
+                             new_key_scales: Any = None, new_key_counts: Any = None,
+                             new_keys_positions: Any = None, row_lengths: Any = None,
+                             q_scales: Any = None, positions: Any = None, step_id: int = 0,
+                             return_candidates: bool = False,
+                             shared_memory: SharedMemoryRegion | None = None,
+                             answer: Any = None, candidates: Any = None,
+                             answer_encoding: str = "raw", timeout_us: int | None = None,
+                             timeout: float | None = None,
+                             route: int | None = None) -> DecodeResult:
+        """decode_step in the columnar form: the batch as arrays, encoded without a loop over
+        requests (the answer is the same as the SequenceStep form's, bit for bit).
+
+        sequence_ids: [requests] integers (a list, NumPy uint64/int64 array or CPU tensor).
+        num_rows: rows of every request (an int, default 1), or one count per request.
+        new_keys: every request's new keys stacked in request order, [sum of counts, D], in
+          the forms append_keys takes (new_key_scales with pre-quantized keys); None at a layer
+          that reads another layer's cache. new_key_counts: keys of each request (0: none);
+          None: as many as its rows (one key per new token).
+        new_keys_positions: per request, where its keys start in the cache (-1: append);
+          None: all append. row_lengths: one explicit length per row (0 on every row of a
+          request that keeps the causal default); None: all causal.
+        q, weights, q_scales, positions and the other arguments: as decode_step.
+        """
+        request, placed = _encode_columnar(
+            layer, sequence_ids, q, weights, num_rows=num_rows, new_keys=new_keys,
+            new_key_scales=new_key_scales, new_key_counts=new_key_counts,
+            new_keys_positions=new_keys_positions, row_lengths=row_lengths, q_scales=q_scales,
+            positions=positions, step_id=step_id, return_candidates=return_candidates,
+            shared_memory=shared_memory, answer=answer, candidates=candidates,
+            answer_encoding=answer_encoding, timeout_us=timeout_us)
+        start = time.perf_counter()
+        resp = self._call("DecodeStep", self._decode, request, timeout,
+                          _first_id(sequence_ids) if route is None else route)
+        return _result_bytes(resp, (time.perf_counter() - start) * 1e6, placed,
+                             answer_encoding == "delta")
 
     def register_shared_memory(self, fd: int, size: int, *, socket_path: str | None = None,
                                timeout: float | None = None) -> int:
@@ -617,10 +879,8 @@ class DecodeStream:
     def __init__(self, client: Client, timeout: float | None,
                  route_sequence_id: int | None = None):
         self._requests: queue.Queue = queue.Queue()
-        metadata = (None if route_sequence_id is None
-                    else ((SEQUENCE_ID_METADATA, str(route_sequence_id)),))
         self._call = client._decode_stream(iter(self._requests.get, _END), timeout=timeout,
-                                           metadata=metadata)
+                                           metadata=client._how.metadata_for(route_sequence_id))
         # (step_id, send time, shared-memory placement, delta-encoded answer)
         self._pending: collections.deque = collections.deque()
         self._lock = threading.Lock()
@@ -644,10 +904,21 @@ class DecodeStream:
         request, placed = _encode_step(layer, steps, q, weights, q_scales, positions, sid,
                                        return_candidates, shared_memory, answer, candidates,
                                        answer_encoding, timeout_us)
+        return self._put(sid, request, placed, answer_encoding == "delta")
+
+    def send_columnar(self, layer: int, sequence_ids: Any, q: Any, weights: Any, *,
+                      step_id: int | None = None, **kwargs: Any) -> int:
+        """send() in the columnar form (arguments as Client.decode_step_columnar)."""
+        sid = next(self._ids) if step_id is None else step_id
+        request, placed = _encode_columnar(layer, sequence_ids, q, weights, step_id=sid,
+                                           **kwargs)
+        return self._put(sid, request, placed, kwargs.get("answer_encoding", "raw") == "delta")
+
+    def _put(self, sid: int, request: bytes, placed: _InRegion | None, delta: bool) -> int:
         with self._lock:
             if self._closed:
                 raise RuntimeError("DecodeStream: send() after close()")
-            self._pending.append((sid, time.perf_counter(), placed, answer_encoding == "delta"))
+            self._pending.append((sid, time.perf_counter(), placed, delta))
             self._requests.put(request)
         return sid
 
@@ -676,12 +947,13 @@ class DecodeStream:
             raise self._error from None
         with self._lock:
             self._pending.popleft()
-        if resp.step_id != expected:
+        result = _result_bytes(resp, (time.perf_counter() - sent) * 1e6, placed, delta)
+        if result.step_id != expected:
             self._error = IndexerError(grpc.StatusCode.INTERNAL,
-                                       f"answer for step {resp.step_id} arrived where step "
+                                       f"answer for step {result.step_id} arrived where step "
                                        f"{expected} was due", "DecodeStream")
             raise self._error
-        return _result(resp, (time.perf_counter() - sent) * 1e6, placed, delta)
+        return result
 
     def step(self, *args: Any, **kwargs: Any) -> DecodeResult:
         """send() then recv(): one step, unpipelined (the earlier steps' answers first)."""

@@ -1,0 +1,149 @@
+"""The asyncio client (di.AsyncClient, grpc.aio) against a real CPU server: its steps (both
+forms) and its pipelined stream answer exactly what the synchronous client answers for twin
+sequences, concurrent calls included; a failing step ends the stream with the field named."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import numpy as np
+from _support import ServerTestCase
+
+import decode_indexer as di
+
+SMALL_PROFILE = str(Path(__file__).resolve().parent / "profiles" / "py-small.json")
+
+
+class AsyncClientTest(ServerTestCase):
+    PROFILE = SMALL_PROFILE
+    CACHE_PAGES = 256
+
+    def twins(self, lengths: list[int], layer: int) -> tuple[list[int], list[int]]:
+        """Sequences for the sync client and for the async one, with the same keys."""
+        c = self.client
+        a = [c.create_sequence(self.new_id()) for _ in lengths]
+        b = [c.create_sequence(self.new_id()) for _ in lengths]
+        for x, y, n in zip(a, b, lengths):
+            k = self.keys(n)
+            c.append_keys(x, layer, k)
+            c.append_keys(y, layer, k)
+        return a, b
+
+    def dense(self) -> int:
+        return next(l.layer for l in self.info.layers if l.role == "dense")
+
+    def test_steps_answer_as_the_sync_client(self):
+        layer = self.dense()
+        a, b = self.twins([50, 70, 90], layer)
+        q, w, k = self.q(3), self.weights(3), self.keys(3)
+        want = self.client.decode_step_columnar(layer, a, q, w, new_keys=k)
+        q2, w2, k2 = self.q(3), self.weights(3), self.keys(3)
+        want2 = self.client.decode_step(layer, [di.SequenceStep(s, new_keys=k2[i:i + 1])
+                                                for i, s in enumerate(a)], q2, w2)
+
+        async def run():
+            async with di.AsyncClient(self.server.target, timeout=60) as c:
+                await c.wait_ready()
+                got = await c.decode_step_columnar(layer, b, q, w, new_keys=k)
+                got2 = await c.decode_step(layer, [di.SequenceStep(s, new_keys=k2[i:i + 1])
+                                                   for i, s in enumerate(b)], q2, w2)
+                return got, got2
+
+        got, got2 = asyncio.run(run())
+        np.testing.assert_array_equal(got.topk, want.topk)
+        np.testing.assert_array_equal(got2.topk, want2.topk)
+        self.assertEqual(got2.lengths.tolist(), [52, 72, 92])
+
+    def test_concurrent_calls(self):
+        layer = self.dense()
+        pairs = [self.twins([40 + 10 * i], layer) for i in range(4)]
+        inputs = [(self.q(1), self.weights(1), self.keys(1)) for _ in pairs]
+        want = [self.client.decode_step_columnar(layer, a, q, w, new_keys=k)
+                for (a, _), (q, w, k) in zip(pairs, inputs)]
+
+        async def run():
+            async with di.AsyncClient(self.server.target, timeout=60) as c:
+                return await asyncio.gather(*[
+                    c.decode_step_columnar(layer, b, q, w, new_keys=k)
+                    for (_, b), (q, w, k) in zip(pairs, inputs)])
+
+        for g, x in zip(asyncio.run(run()), want):
+            np.testing.assert_array_equal(g.topk, x.topk)
+            np.testing.assert_array_equal(g.lengths, x.lengths)
+
+    def test_stream_pipelines_in_order(self):
+        a, b = self.twins([60, 80], 0)
+        steps = []  # every layer of the profile, the source before its consumers
+        source_rows = [1, 1]
+        for layer in self.info.layers:
+            rows = source_rows if layer.role == "candidate_consumer" else [1, 2]
+            if layer.role == "candidate_source":
+                source_rows = rows
+            keys = self.keys(sum(rows)) if layer.owns_cache else None
+            steps.append((layer, rows, self.q(sum(rows)), self.weights(sum(rows)), keys))
+        # Prefill every cache layer the steps use (layer 0's already is).
+        for layer in self.info.cache_layers:
+            if layer == 0:
+                continue
+            for x, y in zip(a, b):
+                k = self.keys(70)
+                self.client.append_keys(x, layer, k)
+                self.client.append_keys(y, layer, k)
+        want = []
+        for layer, rows, q, w, keys in steps:
+            want.append(self.client.decode_step_columnar(
+                layer.layer, a, q, w, num_rows=rows, new_keys=keys,
+                return_candidates=layer.role == "candidate_source"))
+
+        async def run():
+            async with di.AsyncClient(self.server.target, timeout=60) as c:
+                async with c.stream(route_sequence_id=b[0]) as s:
+                    ids = [await s.send_columnar(layer.layer, b, q, w, num_rows=rows,
+                                                 new_keys=keys,
+                                                 return_candidates=layer.role ==
+                                                 "candidate_source")
+                           for layer, rows, q, w, keys in steps]
+                    self.assertEqual(s.pending, len(steps))
+                    return ids, [await s.recv() for _ in ids]
+
+        ids, got = asyncio.run(run())
+        self.assertEqual([r.step_id for r in got], ids)
+        for g, x in zip(got, want):
+            np.testing.assert_array_equal(g.topk, x.topk)
+            np.testing.assert_array_equal(g.lengths, x.lengths)
+            if x.candidate_blocks is not None:
+                np.testing.assert_array_equal(g.candidate_blocks, x.candidate_blocks)
+
+    def test_a_failing_step_ends_the_stream(self):
+        layer = self.dense()
+        _, b = self.twins([30, 30], layer)
+
+        async def run():
+            async with di.AsyncClient(self.server.target, timeout=60) as c:
+                s = c.stream()
+                await s.send_columnar(layer, b, self.q(2), self.weights(2))
+                await s.send_columnar(layer, [b[0], b[0]], self.q(2), self.weights(2))
+                await s.send_columnar(layer, b, self.q(2), self.weights(2))
+                first = await s.recv()
+                errors = []
+                for _ in range(2):
+                    try:
+                        await s.recv()
+                    except di.IndexerError as e:
+                        errors.append(e)
+                s.cancel()
+                return first, errors
+
+        first, errors = asyncio.run(run())
+        self.assertEqual(first.lengths.tolist(), [30, 30])
+        self.assertEqual(len(errors), 2)
+        self.assertEqual(errors[0].code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertTrue(errors[0].message.startswith("sequence_ids[1]:"), errors[0].message)
+
+
+if __name__ == "__main__":
+    import unittest
+
+    unittest.main()
