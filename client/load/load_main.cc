@@ -41,6 +41,9 @@ int main(int argc, char** argv) {
   app.add_option("--warmup-steps", o.warmup_steps,
                  "token steps discarded first (default: one per worker)");
   app.add_flag("--streaming", o.streaming, "DecodeStream per worker instead of unary calls");
+  app.add_flag("--columnar", o.columnar,
+               "steps in the columnar form (packed sequence_ids, one stacked new_keys tensor) "
+               "instead of a SequenceStep per request");
   app.add_option("--backoff-initial-ms", o.backoff_initial_ms,
                  "after a failed token step a worker waits this long (doubling with each "
                  "failure in a row, jittered to 50-100%; 0: no backoff)")

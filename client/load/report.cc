@@ -182,10 +182,11 @@ std::string Report::ToText() const {
                          config.value("target", ""), server.value("profile", ""),
                          server.value("backend", ""), server.value("num_ranks", 0));
   out << absl::StrFormat(
-      "  %s loop, %d concurrent x %d requests x next_n %d, context ~%d, %d layers, %s, %s\n",
+      "  %s loop, %d concurrent x %d requests x next_n %d, context ~%d, %d layers, %s%s, %s\n",
       config.value("rate", 0.0) > 0 ? "open" : "closed", config.value("concurrency", 0),
       config.value("requests_per_step", 0), config.value("next_n", 0), config.value("context", 0),
       config.value("layers", 0), config.value("streaming", false) ? "streaming" : "unary",
+      config.value("request_form", "sequences") == "columnar" ? " columnar" : "",
       config.value("shared_memory", false)
           ? "shared memory"
           : absl::StrCat(config.value("answer_encoding", "raw"), " answers"));
@@ -292,7 +293,7 @@ std::string Report::ToCsv() const {
   add("started_at", started_at);
   for (const char* key :
        {"target", "concurrency", "rate", "requests_per_step", "next_n", "context", "layers",
-        "streaming", "answer_encoding", "shared_memory", "deadline_ms"}) {
+        "streaming", "request_form", "answer_encoding", "shared_memory", "deadline_ms"}) {
     add(key, config.value(key, nlohmann::json()));
   }
   add("measured_s", measured_s);

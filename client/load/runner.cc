@@ -460,23 +460,10 @@ class LoadRun {
     request->set_step_id((uint64_t(w.index) << 40) | w.next_step_id++);
     request->set_return_candidates(want_candidates && layer.role == Role::kSource);
     const int n = static_cast<int>(w.sequences.size());
-    while (request->sequences_size() < n) request->add_sequences();
-    for (int i = 0; i < n; ++i) {
-      v1::SequenceStep* seq = request->mutable_sequences(i);
-      seq->set_sequence_id(w.sequences[i].id);
-      seq->set_num_rows(options_.next_n);
-      if (layer.owns_cache) {
-        FillKeys(pool_, w.rng, model_, layer.format, options_.key_format, options_.next_n,
-                 seq->mutable_new_keys(), seq->mutable_new_key_scales());
-      } else {
-        seq->clear_new_keys();
-        seq->clear_new_key_scales();
-      }
-      if (layer.owns_cache && w.sequences[i].write_at >= 0) {
-        seq->set_new_keys_position(w.sequences[i].write_at);
-      } else {
-        seq->clear_new_keys_position();
-      }
+    if (options_.columnar) {
+      BuildColumnar(w, layer, request);
+    } else {
+      BuildSequences(w, layer, request);
     }
     FillQuery(pool_, w.rng, model_, layer.format, options_.q_format, rows, request);
     if (options_.positions) {
@@ -499,6 +486,51 @@ class LoadRun {
     if (w.shm) return MoveToRegion(w, request);
     request->clear_shared_memory();
     return grpc::Status::OK;
+  }
+
+  // A SequenceStep per request, each with its next_n keys at cache-owning layers.
+  void BuildSequences(Worker& w, const LayerStep& layer, v1::DecodeStepRequest* request) {
+    const int n = static_cast<int>(w.sequences.size());
+    while (request->sequences_size() < n) request->add_sequences();
+    for (int i = 0; i < n; ++i) {
+      v1::SequenceStep* seq = request->mutable_sequences(i);
+      seq->set_sequence_id(w.sequences[i].id);
+      seq->set_num_rows(options_.next_n);
+      if (layer.owns_cache) {
+        FillKeys(pool_, w.rng, model_, layer.format, options_.key_format, options_.next_n,
+                 seq->mutable_new_keys(), seq->mutable_new_key_scales());
+      } else {
+        seq->clear_new_keys();
+        seq->clear_new_key_scales();
+      }
+      if (layer.owns_cache && w.sequences[i].write_at >= 0) {
+        seq->set_new_keys_position(w.sequences[i].write_at);
+      } else {
+        seq->clear_new_keys_position();
+      }
+    }
+  }
+
+  // --columnar: the requests as columns, their keys (next_n a request, one a row) stacked
+  // into one tensor, the rollback positions as one column (-1: append).
+  void BuildColumnar(Worker& w, const LayerStep& layer, v1::DecodeStepRequest* request) {
+    request->clear_sequence_ids();
+    for (const Sequence& seq : w.sequences) request->add_sequence_ids(seq.id);
+    request->set_rows_per_sequence(options_.next_n);
+    request->clear_new_keys_positions();
+    if (!layer.owns_cache) {
+      request->clear_new_keys();
+      request->clear_new_key_scales();
+      return;
+    }
+    const int32_t keys = options_.next_n * static_cast<int32_t>(w.sequences.size());
+    FillKeys(pool_, w.rng, model_, layer.format, options_.key_format, keys,
+             request->mutable_new_keys(), request->mutable_new_key_scales());
+    bool any_position = false;
+    for (const Sequence& seq : w.sequences) any_position = any_position || seq.write_at >= 0;
+    if (any_position) {
+      for (const Sequence& seq : w.sequences) request->add_new_keys_positions(seq.write_at);
+    }
   }
 
   // --shared-memory: q, q_scales and weights leave the request for the worker's region (the
@@ -575,7 +607,11 @@ class LoadRun {
       grpc::ClientContext context;
       PrepareContext(options_.channel, &context);
       // A batch is replica-affine: routed by its first sequence.
-      if (request.sequences_size() > 0) AddSequenceId(&context, request.sequences(0).sequence_id());
+      if (request.sequences_size() > 0) {
+        AddSequenceId(&context, request.sequences(0).sequence_id());
+      } else if (request.sequence_ids_size() > 0) {
+        AddSequenceId(&context, request.sequence_ids(0));
+      }
       if (options_.deadline_ms > 0) {
         context.set_deadline(
             std::chrono::system_clock::now() +
@@ -612,7 +648,8 @@ class LoadRun {
     const bool shape_ok =
         topk.shape_size() == 2 && topk.shape(0) == rows && topk.shape(1) == model_.topk;
     if (response.step_id() != request.step_id() || !shape_ok || topk.data().size() != want ||
-        response.lengths_size() != request.sequences_size()) {
+        response.lengths_size() !=
+            std::max(request.sequences_size(), request.sequence_ids_size())) {
       return grpc::Status(grpc::StatusCode::DATA_LOSS,
                           absl::StrCat("malformed answer to step ", request.step_id(), ": ",
                                        topk.data().size(), " topk bytes, expected ", want));
@@ -969,6 +1006,7 @@ absl::StatusOr<Report> RunLoad(const LoadOptions& options_in) {
       {"steps", options.steps},
       {"warmup_steps", options.warmup_steps >= 0 ? options.warmup_steps : options.concurrency},
       {"streaming", options.streaming},
+      {"request_form", options.columnar ? "columnar" : "sequences"},
       {"deadline_ms", options.deadline_ms},
       // Where the deadline applies: the unary RPC's, or each streamed step's timeout_us.
       {"deadline_scope", options.streaming ? "step" : "rpc"},

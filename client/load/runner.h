@@ -29,6 +29,9 @@ struct LoadOptions {
   int64_t steps = 0;          // measured token steps (over all workers)
   int64_t warmup_steps = -1;  // discarded token steps first; -1: one per worker
   bool streaming = false;     // DecodeStream per worker instead of unary DecodeStep
+  // Steps in the columnar form (sequence_ids, rows_per_sequence, one stacked new_keys,
+  // new_keys_positions) instead of a SequenceStep message per request.
+  bool columnar = false;
   // 0: none. Unary: the RPC's gRPC deadline. Streaming: each step's timeout_us (a stream's
   // gRPC deadline would cover the whole stream, not a step).
   double deadline_ms = 0;

@@ -15,6 +15,75 @@
 #include "reference/reference.h"
 
 namespace decode_indexer::load {
+namespace {
+
+// Bytes of one key row (and of its scales) of a keys tensor of `dtype` at head dim d.
+size_t KeyRowBytes(v1::DType dtype, int32_t d) {
+  switch (dtype) {
+    case v1::DTYPE_FP32:
+      return size_t(d) * 4;
+    case v1::DTYPE_BF16:
+      return size_t(d) * 2;
+    case v1::DTYPE_FP4_E2M1:
+      return size_t(d) / 2;
+    default:
+      return size_t(d);
+  }
+}
+
+// A columnar step (--columnar) in the SequenceStep form the checks read: each request's keys
+// cut out of the stacked tensor. Only the verifier pays this copy.
+v1::DecodeStepRequest AsSequences(const v1::DecodeStepRequest& c, int32_t d) {
+  v1::DecodeStepRequest out = c;
+  out.clear_sequence_ids();
+  out.clear_num_rows();
+  out.clear_rows_per_sequence();
+  out.clear_new_keys();
+  out.clear_new_key_scales();
+  out.clear_new_key_counts();
+  out.clear_new_keys_positions();
+  out.clear_row_lengths();
+  const bool has_keys = c.has_new_keys() && c.new_keys().dtype() != v1::DTYPE_UNSPECIFIED;
+  const bool has_scales = c.has_new_key_scales() && c.new_key_scales().dtype() != 0;
+  const size_t row_bytes = KeyRowBytes(c.new_keys().dtype(), d);
+  const size_t scale_bytes = c.new_key_scales().dtype() == v1::DTYPE_FP32 ? 4 : size_t(d) / 32;
+  int64_t key_at = 0, row_at = 0;
+  for (int i = 0; i < c.sequence_ids_size(); ++i) {
+    v1::SequenceStep* s = out.add_sequences();
+    s->set_sequence_id(c.sequence_ids(i));
+    const int32_t rows = c.num_rows_size() > 0 ? c.num_rows(i) : c.rows_per_sequence();
+    s->set_num_rows(rows);
+    bool explicit_lengths = false;
+    for (int32_t j = 0; j < rows && row_at + j < c.row_lengths_size(); ++j) {
+      explicit_lengths = explicit_lengths || c.row_lengths(row_at + j) != 0;
+    }
+    for (int32_t j = 0; explicit_lengths && j < rows; ++j) {
+      s->add_row_lengths(c.row_lengths(row_at + j));
+    }
+    row_at += rows;
+    if (i < c.new_keys_positions_size() && c.new_keys_positions(i) >= 0) {
+      s->set_new_keys_position(c.new_keys_positions(i));
+    }
+    const int32_t keys = c.new_key_counts_size() > 0 ? c.new_key_counts(i) : has_keys ? rows : 0;
+    if (keys <= 0) continue;
+    v1::Tensor* k = s->mutable_new_keys();
+    k->set_dtype(c.new_keys().dtype());
+    k->add_shape(keys);
+    k->add_shape(d);
+    k->set_data(c.new_keys().data().substr(key_at * row_bytes, keys * row_bytes));
+    if (has_scales) {
+      v1::Tensor* ks = s->mutable_new_key_scales();
+      ks->set_dtype(c.new_key_scales().dtype());
+      ks->add_shape(keys);
+      if (c.new_key_scales().dtype() != v1::DTYPE_FP32) ks->add_shape(d / 32);
+      ks->set_data(c.new_key_scales().data().substr(key_at * scale_bytes, keys * scale_bytes));
+    }
+    key_at += keys;
+  }
+  return out;
+}
+
+}  // namespace
 
 bool TopKWithinTolerance(const std::vector<float>& logits, const std::vector<int32_t>& positions,
                          const int32_t* answer, int32_t topk, double tol) {
@@ -139,6 +208,9 @@ class RefVerifier final : public Verifier {
   absl::Status CheckStep(const v1::DecodeStepRequest& request,
                          const v1::DecodeStepResponse& response, bool score,
                          VerifyCounts* counts) override {
+    if (request.sequences_size() == 0 && request.sequence_ids_size() > 0) {
+      return CheckStep(AsSequences(request, model_.head_dim), response, score, counts);
+    }
     const LayerStep* layer = nullptr;
     for (const LayerStep& l : model_.plan) {
       if (l.layer == request.layer()) layer = &l;

@@ -373,6 +373,51 @@ TEST_F(LoadTest, RealServerSpeculativeRollbackVerifies) {
   EXPECT_TRUE(server.Stop().has_value());
 }
 
+// --columnar: the same speculative run (rollbacks by new_keys_positions in every cache, the
+// v41 source and its consumers), unary and streaming, fp32 and pre-quantized keys, each
+// step sent in the columnar form; every checked row still matches the reference exactly.
+TEST_F(LoadTest, RealServerColumnarStepsVerify) {
+  RealServer server(std::string(DI_LOAD_TEST_DIR) + "/v41-tiny.toml", Path("server.log"));
+  ASSERT_TRUE(server.WaitReady()) << ReadText(Path("server.log"));
+  for (const bool streaming : {false, true}) {
+    std::vector<std::string> args = {"--target",
+                                     server.target(),
+                                     "--columnar",
+                                     "--concurrency",
+                                     "2",
+                                     "--requests-per-step",
+                                     "3",
+                                     "--next-n",
+                                     "2",
+                                     "--draft-reject",
+                                     "0.5",
+                                     "--context",
+                                     "300",
+                                     "--steps",
+                                     "5",
+                                     "--key-format",
+                                     streaming ? "fp32" : "quantized",
+                                     "--verify",
+                                     "--verify-sequences",
+                                     "4",
+                                     "--verify-tolerance",
+                                     "0",
+                                     "--seed",
+                                     Seed(),
+                                     "--json",
+                                     Path("r.json")};
+    if (streaming) args.push_back("--streaming");
+    const int rc = RunLoad(args);
+    EXPECT_EQ(rc, 0) << Log() << ReadText(Path("server.log"));
+    const nlohmann::json report = ReadJson("r.json");
+    EXPECT_EQ(report["config"]["request_form"].get<std::string>(), "columnar");
+    ExpectCleanVerifiedRun(report, 5);
+    EXPECT_GT(report["speculative"]["drafts_rejected"].get<int>(), 0) << "nothing rolled back";
+    EXPECT_EQ(report["verify"]["candidate_rows_mismatched"].get<int>(), 0);
+  }
+  EXPECT_TRUE(server.Stop().has_value());
+}
+
 TEST_F(LoadTest, RealServerDenseStreamingFp32Verifies) {
   RealServer server(std::string(DI_LOAD_TEST_DIR) + "/v32-tiny.toml", Path("server.log"));
   ASSERT_TRUE(server.WaitReady()) << ReadText(Path("server.log"));
