@@ -113,4 +113,20 @@ PLANTS = [
     }""",
         "tests": ["executor_state_test"],
     },
+    {
+        "name": "columnar-keys-not-offset",
+        "what": "columnar step: every request's new keys are read from the stacked tensor's start",
+        "file": "server/service/request_decode.cc",
+        "old": "        in.new_keys.keys = base + at * row_bytes;",
+        "new": "        in.new_keys.keys = base;",
+        "tests": ["request_decode_test", "columnar_test"],
+    },
+    {
+        "name": "columnar-position-dropped",
+        "what": "columnar step: new_keys_positions are ignored (the keys append)",
+        "file": "server/service/request_decode.cc",
+        "old": "      if (p >= 0) in.new_keys.position = p;",
+        "new": "",
+        "tests": ["request_decode_test", "columnar_test"],
+    },
 ]

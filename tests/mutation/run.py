@@ -29,6 +29,7 @@ BINARIES = {  # test binary -> its path in the build dir
     "request_decode_test": "tests/service/request_decode_test",
     "api_test": "tests/service/api_test",
     "decode_test": "tests/service/decode_test",
+    "columnar_test": "tests/service/columnar_test",
 }
 
 

@@ -269,6 +269,72 @@ INSTANTIATE_TEST_SUITE_P(Shapes, ColumnarTest,
                                                    : absl::StrCat("next", info.param.next_n));
                          });
 
+// The README's usage: a frontend's own arrays (FP8 q codes, folded weights, one FP8 key a
+// request) through ColumnarStep, unary and on a stream, as the SequenceStep form answers.
+TEST(ColumnarClientTest, BuildsFromTheFrontendsArrays) {
+  SCOPED_TRACE(::testing::Message() << "seed " << TestSeed());
+  const config::Profile p = LoadOrDie("v32");
+  Twin t;
+  t.seq = StartSession(p, CpuOptions(1, 160));
+  t.col = StartSession(p, CpuOptions(1, 160));
+  ASSERT_NE(t.seq, nullptr);
+  ASSERT_NE(t.col, nullptr);
+  Gen gen(TestSeed() + 2);
+  const std::vector<uint64_t> ids = {41, 42, 43, 44};
+  PrefillBoth(t, gen, ids, {2100, 2500, 1900, 3000}, {0});
+  const int64_t n = static_cast<int64_t>(ids.size()), H = p.num_heads, D = p.head_dim;
+  const std::vector<uint8_t> q_codes = gen.Fp8Codes(size_t(n * H * D));
+  const std::vector<float> weights = gen.Normal(size_t(n * H), 0.05f);
+  const std::vector<uint8_t> key_codes = gen.Fp8Codes(size_t(n * D));
+  const std::vector<float> key_scales(size_t(n), 1.0f / 64);
+
+  namespace dic = decode_indexer::client;
+  dic::ColumnarStep step;
+  step.layer = 0;
+  step.step_id = 9;
+  step.sequence_ids = ids;
+  step.rows_per_sequence = 1;
+  step.q = dic::TensorView::Of<uint8_t>(v1::DTYPE_FP8_E4M3, q_codes, {n, H, D});
+  step.weights = dic::TensorView::Of<float>(v1::DTYPE_FP32, weights, {n, H});
+  step.new_keys = dic::TensorView::Of<uint8_t>(v1::DTYPE_FP8_E4M3, key_codes, {n, D});
+  step.new_key_scales = dic::TensorView::Of<float>(v1::DTYPE_FP32, key_scales, {n});
+  absl::StatusOr<dic::StepAnswer> got = t.col->client->DecodeStepColumnar(step);
+  ASSERT_TRUE(got.ok()) << got.status();
+
+  v1::DecodeStepRequest req;  // the same step, a SequenceStep a request
+  req.set_layer(0);
+  req.set_step_id(9);
+  for (int64_t i = 0; i < n; ++i) {
+    v1::SequenceStep* s = req.add_sequences();
+    s->set_sequence_id(ids[i]);
+    s->set_num_rows(1);
+    *s->mutable_new_keys() = client::CodesTensor(
+        v1::DTYPE_FP8_E4M3, std::span<const uint8_t>(key_codes).subspan(i * D, D), {1, D});
+    *s->mutable_new_key_scales() = client::F32Tensor(std::span(key_scales).subspan(i, 1), {1});
+  }
+  *req.mutable_q() = client::CodesTensor(v1::DTYPE_FP8_E4M3, q_codes, {n, H, D});
+  *req.mutable_weights() = client::F32Tensor(weights, {n, H});
+  absl::StatusOr<dic::StepAnswer> want = t.seq->client->DecodeStep(req);
+  ASSERT_TRUE(want.ok()) << want.status();
+  ExpectSameAnswer(*want, *got, "unary");
+  EXPECT_EQ(got->lengths, (std::vector<int64_t>{2101, 2501, 1901, 3001}));
+  EXPECT_EQ(got->Row(3).size(), static_cast<size_t>(p.topk));
+
+  // On a stream, twice (the stream's request is reused).
+  absl::StatusOr<std::unique_ptr<dic::StepStream>> stream = t.col->client->OpenStream(ids[0]);
+  ASSERT_TRUE(stream.ok());
+  for (int k = 0; k < 2; ++k) {
+    step.step_id = 10 + k;
+    req.set_step_id(10 + k);
+    ASSERT_TRUE((*stream)->WriteColumnar(step).ok());
+    absl::StatusOr<dic::StepAnswer> a = (*stream)->Read();
+    absl::StatusOr<dic::StepAnswer> b = t.seq->client->DecodeStep(req);
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " / " << b.status();
+    ExpectSameAnswer(*b, *a, absl::StrCat("stream step ", k));
+  }
+  EXPECT_TRUE((*stream)->Finish().ok());
+}
+
 // Bad columnar input: INVALID_ARGUMENT naming the field, and no cache changes its length
 // (the later valid step answers as a server that never saw the bad ones).
 TEST(ColumnarBadInputTest, IsRefusedAndChangesNothing) {
