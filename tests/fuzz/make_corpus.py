@@ -65,6 +65,24 @@ def main():
     sm.shared_memory.region_id = 3
     sm.shared_memory.q_offset = 64
     write(t, "v32_shm_offsets", b"\x04" + sm.SerializeToString())
+    # The columnar form: ids, row counts, one stacked keys tensor, positions, row lengths.
+    c = pb.DecodeStepRequest()
+    c.ParseFromString(step(0, [1, 2], 64, 128, pb.DTYPE_FP8_E4M3))
+    del c.sequences[:]
+    c.sequence_ids[:] = [1, 2]
+    c.num_rows[:] = [1, 2]
+    tensor(c.new_keys, pb.DTYPE_FP8_E4M3, [3, 128], b"\x01" * (3 * 128))
+    tensor(c.new_key_scales, pb.DTYPE_FP32, [3], struct.pack("<3f", 0.5, 0.25, 0.125))
+    c.new_key_counts[:] = [1, 2]
+    c.new_keys_positions[:] = [-1, 4]
+    c.row_lengths[:] = [0, 3, 4]
+    write(t, "v32_columnar", b"\x00" + c.SerializeToString())
+    c = pb.DecodeStepRequest()
+    c.ParseFromString(step(5, [1, 1], 32, 128, pb.DTYPE_FP4_E2M1, fp4=True))
+    del c.sequences[:]
+    c.sequence_ids[:] = [5, 6]
+    c.rows_per_sequence = 1
+    write(t, "v41_columnar_consumer", b"\x01" + c.SerializeToString())
     a = pb.AppendKeysRequest(sequence_id=1, layer=0)
     tensor(a.keys, pb.DTYPE_FP8_E4M3, [2, 128], b"\x22" * 256)
     tensor(a.key_scales, pb.DTYPE_FP32, [2], struct.pack("<2f", 0.25, 0.25))

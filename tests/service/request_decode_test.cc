@@ -997,5 +997,82 @@ TEST_F(ColumnarDecodeTest, ExecutorMessagesAreRenamedForColumnarSteps) {
   EXPECT_TRUE(NameColumnarFields(absl::OkStatus(), col).ok());
 }
 
+// Random corruptions of a columnar step's columns and keys: refused with INVALID_ARGUMENT, or
+// decoded into requests whose keys lie inside the one keys tensor (and rows that add up).
+TEST_F(ColumnarDecodeTest, RandomCorruptionsNeverReadOutside) {
+  for (int iter = 0; iter < 400; ++iter) {
+    const config::Profile& p = (iter & 1) ? v41_ : v32_;
+    const int layer = static_cast<int>(rng_() % p.layers.size());
+    v1::DecodeStepRequest req = ::decode_indexer::testing::ToColumnar(
+        RandomStep(p, layer, 1 + static_cast<int>(rng_() % 4), 0, static_cast<Keys>(rng_() % 3),
+                   true, true),
+        {rng_() % 2 == 0, rng_() % 2 == 0, rng_() % 2 == 0});
+    const auto small = [&] { return static_cast<int32_t>(rng_() % 12) - 3; };
+    switch (rng_() % 8) {
+      case 0:
+        if (req.num_rows_size() > 0)
+          req.set_num_rows(rng_() % req.num_rows_size(), small());
+        else
+          req.set_rows_per_sequence(small());
+        break;
+      case 1:
+        if (req.new_key_counts_size() > 0) {
+          req.set_new_key_counts(rng_() % req.new_key_counts_size(), small());
+        } else {
+          req.add_new_key_counts(small());
+        }
+        break;
+      case 2:
+        req.add_new_keys_positions(static_cast<int64_t>(rng_() % 9) - 4);
+        break;
+      case 3:
+        if (req.row_lengths_size() > 0)
+          req.set_row_lengths(rng_() % req.row_lengths_size(), small());
+        else
+          req.add_row_lengths(small());
+        break;
+      case 4:
+        if (req.new_keys().shape_size() > 0) req.mutable_new_keys()->set_shape(0, small());
+        break;
+      case 5:
+        req.mutable_new_keys()->mutable_data()->resize(rng_() %
+                                                       (req.new_keys().data().size() + 64));
+        break;
+      case 6:
+        req.mutable_new_key_scales()->set_dtype(static_cast<v1::DType>(rng_() % 9));
+        break;
+      default:
+        req.add_sequence_ids(req.sequence_ids(0) + (rng_() % 2));
+        break;
+    }
+    absl::StatusOr<DecodedStep> d = DecodeStepRequest(req, p);
+    if (!d.ok()) {
+      EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument) << d.status();
+      continue;
+    }
+    const char* lo = req.new_keys().data().data();
+    const char* hi = lo + req.new_keys().data().size();
+    int64_t rows = 0;
+    for (const exec::SequenceStepInput& s : d->step.sequences) {
+      rows += s.num_rows;
+      if (s.new_keys.count == 0) continue;
+      const char* k = static_cast<const char*>(s.new_keys.keys);
+      const size_t bytes = size_t(s.new_keys.count) * p.head_dim *
+                           (s.new_keys.type == kernels::ElemType::kF32    ? 4
+                            : s.new_keys.type == kernels::ElemType::kBF16 ? 2
+                                                                          : 1) /
+                           (s.new_keys.type == kernels::ElemType::kFp4E2M1 ? 2 : 1);
+      // In place, or in the decoded step's own realigned copy.
+      bool inside = k >= lo && k + bytes <= hi;
+      for (const std::vector<uint8_t>& r : d->realigned) {
+        const char* b = reinterpret_cast<const char*>(r.data());
+        inside = inside || (k >= b && k + bytes <= b + r.size());
+      }
+      EXPECT_TRUE(inside) << "request keys outside the keys tensor at iteration " << iter;
+    }
+    EXPECT_EQ(rows, d->step.num_rows);
+  }
+}
+
 }  // namespace
 }  // namespace decode_indexer::service
