@@ -549,13 +549,15 @@ absl::StatusOr<int64_t> DecodeColumnar(const v1::DecodeStepRequest& request,
     exec::SequenceStepInput& in = out.step.sequences[i];
     in.sequence_id = ids[i];
     in.num_rows = rows;
+    // Field names are built on the error paths only: this loop runs for every request.
+    auto at = [i](absl::string_view column) { return absl::StrCat(column, "[", i, "]"); };
     if (counts != nullptr) {
       const int32_t c = counts[i];
-      const std::string field = absl::StrCat("new_key_counts[", i, "]");
-      if (c < 0) return Invalid(field, absl::StrCat("negative: ", c));
-      if (c > 0 && !owns) return Invalid(field, no_keys());
+      if (c < 0) return Invalid(at("new_key_counts"), absl::StrCat("negative: ", c));
+      if (c > 0 && !owns) return Invalid(at("new_key_counts"), no_keys());
       if (c > profile.max_context) {
-        return Invalid(field, absl::StrCat(c, " keys exceed max_context ", profile.max_context));
+        return Invalid(at("new_key_counts"),
+                       absl::StrCat(c, " keys exceed max_context ", profile.max_context));
       }
       in.new_keys.count = c;
     } else if (has_keys) {
@@ -564,9 +566,11 @@ absl::StatusOr<int64_t> DecodeColumnar(const v1::DecodeStepRequest& request,
     total_keys += in.new_keys.count;
     if (positions != nullptr) {
       const int64_t p = positions[i];
-      const std::string field = absl::StrCat("new_keys_positions[", i, "]");
-      if (p < -1) return Invalid(field, absl::StrCat("must be >= 0, or -1 for none, got ", p));
-      if (p >= 0 && !owns) return Invalid(field, no_keys());
+      if (p < -1) {
+        return Invalid(at("new_keys_positions"),
+                       absl::StrCat("must be >= 0, or -1 for none, got ", p));
+      }
+      if (p >= 0 && !owns) return Invalid(at("new_keys_positions"), no_keys());
       if (p >= 0) in.new_keys.position = p;
     }
     total_rows += rows;
@@ -586,16 +590,16 @@ absl::StatusOr<int64_t> DecodeColumnar(const v1::DecodeStepRequest& request,
       for (int32_t j = 0; j < in.num_rows; ++j) any = any || mine[j] != 0;
       if (any) {
         for (int32_t j = 0; j < in.num_rows; ++j) {
-          const std::string field = absl::StrCat("row_lengths[", r + j, "]");
+          auto field = [&] { return absl::StrCat("row_lengths[", r + j, "]"); };
           if (mine[j] == 0) {
-            return Invalid(field,
+            return Invalid(field(),
                            absl::StrCat("0 (causal) among explicit lengths of sequence_ids[", i,
                                         "]'s rows (give all of a request's rows a length, "
                                         "or 0 on all of them)"));
           }
           if (mine[j] < 1 || mine[j] > profile.max_context) {
-            return Invalid(field, absl::StrCat(mine[j], " is out of range [1, ",
-                                               profile.max_context, "] (0: causal)"));
+            return Invalid(field(), absl::StrCat(mine[j], " is out of range [1, ",
+                                                 profile.max_context, "] (0: causal)"));
           }
         }
         in.row_lengths.assign(mine, mine + in.num_rows);
