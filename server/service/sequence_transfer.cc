@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "server/service/status_mapping.h"
 
 namespace decode_indexer::service {
 namespace {
@@ -18,7 +19,9 @@ v1::CacheFormat ProtoFormat(kernels::CacheFormat f) {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-uint32_t HeaderCrc(const v1::SequenceHeader& header) {
+}  // namespace
+
+uint32_t SequenceHeaderCrc(const v1::SequenceHeader& header) {
   std::string bytes;
   {
     google::protobuf::io::StringOutputStream out(&bytes);
@@ -28,8 +31,6 @@ uint32_t HeaderCrc(const v1::SequenceHeader& header) {
   }
   return Crc32(bytes);
 }
-
-}  // namespace
 
 uint32_t Crc32(absl::string_view bytes, uint32_t crc) {
   // zlib takes a uInt length: feed it in pieces.
@@ -69,7 +70,7 @@ absl::Status EmitSequenceChunks(const exec::SequenceImage& image, const config::
     for (int32_t rl : c.row_lengths) out->add_row_lengths(rl);
     out->set_blocks(c.blocks.data(), c.blocks.size() * sizeof(int32_t));
   }
-  chunk.set_crc32(HeaderCrc(*h));
+  chunk.set_crc32(SequenceHeaderCrc(*h));
   chunk.set_last(!any_data);
   if (absl::Status s = emit(chunk); !s.ok()) return s;
   // The last chunk with data: the final piece of the last non-empty cache.
@@ -105,14 +106,14 @@ absl::Status SequenceAssembler::Add(const v1::SequenceChunk& chunk) {
           absl::StrCat(where, ".header: the first chunk must carry the header"));
     }
     const v1::SequenceHeader& h = chunk.header();
-    if (HeaderCrc(h) != chunk.crc32()) {
+    if (SequenceHeaderCrc(h) != chunk.crc32()) {
       return absl::DataLossError(
           absl::StrCat(where, ".crc32: the header fails its CRC-32 (corrupt)"));
     }
     const uint64_t hash = config::CacheIdentityHash(profile_);
     if (h.profile() != profile_.name || h.profile_hash() != hash) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "header.profile: the sequence is from profile \"", h.profile(), "\" (hash ",
+          "header.profile: the sequence is from profile ", EchoInput(h.profile()), " (hash ",
           absl::Hex(h.profile_hash()), "), this server runs \"", profile_.name, "\" (hash ",
           absl::Hex(hash), "); caches move only between servers of the same profile"));
     }

@@ -18,6 +18,8 @@ namespace decode_indexer::service {
 
 // zlib's CRC-32 of `bytes`, continuing from `crc` (0 to start).
 uint32_t Crc32(absl::string_view bytes, uint32_t crc = 0);
+// The CRC-32 a header chunk carries: of the header's deterministic serialization.
+uint32_t SequenceHeaderCrc(const v1::SequenceHeader& header);
 
 // Calls `emit` with each chunk of `image` in order (the header first, `last` set on the final
 // one); stops at the first error `emit` returns. chunk_bytes <= 0: 1 MiB.

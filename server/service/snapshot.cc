@@ -15,6 +15,7 @@
 #include "absl/strings/str_split.h"
 #include "decode_indexer/v1/indexer.pb.h"
 #include "server/service/sequence_transfer.h"
+#include "server/service/status_mapping.h"
 #include "spdlog/spdlog.h"
 
 namespace decode_indexer::service {
@@ -156,6 +157,11 @@ absl::StatusOr<std::optional<SnapshotInfo>> RestoreSnapshot(exec::Executor& exec
         absl::StrCat("snapshot ", info.path, ": cannot open: ", Errno()));
   }
   std::setvbuf(f.get(), nullptr, _IOFBF, 8 << 20);
+  if (::fstat(fileno(f.get()), &st) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("snapshot ", info.path, ": cannot stat: ", Errno()));
+  }
+  const int64_t file_bytes = static_cast<int64_t>(st.st_size);
   int64_t offset = 0;
   int64_t record = 0;
   auto refuse = [&](absl::StatusCode code, absl::string_view kind, absl::string_view why) {
@@ -190,6 +196,11 @@ absl::StatusOr<std::optional<SnapshotInfo>> RestoreSnapshot(exec::Executor& exec
       return refuse(absl::StatusCode::kDataLoss, "corrupt",
                     absl::StrCat("a record claims ", len, " bytes"));
     }
+    // Nothing is allocated for bytes the file does not have.
+    if (int64_t{len} > file_bytes - offset - 8) {
+      return refuse(absl::StatusCode::kDataLoss, "torn or truncated",
+                    absl::StrCat("the file ends inside a record of ", len, " bytes"));
+    }
     payload.resize(len);
     if (std::fread(payload.data(), 1, len, f.get()) != len) {
       return refuse(absl::StatusCode::kDataLoss, "torn or truncated",
@@ -220,7 +231,7 @@ absl::StatusOr<std::optional<SnapshotInfo>> RestoreSnapshot(exec::Executor& exec
   const std::string my_hash = absl::StrCat(config::CacheIdentityHash(profile));
   if (name != profile.name || hash != my_hash) {
     return refuse(absl::StatusCode::kFailedPrecondition, "mismatched profile",
-                  absl::StrCat("it holds profile \"", name, "\" (hash ", hash,
+                  absl::StrCat("it holds profile ", EchoInput(name), " (hash ", EchoInput(hash, 24),
                                "), this server runs \"", profile.name, "\" (hash ", my_hash, ")"));
   }
   if (count < 0 || info.instance_id.empty()) {

@@ -2,7 +2,10 @@
 // first byte picks the profile and the message (DecodeStepRequest or AppendKeysRequest, with
 // q / weights "in shared memory" or not); the rest is parsed as that message. Decoding must
 // never crash, refuse only with a non-empty INVALID_ARGUMENT message, and a decoded step must
-// be consistent with its request (rows, pointers).
+// be consistent with its request (rows, pointers, ids, and the lifecycle's explicit key
+// positions: AppendKeysRequest.position, SequenceStep.new_keys_position). TruncateSequence
+// and ForkSequence carry only ids and a length, which the executor checks: fuzz_sequence_image
+// runs them against an executor.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -54,6 +57,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                decoded->keys.position.has_value() && *decoded->keys.position >= 0;
     Check(cut_back_only || (decoded->keys.count > 0 && decoded->keys.keys != nullptr));
     Check(decoded->keys.count <= profile.max_context);
+    // AppendKeysRequest.position (lifecycle: a rewrite or cut back from there) is passed on
+    // exactly when it was set, and never negative.
+    Check(decoded->keys.position.has_value() == request.has_position());
+    Check(!request.has_position() ||
+          (*decoded->keys.position == request.position() && request.position() >= 0));
+    Check(decoded->sequence_id == request.sequence_id() && decoded->layer == request.layer());
     return 0;
   }
   v1::DecodeStepRequest request;
@@ -77,9 +86,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   int64_t rows = 0;
-  for (const auto& s : decoded->step.sequences) {
+  for (size_t i = 0; i < decoded->step.sequences.size(); ++i) {
+    const auto& s = decoded->step.sequences[i];
+    const v1::SequenceStep& in = request.sequences(static_cast<int>(i));
     Check(s.num_rows >= 1 && s.num_rows <= profile.max_rows_per_sequence);
     Check(s.row_lengths.empty() || static_cast<int32_t>(s.row_lengths.size()) == s.num_rows);
+    Check(s.sequence_id == in.sequence_id());
+    // new_keys_position (a retried step's explicit position) is passed on exactly when set,
+    // never negative, and only where the layer owns a cache.
+    Check(s.new_keys.position.has_value() == in.has_new_keys_position());
+    Check(!in.has_new_keys_position() ||
+          (*s.new_keys.position == in.new_keys_position() && in.new_keys_position() >= 0 &&
+           profile.layers[request.layer()].role !=
+               decode_indexer::config::LayerRole::kCandidateConsumer));
+    Check(s.new_keys.count >= 0 && (s.new_keys.count == 0 || s.new_keys.keys != nullptr));
     rows += s.num_rows;
   }
   Check(rows == decoded->step.num_rows);

@@ -2,10 +2,13 @@
 """Writes the fuzz targets' seed corpus (tests/fuzz/corpus/<target>/): small valid and
 near-valid inputs, so a bounded run starts from the interesting paths. Needs the generated
 Python protos: protoc --proto_path=proto --python_out=DIR proto/decode_indexer/v1/indexer.proto
-and PYTHONPATH=DIR. Re-run after changing the request format; the files are checked in."""
+and PYTHONPATH=DIR (Debian: /usr/bin/python3 with python3-protobuf). Re-run after changing
+the request or sequence-image format; the files are checked in (the crash-* inputs are the
+fuzzers' findings, not written here)."""
 import os
 import struct
 import sys
+import zlib
 
 from decode_indexer.v1 import indexer_pb2 as pb
 
@@ -44,6 +47,111 @@ def step(layer, rows_per_seq, h, d, q_dtype, fp4=False, keys=None, positions=Fal
     if positions:
         tensor(r.positions, pb.DTYPE_INT32, [total], struct.pack(f"<{total}i", *range(total)))
     return r.SerializeToString()
+
+
+# fuzz_sequence_image: tests/service/profiles/v41-tiny.toml (page 16, D 128): cache 0 FP8
+# (entries of 128 value bytes and an fp32 scale), caches 1 and 2 FP4 (64 bytes and 4 ue8m0
+# scales), layer 2 the candidate source (blocks of 8, 12 a row). The target prints the
+# profile's CacheIdentityHash with DI_FUZZ_VERBOSE=1; only the byte-exact snapshot seeds
+# (kinds 2 and 3) need it, the others have the target set it.
+TINY_NAME = "v41-tiny"
+TINY_HASH = 8264620224484268244
+TINY_LAYERS = [(0, pb.CACHE_FORMAT_FP8), (1, pb.CACHE_FORMAT_FP4), (2, pb.CACHE_FORMAT_FP4)]
+
+
+def tiny_pages(fmt, length):
+    """A cache's pages: `length` valid entries (no NaN codes, positive scales), zero padding."""
+    fp8 = fmt == pb.CACHE_FORMAT_FP8
+    v, sb = (128, 4) if fp8 else (64, 4)
+    out = bytearray()
+    for page in range((length + 15) // 16):
+        vals, scales = bytearray(16 * v), bytearray(16 * sb)
+        for o in range(16):
+            e = page * 16 + o
+            if e >= length:
+                continue
+            for i in range(v):
+                vals[o * v + i] = (e * 7 + i) % 0x7E
+            scales[o * sb:(o + 1) * sb] = (struct.pack("<f", 0.5 + e) if fp8 else
+                                           bytes([0x7F - (e % 3)] * sb))
+        out += vals + scales
+    return bytes(out)
+
+
+def tiny_chunks(lengths, candidate_rows=None, chunk_bytes=1000, seq_id=1):
+    """The export stream of a sequence with these cache lengths (CRCs right)."""
+    h = pb.SequenceHeader(profile=TINY_NAME, profile_hash=TINY_HASH, sequence_id=seq_id,
+                          page_size=16)
+    pages = []
+    for (layer, fmt), n in zip(TINY_LAYERS, lengths):
+        data = tiny_pages(fmt, n)
+        pages.append(data)
+        h.caches.add(cache_layer=layer, length=n, cache_format=fmt, bytes=len(data))
+    if candidate_rows:
+        c = h.candidates.add(source_layer=2, length=lengths[2])
+        blocks = []
+        for rl in candidate_rows:
+            c.row_lengths.append(rl)
+            row = list(range((rl + 7) // 8))[:12]
+            blocks += row + [-1] * (12 - len(row))
+        c.blocks = struct.pack(f"<{len(blocks)}i", *blocks)
+    any_data = any(pages)
+    head = pb.SequenceChunk(header=h, last=not any_data)
+    head.crc32 = zlib.crc32(h.SerializeToString(deterministic=True))
+    chunks = [head]
+    last_cache = max((i for i, d in enumerate(pages) if d), default=-1)
+    for i, data in enumerate(pages):
+        for off in range(0, len(data), chunk_bytes):
+            piece = data[off:off + chunk_bytes]
+            chunks.append(pb.SequenceChunk(cache_index=i, offset=off, data=piece,
+                                           crc32=zlib.crc32(piece),
+                                           last=i == last_cache and off + len(piece) == len(data)))
+    return chunks
+
+
+def records(chunks):
+    out = bytes([len(chunks)])
+    for c in chunks:
+        b = c.SerializeToString()
+        out += struct.pack("<H", len(b)) + b
+    return out
+
+
+def snapshot_record(payload):
+    return struct.pack("<II", len(payload), zlib.crc32(payload)) + payload
+
+
+def snapshot_payloads(sequences):
+    """The records of a snapshot holding these chunk streams (snapshot.h)."""
+    out = [(f"profile={TINY_NAME}\nprofile_hash={TINY_HASH}\ninstance_id=seed\n"
+            f"sequences={len(sequences)}\n").encode()]
+    for i, chunks in enumerate(sequences):
+        for j, c in enumerate(chunks):
+            req = pb.ImportSequenceRequest(sequence_id=i + 1 if j == 0 else 0)
+            req.chunk.CopyFrom(c)
+            out.append(req.SerializeToString())
+    out.append(f"end sequences={len(sequences)}\n".encode())
+    return out
+
+
+def sequence_image_corpus():
+    t = "fuzz_sequence_image"
+    # mode: kind (bits 0-1: 0 assembler + import + ops, 1 snapshot of the chunks, 2 framed
+    # snapshot records, 3 a snapshot file), 4 keep the chunks' CRCs, 8 keep the profile.
+    small = tiny_chunks([5, 3, 9], candidate_rows=[9])
+    ops = bytes([0, 20, 0, 1, 4, 0, 0, 7, 0, 1, 0, 0, 0, 2, 0, 1, 9, 0])
+    write(t, "import_ops", b"\x00" + records(small) + ops)
+    write(t, "import_crc_kept", b"\x04" + records(tiny_chunks([17, 0, 2], chunk_bytes=700)))
+    write(t, "import_empty", b"\x00" + records(tiny_chunks([0, 0, 0])))
+    foreign = tiny_chunks([1, 0, 0])
+    foreign[0].header.profile = "v32"
+    write(t, "import_foreign_profile", b"\x08" + records(foreign))
+    two = tiny_chunks([16, 1, 4], candidate_rows=[3, 4]) + tiny_chunks([2, 2, 2], seq_id=9)
+    write(t, "snapshot_of_chunks", b"\x01" + records(two))
+    payloads = snapshot_payloads([small, tiny_chunks([0, 0, 1])])
+    write(t, "snapshot_records", b"\x02" + b"".join(struct.pack("<H", len(p)) + p
+                                                   for p in payloads))
+    write(t, "snapshot_file", b"\x03DISNAP01" + b"".join(snapshot_record(p) for p in payloads))
 
 
 def main():
@@ -94,6 +202,22 @@ def main():
     a = pb.AppendKeysRequest(sequence_id=1, layer=0)
     tensor(a.keys, pb.DTYPE_BF16, [1, 128], b"\x00\x3f" * 128)
     write(t, "append_bf16", b"\x02" + a.SerializeToString())
+
+    # Lifecycle: explicit key positions (a retried step, a rewrite from a position).
+    pos = pb.DecodeStepRequest()
+    pos.ParseFromString(step(0, [1, 1], 64, 128, pb.DTYPE_FP32, keys=(pb.DTYPE_FP32, 4)))
+    pos.sequences[0].new_keys_position = 17
+    pos.sequences[1].new_keys_position = 0
+    write(t, "v32_new_keys_position", b"\x00" + pos.SerializeToString())
+    pos = pb.DecodeStepRequest()
+    pos.ParseFromString(step(4, [1], 32, 128, pb.DTYPE_FP32))
+    pos.sequences[0].new_keys_position = 3  # a consumer takes no position: refused
+    write(t, "v41_consumer_position", b"\x01" + pos.SerializeToString())
+    a = pb.AppendKeysRequest(sequence_id=1, layer=0, position=5)
+    tensor(a.keys, pb.DTYPE_FP32, [1, 128], struct.pack("<128f", *([0.25] * 128)))
+    write(t, "append_at_position", b"\x02" + a.SerializeToString())
+
+    sequence_image_corpus()
 
     t = "fuzz_profile"
     examples = os.path.join(REPO, "server", "config", "examples")
