@@ -672,6 +672,9 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   // ends in a Synchronize, a failed one too).
   Staging staging(rank);
   Readback readback(rank, plan);
+  if (status.ok() && injected && plan.fault == StepPlan::Fault::kPause && plan.fault_pause) {
+    plan.fault_pause();
+  }
   if (status.ok()) status = ScoreRows(rank, staging, plan, range);
   rank.last_collective_ns = 0;
   rank.last_collectives = 0;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <utility>
 #include <vector>
@@ -62,9 +63,11 @@ struct StepPlan {
   // Test hook (DI_INJECT_FAULT): this rank fails the step, as a launch error would
   // (kError), passes the host agreement and then never joins the all-gather, as a stuck device
   // would (kHang), or passes the agreement and then fails its synchronize, as an asynchronous
-  // kernel fault would (kDevice). -1: none.
+  // kernel fault would (kDevice), or calls fault_pause before scoring and then runs the step
+  // normally (kPause: tests hold a step mid-run). -1: none.
   int32_t fault_rank = -1;
-  enum class Fault { kError, kHang, kDevice } fault = Fault::kError;
+  enum class Fault { kError, kHang, kDevice, kPause } fault = Fault::kError;
+  std::function<void()> fault_pause;
   // Host outputs, written by the answering rank.
   int32_t answer_rank = 0;
   int32_t* topk_out = nullptr;        // [rows, topk]

@@ -171,6 +171,15 @@ absl::Status CheckCacheImage(const CacheImage& c, const kernels::CacheGeometry& 
   return absl::OkStatus();
 }
 
+// Asks the caller whether it still wants the call (CallCheck) right before the commit: its
+// refusal is the call's failure, and nothing is committed.
+absl::Status AskCaller(const CallCheck& call_check) {
+  if (!call_check) return absl::OkStatus();
+  absl::Status s = call_check();
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat(s.message(), "; nothing was committed"));
+}
+
 int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
       .count();
@@ -188,15 +197,19 @@ class ExecutorImpl final : public Executor {
 
   absl::Status Init(int32_t num_ranks, const BackendFactory& factory);
 
-  absl::Status CreateSequence(uint64_t sequence_id) override;
-  absl::StatusOr<int64_t> AppendKeys(uint64_t sequence_id, int32_t layer,
-                                     const KeysInput& keys) override;
-  absl::StatusOr<int64_t> ReleaseSequence(uint64_t sequence_id) override;
-  absl::StatusOr<int64_t> TruncateSequence(uint64_t sequence_id, int64_t length) override;
-  absl::Status ForkSequence(uint64_t parent_id, uint64_t new_id, int64_t length) override;
+  absl::Status CreateSequence(uint64_t sequence_id, const CallCheck& call_check) override;
+  absl::StatusOr<int64_t> AppendKeys(uint64_t sequence_id, int32_t layer, const KeysInput& keys,
+                                     const CallCheck& call_check) override;
+  absl::StatusOr<int64_t> ReleaseSequence(uint64_t sequence_id,
+                                          const CallCheck& call_check) override;
+  absl::StatusOr<int64_t> TruncateSequence(uint64_t sequence_id, int64_t length,
+                                           const CallCheck& call_check) override;
+  absl::Status ForkSequence(uint64_t parent_id, uint64_t new_id, int64_t length,
+                            const CallCheck& call_check) override;
   absl::StatusOr<SequenceInfo> GetSequence(uint64_t sequence_id) override;
   absl::StatusOr<SequenceImage> ExportSequence(uint64_t sequence_id) override;
-  absl::Status ImportSequence(uint64_t sequence_id, const SequenceImage& image) override;
+  absl::Status ImportSequence(uint64_t sequence_id, const SequenceImage& image,
+                              const CallCheck& call_check) override;
   std::vector<uint64_t> SequenceIds() const override;
   int64_t ReleaseIdleSequences(int64_t idle_ms) override;
   absl::StatusOr<StepResult> DecodeStep(const StepInput& step) override;
@@ -570,11 +583,13 @@ void ExecutorImpl::IdleLoop() {
   }
 }
 
-absl::Status ExecutorImpl::CreateSequence(uint64_t sequence_id) {
+absl::Status ExecutorImpl::CreateSequence(uint64_t sequence_id, const CallCheck& call_check) {
   if (shut_down_) return Unavailable();
   FifoTurns::Turn turn = turns_.Wait();
   if (shut_down_) return Unavailable();
   std::lock_guard lock(mu_);
+  if (absl::Status s = table_.CanCreate(sequence_id); !s.ok()) return s;
+  if (absl::Status s = AskCaller(call_check); !s.ok()) return s;
   if (absl::Status s = table_.Create(sequence_id); !s.ok()) return s;
   table_.Find(sequence_id)->last_used_ms = NowMs();
   idle_released_set_.erase(sequence_id);
@@ -582,7 +597,8 @@ absl::Status ExecutorImpl::CreateSequence(uint64_t sequence_id) {
 }
 
 absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(uint64_t sequence_id, int32_t layer,
-                                                 const KeysInput& keys) {
+                                                 const KeysInput& keys,
+                                                 const CallCheck& call_check) {
   if (shut_down_) return Unavailable();
   FifoTurns::Turn turn = turns_.Wait();
   if (shut_down_) return Unavailable();
@@ -645,6 +661,8 @@ absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(uint64_t sequence_id, int32_t l
     if (!s.ok()) return s;
     return rank.backend().Synchronize();
   }));
+  // A caller that gave up while the keys were written gets nothing committed.
+  if (status.ok()) status = AskCaller(call_check);
   lock.lock();
   if (!status.ok()) {
     // The keys written lie beyond the committed length or in fresh pages, handed back.
@@ -661,12 +679,14 @@ absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(uint64_t sequence_id, int32_t l
   return new_length;
 }
 
-absl::StatusOr<int64_t> ExecutorImpl::ReleaseSequence(uint64_t sequence_id) {
+absl::StatusOr<int64_t> ExecutorImpl::ReleaseSequence(uint64_t sequence_id,
+                                                      const CallCheck& call_check) {
   if (shut_down_) return Unavailable();
   FifoTurns::Turn turn = turns_.Wait();
   if (shut_down_) return Unavailable();
   std::lock_guard lock(mu_);
   if (table_.Find(sequence_id) == nullptr) return NoSequence("sequence_id", sequence_id);
+  if (absl::Status s = AskCaller(call_check); !s.ok()) return s;
   return RemoveLocked(sequence_id);
 }
 
@@ -965,9 +985,11 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
 
   if (fault_.rank >= 0 && steps_to_ranks_ == fault_.step) {
     plan.fault_rank = fault_.rank;
-    plan.fault = fault_.hang     ? StepPlan::Fault::kHang
+    plan.fault = fault_.pause    ? StepPlan::Fault::kPause
+                 : fault_.hang   ? StepPlan::Fault::kHang
                  : fault_.device ? StepPlan::Fault::kDevice
                                  : StepPlan::Fault::kError;
+    plan.fault_pause = std::move(fault_.pause);
     fault_ = FaultInjection{};  // once
   }
   ++steps_to_ranks_;
@@ -991,6 +1013,9 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
     status = AssembleDeferred(/*candidates=*/true, size_t(num_rows) * p.num_candidate_blocks,
                               result.candidate_blocks);
   }
+  // A caller whose deadline passed (or who went away) while the ranks ran gets nothing
+  // committed: the step fails as if a rank had.
+  if (status.ok()) status = AskCaller(step.call_check);
 
   if (!status.ok()) {
     // Some ranks may have applied the step's table edits: put the committed pages back (the
@@ -1040,7 +1065,8 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
   return result;
 }
 
-absl::StatusOr<int64_t> ExecutorImpl::TruncateSequence(uint64_t sequence_id, int64_t length) {
+absl::StatusOr<int64_t> ExecutorImpl::TruncateSequence(uint64_t sequence_id, int64_t length,
+                                                       const CallCheck& call_check) {
   if (shut_down_) return Unavailable();
   FifoTurns::Turn turn = turns_.Wait();
   if (shut_down_) return Unavailable();
@@ -1050,6 +1076,7 @@ absl::StatusOr<int64_t> ExecutorImpl::TruncateSequence(uint64_t sequence_id, int
   if (length < 0) {
     return absl::InvalidArgumentError(absl::StrCat("length: must be >= 0, got ", length));
   }
+  if (absl::Status s = AskCaller(call_check); !s.ok()) return s;
   seq->last_used_ms = NowMs();
   int64_t freed = 0;
   for (size_t pool = 0; pool < seq->caches.size(); ++pool) {
@@ -1063,7 +1090,8 @@ absl::StatusOr<int64_t> ExecutorImpl::TruncateSequence(uint64_t sequence_id, int
   return freed;
 }
 
-absl::Status ExecutorImpl::ForkSequence(uint64_t parent_id, uint64_t new_id, int64_t length) {
+absl::Status ExecutorImpl::ForkSequence(uint64_t parent_id, uint64_t new_id, int64_t length,
+                                        const CallCheck& call_check) {
   if (shut_down_) return Unavailable();
   FifoTurns::Turn turn = turns_.Wait();
   if (shut_down_) return Unavailable();
@@ -1084,6 +1112,8 @@ absl::Status ExecutorImpl::ForkSequence(uint64_t parent_id, uint64_t new_id, int
                                                 " in layer ", cache_layers[pool], "'s cache"));
     }
   }
+  if (absl::Status s = table_.CanCreate(new_id); !s.ok()) return s;
+  if (absl::Status s = AskCaller(call_check); !s.ok()) return s;
   if (absl::Status s = table_.Create(new_id); !s.ok()) return s;
   idle_released_set_.erase(new_id);
   parent = table_.Find(parent_id);  // Create may have rehashed the table
@@ -1216,7 +1246,8 @@ absl::StatusOr<SequenceImage> ExecutorImpl::ExportSequence(uint64_t sequence_id)
   return image;
 }
 
-absl::Status ExecutorImpl::ImportSequence(uint64_t sequence_id, const SequenceImage& image) {
+absl::Status ExecutorImpl::ImportSequence(uint64_t sequence_id, const SequenceImage& image,
+                                          const CallCheck& call_check) {
   if (shut_down_) return Unavailable();
   FifoTurns::Turn turn = turns_.Wait();
   if (shut_down_) return Unavailable();
@@ -1352,6 +1383,7 @@ absl::Status ExecutorImpl::ImportSequence(uint64_t sequence_id, const SequenceIm
     }
     return rank.backend().Synchronize();
   }));
+  if (status.ok()) status = AskCaller(call_check);
   lock.lock();
   if (!status.ok()) {
     give_back();

@@ -79,6 +79,13 @@ struct KeysInput {
   std::optional<int64_t> position;
 };
 
+// The caller's side of a call: asked right before a state-changing call commits (after the
+// ranks ran it). A non-OK answer (DEADLINE_EXCEEDED: the caller's deadline passed while the
+// call ran; CANCELLED: the caller went away) makes the call commit nothing, exactly as a
+// failed rank would, and fail with that code, saying nothing was committed. Empty: the caller
+// waits however long the call takes. The gRPC edge asks its ServerContext.
+using CallCheck = std::function<absl::Status()>;
+
 struct SequenceStepInput {
   uint64_t sequence_id = 0;
   int32_t num_rows = 0;  // >= 1
@@ -117,6 +124,8 @@ struct StepInput {
   // staging, since a copy from or to pageable memory is bounced by the driver in pieces that
   // each wait for the stream. A wrong `true` is still correct, only slower.
   bool host_memory_page_locked = false;
+  // Whether the caller still wants the step, asked right before it commits (see CallCheck).
+  CallCheck call_check;
 };
 
 struct StepResult {
@@ -212,25 +221,36 @@ class Executor {
                                                           const ExecutorOptions& options);
   virtual ~Executor() = default;
 
+  // The calls below that change state ask `call_check` (see CallCheck) right before they
+  // commit: the lifecycle calls run on the host in microseconds, but may wait for their turn
+  // behind a long step.
   // ALREADY_EXISTS if taken; RESOURCE_EXHAUSTED past max_sequences.
-  virtual absl::Status CreateSequence(uint64_t sequence_id) = 0;
-  // Appends prefill keys to the cache `layer` owns; answers the new length.
+  virtual absl::Status CreateSequence(uint64_t sequence_id,
+                                      const CallCheck& call_check = nullptr) = 0;
+  // Appends prefill keys to the cache `layer` owns; answers the new length. `call_check` is
+  // asked right before the keys are committed (see CallCheck).
   virtual absl::StatusOr<int64_t> AppendKeys(uint64_t sequence_id, int32_t layer,
-                                             const KeysInput& keys) = 0;
+                                             const KeysInput& keys,
+                                             const CallCheck& call_check = nullptr) = 0;
   // Lets go of the sequence's pages in every cache; answers how many went back to the free
   // lists (a page another sequence still holds is not freed).
-  virtual absl::StatusOr<int64_t> ReleaseSequence(uint64_t sequence_id) = 0;
+  virtual absl::StatusOr<int64_t> ReleaseSequence(uint64_t sequence_id,
+                                                  const CallCheck& call_check = nullptr) = 0;
   // Cuts every cache longer than `length` to `length` (shorter ones stay); answers the pages
   // freed. The candidates of a source whose cache was cut are dropped.
-  virtual absl::StatusOr<int64_t> TruncateSequence(uint64_t sequence_id, int64_t length) = 0;
+  virtual absl::StatusOr<int64_t> TruncateSequence(uint64_t sequence_id, int64_t length,
+                                                   const CallCheck& call_check = nullptr) = 0;
   // `new_id` starts as the first `length` entries of `parent_id` in every cache, sharing its
   // pages (copy-on-write). Without candidates: run the source layer before its consumers.
-  virtual absl::Status ForkSequence(uint64_t parent_id, uint64_t new_id, int64_t length) = 0;
+  virtual absl::Status ForkSequence(uint64_t parent_id, uint64_t new_id, int64_t length,
+                                    const CallCheck& call_check = nullptr) = 0;
   virtual absl::StatusOr<SequenceInfo> GetSequence(uint64_t sequence_id) = 0;
   virtual absl::StatusOr<SequenceImage> ExportSequence(uint64_t sequence_id) = 0;
   // A new sequence `sequence_id` holding the image (checked against the profile's geometry:
-  // one cache per pool, lengths, page bytes); all-or-nothing.
-  virtual absl::Status ImportSequence(uint64_t sequence_id, const SequenceImage& image) = 0;
+  // one cache per pool, lengths, page bytes); all-or-nothing. `call_check` is asked right
+  // before the sequence is committed (see CallCheck).
+  virtual absl::Status ImportSequence(uint64_t sequence_id, const SequenceImage& image,
+                                      const CallCheck& call_check = nullptr) = 0;
   // Every live sequence id, ascending.
   virtual std::vector<uint64_t> SequenceIds() const = 0;
   // Releases the sequences no call named for `idle_ms`; answers how many (the idle timeout

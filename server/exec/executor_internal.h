@@ -32,11 +32,15 @@ absl::StatusOr<std::unique_ptr<Executor>> CreateExecutorWithBackends(const confi
 // synchronize that waits for its kernels (device: as an asynchronous kernel fault would),
 // which must abort the collective at once. A sharded step with no collective (direct
 // answers, not a source) has nothing to hang in: there both are an error after scoring.
+// Through InjectFault only (not DI_INJECT_FAULT), `pause`: the rank calls it before scoring
+// and then runs the step normally, so a test can hold a step mid-run (e.g. until its
+// caller's deadline has passed) without a timing guess.
 struct FaultInjection {
   int32_t rank = -1;  // -1: none
   bool hang = false;
   uint64_t step = 0;
   bool device = false;  // (with hang false) the device kind
+  std::function<void()> pause = nullptr;
 };
 void InjectFault(Executor& executor, const FaultInjection& fault);
 

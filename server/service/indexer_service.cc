@@ -177,6 +177,20 @@ uint64_t ResponseBound(const v1::DecodeStepRequest& request, const config::Profi
   return bytes;
 }
 
+// The call's side of a state-changing executor call (exec::CallCheck), asked right before it
+// commits: a deadline that passed or a cancellation while it ran makes it commit nothing, so
+// a failed call never leaves state behind (the caller would retry it on top).
+exec::CallCheck CallCheckOf(const grpc::ServerContext* context) {
+  return [context]() -> absl::Status {
+    // The deadline first: gRPC also cancels a call whose deadline passed.
+    if (context->deadline() <= std::chrono::system_clock::now()) {
+      return absl::DeadlineExceededError("the call's deadline passed while it ran");
+    }
+    if (context->IsCancelled()) return absl::CancelledError("the call was cancelled while it ran");
+    return absl::OkStatus();
+  };
+}
+
 // Handlers never let an exception (e.g. bad_alloc) escape into gRPC.
 template <typename F>
 absl::Status Guarded(F&& f) {
@@ -412,8 +426,9 @@ grpc::Status IndexerService::GetServerInfo(grpc::ServerContext* context,
 grpc::Status IndexerService::CreateSequence(grpc::ServerContext* context,
                                             const v1::CreateSequenceRequest* request,
                                             v1::CreateSequenceResponse*) {
-  return Handle(kCreateSequence, context,
-                [&] { return executor_.CreateSequence(request->sequence_id()); });
+  return Handle(kCreateSequence, context, [&] {
+    return executor_.CreateSequence(request->sequence_id(), CallCheckOf(context));
+  });
 }
 
 grpc::Status IndexerService::AppendKeys(grpc::ServerContext* context,
@@ -422,8 +437,8 @@ grpc::Status IndexerService::AppendKeys(grpc::ServerContext* context,
   return Handle(kAppendKeys, context, [&]() -> absl::Status {
     absl::StatusOr<DecodedAppend> decoded = DecodeAppendKeys(*request, executor_.profile());
     if (!decoded.ok()) return decoded.status();
-    absl::StatusOr<int64_t> length =
-        executor_.AppendKeys(decoded->sequence_id, decoded->layer, decoded->keys);
+    absl::StatusOr<int64_t> length = executor_.AppendKeys(decoded->sequence_id, decoded->layer,
+                                                          decoded->keys, CallCheckOf(context));
     if (!length.ok()) {
       CheckHealth(length.status());
       return length.status();
@@ -437,7 +452,8 @@ grpc::Status IndexerService::ReleaseSequence(grpc::ServerContext* context,
                                              const v1::ReleaseSequenceRequest* request,
                                              v1::ReleaseSequenceResponse* response) {
   return Handle(kReleaseSequence, context, [&]() -> absl::Status {
-    absl::StatusOr<int64_t> freed = executor_.ReleaseSequence(request->sequence_id());
+    absl::StatusOr<int64_t> freed =
+        executor_.ReleaseSequence(request->sequence_id(), CallCheckOf(context));
     if (!freed.ok()) return freed.status();
     response->set_pages_freed(*freed);
     return absl::OkStatus();
@@ -578,6 +594,9 @@ absl::Status IndexerService::RunStep(grpc::ServerContext* context,
     }
   }
   if (context->IsCancelled()) return absl::CancelledError("cancelled before the step ran");
+  // And once more right before the commit, in the executor: a deadline that passes while the
+  // step runs leaves nothing committed.
+  step.call_check = CallCheckOf(context);
   absl::StatusOr<exec::StepResult> result = executor_.DecodeStep(step);
   admitted.unlock();
   if (!result.ok()) {
@@ -932,7 +951,7 @@ grpc::Status IndexerService::TruncateSequence(grpc::ServerContext* context,
                                               v1::TruncateSequenceResponse* response) {
   return Handle(kTruncateSequence, context, [&]() -> absl::Status {
     absl::StatusOr<int64_t> freed =
-        executor_.TruncateSequence(request->sequence_id(), request->length());
+        executor_.TruncateSequence(request->sequence_id(), request->length(), CallCheckOf(context));
     if (!freed.ok()) return freed.status();
     response->set_pages_freed(*freed);
     return absl::OkStatus();
@@ -943,7 +962,8 @@ grpc::Status IndexerService::ForkSequence(grpc::ServerContext* context,
                                           const v1::ForkSequenceRequest* request,
                                           v1::ForkSequenceResponse*) {
   return Handle(kForkSequence, context, [&] {
-    return executor_.ForkSequence(request->parent_id(), request->new_id(), request->length());
+    return executor_.ForkSequence(request->parent_id(), request->new_id(), request->length(),
+                                  CallCheckOf(context));
   });
 }
 
@@ -1009,7 +1029,7 @@ grpc::Status IndexerService::ImportSequence(grpc::ServerContext* context,
     absl::StatusOr<exec::SequenceImage> image = assembler.Finish();
     if (!image.ok()) return image.status();
     if (id == 0) id = assembler.exported_id();
-    if (absl::Status s = executor_.ImportSequence(id, *image); !s.ok()) {
+    if (absl::Status s = executor_.ImportSequence(id, *image, CallCheckOf(context)); !s.ok()) {
       CheckHealth(s);
       return s;
     }

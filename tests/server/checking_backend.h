@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -21,9 +22,16 @@ class CheckingBackend final : public kernels::Backend {
  public:
   // With fail_rank: while *fail_rank == rank, every kernel after key insertion (scoring,
   // CopyRows, ForkExpand) fails, to test a rank failing after the step's keys were written.
+  // With pause: while *pause is set, every kernel entry point calls it first (a slow kernel,
+  // e.g. one that runs past its caller's deadline).
   CheckingBackend(std::unique_ptr<kernels::Backend> inner, std::atomic<int64_t>* violations,
-                  int32_t rank = 0, const std::atomic<int32_t>* fail_rank = nullptr)
-      : inner_(std::move(inner)), violations_(violations), rank_(rank), fail_rank_(fail_rank) {}
+                  int32_t rank = 0, const std::atomic<int32_t>* fail_rank = nullptr,
+                  const std::function<void()>* pause = nullptr)
+      : inner_(std::move(inner)),
+        violations_(violations),
+        rank_(rank),
+        fail_rank_(fail_rank),
+        pause_(pause) {}
 
   std::string_view name() const override { return inner_->name(); }
   std::string description() const override { return inner_->description(); }
@@ -158,6 +166,7 @@ class CheckingBackend final : public kernels::Backend {
   }
   template <typename F>
   absl::Status Check(std::initializer_list<Arg> args, F&& call, bool injectable = true) {
+    if (pause_ != nullptr && *pause_) (*pause_)();
     if (injectable && fail_rank_ != nullptr && fail_rank_->load() == rank_) {
       return absl::InternalError(absl::StrCat("injected fault on rank ", rank_));
     }
@@ -174,6 +183,7 @@ class CheckingBackend final : public kernels::Backend {
   std::atomic<int64_t>* violations_;
   int32_t rank_;
   const std::atomic<int32_t>* fail_rank_;
+  const std::function<void()>* pause_;
   std::mutex mu_;
   std::map<uintptr_t, size_t> owned_;
 };

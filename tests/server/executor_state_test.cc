@@ -2,6 +2,9 @@
 // were (later steps answer as if it never happened); release frees pages; sequence limits;
 // shutdown.
 #include <algorithm>
+#include <chrono>
+#include <functional>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
@@ -56,7 +59,7 @@ class ExecutorState : public ::testing::Test {
         [this](int32_t rank, const kernels::BackendLimits& limits)
             -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
           return std::make_unique<CheckingBackend>(kernels::MakeCpuBackend(limits, 1), &violations_,
-                                                   rank, &fail_rank_);
+                                                   rank, &fail_rank_, &pause_);
         });
     ASSERT_TRUE(e.ok()) << e.status();
     e_ = *std::move(e);
@@ -120,6 +123,8 @@ class ExecutorState : public ::testing::Test {
   uint64_t seed_ = 0;
   std::atomic<int64_t> violations_{0};
   std::atomic<int32_t> fail_rank_{-1};
+  // Set only between steps (the ranks read it inside one).
+  std::function<void()> pause_;
   std::unique_ptr<Harness> h_;
   std::unique_ptr<Executor> e_;
 };
@@ -303,6 +308,144 @@ TEST(PageTableMirror, PendingKeepsTheLastEditOfEachEntry) {
   EXPECT_TRUE(m.Pending(0).empty());
   EXPECT_EQ(m.Pending(1).index, (std::vector<int32_t>{0}));
   EXPECT_EQ(m.Pending(1).page, (std::vector<int32_t>{9}));
+}
+
+// A caller whose deadline passes while its step or append runs (the kernels take longer than
+// the deadline allows) is answered DEADLINE_EXCEEDED with nothing committed, at every layer
+// role, with the ranks sharded or not: lengths, pages and candidates stay, and the same call
+// retried commits once. (The old executor committed such a call; the edge then answered
+// DEADLINE_EXCEEDED, so a client's retry appended its keys twice.)
+TEST_F(ExecutorState, DeadlinePassingMidCallCommitsNothing) {
+  SCOPED_TRACE(absl::StrCat("seed ", seed_));
+  using Clock = std::chrono::steady_clock;
+  const config::Profile& p = h_->profile();
+  std::vector<uint64_t> ids;
+  for (uint64_t id = 1; id <= 8; ++id) {
+    ASSERT_TRUE(e_->CreateSequence(id).ok());
+    for (int32_t layer : p.CacheLayers()) Append(id, layer, 20 + int32_t(h_->rng()() % 60));
+    ids.push_back(id);
+  }
+  Round(ids, 2);
+  Clock::time_point deadline;
+  const exec::CallCheck call_check = [&]() -> absl::Status {
+    if (Clock::now() < deadline) return absl::OkStatus();
+    return absl::DeadlineExceededError("the test's deadline passed");
+  };
+  // Every kernel waits until the deadline has passed: the call is then mid-run by
+  // construction, whatever the machine's speed.
+  auto slow_kernels = [&] {
+    deadline = Clock::now() + std::chrono::milliseconds(20);
+    pause_ = [&] { std::this_thread::sleep_until(deadline + std::chrono::milliseconds(1)); };
+  };
+  auto lengths = [&] {
+    std::vector<int64_t> out;
+    for (uint64_t id : ids) {
+      absl::StatusOr<exec::SequenceInfo> info = e_->GetSequence(id);
+      EXPECT_TRUE(info.ok()) << info.status();
+      if (!info.ok()) continue;
+      for (const exec::SequenceCacheInfo& c : info->caches) out.push_back(c.length);
+      for (const auto& [layer, at] : info->candidates) out.push_back(-1000 * layer - at);
+    }
+    return out;
+  };
+  for (bool sharded : {true, false}) {
+    SCOPED_TRACE(sharded ? "sharded" : "unsharded");
+    std::vector<SeqPlan> plans;
+    for (uint64_t id : ids) plans.push_back({id, 2, 2, {}});
+    if (!sharded) plans = {{ids.back(), 1, 1, {}}};
+    for (const config::LayerSpec& l : p.layers) {
+      SCOPED_TRACE(absl::StrCat("layer ", l.layer));
+      std::vector<SeqPlan> step_plans = plans;
+      if (l.role == LayerRole::kCandidateConsumer) {
+        for (SeqPlan& sp : step_plans) sp.new_keys = 0;  // rows as the source's last step
+      }
+      std::unique_ptr<StepData> step = h_->MakeStep(l.layer, step_plans);
+      step->input.return_candidates = l.role == LayerRole::kCandidateSource;
+      step->input.call_check = call_check;
+      const Snapshot before = Take(*e_);
+      const std::vector<int64_t> lengths_before = lengths();
+      slow_kernels();
+      absl::StatusOr<StepResult> r = e_->DecodeStep(step->input);
+      pause_ = nullptr;
+      ASSERT_FALSE(r.ok());
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+      EXPECT_THAT(r.status().message(), HasSubstr("nothing was committed"));
+      EXPECT_EQ(Take(*e_), before);
+      EXPECT_EQ(lengths(), lengths_before);
+      // The retry (no deadline now) commits once and answers as the oracle says.
+      step->input.call_check = nullptr;
+      r = e_->DecodeStep(step->input);
+      ASSERT_TRUE(r.ok()) << r.status();
+      h_->RecordStep(*step);
+      for (size_t i = 0; i < step_plans.size(); ++i) {
+        EXPECT_EQ(r->lengths[i], h_->Length(step_plans[i].id, l.cache_layer));
+      }
+      EXPECT_TRUE(h_->Check(*step, *r));
+    }
+  }
+  // AppendKeys: keys, and a cut back to an explicit position.
+  for (int32_t layer : p.CacheLayers()) {
+    SCOPED_TRACE(absl::StrCat("append to layer ", layer));
+    std::vector<uint8_t> keys, scales;
+    KeysInput in;
+    h_->RandomKeys(layer, 5, KeyForm::kF32, &keys, &scales, &in.type);
+    in.count = 5;
+    in.keys = keys.data();
+    const Snapshot before = Take(*e_);
+    const std::vector<int64_t> lengths_before = lengths();
+    slow_kernels();
+    absl::StatusOr<int64_t> r = e_->AppendKeys(ids[0], layer, in, call_check);
+    pause_ = nullptr;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+    EXPECT_THAT(r.status().message(), HasSubstr("nothing was committed"));
+    EXPECT_EQ(Take(*e_), before);
+    EXPECT_EQ(lengths(), lengths_before);
+    r = e_->AppendKeys(ids[0], layer, in);
+    ASSERT_TRUE(r.ok()) << r.status();
+    h_->RecordAppend(ids[0], layer, in);
+    EXPECT_EQ(*r, h_->Length(ids[0], layer));
+  }
+  Round(ids, 1);
+}
+
+// The other state-changing calls ask the caller right before they commit too (the lifecycle
+// calls run on the host in microseconds, but may wait for their turn behind a long step): a
+// caller that has gone changes nothing, and a refusal for another reason is still answered.
+TEST_F(ExecutorState, AbandonedLifecycleCallsChangeNothing) {
+  SCOPED_TRACE(absl::StrCat("seed ", seed_));
+  const config::Profile& p = h_->profile();
+  const std::vector<uint64_t> ids = {1, 2, 3};
+  for (uint64_t id : ids) {
+    ASSERT_TRUE(e_->CreateSequence(id).ok());
+    for (int32_t layer : p.CacheLayers()) Append(id, layer, 20 + int32_t(h_->rng()() % 60));
+  }
+  Round(ids, 2);
+  absl::StatusOr<exec::SequenceImage> image = e_->ExportSequence(2);
+  ASSERT_TRUE(image.ok()) << image.status();
+  const exec::CallCheck gone = [] { return absl::CancelledError("the test's caller went away"); };
+  const Snapshot before = Take(*e_);
+  auto cancelled = [](const absl::Status& s) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+    EXPECT_THAT(s.message(), HasSubstr("nothing was committed"));
+  };
+  cancelled(e_->CreateSequence(9, gone));
+  cancelled(e_->ReleaseSequence(1, gone).status());
+  cancelled(e_->TruncateSequence(1, 3, gone).status());
+  cancelled(e_->ForkSequence(1, 10, 3, gone));
+  cancelled(e_->ImportSequence(11, *image, gone));
+  EXPECT_EQ(e_->CreateSequence(1, gone).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(Take(*e_), before);
+  for (uint64_t id : {9, 10, 11}) {
+    EXPECT_EQ(e_->GetSequence(id).status().code(), absl::StatusCode::kNotFound) << id;
+  }
+  for (uint64_t id : ids) {
+    absl::StatusOr<exec::SequenceInfo> info = e_->GetSequence(id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    for (const exec::SequenceCacheInfo& c : info->caches) {
+      EXPECT_EQ(c.length, h_->Length(id, c.cache_layer)) << "sequence " << id;
+    }
+  }
+  Round(ids, 1);
 }
 
 TEST_F(ExecutorState, ReleaseFreesPagesAndCandidates) {

@@ -24,8 +24,10 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "server/exec/executor_internal.h"
 #include "server/service/indexer_service.h"
 #include "tests/service/service_harness.h"
 
@@ -123,6 +125,79 @@ TEST_F(SecurityTest, AnswerOverTheMessageLimitCommitsNothing) {
   ASSERT_TRUE(p.ok()) << p.status();
   const std::vector<int64_t> once = {lengths_[0] + 2, lengths_[1] + 2};
   EXPECT_EQ(p->lengths, once) << "the refused step inserted its keys";
+}
+
+// A step whose caller's deadline passes while it runs commits nothing: the executor asks the
+// call right before the commit. The old server committed the step's keys and the client saw
+// DEADLINE_EXCEEDED, so its retry appended them twice. The step is held mid-run (on the ranks)
+// until the client has given up, so the deadline has passed by construction.
+TEST_F(SecurityTest, DeadlinePassingMidStepCommitsNothing) {
+  Start();
+  std::mutex mu;
+  std::condition_variable cv;
+  bool reached = false, gave_up = false;
+  exec::FaultInjection hold;
+  hold.rank = 0;
+  hold.pause = [&] {
+    std::unique_lock<std::mutex> lock(mu);
+    reached = true;
+    cv.notify_all();
+    cv.wait_for(lock, std::chrono::seconds(120), [&] { return gave_up; });
+  };
+  exec::InjectFault(s_->server->executor(), hold);
+  client::ClientOptions o;
+  o.timeout = std::chrono::seconds(3);
+  auto impatient = client::IndexerClient::Connect(s_->server->address(), o);
+  ASSERT_TRUE(impatient.ok()) << impatient.status();
+  const v1::DecodeStepRequest req = Step(0);  // one new key per sequence
+  absl::StatusOr<client::StepAnswer> r = (*impatient)->DecodeStep(req);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    ASSERT_TRUE(reached) << "the step never reached the ranks (its deadline passed in the queue)";
+  }
+  // The server's own deadline for the call (from grpc-timeout, a little after the client's)
+  // must have passed too, or the step could rightly commit: wait it out, then let it finish.
+  std::this_thread::sleep_until(s_->server->service().LastQueuedDeadlineForTesting() +
+                                std::chrono::milliseconds(1));
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    gave_up = true;
+    cv.notify_all();
+  }
+  // The server finishes the step and answers it (to nobody): wait until it was counted.
+  const v1::RpcStatistics* counted = nullptr;
+  v1::Statistics st;
+  for (int i = 0; i < 1000; ++i) {
+    absl::StatusOr<v1::Statistics> got = s_->client->GetStatistics();
+    ASSERT_TRUE(got.ok()) << got.status();
+    st = *got;
+    for (const v1::RpcStatistics& rpc : st.rpcs()) {
+      if (rpc.method() == "DecodeStep" && rpc.count() > 0) counted = &rpc;
+    }
+    if (counted != nullptr) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_NE(counted, nullptr) << "the server never answered the held step";
+  EXPECT_EQ(counted->errors(), 1u);
+  for (size_t i = 0; i < ids_.size(); ++i) {
+    absl::StatusOr<v1::GetSequenceResponse> seq = s_->client->GetSequence(ids_[i]);
+    ASSERT_TRUE(seq.ok()) << seq.status();
+    EXPECT_EQ(seq->caches(0).length(), lengths_[i]) << "the abandoned step committed its key";
+  }
+  // The server saw the client's deadline pass, or (first) its cancellation when the client
+  // gave up: either way the step failed.
+  const std::string metrics = s_->server->service().RenderMetrics();
+  const bool expired =
+      metrics.find(
+          "decode_indexer_rpcs_total{method=\"DecodeStep\",code=\"DEADLINE_EXCEEDED\"} 1") !=
+          std::string::npos ||
+      metrics.find("decode_indexer_rpcs_total{method=\"DecodeStep\",code=\"CANCELLED\"} 1") !=
+          std::string::npos;
+  EXPECT_TRUE(expired) << metrics.substr(metrics.find("decode_indexer_rpcs_total"), 2000);
+  // The retry commits once and answers as on a server that never saw the first attempt.
+  const client::StepAnswer retried = StepAndCompare(*s_, *oracle_, req, "the retried step");
+  EXPECT_EQ(retried.lengths, (std::vector<int64_t>{lengths_[0] + 1, lengths_[1] + 1}));
 }
 
 // ---- bounded error text, enums, unparseable bytes ----------------------------------------
