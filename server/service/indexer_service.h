@@ -50,7 +50,8 @@ class LatencyStats {
 
 struct ServiceOptions {
   // When set, every DecodeIndexer call must carry "authorization: Bearer <token>"
-  // (UNAUTHENTICATED otherwise). The health service is separate and stays open.
+  // (UNAUTHENTICATED otherwise), checked by every handler (and, on TLS, before it in the auth
+  // filter: auth.h). The health service is separate and stays open.
   std::string auth_token;
   // The gRPC send limit: a step whose answer could exceed it is refused before it runs
   // (RESOURCE_EXHAUSTED), so a failed send never follows a committed step. 0: no check.
@@ -145,6 +146,11 @@ class IndexerService final : public v1::DecodeIndexer::Service {
         std::chrono::system_clock::duration(last_queued_deadline_.load()));
   }
 
+  // Calls the auth filter (TLS: auth.h's processor) refused before their handler ran; the
+  // Server hands the processor this counter.
+  std::atomic<uint64_t>* AuthRefusedCounter() { return &auth_refused_; }
+  uint64_t auth_refused() const { return auth_refused_.load(); }
+
   // Called with false once the executor reports itself unhealthy (a device or collective
   // fault): the Server points it at the health service (NOT_SERVING).
   void SetHealthSink(std::function<void(bool serving)> sink);
@@ -210,6 +216,7 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   prometheus::Gauge* steps_in_flight_ = nullptr;
   // Sum of successful steps' ServerTiming.queue_us (GetStatistics.queue_us_total).
   std::atomic<int64_t> queue_us_total_{0};
+  std::atomic<uint64_t> auth_refused_{0};
   // Registers into shm_ (and pins through executor_): stopped before either goes.
   std::unique_ptr<ShmSocketServer> shm_socket_;
   std::mutex health_mu_;

@@ -28,6 +28,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "server/service/auth.h"
 #include "server/service/snapshot.h"
 #include "server/service/status_mapping.h"
 #include "spdlog/spdlog.h"
@@ -202,6 +203,19 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
       server->executor_->Shutdown();
       return s;
     }
+  }
+  if (!options.tls_cert.empty()) {
+    // TLS: the token (and with mutual TLS the client certificate's use) is checked in gRPC's
+    // auth filter, before a request is read or its handler runs.
+    AuthOptions auth;
+    auth.token = options.auth_token;
+    auth.check_client_certificate = !options.tls_client_ca.empty();
+    if (absl::StatusOr<std::string> pem = ReadFile("tls-cert", options.tls_cert); pem.ok()) {
+      auth.server_certificate_pem = *std::move(pem);
+    }
+    (*credentials)
+        ->SetAuthMetadataProcessor(
+            MakeAuthProcessor(std::move(auth), server->service_->AuthRefusedCounter()));
   }
   server->service_->SetInstanceId(NewInstanceId());
   // Until the snapshot is restored every call answers UNAVAILABLE and health NOT_SERVING.

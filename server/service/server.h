@@ -43,7 +43,8 @@ struct ServerOptions {
   bool reflection = true;
   // host:port of the Prometheus /metrics HTTP endpoint; empty: none (port 0 picks one).
   std::string metrics_listen;
-  // Bearer token every DecodeIndexer call must carry; empty: no authentication.
+  // Bearer token every DecodeIndexer call must carry; empty: no authentication. On TLS it is
+  // checked in gRPC's auth filter before the request is read (auth.h), and by the handler.
   std::string auth_token;
   // Whether GET /metrics also demands "Authorization: Bearer <auth_token>" (needs a token).
   bool metrics_auth = false;
@@ -51,7 +52,8 @@ struct ServerOptions {
   // watching grpc.health.v1 stop routing here first (0: stop at once).
   std::chrono::milliseconds drain_grace{0};
   // PEM files. cert + key: TLS; plus client_ca: mutual TLS (clients must present a
-  // certificate signed by it). All empty: plaintext.
+  // certificate signed by it and meant for clients: auth.h's CheckClientCertificateUse). All
+  // empty: plaintext.
   std::string tls_cert;
   std::string tls_key;
   std::string tls_client_ca;

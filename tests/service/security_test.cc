@@ -19,15 +19,21 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "health_subset.grpc.pb.h"
+#include "reflection_subset.grpc.pb.h"
+#include "reflection_subset.pb.h"
 #include "server/exec/executor_internal.h"
+#include "server/service/auth.h"
 #include "server/service/indexer_service.h"
 #include "tests/service/service_harness.h"
 
@@ -541,6 +547,245 @@ TEST(SecurityTlsTest, MismatchedKeyIsReportedClearly) {
   server = service::Server::Start(so);
   EXPECT_TRUE(server.ok()) << server.status();
   EXPECT_EQ(std::system(("rm -rf " + d).c_str()), 0);
+}
+
+// ---- who may call: client certificates and the token, before the handler ---------------------
+
+// Certificates from the openssl CLI (EC P-256), all from one CA: the server's, for
+// localhost/127.0.0.1 and with no extendedKeyUsage (unrestricted, as in the issue's setup); a
+// client certificate with extendedKeyUsage clientAuth; one with no extendedKeyUsage; and one
+// with extendedKeyUsage serverAuth only (a certificate issued for another server).
+class ClientAuthTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (std::system("openssl version > /dev/null 2>&1") != 0) {
+      GTEST_SKIP() << "openssl CLI not installed: TLS tests skipped";
+    }
+    dir_ = "/tmp/di-sec-auth-" + std::to_string(getpid()) + "-" + std::to_string(Seed() % 100000);
+    const std::string ec = " -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
+    auto issue = [&](const std::string& name, const std::string& cn, const std::string& ext) {
+      std::string cmd = " && openssl req" + ec + " -keyout " + name + ".key -out " + name +
+                        ".csr -subj /CN=" + cn + " && openssl x509 -req -in " + name +
+                        ".csr -CA ca.pem -CAkey ca.key -CAcreateserial -out " + name +
+                        ".pem -days 2";
+      if (!ext.empty()) {
+        cmd = " && printf '" + ext + "\\n' > " + name + ".ext" + cmd + " -extfile " + name + ".ext";
+      }
+      return cmd;
+    };
+    const std::string cmd =
+        "mkdir -p " + dir_ + " && cd " + dir_ + " && openssl req -x509" + ec +
+        " -keyout ca.key -out ca.pem -days 2 -subj /CN=di-sec-ca" +
+        issue("server", "localhost", "subjectAltName=DNS:localhost,IP:127.0.0.1") +
+        issue("client", "di-client", "extendedKeyUsage=clientAuth") +
+        issue("plain", "di-plain", "") +
+        issue("other-server", "other.example", "extendedKeyUsage=serverAuth");
+    ASSERT_EQ(std::system(("(" + cmd + ") > /dev/null 2>&1").c_str()), 0) << cmd;
+  }
+  void TearDown() override {
+    if (!dir_.empty()) {
+      EXPECT_EQ(std::system(("rm -rf " + dir_).c_str()), 0);
+    }
+  }
+  std::string Read(const std::string& name) const {
+    std::ifstream in(dir_ + "/" + name);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+  std::unique_ptr<Session> StartTls(bool mutual, const std::string& token) {
+    return StartSession(
+        LoadOrDie(TinyProfilePath()), CpuOptions(1, 64),
+        [&](service::ServerOptions& o) {
+          o.tls_cert = dir_ + "/server.pem";
+          o.tls_key = dir_ + "/server.key";
+          if (mutual) o.tls_client_ca = dir_ + "/ca.pem";
+          o.auth_token = token;
+          o.reflection = true;  // served: it must stay open without the token
+        },
+        Tls(mutual ? "client" : "", token));
+  }
+  // A TLS client presenting `cert` (none when empty), with `token` when set.
+  client::ClientOptions Tls(const std::string& cert, const std::string& token) const {
+    client::ClientOptions o;
+    o.tls_root_ca = Read("ca.pem");
+    if (!cert.empty()) {
+      o.tls_cert = Read(cert + ".pem");
+      o.tls_key = Read(cert + ".key");
+    }
+    o.auth_token = token;
+    o.connect_timeout = std::chrono::milliseconds(0);
+    o.timeout = std::chrono::seconds(60);
+    return o;
+  }
+  std::unique_ptr<client::IndexerClient> Connect(const Session& s, const std::string& cert,
+                                                 const std::string& token = "") const {
+    absl::StatusOr<std::unique_ptr<client::IndexerClient>> c =
+        client::IndexerClient::Connect(s.server->address(), Tls(cert, token));
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+  static uint64_t Calls(const v1::Statistics& st, const std::string& method) {
+    for (const v1::RpcStatistics& r : st.rpcs()) {
+      if (r.method() == method) return r.count();
+    }
+    return ~uint64_t{0};
+  }
+
+  std::string dir_;
+};
+
+// With --tls-client-ca a certificate must be meant for TLS clients. The server's own
+// certificate (no extendedKeyUsage, so unrestricted by RFC 5280) is refused on every call with
+// UNAUTHENTICATED saying so, before any handler runs (the old server accepted it: anything that
+// chained to the CA). One whose extendedKeyUsage lacks clientAuth is refused too (OpenSSL's
+// handshake already does: UNAVAILABLE). clientAuth, and no extendedKeyUsage, are accepted.
+TEST_F(ClientAuthTest, MutualTlsRefusesCertificatesNotMeantForClients) {
+  std::unique_ptr<Session> s = StartTls(/*mutual=*/true, "");
+  ASSERT_NE(s, nullptr);
+  for (const char* ok : {"client", "plain"}) {
+    SCOPED_TRACE(ok);
+    std::unique_ptr<client::IndexerClient> c = Connect(*s, ok);
+    ASSERT_NE(c, nullptr);
+    absl::StatusOr<v1::ServerInfo> info = c->ServerInfo();
+    EXPECT_TRUE(info.ok()) << info.status();
+  }
+  std::unique_ptr<client::IndexerClient> impostor = Connect(*s, "server");
+  ASSERT_NE(impostor, nullptr);
+  absl::StatusOr<v1::ServerInfo> info = impostor->ServerInfo();
+  EXPECT_EQ(info.status().code(), absl::StatusCode::kUnauthenticated) << info.status();
+  EXPECT_NE(info.status().message().find("the server's own certificate"), std::string::npos)
+      << info.status();
+  EXPECT_EQ(impostor->CreateSequence(5).code(), absl::StatusCode::kUnauthenticated);
+  // Health too: the certificate does not make its holder a client for anything.
+  auto channel = grpc::CreateChannel(s->server->address(),
+                                     grpc::SslCredentials(grpc::SslCredentialsOptions{
+                                         Read("ca.pem"), Read("server.key"), Read("server.pem")}));
+  grpc::ClientContext hctx;
+  hctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  grpc::health::v1::HealthCheckResponse hres;
+  grpc::Status hs = grpc::health::v1::Health::NewStub(channel)->Check(
+      &hctx, grpc::health::v1::HealthCheckRequest(), &hres);
+  EXPECT_EQ(hs.error_code(), grpc::StatusCode::UNAUTHENTICATED) << hs.error_message();
+  EXPECT_EQ(s->server->service().auth_refused(), 3u);
+  std::unique_ptr<client::IndexerClient> other = Connect(*s, "other-server");
+  ASSERT_NE(other, nullptr);
+  const absl::StatusCode code = other->CreateSequence(6).code();
+  EXPECT_TRUE(code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kUnauthenticated)
+      << code;
+  absl::StatusOr<v1::Statistics> st = s->client->GetStatistics();
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->sequences(), 0u);
+  EXPECT_EQ(Calls(*st, "CreateSequence"), 0u) << "a refused call reached its handler";
+  EXPECT_EQ(Calls(*st, "GetServerInfo"), 2u);  // the two accepted clients'
+}
+
+// The check itself (the auth filter's second line behind OpenSSL's): extendedKeyUsage without
+// clientAuth, the server's own certificate and unparseable PEM are refused, naming why.
+TEST_F(ClientAuthTest, ClientCertificateUseRules) {
+  const std::string server = Read("server.pem");
+  EXPECT_TRUE(service::CheckClientCertificateUse(Read("client.pem"), server).ok());
+  EXPECT_TRUE(service::CheckClientCertificateUse(Read("plain.pem"), server).ok());
+  EXPECT_TRUE(service::CheckClientCertificateUse(server).ok());  // no server to compare with
+  absl::Status s = service::CheckClientCertificateUse(Read("other-server.pem"), server);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnauthenticated) << s;
+  EXPECT_NE(s.message().find("lacks extendedKeyUsage clientAuth"), std::string::npos) << s;
+  s = service::CheckClientCertificateUse(server, server);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnauthenticated) << s;
+  EXPECT_NE(s.message().find("own certificate"), std::string::npos) << s;
+  s = service::CheckClientCertificateUse("not a certificate", server);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnauthenticated) << s;
+  EXPECT_TRUE(service::BearerTokenMatches("Bearer abc", "abc"));
+  for (const char* bad : {"Bearer abd", "Bearer ab", "Bearer abcd", "bearer abc", "abc", ""}) {
+    EXPECT_FALSE(service::BearerTokenMatches(bad, "abc")) << bad;
+  }
+}
+
+// On a TLS server the token is checked in gRPC's auth filter: a call without it is refused
+// before its request is handed to the application, however big, and its handler never runs
+// (the old server read and parsed the request, then refused it in the handler). Health and
+// reflection stay open without the token, as on a plaintext server.
+TEST_F(ClientAuthTest, TokenIsCheckedBeforeTheHandlerOnTls) {
+  const std::string token = "tok-" + std::to_string(Seed());
+  std::unique_ptr<Session> s = StartTls(/*mutual=*/false, token);
+  ASSERT_NE(s, nullptr);
+  ASSERT_TRUE(s->client->CreateSequence(1).ok());
+  std::unique_ptr<client::IndexerClient> anonymous = Connect(*s, "");
+  std::unique_ptr<client::IndexerClient> wrong = Connect(*s, "", token + "x");
+  ASSERT_TRUE(anonymous != nullptr && wrong != nullptr);
+  Gen gen(Seed());
+  const int D = s->profile.head_dim;
+  const std::vector<float> big = gen.Normal(size_t(16384) * D);  // 8 MiB of keys
+  uint64_t refused = 0;
+  for (client::IndexerClient* c : {anonymous.get(), wrong.get()}) {
+    absl::StatusOr<int64_t> r = c->AppendKeys(1, 0, big, D);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kUnauthenticated) << r.status();
+    EXPECT_NE(r.status().message().find("before the request was read"), std::string::npos)
+        << r.status();
+    EXPECT_EQ(c->ServerInfo().status().code(), absl::StatusCode::kUnauthenticated);
+    absl::StatusOr<std::unique_ptr<client::StepStream>> stream = c->OpenStream();
+    ASSERT_TRUE(stream.ok());
+    EXPECT_EQ((*stream)->Step(v1::DecodeStepRequest()).status().code(),
+              absl::StatusCode::kUnauthenticated);
+    refused += 3;
+  }
+  EXPECT_EQ(s->server->service().auth_refused(), refused);
+  absl::StatusOr<v1::Statistics> st = s->client->GetStatistics();
+  ASSERT_TRUE(st.ok()) << st.status();
+  for (const char* m : {"AppendKeys", "GetServerInfo", "DecodeStream"}) {
+    EXPECT_EQ(Calls(*st, m), 0u) << m << ": a refused call reached its handler";
+  }
+  absl::StatusOr<v1::GetSequenceResponse> seq = s->client->GetSequence(1);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  EXPECT_EQ(seq->caches(0).length(), 0);
+  EXPECT_NE(s->server->service().RenderMetrics().find("decode_indexer_auth_refused_total " +
+                                                      std::to_string(refused)),
+            std::string::npos);
+
+  // Open without the token: health and (served here) reflection.
+  auto channel = grpc::CreateChannel(
+      s->server->address(),
+      grpc::SslCredentials(grpc::SslCredentialsOptions{Read("ca.pem"), "", ""}));
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext hctx;
+  hctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  grpc::health::v1::HealthCheckResponse hres;
+  grpc::Status hs = health->Check(&hctx, grpc::health::v1::HealthCheckRequest(), &hres);
+  ASSERT_TRUE(hs.ok()) << hs.error_message();
+  EXPECT_EQ(hres.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  using di_test::reflection::ServerReflectionRequest;
+  using di_test::reflection::ServerReflectionResponse;
+  const grpc::internal::RpcMethod method(
+      "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+      grpc::internal::RpcMethod::BIDI_STREAMING, channel);
+  grpc::ClientContext rctx;
+  rctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  std::unique_ptr<grpc::ClientReaderWriter<ServerReflectionRequest, ServerReflectionResponse>>
+      reflection(grpc::internal::ClientReaderWriterFactory<
+                 ServerReflectionRequest, ServerReflectionResponse>::Create(channel.get(), method,
+                                                                            &rctx));
+  ServerReflectionRequest rreq;
+  rreq.set_list_services("*");
+  ASSERT_TRUE(reflection->Write(rreq));
+  reflection->WritesDone();
+  ServerReflectionResponse rres;
+  EXPECT_TRUE(reflection->Read(&rres));
+  EXPECT_GT(rres.list_services_response().service_size(), 0);
+  while (reflection->Read(&rres)) {
+  }
+  grpc::Status rs = reflection->Finish();
+  EXPECT_TRUE(rs.ok()) << rs.error_message();
+  EXPECT_EQ(s->server->service().auth_refused(), refused);
+
+  // With the token the request is read and parsed: the same append is refused for its
+  // size (more keys than max_context), and one that fits goes through (the handler checks the
+  // token again).
+  absl::StatusOr<int64_t> r = s->client->AppendKeys(1, 0, big, D);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  const std::vector<float> fits(big.begin(), big.begin() + size_t(1000) * D);
+  r = s->client->AppendKeys(1, 0, fits, D);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(*r, 1000);
 }
 
 }  // namespace

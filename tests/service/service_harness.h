@@ -68,10 +68,12 @@ inline exec::ExecutorOptions CpuOptions(int ranks = 1, int64_t cache_pages = 256
   return o;
 }
 
-// `tweak` (optional) adjusts the server's options before it starts.
+// `tweak` (optional) adjusts the server's options before it starts; the session's client
+// connects with `client_options`.
 inline std::unique_ptr<Session> StartSession(
     const config::Profile& profile, const exec::ExecutorOptions& options,
-    const std::function<void(service::ServerOptions&)>& tweak = nullptr) {
+    const std::function<void(service::ServerOptions&)>& tweak = nullptr,
+    const client::ClientOptions& client_options = client::ClientOptions()) {
   auto s = std::make_unique<Session>();
   s->profile = profile;
   service::ServerOptions so;
@@ -84,7 +86,7 @@ inline std::unique_ptr<Session> StartSession(
   if (!server.ok()) return nullptr;
   s->server = std::move(*server);
   absl::StatusOr<std::unique_ptr<client::IndexerClient>> c =
-      client::IndexerClient::Connect(s->server->address());
+      client::IndexerClient::Connect(s->server->address(), client_options);
   EXPECT_TRUE(c.ok()) << c.status();
   if (!c.ok()) return nullptr;
   s->client = std::move(*c);
