@@ -160,7 +160,8 @@ absl::Status SequenceAssembler::Add(const v1::SequenceChunk& chunk) {
             absl::StrCat("header.candidates[", i, "].blocks: not a whole number of int32"));
       }
       c.blocks.resize(in.blocks().size() / sizeof(int32_t));
-      std::memcpy(c.blocks.data(), in.blocks().data(), in.blocks().size());
+      // No memcpy from or to an empty buffer (a null pointer there is undefined behaviour).
+      if (!c.blocks.empty()) std::memcpy(c.blocks.data(), in.blocks().data(), in.blocks().size());
       image_.candidates.push_back(std::move(c));
     }
     exported_id_ = h.sequence_id();
