@@ -62,17 +62,27 @@ class EchoExecutor final : public di::exec::Executor {
       pool_.insert(pool_.end(), row.begin(), row.end());
     }
   }
-  absl::Status CreateSequence(uint64_t) override { return absl::OkStatus(); }
-  absl::StatusOr<int64_t> AppendKeys(uint64_t, int32_t, const di::exec::KeysInput& k) override {
+  absl::Status CreateSequence(uint64_t, const di::exec::CallCheck&) override {
+    return absl::OkStatus();
+  }
+  absl::StatusOr<int64_t> AppendKeys(uint64_t, int32_t, const di::exec::KeysInput& k,
+                                     const di::exec::CallCheck&) override {
     return k.count;
   }
-  absl::StatusOr<int64_t> ReleaseSequence(uint64_t) override { return 0; }
+  absl::StatusOr<int64_t> ReleaseSequence(uint64_t, const di::exec::CallCheck&) override {
+    return 0;
+  }
   // The echo bench times the step's transport only; it has no cache to cut, fork or move.
-  absl::StatusOr<int64_t> TruncateSequence(uint64_t, int64_t) override { return Unused(); }
-  absl::Status ForkSequence(uint64_t, uint64_t, int64_t) override { return Unused(); }
+  absl::StatusOr<int64_t> TruncateSequence(uint64_t, int64_t, const di::exec::CallCheck&) override {
+    return Unused();
+  }
+  absl::Status ForkSequence(uint64_t, uint64_t, int64_t, const di::exec::CallCheck&) override {
+    return Unused();
+  }
   absl::StatusOr<di::exec::SequenceInfo> GetSequence(uint64_t) override { return Unused(); }
   absl::StatusOr<di::exec::SequenceImage> ExportSequence(uint64_t) override { return Unused(); }
-  absl::Status ImportSequence(uint64_t, const di::exec::SequenceImage&) override {
+  absl::Status ImportSequence(uint64_t, const di::exec::SequenceImage&,
+                              const di::exec::CallCheck&) override {
     return Unused();
   }
   std::vector<uint64_t> SequenceIds() const override { return {}; }
