@@ -86,11 +86,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   int64_t rows = 0;
+  // The columnar form names its requests in sequence_ids; the per-sequence form in sequences.
+  const bool columnar = request.sequences_size() == 0;
+  const int requests = columnar ? request.sequence_ids_size() : request.sequences_size();
+  Check(static_cast<int>(decoded->step.sequences.size()) == requests);
   for (size_t i = 0; i < decoded->step.sequences.size(); ++i) {
     const auto& s = decoded->step.sequences[i];
-    const v1::SequenceStep& in = request.sequences(static_cast<int>(i));
     Check(s.num_rows >= 1 && s.num_rows <= profile.max_rows_per_sequence);
     Check(s.row_lengths.empty() || static_cast<int32_t>(s.row_lengths.size()) == s.num_rows);
+    Check(s.new_keys.count >= 0 && (s.new_keys.count == 0 || s.new_keys.keys != nullptr));
+    rows += s.num_rows;
+    if (columnar) {
+      Check(s.sequence_id == request.sequence_ids(static_cast<int>(i)));
+      continue;
+    }
+    const v1::SequenceStep& in = request.sequences(static_cast<int>(i));
     Check(s.sequence_id == in.sequence_id());
     // new_keys_position (a retried step's explicit position) is passed on exactly when set,
     // never negative, and only where the layer owns a cache.
@@ -99,11 +109,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           (*s.new_keys.position == in.new_keys_position() && in.new_keys_position() >= 0 &&
            profile.layers[request.layer()].role !=
                decode_indexer::config::LayerRole::kCandidateConsumer));
-    Check(s.new_keys.count >= 0 && (s.new_keys.count == 0 || s.new_keys.keys != nullptr));
-    rows += s.num_rows;
   }
   Check(rows == decoded->step.num_rows);
-  Check(static_cast<int>(decoded->step.sequences.size()) == request.sequences_size());
   Check(decoded->step.q.q != nullptr && decoded->step.q.weights != nullptr);
   return 0;
 }
