@@ -3,13 +3,14 @@
 // q / weights "in shared memory" or not); the rest is parsed as that message. Decoding must
 // never crash, refuse only with a non-empty INVALID_ARGUMENT message, and a decoded step must
 // be consistent with its request (rows, pointers, ids, and the lifecycle's explicit key
-// positions: AppendKeysRequest.position, SequenceStep.new_keys_position). TruncateSequence
-// and ForkSequence carry only ids and a length, which the executor checks: fuzz_sequence_image
-// runs them against an executor.
+// positions: AppendKeysRequest.position, SequenceStep.new_keys_position, and in the columnar
+// form sequence_ids / new_keys_positions). TruncateSequence and ForkSequence carry only ids
+// and a length, which the executor checks: fuzz_sequence_image runs them against an executor.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 #include "server/config/profile.h"
@@ -85,30 +86,39 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     CheckRefusal(decoded.status());
     return 0;
   }
+  // The requests come in one of two forms: `sequences` messages, or the columnar fields
+  // (sequence_ids, new_keys_positions, ...); never both.
+  const bool columnar = request.sequence_ids_size() > 0;
+  Check(!columnar || request.sequences_size() == 0);
+  const int n = columnar ? request.sequence_ids_size() : request.sequences_size();
+  Check(static_cast<int>(decoded->step.sequences.size()) == n);
+  Check(!columnar || request.new_keys_positions_size() == 0 ||
+        request.new_keys_positions_size() == n);
+  const bool consumer =
+      profile.layers[request.layer()].role == decode_indexer::config::LayerRole::kCandidateConsumer;
   int64_t rows = 0;
-  // The columnar form names its requests in sequence_ids; the per-sequence form in sequences.
-  const bool columnar = request.sequences_size() == 0;
-  const int requests = columnar ? request.sequence_ids_size() : request.sequences_size();
-  Check(static_cast<int>(decoded->step.sequences.size()) == requests);
-  for (size_t i = 0; i < decoded->step.sequences.size(); ++i) {
+  for (int i = 0; i < n; ++i) {
     const auto& s = decoded->step.sequences[i];
     Check(s.num_rows >= 1 && s.num_rows <= profile.max_rows_per_sequence);
     Check(s.row_lengths.empty() || static_cast<int32_t>(s.row_lengths.size()) == s.num_rows);
+    // The explicit key position of a retried step (new_keys_position; columnar:
+    // new_keys_positions, -1 for none) is passed on exactly when given, never negative, and
+    // only where the layer owns a cache.
+    std::optional<int64_t> position;
+    if (columnar) {
+      Check(s.sequence_id == request.sequence_ids(i));
+      if (request.new_keys_positions_size() > 0 && request.new_keys_positions(i) != -1) {
+        position = request.new_keys_positions(i);
+      }
+    } else {
+      const v1::SequenceStep& in = request.sequences(i);
+      Check(s.sequence_id == in.sequence_id());
+      if (in.has_new_keys_position()) position = in.new_keys_position();
+    }
+    Check(s.new_keys.position == position);
+    Check(!position.has_value() || (*position >= 0 && !consumer));
     Check(s.new_keys.count >= 0 && (s.new_keys.count == 0 || s.new_keys.keys != nullptr));
     rows += s.num_rows;
-    if (columnar) {
-      Check(s.sequence_id == request.sequence_ids(static_cast<int>(i)));
-      continue;
-    }
-    const v1::SequenceStep& in = request.sequences(static_cast<int>(i));
-    Check(s.sequence_id == in.sequence_id());
-    // new_keys_position (a retried step's explicit position) is passed on exactly when set,
-    // never negative, and only where the layer owns a cache.
-    Check(s.new_keys.position.has_value() == in.has_new_keys_position());
-    Check(!in.has_new_keys_position() ||
-          (*s.new_keys.position == in.new_keys_position() && in.new_keys_position() >= 0 &&
-           profile.layers[request.layer()].role !=
-               decode_indexer::config::LayerRole::kCandidateConsumer));
   }
   Check(rows == decoded->step.num_rows);
   Check(decoded->step.q.q != nullptr && decoded->step.q.weights != nullptr);
