@@ -74,29 +74,46 @@ struct RefAnswer {
   int32_t candidate_block_size = 0;
   std::vector<std::vector<int32_t>> positions;  // per row: the positions it scored
   std::vector<std::vector<double>> logits;      // per row: their exact logits
+  // Per row, when the reference was asked for it (ServiceOracle::set_fp8_bounds): the largest
+  // fp8-accumulation bound E(t) of the row's logits (spec section 6, reference::
+  // Fp8AccumulationBound); 0 where the row cannot run the fp8 kernel. Empty: not computed.
+  std::vector<double> fp8_bound;
+
+  // Row r's near-tie tolerance: the exact mode's `ulps` of the row's largest logit, or, with
+  // `fp8`, spec section 6's fp8 rule: two logits each off by up to E + the ulps.
+  double RowTolerance(int32_t r, double ulps, bool fp8) const {
+    const double exact_tol = reference::Tolerance(logits[r], ulps);
+    if (!fp8) return exact_tol;
+    return 2 * (fp8_bound.at(static_cast<size_t>(r)) + exact_tol);
+  }
 
   // Spec section 6 (and 7 for candidates, when given): every row of `got_topk` [rows, k] is
-  // an acceptable answer of the exact logits; nothing else passes.
+  // an acceptable answer of the exact logits; nothing else passes. `fp8`: at the fp8
+  // accumulation tolerance (needs fp8_bound).
   ::testing::AssertionResult Matches(const int32_t* got_topk, const int32_t* got_candidates,
-                                     double ulps = 4.0) const {
+                                     double ulps = 4.0, bool fp8 = false) const {
+    if (fp8 && fp8_bound.size() != static_cast<size_t>(rows)) {
+      return ::testing::AssertionFailure() << "checker misuse: fp8 tolerance without fp8_bound";
+    }
     for (int32_t r = 0; r < rows; ++r) {
-      ::testing::AssertionResult ok =
-          RefTopKRow(got_topk + static_cast<size_t>(r) * k, k, logits[r], &positions[r], ulps);
-      if (!ok) return ::testing::AssertionFailure() << "row " << r << ": " << ok.message();
+      const std::string why =
+          reference::CheckTopKRow(got_topk + static_cast<size_t>(r) * k, k, logits[r],
+                                  RowTolerance(r, ulps, fp8), &positions[r]);
+      if (!why.empty()) return ::testing::AssertionFailure() << "row " << r << ": " << why;
     }
     if (got_candidates != nullptr && !candidates.empty()) {
       for (int32_t r = 0; r < rows; ++r) {
-        ::testing::AssertionResult ok =
-            RefCandidateRow(got_candidates + static_cast<size_t>(r) * num_candidate_blocks,
-                            num_candidate_blocks, candidate_block_size, logits[r], ulps);
-        if (!ok) return ::testing::AssertionFailure() << "row " << r << ": " << ok.message();
+        const std::string why = reference::CheckCandidateRow(
+            got_candidates + static_cast<size_t>(r) * num_candidate_blocks, num_candidate_blocks,
+            candidate_block_size, logits[r], RowTolerance(r, ulps, fp8));
+        if (!why.empty()) return ::testing::AssertionFailure() << "row " << r << ": " << why;
       }
     }
     return ::testing::AssertionSuccess();
   }
   ::testing::AssertionResult Matches(const std::vector<int32_t>& got_topk,
                                      const std::vector<int32_t>& got_candidates = {},
-                                     double ulps = 4.0) const {
+                                     double ulps = 4.0, bool fp8 = false) const {
     if (got_topk.size() != topk.size()) {
       return ::testing::AssertionFailure()
              << "top-k has " << got_topk.size() << " entries, expected " << topk.size();
@@ -105,7 +122,8 @@ struct RefAnswer {
       return ::testing::AssertionFailure() << "candidate blocks have " << got_candidates.size()
                                            << " entries, expected " << candidates.size();
     }
-    return Matches(got_topk.data(), got_candidates.empty() ? nullptr : got_candidates.data(), ulps);
+    return Matches(got_topk.data(), got_candidates.empty() ? nullptr : got_candidates.data(), ulps,
+                   fp8);
   }
 };
 

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <iostream>
 #include <random>
@@ -30,7 +31,8 @@ constexpr double kCudaUlps = 16.0;
 // Runs v41-tiny's plan at the CUDA geometry and v32 on every session in `sessions` (the
 // first is the CPU server) and calls check(step label, request, answers, reference).
 template <typename Check>
-void RunSteps(const std::vector<exec::ExecutorOptions>& options, uint64_t seed, Check check) {
+void RunSteps(const std::vector<exec::ExecutorOptions>& options, uint64_t seed, Check check,
+              bool fp8_bounds = false) {
   // The CUDA kernels take 64-entry pages of 128 dims (a CUDA server refuses v41-tiny's
   // 16-entry pages at start-up), so this test runs v41-tiny's plan at that geometry.
   // v32 rows reach 3 K = 6144 entries: 4 sequences need ~300 of its 64-entry pages.
@@ -44,6 +46,7 @@ void RunSteps(const std::vector<exec::ExecutorOptions>& options, uint64_t seed, 
       ASSERT_TRUE(sessions.back()) << o.backend << " x" << o.ranks;
     }
     ServiceOracle oracle(p, kPages, seed);
+    oracle.set_fp8_bounds(fp8_bounds);
     const std::vector<uint64_t> ids = {1, 2, 3, 4};
     std::vector<int64_t> lengths = {int64_t(p.topk / 3), int64_t(p.topk + 5),
                                     int64_t(2 * p.topk + seed % 100), int64_t(3 * p.topk)};
@@ -116,6 +119,58 @@ TEST(CudaVsCpuTest, CudaServerMatchesReference) {
   std::cout << "checked " << rows << " rows; CUDA differs from CPU (near-ties) in "
             << cuda_differs_from_cpu << "\n";
   EXPECT_GT(rows, 0);
+}
+
+// The product's default on the GPU: the fp8 tensor-core logits (--logits-precision fp8, asked
+// for by name so that DI_LOGITS_PRECISION=exact in the device script does not change it), end
+// to end through the API: every row of the CUDA server within spec section 6's fp8 rule of the
+// reference (twice the row's largest fp8-accumulation bound plus the ulps; the rows of kernels
+// that stay exact, such as the 32-head and FP4 layers, at the exact tolerance), lengths equal.
+// A wrong swizzle, scale or row mapping in the fp8 kernel moves logits by tens of per cent of
+// their scale and top-k sets with them; the bound is a few per cent (printed).
+TEST(CudaVsCpuTest, CudaFp8ServerMatchesReference) {
+  if (!kernels::CudaBackendAvailable()) {
+    GTEST_SKIP() << "kernels::CudaBackendAvailable() is false: this build has no CUDA backend "
+                    "or the machine has no usable GPU";
+  }
+  const uint64_t seed = TestSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed << " (DI_TEST_SEED replays it)");
+  std::cout << "comparing: CUDA server (1 rank, --logits-precision fp8) vs reference at the "
+               "fp8-accumulation tolerance (spec section 6)\n";
+  exec::ExecutorOptions cuda = CpuOptions(1, kPages);
+  cuda.backend = "cuda";
+  cuda.logits_precision = "fp8";
+  int64_t rows = 0, fp8_rows = 0, differs_from_cpu = 0;
+  double widest = 0.0;  // the largest fp8 tolerance / the row's largest |logit|
+  RunSteps(
+      {CpuOptions(1, kPages), cuda}, seed,
+      [&](const std::string& what, const v1::DecodeStepRequest& req,
+          const std::vector<client::StepAnswer>& a, const OracleAnswer& want) {
+        const bool cand = req.return_candidates();
+        EXPECT_TRUE(want.Matches(a[0].topk, cand ? a[0].candidates : std::vector<int32_t>{}))
+            << what << ": cpu server vs reference";
+        EXPECT_TRUE(want.Matches(a[1].topk, cand ? a[1].candidates : std::vector<int32_t>{},
+                                 kCudaUlps, /*fp8=*/true))
+            << what << ": cuda server (fp8) vs reference";
+        EXPECT_EQ(a[1].lengths, want.lengths) << what;
+        for (int r = 0; r < want.rows; ++r) {
+          ++rows;
+          const auto x = a[0].Row(r), y = a[1].Row(r);
+          differs_from_cpu += !std::equal(x.begin(), x.end(), y.begin(), y.end());
+          if (want.fp8_bound[r] > 0) {
+            ++fp8_rows;
+            double row_max = 0.0;
+            for (double v : want.logits[r]) row_max = std::max(row_max, std::fabs(v));
+            if (row_max > 0)
+              widest = std::max(widest, want.RowTolerance(r, kCudaUlps, true) / row_max);
+          }
+        }
+      },
+      /*fp8_bounds=*/true);
+  std::cout << "checked " << rows << " rows (" << fp8_rows << " at the fp8 tolerance, widest "
+            << widest << " of the row's largest |logit|); CUDA differs from CPU in "
+            << differs_from_cpu << "\n";
+  EXPECT_GT(fp8_rows, 0) << "no row ran at the fp8 tolerance: the test checks nothing of fp8";
 }
 
 TEST(CudaVsCpuTest, CudaRanksAgree) {

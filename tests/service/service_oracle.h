@@ -40,6 +40,11 @@ class ServiceOracle {
     inv_freq_ = reference::InvFreq(rope_);
   }
 
+  // Also give every answer's fp8_bound (spec section 6): for the rows the GPU's fp8
+  // tensor-core kernel may score (dense and source rows of FP8 caches with 64 heads), the
+  // largest fp8-accumulation bound of the row's logits; 0 for the others (exact kernels).
+  void set_fp8_bounds(bool on) { fp8_bounds_ = on; }
+
   void Create(uint64_t id) { seqs_[id]; }
   void Release(uint64_t id) {
     auto it = seqs_.find(id);
@@ -115,6 +120,8 @@ class ServiceOracle {
     const bool source = spec.role == config::LayerRole::kCandidateSource;
     const bool consumer = spec.role == config::LayerRole::kCandidateConsumer;
     if (source) ans.candidates.assign(static_cast<size_t>(rows) * nb, -7);
+    const bool fp8_rows = fp8_bounds_ && !consumer && fmt == reference::Format::kFp8 && H == 64;
+    if (fp8_bounds_) ans.fp8_bound.assign(rows, 0.0);
 
     // q: quantized here from fp32/bf16 (RoPE at the given positions), or the codes as sent.
     const std::vector<float> w = Floats(req.weights());
@@ -153,6 +160,13 @@ class ServiceOracle {
       int32_t* out = ans.topk.data() + static_cast<size_t>(r) * K;
       if (!consumer) {
         ans.logits[r] = reference::DenseLogits(q, cache, L);
+        if (fp8_rows) {
+          double worst = 0.0;
+          for (int32_t t = 0; t < L; ++t) {
+            worst = std::max(worst, reference::Fp8AccumulationBound(q, cache.At(t)));
+          }
+          ans.fp8_bound[r] = worst;
+        }
         ans.positions[r].resize(L);
         std::iota(ans.positions[r].begin(), ans.positions[r].end(), 0);
         const std::vector<int32_t> top = reference::NaiveTopK(ans.logits[r], K);
@@ -188,6 +202,7 @@ class ServiceOracle {
   }
 
  private:
+  bool fp8_bounds_ = false;
   struct Seq {
     std::map<int32_t, reference::Cache> caches;  // by cache layer
     std::vector<int32_t> candidates;             // the source's last answer, rows x blocks
