@@ -122,13 +122,16 @@ TEST(GpuExecutorTest, CudaAndCpuBackendsAnswerAsTheReference) {
         const bool poisoned = round % 2 == 1;
         std::vector<int32_t> answer_buf, candidates_buf;
         exec::StepInput gin = step->input;
+        exec::AnswerSink sink;
         if (poisoned) {
           answer_buf.assign(size_t(gin.num_rows) * profile->topk, -7);
-          gin.answer_host = answer_buf.data();
           if (gin.return_candidates) {
             candidates_buf.assign(size_t(gin.num_rows) * profile->num_candidate_blocks, -7);
-            gin.candidates_host = candidates_buf.data();
           }
+          sink = exec::AnswerSink::Host(answer_buf.data(),
+                                        gin.return_candidates ? candidates_buf.data() : nullptr,
+                                        /*page_locked=*/false);
+          gin.answer = &sink;
         }
         auto b = gpu->DecodeStep(gin);
         ASSERT_TRUE(b.ok()) << b.status();
