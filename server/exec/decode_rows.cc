@@ -1,7 +1,6 @@
 #include "server/exec/decode_rows.h"
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -26,30 +25,6 @@ int64_t NanosBetween(std::chrono::steady_clock::time_point a,
   return std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count();
 }
 
-// A device copy whose host side is done (staged, or the answer's landing chosen): issued in
-// stream order, eagerly or inside a step graph (its pointers are part of the graph's shape).
-struct DeviceCopy {
-  enum class Kind { kToDevice, kToHost, kDeviceToDevice } kind = Kind::kToDevice;
-  void* dst = nullptr;
-  const void* src = nullptr;
-  size_t bytes = 0;
-  // Host memory at both ends is page-locked (or there is none): a graph may hold the copy.
-  bool capturable = true;
-};
-
-absl::Status Issue(kernels::Backend& be, const DeviceCopy& c) {
-  if (c.bytes == 0) return absl::OkStatus();
-  switch (c.kind) {
-    case DeviceCopy::Kind::kToDevice:
-      return be.CopyToDevice(c.dst, c.src, c.bytes);
-    case DeviceCopy::Kind::kToHost:
-      return be.CopyToHost(c.dst, c.src, c.bytes);
-    case DeviceCopy::Kind::kDeviceToDevice:
-      return be.CopyDeviceToDevice(c.dst, c.src, c.bytes);
-  }
-  return absl::InternalError("unknown copy kind");
-}
-
 // Host staging for one step's uploads (the rank's HostArena, page-locked on a GPU backend
 // unless pinned staging is off). Upload copies the bytes into the arena first, so the device
 // copy is a true asynchronous DMA that never waits for the stream; with a plain arena it
@@ -63,14 +38,13 @@ class Staging {
 
   absl::StatusOr<uint8_t*> Reserve(size_t bytes) {
     const size_t aligned = (bytes + 63) / 64 * 64;
-    if (aligned > arena_.capacity - floor_) {
+    if (aligned > arena_.capacity) {
       return absl::InternalError(absl::StrCat("host staging of ", bytes, " bytes exceeds the ",
-                                              arena_.capacity - floor_,
-                                              " bytes left in the arena"));
+                                              arena_.capacity, "-byte arena"));
     }
     if (arena_.used + aligned > arena_.capacity) {
       if (absl::Status s = be_.Synchronize(); !s.ok()) return s;
-      arena_.used = floor_;
+      arena_.used = 0;
     }
     uint8_t* p = arena_.base + arena_.used;
     arena_.used += aligned;
@@ -82,22 +56,12 @@ class Staging {
     if (!arena_.pinned) return be_.CopyToDevice(dst, src, bytes);
     return UploadStaged(dst, src, bytes);
   }
-  // The host half of an upload issued later (a step graph's): `src` copied into the
-  // page-locked arena, or as is where it is page-locked already (or the arena is not).
-  absl::StatusOr<DeviceCopy> Stage(void* dst, const void* src, size_t bytes, bool page_locked) {
-    DeviceCopy c{DeviceCopy::Kind::kToDevice, dst, src, bytes};
-    c.capturable = page_locked || arena_.pinned;
-    if (bytes == 0 || page_locked || !arena_.pinned) return c;
-    absl::StatusOr<uint8_t*> host = Reserve(bytes);
-    if (!host.ok()) return host.status();
-    BulkCopy(*host, src, bytes);
-    c.src = *host;
-    return c;
+  // Upload from memory that is page-locked already (StepInput::host_memory_page_locked):
+  // a direct DMA, no staging copy.
+  absl::Status UploadPageLocked(void* dst, const void* src, size_t bytes) {
+    if (bytes == 0) return absl::OkStatus();
+    return be_.CopyToDevice(dst, src, bytes);
   }
-  // What was reserved so far stays put until the step ends (a later Reserve that runs out of
-  // room reuses only the space after it): the staged uploads a step graph reads at replay.
-  void Pin() { floor_ = arena_.used; }
-  bool pinned() const { return arena_.pinned; }
 
  private:
   absl::Status UploadStaged(void* dst, const void* src, size_t bytes) {
@@ -109,7 +73,6 @@ class Staging {
 
   kernels::Backend& be_;
   HostArena& arena_;
-  size_t floor_ = 0;
 };
 
 // The step's device-to-host answer copies. To pageable memory (a gRPC response) the driver
@@ -129,12 +92,9 @@ class Readback {
     rank_.last_readback.clear();
   }
 
-  // `bytes` of answer `which` from element `elem_offset` on: the host side (where it lands,
-  // what Finish does with it), and the device copy to issue.
-  absl::StatusOr<DeviceCopy> Plan(Answer which, int64_t elem_offset, const int32_t* src,
-                                  size_t bytes) {
-    DeviceCopy c{DeviceCopy::Kind::kToHost, nullptr, src, bytes};
-    if (bytes == 0) return c;
+  // `bytes` of answer `which` from element `elem_offset` on.
+  absl::Status Copy(Answer which, int64_t elem_offset, const int32_t* src, size_t bytes) {
+    if (bytes == 0) return absl::OkStatus();
     const bool candidates = which == Answer::kCandidates;
     const bool defer = candidates ? plan_.defer_candidates : plan_.defer_topk;
     int32_t* dst = defer ? nullptr : (candidates ? plan_.candidates_out : plan_.topk_out);
@@ -142,20 +102,19 @@ class Readback {
     const bool fits = space_.pinned && space_.used + aligned <= space_.capacity;
     const bool page_locked = candidates ? plan_.candidates_page_locked : plan_.topk_page_locked;
     if (!defer && (page_locked || !fits)) {
-      c.dst = dst + elem_offset;
-      c.capturable = page_locked;
-      return c;
+      return be_.CopyToHost(dst + elem_offset, src, bytes);
     }
     if (!fits) {  // the executor defers only where every rank has room for every row
       return absl::InternalError("a deferred answer does not fit the readback space");
     }
     uint8_t* landing = space_.base + space_.used;
     space_.used += aligned;
-    c.dst = landing;
+    if (absl::Status s = be_.CopyToHost(landing, src, bytes); !s.ok()) return s;
     pending_.push_back({candidates, elem_offset, dst == nullptr ? nullptr : dst + elem_offset,
                         reinterpret_cast<const int32_t*>(landing), bytes});
-    return c;
+    return absl::OkStatus();
   }
+
   // After the Synchronize that completed the copies.
   void Finish() {
     for (const Pending& p : pending_) {
@@ -345,16 +304,11 @@ absl::Status ApplyTableEdits(Rank& rank, Staging& staging, int32_t pool, const T
 }
 
 // Uploads the step's inputs, inserts its keys, prepares q and scores rows [range) into the
-// rank's topk (and candidates at a source), then issues `answer_copies` (the answer's copies
-// when the step has no collective before them). Everything before the collectives. The step
-// section (rope_quant_q, the scoring call, the answer copies and, with graphs and page-locked
-// staging, the fixed-size uploads: row tables, slots, q, weights) replays a captured graph when
-// the step's shape was seen before; the fixed-size uploads are staged first, at arena offsets
-// that depend on the shape alone, so a replay reads this step's bytes. The variable-size work
-// (page-table edits, page copies, key inserts, the consumer's candidate gather and its inline
-// expansion, which reads the row lengths) runs eagerly before it, in stream order.
-absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range,
-                       std::span<const DeviceCopy> answer_copies) {
+// rank's topk (and candidates at a source). Everything before the collectives. The uploads,
+// key inserts, the consumer's candidate gather and its inline expansion run eagerly (their
+// sizes vary, or they use the side stream); rope_quant_q and the scoring call are the kernel
+// section, which replays a captured graph when the step's shape was seen before.
+absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range) {
   kernels::Backend& be = rank.backend();
   RankBuffers& b = rank.buffers();
   const RankSizes& s = rank.sizes();
@@ -366,31 +320,23 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   rank.last_graph_captured = false;
   rank.last_graph_replayed = false;
   const auto entered = std::chrono::steady_clock::now();
-  const bool graphs = rank.graphs_enabled();
-  const bool consumer = plan.role == config::LayerRole::kCandidateConsumer;
-  // The fixed-size uploads go into the step section (a graph) where they stage into
-  // page-locked memory; else each is issued as it is staged.
-  const bool defer_uploads = graphs && staging.pinned();
-  std::array<DeviceCopy, 8> uploads;
-  size_t num_uploads = 0;
-  auto upload = [&](void* dst, const void* src, size_t bytes, bool page_locked,
-                    bool deferrable) -> absl::Status {
-    absl::StatusOr<DeviceCopy> c = staging.Stage(dst, src, bytes, page_locked);
-    if (!c.ok()) return c.status();
-    if (defer_uploads && deferrable && num_uploads < uploads.size()) {
-      uploads[num_uploads++] = *c;
-      return absl::OkStatus();
-    }
-    return Issue(be, *c);
-  };
 
-  // The consumer's expansion (eager, below) reads the row lengths: its row tables go first.
-  DI_RETURN_IF_ERROR(upload(b.row_request, plan.row_request.data(), plan.num_rows * sizeof(int32_t),
-                            false, !consumer));
-  DI_RETURN_IF_ERROR(upload(b.row_length, plan.row_length.data(), plan.num_rows * sizeof(int32_t),
-                            false, !consumer));
-  DI_RETURN_IF_ERROR(upload(b.request_slot, plan.request_slot.data(),
-                            plan.num_requests * sizeof(int32_t), false, true));
+  DI_RETURN_IF_ERROR(
+      staging.Upload(b.row_request, plan.row_request.data(), plan.num_rows * sizeof(int32_t)));
+  DI_RETURN_IF_ERROR(
+      staging.Upload(b.row_length, plan.row_length.data(), plan.num_rows * sizeof(int32_t)));
+  // Every rank keeps every pool's resident table in step, whatever rows it scores: first the
+  // edits recorded since a job last applied them, then this step's own.
+  if (plan.pending_edits != nullptr) {
+    DI_RETURN_IF_ERROR(ApplyTableEdits(rank, staging, plan.pool, *plan.pending_edits));
+  }
+  DI_RETURN_IF_ERROR(ApplyTableEdits(rank, staging, plan.pool, plan.table_edits));
+  DI_RETURN_IF_ERROR(staging.Upload(b.request_slot, plan.request_slot.data(),
+                                    plan.num_requests * sizeof(int32_t)));
+  // Keys go into every replica whatever rows this rank scores; pages they share with another
+  // sequence (or that a cut-back rewrites) are copied first.
+  DI_RETURN_IF_ERROR(CopyPagesOnRank(rank, plan.pool, plan.page_copies));
+  DI_RETURN_IF_ERROR(InsertStepKeys(rank, staging, plan.pool, plan.key_writes, plan.hadamard));
 
   // q of this rank's rows only, at the rows' own offsets in the staging buffers.
   const int64_t hd = int64_t{H} * D;
@@ -406,10 +352,10 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
     const int64_t eb = InputElemBytes(q.type);
     uint8_t* q_raw = b.q_raw + range.start * hd * eb;
     float* w_raw = b.weights_raw + int64_t{range.start} * H;
-    DI_RETURN_IF_ERROR(upload(q_raw, static_cast<const uint8_t*>(q.q) + range.start * hd * eb,
-                              n * hd * eb, false, true));
-    DI_RETURN_IF_ERROR(upload(w_raw, q.weights + int64_t{range.start} * H,
-                              int64_t{n} * H * sizeof(float), false, true));
+    DI_RETURN_IF_ERROR(staging.Upload(
+        q_raw, static_cast<const uint8_t*>(q.q) + range.start * hd * eb, n * hd * eb));
+    DI_RETURN_IF_ERROR(staging.Upload(w_raw, q.weights + int64_t{range.start} * H,
+                                      int64_t{n} * H * sizeof(float)));
     prep.num_rows = n;
     prep.num_heads = H;
     prep.head_dim = D;
@@ -417,8 +363,8 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
     prep.q = q_raw;
     prep.weights_raw = w_raw;
     if (q.positions != nullptr) {
-      DI_RETURN_IF_ERROR(upload(b.positions + range.start, q.positions + range.start,
-                                n * sizeof(int64_t), false, true));
+      DI_RETURN_IF_ERROR(staging.Upload(b.positions + range.start, q.positions + range.start,
+                                        n * sizeof(int64_t)));
       prep.positions = b.positions + range.start;
     }
     prep.rope = plan.rope;
@@ -430,31 +376,21 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
     prep.weights_out = weights;
   } else {
     // From a page-locked client region, straight to the device; else through the staging.
-    const bool pl = plan.q_page_locked;
+    auto upload = [&](void* dst, const void* src, size_t bytes) {
+      return plan.q_page_locked ? staging.UploadPageLocked(dst, src, bytes)
+                                : staging.Upload(dst, src, bytes);
+    };
     DI_RETURN_IF_ERROR(upload(q_codes, static_cast<const uint8_t*>(q.q) + range.start * code_bytes,
-                              n * code_bytes, pl, true));
+                              n * code_bytes));
     if (format == CacheFormat::kFp4) {
-      DI_RETURN_IF_ERROR(
-          upload(q_scales, q.scales + range.start * scale_bytes, n * scale_bytes, pl, true));
+      DI_RETURN_IF_ERROR(upload(q_scales, q.scales + range.start * scale_bytes, n * scale_bytes));
     }
-    DI_RETURN_IF_ERROR(upload(weights, q.weights + int64_t{range.start} * H,
-                              int64_t{n} * H * sizeof(float), pl, true));
+    DI_RETURN_IF_ERROR(
+        upload(weights, q.weights + int64_t{range.start} * H, int64_t{n} * H * sizeof(float)));
   }
-  // The staged uploads stay where the section's copies read them.
-  if (defer_uploads) staging.Pin();
-
-  // Every rank keeps every pool's resident table in step, whatever rows it scores: first the
-  // edits recorded since a job last applied them, then this step's own.
-  if (plan.pending_edits != nullptr) {
-    DI_RETURN_IF_ERROR(ApplyTableEdits(rank, staging, plan.pool, *plan.pending_edits));
-  }
-  DI_RETURN_IF_ERROR(ApplyTableEdits(rank, staging, plan.pool, plan.table_edits));
-  // Keys go into every replica whatever rows this rank scores; pages they share with another
-  // sequence (or that a cut-back rewrites) are copied first.
-  DI_RETURN_IF_ERROR(CopyPagesOnRank(rank, plan.pool, plan.page_copies));
-  DI_RETURN_IF_ERROR(InsertStepKeys(rank, staging, plan.pool, plan.key_writes, plan.hadamard));
 
   const int32_t NB = s.num_candidate_blocks;
+  const bool consumer = plan.role == config::LayerRole::kCandidateConsumer;
   if (consumer) {
     const bool need_candidates = plan.masked_consumer || !plan.reuse_expansion;
     if (need_candidates) {
@@ -467,6 +403,7 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
     }
   }
 
+  const bool graphs = rank.graphs_enabled();
   kernels::RowBatch rows;
   rows.num_rows = n;
   rows.row_request = b.row_request + range.start;
@@ -492,7 +429,8 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   int32_t* topk_out = b.topk + int64_t{range.start} * s.topk;
   const bool source = plan.role == config::LayerRole::kCandidateSource;
 
-  auto score = [&]() -> absl::Status {
+  auto launch = [&]() -> absl::Status {
+    if (unquantized) DI_RETURN_IF_ERROR(be.RopeQuantQ(prep));
     switch (plan.role) {
       case config::LayerRole::kDense:
       case config::LayerRole::kCandidateSource: {
@@ -537,13 +475,6 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
     }
     return absl::InternalError("unknown layer role");
   };
-  auto launch = [&]() -> absl::Status {
-    for (size_t i = 0; i < num_uploads; ++i) DI_RETURN_IF_ERROR(Issue(be, uploads[i]));
-    if (unquantized) DI_RETURN_IF_ERROR(be.RopeQuantQ(prep));
-    DI_RETURN_IF_ERROR(score());
-    for (const DeviceCopy& c : answer_copies) DI_RETURN_IF_ERROR(Issue(be, c));
-    return absl::OkStatus();
-  };
   const auto launched = std::chrono::steady_clock::now();
   rank.last_phases.uploads_ns = NanosBetween(entered, launched);
   // The kernel section's issue time (eager launches or a graph replay).
@@ -565,71 +496,7 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   shape.hadamard = unquantized && plan.hadamard;
   shape.max_row_length = rows.max_row_length;
   shape.rows_per_request = rows.rows_per_request;
-  shape.total_rows = plan.num_rows;
-  // Every copy the section holds, by its pointers and size: a replay makes exactly these.
-  size_t at = 0;
-  auto key = [&](const DeviceCopy& c) {
-    if (at + 4 > shape.copies.size()) return false;
-    shape.copies[at++] = static_cast<uint64_t>(c.kind) + 1;
-    shape.copies[at++] = reinterpret_cast<uintptr_t>(c.dst);
-    shape.copies[at++] = reinterpret_cast<uintptr_t>(c.src);
-    shape.copies[at++] = c.bytes;
-    return true;
-  };
-  bool keyed = true;
-  for (size_t i = 0; i < num_uploads; ++i) keyed &= key(uploads[i]);
-  for (const DeviceCopy& c : answer_copies) keyed &= key(c);
-  if (!keyed) return timed(launch());  // cannot happen: the key has room for every copy
   return timed(RunKernelSection(rank, shape, launch));
-}
-
-// The answer's copies this rank makes (see DecodeRowsOnRank's gather_topk): its own rows
-// when `direct`, else every row on the answering rank; none elsewhere.
-absl::Status AnswerCopies(Rank& rank, const StepPlan& plan, Readback& readback, RowRange range,
-                          bool direct, std::array<DeviceCopy, 2>& out, size_t& count) {
-  const RankSizes& s = rank.sizes();
-  RankBuffers& b = rank.buffers();
-  const int32_t NB = s.num_candidate_blocks;
-  count = 0;
-  auto add = [&](absl::StatusOr<DeviceCopy> c) -> absl::Status {
-    if (!c.ok()) return c.status();
-    out[count++] = *c;
-    return absl::OkStatus();
-  };
-  auto device = [&](int32_t* dst, const int32_t* src, size_t bytes) {
-    out[count++] = DeviceCopy{DeviceCopy::Kind::kDeviceToDevice, dst, src, bytes};
-  };
-  if (direct) {
-    // This rank's rows only, to their place in the host answer; the candidates too, though
-    // every rank holds them all, so the copies split across devices.
-    const int32_t n = range.end - range.start;
-    DI_RETURN_IF_ERROR(add(readback.Plan(Readback::Answer::kTopK, int64_t{range.start} * s.topk,
-                                         b.topk + int64_t{range.start} * s.topk,
-                                         size_t(n) * s.topk * sizeof(int32_t))));
-    if (plan.candidates_device_out != nullptr && rank.index() == plan.answer_rank) {
-      device(plan.candidates_device_out, b.candidates,
-             size_t(plan.num_rows) * NB * sizeof(int32_t));
-    } else if (plan.candidates_out != nullptr || plan.defer_candidates) {
-      DI_RETURN_IF_ERROR(add(readback.Plan(Readback::Answer::kCandidates, int64_t{range.start} * NB,
-                                           b.candidates + int64_t{range.start} * NB,
-                                           size_t(n) * NB * sizeof(int32_t))));
-    }
-  } else if (rank.index() == plan.answer_rank) {
-    const size_t topk_bytes = size_t(plan.num_rows) * s.topk * sizeof(int32_t);
-    const size_t cand_bytes = size_t(plan.num_rows) * NB * sizeof(int32_t);
-    if (plan.topk_device_out != nullptr) {
-      device(plan.topk_device_out, b.topk, topk_bytes);
-    } else {
-      DI_RETURN_IF_ERROR(add(readback.Plan(Readback::Answer::kTopK, 0, b.topk, topk_bytes)));
-    }
-    if (plan.candidates_device_out != nullptr) {
-      device(plan.candidates_device_out, b.candidates, cand_bytes);
-    } else if (plan.candidates_out != nullptr || plan.defer_candidates) {
-      DI_RETURN_IF_ERROR(
-          add(readback.Plan(Readback::Answer::kCandidates, 0, b.candidates, cand_bytes)));
-    }
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -809,6 +676,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   if (status.ok() && injected && plan.fault == StepPlan::Fault::kPause && plan.fault_pause) {
     plan.fault_pause();
   }
+  if (status.ok()) status = ScoreRows(rank, staging, plan, range);
   rank.last_collective_ns = 0;
   rank.last_collectives = 0;
   // Which sharded steps still need a collective. An answer bound for host memory does not:
@@ -823,22 +691,6 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
       plan.sharded && (!plan.direct_answers || plan.topk_device_out != nullptr);
   const bool gather_candidates = plan.sharded && source;
   const bool direct = plan.sharded && !gather_topk;
-  // With no collective before them, the answer's copies join the step section (with graphs:
-  // where every one lands in page-locked memory, so the graph holds them).
-  std::array<DeviceCopy, 2> answer;
-  size_t num_answer = 0;
-  const bool early = !gather_topk && !gather_candidates;
-  if (status.ok() && early) {
-    status = AnswerCopies(rank, plan, readback, range, direct, answer, num_answer);
-  }
-  bool in_section = early;
-  for (size_t i = 0; i < num_answer; ++i) {
-    in_section &= !rank.graphs_enabled() || answer[i].capturable;
-  }
-  if (status.ok()) {
-    status = ScoreRows(rank, staging, plan, range,
-                       std::span<const DeviceCopy>(answer.data(), in_section ? num_answer : 0));
-  }
   if (gather_topk || gather_candidates) {
     // Every rank reaches the agreement whatever happened above, and all skip the all-gathers
     // if any failed: a device collective would otherwise wait for the failed rank. The
@@ -894,11 +746,35 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     DI_RETURN_IF_ERROR(CopyStoreRows(rank, staging, plan, /*into_store=*/true));
     if (plan.fork_expansion) DI_RETURN_IF_ERROR(ForkExpansion(rank, plan.num_rows));
   }
-  if (!early) {
-    DI_RETURN_IF_ERROR(AnswerCopies(rank, plan, readback, range, direct, answer, num_answer));
-  }
-  if (!in_section) {
-    for (size_t i = 0; i < num_answer; ++i) DI_RETURN_IF_ERROR(Issue(be, answer[i]));
+  if (direct) {
+    // This rank's rows only, to their place in the host answer (see gather_topk above); the
+    // candidates too, though every rank holds them all, so the copies split across devices.
+    const int32_t n = range.end - range.start;
+    DI_RETURN_IF_ERROR(readback.Copy(Readback::Answer::kTopK, int64_t{range.start} * s.topk,
+                                     b.topk + int64_t{range.start} * s.topk,
+                                     size_t(n) * s.topk * sizeof(int32_t)));
+    if (plan.candidates_device_out != nullptr && rank.index() == plan.answer_rank) {
+      DI_RETURN_IF_ERROR(be.CopyDeviceToDevice(plan.candidates_device_out, b.candidates,
+                                               size_t(plan.num_rows) * NB * sizeof(int32_t)));
+    } else if (plan.candidates_out != nullptr || plan.defer_candidates) {
+      DI_RETURN_IF_ERROR(readback.Copy(Readback::Answer::kCandidates, int64_t{range.start} * NB,
+                                       b.candidates + int64_t{range.start} * NB,
+                                       size_t(n) * NB * sizeof(int32_t)));
+    }
+  } else if (rank.index() == plan.answer_rank) {
+    const size_t topk_bytes = size_t(plan.num_rows) * s.topk * sizeof(int32_t);
+    const size_t cand_bytes = size_t(plan.num_rows) * NB * sizeof(int32_t);
+    if (plan.topk_device_out != nullptr) {
+      DI_RETURN_IF_ERROR(be.CopyDeviceToDevice(plan.topk_device_out, b.topk, topk_bytes));
+    } else {
+      DI_RETURN_IF_ERROR(readback.Copy(Readback::Answer::kTopK, 0, b.topk, topk_bytes));
+    }
+    if (plan.candidates_device_out != nullptr) {
+      DI_RETURN_IF_ERROR(
+          be.CopyDeviceToDevice(plan.candidates_device_out, b.candidates, cand_bytes));
+    } else if (plan.candidates_out != nullptr || plan.defer_candidates) {
+      DI_RETURN_IF_ERROR(readback.Copy(Readback::Answer::kCandidates, 0, b.candidates, cand_bytes));
+    }
   }
   const auto wait_start = std::chrono::steady_clock::now();
   rank.last_phases.copies_ns = NanosBetween(copies_start, wait_start);

@@ -3,7 +3,6 @@
 // executor's limits, so a step allocates nothing big.
 #pragma once
 
-#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -46,11 +45,10 @@ struct RankSizes {
   bool pinned_staging = false;
 };
 
-// What changes the launches of a step's section (its fixed-size uploads, rope_quant_q, the
-// scoring call and the answer's copies): two steps with equal shapes make the same launches
-// with the same pointers and sizes, so the second may capture them and later ones replay the
-// graph (seed: warm). Device pointers are a function of these fields, since every staging
-// buffer is fixed at start-up; host pointers are keyed as they are (`copies`).
+// What changes the launches of a step's kernel section (rope_quant_q and the scoring call):
+// two steps with equal shapes make the same launches with the same pointers and sizes, so
+// the second may capture them and later ones replay the graph (seed: warm). Pointers are a
+// function of these fields, since every staging buffer is fixed at start-up.
 struct StepShape {
   int32_t pool = 0;
   int32_t role = 0;
@@ -64,15 +62,9 @@ struct StepShape {
   bool hadamard = false;
   int32_t max_row_length = 0;    // bucketed (BucketRowLength)
   int32_t rows_per_request = 0;  // RowBatch::rows_per_request: picks the kernels' pass width
-  int32_t total_rows = 0;        // the step's rows (the row tables' size)
-  // The copies the section holds (fixed-size uploads, the answer's copies), 4 words each:
-  // kind + 1, destination, source, bytes; zero after the last. Staged uploads sit at arena
-  // offsets that depend on the fields above alone; a caller's page-locked q or answer span
-  // keys the graph by its address (a caller reusing one region replays one graph).
-  std::array<uint64_t, 32> copies{};
   auto Tie() const {
     return std::tie(pool, role, masked, candidates, range_start, rows, requests, q_type, positions,
-                    hadamard, max_row_length, rows_per_request, total_rows, copies);
+                    hadamard, max_row_length, rows_per_request);
   }
   bool operator<(const StepShape& o) const { return Tie() < o.Tie(); }
 };

@@ -228,7 +228,7 @@ TEST(GpuExecutorTest, GraphReplaysAnswerAsEagerStepsBitForBit) {
     }
     // From round 3 on (with the bucket change), the graphs-on executor answers into one reused
     // caller region, registered (page-locked) with its answering backend, as a serving frontend's:
-    // the answer's device-to-host copy is then inside the replayed graph, straight into it.
+    // the answer's device-to-host copy lands straight in it after the replayed graph.
     const size_t max_rows = 2 * ids.size();
     const size_t topk_elems = max_rows * v.profile.topk;
     std::vector<int32_t> region_mem(topk_elems + max_rows * v.profile.num_candidate_blocks + 1, -7);
