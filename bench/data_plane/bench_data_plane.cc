@@ -93,7 +93,7 @@ class EchoExecutor final : public di::exec::Executor {
     r.num_rows = step.num_rows;
     r.topk = profile_.topk;
     // Like the real executor: straight into the service's target when it names one.
-    int32_t* out = step.answer_host;
+    int32_t* out = step.answer != nullptr ? step.answer->topk() : nullptr;
     if (out == nullptr) {
       r.topk_indices.resize(static_cast<size_t>(step.num_rows) * r.topk);
       out = r.topk_indices.data();
@@ -331,8 +331,11 @@ void TimePieces(const Request& req, const di::config::Profile& profile, int64_t 
     t->add_shape(profile.topk);
     std::string* data = t->mutable_data();
     data->resize(size_t(input.num_rows) * profile.topk * 4);
-    input.answer_host = reinterpret_cast<int32_t*>(data->data());
+    const di::exec::AnswerSink sink = di::exec::AnswerSink::Host(
+        reinterpret_cast<int32_t*>(data->data()), nullptr, /*page_locked=*/false);
+    input.answer = &sink;
     (void)echo.DecodeStep(input);
+    input.answer = nullptr;
   });
   std::string out_wire;
   const double ser_resp = TimeUs(iters, [&] {

@@ -24,7 +24,14 @@
 // Usage: decode-indexer-bench-multigpu [--backend cuda|cpu|host] [--ranks 1,2] [--requests 64,128]
 //        [--contexts 32768,65536] [--next-n 1,2] [--steps 20] [--v41-requests 64]
 //        [--v41-context 32768] [--skip-v32] [--skip-v41] [--graphs on,off] [--pinned on]
-//        [--direct on,off]
+//        [--direct on,off] [--answer vector,host,pinned,pinned-q]
+//
+// --answer (v32; v41 uses the first value): where the timed steps' answers go. vector:
+// StepResult's vectors (the executor's fallback, the path before AnswerSink); host: a
+// caller-owned, reused pageable span (AnswerSink::Host, like a gRPC response's bytes); pinned:
+// a caller-owned, reused span in a registered (page-locked) region, as a serving frontend
+// with a registered shared-memory region passes it; pinned-q: that region holds q and the
+// weights too (StepInput::host_memory_page_locked: q is not staged).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -110,6 +117,7 @@ struct Args {
   std::vector<bool> graphs = {true, false};
   std::vector<bool> pinned = {true};
   std::vector<bool> direct = {true};
+  std::vector<std::string> answers = {"pinned"};
 };
 
 std::vector<bool> OnOffList(const char* s) {
@@ -146,7 +154,9 @@ Args Parse(int argc, char** argv) {
           "usage: decode-indexer-bench-multigpu [--backend cuda|cpu|host] [--ranks 1,2] "
           "[--requests 64,128]\n  [--contexts 32768,65536] [--next-n 1,2] [--steps 20] "
           "[--v41-requests 64] [--v41-context 32768]\n  [--skip-v32] [--skip-v41] "
-          "[--graphs on,off] [--pinned on] [--direct on,off] [--version]\n");
+          "[--graphs on,off] [--pinned on] [--direct on,off]\n  [--answer "
+          "vector,host,pinned,pinned-q] "
+          "[--version]\n");
       std::exit(0);
     } else if (f == "--version") {
       std::printf("%s\n", decode_indexer::cli::VersionLine().c_str());
@@ -177,6 +187,8 @@ Args Parse(int argc, char** argv) {
       a.pinned = OnOffList(next());
     else if (f == "--direct")
       a.direct = OnOffList(next());
+    else if (f == "--answer")
+      a.answers = absl::StrSplit(next(), ',');
     else {
       std::fprintf(stderr, "unknown flag %s (see the source's header)\n", f.c_str());
       std::exit(2);
@@ -284,6 +296,59 @@ di::exec::StepInput MakeStep(int32_t layer, int requests, int next_n, int contex
   in.q.weights = d.weights.data();
   return in;
 }
+
+// A caller's region, reused by every timed step: the answer's span (and with pinned-q the
+// step's q and weights), registered with the executor's answering backend where the mode says
+// so. Unregistered before the executor goes.
+class CallerRegion {
+ public:
+  CallerRegion(Executor& e, const std::string& mode, size_t answer_bytes, size_t q_bytes)
+      : e_(e), mode_(mode) {
+    bytes_ = (answer_bytes + q_bytes + 4095) / 4096 * 4096;
+    base_ = static_cast<uint8_t*>(std::aligned_alloc(4096, bytes_));
+    std::memset(base_, 0, bytes_);  // touched once, like a long-lived region
+    answer_ = reinterpret_cast<int32_t*>(base_);
+    q_ = base_ + (answer_bytes + 255) / 256 * 256;
+    if (mode == "pinned" || mode == "pinned-q") {
+      const absl::Status st = e_.WithAnswerBackend(
+          [&](di::kernels::Backend& be) { return be.RegisterHostMemory(base_, bytes_); });
+      registered_ = st.ok();
+      if (!st.ok()) std::fprintf(stderr, "register: %s\n", st.ToString().c_str());
+    }
+    if (mode == "host" || mode == "pinned" || mode == "pinned-q") {
+      sink_ = di::exec::AnswerSink::Host(answer_, nullptr, registered_);
+    }
+  }
+  ~CallerRegion() {
+    if (registered_) {
+      (void)e_.WithAnswerBackend(
+          [&](di::kernels::Backend& be) { return be.UnregisterHostMemory(base_); });
+    }
+    std::free(base_);
+  }
+  // Points `in` at the sink (and, pinned-q, at q and weights copied into the region).
+  void Use(di::exec::StepInput& in, size_t q_bytes, size_t w_bytes) {
+    if (mode_ == "vector") return;
+    in.answer = &sink_;
+    if (mode_ == "pinned-q") {
+      std::memcpy(q_, in.q.q, q_bytes);
+      std::memcpy(q_ + q_bytes, in.q.weights, w_bytes);
+      in.q.q = q_;
+      in.q.weights = reinterpret_cast<const float*>(q_ + q_bytes);
+      in.host_memory_page_locked = registered_;
+    }
+  }
+
+ private:
+  Executor& e_;
+  std::string mode_;
+  size_t bytes_ = 0;
+  uint8_t* base_ = nullptr;
+  int32_t* answer_ = nullptr;
+  uint8_t* q_ = nullptr;
+  bool registered_ = false;
+  di::exec::AnswerSink sink_;
+};
 
 struct Timing {
   double step_us = 0;        // mean executor compute time per step
@@ -428,10 +493,10 @@ void BenchV32(const Args& a) {
   std::printf("\n## v32 dense layer (H %d, D %d, K %d, FP8), %s backend\n\n", p.num_heads,
               p.head_dim, p.topk, a.backend.c_str());
   std::printf(
-      "| ranks | graphs | pinned | direct | requests | context | next_n | rows | sharded | step us "
-      "| steps/s | collective us | collective share | slowest rank's scoring us | replays/step "
-      "|\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "| ranks | graphs | pinned | direct | answer | requests | context | next_n | rows | sharded "
+      "| step us | steps/s | collective us | collective share | slowest rank's scoring us | "
+      "replays/step |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   std::vector<std::string> phase_rows;
   for (int ranks : a.ranks) {
     for (bool graphs : a.graphs) {
@@ -448,27 +513,35 @@ void BenchV32(const Args& a) {
           for (int req : a.requests) {
             for (int ctx : a.contexts) {
               for (int n : a.next_n) {
-                const Timing t =
-                    TimeSteps(*e, {MakeStep(0, req, n, ctx, d, false, 1)}, a.warmup, a.steps);
-                if (!t.ok) continue;
-                std::printf(
-                    "| %d | %s | %s | %s | %d | %d | %d | %d | %s | %.1f | %.0f | %.1f | %.1f%% | "
-                    "%.1f | %.2f |\n",
-                    ranks, graphs ? "on" : "off", pinned ? "on" : "off", direct ? "on" : "off", req,
-                    ctx, n, req * n, t.sharded ? "yes" : "no", t.step_us, 1e6 / t.step_us,
-                    t.collective_us, 100.0 * t.collective_us / t.step_us, t.score_us, t.replays);
-                std::fflush(stdout);
-                char line[512];
-                std::snprintf(
-                    line, sizeof line,
-                    "| %d | %s | %s | %s | %d | %d | %d | %.1f | %.1f | %.1f | %.1f | "
-                    "%.1f | %.1f | %.1f | %.1f | %.1f | %s |\n",
-                    ranks, graphs ? "on" : "off", pinned ? "on" : "off", direct ? "on" : "off", req,
-                    ctx, n, t.step_us, t.plan_us, t.ranks_us, t.commit_us, t.uploads_us,
-                    t.launch_us, t.copies_us, t.wait_us,
-                    t.ranks_us - (t.uploads_us + t.launch_us + t.copies_us + t.wait_us),
-                    t.kernel_samples > 0 ? absl::StrFormat("%.1f", t.kernels_us).c_str() : "-");
-                phase_rows.push_back(line);
+                for (const std::string& answer : a.answers) {
+                  const size_t q_bytes = size_t(req) * n * p.num_heads * p.head_dim;
+                  const size_t w_bytes = size_t(req) * n * p.num_heads * sizeof(float);
+                  CallerRegion region(*e, answer, size_t(req) * n * p.topk * sizeof(int32_t),
+                                      q_bytes + w_bytes);
+                  di::exec::StepInput step = MakeStep(0, req, n, ctx, d, false, 1);
+                  region.Use(step, q_bytes, w_bytes);
+                  const Timing t = TimeSteps(*e, {step}, a.warmup, a.steps);
+                  if (!t.ok) continue;
+                  std::printf(
+                      "| %d | %s | %s | %s | %s | %d | %d | %d | %d | %s | %.1f | %.0f | %.1f | "
+                      "%.1f%% | %.1f | %.2f |\n",
+                      ranks, graphs ? "on" : "off", pinned ? "on" : "off", direct ? "on" : "off",
+                      answer.c_str(), req, ctx, n, req * n, t.sharded ? "yes" : "no", t.step_us,
+                      1e6 / t.step_us, t.collective_us, 100.0 * t.collective_us / t.step_us,
+                      t.score_us, t.replays);
+                  std::fflush(stdout);
+                  char line[512];
+                  std::snprintf(
+                      line, sizeof line,
+                      "| %d | %s | %s | %s | %s | %d | %d | %d | %.1f | %.1f | %.1f | %.1f | "
+                      "%.1f | %.1f | %.1f | %.1f | %.1f | %s |\n",
+                      ranks, graphs ? "on" : "off", pinned ? "on" : "off", direct ? "on" : "off",
+                      answer.c_str(), req, ctx, n, t.step_us, t.plan_us, t.ranks_us, t.commit_us,
+                      t.uploads_us, t.launch_us, t.copies_us, t.wait_us,
+                      t.ranks_us - (t.uploads_us + t.launch_us + t.copies_us + t.wait_us),
+                      t.kernel_samples > 0 ? absl::StrFormat("%.1f", t.kernels_us).c_str() : "-");
+                  phase_rows.push_back(line);
+                }
               }
             }
           }
@@ -486,9 +559,9 @@ void BenchV32(const Args& a) {
       "collectives, the other rank); kernels = the slowest rank's scoring kernels alone "
       "(events around them on its stream; eager steps only, `-` with graphs on).\n\n");
   std::printf(
-      "| ranks | graphs | pinned | direct | requests | context | next_n | step | plan | ranks | "
-      "commit | uploads | launch | copies | wait | rest | kernels |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "| ranks | graphs | pinned | direct | answer | requests | context | next_n | step | plan | "
+      "ranks | commit | uploads | launch | copies | wait | rest | kernels |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const std::string& row : phase_rows) std::fputs(row.c_str(), stdout);
   std::fflush(stdout);
 }
@@ -593,6 +666,10 @@ void BenchV41(const Args& a) {
             round.push_back(MakeStep(layer, req, n, ctx, d, true, layer));
           }
           round[0].return_candidates = false;
+          // The answers into the first --answer's sink (q stays where it is: FP4 q has scales).
+          const std::string mode = a.answers.front() == "pinned-q" ? "pinned" : a.answers.front();
+          CallerRegion region(*e, mode, size_t(req) * n * p.topk * sizeof(int32_t), 0);
+          for (di::exec::StepInput& st : round) region.Use(st, 0, 0);
           // The source alone, then the whole round: the consumers' mean is the difference.
           const Timing src = TimeSteps(*e, {round[0]}, a.warmup, a.steps);
           const Timing all = TimeSteps(*e, round, a.warmup, a.steps);

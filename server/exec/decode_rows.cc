@@ -100,7 +100,8 @@ class Readback {
     int32_t* dst = defer ? nullptr : (candidates ? plan_.candidates_out : plan_.topk_out);
     const size_t aligned = (bytes + 63) / 64 * 64;
     const bool fits = space_.pinned && space_.used + aligned <= space_.capacity;
-    if (!defer && (plan_.host_page_locked || !fits)) {
+    const bool page_locked = candidates ? plan_.candidates_page_locked : plan_.topk_page_locked;
+    if (!defer && (page_locked || !fits)) {
       return be_.CopyToHost(dst + elem_offset, src, bytes);
     }
     if (!fits) {  // the executor defers only where every rank has room for every row
@@ -376,8 +377,8 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   } else {
     // From a page-locked client region, straight to the device; else through the staging.
     auto upload = [&](void* dst, const void* src, size_t bytes) {
-      return plan.host_page_locked ? staging.UploadPageLocked(dst, src, bytes)
-                                   : staging.Upload(dst, src, bytes);
+      return plan.q_page_locked ? staging.UploadPageLocked(dst, src, bytes)
+                                : staging.Upload(dst, src, bytes);
     };
     DI_RETURN_IF_ERROR(upload(q_codes, static_cast<const uint8_t*>(q.q) + range.start * code_bytes,
                               n * code_bytes));

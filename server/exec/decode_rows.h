@@ -72,13 +72,16 @@ struct StepPlan {
   int32_t answer_rank = 0;
   int32_t* topk_out = nullptr;        // [rows, topk]
   int32_t* candidates_out = nullptr;  // [rows, NB] or null
-  // StepInput::host_memory_page_locked: q is uploaded and the host answers are written with
-  // no staging copy.
-  bool host_page_locked = false;
-  // Deferred answers (the executor's own StepResult vectors, every rank with page-locked
-  // readback space): topk_out / candidates_out stay null, each rank leaves its rows in its
-  // readback space (Rank::last_readback) and the executor builds the vectors from there after
-  // the join: no zero-filled vector, no second host copy.
+  // StepInput::host_memory_page_locked: q is uploaded with no staging copy.
+  bool q_page_locked = false;
+  // topk_out / candidates_out lie in page-locked memory (AnswerSink::page_locked): the ranks'
+  // device-to-host copies land there directly, with no readback space and no host copy.
+  bool topk_page_locked = false;
+  bool candidates_page_locked = false;
+  // Deferred answers (StepResult's vectors or an AnswerSink's encoder, every rank with
+  // page-locked readback space): topk_out / candidates_out stay null, each rank leaves its
+  // rows in its readback space (Rank::last_readback) and the executor takes them from there
+  // after the join: no zero-filled vector, no second host copy.
   bool defer_topk = false;
   bool defer_candidates = false;
   // Instead of topk_out / candidates_out: memory of the answering rank's backend (a client's

@@ -308,10 +308,11 @@ class ExecutorImpl final : public Executor {
     return absl::UnavailableError(
         absl::StrCat("the executor is unhealthy after a fault: ", stats_.health_detail));
   }
-  // A deferred answer (StepPlan::defer_topk / defer_candidates) from the ranks' readback
-  // pieces, in element order; they must tile [0, total) exactly.
-  absl::Status AssembleDeferred(bool candidates, size_t total, std::vector<int32_t>& out) const {
-    std::vector<const Rank::ReadbackPiece*> pieces;
+  // A deferred answer (StepPlan::defer_topk / defer_candidates): the ranks' readback pieces in
+  // element order into `pieces`; they must tile [0, total) exactly.
+  absl::Status CollectDeferred(bool candidates, size_t total,
+                               std::vector<const Rank::ReadbackPiece*>& pieces) const {
+    pieces.clear();
     for (const auto& r : ranks_) {
       for (const Rank::ReadbackPiece& piece : r->last_readback) {
         if (piece.candidates == candidates) pieces.push_back(&piece);
@@ -319,22 +320,29 @@ class ExecutorImpl final : public Executor {
     }
     std::sort(pieces.begin(), pieces.end(),
               [](const auto* a, const auto* b) { return a->elem_offset < b->elem_offset; });
-    // One pass that appends (no zero-filled resize first: measured, the resize and a split
-    // copy cost more than this serial copy, docs/results/step-host.md).
+    size_t at = 0;
+    for (const Rank::ReadbackPiece* piece : pieces) {
+      if (piece->elem_offset != static_cast<int64_t>(at) || at + piece->elems > total) {
+        return absl::InternalError("deferred answer rows do not tile the answer");
+      }
+      at += piece->elems;
+    }
+    if (at != total) {
+      return absl::InternalError(
+          absl::StrCat("deferred answer: ", at, " of ", total, " entries came back"));
+    }
+    return absl::OkStatus();
+  }
+  // The collected pieces into a vector, in one pass that appends (no zero-filled resize first:
+  // measured, the resize and a split copy cost more than this serial copy,
+  // docs/results/step-host.md).
+  static void AssembleDeferred(const std::vector<const Rank::ReadbackPiece*>& pieces, size_t total,
+                               std::vector<int32_t>& out) {
     out.clear();
     out.reserve(total);
     for (const Rank::ReadbackPiece* piece : pieces) {
-      if (piece->elem_offset != static_cast<int64_t>(out.size()) ||
-          out.size() + piece->elems > total) {
-        return absl::InternalError("deferred answer rows do not tile the answer");
-      }
       out.insert(out.end(), piece->data, piece->data + piece->elems);
     }
-    if (out.size() != total) {
-      return absl::InternalError(
-          absl::StrCat("deferred answer: ", out.size(), " of ", total, " entries came back"));
-    }
-    return absl::OkStatus();
   }
   absl::StatusOr<StepResult> DecodeStepLocked(const StepInput& step, StepPlan& plan,
                                               std::vector<state::CacheWrite>& writes,
@@ -392,6 +400,10 @@ class ExecutorImpl final : public Executor {
   // (StepPlan::defer_topk / defer_candidates): where every rank has one (a device backend
   // with page-locked staging). Fixed at start-up.
   bool defer_answers_ = false;
+  // Reused by every step (under the turn): the deferred answer's pieces, and the top-k of an
+  // encoder sink where the ranks have no readback space.
+  std::vector<const Rank::ReadbackPiece*> topk_pieces_, cand_pieces_;
+  std::vector<int32_t> encode_scratch_;
 
   // Host truth. Changed only by the call holding the turn, under mu_ so Status() can read.
   mutable std::mutex mu_;
@@ -733,6 +745,15 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
   const int32_t pool = pool_of_layer_[spec->cache_layer];
   const CacheFormat format = pool_geometry_[pool].format;
   const int32_t num_requests = static_cast<int32_t>(step.sequences.size());
+  if (const AnswerSink* sink = step.answer;
+      sink != nullptr && sink->topk() == nullptr &&
+      (sink->kind() == AnswerSink::Kind::kHost || sink->kind() == AnswerSink::Kind::kDevice)) {
+    return absl::InternalError("the answer sink has no top-k span");
+  }
+  if (step.answer != nullptr && step.answer->kind() == AnswerSink::Kind::kEncoder &&
+      !step.answer->encoder()) {
+    return absl::InternalError("the answer sink has no encoder");
+  }
   if (num_requests == 0) {
     return absl::InvalidArgumentError("sequences: a step needs at least one sequence");
   }
@@ -956,25 +977,43 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
   result.num_rows = num_rows;
   result.topk = p.topk;
   result.sharded = plan.sharded;
-  // The data plane may name where the answer goes (a client region, host or device); else
-  // it comes back in the result's vectors.
-  plan.host_page_locked = step.host_memory_page_locked;
-  if (step.answer_device != nullptr) {
-    plan.topk_device_out = step.answer_device;
-  } else if (step.answer_host != nullptr) {
-    plan.topk_out = step.answer_host;
-  } else if (defer_answers_) {
-    plan.defer_topk = true;
-  } else {
-    result.topk_indices.resize(size_t(num_rows) * p.topk);
-    plan.topk_out = result.topk_indices.data();
+  // Where the answer goes: the caller's sink (resolved at the edge), else the result's vectors.
+  const AnswerSink* sink = step.answer;
+  const AnswerSink::Kind sink_kind = sink != nullptr ? sink->kind() : AnswerSink::Kind::kVector;
+  plan.q_page_locked = step.host_memory_page_locked;
+  switch (sink_kind) {
+    case AnswerSink::Kind::kDevice:
+      plan.topk_device_out = sink->topk();
+      break;
+    case AnswerSink::Kind::kHost:
+      plan.topk_out = sink->topk();
+      plan.topk_page_locked = sink->page_locked();
+      break;
+    case AnswerSink::Kind::kEncoder:
+      if (defer_answers_) {
+        plan.defer_topk = true;
+      } else {  // no readback space: the rows land in the executor's own scratch
+        encode_scratch_.resize(size_t(num_rows) * p.topk);
+        plan.topk_out = encode_scratch_.data();
+      }
+      break;
+    case AnswerSink::Kind::kVector:
+      if (defer_answers_) {
+        plan.defer_topk = true;
+      } else {
+        result.topk_indices.resize(size_t(num_rows) * p.topk);
+        plan.topk_out = result.topk_indices.data();
+      }
+      break;
   }
   if (step.return_candidates) {
     result.num_candidate_blocks = p.num_candidate_blocks;
-    if (step.candidates_device != nullptr) {
-      plan.candidates_device_out = step.candidates_device;
-    } else if (step.candidates_host != nullptr) {
-      plan.candidates_out = step.candidates_host;
+    int32_t* span = sink != nullptr ? sink->candidates() : nullptr;
+    if (span != nullptr && sink_kind == AnswerSink::Kind::kDevice) {
+      plan.candidates_device_out = span;
+    } else if (span != nullptr) {
+      plan.candidates_out = span;
+      plan.candidates_page_locked = sink->page_locked();
     } else if (defer_answers_) {
       plan.defer_candidates = true;
     } else {
@@ -1006,16 +1045,35 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
     stats_.graph_captures += r->last_graph_captured;
     stats_.graph_replays += r->last_graph_replayed;
   }
+  const size_t topk_total = size_t(num_rows) * p.topk;
+  const size_t cand_total = size_t(num_rows) * p.num_candidate_blocks;
   if (status.ok() && plan.defer_topk) {
-    status = AssembleDeferred(/*candidates=*/false, size_t(num_rows) * p.topk, result.topk_indices);
+    status = CollectDeferred(/*candidates=*/false, topk_total, topk_pieces_);
   }
   if (status.ok() && plan.defer_candidates) {
-    status = AssembleDeferred(/*candidates=*/true, size_t(num_rows) * p.num_candidate_blocks,
-                              result.candidate_blocks);
+    status = CollectDeferred(/*candidates=*/true, cand_total, cand_pieces_);
   }
   // A caller whose deadline passed (or who went away) while the ranks ran gets nothing
   // committed: the step fails as if a rank had.
   if (status.ok()) status = AskCaller(step.call_check);
+  if (status.ok()) {
+    // The answer's last move, now that the step stands: into the result's vectors, or row
+    // blocks to the sink's encoder.
+    if (plan.defer_topk && sink_kind == AnswerSink::Kind::kVector) {
+      AssembleDeferred(topk_pieces_, topk_total, result.topk_indices);
+    } else if (sink_kind == AnswerSink::Kind::kEncoder) {
+      const AnswerSink::Encoder& encode = sink->encoder();
+      if (plan.defer_topk) {
+        for (const Rank::ReadbackPiece* piece : topk_pieces_) {
+          encode(std::span<const int32_t>(piece->data, piece->elems),
+                 int32_t(piece->elems / size_t(p.topk)));
+        }
+      } else {
+        encode(std::span<const int32_t>(encode_scratch_.data(), topk_total), num_rows);
+      }
+    }
+    if (plan.defer_candidates) AssembleDeferred(cand_pieces_, cand_total, result.candidate_blocks);
+  }
 
   if (!status.ok()) {
     // Some ranks may have applied the step's table edits: put the committed pages back (the

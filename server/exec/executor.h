@@ -25,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "decode_indexer/kernels/types.h"
 #include "server/config/profile.h"
+#include "server/exec/answer_sink.h"
 
 namespace decode_indexer::kernels {
 class Backend;
@@ -110,19 +111,16 @@ struct StepInput {
   QInput q;
   uint64_t step_id = 0;
   bool return_candidates = false;
-  // Data plane: where the answering rank leaves the answer instead of StepResult's vectors
-  // (which then stay empty): host memory (a client's shared-memory region, ideally
-  // page-locked through Backend::RegisterHostMemory) or memory of the answering rank's
-  // backend (an opened CUDA IPC region). At most one of each pair; valid for the call.
-  int32_t* answer_host = nullptr;        // [num_rows, K]
-  int32_t* candidates_host = nullptr;    // [num_rows, num_candidate_blocks]
-  int32_t* answer_device = nullptr;      // [num_rows, K]
-  int32_t* candidates_device = nullptr;  // [num_rows, num_candidate_blocks]
-  // The host buffers above and q (values, scales, weights) lie in page-locked memory every
-  // device may DMA (a region registered through Backend::RegisterHostMemory): the ranks copy
-  // straight from and to them. Otherwise they go through each rank's own page-locked
-  // staging, since a copy from or to pageable memory is bounced by the driver in pieces that
-  // each wait for the stream. A wrong `true` is still correct, only slower.
+  // Where the answer goes (answer_sink.h), resolved once by the caller; null: StepResult's
+  // vectors. Caller-owned and valid for the call (a caller may reuse one for every step); the
+  // executor writes the answer into it exactly once. On failure see AnswerSink: nothing is
+  // committed, an encoder is not called, a span may hold rows of the uncommitted answer.
+  const AnswerSink* answer = nullptr;
+  // q (values, scales, weights) lies in page-locked memory every device may DMA (a region
+  // registered through Backend::RegisterHostMemory): the ranks copy straight from it.
+  // Otherwise it goes through each rank's own page-locked staging, since a copy from pageable
+  // memory is bounced by the driver in pieces that each wait for the stream. A wrong `true` is
+  // still correct, only slower. (The answer's own flag is AnswerSink::page_locked.)
   bool host_memory_page_locked = false;
   // Whether the caller still wants the step, asked right before it commits (see CallCheck).
   CallCheck call_check;
@@ -132,9 +130,10 @@ struct StepResult {
   uint64_t step_id = 0;
   int32_t num_rows = 0;
   int32_t topk = 0;
-  std::vector<int32_t> topk_indices;  // [num_rows, topk]
+  std::vector<int32_t> topk_indices;  // [num_rows, topk]; empty where a sink took it
   int32_t num_candidate_blocks = 0;
-  std::vector<int32_t> candidate_blocks;  // [num_rows, num_candidate_blocks] when asked
+  // [num_rows, num_candidate_blocks] when asked and the sink has no candidate span
+  std::vector<int32_t> candidate_blocks;
   bool sharded = false;
   int64_t queue_us = 0;
   int64_t compute_us = 0;

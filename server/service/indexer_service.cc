@@ -95,14 +95,6 @@ const char* RopeStyleName(kernels::RopeStyle style) {
   }
 }
 
-void SetInt32Tensor(const std::vector<int32_t>& values, int64_t rows, int64_t cols,
-                    v1::Tensor& out) {
-  out.set_dtype(v1::DTYPE_INT32);
-  out.add_shape(rows);
-  out.add_shape(cols);
-  out.set_data(values.data(), values.size() * sizeof(int32_t));
-}
-
 // Bytes of a tensor sent with its data in shared memory (dtype and shape only on the wire);
 // absurd shapes are refused before any multiplication can overflow.
 absl::StatusOr<uint64_t> ShapeBytes(const v1::Tensor& t, const char* field) {
@@ -522,13 +514,17 @@ absl::Status IndexerService::RunStep(grpc::ServerContext* context,
   if (!decoded.ok()) return decoded.status();
   exec::StepInput& step = decoded->step;
 
-  // Where the answer goes: a CUDA IPC buffer (device to device), the shared-memory region
-  // (written there by the device-to-host copy), or straight into the response's bytes (raw
-  // encoding: no intermediate vector, no second copy). Room is checked before anything runs.
+  // Where the answer goes, resolved once into the sink the executor writes it into: a CUDA IPC
+  // buffer (device to device), the shared-memory region (written there by the device-to-host
+  // copy, straight where the region is page-locked), straight into the response's bytes (raw
+  // encoding: no intermediate vector, no second copy), or row blocks to the delta encoder.
+  // Room is checked before anything runs.
   const uint64_t rows = static_cast<uint64_t>(step.num_rows);
   const uint64_t answer_bytes = rows * static_cast<uint64_t>(profile.topk) * 4;
   const uint64_t cand_bytes = rows * static_cast<uint64_t>(profile.num_candidate_blocks) * 4;
+  const bool delta = request.answer_encoding() == v1::ANSWER_ENCODING_DELTA_VARINT;
   std::shared_ptr<CudaIpcRegion> ipc;
+  exec::AnswerSink sink;
   if (request.has_cuda_ipc()) {
     const v1::CudaIpcStep& ci = request.cuda_ipc();
     absl::StatusOr<std::shared_ptr<CudaIpcRegion>> got = cuda_ipc_.Get(ci.region_id());
@@ -536,29 +532,45 @@ absl::Status IndexerService::RunStep(grpc::ServerContext* context,
     ipc = *std::move(got);
     absl::StatusOr<uint8_t*> at = ipc->Span("answer_offset", ci.answer_offset(), answer_bytes);
     if (!at.ok()) return at.status();
-    step.answer_device = reinterpret_cast<int32_t*>(*at);
+    int32_t* candidates = nullptr;
     if (request.return_candidates()) {
-      at = ipc->Span("candidates_offset", ci.candidates_offset(), cand_bytes);
-      if (!at.ok()) return at.status();
-      step.candidates_device = reinterpret_cast<int32_t*>(*at);
+      absl::StatusOr<uint8_t*> c =
+          ipc->Span("candidates_offset", ci.candidates_offset(), cand_bytes);
+      if (!c.ok()) return c.status();
+      candidates = reinterpret_cast<int32_t*>(*c);
     }
+    sink = exec::AnswerSink::Device(reinterpret_cast<int32_t*>(*at), candidates);
   } else if (region != nullptr) {
     const v1::SharedMemoryStep& sm = request.shared_memory();
     absl::StatusOr<uint8_t*> at = region->Span("answer_offset", sm.answer_offset(), answer_bytes);
     if (!at.ok()) return at.status();
-    step.answer_host = reinterpret_cast<int32_t*>(*at);
+    int32_t* candidates = nullptr;
     if (request.return_candidates()) {
-      at = region->Span("candidates_offset", sm.candidates_offset(), cand_bytes);
-      if (!at.ok()) return at.status();
-      step.candidates_host = reinterpret_cast<int32_t*>(*at);
+      absl::StatusOr<uint8_t*> c =
+          region->Span("candidates_offset", sm.candidates_offset(), cand_bytes);
+      if (!c.ok()) return c.status();
+      candidates = reinterpret_cast<int32_t*>(*c);
     }
-  } else if (request.answer_encoding() != v1::ANSWER_ENCODING_DELTA_VARINT) {
-    step.answer_host = ResponseInt32(rows, profile.topk, *response.mutable_topk());
-    if (request.return_candidates()) {
-      step.candidates_host =
-          ResponseInt32(rows, profile.num_candidate_blocks, *response.mutable_candidate_blocks());
+    sink =
+        exec::AnswerSink::Host(reinterpret_cast<int32_t*>(*at), candidates, region->page_locked());
+  } else {
+    int32_t* candidates = request.return_candidates()
+                              ? ResponseInt32(rows, profile.num_candidate_blocks,
+                                              *response.mutable_candidate_blocks())
+                              : nullptr;
+    if (delta) {
+      std::string* out = response.mutable_topk_delta();
+      out->reserve(rows * (static_cast<uint64_t>(profile.topk) + 5));
+      const int32_t k = profile.topk;
+      sink = exec::AnswerSink::Encoded(
+          [out, k](std::span<const int32_t> topk, int32_t n) { EncodeTopkDelta(topk, n, k, *out); },
+          candidates, /*page_locked=*/false);
+    } else {
+      sink = exec::AnswerSink::Host(ResponseInt32(rows, profile.topk, *response.mutable_topk()),
+                                    candidates, /*page_locked=*/false);
     }
   }
+  step.answer = &sink;
   const bool answer_elsewhere = ipc != nullptr || region != nullptr;
   step.host_memory_page_locked = region != nullptr && region->page_locked();
   // An answer the transport could not send would fail the call after the step committed
@@ -604,18 +616,30 @@ absl::Status IndexerService::RunStep(grpc::ServerContext* context,
     // The executor names requests the `sequences` way; a columnar step hears its own fields.
     return NameColumnarFields(result.status(), request);
   }
-  // An executor that ignores the answer targets (a test double) answers in its vectors.
-  if (step.answer_host != nullptr && !result->topk_indices.empty()) {
-    std::memcpy(step.answer_host, result->topk_indices.data(),
-                result->topk_indices.size() * sizeof(int32_t));
+  // An executor that ignores the sink (a test double) answers in its vectors.
+  if (!result->topk_indices.empty()) {
+    switch (sink.kind()) {
+      case exec::AnswerSink::Kind::kHost:
+        std::memcpy(sink.topk(), result->topk_indices.data(),
+                    result->topk_indices.size() * sizeof(int32_t));
+        break;
+      case exec::AnswerSink::Kind::kEncoder:
+        sink.encoder()(result->topk_indices, result->num_rows);
+        break;
+      case exec::AnswerSink::Kind::kDevice:
+        return absl::InternalError(
+            "the executor did not write the answer into the CUDA IPC buffer");
+      case exec::AnswerSink::Kind::kVector:
+        break;
+    }
   }
-  if (step.candidates_host != nullptr && !result->candidate_blocks.empty()) {
-    std::memcpy(step.candidates_host, result->candidate_blocks.data(),
+  if (!result->candidate_blocks.empty() && sink.candidates() != nullptr) {
+    if (sink.kind() == exec::AnswerSink::Kind::kDevice) {
+      return absl::InternalError(
+          "the executor did not write the candidates into the CUDA IPC buffer");
+    }
+    std::memcpy(sink.candidates(), result->candidate_blocks.data(),
                 result->candidate_blocks.size() * sizeof(int32_t));
-  }
-  if ((step.answer_device != nullptr && !result->topk_indices.empty()) ||
-      (step.candidates_device != nullptr && !result->candidate_blocks.empty())) {
-    return absl::InternalError("the executor did not write the answer into the CUDA IPC buffer");
   }
   result->queue_us += admission_us;
   const config::LayerRole role = profile.layers.at(request.layer()).role;
@@ -627,19 +651,12 @@ absl::Status IndexerService::RunStep(grpc::ServerContext* context,
   queue_us_total_ += result->queue_us;
   rows_per_step_->Observe(result->num_rows);
   response.set_step_id(result->step_id);
-  if (answer_elsewhere) {
+  if (answer_elsewhere || delta) {
     SetShapeOnly(result->num_rows, result->topk, *response.mutable_topk());
-  } else if (request.answer_encoding() == v1::ANSWER_ENCODING_DELTA_VARINT) {
-    SetShapeOnly(result->num_rows, result->topk, *response.mutable_topk());
-    EncodeTopkDelta(result->topk_indices, result->num_rows, result->topk,
-                    *response.mutable_topk_delta());
   }
   if (request.return_candidates() && answer_elsewhere) {
     SetShapeOnly(result->num_rows, result->num_candidate_blocks,
                  *response.mutable_candidate_blocks());
-  } else if (request.return_candidates() && step.candidates_host == nullptr) {
-    SetInt32Tensor(result->candidate_blocks, result->num_rows, result->num_candidate_blocks,
-                   *response.mutable_candidate_blocks());
   }
   response.mutable_timing()->set_queue_us(result->queue_us);
   response.mutable_timing()->set_compute_us(result->compute_us);

@@ -122,13 +122,16 @@ TEST(GpuExecutorTest, CudaAndCpuBackendsAnswerAsTheReference) {
         const bool poisoned = round % 2 == 1;
         std::vector<int32_t> answer_buf, candidates_buf;
         exec::StepInput gin = step->input;
+        exec::AnswerSink sink;
         if (poisoned) {
           answer_buf.assign(size_t(gin.num_rows) * profile->topk, -7);
-          gin.answer_host = answer_buf.data();
           if (gin.return_candidates) {
             candidates_buf.assign(size_t(gin.num_rows) * profile->num_candidate_blocks, -7);
-            gin.candidates_host = candidates_buf.data();
           }
+          sink = exec::AnswerSink::Host(answer_buf.data(),
+                                        gin.return_candidates ? candidates_buf.data() : nullptr,
+                                        /*page_locked=*/false);
+          gin.answer = &sink;
         }
         auto b = gpu->DecodeStep(gin);
         ASSERT_TRUE(b.ok()) << b.status();
@@ -223,6 +226,22 @@ TEST(GpuExecutorTest, GraphReplaysAnswerAsEagerStepsBitForBit) {
         ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " / " << b.status();
       }
     }
+    // From round 3 on (with the bucket change), the graphs-on executor answers into one reused
+    // caller region, registered (page-locked) with its answering backend, as a serving frontend's:
+    // the answer's device-to-host copy lands straight in it after the replayed graph.
+    const size_t max_rows = 2 * ids.size();
+    const size_t topk_elems = max_rows * v.profile.topk;
+    std::vector<int32_t> region_mem(topk_elems + max_rows * v.profile.num_candidate_blocks + 1, -7);
+    ASSERT_TRUE((*on)
+                    ->WithAnswerBackend([&](kernels::Backend& be) {
+                      return be.RegisterHostMemory(region_mem.data(),
+                                                   region_mem.size() * sizeof(int32_t));
+                    })
+                    .ok());
+    const auto region_topk = region_mem.begin();
+    const auto region_cand = region_mem.begin() + topk_elems;
+    const exec::AnswerSink region = exec::AnswerSink::Host(
+        region_mem.data(), region_mem.data() + topk_elems, /*page_locked=*/true);
     const int32_t rounds = 8;
     for (int32_t round = 0; round < rounds; ++round) {
       for (const config::LayerSpec& l : v.profile.layers) {
@@ -234,10 +253,22 @@ TEST(GpuExecutorTest, GraphReplaysAnswerAsEagerStepsBitForBit) {
         const QForm form = l.layer % 2 == 0 ? QForm::kF32 : QForm::kQuantized;
         std::unique_ptr<StepData> step = h.MakeStep(l.layer, plan, form, KeyForm::kF32);
         step->input.return_candidates = l.role == LayerRole::kCandidateSource;
-        auto a = (*on)->DecodeStep(step->input);
+        exec::StepInput in_on = step->input;
+        if (round >= 3) in_on.answer = &region;
+        auto a = (*on)->DecodeStep(in_on);
         auto b = (*off)->DecodeStep(step->input);
         ASSERT_TRUE(a.ok()) << a.status();
         ASSERT_TRUE(b.ok()) << b.status();
+        if (round >= 3) {
+          const size_t rows = size_t(a->num_rows);
+          EXPECT_TRUE(a->topk_indices.empty());
+          a->topk_indices.assign(region_topk, region_topk + rows * a->topk);
+          if (step->input.return_candidates) {
+            EXPECT_TRUE(a->candidate_blocks.empty());
+            a->candidate_blocks.assign(region_cand,
+                                       region_cand + rows * v.profile.num_candidate_blocks);
+          }
+        }
         EXPECT_EQ(a->lengths, b->lengths);
         EXPECT_TRUE(a->topk_indices == b->topk_indices) << "top-k differs with graphs on";
         EXPECT_TRUE(a->candidate_blocks == b->candidate_blocks) << "candidates differ";
@@ -256,6 +287,11 @@ TEST(GpuExecutorTest, GraphReplaysAnswerAsEagerStepsBitForBit) {
     EXPECT_EQ(st_off.graph_captures, 0u);
     EXPECT_EQ(st_off.graph_replays, 0u);
     EXPECT_TRUE(st_on.healthy) << st_on.health_detail;
+    EXPECT_TRUE((*on)
+                    ->WithAnswerBackend([&](kernels::Backend& be) {
+                      return be.UnregisterHostMemory(region_mem.data());
+                    })
+                    .ok());
   }
 }
 

@@ -27,6 +27,7 @@
 #include <memory>
 #include <random>
 #include <set>
+#include <span>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -54,9 +55,73 @@ struct Script {
   int32_t max_length = 100;
   int32_t rounds = 1;  // passes through the layers per next_n (shapes repeat: graphs replay)
   bool page_locked_inputs = false;  // StepInput::host_memory_page_locked on every step
-  // Answers into the caller's buffers (StepInput::answer_host / candidates_host, poisoned
-  // first) instead of the result's vectors.
-  bool caller_buffers = false;
+  // Where the answers go (StepInput::answer): the result's vectors, or a caller's AnswerSink
+  // of one kind (spans poisoned first; the encoder's rows collected in order).
+  enum class Sink { kVector, kHost, kHostPageLocked, kDevice, kEncoder };
+  Sink sink = Sink::kVector;
+};
+
+const char* SinkName(Script::Sink s) {
+  switch (s) {
+    case Script::Sink::kVector:
+      return "vector";
+    case Script::Sink::kHost:
+      return "host span";
+    case Script::Sink::kHostPageLocked:
+      return "page-locked host span";
+    case Script::Sink::kDevice:
+      return "device span";
+    case Script::Sink::kEncoder:
+      return "encoder";
+  }
+  return "?";
+}
+
+constexpr Script::Sink kAllSinks[] = {Script::Sink::kVector, Script::Sink::kHost,
+                                      Script::Sink::kHostPageLocked, Script::Sink::kDevice,
+                                      Script::Sink::kEncoder};
+
+// The caller's side of a sink: poisoned spans (the CPU backend's device memory is host memory,
+// so a device span is a host vector too) and the encoder's rows.
+struct CallerSink {
+  std::vector<int32_t> answer, candidates, encoded;
+  int32_t encoded_rows = 0;
+  int32_t encoder_calls = 0;
+  exec::AnswerSink sink;
+
+  CallerSink(Script::Sink kind, const exec::StepInput& in, const config::Profile& p) {
+    answer.assign(size_t(in.num_rows) * p.topk, -7);
+    int32_t* cand = nullptr;
+    if (in.return_candidates) {
+      candidates.assign(size_t(in.num_rows) * p.num_candidate_blocks, -7);
+      cand = candidates.data();
+    }
+    const int32_t k = p.topk;
+    switch (kind) {
+      case Script::Sink::kVector:
+        break;
+      case Script::Sink::kHost:
+      case Script::Sink::kHostPageLocked:
+        sink = exec::AnswerSink::Host(answer.data(), cand, kind == Script::Sink::kHostPageLocked);
+        break;
+      case Script::Sink::kDevice:
+        sink = exec::AnswerSink::Device(answer.data(), cand);
+        break;
+      case Script::Sink::kEncoder:
+        sink = exec::AnswerSink::Encoded(
+            [this, k](std::span<const int32_t> topk, int32_t rows) {
+              EXPECT_EQ(topk.size(), size_t(rows) * k);
+              encoded.insert(encoded.end(), topk.begin(), topk.end());
+              encoded_rows += rows;
+              ++encoder_calls;
+            },
+            cand, /*page_locked=*/false);
+        break;
+    }
+  }
+  const std::vector<int32_t>& TopK() const {
+    return sink.kind() == exec::AnswerSink::Kind::kEncoder ? encoded : answer;
+  }
 };
 
 struct RunResult {
@@ -111,24 +176,22 @@ RunResult RunScript(const Script& s, Executor& e, uint64_t seed) {
         std::unique_ptr<StepData> step = h.MakeStep(l.layer, step_plans);
         step->input.return_candidates = l.role == LayerRole::kCandidateSource;
         step->input.host_memory_page_locked = s.page_locked_inputs;
-        std::vector<int32_t> answer_buf, candidates_buf;
-        if (s.caller_buffers) {
-          answer_buf.assign(size_t(step->input.num_rows) * s.profile.topk, -7);
-          step->input.answer_host = answer_buf.data();
-          if (step->input.return_candidates) {
-            candidates_buf.assign(size_t(step->input.num_rows) * s.profile.num_candidate_blocks,
-                                  -7);
-            step->input.candidates_host = candidates_buf.data();
-          }
-        }
-        SCOPED_TRACE(absl::StrCat("next_n ", n, " round ", round, " layer ", l.layer));
+        CallerSink caller(s.sink, step->input, s.profile);
+        if (s.sink != Script::Sink::kVector) step->input.answer = &caller.sink;
+        SCOPED_TRACE(absl::StrCat("next_n ", n, " round ", round, " layer ", l.layer, ", sink ",
+                                  SinkName(s.sink)));
         absl::StatusOr<StepResult> r = e.DecodeStep(step->input);
         EXPECT_TRUE(r.ok()) << r.status();
         if (!r.ok()) return out;
-        if (s.caller_buffers) {  // the answers are in the buffers, the vectors stay empty
+        if (s.sink != Script::Sink::kVector) {
+          // The answers are in the sink, written once; the vectors stay empty.
           EXPECT_TRUE(r->topk_indices.empty() && r->candidate_blocks.empty());
-          r->topk_indices = answer_buf;
-          r->candidate_blocks = candidates_buf;
+          if (s.sink == Script::Sink::kEncoder) {
+            EXPECT_EQ(caller.encoded_rows, step->input.num_rows);
+            EXPECT_GE(caller.encoder_calls, 1);
+          }
+          r->topk_indices = caller.TopK();
+          r->candidate_blocks = caller.candidates;
         }
         h.RecordStep(*step);
         ++out.steps;
@@ -439,10 +502,10 @@ TEST(MultiRankCpu, StagedCopiesAnswerAsPlainCopies) {
     EXPECT_GT(base.answered, base.steps * s.requests);
     for (bool page_locked : {false, true}) {
       for (bool direct : {true, false}) {
-        for (bool caller_buffers : {false, true}) {
+        for (Script::Sink sink : {Script::Sink::kVector, Script::Sink::kHost}) {
           for (int32_t ranks : {1, 2, 4}) {
             SCOPED_TRACE(absl::StrCat(ranks, " staged ranks, direct ", direct, ", page-locked ",
-                                      page_locked, ", caller buffers ", caller_buffers));
+                                      page_locked, ", sink ", SinkName(sink)));
             ExecutorOptions o = CpuOptions(ranks);
             o.direct_answers = direct;
             o.pinned_staging = true;
@@ -458,7 +521,7 @@ TEST(MultiRankCpu, StagedCopiesAnswerAsPlainCopies) {
             ASSERT_TRUE(made.ok()) << made.status();
             Script staged = s;
             staged.page_locked_inputs = page_locked;
-            staged.caller_buffers = caller_buffers;
+            staged.sink = sink;
             const RunResult r = RunScript(staged, **made, seed);
             EXPECT_EQ(r.steps, base.steps);
             EXPECT_EQ(r.sharded, ranks > 1 ? r.steps : 0);
@@ -469,6 +532,160 @@ TEST(MultiRankCpu, StagedCopiesAnswerAsPlainCopies) {
             for (size_t b = 0; b < made_backends.size(); ++b) {
               EXPECT_EQ(made_backends[b]->host_allocations.load(), 2) << "rank " << b;
             }
+          }
+        }
+      }
+    }
+  }
+}
+
+// An executor over StagedCpuBackends (page-locked staging and readback, so answers are
+// deferred into the readback space) or plain CPU backends (no readback space).
+std::unique_ptr<Executor> MakeCpuExecutor(const config::Profile& p, const ExecutorOptions& o,
+                                          bool staged) {
+  absl::StatusOr<std::unique_ptr<Executor>> made;
+  if (staged) {
+    ExecutorOptions so = o;
+    so.pinned_staging = true;
+    made = exec::CreateExecutorWithBackends(
+        p, so,
+        [](int32_t, const kernels::BackendLimits& limits)
+            -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
+          return std::make_unique<StagedCpuBackend>(kernels::MakeCpuBackend(limits, 1));
+        });
+  } else {
+    made = Executor::Create(p, o);
+  }
+  EXPECT_TRUE(made.ok()) << made.status();
+  return made.ok() ? *std::move(made) : nullptr;
+}
+
+// Item 4 of issue 12: every kind of AnswerSink (a host span, page-locked or not, a device
+// span, the encoder) answers bit for bit as the result's vectors, on backends with and
+// without readback space, at 1, 2, 4 and 8 ranks (sharded, each rank writing its own rows, or
+// all-gathered for a device span).
+TEST(MultiRankCpu, EverySinkAnswersAsTheVectors) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  for (const config::Profile& p : {SmallV32(), SmallV41()}) {
+    SCOPED_TRACE(p.name);
+    Script s{p, 16, {1, 2}, 1, 3 * p.topk};
+    const RunResult base = RunScript(s, CpuOptions(1), seed);
+    ASSERT_GT(base.steps, 0);
+    EXPECT_GT(base.answered, base.steps * s.requests);
+    for (bool staged : {false, true}) {
+      for (Script::Sink sink : kAllSinks) {
+        for (int32_t ranks : {1, 2, 4, 8}) {
+          SCOPED_TRACE(absl::StrCat(ranks, " ranks, ", staged ? "staged" : "plain", ", sink ",
+                                    SinkName(sink)));
+          std::unique_ptr<Executor> e = MakeCpuExecutor(p, CpuOptions(ranks), staged);
+          ASSERT_NE(e, nullptr);
+          Script with = s;
+          with.sink = sink;
+          const RunResult r = RunScript(with, *e, seed);
+          EXPECT_EQ(r.steps, base.steps);
+          EXPECT_EQ(r.sharded, ranks > 1 ? r.steps : 0);
+          EXPECT_TRUE(r.answers == base.answers) << "the sink changes the answers";
+        }
+      }
+    }
+  }
+}
+
+// A failed step commits nothing and leaves a caller's sink as AnswerSink documents: the
+// encoder is never called; a span holds, row by row, either what it held before or that row
+// of the uncommitted answer (here the answer the same step gives when it runs again), and a
+// step that failed before any rank copied (one rank, failing before scoring) leaves it
+// untouched. Failures: the caller's check refusing right before the commit (all rows were
+// copied), and an injected rank error (at 2 ranks the other rank may have copied its rows).
+TEST(MultiRankCpu, AFailedStepCommitsNothingAndLeavesTheSinkAsDocumented) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  const config::Profile p = SmallV32();
+  const int32_t layer = p.layers[0].layer;
+  for (bool staged : {false, true}) {
+    for (Script::Sink sink : kAllSinks) {
+      for (int32_t ranks : {1, 2}) {
+        for (bool refused : {true, false}) {
+          SCOPED_TRACE(absl::StrCat(ranks, " ranks, ", staged ? "staged" : "plain", ", sink ",
+                                    SinkName(sink),
+                                    refused ? ", refused by the caller" : ", rank error"));
+          std::unique_ptr<Executor> e = MakeCpuExecutor(p, CpuOptions(ranks), staged);
+          std::unique_ptr<Executor> ref = MakeCpuExecutor(p, CpuOptions(1), false);
+          ASSERT_TRUE(e != nullptr && ref != nullptr);
+          Harness h(p, seed);
+          std::vector<SeqPlan> plans;
+          for (uint64_t id = 1; id <= 8; ++id) {
+            ASSERT_TRUE(e->CreateSequence(id).ok());
+            ASSERT_TRUE(ref->CreateSequence(id).ok());
+            std::vector<uint8_t> keys, scales;
+            exec::KeysInput in;
+            const int32_t count = 2 * p.topk + int32_t(id) * 5;
+            h.RandomKeys(layer, count, KeyForm::kF32, &keys, &scales, &in.type);
+            in.count = count;
+            in.keys = keys.data();
+            in.scales = scales.empty() ? nullptr : scales.data();
+            ASSERT_TRUE(e->AppendKeys(id, layer, in).ok());
+            ASSERT_TRUE(ref->AppendKeys(id, layer, in).ok());
+            h.RecordAppend(id, layer, in);
+            plans.push_back({id, 2, 2, {}});
+          }
+          auto lengths = [&](Executor& x) {
+            std::vector<int64_t> out;
+            for (const SeqPlan& sp : plans) {
+              absl::StatusOr<exec::SequenceInfo> info = x.GetSequence(sp.id);
+              EXPECT_TRUE(info.ok());
+              if (info.ok()) out.push_back(info->caches.at(0).length);
+            }
+            return out;
+          };
+          const std::vector<int64_t> before = lengths(*e);
+          std::unique_ptr<StepData> step = h.MakeStep(layer, plans);
+          CallerSink failed(sink, step->input, p);
+          step->input.answer = sink == Script::Sink::kVector ? nullptr : &failed.sink;
+          if (refused) {
+            step->input.call_check = [] { return absl::DeadlineExceededError("gave up"); };
+          } else {
+            exec::InjectFault(*e, {ranks - 1, false, 0, false});
+          }
+          absl::StatusOr<StepResult> r = e->DecodeStep(step->input);
+          ASSERT_FALSE(r.ok());
+          EXPECT_EQ(r.status().code(),
+                    refused ? absl::StatusCode::kDeadlineExceeded : absl::StatusCode::kInternal)
+              << r.status();
+          EXPECT_EQ(lengths(*e), before) << "a failed step moved the lengths";
+          EXPECT_EQ(failed.encoder_calls, 0) << "a failed step called the encoder";
+          EXPECT_TRUE(failed.encoded.empty());
+
+          // The same step again, through a fresh sink: it answers as an executor that never
+          // saw the failure (nothing of it was committed).
+          step->input.call_check = nullptr;
+          exec::StepInput plain = step->input;
+          plain.answer = nullptr;
+          absl::StatusOr<StepResult> want = ref->DecodeStep(plain);
+          ASSERT_TRUE(want.ok()) << want.status();
+          CallerSink again(sink, step->input, p);
+          step->input.answer = sink == Script::Sink::kVector ? nullptr : &again.sink;
+          absl::StatusOr<StepResult> got = e->DecodeStep(step->input);
+          ASSERT_TRUE(got.ok()) << got.status();
+          const std::vector<int32_t>& answer =
+              sink == Script::Sink::kVector ? got->topk_indices : again.TopK();
+          EXPECT_TRUE(answer == want->topk_indices) << "the failed step left state behind";
+          EXPECT_EQ(lengths(*e), lengths(*ref));
+
+          // What the failed step left in a span.
+          if (sink == Script::Sink::kVector || sink == Script::Sink::kEncoder) continue;
+          const size_t k = size_t(p.topk);
+          int32_t rows_written = 0;
+          for (size_t row = 0; row * k < failed.answer.size(); ++row) {
+            const auto first = failed.answer.begin() + row * k;
+            const bool untouched = std::all_of(first, first + k, [](int32_t v) { return v == -7; });
+            const bool whole = std::equal(first, first + k, want->topk_indices.begin() + row * k);
+            EXPECT_TRUE(untouched || whole) << "row " << row << " holds neither";
+            rows_written += !untouched;
+          }
+          if (!refused && ranks == 1) {
+            EXPECT_EQ(rows_written, 0) << "a step that failed before scoring wrote rows";
           }
         }
       }
