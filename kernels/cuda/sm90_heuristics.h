@@ -109,11 +109,14 @@ inline constexpr PipelinedShape PipelinedShapeFor(int rows_per_pass) {
 
 // ---- The fp8 kernel (sm90_paged_mqa_logits_fp8.cu) ------------------------------------------
 
-// v6's ring depth, and the blocks per SM each rows-per-pass instantiation's register cap is
-// sized for (160 threads a block; ptxas -v): one row, no widened A fragments, fits 96 registers
-// at 4 blocks per SM (48 KB of shared memory each; 28 B of spills); several rows keep at most
-// two rows' accumulators (64) live and need 122-124 registers: 3 blocks (136; 54-71 KB each).
-inline constexpr int kPipeFp8Stages = 4;
-inline constexpr int PipeFp8MinBlocks(int rows_per_pass) { return rows_per_pass <= 1 ? 4 : 3; }
+// Per rows per pass: the ring depth, and the blocks per SM the register cap is sized for (160
+// threads a block; ptxas -v). One row: 4 slots, 96 registers at 4 blocks per SM (48 KB of shared
+// memory each; 24 B of stack). Two rows (next_n 2): also 4 blocks at 96 registers (no spills:
+// ptxas takes 122 when 3 blocks allow it, but the two rows' 64 accumulators fit in 96), with 3
+// slots so that 4 blocks fit in shared memory (46 KB each; 4 slots need 57 KB, 1 KB over), the
+// same 12 pages in flight per SM as 3 blocks x 4 slots. Three or four rows: q takes 32 KB, so 3
+// blocks (4 slots, 65-73 KB each) at 122 registers (4 blocks' 96 spill 24-32 B).
+inline constexpr int PipeFp8Stages(int rows_per_pass) { return rows_per_pass == 2 ? 3 : 4; }
+inline constexpr int PipeFp8MinBlocks(int rows_per_pass) { return rows_per_pass <= 2 ? 4 : 3; }
 
 }  // namespace decode_indexer::kernels::cuda

@@ -44,7 +44,6 @@ constexpr int kHeads = 64;
 constexpr int kConsumerThreads = kPipeConsumerThreads;  // one warpgroup: warps 0-3
 constexpr int kThreads = kPipeThreads;                  // and the producer, warp 4
 constexpr int kConsumerWarps = kPipeConsumerWarps;
-constexpr int kStages = kPipeFp8Stages;
 constexpr int kValues = kPipeSlotValues;          // 8192: a page's e4m3 codes
 constexpr int kScales = kPipeSlotScales;          // 256: its fp32 scales
 constexpr int kQRowBytes = kHeads * kMqaHeadDim;  // one row's q in e4m3: 8 KB
@@ -57,7 +56,7 @@ static_assert(kValues % 1024 == 0 && kQRowBytes % 1024 == 0, "SW128 tiles stay 1
 // serialize the wgmmas for lack of registers, C7511).
 constexpr int QRows(int rows) { return rows == 1 ? 1 : (rows + 1) / 2 * 2; }
 
-template <int kRows, bool kOwnSchedule>
+template <int kRows, bool kOwnSchedule, int kStages>
 constexpr int SmemBytes() {
   return kStages * kValues + QRows(kRows) * kQRowBytes + kStages * kScales +
          QRows(kRows) * kHeads * 4 + 16 + PageRing<kStages>::kBarrierBytes +
@@ -75,8 +74,9 @@ __device__ __forceinline__ void IssuePage(float* acc, const uint8_t* kv, const u
 }
 
 // kRows: rows of a request scored per pass over a page (RowsPerPass): one m64n128 instruction
-// per k-step for each two of them (m64n64 for one).
-template <int kRows, bool kOwnSchedule, int kMinBlocks>
+// per k-step for each two of them (m64n64 for one). kMinBlocks, kStages: PipeFp8MinBlocks,
+// PipeFp8Stages (sm90_heuristics.h).
+template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     PagedMqaLogitsFp8Kernel(const PagedLogitsArgs p) {
   extern __shared__ uint8_t smem_raw[];
@@ -243,9 +243,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 template <int kRows, bool kOwnSchedule>
 absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
   static KernelDeviceSetup per_device[kMaxDevices];
-  return LaunchPersistentGrid(per_device, "paged mqa logits (fp8 pipelined)",
-                              PagedMqaLogitsFp8Kernel<kRows, kOwnSchedule, PipeFp8MinBlocks(kRows)>,
-                              kThreads, SmemBytes<kRows, kOwnSchedule>(), num_sms, stream, args);
+  return LaunchPersistentGrid(
+      per_device, "paged mqa logits (fp8 pipelined)",
+      PagedMqaLogitsFp8Kernel<kRows, kOwnSchedule, PipeFp8MinBlocks(kRows), PipeFp8Stages(kRows)>,
+      kThreads, SmemBytes<kRows, kOwnSchedule, PipeFp8Stages(kRows)>(), num_sms, stream, args);
 }
 
 template <bool kOwnSchedule>
