@@ -18,10 +18,12 @@
 #include <cstdio>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "bench/cuda/variants/mqa_variants.h"
 #include "common/version_line.h"
 #include "kernels/cuda/sm90_heuristics.h"
 #include "kernels/cuda/sm90_launchers.h"
@@ -811,10 +813,9 @@ int main(int argc, char** argv) {
     std::fclose(out);
     return rc;
   }
-  std::printf(
-      "%5s %3s %7s | %9s %9s %9s | %8s %6s | %8s %8s %8s | %8s %8s %8s | %8s %8s %8s | %4s\n",
-      "req", "n", "avg", "logits_us", "topk_us", "both_us", "GB/s", "%copy", "fp8wgmma", "mmasync",
-      "f16hdsM", "split", "keysM", "bitmove", "pipe", "fused", "pairs", "sets");
+  std::printf("%5s %3s %7s | %9s %9s %9s | %8s %6s | %8s | %8s %8s %8s | %8s %8s | %4s\n", "req",
+              "n", "avg", "logits_us", "topk_us", "both_us", "GB/s", "%copy", "mmasync", "split",
+              "keysM", "bitmove", "pipe", "fused", "sets");
   for (int requests : {1, 8, 64, 128}) {
     for (int next_n : {1, 2, 3, 4}) {
       for (int avg : {8192, 32768, 65536, 131072}) {
@@ -900,7 +901,9 @@ int main(int argc, char** argv) {
           return b;
         };
         dc::MqaMath math = dc::PagedLogitsArgs{}.math;
-        bool with_hist = false;  // logits fill the threshold-filter histogram
+        // A comparison variant (bench/cuda/variants/) instead of `math` when set.
+        std::optional<dc::MqaVariant> variant;
+        bool with_hist = false;  // logits fill the threshold-filter histogram (keys-M variants)
         auto run_logits = [&](int i) {
           const InputSet& s = in[i % sets];
           dc::PagedLogitsArgs a;
@@ -912,6 +915,13 @@ int main(int argc, char** argv) {
           a.logits_stride = lstride;
           a.math = math;
           a.row_histogram = with_hist ? row_hist : nullptr;
+          if (variant.has_value()) {
+            if (dc::MqaVariantNeedsSchedule(*variant, a)) {
+              CHECK_OK(dc::LaunchMqaSchedule(a.rows, sched, st), "schedule");
+            }
+            CHECK_OK(dc::LaunchMqaVariant(*variant, a, sms, st), "logits (variant)");
+            return;
+          }
           if (dc::PagedLogitsNeedsSchedule(a)) {
             CHECK_OK(dc::LaunchMqaSchedule(a.rows, sched, st), "schedule");
           }
@@ -940,32 +950,33 @@ int main(int argc, char** argv) {
           int i = 0;
           return TimeBatches(st, e0, e1, batches, per_batch, [&] { step(i++); });
         };
-        // The other tensor-core paths, logits only, for comparison; then the default.
-        float t_fp8 = 0, t_mma = 0, t_f16 = 0, t_split = 0, t_keysm = 0, t_bitmove = 0;
-        float t_pipe = 0, t_fused = 0;  // keys-M pipelined (producer warp); keys-M fused
-        float t_pairs = 0;              // pipelined, one row per pass by page pairs
-        float t_ws2 = 0, t_ws4 = 0;     // v7: producer warpgroup + 2 / 4 consumer warpgroups
+        // The mma.sync kernel and the comparison variants (bench/cuda/variants/), logits only;
+        // then the production kernels and the default.
+        float t_mma = 0, t_split = 0, t_keysm = 0, t_bitmove = 0, t_pipe = 0, t_fused = 0;
+        float t_ws2 = 0, t_ws4 = 0;  // v7: producer warpgroup + 2 / 4 consumer warpgroups
         if (!topk_only) {
           auto time_math = [&](dc::MqaMath m) {
             math = m;
             return time_batches([&](int i) { run_logits(i); });
           };
-          t_fp8 = time_math(dc::MqaMath::kWgmmaFp8);
+          auto time_variant = [&](dc::MqaVariant v) {
+            variant = v;
+            const float t = time_batches([&](int i) { run_logits(i); });
+            variant.reset();
+            return t;
+          };
           t_mma = time_math(dc::MqaMath::kMmaSync);
-          t_f16 = time_math(dc::MqaMath::kWgmmaF16);
-          t_split = time_math(dc::MqaMath::kWgmmaKeysMSplit);
-          t_keysm = time_math(dc::MqaMath::kWgmmaKeysM);  // v4, the default until 08:20
-          t_bitmove = time_math(dc::MqaMath::kWgmmaKeysMBitMove);
+          t_split = time_variant(dc::MqaVariant::kWgmmaKeysMSplit);
+          t_keysm = time_variant(dc::MqaVariant::kWgmmaKeysM);  // v4, the default until 08:20
+          t_bitmove = time_variant(dc::MqaVariant::kWgmmaKeysMBitMove);
           t_pipe = time_math(dc::MqaMath::kWgmmaKeysMPipelined);
-          t_fused = time_math(dc::MqaMath::kWgmmaKeysMFused);  // the default until 10:30
-          t_pairs = time_math(dc::MqaMath::kWgmmaKeysMPipelinedPagePairs);
-          t_ws2 = time_math(dc::MqaMath::kWgmmaKeysMPipelinedWs2);
-          t_ws4 = time_math(dc::MqaMath::kWgmmaKeysMPipelinedWs4);
+          t_fused = time_variant(dc::MqaVariant::kWgmmaKeysMFused);  // the default until 10:30
+          t_ws2 = time_variant(dc::MqaVariant::kWgmmaKeysMPipelinedWs2);
+          t_ws4 = time_variant(dc::MqaVariant::kWgmmaKeysMPipelinedWs4);
         }
         // The two production kernels (sm90_heuristics.h), eager and as graph replay: exact (v6)
-        // and fp8 (keys read once per request, fp8 tensor cores), and the fp8 per-row variant.
-        float t_exact = 0, t_exact_graph = 0, t_f8 = 0, t_f8_graph = 0, t_f8_row = 0;
-        float t_f8_row_graph = 0;
+        // and fp8 (keys read once per request, fp8 tensor cores).
+        float t_exact = 0, t_exact_graph = 0, t_f8 = 0, t_f8_graph = 0;
         if (!topk_only) {
           auto eager = [&](dc::MqaMath m) {
             math = m;
@@ -980,8 +991,6 @@ int main(int argc, char** argv) {
           t_exact_graph = graph(dc::kExactDenseMqaMath);
           t_f8 = eager(dc::kFp8DenseMqaMath);
           t_f8_graph = graph(dc::kFp8DenseMqaMath);
-          t_f8_row = eager(dc::MqaMath::kWgmmaKeysMPipelinedFp8PerRow);
-          t_f8_row_graph = graph(dc::MqaMath::kWgmmaKeysMPipelinedFp8PerRow);
         }
         // The default: what DenseTopK runs (DI_LOGITS_PRECISION=exact / fp8 overrides it).
         math = dc::DenseMqaMath(di::LogitsPrecision::kDefault);
@@ -1006,13 +1015,17 @@ int main(int argc, char** argv) {
           }
           run_topk();  // the default (kAuto)
           check();
-          // The logits again (the same values: keys-M fused, the kernel with the hook), now
-          // filling the threshold-filter histogram.
-          math = dc::MqaMath::kWgmmaKeysMFused;
+          // The logits again from keys-M fused (the variant with the hook: the exact kernel's
+          // values, not the fp8 default's), now filling the threshold-filter histogram; the
+          // reference top-k on those logits first.
+          variant = dc::MqaVariant::kWgmmaKeysMFused;
           with_hist = true;
           run_logits(0);
           with_hist = false;
-          math = dc::DenseMqaMath(di::LogitsPrecision::kDefault);
+          variant.reset();
+          run_topk(Algo::kMultiPass, 0, false, topk_ref);
+          CHECK_CUDA(cudaMemcpyAsync(ref.data(), topk_ref, 4 * n, cudaMemcpyDeviceToHost, st),
+                     "d2h");
           run_topk(Algo::kCompact, 0, true);
           check();
         }
@@ -1031,7 +1044,7 @@ int main(int argc, char** argv) {
           run_topk(Algo::kMultiPass);
         });
         // The threshold filter against the same logits kernel without it (keys-M fused).
-        math = dc::MqaMath::kWgmmaKeysMFused;
+        variant = dc::MqaVariant::kWgmmaKeysMFused;
         const float t_logits_kmf = time_batches([&](int i) { run_logits(i); });
         const float t_both_kmf = time_batches([&](int i) {
           run_logits(i);
@@ -1043,15 +1056,15 @@ int main(int argc, char** argv) {
           run_topk(Algo::kCompact, 0, true);
         });
         with_hist = false;
-        math = dc::DenseMqaMath(di::LogitsPrecision::kDefault);
+        variant.reset();
         CHECK_CUDA(cudaStreamSynchronize(st), "sync");
         CHECK_CUDA(cudaGetLastError(), "after timing");
         const double gbs = key_bytes / (t_logits * 1e-6) / 1e9;
         std::printf(
-            "%5d %3d %6dK | %9.1f %9.1f %9.1f | %8.0f %5.1f%% | %8.1f %8.1f %8.1f | %8.1f %8.1f "
-            "%8.1f | %8.1f %8.1f %8.1f | %4d\n",
+            "%5d %3d %6dK | %9.1f %9.1f %9.1f | %8.0f %5.1f%% | %8.1f | %8.1f %8.1f "
+            "%8.1f | %8.1f %8.1f | %4d\n",
             requests, next_n, avg / 1024, t_logits, t_topk, t_both, gbs, 100.0 * gbs / copy_gbs,
-            t_fp8, t_mma, t_f16, t_split, t_keysm, t_bitmove, t_pipe, t_fused, t_pairs, sets);
+            t_mma, t_split, t_keysm, t_bitmove, t_pipe, t_fused, sets);
         std::printf(
             "      top-k: multi-pass %.1f | compact c1 %.1f c2 %.1f c4 %.1f c8 %.1f | default %.1f"
             " | both: multi-pass %.1f default %.1f | keys-M fused logits %.1f + compact %.1f,"
@@ -1063,15 +1076,14 @@ int main(int argc, char** argv) {
         auto pct = [&](float us) { return 100.0 * key_bytes / (us * 1e-6) / 1e9 / copy_gbs; };
         std::printf(
             "      production logits, eager / graph us (%% of copy): exact %.1f / %.1f (%.1f%% / "
-            "%.1f%%) | fp8 %.1f / %.1f (%.1f%% / %.1f%%) | fp8 per-row %.1f / %.1f\n",
+            "%.1f%%) | fp8 %.1f / %.1f (%.1f%% / %.1f%%)\n",
             t_exact, t_exact_graph, pct(t_exact), pct(t_exact_graph), t_f8, t_f8_graph, pct(t_f8),
-            pct(t_f8_graph), t_f8_row, t_f8_row_graph);
+            pct(t_f8_graph));
         std::fprintf(out,
                      "{\"logits_exact_us\": %.2f, \"logits_exact_graph_us\": %.2f, "
                      "\"logits_fp8_us\": %.2f, \"logits_fp8_graph_us\": %.2f, "
-                     "\"logits_fp8_per_row_us\": %.2f, \"logits_fp8_per_row_graph_us\": %.2f, "
                      "\"default_fp8\": %s, ",
-                     t_exact, t_exact_graph, t_f8, t_f8_graph, t_f8_row, t_f8_row_graph,
+                     t_exact, t_exact_graph, t_f8, t_f8_graph,
                      math == dc::kFp8DenseMqaMath ? "true" : "false");
         std::fprintf(out, "\"logits_keys_m_ws2_us\": %.2f, \"logits_keys_m_ws4_us\": %.2f, ", t_ws2,
                      t_ws4);
@@ -1083,19 +1095,16 @@ int main(int argc, char** argv) {
                      "\"both_fused_us\": %.2f, \"topk_mismatches\": %lld, ",
                      t_topk_multi, t_topk_c[0], t_topk_c[1], t_topk_c[2], t_topk_c[3], t_both_multi,
                      t_logits_kmf, t_both_kmf, t_both_fused, static_cast<long long>(topk_mismatch));
-        std::fprintf(
-            out,
-            "\"requests\": %d, \"next_n\": %d, \"avg\": %d, \"logits_us\": %.2f, "
-            "\"topk_us\": %.2f, \"both_us\": %.2f, \"key_bytes\": %.0f, "
-            "\"key_gbs\": %.1f, \"copy_gbs\": %.1f, \"sets\": %d, "
-            "\"logits_fp8_wgmma_us\": %.2f, \"logits_mma_sync_us\": %.2f, "
-            "\"logits_f16_heads_m_us\": %.2f, \"logits_keys_m_split_us\": %.2f, "
-            "\"logits_keys_m_us\": %.2f, \"logits_keys_m_bitmove_us\": %.2f, "
-            "\"logits_keys_m_pipelined_us\": %.2f, "
-            "\"logits_keys_m_fused_us\": %.2f, \"logits_keys_m_pipelined_page_pairs_us\": %.2f, "
-            "\"lengths\": [",
-            requests, next_n, avg, t_logits, t_topk, t_both, key_bytes, gbs, copy_gbs, sets, t_fp8,
-            t_mma, t_f16, t_split, t_keysm, t_bitmove, t_pipe, t_fused, t_pairs);
+        std::fprintf(out,
+                     "\"requests\": %d, \"next_n\": %d, \"avg\": %d, \"logits_us\": %.2f, "
+                     "\"topk_us\": %.2f, \"both_us\": %.2f, \"key_bytes\": %.0f, "
+                     "\"key_gbs\": %.1f, \"copy_gbs\": %.1f, \"sets\": %d, "
+                     "\"logits_mma_sync_us\": %.2f, \"logits_keys_m_split_us\": %.2f, "
+                     "\"logits_keys_m_us\": %.2f, \"logits_keys_m_bitmove_us\": %.2f, "
+                     "\"logits_keys_m_pipelined_us\": %.2f, \"logits_keys_m_fused_us\": %.2f, "
+                     "\"lengths\": [",
+                     requests, next_n, avg, t_logits, t_topk, t_both, key_bytes, gbs, copy_gbs,
+                     sets, t_mma, t_split, t_keysm, t_bitmove, t_pipe, t_fused);
         for (int b = 0; b < requests; ++b) std::fprintf(out, "%s%d", b ? ", " : "", lengths[b]);
         std::fprintf(out, "]}\n");
         std::fflush(out);

@@ -117,27 +117,32 @@ def main():
 
 
 def pipe_variant_table(cu, copy, p):
-    p("Same steps, logits only (us). Every keys-M column gives bit-identical logits (gpu_test "
-      "checks it): `pipelined` (the default) = producer warp + mbarrier ring, no block barriers "
-      "in the steady state; `page pairs` = the same with two pages per consumer step; `fused` = "
-      "the previous default (in-kernel schedule, block barriers per page); `keys-M v4` = "
-      "schedule launch + cvt widening. `fp8 wgmma` sums in the tensor cores' reduced precision "
-      "(not exact, not the default).\n")
-    p("| req | next_n | avg ctx | pipelined (default) | % copy | page pairs | fused | % copy "
-      "| keys-M v4 | fp8 wgmma | % copy | mma.sync |")
+    # Runs before the variants moved out of the product (bench/cuda/variants/) have the page
+    # pairs and heads-as-M fp8 columns; later ones the production exact / fp8 kernels. A column
+    # a run lacks prints "-".
+    p("Same steps, logits only (us). `default` = what DenseTopK runs; `exact` = the pipelined "
+      "keys-M kernel (producer warp + mbarrier ring; f16 products, exact to rounding); `fp8` = "
+      "the fp8 tensor-core kernel (spec section 6's fp8 bound); `fused` and `keys-M v4` = "
+      "comparison variants (bench/cuda/variants/), bit-identical to `exact`.\n")
+    p("| req | next_n | avg ctx | default | % copy | exact | fp8 | % copy | fused | keys-M v4 "
+      "| page pairs | mma.sync |")
     p("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for key in sorted(cu):
         c = cu[key]
         kb = c["key_bytes"]
 
-        def pct(us):
-            return f"{100 * kb / (us * 1e-6) / 1e9 / copy:.1f}%"
+        def us(name):
+            v = c.get(name)
+            return "-" if v is None else f"{v:.1f}"
 
-        p(f"| {key[0]} | {key[1]} | {key[2] // 1024}K | {c['logits_us']:.1f} "
-          f"| {pct(c['logits_us'])} | {c['logits_keys_m_pipelined_page_pairs_us']:.1f} "
-          f"| {c['logits_keys_m_fused_us']:.1f} | {pct(c['logits_keys_m_fused_us'])} "
-          f"| {c['logits_keys_m_us']:.1f} | {c['logits_fp8_wgmma_us']:.1f} "
-          f"| {pct(c['logits_fp8_wgmma_us'])} | {c['logits_mma_sync_us']:.1f} |")
+        def pct(name):
+            v = c.get(name)
+            return "-" if not v else f"{100 * kb / (v * 1e-6) / 1e9 / copy:.1f}%"
+
+        p(f"| {key[0]} | {key[1]} | {key[2] // 1024}K | {us('logits_us')} | {pct('logits_us')} "
+          f"| {us('logits_exact_us')} | {us('logits_fp8_us')} | {pct('logits_fp8_us')} "
+          f"| {us('logits_keys_m_fused_us')} | {us('logits_keys_m_us')} "
+          f"| {us('logits_keys_m_pipelined_page_pairs_us')} | {us('logits_mma_sync_us')} |")
 
 
 def topk_variant_table(cu, p):

@@ -26,11 +26,6 @@ using cuda::CudaStatus;
 
 int64_t RoundUp4(int64_t n) { return (n + 3) / 4 * 4; }
 
-// DenseTopK: build the top-k's sample histogram in the logits epilogue (the threshold
-// filter) instead of a sample pass in the top-k. Off: only the keys-M kernels have the hook
-// (not the pipelined default), and it is not yet measured on the GPU (docs/notes/cuda.md).
-constexpr bool kFuseTopKHistogram = false;
-
 // DenseTopK at a candidate source, CandidateSelect::kAuto: take the cooperative single launch
 // (sm90_cooperative_topk.cu) where its gate holds. Verified on the H200 (12:34 run: equal
 // to the CPU twin and the general path bit for bit); 1.04-1.71x the general path at 8 of the 9
@@ -55,8 +50,7 @@ class CudaBackend final : public Backend {
     for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
     for (void* p : {static_cast<void*>(schedule_ws_), static_cast<void*>(logits_),
                     static_cast<void*>(scores_), static_cast<void*>(sparse_logits_),
-                    static_cast<void*>(masked_positions_), static_cast<void*>(masked_counts_),
-                    static_cast<void*>(row_histogram_)}) {
+                    static_cast<void*>(masked_positions_), static_cast<void*>(masked_counts_)}) {
       if (p != nullptr) cudaFree(p);
     }
     if (fork_event_ != nullptr) cudaEventDestroy(fork_event_);
@@ -110,12 +104,6 @@ class CudaBackend final : public Backend {
                             "allocate masked expansion workspace");
     DI_CUDA_RETURN_IF_ERROR(cudaMalloc(&masked_counts_, sizeof(int32_t) * rows),
                             "allocate masked count workspace");
-    // The threshold-filter histograms (DenseTopK): zero now; each top-k leaves them zero.
-    DI_CUDA_RETURN_IF_ERROR(cudaMalloc(&row_histogram_, sizeof(uint32_t) * rows * cuda::kTopKBins),
-                            "allocate top-k histogram workspace");
-    DI_CUDA_RETURN_IF_ERROR(
-        cudaMemsetAsync(row_histogram_, 0, sizeof(uint32_t) * rows * cuda::kTopKBins, main_),
-        "zero top-k histogram workspace");
     return absl::OkStatus();
   }
 
@@ -197,23 +185,9 @@ class CudaBackend final : public Backend {
     la.logits_stride = stride;
     la.math = dense_math_;
     absl::Status s;
-    // The fused logits variant derives its schedule itself: one launch fewer per step.
+    // The FP8 / 64-head kernels derive the schedule themselves: one launch fewer per step.
     if (cuda::PagedLogitsNeedsSchedule(la)) {
       if (s = cuda::LaunchMqaSchedule(rows, schedule_, main_); !s.ok()) return s;
-    }
-    // Threshold filter: the logits epilogue builds the top-k's sample histogram. The top-k
-    // zeroes it again; only a step cut off between the two leaves it dirty.
-    const bool fuse_histogram = kFuseTopKHistogram && cuda::PagedLogitsFillsHistogram(la);
-    if (fuse_histogram) {
-      if (row_histogram_dirty_) {
-        const int64_t all_rows = std::max(1, limits_.max_rows);  // any row may hold counts
-        DI_CUDA_RETURN_IF_ERROR(
-            cudaMemsetAsync(row_histogram_, 0, sizeof(uint32_t) * all_rows * cuda::kTopKBins,
-                            main_),
-            "zero top-k histogram");
-      }
-      la.row_histogram = row_histogram_;
-      row_histogram_dirty_ = true;
     }
     if (s = cuda::LaunchPagedMqaLogits(la, num_sms_, main_); !s.ok()) return s;
     cuda::TopKArgs tk;
@@ -224,9 +198,7 @@ class CudaBackend final : public Backend {
     tk.k = args.topk;
     tk.out = args.topk_out;
     tk.max_length = rows.max_row_length;
-    if (fuse_histogram) tk.row_histogram = row_histogram_;
     if (s = cuda::LaunchRadixTopK(tk, num_sms_, main_); !s.ok()) return s;
-    if (fuse_histogram) row_histogram_dirty_ = false;
     if (args.candidates_out == nullptr) return absl::OkStatus();
     const int32_t bs = args.candidate_block_size;
     if (bs < kMinCandidateBlock) {
@@ -633,8 +605,6 @@ class CudaBackend final : public Backend {
   float* sparse_logits_ = nullptr;
   int32_t* masked_positions_ = nullptr;
   int32_t* masked_counts_ = nullptr;
-  uint32_t* row_histogram_ = nullptr;  // [max_rows][kTopKBins], zero between steps
-  bool row_histogram_dirty_ = false;
   // Instantiated step graphs by the caller's key (one rank thread uses a backend).
   std::unordered_map<uint64_t, cudaGraphExec_t> graphs_;
 };

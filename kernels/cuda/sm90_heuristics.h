@@ -1,20 +1,34 @@
-// Which dense FP8 / 64-head logits kernel the CUDA backend runs, in one place: the exact one
-// (fp32 sums of exact f16 products, spec section 6's 4 fp32 ulps) or the fp8 tensor-core one
-// (spec section 6's fp8-accumulation bound). The choice is the precision the backend was asked
-// for (BackendLimits::logits_precision, the server's --logits-precision); kDefault takes
-// kDenseLogitsFp8ByDefault unless the environment says otherwise (DI_LOGITS_PRECISION=exact or
-// fp8: a switch for measurements, read once per process).
+// Every "which kernel / how many blocks / rows per pass" choice of the CUDA backend's logits, in
+// one place (numbers here are choices, not contracts: the logits do not depend on any of them
+// except the precision):
+// - the dense FP8 / 64-head kernel: the exact one (fp32 sums of exact f16 products, spec section
+//   6's 4 fp32 ulps) or the fp8 tensor-core one (spec section 6's fp8-accumulation bound), by
+//   the precision the backend was asked for (BackendLimits::logits_precision, the server's
+//   --logits-precision); kDefault takes kDenseLogitsFp8ByDefault unless the environment says
+//   otherwise (DI_LOGITS_PRECISION=exact or fp8: a switch for measurements, read once per
+//   process);
+// - the dense path of the other shapes (FP4 caches, FP8 with other than 64 heads): the sparse
+//   tensor-core kernel over the dense rows, or the mma.sync kernel where that one does not take
+//   the shape;
+// - rows of a request per pass over a key tile, whether a block derives the schedule itself,
+//   and per rows-per-pass the widening, the blocks per SM and the row pairs of the kernels.
+// The launchers size the persistent grid as num_sms x the occupancy of that register cap
+// (LaunchPersistentGrid, sm90_launch_setup.cuh).
 #pragma once
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
 #include "decode_indexer/kernels/backend.h"
 #include "kernels/cuda/sm90_launchers.h"
+#include "kernels/cuda/sm90_tile_config.h"
 
 namespace decode_indexer::kernels::cuda {
 
-// The two production kernels.
+// ---- Which dense kernel ---------------------------------------------------------------------
+
+// The two production kernels for FP8 with 64 heads.
 inline constexpr MqaMath kExactDenseMqaMath = MqaMath::kWgmmaKeysMPipelined;
 inline constexpr MqaMath kFp8DenseMqaMath = MqaMath::kWgmmaKeysMPipelinedFp8;
 // What kDefault means: the fp8 kernel, which measured 1.36x the exact one at 64 x 32K next_n 1
@@ -38,5 +52,71 @@ inline MqaMath DenseMqaMath(LogitsPrecision asked) {
   return ResolveLogitsPrecision(asked) == LogitsPrecision::kFp8 ? kFp8DenseMqaMath
                                                                 : kExactDenseMqaMath;
 }
+
+// FP4 caches and FP8 with other than 64 heads: the sparse consumer's tensor-core kernel scores
+// the dense rows (position = index) wherever it takes the shape (SparseLogitsMmaTakes) and the
+// caller did not ask for kMmaSync by name; the mma.sync kernel otherwise. That variant of the
+// sparse kernel measured fastest and gives kMma's logits bit for bit; it is also what the
+// backend's SparseTopK / MaskedTopK run (the v41 source layer's ~473 us of device work at
+// 64 x 32K was mostly the mma.sync kernel: docs/results/multigpu.md, 13:27).
+inline constexpr SparseLogitsMath kSparseLogitsMathDefault = SparseLogitsMath::kMmaPairLeanOcc;
+
+// ---- Rows per pass, the in-block schedule ---------------------------------------------------
+
+// Rows of one request scored together from each key tile (next_n 1-4 share every key read).
+// Requests with more rows take several passes over the tile in shared memory.
+// rows_per_request: the host's hint (RowBatch::rows_per_request), 0 for the average.
+inline constexpr int RowsPerPass(int32_t num_rows, int32_t num_requests,
+                                 int32_t rows_per_request = 0) {
+  if (num_requests <= 0) return 1;
+  const int32_t per_request =
+      rows_per_request > 0 ? rows_per_request : (num_rows + num_requests - 1) / num_requests;
+  return per_request <= 1 ? 1 : per_request >= 4 ? 4 : per_request;
+}
+inline int DenseRowsPerPass(const RowBatch& rows) {
+  return RowsPerPass(rows.num_rows, rows.num_requests, rows.rows_per_request);
+}
+
+// The warp-specialized kernels derive the step's schedule in each block's shared memory (no
+// schedule launch, a kernel boundary on the critical path of small steps) up to this many
+// requests; beyond it they read LaunchMqaSchedule's.
+inline constexpr int kOwnScheduleMaxRequests = 256;
+inline bool DenseComputesOwnSchedule(const RowBatch& rows) {
+  return rows.num_requests <= kOwnScheduleMaxRequests;
+}
+
+// ---- The exact kernel (sm90_paged_mqa_logits_pipelined.cu) ----------------------------------
+
+// Page slots in its producer warp's ring.
+inline constexpr int kPipeStages = 4;
+// Per rows per pass: the widening (both give the same logits; speed only), the blocks per SM
+// its register cap is sized for, and whether two rows' MMAs are in flight at once.
+// One row per pass: the split widening (7-10% faster than cvt at next_n 1, docs/results/
+// cuda-bench.md 08:20) at 3 blocks per SM with 128 registers (4 fit in shared memory but cap
+// registers at 96 and spill: measured slower at 1-64 x 8K-64K on the H200, 09:59). Several rows:
+// cvt (split is 1-3% slower where two wgmma rounds per page hide the widening), row pairs at 2
+// blocks per SM with up to 200 registers (faster than one row at a time with 3 blocks at every
+// next_n 2 shape).
+struct PipelinedShape {
+  int widen;  // Widen (sm90_tile_config.h)
+  int min_blocks;
+  bool pair_rows;
+};
+inline constexpr PipelinedShape PipelinedShapeFor(int rows_per_pass) {
+  return rows_per_pass <= 1 ? PipelinedShape{kWidenSplit, 3, false}
+                            : PipelinedShape{kWidenCvt, 2, true};
+}
+
+// ---- The fp8 kernel (sm90_paged_mqa_logits_fp8.cu) ------------------------------------------
+
+// Per rows per pass: the ring depth, and the blocks per SM the register cap is sized for (160
+// threads a block; ptxas -v). One row: 4 slots, 96 registers at 4 blocks per SM (48 KB of shared
+// memory each; 24 B of stack). Two rows (next_n 2): also 4 blocks at 96 registers (no spills:
+// ptxas takes 122 when 3 blocks allow it, but the two rows' 64 accumulators fit in 96), with 3
+// slots so that 4 blocks fit in shared memory (46 KB each; 4 slots need 57 KB, 1 KB over), the
+// same 12 pages in flight per SM as 3 blocks x 4 slots. Three or four rows: q takes 32 KB, so 3
+// blocks (4 slots, 65-73 KB each) at 122 registers (4 blocks' 96 spill 24-32 B).
+inline constexpr int PipeFp8Stages(int rows_per_pass) { return rows_per_pass == 2 ? 3 : 4; }
+inline constexpr int PipeFp8MinBlocks(int rows_per_pass) { return rows_per_pass <= 2 ? 4 : 3; }
 
 }  // namespace decode_indexer::kernels::cuda

@@ -10,6 +10,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <mutex>
 
 #include "absl/status/status.h"
@@ -61,6 +62,20 @@ absl::StatusOr<int> OptInBlocksPerSm(KernelDeviceSetup (&per_device)[kMaxDevices
       });
   if (!pd.ok()) return pd.status();
   return (*pd)->blocks_per_sm;
+}
+
+// A persistent grid: OptInBlocksPerSm's blocks per SM (at least 1) on each of num_sms SMs, then
+// the launch of kernel(args...) on it. `what` names the kernel in errors.
+template <typename Kernel, typename... Args>
+absl::Status LaunchPersistentGrid(KernelDeviceSetup (&per_device)[kMaxDevices], const char* what,
+                                  Kernel kernel, int threads, int smem, int num_sms,
+                                  cudaStream_t stream, const Args&... args) {
+  const absl::StatusOr<int> blocks = OptInBlocksPerSm(per_device, what, kernel, threads, smem);
+  if (!blocks.ok()) return blocks.status();
+  const int grid = std::max(1, num_sms * std::max(1, *blocks));
+  kernel<<<grid, threads, smem, stream>>>(args...);
+  DI_CUDA_RETURN_IF_LAUNCH_ERROR(what);
+  return absl::OkStatus();
 }
 
 }  // namespace decode_indexer::kernels::cuda

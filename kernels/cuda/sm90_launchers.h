@@ -38,50 +38,28 @@ absl::Status LaunchMqaSchedule(const RowBatch& rows, const MqaSchedule& schedule
 
 // ---- Paged MQA logits (sm90_paged_mqa_logits.cu) -------------------------------------------
 // logits[r * logits_stride + t] for t < row_length[r]; other entries are left alone.
-// rows_per_request: the host's expectation of rows per request (num_rows / num_requests,
-// rounded up); requests with more rows are scored in several passes over each key tile.
-// Tensor-core variants of the FP8 / 64-head logits (see the kernels' file comments).
-// kWgmmaKeysM: keys as M, f16 products (exact), full fp32 sums. kWgmmaKeysMSplit: the same
-// logits bit for bit, half the fp8 -> f16 widening done with integer ops
-// (sm90_paged_mqa_logits_keys_m.cu). kWgmmaKeysMFused (the default until the 10:30 run): the
-// same logits, the schedule computed inside the logits kernel (no schedule launch needed, see
-// PagedLogitsNeedsSchedule), split widening at one row per pass. kWgmmaKeysMBitMove: all of
-// the widening by integer ops (a measurement).
+// Requests with more rows than a pass holds (RowsPerPass, sm90_heuristics.h, from the host's
+// rows_per_request hint) are scored in several passes over each key tile.
+// The production kernels, one per job (which one runs where: sm90_heuristics.h). Comparison
+// variants (keys-M and its split / fused / bit-move widenings, the 2 / 4 consumer-warpgroup Ws2 /
+// Ws4) live under bench/cuda/variants/, built only with the benchmarks (DI_BUILD_BENCH).
 enum class MqaMath {
   // mma.sync m16n8k32 (every format and head count). FP4 caches and FP8 with other than 64
   // heads run the sparse tensor-core kernel over the dense rows instead unless this is asked
-  // for explicitly (LaunchPagedMqaLogits).
+  // for explicitly (LaunchPagedMqaLogits); it is their fallback where that kernel does not take
+  // the shape.
   kMmaSync,
-  kWgmmaF16,
-  kWgmmaFp8,
-  kWgmmaKeysM,
-  kWgmmaKeysMSplit,
-  kWgmmaKeysMFused,
-  kWgmmaKeysMBitMove,
-  // The default (from the 10:30 run on; faster at every headline shape): keys-M's logits bit
-  // for bit, warp-specialized: a producer warp fills an mbarrier ring of page slots, the
-  // consumer warpgroup never waits on a block barrier (sm90_paged_mqa_logits_pipelined.cu);
-  // derives its own schedule like kWgmmaKeysMFused.
+  // FP8 / 64 heads, exact (f16 products, fp32 sums: spec section 6's 4 fp32 ulps): keys as M,
+  // warp-specialized: a producer warp fills an mbarrier ring of page slots, the consumer
+  // warpgroup never waits on a block barrier (sm90_paged_mqa_logits_pipelined.cu); derives its
+  // own schedule for up to kOwnScheduleMaxRequests requests.
   kWgmmaKeysMPipelined,
-  // The same kernel, one row per pass taken two pages at a time (the second page's MMA
-  // overlaps the first page's epilogue; 2 blocks per SM): a measurement, 10-15% slower at
-  // 64 requests (docs/notes/cuda.md, v6).
-  kWgmmaKeysMPipelinedPagePairs,
-  // Warp-specialized with setmaxnreg: a producer warpgroup (few registers) and 2 consumer
-  // warpgroups per block at 2 blocks per SM (Ws2) or 4 at 1 block (Ws4), so an SM runs 4
-  // consumer warpgroups instead of 3; keys-M's logits bit for bit. One row per pass only;
-  // several rows per pass run kWgmmaKeysMPipelined (docs/notes/cuda.md, v7).
-  kWgmmaKeysMPipelinedWs2,
-  kWgmmaKeysMPipelinedWs4,
-  // Not exact (spec section 6, the fp8-accumulation tolerance): v6's producer warp and page
-  // ring, the consumer's wgmma m64nNk32 e4m3 reading the page slot and q (e4m3) straight from
-  // shared memory, N = 64 x rows per pass: every key read once per request for next_n 1-4
-  // (sm90_paged_mqa_logits_fp8.cu). Bit-identical across runs, grids and batch compositions.
-  // Which of this and the exact kernel the backend runs: DenseMqaMath (sm90_heuristics.h).
+  // FP8 / 64 heads, not exact (spec section 6, the fp8-accumulation tolerance): the same
+  // producer warp and page ring, the consumer's wgmma m64nNk32 e4m3 reading the page slot and q
+  // (e4m3) straight from shared memory, N = 64 per row or 128 per row pair: every key read once
+  // per request for next_n 1-4 (sm90_paged_mqa_logits_fp8.cu). Bit-identical across runs, grids
+  // and batch compositions.
   kWgmmaKeysMPipelinedFp8,
-  // The same with one m64n64k32 chain per row instead of one N = 64 x rows instruction (the
-  // same instruction shape whatever the rows per pass): a comparison / fallback.
-  kWgmmaKeysMPipelinedFp8PerRow
 };
 struct PagedLogitsArgs {
   CacheView cache;
@@ -90,37 +68,25 @@ struct PagedLogitsArgs {
   MqaSchedule schedule;
   float* logits = nullptr;
   int64_t logits_stride = 0;
-  // FP8 with 64 heads: which tensor-core path (see sm90_paged_mqa_logits.cu). Other shapes
-  // always run kMmaSync.
+  // FP8 with 64 heads: which kernel (DenseMqaMath, sm90_heuristics.h, picks it for the
+  // backend). Other shapes run the sparse tensor-core kernel or kMmaSync.
   MqaMath math = MqaMath::kWgmmaKeysMPipelined;
-  // Optional threshold-filter histogram (null: off): when PagedLogitsFillsHistogram(args),
-  // the kernel adds the TopKBucket (sm90_topk_bucket.cuh) of each logit it writes at a position
-  // that is a multiple of kTopKSampleStride to row_histogram[row * kTopKBins + bucket]. Must be
-  // zero before the launch; the radix top-k that reads it (TopKArgs::row_histogram) leaves it
-  // zero again.
+  // Optional threshold-filter histogram (null: off), filled only by the keys-M comparison
+  // variant (bench/cuda/variants/, MqaVariantFillsHistogram): it adds the TopKBucket
+  // (sm90_topk_bucket.cuh) of each logit it writes at a position that is a multiple of
+  // kTopKSampleStride to row_histogram[row * kTopKBins + bucket]. The production kernels ignore
+  // it.
   uint32_t* row_histogram = nullptr;
 };
 absl::Status LaunchPagedMqaLogits(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream);
-// False when this launch derives the schedule itself (kWgmmaKeysMFused or the pipelined kernels
-// on FP8 / 64 heads with few enough requests): then args.schedule is not read and
-// LaunchMqaSchedule may be skipped.
+// False when this launch derives the schedule itself (the FP8 / 64-head kernels with few enough
+// requests): then args.schedule is not read and LaunchMqaSchedule may be skipped.
 bool PagedLogitsNeedsSchedule(const PagedLogitsArgs& args);
-// The keys-as-M half of that decision (sm90_paged_mqa_logits_keys_m.cu).
-bool KeysMComputesOwnSchedule(const PagedLogitsArgs& args);
-// True when this launch fills args.row_histogram (the keys-as-M kernel: FP8, 64 heads).
-bool PagedLogitsFillsHistogram(const PagedLogitsArgs& args);
-// The keys-as-M kernel (sm90_paged_mqa_logits_keys_m.cu), FP8 with 64 heads only; reached
-// through LaunchPagedMqaLogits.
-absl::Status LaunchPagedMqaLogitsKeysM(const PagedLogitsArgs& args, int num_sms,
-                                       cudaStream_t stream);
-// The pipelined keys-as-M kernel (sm90_paged_mqa_logits_pipelined.cu) and whether it builds
-// its own schedule (then args.schedule is not read).
+// The two FP8 / 64-head kernels, reached through LaunchPagedMqaLogits: the exact one
+// (sm90_paged_mqa_logits_pipelined.cu) and the fp8 one (sm90_paged_mqa_logits_fp8.cu).
 absl::Status LaunchPagedMqaLogitsPipelined(const PagedLogitsArgs& args, int num_sms,
                                            cudaStream_t stream);
-bool PipelinedComputesOwnSchedule(const PagedLogitsArgs& args);
-// The fp8 pipelined kernels (sm90_paged_mqa_logits_fp8.cu), kWgmmaKeysMPipelinedFp8 / PerRow.
 absl::Status LaunchPagedMqaLogitsFp8(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream);
-bool Fp8PipelinedComputesOwnSchedule(const PagedLogitsArgs& args);
 
 // ---- Radix top-k (sm90_radix_topk.cu) ------------------------------------------------------
 // Per row r: the top k of values[r * stride + i], i < lengths[r] (or `fixed_length` when
@@ -266,8 +232,7 @@ absl::Status LaunchSparseLogits(const CacheView& cache, const RowBatch& rows, co
 // positions 0 .. counts[r] - 1, logits at [r * max_positions + position]; this is how
 // LaunchPagedMqaLogits runs the dense layers the keys-M kernels do not take (FP4, FP8 with
 // other than 64 heads).
-// The tensor-core variant the backend runs (measured fastest, kMma's logits bit for bit).
-inline constexpr SparseLogitsMath kSparseLogitsMathDefault = SparseLogitsMath::kMmaPairLeanOcc;
+// The tensor-core variant the backend runs: kSparseLogitsMathDefault (sm90_heuristics.h).
 bool SparseLogitsMmaTakes(const CacheView& cache, const QView& q);
 absl::Status LaunchSparseLogitsMma(const CacheView& cache, const RowBatch& rows, const QView& q,
                                    const int32_t* positions, const int32_t* counts,

@@ -1,8 +1,9 @@
-// Device code shared by the keys-as-M paged MQA logits kernels (sm90_paged_mqa_logits_keys_m.cu
-// and its pipelined / warp-specialized forms in sm90_paged_mqa_logits_pipelined.cu): the e4m3 ->
+// Device code shared by the keys-as-M paged MQA logits kernels (the exact production kernel,
+// sm90_paged_mqa_logits_pipelined.cu; the producer / ring of the fp8 one; and the comparison
+// variants under bench/cuda/variants/: keys-M, the warp-specialized Ws2 / Ws4): the e4m3 ->
 // f16 widening helpers, the permuted q-tile layout, the schedule cursor and the in-block schedule.
 //
-// Why one copy: the pipelined kernels promise keys-M's logits bit for bit, which holds only while
+// Why one copy: the pipelined kernel promises keys-M's logits bit for bit, which holds only while
 // they widen, lay out q and walk the schedule exactly as keys-M does; sharing the code keeps them
 // from drifting apart. Everything here is __forceinline__, so each kernel compiles as before.
 #pragma once
@@ -13,23 +14,20 @@
 #include <cstdint>
 
 #include "kernels/cuda/sm90_device_utils.cuh"
+#include "kernels/cuda/sm90_heuristics.h"
 #include "kernels/cuda/sm90_launchers.h"
 #include "kernels/cuda/sm90_tile_config.h"
 
 namespace decode_indexer::kernels::cuda {
 
-// The in-kernel schedule (kWgmmaKeysMFused and the pipelined kernels): first_row, num_rows,
-// max_len [max requests], prefix [+1], scratch.
-inline constexpr int kOwnScheduleMaxRequests = 256;
+// The in-kernel schedule (the pipelined kernels, keys-M fused): first_row, num_rows, max_len
+// [max requests], prefix [+1], scratch (kOwnScheduleMaxRequests: sm90_heuristics.h).
 inline constexpr int kOwnScheduleBytes = (4 * kOwnScheduleMaxRequests + 1 + 32) * 4;
 
 // 64 dims of a 64-head row's q in f16: one 128B-swizzled tile.
 inline constexpr int kKeysMQHalfBytes = 64 * 128;
 
-// How the keys are widened: all by cvt (the default), half the k-steps (2, 3, 6, 7) by the
-// integer bit move (kWgmmaKeysMSplit / Fused: the two pipes share the work), or all of them
-// (kWgmmaKeysMBitMove: the measurement that says whether the integer pipe alone keeps up).
-enum Widen { kWidenCvt = 0, kWidenSplit = 1, kWidenBitMove = 2 };
+// Widen (sm90_tile_config.h): which k-steps take the bit move.
 __host__ __device__ constexpr bool BitMoveStep(int widen, int ks) {
   return widen == kWidenBitMove || (widen == kWidenSplit && ((ks >> 1) & 1));
 }

@@ -1,12 +1,21 @@
-// The pieces of the warp-specialized paged MQA logits kernel (sm90_paged_mqa_logits_pipelined.cu)
-// that are plain PTX wrappers: mbarriers (the page ring's full / empty signals), the cp.async
-// arrive that lets a producer warp's copies complete a phase, and named barriers (so that one
-// warpgroup can synchronise without stopping the producer).
+// What the two warp-specialized paged MQA logits kernels share (the exact one,
+// sm90_paged_mqa_logits_pipelined.cu, and the fp8 one, sm90_paged_mqa_logits_fp8.cu): the PTX
+// wrappers (mbarriers for the page ring's full / empty signals, the cp.async arrive that lets a
+// producer warp's copies complete a phase, named barriers so that one warpgroup can synchronise
+// without stopping the producer, setmaxnreg), the page ring in shared memory, the block's share
+// of the step's schedule and the producer warp that fills the ring.
+//
+// Why one copy: both kernels feed their consumer warpgroup the same pages in the same ring; only
+// the consumer's math differs. The producer touches no logit, so sharing it cannot move a bit.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "kernels/cuda/sm90_launchers.h"
+#include "kernels/cuda/sm90_mqa_keys_m.cuh"
+#include "kernels/cuda/sm90_tile_config.h"
 
 namespace decode_indexer::kernels::cuda {
 
@@ -72,6 +81,118 @@ template <int kRegs>
 __device__ __forceinline__ void SetMaxNRegInc() {
   static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg: bad count");
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// ---- The page ring and its producer warp ----------------------------------------------------
+
+// One ring slot's bytes: a page's 64 x 128 e4m3 codes (128B-swizzled, 1024-byte aligned: the
+// wgmma SW128 K-major layout) and, in a separate array, its 64 fp32 key scales.
+inline constexpr int kPipeSlotValues = kMqaTileKeys * kMqaHeadDim;  // 8192
+inline constexpr int kPipeSlotScales = kMqaTileKeys * 4;            // 256
+inline constexpr int kPipePageBytes = kPipeSlotValues + kPipeSlotScales;
+// The kernels' block: one consumer warpgroup (warps 0-3) and one producer warp (warp 4).
+inline constexpr int kPipeConsumerThreads = 128;
+inline constexpr int kPipeConsumerWarps = kPipeConsumerThreads / 32;
+inline constexpr int kPipeThreads = kPipeConsumerThreads + 32;
+// The consumer warpgroup's named barrier (0 is __syncthreads).
+inline constexpr int kPipeQBarrier = 1;
+
+// kStages slots: `full[s]` completes when the producer's copies into slot s have landed (one
+// cp.async arrival per producer lane), `empty[s]` when the consumer's 4 warps are done with it.
+template <int kStages>
+struct PageRing {
+  uint8_t* values;  // [kStages][kPipeSlotValues]
+  uint8_t* scales;  // [kStages][kPipeSlotScales]
+  uint64_t* full;   // [kStages]
+  uint64_t* empty;  // [kStages]
+
+  // Shared-memory bytes of the barriers (the slots are counted by the kernel's layout).
+  static constexpr int kBarrierBytes = 2 * kStages * 8;
+
+  // Thread 0 only; the block synchronises before anyone waits on them.
+  __device__ __forceinline__ void InitBarriers() const {
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(&full[s], 32);                   // one cp.async arrival per producer lane
+      MbarInit(&empty[s], kPipeConsumerWarps);  // one arrival per consumer warp
+    }
+  }
+  __device__ __forceinline__ const uint8_t* Values(int slot) const {
+    return values + slot * kPipeSlotValues;
+  }
+  __device__ __forceinline__ const float* Scales(int slot) const {
+    return reinterpret_cast<const float*>(scales + slot * kPipeSlotScales);
+  }
+};
+
+// The step's schedule as a block sees it: the four per-request arrays (the schedule kernel's
+// output, or the block's own copy in shared memory when kOwnSchedule) and the block's contiguous
+// range of key tiles.
+template <bool kOwnSchedule>
+struct BlockSchedule {
+  int num_requests;
+  const int32_t* prefix;
+  const int32_t* first_row;
+  const int32_t* num_rows;
+  const int32_t* max_len;
+  int begin;      // the block's first tile
+  int num_tiles;  // its tile count (0: nothing to do)
+
+  // The schedule (built in `own` by all kBlockThreads threads when kOwnSchedule), the block
+  // barrier (which also publishes barriers thread 0 initialised before the call) and the
+  // block's tile range. Every thread of the block calls it.
+  template <int kBlockThreads>
+  __device__ __forceinline__ void SetUp(const PagedLogitsArgs& p, int32_t* own, int tid) {
+    num_requests = p.rows.num_requests;
+    prefix = p.schedule.tile_prefix;
+    first_row = p.schedule.request_first_row;
+    num_rows = p.schedule.request_num_rows;
+    max_len = p.schedule.request_max_len;
+    if constexpr (kOwnSchedule) {
+      // The schedule kernel's work, in shared memory (min / count / max are order-free, so the
+      // numbers are the schedule kernel's).
+      BuildOwnSchedule<kBlockThreads>(p, own, tid, num_requests, prefix, first_row, num_rows,
+                                      max_len);
+    }
+    __syncthreads();  // barriers initialised (and the schedule built) for everyone
+    const int total_tiles = Ld<kOwnSchedule>(&prefix[num_requests]);
+    begin = static_cast<int>(int64_t{total_tiles} * blockIdx.x / gridDim.x);
+    const int end = static_cast<int>(int64_t{total_tiles} * (blockIdx.x + 1) / gridDim.x);
+    num_tiles = end > begin ? end - begin : 0;
+  }
+};
+
+// The producer warp: walks the block's tiles and fills slot i % kStages with tile i, kStages
+// ahead of the consumer (waiting only on the slot's `empty` phase), the page-table entry of the
+// next tile loaded one tile early so its latency overlaps the wait. Returns once its last copies
+// have landed.
+template <int kStages, bool kOwnSchedule>
+__device__ __forceinline__ void ProducePages(const PagedLogitsArgs& p,
+                                             const BlockSchedule<kOwnSchedule>& sched,
+                                             const PageRing<kStages>& ring, int lane) {
+  const uint8_t* __restrict__ cache = p.cache.base;
+  ScheduleCursor<kOwnSchedule> load;
+  load.Seek(sched.prefix, sched.num_requests, sched.begin);
+  auto locate = [&](int& page, int& valid) {
+    const int b = load.request;
+    const int j = load.tile - Ld<kOwnSchedule>(&sched.prefix[b]);
+    page = __ldg(&p.rows.page_table[PageRowBase(p.rows, b) + j]);
+    valid = min(kMqaTileKeys, Ld<kOwnSchedule>(&sched.max_len[b]) - j * kMqaTileKeys);
+  };
+  int next_page, next_valid;
+  locate(next_page, next_valid);
+  for (int i = 0; i < sched.num_tiles; ++i) {
+    const int page = next_page, valid = next_valid;
+    if (i + 1 < sched.num_tiles) {
+      load.Next(sched.prefix);
+      locate(next_page, next_valid);
+    }
+    const int st = i % kStages;
+    if (i >= kStages) MbarWait(&ring.empty[st], ((i / kStages) + 1) & 1);
+    CopyPageToStage(cache + int64_t{page} * kPipePageBytes, ring.values + st * kPipeSlotValues,
+                    ring.scales + st * kPipeSlotScales, valid, lane);
+    CpAsyncMbarArrive(&ring.full[st]);
+  }
+  CpAsyncWait<0>();
 }
 
 }  // namespace decode_indexer::kernels::cuda

@@ -10,11 +10,13 @@
 // - All rows of a request (next_n) are scored from the same tile in shared memory: each key is
 //   read from HBM once per request. One warp owns 16 heads of one row; its q fragment lives in
 //   registers for as long as the block stays on that request.
-// - Tensor cores: FP8 with 64 heads (v32) goes by default to the keys-as-M wgmma kernel
-//   (sm90_paged_mqa_logits_keys_m.cu); this file holds the heads-as-M variants (wgmma f16,
-//   wgmma fp8, kept for measurement) and the mma.sync m16n8k32 e4m3 kernel that every other
-//   shape runs. FP4 codes are widened to e4m3 (exact) and each 32-wide group is its own MMA
-//   step scaled by q_scale * k_scale.
+// - Tensor cores: FP8 with 64 heads (v32) goes to one of the two keys-as-M wgmma kernels
+//   (sm90_paged_mqa_logits_pipelined.cu exact, sm90_paged_mqa_logits_fp8.cu fp8; which one:
+//   sm90_heuristics.h), FP4 and other head counts to the sparse tensor-core kernel over the dense
+//   rows; this file holds the dispatch and the mma.sync m16n8k32 e4m3 kernel, their fallback for
+//   every shape. FP4 codes are widened to e4m3 (exact) and each 32-wide group is its own MMA
+//   step scaled by q_scale * k_scale. (Heads-as-M wgmma variants, f16 and fp8, were measured
+//   slower than keys-M and removed: docs/results/cuda-bench.md, 07:44 to 11:27.)
 // - Epilogue: relu * w, a shuffle reduce-scatter over the 16 heads of the warp, then a fixed-
 //   order sum over the row's warps in shared memory, times the key scale. The order of every
 //   floating-point operation depends only on the row's own data, never on the schedule, so the
@@ -25,6 +27,7 @@
 #include "decode_indexer/kernels/quant.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/sm90_device_utils.cuh"
+#include "kernels/cuda/sm90_heuristics.h"
 #include "kernels/cuda/sm90_launch_setup.cuh"
 #include "kernels/cuda/sm90_launchers.h"
 #include "kernels/cuda/sm90_mqa_tiles.cuh"
@@ -32,10 +35,6 @@
 
 namespace decode_indexer::kernels::cuda {
 namespace {
-
-constexpr int kMathMmaSync = 0;
-constexpr int kMathWgmmaF16 = 1;
-constexpr int kMathWgmmaFp8 = 2;
 
 template <bool kFp4>
 struct TileBytes {
@@ -45,30 +44,21 @@ struct TileBytes {
   static constexpr int kPage = kValues + kScales;   // a cache page
 };
 
-// Shared memory: the stages' values (1024-byte aligned: the wgmma swizzle atom), then their
-// scales, the per-warp partial sums and (FP4) the widened e4m3 tile.
-template <int kHeads, bool kFp4, int kRowsPerPass, int kMath>
+// Shared memory: the stages' values (1024-byte aligned), then their scales, the per-warp
+// partial sums and (FP4) the widened e4m3 tile.
+template <int kHeads, bool kFp4, int kRowsPerPass>
 constexpr int SmemBytes() {
   constexpr int kWarps = kRowsPerPass * kHeads / 16;
   return kMqaStages * (TileBytes<kFp4>::kValues + TileBytes<kFp4>::kScales) +
-         kWarps * kMqaTileKeys * 4 + (kFp4 ? kMqaTileKeys * kMqaHeadDim : 0) +
-         (kMath == kMathWgmmaF16 ? 2 * kMqaTileKeys * kMqaHeadDim : 0) + 1024;
+         kWarps * kMqaTileKeys * 4 + (kFp4 ? kMqaTileKeys * kMqaHeadDim : 0) + 1024;
 }
 
-// kMath (FP8 with 64 heads only for the wgmma paths; one warpgroup per row):
-// - kMathWgmmaF16: the page's e4m3 codes widened to f16 in shared memory (exact), 8 wgmma
-//   m64n64k16 per page, full fp32 accumulation: the same logits as the mma.sync path.
-// - kMathWgmmaFp8: 4 wgmma m64n64k32 e4m3 straight from the swizzled stage; the tensor cores
-//   sum fp8 products in reduced precision (~2^-12 of the dot), so logits differ from the CPU
-//   by more than rounding. Kept for measurement.
-// - kMathMmaSync: mma.sync m16n8k32 e4m3 per warp (sm_90 runs it as f16 HMMA plus F2FP
-//   conversions); every other shape (FP4, 32 heads) uses it.
-template <int kHeads, bool kFp4, int kRowsPerPass, int kMath>
+// mma.sync m16n8k32 e4m3 per warp (sm_90 runs it as f16 HMMA plus F2FP conversions), one warp
+// per 16 heads of a row.
+template <int kHeads, bool kFp4, int kRowsPerPass>
 __global__ void __launch_bounds__(kRowsPerPass* kHeads / 16 * 32, (kRowsPerPass > 2 ? 1 : 2))
     PagedMqaLogitsKernel(const PagedLogitsArgs p) {
   using TB = TileBytes<kFp4>;
-  constexpr bool kWgmma = kMath != kMathMmaSync;
-  static_assert(!kWgmma || (kHeads == 64 && !kFp4), "wgmma paths: FP8, 64 heads");
   constexpr int kSlabsPerRow = kHeads / 16;
   constexpr int kWarps = kRowsPerPass * kSlabsPerRow;
   constexpr int kThreads = kWarps * 32;
@@ -82,8 +72,6 @@ __global__ void __launch_bounds__(kRowsPerPass* kHeads / 16 * 32, (kRowsPerPass 
   uint8_t* stage_scales = smem + kMqaStages * TB::kValues;  // [kMqaStages][kScales]
   float* red = reinterpret_cast<float*>(stage_scales + kMqaStages * TB::kScales);  // [warps][64]
   uint8_t* widened = reinterpret_cast<uint8_t*>(red + kWarps * kMqaTileKeys);      // FP4 only
-  // kMathWgmmaF16: [2 halves of D][64 keys][64 f16], each half a 128B-swizzled K-major tile.
-  uint8_t* f16_tile = widened;  // 1024-aligned: kWarps * 256 is a multiple of 1024 here
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -141,7 +129,7 @@ __global__ void __launch_bounds__(kRowsPerPass* kHeads / 16 * 32, (kRowsPerPass 
 
   // The warp's q fragment: 16 heads x 128 dims as four k-steps of A registers.
   int loaded_row = -1;
-  uint32_t a[kMath == kMathWgmmaF16 ? 8 : 4][4];
+  uint32_t a[4][4];
   float w0 = 0.f, w1 = 0.f;
   float qs0[4] = {0.f, 0.f, 0.f, 0.f}, qs1[4] = {0.f, 0.f, 0.f, 0.f};
   const int slab = warp % kSlabsPerRow;
@@ -152,9 +140,8 @@ __global__ void __launch_bounds__(kRowsPerPass* kHeads / 16 * 32, (kRowsPerPass 
   cur.Seek(prefix, num_requests, begin);
   for (int i = 0; i < num_tiles; ++i) {
     CpAsyncWait<kMqaStages - 2>();  // this thread's copies of tile i have landed
-    if constexpr (kMath == kMathWgmmaFp8) FenceProxyAsyncShared();
-    __syncthreads();  // everyone's copies landed; everyone is done with tile i - 1
-    issue();          // refills the stage tile i - 1 used
+    __syncthreads();                // everyone's copies landed; everyone is done with tile i - 1
+    issue();                        // refills the stage tile i - 1 used
 
     const int b = cur.request;
     const int base_pos = (cur.tile - __ldg(&prefix[b])) * kMqaTileKeys;
@@ -178,28 +165,10 @@ __global__ void __launch_bounds__(kRowsPerPass* kHeads / 16 * 32, (kRowsPerPass 
       __syncthreads();
       kv = widened;
     }
-    if constexpr (kMath == kMathWgmmaF16) {
-      // Widen the page to f16 (exact): 16 codes (16-byte chunk c8 of key r) per item.
-      for (int it = tid; it < kMqaTileKeys * 8; it += kThreads) {
-        const int r = it >> 3, c8 = it & 7;
-        const uint4 src = *reinterpret_cast<const uint4*>(kv + r * 128 + ((c8 ^ (r & 7)) << 4));
-        const uint4 lo = make_uint4(E4M3x2ToF16x2(src.x), E4M3x2ToF16x2(src.x >> 16),
-                                    E4M3x2ToF16x2(src.y), E4M3x2ToF16x2(src.y >> 16));
-        const uint4 hi = make_uint4(E4M3x2ToF16x2(src.z), E4M3x2ToF16x2(src.z >> 16),
-                                    E4M3x2ToF16x2(src.w), E4M3x2ToF16x2(src.w >> 16));
-        uint8_t* half_base = f16_tile + (c8 >> 2) * (kMqaTileKeys * 128) + r * 128;
-        const int fc = (c8 & 3) * 2;
-        *reinterpret_cast<uint4*>(half_base + ((fc ^ (r & 7)) << 4)) = lo;
-        *reinterpret_cast<uint4*>(half_base + (((fc + 1) ^ (r & 7)) << 4)) = hi;
-      }
-      FenceProxyAsyncShared();
-      __syncthreads();
-    }
-
     const int passes = (nrows + kRowsPerPass - 1) / kRowsPerPass;
     for (int pass = 0; pass < passes; ++pass) {
       const int row_in_request = pass * kRowsPerPass + warp / kSlabsPerRow;
-      if (row_in_request < nrows) {  // warp-uniform (warpgroup-uniform on the wgmma path)
+      if (row_in_request < nrows) {  // warp-uniform
         const int row = first_row + row_in_request;
         if (row != loaded_row) {
           loaded_row = row;
@@ -207,19 +176,8 @@ __global__ void __launch_bounds__(kRowsPerPass* kHeads / 16 * 32, (kRowsPerPass 
           const int64_t h1 = int64_t{row} * kHeads + head1;
           w0 = __ldg(&p.q.weights[h0]);
           w1 = __ldg(&p.q.weights[h1]);
-          if constexpr (kMath == kMathWgmmaF16) {
 #pragma unroll
-            for (int ks = 0; ks < 8; ++ks) {
-              const uint8_t* q0 = p.q.codes + h0 * 128 + ks * 16 + 2 * c;
-              const uint8_t* q1 = p.q.codes + h1 * 128 + ks * 16 + 2 * c;
-              a[ks][0] = E4M3x2ToF16x2(__ldg(reinterpret_cast<const uint16_t*>(q0)));
-              a[ks][1] = E4M3x2ToF16x2(__ldg(reinterpret_cast<const uint16_t*>(q1)));
-              a[ks][2] = E4M3x2ToF16x2(__ldg(reinterpret_cast<const uint16_t*>(q0 + 8)));
-              a[ks][3] = E4M3x2ToF16x2(__ldg(reinterpret_cast<const uint16_t*>(q1 + 8)));
-            }
-          }
-#pragma unroll
-          for (int ks = 0; ks < 4 && kMath != kMathWgmmaF16; ++ks) {
+          for (int ks = 0; ks < 4; ++ks) {
             if constexpr (kFp4) {
               const uint8_t* q0 = p.q.codes + h0 * 64 + ks * 16;
               const uint8_t* q1 = p.q.codes + h1 * 64 + ks * 16;
@@ -242,63 +200,38 @@ __global__ void __launch_bounds__(kRowsPerPass* kHeads / 16 * 32, (kRowsPerPass 
 
         // part[2 * nt + e]: this thread's heads (g, g + 8) summed for key 8 nt + 2 c + e.
         float part[16];
-        if constexpr (kWgmma) {
-          float acc[32];
-          WgmmaFence();
-          if constexpr (kMath == kMathWgmmaF16) {
 #pragma unroll
-            for (int ks = 0; ks < 8; ++ks) {
-              WgmmaM64N64K16F16(
-                  acc, a[ks],
-                  SmemDescSw128(f16_tile + (ks >> 2) * (kMqaTileKeys * 128) + (ks & 3) * 32), ks);
-            }
-          } else {
+        for (int nt = 0; nt < 8; ++nt) {
+          uint32_t bl[4], bh[4];
+          const int krow = nt * 8 + (lane & 7);
+          const int mat = lane >> 3;
+          LdMatrixX4(bl, kv + krow * 128 + ((mat ^ (lane & 7)) << 4));
+          LdMatrixX4(bh, kv + krow * 128 + (((mat + 4) ^ (lane & 7)) << 4));
+          const uint32_t bfrag[8] = {bl[0], bl[1], bl[2], bl[3], bh[0], bh[1], bh[2], bh[3]};
+          if constexpr (kFp4) {
+            const uint8_t* ksc = ksc_base + (nt * 8 + 2 * c) * 4;
+            float t[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int ks = 0; ks < 4; ++ks) {
-              WgmmaM64N64K32E4M3(acc, a[ks], SmemDescSw128(kv + ks * 32), ks);
-            }
-          }
-          WgmmaCommit();
-          WgmmaWait<0>();
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt) {
-            part[2 * nt] = w0 * fmaxf(acc[4 * nt], 0.f) + w1 * fmaxf(acc[4 * nt + 2], 0.f);
-            part[2 * nt + 1] = w0 * fmaxf(acc[4 * nt + 1], 0.f) + w1 * fmaxf(acc[4 * nt + 3], 0.f);
-          }
-        } else {
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt) {
-            uint32_t bl[4], bh[4];
-            const int krow = nt * 8 + (lane & 7);
-            const int mat = lane >> 3;
-            LdMatrixX4(bl, kv + krow * 128 + ((mat ^ (lane & 7)) << 4));
-            LdMatrixX4(bh, kv + krow * 128 + (((mat + 4) ^ (lane & 7)) << 4));
-            const uint32_t bfrag[8] = {bl[0], bl[1], bl[2], bl[3], bh[0], bh[1], bh[2], bh[3]};
-            if constexpr (kFp4) {
-              const uint8_t* ksc = ksc_base + (nt * 8 + 2 * c) * 4;
-              float t[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-              for (int ks = 0; ks < 4; ++ks) {
-                float acc[4] = {0.f, 0.f, 0.f, 0.f};
-                MmaE4M3(acc, a[ks], bfrag[2 * ks], bfrag[2 * ks + 1]);
-                const float k0 = DecodeUE8M0(ksc[ks]);
-                const float k1 = DecodeUE8M0(ksc[4 + ks]);
-                t[0] += acc[0] * (qs0[ks] * k0);
-                t[1] += acc[1] * (qs0[ks] * k1);
-                t[2] += acc[2] * (qs1[ks] * k0);
-                t[3] += acc[3] * (qs1[ks] * k1);
-              }
-              part[2 * nt] = w0 * fmaxf(t[0], 0.f) + w1 * fmaxf(t[2], 0.f);
-              part[2 * nt + 1] = w0 * fmaxf(t[1], 0.f) + w1 * fmaxf(t[3], 0.f);
-            } else {
               float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-              for (int ks = 0; ks < 4; ++ks) {
-                MmaE4M3(acc, a[ks], bfrag[2 * ks], bfrag[2 * ks + 1]);
-              }
-              part[2 * nt] = w0 * fmaxf(acc[0], 0.f) + w1 * fmaxf(acc[2], 0.f);
-              part[2 * nt + 1] = w0 * fmaxf(acc[1], 0.f) + w1 * fmaxf(acc[3], 0.f);
+              MmaE4M3(acc, a[ks], bfrag[2 * ks], bfrag[2 * ks + 1]);
+              const float k0 = DecodeUE8M0(ksc[ks]);
+              const float k1 = DecodeUE8M0(ksc[4 + ks]);
+              t[0] += acc[0] * (qs0[ks] * k0);
+              t[1] += acc[1] * (qs0[ks] * k1);
+              t[2] += acc[2] * (qs1[ks] * k0);
+              t[3] += acc[3] * (qs1[ks] * k1);
             }
+            part[2 * nt] = w0 * fmaxf(t[0], 0.f) + w1 * fmaxf(t[2], 0.f);
+            part[2 * nt + 1] = w0 * fmaxf(t[1], 0.f) + w1 * fmaxf(t[3], 0.f);
+          } else {
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+              MmaE4M3(acc, a[ks], bfrag[2 * ks], bfrag[2 * ks + 1]);
+            }
+            part[2 * nt] = w0 * fmaxf(acc[0], 0.f) + w1 * fmaxf(acc[2], 0.f);
+            part[2 * nt + 1] = w0 * fmaxf(acc[1], 0.f) + w1 * fmaxf(acc[3], 0.f);
           }
         }
         // Reduce-scatter over the 8 head groups (lane bits 2..4): 14 shuffles instead of 48.
@@ -352,46 +285,44 @@ __global__ void __launch_bounds__(kRowsPerPass* kHeads / 16 * 32, (kRowsPerPass 
   CpAsyncWait<0>();
 }
 
-template <int kHeads, bool kFp4, int kRowsPerPass, int kMath>
+template <int kHeads, bool kFp4, int kRowsPerPass>
 absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
-  auto kernel = PagedMqaLogitsKernel<kHeads, kFp4, kRowsPerPass, kMath>;
-  constexpr int kThreads = kRowsPerPass * kHeads / 16 * 32;
-  constexpr int kSmem = SmemBytes<kHeads, kFp4, kRowsPerPass, kMath>();
   // The shared-memory opt-in and the occupancy are per device and per instantiation: set
   // them once for each device a rank uses.
   static KernelDeviceSetup per_device[kMaxDevices];
-  const absl::StatusOr<int> blocks = OptInBlocksPerSm(
-      per_device, "paged mqa logits: kernel attributes / occupancy", kernel, kThreads, kSmem);
-  if (!blocks.ok()) return blocks.status();
-  const int blocks_per_sm = *blocks;
-  const int grid = std::max(1, num_sms * std::max(1, blocks_per_sm));
-  kernel<<<grid, kThreads, kSmem, stream>>>(args);
-  DI_CUDA_RETURN_IF_LAUNCH_ERROR("launch PagedMqaLogitsKernel");
-  return absl::OkStatus();
+  return LaunchPersistentGrid(per_device, "paged mqa logits (mma.sync)",
+                              PagedMqaLogitsKernel<kHeads, kFp4, kRowsPerPass>,
+                              kRowsPerPass * kHeads / 16 * 32,
+                              SmemBytes<kHeads, kFp4, kRowsPerPass>(), num_sms, stream, args);
 }
 
-template <int kHeads, bool kFp4, int kMath = kMathMmaSync>
+template <int kHeads, bool kFp4>
 absl::Status LaunchRows(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
-  switch (RowsPerPass(args.rows.num_rows, args.rows.num_requests, args.rows.rows_per_request)) {
+  switch (DenseRowsPerPass(args.rows)) {
     case 1:
-      return LaunchTyped<kHeads, kFp4, 1, kMath>(args, num_sms, stream);
+      return LaunchTyped<kHeads, kFp4, 1>(args, num_sms, stream);
     case 2:
-      return LaunchTyped<kHeads, kFp4, 2, kMath>(args, num_sms, stream);
+      return LaunchTyped<kHeads, kFp4, 2>(args, num_sms, stream);
     case 3:
-      return LaunchTyped<kHeads, kFp4, 3, kMath>(args, num_sms, stream);
+      return LaunchTyped<kHeads, kFp4, 3>(args, num_sms, stream);
     default:
-      return LaunchTyped<kHeads, kFp4, 4, kMath>(args, num_sms, stream);
+      return LaunchTyped<kHeads, kFp4, 4>(args, num_sms, stream);
   }
+}
+
+// FP8 with 64 heads, page size 64, head dim 128: the keys-as-M kernels' shape.
+bool KeysMShape(const PagedLogitsArgs& args) {
+  const CacheGeometry& geo = args.cache.geometry;
+  return geo.format == CacheFormat::kFp8 && args.q.num_heads == 64 &&
+         geo.page_size == kMqaTileKeys && geo.head_dim == kMqaHeadDim;
 }
 
 }  // namespace
 
 bool PagedLogitsNeedsSchedule(const PagedLogitsArgs& args) {
-  const CacheGeometry& geo = args.cache.geometry;
-  const bool keys_m = geo.format == CacheFormat::kFp8 && args.q.num_heads == 64 &&
-                      geo.page_size == kMqaTileKeys && geo.head_dim == kMqaHeadDim;
-  return !(keys_m && (KeysMComputesOwnSchedule(args) || PipelinedComputesOwnSchedule(args) ||
-                      Fp8PipelinedComputesOwnSchedule(args)));
+  const bool keys_m = KeysMShape(args) && (args.math == MqaMath::kWgmmaKeysMPipelined ||
+                                           args.math == MqaMath::kWgmmaKeysMPipelinedFp8);
+  return !(keys_m && DenseComputesOwnSchedule(args.rows));
 }
 
 absl::Status LaunchPagedMqaLogits(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
@@ -405,9 +336,7 @@ absl::Status LaunchPagedMqaLogits(const PagedLogitsArgs& args, int num_sms, cuda
   const bool fp4 = geo.format == CacheFormat::kFp4;
   // FP4 caches, and FP8 with other than 64 heads, have no keys-M kernel: the sparse consumer's
   // tensor-core kernel scores the dense rows (no position list: position = index), in place of
-  // the mma.sync kernel below, which stays reachable as MqaMath::kMmaSync (the v41 source
-  // layer's ~473 us of device work at 64 x 32K was mostly that kernel: docs/results/
-  // multigpu.md, 13:27).
+  // the mma.sync kernel below, which stays reachable as MqaMath::kMmaSync (sm90_heuristics.h).
   if ((fp4 || args.q.num_heads != 64) && args.math != MqaMath::kMmaSync &&
       args.logits_stride <= INT32_MAX && SparseLogitsMmaTakes(args.cache, args.q)) {
     return LaunchSparseLogitsMma(args.cache, args.rows, args.q, /*positions=*/nullptr,
@@ -421,26 +350,14 @@ absl::Status LaunchPagedMqaLogits(const PagedLogitsArgs& args, int num_sms, cuda
     case 64:
       if (fp4) return LaunchRows<64, true>(args, num_sms, stream);
       switch (args.math) {
-        case MqaMath::kWgmmaKeysM:
-        case MqaMath::kWgmmaKeysMSplit:
-        case MqaMath::kWgmmaKeysMFused:
-        case MqaMath::kWgmmaKeysMBitMove:
-          return LaunchPagedMqaLogitsKeysM(args, num_sms, stream);
         case MqaMath::kWgmmaKeysMPipelined:
-        case MqaMath::kWgmmaKeysMPipelinedPagePairs:
-        case MqaMath::kWgmmaKeysMPipelinedWs2:
-        case MqaMath::kWgmmaKeysMPipelinedWs4:
           return LaunchPagedMqaLogitsPipelined(args, num_sms, stream);
         case MqaMath::kWgmmaKeysMPipelinedFp8:
-        case MqaMath::kWgmmaKeysMPipelinedFp8PerRow:
           return LaunchPagedMqaLogitsFp8(args, num_sms, stream);
-        case MqaMath::kWgmmaF16:
-          return LaunchRows<64, false, kMathWgmmaF16>(args, num_sms, stream);
-        case MqaMath::kWgmmaFp8:
-          return LaunchRows<64, false, kMathWgmmaFp8>(args, num_sms, stream);
-        default:
-          return LaunchRows<64, false>(args, num_sms, stream);
+        case MqaMath::kMmaSync:
+          break;
       }
+      return LaunchRows<64, false>(args, num_sms, stream);
     default:
       return absl::UnimplementedError(
           absl::StrCat("paged mqa logits: ", args.q.num_heads, " heads (32 or 64 supported)"));

@@ -1,6 +1,7 @@
 // Paged MQA logits for FP8 caches with 64 heads on the fp8 tensor cores, keys as M
-// (MqaMath::kWgmmaKeysMPipelinedFp8 and kWgmmaKeysMPipelinedFp8PerRow): v6's producer warp and
-// page ring (sm90_paged_mqa_logits_pipelined.cu) with the e4m3 -> f16 widening gone.
+// (MqaMath::kWgmmaKeysMPipelinedFp8: the product's default dense kernel, sm90_heuristics.h): the
+// exact kernel's producer warp and page ring (ProducePages / PageRing, sm90_mqa_pipeline.cuh,
+// shared with sm90_paged_mqa_logits_pipelined.cu) with the e4m3 -> f16 widening gone.
 //
 // Why: v6 spends ~100 of its ~300 instructions per consumer warp and page widening e4m3 to f16
 // (ldmatrix + cvt / bit moves), and f16 wgmma has half fp8's rate, so next_n >= 2 is compute
@@ -10,15 +11,14 @@
 //   producer already writes (CopyPageToStage), which is wgmma's SW128 layout because every slot
 //   is 1024-byte aligned. k-step ks (32 dims) starts ks * 32 bytes into the rows.
 // - B = q in e4m3: row rr's 64 heads at rows 64 rr .. 64 rr + 63 of a [64 x rows][128 B] SW128
-//   K-major tile, so one m64nNk32 instruction with N = 64 x rows covers all of a pass's rows
-//   (kGrouped): every key is read from DRAM once per request and from shared memory once per
-//   k-step for next_n 1-4. kGrouped = false issues one m64n64k32 chain per row instead (the same
-//   operands, one instruction shape whatever the rows: the fallback if an m64n128+ accumulator
-//   ever differed from m64n64's on a row, which the GPU tests check).
-// - 4 wgmma per page and row pair, then v6's epilogue (relu * weight over this thread's heads, the
-// 4
-//   lanes of a group complete the 64-head sum) times the key scale. The slot goes back to the
-//   producer once the last pass's wgmmas have completed (they read it until then).
+//   K-major tile, so one m64nNk32 instruction with N = 64 (one row) or 128 (a row pair) covers
+//   two of a pass's rows: every key is read from DRAM once per request and from shared memory
+//   once per k-step and row pair for next_n 1-4. (One m64n64 chain per row instead, once kept
+//   as kWgmmaKeysMPipelinedFp8PerRow, gave the same bits and was slower from next_n 2 on: 64 x
+//   32K next_n 2 136.6 against 117.2 us, docs/results/raw/steps_and_dg_1428.log.)
+// - 4 wgmma per page and row pair, then v6's epilogue (relu * weight over this thread's heads,
+//   the 4 lanes of a group complete the 64-head sum) times the key scale. The slot goes back to
+//   the producer once the last pass's wgmmas have completed (they read it until then).
 //
 // Numerics: NOT exact. Each wgmma k=32 slice aligns its products to the largest exponent and
 // keeps ~13 fraction bits (docs/spec.md section 6 gives the bound, reference/ computes it). The
@@ -29,6 +29,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/sm90_device_utils.cuh"
+#include "kernels/cuda/sm90_heuristics.h"
 #include "kernels/cuda/sm90_launch_setup.cuh"
 #include "kernels/cuda/sm90_launchers.h"
 #include "kernels/cuda/sm90_mqa_keys_m.cuh"
@@ -40,15 +41,13 @@ namespace decode_indexer::kernels::cuda {
 namespace {
 
 constexpr int kHeads = 64;
-constexpr int kConsumerThreads = 128;                  // one warpgroup: warps 0-3
-constexpr int kConsumerWarps = kConsumerThreads / 32;  // the producer is warp 4
-constexpr int kThreads = kConsumerThreads + 32;
-constexpr int kStages = kPipeFp8Stages;
-constexpr int kValues = kMqaTileKeys * kMqaHeadDim;  // 8192: a page's e4m3 codes
-constexpr int kScales = kMqaTileKeys * 4;            // 256: its fp32 scales
-constexpr int kPageBytes = kValues + kScales;        // 8448
-constexpr int kQRowBytes = kHeads * kMqaHeadDim;     // one row's q in e4m3: 8 KB
-constexpr int kQBarrier = 1;                         // named barrier of the consumer warpgroup
+constexpr int kConsumerThreads = kPipeConsumerThreads;  // one warpgroup: warps 0-3
+constexpr int kThreads = kPipeThreads;                  // and the producer, warp 4
+constexpr int kConsumerWarps = kPipeConsumerWarps;
+constexpr int kValues = kPipeSlotValues;          // 8192: a page's e4m3 codes
+constexpr int kScales = kPipeSlotScales;          // 256: its fp32 scales
+constexpr int kQRowBytes = kHeads * kMqaHeadDim;  // one row's q in e4m3: 8 KB
+constexpr int kQBarrier = kPipeQBarrier;          // named barrier of the consumer warpgroup
 
 static_assert(kValues % 1024 == 0 && kQRowBytes % 1024 == 0, "SW128 tiles stay 1024-aligned");
 
@@ -57,11 +56,11 @@ static_assert(kValues % 1024 == 0 && kQRowBytes % 1024 == 0, "SW128 tiles stay 1
 // serialize the wgmmas for lack of registers, C7511).
 constexpr int QRows(int rows) { return rows == 1 ? 1 : (rows + 1) / 2 * 2; }
 
-template <int kRows, bool kOwnSchedule>
+template <int kRows, bool kOwnSchedule, int kStages>
 constexpr int SmemBytes() {
   return kStages * kValues + QRows(kRows) * kQRowBytes + kStages * kScales +
-         QRows(kRows) * kHeads * 4 + 16 + 2 * kStages * 8 + (kOwnSchedule ? kOwnScheduleBytes : 0) +
-         1024;
+         QRows(kRows) * kHeads * 4 + 16 + PageRing<kStages>::kBarrierBytes +
+         (kOwnSchedule ? kOwnScheduleBytes : 0) + 1024;
 }
 
 // The 4 k-steps of one page against q rows starting at `q` (kN / 64 of them): k-step ks reads
@@ -74,9 +73,10 @@ __device__ __forceinline__ void IssuePage(float* acc, const uint8_t* kv, const u
   }
 }
 
-// kRows: rows of a request scored per pass over a page (RowsPerPass); kGrouped: one m64n128
-// instruction per k-step for each two of them, else one m64n64 chain per row.
-template <int kRows, bool kGrouped, bool kOwnSchedule, int kMinBlocks>
+// kRows: rows of a request scored per pass over a page (RowsPerPass): one m64n128 instruction
+// per k-step for each two of them (m64n64 for one). kMinBlocks, kStages: PipeFp8MinBlocks,
+// PipeFp8Stages (sm90_heuristics.h).
+template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     PagedMqaLogitsFp8Kernel(const PagedLogitsArgs p) {
   extern __shared__ uint8_t smem_raw[];
@@ -89,62 +89,25 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   float* w_smem = reinterpret_cast<float*>(stage_scales + kStages * kScales);  // [q rows][64]
   int32_t* len_smem = reinterpret_cast<int32_t*>(w_smem + kQRows * kHeads);    // [4]
   uint64_t* full = reinterpret_cast<uint64_t*>(len_smem + 4);                  // 16-byte aligned
-  uint64_t* empty = full + kStages;
-  int32_t* own = reinterpret_cast<int32_t*>(empty + kStages);
+  const PageRing<kStages> ring{stage_values, stage_scales, full, full + kStages};
+  int32_t* own = reinterpret_cast<int32_t*>(full + 2 * kStages);
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
 
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      MbarInit(&full[s], 32);               // one cp.async arrival per producer lane
-      MbarInit(&empty[s], kConsumerWarps);  // one arrival per consumer warp
-    }
-  }
-
-  const int num_requests = p.rows.num_requests;
-  const int32_t* prefix = p.schedule.tile_prefix;
-  const int32_t* req_first_row = p.schedule.request_first_row;
-  const int32_t* req_num_rows = p.schedule.request_num_rows;
-  const int32_t* req_max_len = p.schedule.request_max_len;
-  if constexpr (kOwnSchedule) {
-    BuildOwnSchedule<kThreads>(p, own, tid, num_requests, prefix, req_first_row, req_num_rows,
-                               req_max_len);
-  }
-  __syncthreads();  // barriers initialised (and the schedule built) for everyone
-  const int total_tiles = Ld<kOwnSchedule>(&prefix[num_requests]);
-  const int begin = static_cast<int>(int64_t{total_tiles} * blockIdx.x / gridDim.x);
-  const int end = static_cast<int>(int64_t{total_tiles} * (blockIdx.x + 1) / gridDim.x);
-  if (begin >= end) return;
-  const int num_tiles = end - begin;
+  if (tid == 0) ring.InitBarriers();
+  BlockSchedule<kOwnSchedule> sched;
+  sched.template SetUp<kThreads>(p, own, tid);
+  if (sched.num_tiles == 0) return;
+  const int num_tiles = sched.num_tiles;
+  const int32_t* prefix = sched.prefix;
+  const int32_t* req_first_row = sched.first_row;
+  const int32_t* req_num_rows = sched.num_rows;
+  uint64_t* empty = ring.empty;
 
   if (warp == kConsumerWarps) {
-    // ---- Producer warp: v6's, page slots kStages ahead of the consumer. ----
-    const uint8_t* __restrict__ cache = p.cache.base;
-    ScheduleCursor<kOwnSchedule> load;
-    load.Seek(prefix, num_requests, begin);
-    auto locate = [&](int& page, int& valid) {
-      const int b = load.request;
-      const int j = load.tile - Ld<kOwnSchedule>(&prefix[b]);
-      page = __ldg(&p.rows.page_table[PageRowBase(p.rows, b) + j]);
-      valid = min(kMqaTileKeys, Ld<kOwnSchedule>(&req_max_len[b]) - j * kMqaTileKeys);
-    };
-    int next_page, next_valid;
-    locate(next_page, next_valid);
-    for (int i = 0; i < num_tiles; ++i) {
-      const int page = next_page, valid = next_valid;
-      if (i + 1 < num_tiles) {
-        load.Next(prefix);
-        locate(next_page, next_valid);
-      }
-      const int st = i % kStages;
-      if (i >= kStages) MbarWait(&empty[st], ((i / kStages) + 1) & 1);
-      CopyPageToStage(cache + int64_t{page} * kPageBytes, stage_values + st * kValues,
-                      stage_scales + st * kScales, valid, lane);
-      CpAsyncMbarArrive(&full[st]);
-    }
-    CpAsyncWait<0>();
+    ProducePages(p, sched, ring, lane);
     return;
   }
 
@@ -204,7 +167,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   };
 
   ScheduleCursor<kOwnSchedule> cur;
-  cur.Seek(prefix, num_requests, begin);
+  cur.Seek(prefix, sched.num_requests, sched.begin);
   const int key0 = warp * 16 + g;  // this thread's keys key0 and key0 + 8 of the page
   for (int i = 0; i < num_tiles; ++i) {
     const int b = cur.request;
@@ -253,105 +216,59 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     for (int pass = 0; pass < passes; ++pass) {
       if (pass != loaded_pass) load_q(b, pass, first_row, nrows);  // warpgroup-uniform
       const bool last_pass = pass + 1 == passes;
-      if constexpr (kGrouped) {
-        // Rows 0-1 in one m64n128k32 per k-step (m64n64 for one row per pass), then rows 2-3.
-        float acc[64];
-        constexpr int kFirst = kRows < 2 ? kRows : 2;
+      // Rows 0-1 in one m64n128k32 per k-step (m64n64 for one row per pass), then rows 2-3.
+      float acc[64];
+      constexpr int kFirst = kRows < 2 ? kRows : 2;
+      WgmmaFence();
+      IssuePage<64 * kFirst>(acc, kv, q_tile);
+      WgmmaCommit();
+      WgmmaWait<0>();
+      if (kRows <= 2 && last_pass) release();
+      epilogue(acc, pass, 0);
+      if constexpr (kRows >= 2) epilogue(acc + 32, pass, 1);
+      if constexpr (kRows > 2) {
         WgmmaFence();
-        IssuePage<64 * kFirst>(acc, kv, q_tile);
+        IssuePage<128>(acc, kv, q_tile + 2 * kQRowBytes);  // row 3 zero when kRows == 3
         WgmmaCommit();
         WgmmaWait<0>();
-        if (kRows <= 2 && last_pass) release();
-        epilogue(acc, pass, 0);
-        if constexpr (kRows >= 2) epilogue(acc + 32, pass, 1);
-        if constexpr (kRows > 2) {
-          WgmmaFence();
-          IssuePage<128>(acc, kv, q_tile + 2 * kQRowBytes);  // row 3 zero when kRows == 3
-          WgmmaCommit();
-          WgmmaWait<0>();
-          if (last_pass) release();
-          epilogue(acc, pass, 2);
-          if constexpr (kRows == 4) epilogue(acc + 32, pass, 3);
-        }
-      } else {
-        // One m64n64k32 chain per row, two chains in flight: row r's epilogue while row r + 1's
-        // MMA runs (v6's row pairs).
-        float acc0[32], acc1[32];
-#pragma unroll
-        for (int rp = 0; rp < kRows; rp += 2) {
-          const bool pair = rp + 1 < kRows;  // a constant once unrolled
-          const bool last_group = rp + 2 >= kRows;
-          WgmmaFence();
-          IssuePage<64>(acc0, kv, q_tile + rp * kQRowBytes);
-          WgmmaCommit();
-          if (pair) {
-            IssuePage<64>(acc1, kv, q_tile + (rp + 1) * kQRowBytes);
-            WgmmaCommit();
-            WgmmaWait<1>();
-          } else {
-            WgmmaWait<0>();
-            if (last_group && last_pass) release();
-          }
-          epilogue(acc0, pass, rp);
-          if (pair) {
-            WgmmaWait<0>();
-            if (last_group && last_pass) release();
-            epilogue(acc1, pass, rp + 1);
-          }
-        }
+        if (last_pass) release();
+        epilogue(acc, pass, 2);
+        if constexpr (kRows == 4) epilogue(acc + 32, pass, 3);
       }
     }
     if (i + 1 < num_tiles) cur.Next(prefix);
   }
 }
 
-template <int kRows, bool kGrouped, bool kOwnSchedule>
+template <int kRows, bool kOwnSchedule>
 absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
-  constexpr int kMinBlocks = PipeFp8MinBlocks(kRows);
-  auto kernel = PagedMqaLogitsFp8Kernel<kRows, kGrouped, kOwnSchedule, kMinBlocks>;
-  constexpr int kSmem = SmemBytes<kRows, kOwnSchedule>();
   static KernelDeviceSetup per_device[kMaxDevices];
-  const absl::StatusOr<int> blocks =
-      OptInBlocksPerSm(per_device, "paged mqa logits (fp8 pipelined): attributes / occupancy",
-                       kernel, kThreads, kSmem);
-  if (!blocks.ok()) return blocks.status();
-  const int grid = std::max(1, num_sms * std::max(1, *blocks));
-  kernel<<<grid, kThreads, kSmem, stream>>>(args);
-  DI_CUDA_RETURN_IF_LAUNCH_ERROR("launch PagedMqaLogitsFp8Kernel");
-  return absl::OkStatus();
+  return LaunchPersistentGrid(
+      per_device, "paged mqa logits (fp8 pipelined)",
+      PagedMqaLogitsFp8Kernel<kRows, kOwnSchedule, PipeFp8MinBlocks(kRows), PipeFp8Stages(kRows)>,
+      kThreads, SmemBytes<kRows, kOwnSchedule, PipeFp8Stages(kRows)>(), num_sms, stream, args);
 }
 
-template <bool kGrouped, bool kOwnSchedule>
+template <bool kOwnSchedule>
 absl::Status LaunchRows(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
-  switch (RowsPerPass(args.rows.num_rows, args.rows.num_requests, args.rows.rows_per_request)) {
+  switch (DenseRowsPerPass(args.rows)) {
     case 1:
-      return LaunchTyped<1, true, kOwnSchedule>(args, num_sms, stream);  // one shape either way
+      return LaunchTyped<1, kOwnSchedule>(args, num_sms, stream);
     case 2:
-      return LaunchTyped<2, kGrouped, kOwnSchedule>(args, num_sms, stream);
+      return LaunchTyped<2, kOwnSchedule>(args, num_sms, stream);
     case 3:
-      return LaunchTyped<3, kGrouped, kOwnSchedule>(args, num_sms, stream);
+      return LaunchTyped<3, kOwnSchedule>(args, num_sms, stream);
     default:
-      return LaunchTyped<4, kGrouped, kOwnSchedule>(args, num_sms, stream);
+      return LaunchTyped<4, kOwnSchedule>(args, num_sms, stream);
   }
 }
 
 }  // namespace
 
-bool Fp8PipelinedComputesOwnSchedule(const PagedLogitsArgs& args) {
-  return (args.math == MqaMath::kWgmmaKeysMPipelinedFp8 ||
-          args.math == MqaMath::kWgmmaKeysMPipelinedFp8PerRow) &&
-         args.rows.num_requests <= kOwnScheduleMaxRequests;
-}
-
 absl::Status LaunchPagedMqaLogitsFp8(const PagedLogitsArgs& args, int num_sms,
                                      cudaStream_t stream) {
-  const bool own = Fp8PipelinedComputesOwnSchedule(args);
-  if (args.math == MqaMath::kWgmmaKeysMPipelinedFp8PerRow) {
-    return own ? LaunchRows<false, true>(args, num_sms, stream)
-               : LaunchRows<false, false>(args, num_sms, stream);
-  }
-  return own ? LaunchRows<true, true>(args, num_sms, stream)
-             : LaunchRows<true, false>(args, num_sms, stream);
+  return DenseComputesOwnSchedule(args.rows) ? LaunchRows<true>(args, num_sms, stream)
+                                             : LaunchRows<false>(args, num_sms, stream);
 }
 
 }  // namespace decode_indexer::kernels::cuda

@@ -13,45 +13,13 @@ inline constexpr int kMqaTileKeys = 64;
 // SM keeps well over the ~32 KB per SM that HBM latency x bandwidth asks for.
 inline constexpr int kMqaStages = 4;
 inline constexpr int kMqaHeadDim = 128;
-// The keys-as-M FP8 kernel keeps q (16 KB a row) in shared memory too. Measured at 64 x 32K
-// (H200): 4 stages / 3 blocks per SM 135 us, 3 / 4 blocks 143 us, 6 / 3 blocks 174 us - the
-// kernel is latency bound (docs/notes/cuda.md); 3 is what the recorded runs used.
-inline constexpr int kKeysMStages = 3;
-// The pipelined keys-as-M kernel (sm90_paged_mqa_logits_pipelined.cu): page slots in its
-// producer warp's ring, and the blocks per SM its register cap is sized for. One row per
-// pass: 3 (128 registers; 4 fit in shared memory but cap registers at 96 and spill: measured
-// slower at 1-64 x 8K-64K on the H200, 09:59); several rows keep two rows' accumulators
-// live, so 2 blocks with up to 200 registers (faster than 3 blocks one row at a time).
-inline constexpr int kPipeStages = 4;
-inline constexpr int kPipeMinBlocksOneRow = 3;
-inline constexpr int kPipeMinBlocksMultiRow = 2;
-// The warp-specialized variants (kWgmmaKeysMPipelinedWs2 / Ws4, one row per pass): a producer
-// warpgroup that drops to kPipeWsProducerRegs registers (setmaxnreg) and 2 (2 blocks per SM)
-// or 4 (1 block) consumer warpgroups that take the rest, alternating tiles over one ring of
-// kPipeWsStagesPerConsumer slots per consumer. Producer registers: at 32 / 48 its unrolled
-// cp.async loop spilled (ptxas -v: 330 / 200 bytes); at 64 the kernel spills ~30-100 bytes and
-// the half-page consumer still fits (88 registers with 2 consumers, 104 with 4).
-inline constexpr int kPipeWsProducerRegs = 64;
-inline constexpr int kPipeWsStagesPerConsumer = 4;
+// How the keys-as-M kernels widen e4m3 keys to f16 (sm90_mqa_keys_m.cuh): all by cvt, half
+// the k-steps (2, 3, 6, 7) by the integer bit move (the two pipes share the work), or all of them
+// by the bit move (a measurement). The logits are the same bits either way.
+enum Widen { kWidenCvt = 0, kWidenSplit = 1, kWidenBitMove = 2 };
 
-// The fp8 pipelined kernels (kWgmmaKeysMPipelinedFp8 / PerRow, sm90_paged_mqa_logits_fp8.cu):
-// v6's ring depth, and the blocks per SM each rows-per-pass instantiation's register cap is
-// sized for (160 threads a block; ptxas -v): one row, no widened A fragments, fits 96 registers
-// at 4 blocks per SM (48 KB of shared memory each; 28 B of spills); several rows keep at most
-// two rows' accumulators (64) live and need 122-124 registers: 3 blocks (136; 54-71 KB each).
-inline constexpr int kPipeFp8Stages = 4;
-inline constexpr int PipeFp8MinBlocks(int rows_per_pass) { return rows_per_pass <= 1 ? 4 : 3; }
-
-// Rows of one request scored together from each key tile (next_n 1-4 share every key read).
-// Requests with more rows take several passes over the tile in shared memory.
-// rows_per_request: the host's hint (RowBatch::rows_per_request), 0 for the average.
-inline constexpr int RowsPerPass(int32_t num_rows, int32_t num_requests,
-                                 int32_t rows_per_request = 0) {
-  if (num_requests <= 0) return 1;
-  const int32_t per_request =
-      rows_per_request > 0 ? rows_per_request : (num_rows + num_requests - 1) / num_requests;
-  return per_request <= 1 ? 1 : per_request >= 4 ? 4 : per_request;
-}
+// The dense kernels' choices (kernel, rows per pass, blocks per SM, ring depths) live in
+// sm90_heuristics.h.
 
 // Radix top-k: one cluster of blocks per row; 11 + 11 + 10 key bits in three passes.
 inline constexpr int kTopKThreads = 1024;

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Every GPU test and the CUDA benchmark report in one device call, from a bundle made here by
-#   ../shared/tools/bundle-libs.sh BUNDLE build/tests/gpu/gpu_test build/tests/gpu/gpu_executor_test \
+#   ../shared/tools/bundle-libs.sh BUNDLE build/tests/gpu/gpu_test build/tests/gpu/gpu_variants_test \
+#     build/tests/gpu/gpu_executor_test \
 #     build/tests/gpu/gpu_lifecycle_test \
 #     build/tests/gpu/gpu_ipc_test build/tests/multigpu/multigpu_test \
 #     build/tests/service/cuda_vs_cpu_test build/server/decode-indexer-server \
@@ -62,6 +63,8 @@ run() {  # name, timeout seconds, command...: our binaries see the bundle's libr
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 date -u | tee -a "$out/gpu.txt"
 run gpu_test 120 "$bundle/gpu_test"
+# The dense logits' comparison variants (a bench build's test) where the bundle has it.
+[ -x "$bundle/gpu_variants_test" ] && run gpu_variants_test 120 "$bundle/gpu_variants_test"
 run gpu_executor_test 180 "$bundle/gpu_executor_test"
 run gpu_lifecycle_test 180 "$bundle/gpu_lifecycle_test"
 [ -x "$bundle/gpu_ipc_test" ] && run gpu_ipc_test 60 "$bundle/gpu_ipc_test"

@@ -28,6 +28,7 @@
 #include "kernels/cuda/sm90_tile_config.h"
 #include "kernels/cuda/sm90_topk_bucket.cuh"
 #include "reference/reference.h"
+#include "tests/gpu/gpu_test_util.h"
 #include "tests/kernels/kernel_test_util.h"
 #include "tests/kernels/topk_check.h"
 #include "tests/test_seed.h"
@@ -39,176 +40,7 @@ using kernels::Backend;
 using kernels::CacheFormat;
 using kernels::ElemType;
 using kernels::RopeStyle;
-
-constexpr int32_t kPoisonI32 = 0x5A5A5A5A;
-
-// Tolerance on a GPU logit vs the CPU one, relative to the row's largest |logit|: the tensor
-// cores sum the 128-term dot in fp32 and the head sum runs in float in another order. Seen on
-// the H200: <= 1.8e-7 (about 3 float ulps); 1e-5 leaves room for longer sums without letting
-// a wrong key, head or scale through. The tests print the largest error seen.
-constexpr double kLogitRelTol = 1e-5;
-// The fp8-wgmma variant (not the default): Hopper's fp8 tensor cores sum in reduced precision;
-// seen up to 2.8e-4 of the row's max on the H200.
-constexpr double kFp8WgmmaRelTol = 2e-3;
-
-int NumSms() {
-  int n = 0;
-  EXPECT_EQ(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
-  return n;
-}
-
-// Seeded per test (tests/test_seed.h): a failing test prints its seed; DI_TEST_SEED replays.
-std::mt19937_64& Rng() { return ::decode_indexer::testing::PerTestRng(); }
-
-// A buffer in the backend's (device) memory.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  DeviceBuffer(Backend* b, size_t bytes) : backend_(b), bytes_(bytes) {
-    auto p = b->Allocate(bytes);
-    EXPECT_TRUE(p.ok()) << p.status();
-    ptr_ = p.ok() ? *p : nullptr;
-  }
-  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
-  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
-    std::swap(backend_, o.backend_);
-    std::swap(ptr_, o.ptr_);
-    std::swap(bytes_, o.bytes_);
-    return *this;
-  }
-  ~DeviceBuffer() {
-    if (ptr_ != nullptr) backend_->Free(ptr_);
-  }
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(ptr_);
-  }
-  size_t bytes() const { return bytes_; }
-
- private:
-  Backend* backend_ = nullptr;
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
-
-class GpuTest : public ::testing::Test {
- public:
-  void SetUp() override {
-    if (!kernels::CudaBackendAvailable()) {
-      GTEST_SKIP() << "no CUDA GPU visible: the CUDA backend tests are skipped here";
-    }
-    kernels::BackendLimits limits;
-    limits.max_rows = 320;  // room for the > 256-request dense case below
-    limits.max_requests = 320;
-    limits.max_context = 1 << 20;
-    limits.num_heads = 64;
-    limits.head_dim = 128;
-    limits.max_topk = 2048;
-    limits.max_candidate_positions = 2048 * 8;
-    auto b = kernels::MakeCudaBackend(limits, 0);
-    ASSERT_TRUE(b.ok()) << b.status();
-    backend_ = std::move(*b);
-  }
-
-  template <typename T>
-  DeviceBuffer Upload(const std::vector<T>& host) {
-    DeviceBuffer d(backend_.get(), std::max<size_t>(1, host.size() * sizeof(T)));
-    EXPECT_TRUE(backend_->CopyToDevice(d.as<void>(), host.data(), host.size() * sizeof(T)).ok());
-    return d;
-  }
-  template <typename T>
-  DeviceBuffer Poisoned(size_t n, T poison) {
-    return Upload(std::vector<T>(n, poison));
-  }
-  template <typename T>
-  std::vector<T> Download(const DeviceBuffer& d, size_t n) {
-    std::vector<T> host(n);
-    EXPECT_TRUE(backend_->CopyToHost(host.data(), d.as<void>(), n * sizeof(T)).ok());
-    EXPECT_TRUE(backend_->Synchronize().ok());
-    return host;
-  }
-
-  std::unique_ptr<Backend> backend_;
-};
-
-// A scene's buffers in device memory, and the views over them.
-struct DeviceScene {
-  DeviceBuffer pool, page_table, row_request, row_length, q_codes, q_scales, weights;
-  kernels::CacheView cache;
-  kernels::RowBatch rows;
-  kernels::QView q;
-};
-
-std::unique_ptr<DeviceScene> UploadScene(GpuTest* t, Scene& s,
-                                         std::unique_ptr<DeviceScene> ds = nullptr) {
-  if (ds == nullptr) ds = std::make_unique<DeviceScene>();
-  ds->pool = t->Upload(s.pool);
-  ds->page_table = t->Upload(s.page_table);
-  ds->row_request = t->Upload(s.row_request);
-  ds->row_length = t->Upload(s.row_length);
-  ds->q_codes = t->Upload(s.q_codes);
-  ds->q_scales = t->Upload(s.q_scales);
-  ds->weights = t->Upload(s.weights);
-  ds->cache = s.cache();
-  ds->cache.base = ds->pool.as<uint8_t>();
-  ds->rows = s.rows();
-  ds->rows.page_table = ds->page_table.as<int32_t>();
-  ds->rows.row_request = ds->row_request.as<int32_t>();
-  ds->rows.row_length = ds->row_length.as<int32_t>();
-  ds->q = s.q();
-  ds->q.codes = ds->q_codes.as<uint8_t>();
-  ds->q.scales = s.spec.format == CacheFormat::kFp4 ? ds->q_scales.as<uint8_t>() : nullptr;
-  ds->q.weights = ds->weights.as<float>();
-  return ds;
-}
-
-// CPU logits of one row, split over threads (RowLogitsAt is bit-identical to RowLogits).
-std::vector<float> CpuRowLogits(Scene& s, int32_t r) {
-  const int32_t len = s.row_length[r];
-  std::vector<float> out(len);
-  const std::vector<int32_t> pos = Iota(len);
-  const int threads = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
-  const int32_t chunk = (len + threads - 1) / threads;
-  std::vector<std::thread> pool;
-  const kernels::CacheView cache = s.cache();
-  const kernels::RowBatch rows = s.rows();
-  const kernels::QView q = s.q();
-  for (int i = 0; i < threads; ++i) {
-    const int32_t lo = i * chunk, hi = std::min(len, lo + chunk);
-    if (lo >= hi) break;
-    pool.emplace_back([&, lo, hi] {
-      kernels::cpu::RowLogitsAt(cache, rows, q, r, pos.data() + lo, hi - lo, out.data() + lo);
-    });
-  }
-  for (auto& th : pool) th.join();
-  return out;
-}
-
-std::vector<double> ToDouble(const std::vector<float>& v) { return {v.begin(), v.end()}; }
-
-double RowTol(const std::vector<float>& cpu) {
-  double m = 0.0;
-  for (float v : cpu) m = std::max(m, std::fabs(double{v}));
-  return kLogitRelTol * m + 1e-30;
-}
-
-// Random lengths around `avg` (0.7x - 1.3x).
-std::vector<int32_t> Lengths(int n, int32_t avg) {
-  std::uniform_real_distribution<double> u(0.7, 1.3);
-  std::vector<int32_t> v(n);
-  for (auto& l : v) l = std::max(1, static_cast<int32_t>(avg * u(Rng())));
-  return v;
-}
-
-SceneSpec Spec(CacheFormat f, int32_t heads, std::vector<int32_t> lengths, int32_t next_n) {
-  SceneSpec sp;
-  sp.format = f;
-  sp.heads = heads;
-  sp.lengths = std::move(lengths);
-  sp.next_n = next_n;
-  sp.seed = Rng()();
-  return sp;
-}
+using namespace gpu;  // NOLINT: the shared fixture and scene helpers (gpu_test_util.h)
 
 // ---- Quantizers: bit-identical -------------------------------------------------------------
 
@@ -909,34 +741,6 @@ std::vector<DenseCase> DenseCases() {
   };
 }
 
-// Runs the paged logits launcher into a NaN-poisoned workspace; returns [rows, stride].
-std::vector<float> GpuLogits(GpuTest* t, DeviceScene& ds, int64_t stride, int num_sms,
-                             kernels::cuda::MqaMath math = kernels::cuda::PagedLogitsArgs{}.math) {
-  const int32_t rows = ds.rows.num_rows;
-  DeviceBuffer out = t->Poisoned<float>(rows * stride, NAN);
-  DeviceBuffer sched(t->backend_.get(), 4 * kernels::cuda::MqaScheduleInts(ds.rows.num_requests));
-  const auto s = kernels::cuda::CarveMqaSchedule(sched.as<int32_t>(), ds.rows.num_requests);
-  kernels::cuda::PagedLogitsArgs a;
-  a.cache = ds.cache;
-  a.rows = ds.rows;
-  a.q = ds.q;
-  a.schedule = s;
-  a.logits = out.as<float>();
-  a.logits_stride = stride;
-  a.math = math;
-  // A variant that derives its own schedule must not read this one: poison it (-1 everywhere).
-  EXPECT_EQ(cudaMemset(sched.as<int32_t>(), 0xFF,
-                       4 * kernels::cuda::MqaScheduleInts(ds.rows.num_requests)),
-            cudaSuccess);
-  EXPECT_TRUE(t->backend_->Synchronize().ok());
-  if (kernels::cuda::PagedLogitsNeedsSchedule(a)) {
-    EXPECT_TRUE(kernels::cuda::LaunchMqaSchedule(ds.rows, s, nullptr).ok());
-  }
-  EXPECT_TRUE(kernels::cuda::LaunchPagedMqaLogits(a, num_sms, nullptr).ok());
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  return t->Download<float>(out, rows * stride);
-}
-
 TEST_F(GpuTest, PagedLogitsAndDenseTopKMatchCpu) {
   int num_sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
@@ -949,63 +753,12 @@ TEST_F(GpuTest, PagedLogitsAndDenseTopKMatchCpu) {
     const int32_t rows = s.num_rows();
     const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
     const std::vector<float> gl = GpuLogits(this, *ds, stride, num_sms);
-    // FP8 with 64 heads runs wgmma (keys as M, f16 products, fp32 sums); the other f16-exact
-    // variants must be as close to the CPU, the fp8-wgmma one within its reduced precision.
-    const bool twin = c.format == CacheFormat::kFp8 && c.heads == 64;
+    // FP8 with 64 heads runs the exact keys-M kernel (f16 products, fp32 sums; its comparison
+    // variants are held to it bit for bit in gpu_variants_test).
     using kernels::cuda::MqaMath;
     // kMmaSync: the mma.sync kernel, every shape (the default runs the sparse tensor-core
     // kernel over the dense rows where keys-M does not apply: FP4, FP8 with != 64 heads).
     const std::vector<float> gl_mma = GpuLogits(this, *ds, stride, num_sms, MqaMath::kMmaSync);
-    const std::vector<float> gl_f16 =
-        twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaF16) : std::vector<float>();
-    const std::vector<float> gl_fp8 =
-        twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaFp8) : std::vector<float>();
-    // The split / fused / bit-move variants compute keys-M's sums scaled by 2^-8 (exactly) and
-    // undo it; the fused one derives its own schedule: all must equal keys-M bit for bit.
-    const std::vector<float> gl_keysm =
-        twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaKeysM) : std::vector<float>();
-    const std::vector<float> gl_split =
-        twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaKeysMSplit)
-             : std::vector<float>();
-    const std::vector<float> gl_fused =
-        twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaKeysMFused)
-             : std::vector<float>();
-    const std::vector<float> gl_bitmove =
-        twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaKeysMBitMove)
-             : std::vector<float>();
-    const std::vector<float> gl_pipe =
-        twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaKeysMPipelined)
-             : std::vector<float>();
-    const std::vector<float> gl_pairs =
-        twin ? GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaKeysMPipelinedPagePairs)
-             : std::vector<float>();
-    if (twin) {
-      int64_t default_diff = 0, split_diff = 0, fused_diff = 0, bitmove_diff = 0, pipe_diff = 0;
-      for (int32_t r = 0; r < rows; ++r) {
-        for (int32_t t = 0; t < s.row_length[r]; ++t) {
-          const int64_t i = r * stride + t;
-          default_diff += std::memcmp(&gl[i], &gl_keysm[i], sizeof(float)) != 0;
-          split_diff += std::memcmp(&gl_split[i], &gl_keysm[i], sizeof(float)) != 0;
-          fused_diff += std::memcmp(&gl_fused[i], &gl_keysm[i], sizeof(float)) != 0;
-          bitmove_diff += std::memcmp(&gl_bitmove[i], &gl_keysm[i], sizeof(float)) != 0;
-          pipe_diff += std::memcmp(&gl_pipe[i], &gl_keysm[i], sizeof(float)) != 0;
-          pipe_diff += std::memcmp(&gl_pairs[i], &gl_keysm[i], sizeof(float)) != 0;
-        }
-        for (int64_t t = s.row_length[r]; t < stride; ++t) {  // never written past the length
-          default_diff += !std::isnan(gl_keysm[r * stride + t]);
-          split_diff += !std::isnan(gl_split[r * stride + t]);
-          fused_diff += !std::isnan(gl_fused[r * stride + t]);
-          bitmove_diff += !std::isnan(gl_bitmove[r * stride + t]);
-          pipe_diff += !std::isnan(gl_pipe[r * stride + t]) + !std::isnan(gl_pairs[r * stride + t]);
-        }
-      }
-      EXPECT_EQ(default_diff, 0) << "default vs keys-M: entries not bit-identical";
-      EXPECT_EQ(split_diff, 0) << "keys-M split vs keys-M: entries not bit-identical";
-      EXPECT_EQ(fused_diff, 0) << "keys-M fused vs keys-M: entries not bit-identical";
-      EXPECT_EQ(bitmove_diff, 0) << "keys-M bit move vs keys-M: entries not bit-identical";
-      EXPECT_EQ(pipe_diff, 0) << "keys-M pipelined vs keys-M: entries not bit-identical";
-    }
-    double worst_fp8 = 0.0;
 
     kernels::DenseArgs d;
     d.cache = ds->cache;
@@ -1035,12 +788,6 @@ TEST_F(GpuTest, PagedLogitsAndDenseTopKMatchCpu) {
         if (!(err <= tol)) ++bad;  // NaN (unwritten) counts as bad
         worst = std::max(worst, err / (tol / kLogitRelTol));
         if (!(std::fabs(double{gl_mma[r * stride + t]} - cpu[t]) <= tol)) ++bad;
-        if (twin) {
-          if (!(std::fabs(double{gl_f16[r * stride + t]} - cpu[t]) <= tol)) ++bad;
-          const double e8 = std::fabs(double{gl_fp8[r * stride + t]} - cpu[t]);
-          if (!(e8 <= tol * kFp8WgmmaRelTol / kLogitRelTol)) ++bad;
-          worst_fp8 = std::max(worst_fp8, e8 / (tol / kLogitRelTol));
-        }
       }
       for (int64_t t = s.row_length[r]; t < stride; ++t) {
         if (!std::isnan(gl[r * stride + t])) ++bad;  // written past the row's length
@@ -1050,18 +797,17 @@ TEST_F(GpuTest, PagedLogitsAndDenseTopKMatchCpu) {
       EXPECT_TRUE(CheckTopKRow(topk.data() + int64_t{r} * c.k, c.k, ToDouble(cpu), 2 * tol))
           << "row " << r << " length " << s.row_length[r];
     }
-    std::printf(
-        "  [dense] format %d heads %d next_n %d rows %d: max |gpu-cpu| / row max = %.3g"
-        " (fp8 wgmma variant %.3g)\n",
-        static_cast<int>(c.format), c.heads, c.next_n, rows, worst, worst_fp8);
+    std::printf("  [dense] format %d heads %d next_n %d rows %d: max |gpu-cpu| / row max = %.3g\n",
+                static_cast<int>(c.format), c.heads, c.next_n, rows, worst);
   }
 }
 
-// The pipelined kernel (producer warp, mbarrier ring): on small grids each block's ring wraps
+// The exact kernel (producer warp, mbarrier ring): on small grids each block's ring wraps
 // hundreds of times; requests with uneven row counts take several passes and leave the
-// second row of a row pair empty. Every entry must equal keys-M's bit for bit and the CPU's
-// within the tolerance, and nothing past a row's length may be written.
-TEST_F(GpuTest, PipelinedLogitsBitIdenticalToKeysM) {
+// second row of a row pair empty. Every entry must be the same bits on every grid and the
+// CPU's within the tolerance, and nothing past a row's length may be written. (Its comparison
+// variants, keys-M first, give its logits bit for bit: gpu_variants_test.)
+TEST_F(GpuTest, ExactLogitsMatchCpuOnEveryGrid) {
   using kernels::cuda::MqaMath;
   struct Case {
     std::vector<int32_t> lengths;
@@ -1076,32 +822,19 @@ TEST_F(GpuTest, PipelinedLogitsBitIdenticalToKeysM) {
   };
   for (const Case& c : cases) {
     Scene s = MakeScene(Spec(CacheFormat::kFp8, 64, c.lengths, c.next_n));
-    if (c.uneven) {
-      // Rows stay grouped by request: request 0 gets 1 + (n - 1) * B rows, the others one.
-      const int32_t b_count = s.num_requests(), rows = s.num_rows();
-      const int32_t first_rows = rows - (b_count - 1);
-      for (int32_t r = 0; r < rows; ++r) {
-        const int32_t b = r < first_rows ? 0 : r - first_rows + 1;
-        s.row_request[r] = b;
-        s.row_length[r] =
-            b == 0 ? std::max(1, s.spec.lengths[0] - (first_rows - 1 - r)) : s.spec.lengths[b];
-      }
-    }
+    if (c.uneven) MakeUneven(s);
     auto ds = UploadScene(this, s);
     const int32_t rows = s.num_rows();
     const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
-    const std::vector<float> ref = GpuLogits(this, *ds, stride, NumSms(), MqaMath::kWgmmaKeysM);
+    const std::vector<float> ref =
+        GpuLogits(this, *ds, stride, NumSms(), MqaMath::kWgmmaKeysMPipelined);
     std::vector<std::vector<float>> cpu(rows);
     for (int32_t r = 0; r < rows; ++r) cpu[r] = CpuRowLogits(s, r);
-    for (int v = 0; v < 12; ++v) {
-      const int num_sms = std::array<int, 3>{1, 3, NumSms()}[v % 3];
-      const MqaMath math = std::array<MqaMath, 4>{
-          MqaMath::kWgmmaKeysMPipelined, MqaMath::kWgmmaKeysMPipelinedPagePairs,
-          MqaMath::kWgmmaKeysMPipelinedWs2, MqaMath::kWgmmaKeysMPipelinedWs4}[v / 3];
-      SCOPED_TRACE(::testing::Message()
-                   << "requests " << s.num_requests() << " rows " << rows << " uneven " << c.uneven
-                   << " sms " << num_sms << " math " << static_cast<int>(math));
-      const std::vector<float> got = GpuLogits(this, *ds, stride, num_sms, math);
+    for (const int num_sms : {1, 3, NumSms()}) {
+      SCOPED_TRACE(::testing::Message() << "requests " << s.num_requests() << " rows " << rows
+                                        << " uneven " << c.uneven << " sms " << num_sms);
+      const std::vector<float> got =
+          GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaKeysMPipelined);
       int64_t diff = 0, bad = 0;
       for (int32_t r = 0; r < rows; ++r) {
         const double tol = RowTol(cpu[r]);
@@ -1112,13 +845,13 @@ TEST_F(GpuTest, PipelinedLogitsBitIdenticalToKeysM) {
         }
         for (int64_t t = s.row_length[r]; t < stride; ++t) bad += !std::isnan(got[r * stride + t]);
       }
-      EXPECT_EQ(diff, 0) << "entries not bit-identical to keys-M";
+      EXPECT_EQ(diff, 0) << "entries not bit-identical to the run on all SMs";
       EXPECT_EQ(bad, 0) << "entries off the CPU reference or written past the length";
     }
   }
 }
 
-// ---- The fp8 tensor-core logits (kWgmmaKeysMPipelinedFp8 / PerRow): not exact ------------
+// ---- The fp8 tensor-core logits (kWgmmaKeysMPipelinedFp8): not exact ---------------------
 
 // Row r's exact logits (double, reference/) and the fp8-accumulation bound of each (spec
 // section 6), from the scene's cache bytes and q codes (FP8, 64 heads, head dim 128).
@@ -1186,8 +919,7 @@ Scene SubScene(const Scene& s, const std::vector<std::pair<int32_t, std::vector<
 // longer than k, next_n 1-4, uneven row counts, 300 requests (the global-schedule fallback),
 // grids of 1, 3 and all SMs: every entry within the fp8-accumulation bound of the exact logit
 // (plus the exact mode's 4 fp32 ulps of the row's max), nothing written past a row's length,
-// the same bits on every grid and for both fp8 variants (one m64n128 instruction per row pair
-// vs one m64n64 chain per row), and the backend's top-k (asked for fp8 logits) accepted by the
+// the same bits on every grid, and the backend's top-k (asked for fp8 logits) accepted by the
 // near-tie rule at the fp8 tolerance. A wrong swizzle, k-step, key scale, head weight or row
 // mapping moves logits by tens of percent of their scale; the bound is ~1-4% of it (printed).
 TEST_F(GpuTest, Fp8LogitsWithinTheFp8BoundOfTheExactOnes) {
@@ -1222,31 +954,19 @@ TEST_F(GpuTest, Fp8LogitsWithinTheFp8BoundOfTheExactOnes) {
   double worst_of_bound = 0.0, worst_of_max = 0.0, bound_of_max = 0.0;
   for (const Case& c : cases) {
     Scene s = MakeScene(Spec(CacheFormat::kFp8, 64, c.lengths, c.next_n));
-    if (c.uneven) {
-      const int32_t b_count = s.num_requests(), rows = s.num_rows();
-      const int32_t first_rows = rows - (b_count - 1);
-      for (int32_t r = 0; r < rows; ++r) {
-        const int32_t b = r < first_rows ? 0 : r - first_rows + 1;
-        s.row_request[r] = b;
-        s.row_length[r] =
-            b == 0 ? std::max(1, s.spec.lengths[0] - (first_rows - 1 - r)) : s.spec.lengths[b];
-      }
-    }
+    if (c.uneven) MakeUneven(s);
     auto ds = UploadScene(this, s);
     const int32_t rows = s.num_rows();
     const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
     std::vector<std::vector<double>> exact(rows), bound(rows);
     for (int32_t r = 0; r < rows; ++r) ExactAndFp8Bound(s, r, &exact[r], &bound[r]);
     std::vector<float> first;
-    for (int v = 0; v < 6; ++v) {
-      const int num_sms = std::array<int, 3>{1, 3, NumSms()}[v % 3];
-      const MqaMath math =
-          v < 3 ? MqaMath::kWgmmaKeysMPipelinedFp8 : MqaMath::kWgmmaKeysMPipelinedFp8PerRow;
+    for (const int num_sms : {NumSms(), 1, 3}) {
       SCOPED_TRACE(::testing::Message()
                    << "requests " << s.num_requests() << " rows " << rows << " next_n " << c.next_n
-                   << " uneven " << c.uneven << " sms " << num_sms << " math "
-                   << static_cast<int>(math));
-      const std::vector<float> got = GpuLogits(this, *ds, stride, num_sms, math);
+                   << " uneven " << c.uneven << " sms " << num_sms);
+      const std::vector<float> got =
+          GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaKeysMPipelinedFp8);
       int64_t bad = 0;
       for (int32_t r = 0; r < rows; ++r) {
         const double ulps = reference::Tolerance(exact[r]);
@@ -1268,7 +988,7 @@ TEST_F(GpuTest, Fp8LogitsWithinTheFp8BoundOfTheExactOnes) {
         first = got;
       } else {
         EXPECT_EQ(0, std::memcmp(first.data(), got.data(), 4 * got.size()))
-            << "not bit-identical to the grouped variant on all SMs";
+            << "not bit-identical to the run on all SMs";
       }
     }
 
@@ -1300,13 +1020,12 @@ TEST_F(GpuTest, Fp8LogitsWithinTheFp8BoundOfTheExactOnes) {
 // The fp8 logits are fixed by (q row, key) alone: two runs give the same bits; a request's rows
 // scored together (next_n 2-4: one m64n128 instruction per row pair) equal each row scored alone
 // (next_n 1: m64n64); a request alone equals it inside a larger batch and in another order
-// (which changes rows per pass and the schedule), for both fp8 variants.
+// (which changes rows per pass and the schedule).
 TEST_F(GpuTest, Fp8LogitsBitIdenticalAcrossRunsRowsAndBatchCompositions) {
   using kernels::cuda::MqaMath;
   for (const int32_t next_n : {2, 3, 4}) {
     Scene s = MakeScene(Spec(CacheFormat::kFp8, 64, {9000, 3000, 7000}, next_n));
-    for (const MqaMath math :
-         {MqaMath::kWgmmaKeysMPipelinedFp8, MqaMath::kWgmmaKeysMPipelinedFp8PerRow}) {
+    for (const MqaMath math : {MqaMath::kWgmmaKeysMPipelinedFp8}) {
       SCOPED_TRACE(::testing::Message()
                    << "next_n " << next_n << " math " << static_cast<int>(math));
       auto ds = UploadScene(this, s);
@@ -1361,9 +1080,10 @@ TEST_F(GpuTest, Fp8LogitsBitIdenticalAcrossRunsRowsAndBatchCompositions) {
 
 // A rank's slice of a sharded step: the batch names all 64 requests (num_requests 64) but holds
 // rows of requests 32-63 only, with uneven counts (some 1 row, one none, the rest next_n), and
-// the host hint RowBatch::rows_per_request. The hint only sizes passes: every kernel must give
-// keys-M's logits bit for bit with and without it, within the CPU's tolerance, and the in-kernel
-// schedules must skip requests that have no rows.
+// the host hint RowBatch::rows_per_request. The hint only sizes passes: the exact kernel must give
+// the same bits with and without it on every grid (its variants too: gpu_variants_test), both
+// kernels the CPU's values within the tolerance, and the in-kernel schedules must skip requests
+// that have no rows.
 TEST_F(GpuTest, RankSliceWithRowsPerRequestHint) {
   using kernels::cuda::MqaMath;
   for (const int32_t next_n : {2, 4}) {
@@ -1398,14 +1118,9 @@ TEST_F(GpuTest, RankSliceWithRowsPerRequestHint) {
     std::vector<std::vector<float>> cpu(rows);
     for (int32_t r = 0; r < rows; ++r) cpu[r] = CpuRowLogits(s, r);
     ds->rows.rows_per_request = most;
-    const std::vector<float> ref = GpuLogits(this, *ds, stride, NumSms(), MqaMath::kWgmmaKeysM);
-    const std::vector<MqaMath> maths = {MqaMath::kWgmmaKeysM,
-                                        MqaMath::kWgmmaKeysMFused,
-                                        MqaMath::kWgmmaKeysMPipelined,
-                                        MqaMath::kWgmmaKeysMPipelinedPagePairs,
-                                        MqaMath::kWgmmaKeysMPipelinedWs2,
-                                        MqaMath::kWgmmaKeysMPipelinedWs4,
-                                        MqaMath::kMmaSync};
+    const std::vector<float> ref =
+        GpuLogits(this, *ds, stride, NumSms(), MqaMath::kWgmmaKeysMPipelined);
+    const std::vector<MqaMath> maths = {MqaMath::kWgmmaKeysMPipelined, MqaMath::kMmaSync};
     for (const int32_t hint : {most, 0}) {
       ds->rows.rows_per_request = hint;
       for (const MqaMath math : maths) {
@@ -1428,7 +1143,7 @@ TEST_F(GpuTest, RankSliceWithRowsPerRequestHint) {
               bad += !std::isnan(got[r * stride + t]);
             }
           }
-          EXPECT_EQ(diff, 0) << "entries not bit-identical to keys-M with the hint";
+          EXPECT_EQ(diff, 0) << "entries not bit-identical to the exact kernel with the hint";
           EXPECT_EQ(bad, 0) << "entries off the CPU reference or written past the length";
         }
       }
@@ -1648,12 +1363,12 @@ TEST_F(GpuTest, RadixTopKCompactMatchesCpuOnEveryPath) {
   }
 }
 
-// The threshold filter: the logits epilogue's histogram equals the histogram of the sample of
-// the logits it wrote (every grid size), a top-k that reads it answers as one that does not, and
-// leaves it zero. Cases: one row per request, 2 and 3 rows per pass, a request with more rows than
-// a pass holds (its later rows count straight into global memory), and a long row on a tiny grid
-// (blocks of > 1023 tiles flush their 16-bit counts early).
-TEST_F(GpuTest, FusedTopKHistogramMatchesLogitsAndTopK) {
+// The threshold filter's top-k side (TopKArgs::row_histogram): given the histogram of the
+// row's sample (built here on the host from the exact kernel's logits; the keys-M comparison
+// variant builds it in its epilogue, checked in gpu_variants_test), the top-k answers as one that
+// builds its own, equals the CPU's top-k of those logits, and leaves the histogram zero. Cases:
+// one row per request, 2 and 3 rows per pass, and a long row.
+TEST_F(GpuTest, TopKWithTheSampleHistogramMatchesCpu) {
   struct Case {
     std::vector<int32_t> lengths;
     int32_t next_n;
@@ -1689,33 +1404,18 @@ TEST_F(GpuTest, FusedTopKHistogramMatchesLogitsAndTopK) {
     const int32_t rows = s.num_rows();
     const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
     const int64_t bins = kernels::cuda::kTopKBins;
-    DeviceBuffer dlog = Poisoned<float>(rows * stride, NAN);
-    DeviceBuffer dhist = Upload(std::vector<uint32_t>(rows * bins, 0u));
-    kernels::cuda::PagedLogitsArgs la;
-    la.cache = ds->cache;
-    la.rows = ds->rows;
-    la.q = ds->q;
-    la.logits = dlog.as<float>();
-    la.logits_stride = stride;
-    la.row_histogram = dhist.as<uint32_t>();
-    la.math = kernels::cuda::MqaMath::kWgmmaKeysMFused;  // the kernel with the hook
-    ASSERT_TRUE(kernels::cuda::PagedLogitsFillsHistogram(la));
-    ASSERT_FALSE(kernels::cuda::PagedLogitsNeedsSchedule(la));
-    ASSERT_TRUE(backend_->Synchronize().ok());
-    ASSERT_TRUE(kernels::cuda::LaunchPagedMqaLogits(la, c.num_sms, nullptr).ok());
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const std::vector<float> logits = Download<float>(dlog, rows * stride);
-    const std::vector<uint32_t> hist = Download<uint32_t>(dhist, rows * bins);
+    const std::vector<float> logits = GpuLogits(this, *ds, stride, c.num_sms);
+    DeviceBuffer dlog = Upload(logits);
+    std::vector<uint32_t> hist_host(rows * bins, 0u);
     std::vector<int32_t> expect(int64_t{rows} * k);
     for (int32_t r = 0; r < rows; ++r) {
-      std::vector<uint32_t> want(bins, 0u);
       for (int32_t t = 0; t < s.row_length[r]; t += kernels::cuda::kTopKSampleStride) {
-        ++want[kernels::cuda::TopKBucket(HostOrderedKey(logits[r * stride + t]))];
+        ++hist_host[r * bins + kernels::cuda::TopKBucket(HostOrderedKey(logits[r * stride + t]))];
       }
-      EXPECT_TRUE(std::equal(want.begin(), want.end(), hist.begin() + r * bins)) << "row " << r;
       kernels::cpu::TopK(logits.data() + r * stride, s.row_length[r], k,
                          expect.data() + int64_t{r} * k);
     }
+    DeviceBuffer dhist = Upload(hist_host);
     for (bool use_hist : {true, false}) {
       DeviceBuffer dout = Poisoned<int32_t>(expect.size(), kPoisonI32);
       ASSERT_TRUE(backend_->Synchronize().ok());

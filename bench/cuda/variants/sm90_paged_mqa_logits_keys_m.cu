@@ -1,3 +1,8 @@
+// A comparison variant, built only with the benchmarks (MqaVariant::kWgmmaKeysM / Split / Fused /
+// BitMove, mqa_variants.h): the first keys-as-M kernel, the exact production kernel's ancestor
+// (kernels/cuda/sm90_paged_mqa_logits_pipelined.cu gives its logits bit for bit;
+// gpu_variants_test checks every entry) and the only one with the threshold-filter histogram hook.
+//
 // Paged MQA logits for FP8 caches with 64 heads (the v32 dense layers) on SM90, keys as the
 // MMA's M dimension: one warpgroup takes a whole 64-entry page as A (from registers) against
 // a row's 64 heads of q as B (f16 in shared memory, written once per request).
@@ -9,12 +14,14 @@
 // fp32, so the logits match the CPU reference to rounding (the fp8 wgmma path sums in reduced
 // precision). The same tile walk as sm90_paged_mqa_logits.cu: a persistent grid over the
 // device-computed schedule, cp.async pages kKeysMStages deep in the 128B swizzle.
+// kKeysMStages: measured at 64 x 32K (H200): 4 stages / 3 blocks per SM 135 us, 3 / 4 blocks
+// 143 us, 6 / 3 blocks 174 us - the kernel is latency bound (docs/notes/cuda.md).
 //
 // The MMA's k order inside each 16-dim step is permuted (ldmatrix hands each thread dims
 // 4c..4c+3; the f16 A fragment wants pairs 2c and 2c + 8): q is written to shared memory with
 // the same permutation, so the products pair the same dims.
 //
-// Variants (MqaMath, same math, bit-identical logits):
+// Variants (MqaVariant, same math, bit-identical logits):
 // - kWgmmaKeysMSplit: the widening cvt (F2FP, a 16/clk/SM pipe: 4096 of them per page, 256
 //   cycles per page per SM, ~45% of the ~590-cycle budget a page has at 85% of copy
 //   bandwidth) is done for half the k-steps with integer ops instead: the bits of an e4m3
@@ -23,7 +30,8 @@
 //   with q times 2^-8 (the same bit move on q's codes), so every product is the true one
 //   times 2^-8 and the fp32 sums are the cvt path's sums times 2^-8, exactly (power-of-two
 //   scaling, far from fp32's range ends); the epilogue's key scale times 256 undoes it.
-// - kWgmmaKeysMFused (the default): each block derives the schedule from the row table itself
+// - kWgmmaKeysMFused (the default until the pipelined kernel): each block derives the schedule from
+// the row table itself
 //   (shared memory; up to kOwnScheduleMaxRequests requests), so the separate schedule launch
 //   (a kernel boundary on the critical path of small steps) is not needed; split widening
 //   where a page serves one row per pass (next_n 1), cvt otherwise (measured, see below).
@@ -39,8 +47,10 @@
 #include <algorithm>
 #include <climits>
 
+#include "bench/cuda/variants/mqa_variants.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/sm90_device_utils.cuh"
+#include "kernels/cuda/sm90_heuristics.h"
 #include "kernels/cuda/sm90_launch_setup.cuh"
 #include "kernels/cuda/sm90_launchers.h"
 #include "kernels/cuda/sm90_mqa_keys_m.cuh"
@@ -51,6 +61,7 @@
 namespace decode_indexer::kernels::cuda {
 namespace {
 
+constexpr int kKeysMStages = 3;
 constexpr int kHeads = 64;
 constexpr int kThreads = 128;                        // one warpgroup
 constexpr int kValues = kMqaTileKeys * kMqaHeadDim;  // 8192: a page's e4m3 codes
@@ -310,7 +321,7 @@ absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t 
 
 template <int kWiden, bool kOwnSchedule>
 absl::Status LaunchVariant(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
-  switch (RowsPerPass(args.rows.num_rows, args.rows.num_requests, args.rows.rows_per_request)) {
+  switch (DenseRowsPerPass(args.rows)) {
     case 1:
       return LaunchTyped<1, kWiden, kOwnSchedule>(args, num_sms, stream);
     case 2:
@@ -324,38 +335,27 @@ absl::Status LaunchVariant(const PagedLogitsArgs& args, int num_sms, cudaStream_
 
 }  // namespace
 
-bool PagedLogitsFillsHistogram(const PagedLogitsArgs& args) {
-  const CacheGeometry& geo = args.cache.geometry;
-  const bool keys_m_math =
-      args.math == MqaMath::kWgmmaKeysM || args.math == MqaMath::kWgmmaKeysMSplit ||
-      args.math == MqaMath::kWgmmaKeysMFused || args.math == MqaMath::kWgmmaKeysMBitMove;
-  return keys_m_math && geo.format == CacheFormat::kFp8 && args.q.num_heads == 64 &&
-         geo.page_size == kMqaTileKeys && geo.head_dim == kMqaHeadDim;
+bool KeysMComputesOwnSchedule(MqaVariant v, const PagedLogitsArgs& args) {
+  return v == MqaVariant::kWgmmaKeysMFused && DenseComputesOwnSchedule(args.rows);
 }
 
-bool KeysMComputesOwnSchedule(const PagedLogitsArgs& args) {
-  return args.math == MqaMath::kWgmmaKeysMFused &&
-         args.rows.num_requests <= kOwnScheduleMaxRequests;
-}
-
-absl::Status LaunchPagedMqaLogitsKeysM(const PagedLogitsArgs& args, int num_sms,
+absl::Status LaunchPagedMqaLogitsKeysM(MqaVariant v, const PagedLogitsArgs& args, int num_sms,
                                        cudaStream_t stream) {
   // Fused: the split widening only where a page serves one row per pass. Measured on the H200
   // (docs/results/cuda-bench.md, 08:20): split is 7-10% faster than cvt at next_n 1 and
   // 1-3% slower at next_n 2, where two wgmma rounds per page hide the widening anyway.
-  const bool one_row =
-      RowsPerPass(args.rows.num_rows, args.rows.num_requests, args.rows.rows_per_request) == 1;
-  if (KeysMComputesOwnSchedule(args)) {
+  const bool one_row = DenseRowsPerPass(args.rows) == 1;
+  if (KeysMComputesOwnSchedule(v, args)) {
     return one_row ? LaunchVariant<kWidenSplit, true>(args, num_sms, stream)
                    : LaunchVariant<kWidenCvt, true>(args, num_sms, stream);
   }
-  switch (args.math) {
-    case MqaMath::kWgmmaKeysMSplit:
+  switch (v) {
+    case MqaVariant::kWgmmaKeysMSplit:
       return LaunchVariant<kWidenSplit, false>(args, num_sms, stream);
-    case MqaMath::kWgmmaKeysMFused:
+    case MqaVariant::kWgmmaKeysMFused:
       return one_row ? LaunchVariant<kWidenSplit, false>(args, num_sms, stream)
                      : LaunchVariant<kWidenCvt, false>(args, num_sms, stream);
-    case MqaMath::kWgmmaKeysMBitMove:
+    case MqaVariant::kWgmmaKeysMBitMove:
       return LaunchVariant<kWidenBitMove, false>(args, num_sms, stream);
     default:
       return LaunchVariant<kWidenCvt, false>(args, num_sms, stream);

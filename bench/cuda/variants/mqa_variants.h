@@ -1,0 +1,57 @@
+// Comparison variants of the FP8 / 64-head dense logits, built only with the benchmarks
+// (DI_BUILD_BENCH: the library di_bench_mqa_variants). The product runs one kernel per job
+// (kernels/cuda, chosen in sm90_heuristics.h); these stay so that the CUDA bench can time them
+// beside the production kernels and gpu_variants_test can hold them to the exact production
+// kernel's logits bit for bit. Each gives the exact kernel's logits (MqaMath::
+// kWgmmaKeysMPipelined) bit for bit:
+// - kWgmmaKeysM (v4): keys as M, cvt widening, a schedule launch, block barriers per page;
+// - kWgmmaKeysMSplit: half the widening by integer bit moves; kWgmmaKeysMBitMove: all of it;
+// - kWgmmaKeysMFused (the default until the pipelined kernel): the in-block schedule, split
+//   widening at one row per pass; the only kernel that fills PagedLogitsArgs::row_histogram;
+// - kWgmmaKeysMPipelinedWs2 / Ws4 (v7): a producer warpgroup and 2 / 4 consumer warpgroups
+//   (setmaxnreg), one row per pass (several rows run the production exact kernel).
+// Removed, their measurements recorded in docs/results/cuda-bench.md and its raw/ logs:
+// the heads-as-M wgmma f16 / fp8 kernels, the exact kernel's page pairs, the fp8 kernel's
+// per-row m64n64 chains.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "absl/status/status.h"
+#include "kernels/cuda/sm90_launchers.h"
+
+namespace decode_indexer::kernels::cuda {
+
+enum class MqaVariant {
+  kWgmmaKeysM,
+  kWgmmaKeysMSplit,
+  kWgmmaKeysMFused,
+  kWgmmaKeysMBitMove,
+  kWgmmaKeysMPipelinedWs2,
+  kWgmmaKeysMPipelinedWs4,
+};
+inline constexpr MqaVariant kAllMqaVariants[] = {MqaVariant::kWgmmaKeysM,
+                                                 MqaVariant::kWgmmaKeysMSplit,
+                                                 MqaVariant::kWgmmaKeysMFused,
+                                                 MqaVariant::kWgmmaKeysMBitMove,
+                                                 MqaVariant::kWgmmaKeysMPipelinedWs2,
+                                                 MqaVariant::kWgmmaKeysMPipelinedWs4};
+const char* MqaVariantName(MqaVariant v);
+
+// As LaunchPagedMqaLogits (args.math is not read); FP8 caches with 64 heads, page size 64 and
+// head dim 128 only (InvalidArgument otherwise).
+absl::Status LaunchMqaVariant(MqaVariant v, const PagedLogitsArgs& args, int num_sms,
+                              cudaStream_t stream);
+// False when the variant derives the schedule itself (then args.schedule is not read).
+bool MqaVariantNeedsSchedule(MqaVariant v, const PagedLogitsArgs& args);
+// True when the variant fills args.row_histogram (kWgmmaKeysM / Split / Fused / BitMove).
+bool MqaVariantFillsHistogram(MqaVariant v);
+
+// The two kernel files' launchers (reached through LaunchMqaVariant).
+absl::Status LaunchPagedMqaLogitsKeysM(MqaVariant v, const PagedLogitsArgs& args, int num_sms,
+                                       cudaStream_t stream);
+bool KeysMComputesOwnSchedule(MqaVariant v, const PagedLogitsArgs& args);
+absl::Status LaunchPagedMqaLogitsWs(MqaVariant v, const PagedLogitsArgs& args, int num_sms,
+                                    cudaStream_t stream);
+
+}  // namespace decode_indexer::kernels::cuda

@@ -1,0 +1,255 @@
+// What the GPU test binaries share (gpu_test: the production kernels; gpu_variants_test: the
+// comparison variants under bench/cuda/variants/): the fixture with a CUDA backend, device
+// buffers, random scenes uploaded to the device, the CPU's logits of a row and the paged logits
+// of a launcher into a NaN-poisoned workspace.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "decode_indexer/kernels/backend.h"
+#include "decode_indexer/kernels/cpu_reference.h"
+#include "gtest/gtest.h"
+#include "kernels/cuda/sm90_launchers.h"
+#include "tests/kernels/kernel_test_util.h"
+#include "tests/test_seed.h"
+
+namespace decode_indexer::testing::gpu {
+
+using kernels::Backend;
+using kernels::CacheFormat;
+
+inline constexpr int32_t kPoisonI32 = 0x5A5A5A5A;
+
+// Tolerance on a GPU logit vs the CPU one, relative to the row's largest |logit|: the tensor
+// cores sum the 128-term dot in fp32 and the head sum runs in float in another order. Seen on
+// the H200: <= 1.8e-7 (about 3 float ulps); 1e-5 leaves room for longer sums without letting
+// a wrong key, head or scale through. The tests print the largest error seen.
+inline constexpr double kLogitRelTol = 1e-5;
+inline int NumSms() {
+  int n = 0;
+  EXPECT_EQ(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  return n;
+}
+
+// Seeded per test (tests/test_seed.h): a failing test prints its seed; DI_TEST_SEED replays.
+inline std::mt19937_64& Rng() { return ::decode_indexer::testing::PerTestRng(); }
+
+// A buffer in the backend's (device) memory.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(Backend* b, size_t bytes) : backend_(b), bytes_(bytes) {
+    auto p = b->Allocate(bytes);
+    EXPECT_TRUE(p.ok()) << p.status();
+    ptr_ = p.ok() ? *p : nullptr;
+  }
+  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    std::swap(backend_, o.backend_);
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~DeviceBuffer() {
+    if (ptr_ != nullptr) backend_->Free(ptr_);
+  }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  Backend* backend_ = nullptr;
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+class GpuTest : public ::testing::Test {
+ public:
+  void SetUp() override {
+    if (!kernels::CudaBackendAvailable()) {
+      GTEST_SKIP() << "no CUDA GPU visible: the CUDA backend tests are skipped here";
+    }
+    kernels::BackendLimits limits;
+    limits.max_rows = 320;  // room for the > 256-request dense case below
+    limits.max_requests = 320;
+    limits.max_context = 1 << 20;
+    limits.num_heads = 64;
+    limits.head_dim = 128;
+    limits.max_topk = 2048;
+    limits.max_candidate_positions = 2048 * 8;
+    auto b = kernels::MakeCudaBackend(limits, 0);
+    ASSERT_TRUE(b.ok()) << b.status();
+    backend_ = std::move(*b);
+  }
+
+  template <typename T>
+  DeviceBuffer Upload(const std::vector<T>& host) {
+    DeviceBuffer d(backend_.get(), std::max<size_t>(1, host.size() * sizeof(T)));
+    EXPECT_TRUE(backend_->CopyToDevice(d.as<void>(), host.data(), host.size() * sizeof(T)).ok());
+    return d;
+  }
+  template <typename T>
+  DeviceBuffer Poisoned(size_t n, T poison) {
+    return Upload(std::vector<T>(n, poison));
+  }
+  template <typename T>
+  std::vector<T> Download(const DeviceBuffer& d, size_t n) {
+    std::vector<T> host(n);
+    EXPECT_TRUE(backend_->CopyToHost(host.data(), d.as<void>(), n * sizeof(T)).ok());
+    EXPECT_TRUE(backend_->Synchronize().ok());
+    return host;
+  }
+
+  std::unique_ptr<Backend> backend_;
+};
+
+// A scene's buffers in device memory, and the views over them.
+struct DeviceScene {
+  DeviceBuffer pool, page_table, row_request, row_length, q_codes, q_scales, weights;
+  kernels::CacheView cache;
+  kernels::RowBatch rows;
+  kernels::QView q;
+};
+
+inline std::unique_ptr<DeviceScene> UploadScene(GpuTest* t, Scene& s,
+                                                std::unique_ptr<DeviceScene> ds = nullptr) {
+  if (ds == nullptr) ds = std::make_unique<DeviceScene>();
+  ds->pool = t->Upload(s.pool);
+  ds->page_table = t->Upload(s.page_table);
+  ds->row_request = t->Upload(s.row_request);
+  ds->row_length = t->Upload(s.row_length);
+  ds->q_codes = t->Upload(s.q_codes);
+  ds->q_scales = t->Upload(s.q_scales);
+  ds->weights = t->Upload(s.weights);
+  ds->cache = s.cache();
+  ds->cache.base = ds->pool.as<uint8_t>();
+  ds->rows = s.rows();
+  ds->rows.page_table = ds->page_table.as<int32_t>();
+  ds->rows.row_request = ds->row_request.as<int32_t>();
+  ds->rows.row_length = ds->row_length.as<int32_t>();
+  ds->q = s.q();
+  ds->q.codes = ds->q_codes.as<uint8_t>();
+  ds->q.scales = s.spec.format == CacheFormat::kFp4 ? ds->q_scales.as<uint8_t>() : nullptr;
+  ds->q.weights = ds->weights.as<float>();
+  return ds;
+}
+
+// CPU logits of one row, split over threads (RowLogitsAt is bit-identical to RowLogits).
+inline std::vector<float> CpuRowLogits(Scene& s, int32_t r) {
+  const int32_t len = s.row_length[r];
+  std::vector<float> out(len);
+  const std::vector<int32_t> pos = Iota(len);
+  const int threads = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
+  const int32_t chunk = (len + threads - 1) / threads;
+  std::vector<std::thread> pool;
+  const kernels::CacheView cache = s.cache();
+  const kernels::RowBatch rows = s.rows();
+  const kernels::QView q = s.q();
+  for (int i = 0; i < threads; ++i) {
+    const int32_t lo = i * chunk, hi = std::min(len, lo + chunk);
+    if (lo >= hi) break;
+    pool.emplace_back([&, lo, hi] {
+      kernels::cpu::RowLogitsAt(cache, rows, q, r, pos.data() + lo, hi - lo, out.data() + lo);
+    });
+  }
+  for (auto& th : pool) th.join();
+  return out;
+}
+
+inline std::vector<double> ToDouble(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+inline double RowTol(const std::vector<float>& cpu) {
+  double m = 0.0;
+  for (float v : cpu) m = std::max(m, std::fabs(double{v}));
+  return kLogitRelTol * m + 1e-30;
+}
+
+// Random lengths around `avg` (0.7x - 1.3x).
+inline std::vector<int32_t> Lengths(int n, int32_t avg) {
+  std::uniform_real_distribution<double> u(0.7, 1.3);
+  std::vector<int32_t> v(n);
+  for (auto& l : v) l = std::max(1, static_cast<int32_t>(avg * u(Rng())));
+  return v;
+}
+
+inline SceneSpec Spec(CacheFormat f, int32_t heads, std::vector<int32_t> lengths, int32_t next_n) {
+  SceneSpec sp;
+  sp.format = f;
+  sp.heads = heads;
+  sp.lengths = std::move(lengths);
+  sp.next_n = next_n;
+  sp.seed = Rng()();
+  return sp;
+}
+
+// Runs a paged logits launcher into a NaN-poisoned workspace; returns [rows, stride].
+// needs_schedule(args) says whether to launch the schedule kernel first (a poisoned schedule
+// otherwise: a kernel that derives its own must not read it); launch(args, num_sms) the kernel.
+template <typename NeedsSchedule, typename Launch>
+std::vector<float> GpuLogitsWith(GpuTest* t, DeviceScene& ds, int64_t stride, int num_sms,
+                                 NeedsSchedule&& needs_schedule, Launch&& launch) {
+  const int32_t rows = ds.rows.num_rows;
+  DeviceBuffer out = t->Poisoned<float>(rows * stride, NAN);
+  DeviceBuffer sched(t->backend_.get(), 4 * kernels::cuda::MqaScheduleInts(ds.rows.num_requests));
+  const auto s = kernels::cuda::CarveMqaSchedule(sched.as<int32_t>(), ds.rows.num_requests);
+  kernels::cuda::PagedLogitsArgs a;
+  a.cache = ds.cache;
+  a.rows = ds.rows;
+  a.q = ds.q;
+  a.schedule = s;
+  a.logits = out.as<float>();
+  a.logits_stride = stride;
+  // A variant that derives its own schedule must not read this one: poison it (-1 everywhere).
+  EXPECT_EQ(cudaMemset(sched.as<int32_t>(), 0xFF,
+                       4 * kernels::cuda::MqaScheduleInts(ds.rows.num_requests)),
+            cudaSuccess);
+  EXPECT_TRUE(t->backend_->Synchronize().ok());
+  if (needs_schedule(a)) {
+    EXPECT_TRUE(kernels::cuda::LaunchMqaSchedule(ds.rows, s, nullptr).ok());
+  }
+  EXPECT_TRUE(launch(a, num_sms).ok());
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return t->Download<float>(out, rows * stride);
+}
+
+// The production launcher (LaunchPagedMqaLogits) with `math`.
+inline std::vector<float> GpuLogits(
+    GpuTest* t, DeviceScene& ds, int64_t stride, int num_sms,
+    kernels::cuda::MqaMath math = kernels::cuda::PagedLogitsArgs{}.math) {
+  return GpuLogitsWith(
+      t, ds, stride, num_sms,
+      [&](kernels::cuda::PagedLogitsArgs& a) {
+        a.math = math;
+        return kernels::cuda::PagedLogitsNeedsSchedule(a);
+      },
+      [&](const kernels::cuda::PagedLogitsArgs& a, int sms) {
+        return kernels::cuda::LaunchPagedMqaLogits(a, sms, nullptr);
+      });
+}
+
+// Request 0 takes all but one row of each other request (rows stay grouped by request: request
+// 0 gets 1 + (n - 1) * B rows, the others one), its lengths counting down from its own: several
+// passes over each tile, the second row of a row pair empty.
+inline void MakeUneven(Scene& s) {
+  const int32_t b_count = s.num_requests(), rows = s.num_rows();
+  const int32_t first_rows = rows - (b_count - 1);
+  for (int32_t r = 0; r < rows; ++r) {
+    const int32_t b = r < first_rows ? 0 : r - first_rows + 1;
+    s.row_request[r] = b;
+    s.row_length[r] =
+        b == 0 ? std::max(1, s.spec.lengths[0] - (first_rows - 1 - r)) : s.spec.lengths[b];
+  }
+}
+
+}  // namespace decode_indexer::testing::gpu

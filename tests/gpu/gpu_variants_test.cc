@@ -1,0 +1,222 @@
+// The comparison variants of the dense logits (bench/cuda/variants/, built only with the
+// benchmarks) against the production exact kernel (MqaMath::kWgmmaKeysMPipelined): every entry
+// bit for bit, on grids of 1, 3 and all SMs, nothing written past a row's length; and the keys-M
+// variant's threshold-filter histogram against the logits it wrote. These are the bit-equality
+// checks that used to live in gpu_test beside the variants when they were in the product.
+//
+// Skipped (visibly) where no GPU is visible, as in CI.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "bench/cuda/variants/mqa_variants.h"
+#include "gtest/gtest.h"
+#include "kernels/cuda/sm90_launchers.h"
+#include "kernels/cuda/sm90_tile_config.h"
+#include "kernels/cuda/sm90_topk_bucket.cuh"
+#include "tests/gpu/gpu_test_util.h"
+#include "tests/kernels/kernel_test_util.h"
+
+namespace decode_indexer::testing {
+namespace {
+
+using namespace gpu;  // NOLINT: the shared fixture and scene helpers (gpu_test_util.h)
+using kernels::cuda::MqaMath;
+using kernels::cuda::MqaVariant;
+
+std::vector<float> VariantLogits(GpuTest* t, DeviceScene& ds, int64_t stride, int num_sms,
+                                 MqaVariant v) {
+  return GpuLogitsWith(
+      t, ds, stride, num_sms,
+      [&](kernels::cuda::PagedLogitsArgs& a) {
+        return kernels::cuda::MqaVariantNeedsSchedule(v, a);
+      },
+      [&](const kernels::cuda::PagedLogitsArgs& a, int sms) {
+        return kernels::cuda::LaunchMqaVariant(v, a, sms, nullptr);
+      });
+}
+
+// A rank's slice of a sharded step (gpu_test's RankSliceWithRowsPerRequestHint): 64 requests
+// named, rows of requests 32-63 only with uneven counts (one request none), the host hint set.
+Scene RankSlice(int32_t next_n, int32_t* most) {
+  Scene full = MakeScene(Spec(CacheFormat::kFp8, 64, Lengths(64, 2500), next_n));
+  Scene s = full;
+  s.row_request.clear();
+  s.row_length.clear();
+  s.q_codes.clear();
+  s.weights.clear();
+  const int64_t qrow = 64 * 128;
+  *most = 0;
+  for (int32_t r = 0; r < full.num_rows(); ++r) {
+    const int32_t b = full.row_request[r], j = r % next_n;
+    if (b < 32 || b == 40) continue;
+    const int32_t want = b % 5 == 1 ? 1 : b % 5 == 2 ? next_n - 1 : next_n;
+    if (j < next_n - want) continue;
+    *most = std::max(*most, want);
+    s.row_request.push_back(b);
+    s.row_length.push_back(full.row_length[r]);
+    s.q_codes.insert(s.q_codes.end(), full.q_codes.begin() + r * qrow,
+                     full.q_codes.begin() + (r + 1) * qrow);
+    s.weights.insert(s.weights.end(), full.weights.begin() + r * 64,
+                     full.weights.begin() + (r + 1) * 64);
+  }
+  return s;
+}
+
+// Every variant gives the exact kernel's logits bit for bit: next_n 1-4, uneven row counts
+// (several passes, empty second rows of a pair), a long row, more requests than the in-block
+// schedule takes, a rank slice with and without the rows-per-request hint.
+TEST_F(GpuTest, VariantsBitIdenticalToTheExactKernel) {
+  struct Case {
+    std::vector<int32_t> lengths;
+    int32_t next_n;
+    bool uneven;
+    bool rank_slice;
+  };
+  const std::vector<Case> cases = {
+      {Lengths(5, 20000), 1, false, false},
+      {{7000, 64, 65, 2, 13000}, 2, false, false},
+      {Lengths(3, 9000), 3, false, false},
+      {Lengths(2, 7000), 4, false, false},
+      {Lengths(4, 6000), 2, true, false},
+      {Lengths(3, 5000), 3, true, false},
+      {{100, 2047, 2048, 2049, 5000}, 1, false, false},
+      {{131072 + 77}, 1, false, false},
+      {Lengths(300, 150), 1, false, false},
+      {Lengths(300, 150), 2, false, false},
+      {{}, 2, false, true},
+      {{}, 4, false, true},
+  };
+  for (const Case& c : cases) {
+    int32_t most = 0;
+    Scene s = c.rank_slice ? RankSlice(c.next_n, &most)
+                           : MakeScene(Spec(CacheFormat::kFp8, 64, c.lengths, c.next_n));
+    if (c.uneven) MakeUneven(s);
+    auto ds = UploadScene(this, s);
+    const int32_t rows = s.num_rows();
+    const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
+    for (const int32_t hint : c.rank_slice ? std::vector<int32_t>{most, 0} : std::vector{0}) {
+      ds->rows.rows_per_request = hint;
+      const std::vector<float> ref =
+          GpuLogits(this, *ds, stride, NumSms(), MqaMath::kWgmmaKeysMPipelined);
+      for (const MqaVariant v : kernels::cuda::kAllMqaVariants) {
+        for (const int num_sms : {1, 3, NumSms()}) {
+          SCOPED_TRACE(::testing::Message()
+                       << "requests " << s.num_requests() << " rows " << rows << " next_n "
+                       << c.next_n << " uneven " << c.uneven << " rank slice " << c.rank_slice
+                       << " hint " << hint << " variant " << kernels::cuda::MqaVariantName(v)
+                       << " sms " << num_sms);
+          const std::vector<float> got = VariantLogits(this, *ds, stride, num_sms, v);
+          int64_t diff = 0, past = 0;
+          for (int32_t r = 0; r < rows; ++r) {
+            for (int32_t t = 0; t < s.row_length[r]; ++t) {
+              const int64_t i = r * stride + t;
+              diff += std::memcmp(&got[i], &ref[i], sizeof(float)) != 0;
+            }
+            for (int64_t t = s.row_length[r]; t < stride; ++t) {
+              past += !std::isnan(got[r * stride + t]);
+            }
+          }
+          EXPECT_EQ(diff, 0) << "entries not bit-identical to the exact kernel";
+          EXPECT_EQ(past, 0) << "entries written past the row's length";
+        }
+      }
+    }
+  }
+}
+
+uint32_t HostOrderedKey(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if ((u << 1) == 0u) u = 0u;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The keys-M variant's threshold filter: the histogram its epilogue builds equals the histogram
+// of the sample of the logits it wrote (every grid size). Cases: one row per request, 2 and 3
+// rows per pass, a request with more rows than a pass holds (its later rows count straight into
+// global memory), and a long row on a tiny grid (blocks of > 1023 tiles flush their 16-bit
+// counts early).
+TEST_F(GpuTest, KeysMEpilogueHistogramMatchesItsLogits) {
+  struct Case {
+    std::vector<int32_t> lengths;
+    int32_t next_n;
+    int num_sms;
+    bool uneven;  // rebuild as {request 0: 4 rows, request 1: 2 rows}: 3 rows per pass
+  };
+  const Case cases[] = {{Lengths(5, 9000), 1, 132, false},
+                        {Lengths(3, 7000), 2, 132, false},
+                        {Lengths(2, 5000), 3, 5, false},
+                        {{9000, 3000}, 2, 132, true},
+                        {{300000}, 1, 1, false}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "first length " << c.lengths[0] << " next_n " << c.next_n
+                                      << " sms " << c.num_sms << " uneven " << c.uneven);
+    Scene s = MakeScene(Spec(CacheFormat::kFp8, 64, c.lengths, c.next_n));
+    if (c.uneven) {  // 6 rows over 2 requests: rows per pass 3, request 0 needs 2 passes
+      s.row_request = {0, 0, 0, 0, 1, 1};
+      const int32_t l0 = s.spec.lengths[0], l1 = s.spec.lengths[1];
+      s.row_length = {l0 - 3, l0 - 2, l0 - 1, l0, l1 - 1, l1};
+      const int64_t qrow = int64_t{64} * 128;
+      std::vector<uint8_t> qc(6 * qrow);
+      std::vector<float> w(6 * 64);
+      for (int r = 0; r < 6; ++r) {
+        std::copy_n(s.q_codes.begin() + (r % 4) * qrow, qrow, qc.begin() + r * qrow);
+        std::copy_n(s.weights.begin() + (r % 4) * 64, 64, w.begin() + r * 64);
+      }
+      s.q_codes = qc;
+      s.weights = w;
+      s.q_scales.assign(6 * 64 * 4, 0);
+    }
+    auto ds = UploadScene(this, s);
+    const int32_t rows = s.num_rows();
+    const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
+    const int64_t bins = kernels::cuda::kTopKBins;
+    DeviceBuffer dlog = Poisoned<float>(rows * stride, NAN);
+    DeviceBuffer dhist = Upload(std::vector<uint32_t>(rows * bins, 0u));
+    kernels::cuda::PagedLogitsArgs la;
+    la.cache = ds->cache;
+    la.rows = ds->rows;
+    la.q = ds->q;
+    la.logits = dlog.as<float>();
+    la.logits_stride = stride;
+    la.row_histogram = dhist.as<uint32_t>();
+    const MqaVariant v = MqaVariant::kWgmmaKeysMFused;  // the variant with the hook
+    ASSERT_TRUE(kernels::cuda::MqaVariantFillsHistogram(v));
+    ASSERT_FALSE(kernels::cuda::MqaVariantNeedsSchedule(v, la));
+    ASSERT_TRUE(backend_->Synchronize().ok());
+    ASSERT_TRUE(kernels::cuda::LaunchMqaVariant(v, la, c.num_sms, nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> logits = Download<float>(dlog, rows * stride);
+    const std::vector<uint32_t> hist = Download<uint32_t>(dhist, rows * bins);
+    for (int32_t r = 0; r < rows; ++r) {
+      std::vector<uint32_t> want(bins, 0u);
+      for (int32_t t = 0; t < s.row_length[r]; t += kernels::cuda::kTopKSampleStride) {
+        ++want[kernels::cuda::TopKBucket(HostOrderedKey(logits[r * stride + t]))];
+      }
+      EXPECT_TRUE(std::equal(want.begin(), want.end(), hist.begin() + r * bins)) << "row " << r;
+    }
+  }
+}
+
+// Variants take FP8 / 64 heads only.
+TEST_F(GpuTest, VariantsRefuseOtherShapes) {
+  Scene s = MakeScene(Spec(CacheFormat::kFp4, 32, {3000}, 1));
+  auto ds = UploadScene(this, s);
+  kernels::cuda::PagedLogitsArgs a;
+  a.cache = ds->cache;
+  a.rows = ds->rows;
+  a.q = ds->q;
+  for (const MqaVariant v : kernels::cuda::kAllMqaVariants) {
+    EXPECT_EQ(kernels::cuda::LaunchMqaVariant(v, a, NumSms(), nullptr).code(),
+              absl::StatusCode::kInvalidArgument)
+        << kernels::cuda::MqaVariantName(v);
+  }
+}
+
+}  // namespace
+}  // namespace decode_indexer::testing
