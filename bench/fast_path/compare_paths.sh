@@ -22,7 +22,7 @@ server_bin=$(ls "$bin"/decode-indexer-server "$bin"/server/decode-indexer-server
 load_bin=$(ls "$bin"/decode-indexer-load "$bin"/client/load/decode-indexer-load 2>/dev/null | head -1)
 port=$((40000 + RANDOM % 20000))
 sock=/tmp/di-fast-path-bench-$$.sock
-pages=$(( requests * ((context + 4 * steps * next_n + 400) / 64 + 2) ))
+pages=$(( 2 * requests * ((context + 4 * steps * next_n + 400) / 16 + 2) ))  # page_size 16 or more
 "$server_bin" --listen 127.0.0.1:$port --backend "$backend" --ranks 1 --profile "$profile" \
   --cache-pages "$pages" --shm-socket "$sock" --log-level warn >"$out/server.log" 2>&1 &
 server=$!
