@@ -506,6 +506,27 @@ absl::Status IndexerClient::UnregisterCudaIpcMemory(uint64_t region_id) {
   return FromGrpcStatus(stub_->UnregisterCudaIpcMemory(&context, request, &response));
 }
 
+absl::StatusOr<v1::RegisterStepRingResponse> IndexerClient::RegisterStepRing(
+    const v1::RegisterStepRingRequest& request) {
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::RegisterStepRingResponse response;
+  grpc::Status s = stub_->RegisterStepRing(&context, request, &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response;
+}
+
+absl::StatusOr<uint64_t> IndexerClient::UnregisterStepRing(uint64_t ring_id) {
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::UnregisterStepRingRequest request;
+  request.set_ring_id(ring_id);
+  v1::UnregisterStepRingResponse response;
+  grpc::Status s = stub_->UnregisterStepRing(&context, request, &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response.steps();
+}
+
 absl::StatusOr<std::unique_ptr<SharedMemory>> SharedMemory::Create(const std::string& name,
                                                                    uint64_t size) {
   const std::string label = name.empty() ? std::string("di-client") : name;

@@ -226,6 +226,11 @@ class IndexerClient {
   absl::StatusOr<uint64_t> RegisterCudaIpcMemory(std::string_view handle, uint64_t size,
                                                  int32_t device);
   absl::Status UnregisterCudaIpcMemory(uint64_t region_id);
+  // The fast path's control calls (client/fast_path.h drives them; FastPathRing is the
+  // usual way in).
+  absl::StatusOr<v1::RegisterStepRingResponse> RegisterStepRing(
+      const v1::RegisterStepRingRequest& request);
+  absl::StatusOr<uint64_t> UnregisterStepRing(uint64_t ring_id);  // answers the ring's steps
 
   // Sequence lifecycle (spec section 10). Rollback is an AppendKeys / a step whose keys carry
   // a position (AppendKeysRequest.position, SequenceStep.new_keys_position).

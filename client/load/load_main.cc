@@ -63,6 +63,9 @@ int main(int argc, char** argv) {
   app.add_flag("--shared-memory", o.shared_memory,
                "q, weights and answers through a POSIX shm region per worker (server on this "
                "host)");
+  app.add_flag("--fast-path", o.fast_path,
+               "steps through a step ring in shared memory per worker (no gRPC per step; "
+               "server on this host with --shm-socket; implies --columnar)");
   app.add_option("--requests-per-step", o.requests_per_step,
                  "sequences (requests) in each DecodeStep")
       ->capture_default_str();

@@ -19,6 +19,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "client/fast_path.h"
 #include "client/indexer_client.h"
 #include "client/load/server_model.h"
 #include "client/load/verify.h"
@@ -131,6 +132,9 @@ struct Worker {
   bool region_registered = false;
   // Bytes of q, q_scales and weights the current step put in the region (for --verify).
   size_t region_bytes[3] = {0, 0, 0};
+  // --fast-path: the worker's control client and its step ring.
+  std::unique_ptr<client::IndexerClient> control;
+  std::unique_ptr<client::FastPathRing> ring;
   uint64_t next_step_id = 0;
   int failures_in_a_row = 0;  // for the backoff
   Clock::time_point last_done;
@@ -146,7 +150,41 @@ class LoadRun {
         layout_(LayoutRegion(options_, model_)) {}
 
   // --shared-memory: creates the worker's region and registers it with the server.
+  // --fast-path: the worker's step ring, with room for its biggest step's data.
+  absl::Status SetUpFastPath(Worker& w) {
+    client::ClientOptions co;
+    co.auth_token = options_.channel.bearer_token;
+    absl::StatusOr<std::unique_ptr<client::IndexerClient>> control =
+        client::IndexerClient::Connect(options_.channel.target, co);
+    if (!control.ok()) return control.status();
+    w.control = *std::move(control);
+    client::FastPathOptions fo;
+    // q (fp32 at most) + weights + positions + keys (fp32 at most) + answer + candidates.
+    const uint64_t rows = uint64_t(options_.requests_per_step) * options_.next_n;
+    fo.data_bytes =
+        rows * (uint64_t(model_.num_heads) * model_.head_dim * 4 + uint64_t(model_.num_heads) * 8 +
+                8 + uint64_t(model_.head_dim) * 4 + 8 + uint64_t(model_.topk) * 4 +
+                uint64_t(std::max(0, model_.num_candidate_blocks)) * 4) +
+        (1 << 16);
+    fo.slot_bytes = 16384;
+    while (fo.slot_bytes < (1u << 20) &&
+           uint64_t(fo.slot_bytes) < 512 + uint64_t(options_.requests_per_step) * 64) {
+      fo.slot_bytes *= 2;
+    }
+    absl::StatusOr<std::unique_ptr<client::FastPathRing>> ring =
+        client::FastPathRing::Create(*w.control, fo);
+    if (!ring.ok()) {
+      return absl::Status(ring.status().code(),
+                          absl::StrCat("--fast-path (the server must run on this host with "
+                                       "--shm-socket): ",
+                                       ring.status().message()));
+    }
+    w.ring = *std::move(ring);
+    return absl::OkStatus();
+  }
+
   absl::Status SetUpSharedMemory(Worker& w) {
+    if (options_.fast_path) return SetUpFastPath(w);
     if (!options_.shared_memory) return absl::OkStatus();
     // pid + worker + seed bits: unique on this host even next to a stale object left by a
     // killed run with a recycled pid.
@@ -181,6 +219,11 @@ class LoadRun {
   }
 
   void TearDownSharedMemory(Worker& w) {
+    if (w.ring) {
+      w.ring->Unregister().IgnoreError();
+      w.ring.reset();
+      w.control.reset();
+    }
     if (w.region_registered) {
       grpc::ClientContext context;
       PrepareContext(options_.channel, &context);
@@ -273,11 +316,11 @@ class LoadRun {
       grpc::Status status = BuildStep(w, layer, rows, verifying && score, &request);
 
       // What crosses gRPC (shared-memory bytes do not), before anything is decoded.
-      const size_t request_bytes = request.ByteSizeLong();
+      const size_t request_bytes = w.ring ? 0 : request.ByteSizeLong();
       v1::DecodeStepResponse response;
       const Clock::time_point sent = Clock::now();
       if (status.ok()) status = Call(w, request, &response);
-      const size_t response_bytes = response.ByteSizeLong();
+      const size_t response_bytes = w.ring ? 0 : response.ByteSizeLong();
       // A delta answer is decoded before the clock stops: a frontend can use it only then.
       if (status.ok()) status = DecodeDeltaAnswer(&response);
       const Clock::time_point answered = Clock::now();
@@ -603,6 +646,16 @@ class LoadRun {
 
   grpc::Status Call(Worker& w, const v1::DecodeStepRequest& request,
                     v1::DecodeStepResponse* response) {
+    if (w.ring) {
+      // The tensors are copied into the ring's data area, the answer comes back from it.
+      absl::StatusOr<v1::DecodeStepResponse> got = w.ring->StepRequest(request);
+      if (!got.ok()) {
+        return grpc::Status(static_cast<grpc::StatusCode>(got.status().code()),
+                            std::string(got.status().message()));
+      }
+      *response = *std::move(got);
+      return grpc::Status::OK;
+    }
     if (!options_.streaming) {
       grpc::ClientContext context;
       PrepareContext(options_.channel, &context);
@@ -781,6 +834,17 @@ absl::Status CheckOptions(const LoadOptions& o) {
         "answer into the region as int32)");
   }
   if (o.deadline_ms < 0) return absl::InvalidArgumentError("--deadline must be >= 0");
+  if (o.fast_path && (o.shared_memory || o.streaming)) {
+    return absl::InvalidArgumentError(
+        "--fast-path is its own path: drop --shared-memory / --streaming");
+  }
+  if (o.fast_path && o.answer_encoding != v1::ANSWER_ENCODING_RAW) {
+    return absl::InvalidArgumentError("--fast-path answers int32 (--answer-encoding raw)");
+  }
+  if (o.fast_path && !o.channel.tls_ca.empty()) {
+    return absl::InvalidArgumentError(
+        "--fast-path: use the server's plaintext address (same host)");
+  }
   return absl::OkStatus();
 }
 
@@ -795,6 +859,7 @@ double BackoffDelayMs(int failures, double initial_ms, double max_ms, double jit
 absl::StatusOr<Report> RunLoad(const LoadOptions& options_in) {
   LoadOptions options = options_in;
   if (absl::Status s = CheckOptions(options); !s.ok()) return s;
+  if (options.fast_path) options.columnar = true;  // a descriptor is the columnar form
   if (options.seed == 0) {
     options.seed = static_cast<uint64_t>(Clock::now().time_since_epoch().count());
   }
@@ -1013,6 +1078,7 @@ absl::StatusOr<Report> RunLoad(const LoadOptions& options_in) {
       {"answer_encoding",
        options.answer_encoding == v1::ANSWER_ENCODING_DELTA_VARINT ? "delta" : "raw"},
       {"shared_memory", options.shared_memory},
+      {"fast_path", options.fast_path},
       {"requests_per_step", options.requests_per_step},
       {"next_n", options.next_n},
       {"draft_reject", options.draft_reject},

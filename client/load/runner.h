@@ -40,6 +40,10 @@ struct LoadOptions {
   // weights go there instead of into the request, and the server writes the answer there.
   // The server must run on this host.
   bool shared_memory = false;
+  // Each worker registers a step ring (client/fast_path.h) and steps through it instead of
+  // gRPC: the same-host fast path. Implies the columnar form; the server must run on this
+  // host with --shm-socket; plaintext channel (the token is sent on the control calls).
+  bool fast_path = false;
   int32_t requests_per_step = 8;
   int32_t next_n = 1;
   // Speculative decoding (needs next_n > 1): each draft token (rows 2..next_n of a request) is

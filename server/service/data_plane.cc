@@ -52,6 +52,7 @@ void EncodeTopkDelta(std::span<const int32_t> topk, int32_t rows, int32_t k, std
 SharedMemoryRegion::~SharedMemoryRegion() {
   if (release_) release_();
   if (base_ != nullptr) munmap(base_, size_);
+  if (owner_pidfd_ >= 0) close(owner_pidfd_);
 }
 
 absl::StatusOr<uint8_t*> SharedMemoryRegion::Span(const char* field, uint64_t offset,
@@ -77,7 +78,14 @@ uint64_t RandomRegionId() {
 
 absl::StatusOr<uint64_t> SharedMemoryRegistry::RegisterFd(
     int fd, uint64_t size, uint32_t owner_uid,
-    const std::function<void(SharedMemoryRegion&)>& on_map) {
+    const std::function<void(SharedMemoryRegion&)>& on_map, int owner_pidfd) {
+  // Closed on every failure; handed to the region on success.
+  struct PidfdGuard {
+    int fd;
+    ~PidfdGuard() {
+      if (fd >= 0) close(fd);
+    }
+  } pidfd{owner_pidfd};
   if (size == 0 || size > kMaxRegionBytes) {
     return absl::InvalidArgumentError(absl::StrCat("size: must be in [1, 2^40] bytes, got ", size));
   }
@@ -126,7 +134,8 @@ absl::StatusOr<uint64_t> SharedMemoryRegistry::RegisterFd(
   if (base == MAP_FAILED) {
     return absl::ResourceExhaustedError(absl::StrCat("mmap: ", std::strerror(errno)));
   }
-  auto region = std::make_shared<SharedMemoryRegion>(base, size, owner_uid);
+  auto region = std::make_shared<SharedMemoryRegion>(base, size, owner_uid, pidfd.fd);
+  pidfd.fd = -1;
   if (on_map) on_map(*region);
   std::lock_guard<std::mutex> lock(mu_);
   // Checked again: a racing registration may have taken the last slot meanwhile.

@@ -27,8 +27,11 @@ uint64_t RandomRegionId();
 // A mapped client region (a sealed memfd); unmapped when the last step using it lets go.
 class SharedMemoryRegion {
  public:
-  SharedMemoryRegion(void* base, uint64_t size, uint32_t owner_uid)
-      : base_(static_cast<uint8_t*>(base)), size_(size), owner_uid_(owner_uid) {}
+  SharedMemoryRegion(void* base, uint64_t size, uint32_t owner_uid, int owner_pidfd = -1)
+      : base_(static_cast<uint8_t*>(base)),
+        size_(size),
+        owner_uid_(owner_uid),
+        owner_pidfd_(owner_pidfd) {}
   ~SharedMemoryRegion();
   SharedMemoryRegion(const SharedMemoryRegion&) = delete;
   SharedMemoryRegion& operator=(const SharedMemoryRegion&) = delete;
@@ -39,6 +42,10 @@ class SharedMemoryRegion {
   uint8_t* base() const { return base_; }
   uint64_t size() const { return size_; }
   uint32_t owner_uid() const { return owner_uid_; }
+  // A pidfd of the process that registered the region (SO_PEERCRED at the shm socket),
+  // readable once it has exited; -1 when unknown. The region owns it. The fast path's
+  // poller watches it to release a dead worker's ring.
+  int owner_pidfd() const { return owner_pidfd_; }
   // Runs just before the unmap (e.g. to undo a page-lock of the region).
   void SetReleaseHook(std::function<void()> hook) { release_ = std::move(hook); }
   // Whether the region was page-locked for every device (set once, before first use): the
@@ -50,6 +57,7 @@ class SharedMemoryRegion {
   uint8_t* base_;
   uint64_t size_;
   uint32_t owner_uid_;
+  int owner_pidfd_;
   std::function<void()> release_;
   bool page_locked_ = false;
 };
@@ -64,11 +72,12 @@ class SharedMemoryRegistry {
   // `owner_uid`: the descriptor must be a read-write memfd sealed against shrinking and
   // growing with the seals themselves sealed (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), so
   // the mapping can never lose its pages (no SIGBUS), of at least `size` bytes. `on_map`
-  // (optional) sees the new region before it can be used (page-locking). Answers the new
-  // region's random id.
+  // (optional) sees the new region before it can be used (page-locking). `owner_pidfd`
+  // (optional, see SharedMemoryRegion::owner_pidfd) is taken over: closed on failure, else
+  // by the region. Answers the new region's random id.
   absl::StatusOr<uint64_t> RegisterFd(
       int fd, uint64_t size, uint32_t owner_uid,
-      const std::function<void(SharedMemoryRegion&)>& on_map = nullptr);
+      const std::function<void(SharedMemoryRegion&)>& on_map = nullptr, int owner_pidfd = -1);
   absl::Status Unregister(uint64_t region_id);
   absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> Get(uint64_t region_id) const;
   size_t size() const;

@@ -334,7 +334,10 @@ const char* IndexerService::MethodName(Method m) {
                                            "ForkSequence",
                                            "GetSequence",
                                            "ExportSequence",
-                                           "ImportSequence"};
+                                           "ImportSequence",
+                                           "RegisterStepRing",
+                                           "UnregisterStepRing",
+                                           "RingStep"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == kNumMethods);
   return kNames[m];
 }
@@ -509,6 +512,23 @@ absl::Status IndexerService::RunStep(grpc::ServerContext* context,
     bytes = view(request.weights(), "weights", "weights_offset", sm.weights_offset());
     if (!bytes.ok()) return bytes.status();
     external.weights = *bytes;
+    // Optional: positions and (columnar) new keys read there too.
+    if (sm.has_positions_offset()) {
+      bytes = view(request.positions(), "positions", "positions_offset", sm.positions_offset());
+      if (!bytes.ok()) return bytes.status();
+      external.positions = *bytes;
+    }
+    if (sm.has_new_keys_offset()) {
+      bytes = view(request.new_keys(), "new_keys", "new_keys_offset", sm.new_keys_offset());
+      if (!bytes.ok()) return bytes.status();
+      external.new_keys = *bytes;
+    }
+    if (sm.has_new_key_scales_offset()) {
+      bytes = view(request.new_key_scales(), "new_key_scales", "new_key_scales_offset",
+                   sm.new_key_scales_offset());
+      if (!bytes.ok()) return bytes.status();
+      external.new_key_scales = *bytes;
+    }
   }
   absl::StatusOr<DecodedStep> decoded = DecodeStepRequest(request, profile, external);
   if (!decoded.ok()) return decoded.status();
@@ -732,6 +752,7 @@ void IndexerService::FillStatistics(v1::Statistics& out) const {
   out.set_healthy(st.healthy);
   out.set_health_detail(st.health_detail);
   out.set_collective(st.collective);
+  out.set_step_rings(static_cast<int64_t>(step_rings_.size()));
   for (int32_t r = 0; r < st.num_ranks; ++r) {
     out.add_device_memory_bytes(
         size_t(r) < st.device_memory_bytes.size() ? st.device_memory_bytes[r] : 0);
@@ -1058,6 +1079,63 @@ grpc::Status IndexerService::ImportSequence(grpc::ServerContext* context,
     for (const exec::CacheImage& c : image->caches) response->add_lengths(c.length);
     return absl::OkStatus();
   });
+}
+
+}  // namespace decode_indexer::service
+
+namespace decode_indexer::service {
+
+grpc::Status IndexerService::RegisterStepRing(grpc::ServerContext* context,
+                                              const v1::RegisterStepRingRequest* request,
+                                              v1::RegisterStepRingResponse* response) {
+  return Handle(kRegisterStepRing, context, [&]() -> absl::Status {
+    absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> region = shm_.Get(request->region_id());
+    if (!region.ok()) {
+      return absl::NotFoundError(
+          "region_id: no such shared-memory region (register the ring's memfd over the shm "
+          "socket first)");
+    }
+    StepRingConfig config;
+    config.region_id = request->region_id();
+    config.slots = request->slots();
+    config.slot_bytes = request->slot_bytes();
+    config.spin_us = request->spin_us() == 0 ? 50 : request->spin_us();
+    absl::StatusOr<v1::RegisterStepRingResponse> registered = step_rings_.Register(
+        *std::move(region), config, executor_.profile(),
+        [this](const v1::DecodeStepRequest& step, v1::DecodeStepResponse& answer,
+               Clock::time_point taken) { return RunRingStep(step, answer, taken); },
+        // The owner is gone: so is its region (the ring held the last use of it).
+        [this](uint64_t region_id) { shm_.Unregister(region_id).IgnoreError(); });
+    if (!registered.ok()) return registered.status();
+    *response = *std::move(registered);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status IndexerService::UnregisterStepRing(grpc::ServerContext* context,
+                                                const v1::UnregisterStepRingRequest* request,
+                                                v1::UnregisterStepRingResponse* response) {
+  return Handle(kUnregisterStepRing, context, [&]() -> absl::Status {
+    absl::StatusOr<uint64_t> steps = step_rings_.Unregister(request->ring_id());
+    if (!steps.ok()) return steps.status();
+    response->set_steps(*steps);
+    return absl::OkStatus();
+  });
+}
+
+absl::Status IndexerService::RunRingStep(const v1::DecodeStepRequest& request,
+                                         v1::DecodeStepResponse& response,
+                                         Clock::time_point taken) {
+  // RunStep asks its context for the call's deadline and cancellation: a context bound to no
+  // call has neither (an infinite deadline, never cancelled), which is what a ring step is.
+  grpc::ServerContext no_call;
+  absl::Status s = restoring_ ? absl::UnavailableError("the server is restoring its snapshot")
+                              : WithLostSequenceHint(Guarded(
+                                    [&] { return RunStep(&no_call, request, response, taken); }));
+  const double us = MicrosSince(taken);
+  stats_[kRingStep].Record(us, s.code());
+  rpc_seconds_[kRingStep]->Observe(us * 1e-6);
+  return s;
 }
 
 }  // namespace decode_indexer::service

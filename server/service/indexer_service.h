@@ -21,6 +21,7 @@
 #include "server/service/gpu_utilization.h"
 #include "server/service/metrics.h"
 #include "server/service/shm_socket.h"
+#include "server/service/step_ring.h"
 
 namespace decode_indexer::service {
 
@@ -95,6 +96,15 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   grpc::Status UnregisterCudaIpcMemory(grpc::ServerContext* context,
                                        const v1::UnregisterCudaIpcMemoryRequest* request,
                                        v1::UnregisterCudaIpcMemoryResponse* response) override;
+  // The fast path (step_ring.h): a step ring in a registered region, served by a poller.
+  grpc::Status RegisterStepRing(grpc::ServerContext* context,
+                                const v1::RegisterStepRingRequest* request,
+                                v1::RegisterStepRingResponse* response) override;
+  grpc::Status UnregisterStepRing(grpc::ServerContext* context,
+                                  const v1::UnregisterStepRingRequest* request,
+                                  v1::UnregisterStepRingResponse* response) override;
+  // Stops every step ring's poller (the Server's drain, before the executor stops).
+  void StopStepRings() { step_rings_.StopAll(); }
   grpc::Status TruncateSequence(grpc::ServerContext* context,
                                 const v1::TruncateSequenceRequest* request,
                                 v1::TruncateSequenceResponse* response) override;
@@ -173,6 +183,9 @@ class IndexerService final : public v1::DecodeIndexer::Service {
     kGetSequence,
     kExportSequence,
     kImportSequence,
+    kRegisterStepRing,
+    kUnregisterStepRing,
+    kRingStep,  // a step through a step ring (not an RPC): the fast path's count and latency
     kNumMethods
   };
   static const char* MethodName(Method m);
@@ -188,6 +201,10 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   absl::Status RunStep(grpc::ServerContext* context, const v1::DecodeStepRequest& request,
                        v1::DecodeStepResponse& response,
                        std::chrono::steady_clock::time_point read_at);
+  // A step ring's descriptor, as RunStep runs a gRPC step (same checks, same admission
+  // order), with no call behind it: no deadline but timeout_us, never cancelled.
+  absl::Status RunRingStep(const v1::DecodeStepRequest& request, v1::DecodeStepResponse& response,
+                           std::chrono::steady_clock::time_point taken);
   absl::Status Authorize(const grpc::ServerContext* context) const;
   // After a failed call: whether the executor turned unhealthy; if so, tell the sink once.
   void CheckHealth(const absl::Status& status);
@@ -228,6 +245,8 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   // NVML, opened at the first scrape of a CUDA server (never on host backends).
   mutable std::once_flag gpu_utilization_once_;
   mutable std::unique_ptr<GpuUtilization> gpu_utilization_;
+  // Last: its pollers run steps through everything above, so they stop first.
+  StepRingRegistry step_rings_;
 };
 
 }  // namespace decode_indexer::service

@@ -292,14 +292,17 @@ bool OwnsCache(const config::LayerSpec& spec) {
 }
 
 // Keys in any accepted form for a cache of `format` (AppendKeys.keys / new_keys).
-absl::StatusOr<exec::KeysInput> DecodeKeys(const v1::Tensor& keys, const v1::Tensor& scales,
-                                           absl::string_view keys_field,
-                                           absl::string_view scales_field, CacheFormat format,
-                                           const config::Profile& profile,
-                                           std::vector<float>& scale_storage,
-                                           std::vector<std::vector<uint8_t>>& realigned,
-                                           int64_t expected_n = kFree) {
+absl::StatusOr<exec::KeysInput> DecodeKeys(
+    const v1::Tensor& keys, const v1::Tensor& scales, absl::string_view keys_field,
+    absl::string_view scales_field, CacheFormat format, const config::Profile& profile,
+    std::vector<float>& scale_storage, std::vector<std::vector<uint8_t>>& realigned,
+    int64_t expected_n = kFree, std::optional<std::string_view> keys_at = {},
+    std::optional<std::string_view> scales_at = {}) {
   const int32_t d = profile.head_dim;
+  // The bytes: the Tensors' own, or where the caller found them (a shared-memory region).
+  const std::string_view keys_data = keys_at.value_or(std::string_view(keys.data()));
+  const std::string_view scales_data = scales_at.value_or(std::string_view(scales.data()));
+  const bool scales_absent = !scales_at.has_value() && IsAbsent(scales);
   const v1::DType quantized = format == CacheFormat::kFp8 ? v1::DTYPE_FP8_E4M3 : v1::DTYPE_FP4_E2M1;
   if (keys.dtype() == v1::DTYPE_FP8_E4M3 || keys.dtype() == v1::DTYPE_FP4_E2M1) {
     if (keys.dtype() != quantized) {
@@ -311,45 +314,50 @@ absl::StatusOr<exec::KeysInput> DecodeKeys(const v1::Tensor& keys, const v1::Ten
   }
   const v1::DType allowed[] = {v1::DTYPE_FP32, v1::DTYPE_BF16, quantized};
   const Dim dims[] = {{expected_n, "n", profile.max_context}, {d}};
-  absl::StatusOr<std::vector<int64_t>> shape = CheckTensor(keys, keys_field, allowed, dims);
+  absl::StatusOr<std::vector<int64_t>> shape =
+      CheckTensor(keys, keys_data, keys_field, allowed, dims);
   if (!shape.ok()) return shape.status();
   const int64_t n = (*shape)[0];
   if (n == 0) return Invalid(absl::StrCat(keys_field, ".shape"), "no keys (n = 0)");
-  if (absl::Status s = CheckValues(keys, keys_field, *shape, false); !s.ok()) return s;
+  if (absl::Status s = CheckValues(keys, keys_data, keys_field, *shape, false); !s.ok()) return s;
 
   exec::KeysInput out;
   out.type = ToElemType(keys.dtype());
   out.count = static_cast<int32_t>(n);
   const bool pre_quantized = keys.dtype() == quantized;
   if (!pre_quantized) {
-    if (!IsAbsent(scales)) {
+    if (!scales_absent) {
       return Invalid(scales_field,
                      absl::StrCat("only with pre-quantized keys; ", DTypeName(keys.dtype()),
                                   " keys are quantized by the server"));
     }
-    out.keys = AlignedView(keys.data(), keys.dtype() == v1::DTYPE_FP32 ? 4 : 2, realigned);
+    out.keys = AlignedView(keys_data, keys.dtype() == v1::DTYPE_FP32 ? 4 : 2, realigned);
     return out;
   }
-  out.keys = keys.data().data();
-  if (IsAbsent(scales)) {
+  out.keys = keys_data.data();
+  if (scales_absent) {
     return Invalid(scales_field, absl::StrCat("required with ", DTypeName(quantized), " keys"));
   }
   if (format == CacheFormat::kFp8) {
     const v1::DType scale_types[] = {v1::DTYPE_FP32};
     const Dim scale_dims[] = {{n}};
     absl::StatusOr<std::vector<int64_t>> sshape =
-        CheckTensor(scales, scales_field, scale_types, scale_dims);
+        CheckTensor(scales, scales_data, scales_field, scale_types, scale_dims);
     if (!sshape.ok()) return sshape.status();
-    if (absl::Status s = CheckValues(scales, scales_field, *sshape, true); !s.ok()) return s;
-    out.scales = AlignedFloats(scales.data(), scale_storage);
+    if (absl::Status s = CheckValues(scales, scales_data, scales_field, *sshape, true); !s.ok()) {
+      return s;
+    }
+    out.scales = AlignedFloats(scales_data, scale_storage);
   } else {
     const v1::DType scale_types[] = {v1::DTYPE_UE8M0};
     const Dim scale_dims[] = {{n}, {d / 32}};
     absl::StatusOr<std::vector<int64_t>> sshape =
-        CheckTensor(scales, scales_field, scale_types, scale_dims);
+        CheckTensor(scales, scales_data, scales_field, scale_types, scale_dims);
     if (!sshape.ok()) return sshape.status();
-    if (absl::Status s = CheckValues(scales, scales_field, *sshape, false); !s.ok()) return s;
-    out.scales = scales.data().data();
+    if (absl::Status s = CheckValues(scales, scales_data, scales_field, *sshape, false); !s.ok()) {
+      return s;
+    }
+    out.scales = scales_data.data();
   }
   return out;
 }
@@ -477,7 +485,8 @@ absl::Status ColumnLength(absl::string_view field, int got, int64_t want, absl::
 // Answers the step's rows.
 absl::StatusOr<int64_t> DecodeColumnar(const v1::DecodeStepRequest& request,
                                        const config::LayerSpec& spec,
-                                       const config::Profile& profile, DecodedStep& out) {
+                                       const config::Profile& profile,
+                                       const ExternalStepBytes& external, DecodedStep& out) {
   const int n = request.sequence_ids_size();
   const uint64_t* ids = request.sequence_ids().data();
   const int32_t max_rows = profile.max_rows_per_sequence;
@@ -519,7 +528,8 @@ absl::StatusOr<int64_t> DecodeColumnar(const v1::DecodeStepRequest& request,
     positions = request.new_keys_positions().data();
   }
   const bool owns = OwnsCache(spec);
-  const bool has_keys = !IsAbsent(request.new_keys()) || !IsAbsent(request.new_key_scales());
+  const bool has_keys = external.new_keys.has_value() || external.new_key_scales.has_value() ||
+                        !IsAbsent(request.new_keys()) || !IsAbsent(request.new_key_scales());
   auto no_keys = [&] {
     return absl::StrCat("layer ", spec.layer, " reads layer ", spec.cache_layer,
                         "'s cache and takes no keys");
@@ -619,9 +629,9 @@ absl::StatusOr<int64_t> DecodeColumnar(const v1::DecodeStepRequest& request,
                                   "), got ", ShapeString(keys)));
     }
     out.key_scales.resize(1);
-    absl::StatusOr<exec::KeysInput> all =
-        DecodeKeys(keys, request.new_key_scales(), "new_keys", "new_key_scales", spec.cache_format,
-                   profile, out.key_scales[0], out.realigned, total_keys);
+    absl::StatusOr<exec::KeysInput> all = DecodeKeys(
+        keys, request.new_key_scales(), "new_keys", "new_key_scales", spec.cache_format, profile,
+        out.key_scales[0], out.realigned, total_keys, external.new_keys, external.new_key_scales);
     if (!all.ok()) return all.status();
     const char* base = static_cast<const char*>(all->keys);
     const char* scales = static_cast<const char*>(all->scales);
@@ -704,7 +714,13 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
                    absl::StrCat("unknown value ", request.answer_encoding(),
                                 " (expected ANSWER_ENCODING_RAW or ANSWER_ENCODING_DELTA_VARINT)"));
   }
-  const bool columnar = HasColumnarFields(request);
+  const bool columnar = HasColumnarFields(request) || external.new_keys.has_value() ||
+                        external.new_key_scales.has_value();
+  if ((external.new_keys || external.new_key_scales) && request.sequences_size() > 0) {
+    return Invalid(
+        external.new_keys ? "shared_memory.new_keys_offset" : "shared_memory.new_key_scales_offset",
+        "only with the columnar form (sequence_ids), not with sequences");
+  }
   if (columnar && request.sequences_size() > 0) {
     return Invalid(FirstColumnarField(request),
                    "the columnar form cannot be mixed with sequences (send one form)");
@@ -725,7 +741,7 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
   out.step.layer = request.layer();
   out.step.step_id = request.step_id();
   out.step.return_candidates = request.return_candidates();
-  absl::StatusOr<int64_t> rows_or = columnar ? DecodeColumnar(request, spec, profile, out)
+  absl::StatusOr<int64_t> rows_or = columnar ? DecodeColumnar(request, spec, profile, external, out)
                                              : DecodeSequenceMessages(request, spec, profile, out);
   if (!rows_or.ok()) return rows_or.status();
   const int64_t total_rows = *rows_or;
@@ -803,18 +819,20 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
   }
 
   // positions [rows]: RoPE needs the unrotated q, so only with unquantized q.
-  if (!IsAbsent(request.positions())) {
+  if (external.positions.has_value() || !IsAbsent(request.positions())) {
     if (q_quantized) {
       return Invalid("positions", absl::StrCat("only with unquantized (DTYPE_FP32 or DTYPE_BF16) "
                                                "q; ",
                                                DTypeName(q.dtype()), " q is already rotated"));
     }
+    const std::string_view p_data =
+        external.positions.value_or(std::string_view(request.positions().data()));
     const v1::DType p_types[] = {v1::DTYPE_INT32, v1::DTYPE_INT64};
     const Dim p_dims[] = {{total_rows}};
     absl::StatusOr<std::vector<int64_t>> p_shape =
-        CheckTensor(request.positions(), "positions", p_types, p_dims);
+        CheckTensor(request.positions(), p_data, "positions", p_types, p_dims);
     if (!p_shape.ok()) return p_shape.status();
-    const std::string& data = request.positions().data();
+    const std::string_view data = p_data;
     const bool is32 = request.positions().dtype() == v1::DTYPE_INT32;
     out.positions.resize(total_rows);
     for (int64_t r = 0; r < total_rows; ++r) {

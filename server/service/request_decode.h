@@ -52,13 +52,18 @@ struct DecodedStep {
 absl::StatusOr<DecodedAppend> DecodeAppendKeys(const v1::AppendKeysRequest& request,
                                                const config::Profile& profile);
 
-// Bytes of q / q_scales / weights that live outside the request (a client's shared-memory
-// region): those Tensors then carry dtype and shape only, and are checked and read in place
-// here, so the decoded step points into the region (no staging copy).
+// Bytes of q / q_scales / weights / positions (and, in the columnar form, new_keys /
+// new_key_scales) that live outside the request (a client's shared-memory region): those
+// Tensors then carry dtype and shape only, and are checked and read in place here, so the
+// decoded step points into the region (no staging copy). The fast path's descriptors
+// (server/service/step_ring.cc) decode through here too: one set of checks for both.
 struct ExternalStepBytes {
   std::optional<std::string_view> q;
   std::optional<std::string_view> q_scales;
   std::optional<std::string_view> weights;
+  std::optional<std::string_view> positions;
+  std::optional<std::string_view> new_keys;
+  std::optional<std::string_view> new_key_scales;
 };
 
 absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& request,

@@ -334,6 +334,8 @@ void Server::Shutdown(std::chrono::milliseconds deadline) {
     // Stops accepting at once; in-flight calls get until the deadline, then are cancelled.
     server_->Shutdown(std::chrono::system_clock::now() + deadline);
   }
+  // The fast path's pollers too: after this nothing changes a sequence.
+  if (service_ != nullptr) service_->StopStepRings();
   if (executor_ != nullptr && !snapshot_dir_.empty()) {
     // After the drain: no call can change a sequence any more.
     absl::StatusOr<SnapshotInfo> info =

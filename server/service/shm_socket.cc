@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -171,7 +172,10 @@ void ShmSocketServer::HandleConnection(int conn) {
   } else if (fds.size() != 1 || (msg.msg_flags & MSG_CTRUNC)) {
     result = absl::InvalidArgumentError("request: expected exactly one descriptor (SCM_RIGHTS)");
   } else {
-    result = registry_->RegisterFd(fds[0], GetU64(buf + 8), cred.uid, on_map_);
+    // The registering process, watched by the fast path (a ring in this region is released
+    // when it exits). Opened while the peer waits for its reply, so the pid is still its.
+    const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, cred.pid, 0));
+    result = registry_->RegisterFd(fds[0], GetU64(buf + 8), cred.uid, on_map_, pidfd);
   }
   for (int fd : fds) close(fd);
   if (!result.ok()) {

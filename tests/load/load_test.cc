@@ -517,6 +517,25 @@ TEST_F(LoadTest, RealServerSharedMemoryUnaryVerifies) {
   EXPECT_TRUE(server.Stop().has_value());
 }
 
+// Every step through each worker's step ring (the same-host fast path): every tracked row
+// still matches the reference (the candidate blocks too), and nothing crossed gRPC per step.
+TEST_F(LoadTest, RealServerFastPathVerifies) {
+  RealServer server(std::string(DI_LOAD_TEST_DIR) + "/v41-tiny.toml", Path("server.log"));
+  ASSERT_TRUE(server.WaitReady()) << ReadText(Path("server.log"));
+  const int rc = RunLoad({"--target", server.target(), "--fast-path", "--concurrency", "2",
+                          "--requests-per-step", "2", "--next-n", "2", "--context", "300",
+                          "--steps", "4", "--verify", "--verify-sequences", "4",
+                          "--verify-tolerance", "0", "--seed", Seed(), "--json", Path("r.json")});
+  EXPECT_EQ(rc, 0) << Log() << ReadText(Path("server.log"));
+  const nlohmann::json report = ReadJson("r.json");
+  ExpectCleanVerifiedRun(report, 4);
+  EXPECT_GT(report["verify"]["candidate_rows_checked"].get<int>(), 0);
+  EXPECT_EQ(report["verify"]["candidate_rows_mismatched"].get<int>(), 0);
+  EXPECT_TRUE(report["config"]["fast_path"].get<bool>());
+  EXPECT_EQ(RequestBytesPerRpc(report), 0);
+  EXPECT_TRUE(server.Stop().has_value());
+}
+
 TEST_F(LoadTest, RealServerSharedMemoryStreamingFp32Verifies) {
   RealServer server(std::string(DI_LOAD_TEST_DIR) + "/v32-tiny.toml", Path("server.log"));
   ASSERT_TRUE(server.WaitReady()) << ReadText(Path("server.log"));

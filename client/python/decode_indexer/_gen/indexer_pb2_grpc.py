@@ -69,6 +69,16 @@ class DecodeIndexerStub(object):
                 request_serializer=decode__indexer_dot_v1_dot_indexer__pb2.UnregisterCudaIpcMemoryRequest.SerializeToString,
                 response_deserializer=decode__indexer_dot_v1_dot_indexer__pb2.UnregisterCudaIpcMemoryResponse.FromString,
                 )
+        self.RegisterStepRing = channel.unary_unary(
+                '/decode_indexer.v1.DecodeIndexer/RegisterStepRing',
+                request_serializer=decode__indexer_dot_v1_dot_indexer__pb2.RegisterStepRingRequest.SerializeToString,
+                response_deserializer=decode__indexer_dot_v1_dot_indexer__pb2.RegisterStepRingResponse.FromString,
+                )
+        self.UnregisterStepRing = channel.unary_unary(
+                '/decode_indexer.v1.DecodeIndexer/UnregisterStepRing',
+                request_serializer=decode__indexer_dot_v1_dot_indexer__pb2.UnregisterStepRingRequest.SerializeToString,
+                response_deserializer=decode__indexer_dot_v1_dot_indexer__pb2.UnregisterStepRingResponse.FromString,
+                )
         self.TruncateSequence = channel.unary_unary(
                 '/decode_indexer.v1.DecodeIndexer/TruncateSequence',
                 request_serializer=decode__indexer_dot_v1_dot_indexer__pb2.TruncateSequenceRequest.SerializeToString,
@@ -171,6 +181,21 @@ class DecodeIndexerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterStepRing(self, request, context):
+        """The fast path: a step ring in a registered shared-memory region (see
+        RegisterStepRingRequest). Released on UnregisterStepRing, when the process that
+        registered the region dies, and at shutdown.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterStepRing(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def TruncateSequence(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -260,6 +285,16 @@ def add_DecodeIndexerServicer_to_server(servicer, server):
                     servicer.UnregisterCudaIpcMemory,
                     request_deserializer=decode__indexer_dot_v1_dot_indexer__pb2.UnregisterCudaIpcMemoryRequest.FromString,
                     response_serializer=decode__indexer_dot_v1_dot_indexer__pb2.UnregisterCudaIpcMemoryResponse.SerializeToString,
+            ),
+            'RegisterStepRing': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterStepRing,
+                    request_deserializer=decode__indexer_dot_v1_dot_indexer__pb2.RegisterStepRingRequest.FromString,
+                    response_serializer=decode__indexer_dot_v1_dot_indexer__pb2.RegisterStepRingResponse.SerializeToString,
+            ),
+            'UnregisterStepRing': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterStepRing,
+                    request_deserializer=decode__indexer_dot_v1_dot_indexer__pb2.UnregisterStepRingRequest.FromString,
+                    response_serializer=decode__indexer_dot_v1_dot_indexer__pb2.UnregisterStepRingResponse.SerializeToString,
             ),
             'TruncateSequence': grpc.unary_unary_rpc_method_handler(
                     servicer.TruncateSequence,
@@ -480,6 +515,40 @@ class DecodeIndexer(object):
         return grpc.experimental.unary_unary(request, target, '/decode_indexer.v1.DecodeIndexer/UnregisterCudaIpcMemory',
             decode__indexer_dot_v1_dot_indexer__pb2.UnregisterCudaIpcMemoryRequest.SerializeToString,
             decode__indexer_dot_v1_dot_indexer__pb2.UnregisterCudaIpcMemoryResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def RegisterStepRing(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/decode_indexer.v1.DecodeIndexer/RegisterStepRing',
+            decode__indexer_dot_v1_dot_indexer__pb2.RegisterStepRingRequest.SerializeToString,
+            decode__indexer_dot_v1_dot_indexer__pb2.RegisterStepRingResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def UnregisterStepRing(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/decode_indexer.v1.DecodeIndexer/UnregisterStepRing',
+            decode__indexer_dot_v1_dot_indexer__pb2.UnregisterStepRingRequest.SerializeToString,
+            decode__indexer_dot_v1_dot_indexer__pb2.UnregisterStepRingResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
