@@ -1,0 +1,380 @@
+#include "server/service/callback_edge.h"
+
+#include <grpcpp/impl/codegen/server_callback_handlers.h>
+#include <grpcpp/impl/rpc_service_method.h>
+#include <grpcpp/support/proto_buffer_reader.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "server/service/auth.h"
+#include "server/service/logging.h"
+#include "server/service/status_mapping.h"
+
+namespace decode_indexer::service {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Method = IndexerService::Method;
+
+enum class Kind { kUnary, kServerStream, kClientStream, kBidi };
+
+struct Entry {
+  std::string path;  // "/decode_indexer.v1.DecodeIndexer/<method>"
+  Method method;
+  Kind kind;
+  const google::protobuf::Message* request;  // prototypes (default instances)
+  const google::protobuf::Message* response;
+};
+
+// The DecodeIndexer methods by their gRPC path.
+const std::unordered_map<std::string, Entry>& Table() {
+  static const auto* table = [] {
+    auto* t = new std::unordered_map<std::string, Entry>();
+    auto add = [t](Method m, Kind k, const google::protobuf::Message& request,
+                   const google::protobuf::Message& response) {
+      const std::string path = std::string(kTokenGuardedPrefix) + IndexerService::MethodName(m);
+      t->emplace(path, Entry{path, m, k, &request, &response});
+    };
+    using S = IndexerService;
+    add(S::kGetServerInfo, Kind::kUnary, v1::GetServerInfoRequest::default_instance(),
+        v1::ServerInfo::default_instance());
+    add(S::kCreateSequence, Kind::kUnary, v1::CreateSequenceRequest::default_instance(),
+        v1::CreateSequenceResponse::default_instance());
+    add(S::kAppendKeys, Kind::kUnary, v1::AppendKeysRequest::default_instance(),
+        v1::AppendKeysResponse::default_instance());
+    add(S::kReleaseSequence, Kind::kUnary, v1::ReleaseSequenceRequest::default_instance(),
+        v1::ReleaseSequenceResponse::default_instance());
+    add(S::kDecodeStep, Kind::kUnary, v1::DecodeStepRequest::default_instance(),
+        v1::DecodeStepResponse::default_instance());
+    add(S::kDecodeStream, Kind::kBidi, v1::DecodeStepRequest::default_instance(),
+        v1::DecodeStepResponse::default_instance());
+    add(S::kGetStatistics, Kind::kUnary, v1::GetStatisticsRequest::default_instance(),
+        v1::Statistics::default_instance());
+    add(S::kRegisterSharedMemory, Kind::kUnary, v1::RegisterSharedMemoryRequest::default_instance(),
+        v1::RegisterSharedMemoryResponse::default_instance());
+    add(S::kUnregisterSharedMemory, Kind::kUnary,
+        v1::UnregisterSharedMemoryRequest::default_instance(),
+        v1::UnregisterSharedMemoryResponse::default_instance());
+    add(S::kRegisterCudaIpcMemory, Kind::kUnary,
+        v1::RegisterCudaIpcMemoryRequest::default_instance(),
+        v1::RegisterCudaIpcMemoryResponse::default_instance());
+    add(S::kUnregisterCudaIpcMemory, Kind::kUnary,
+        v1::UnregisterCudaIpcMemoryRequest::default_instance(),
+        v1::UnregisterCudaIpcMemoryResponse::default_instance());
+    add(S::kTruncateSequence, Kind::kUnary, v1::TruncateSequenceRequest::default_instance(),
+        v1::TruncateSequenceResponse::default_instance());
+    add(S::kForkSequence, Kind::kUnary, v1::ForkSequenceRequest::default_instance(),
+        v1::ForkSequenceResponse::default_instance());
+    add(S::kGetSequence, Kind::kUnary, v1::GetSequenceRequest::default_instance(),
+        v1::GetSequenceResponse::default_instance());
+    add(S::kExportSequence, Kind::kServerStream, v1::ExportSequenceRequest::default_instance(),
+        v1::SequenceChunk::default_instance());
+    add(S::kImportSequence, Kind::kClientStream, v1::ImportSequenceRequest::default_instance(),
+        v1::ImportSequenceResponse::default_instance());
+    return t;
+  }();
+  return *table;
+}
+
+const Entry* Lookup(const std::string& path) {
+  auto it = Table().find(path);
+  return it == Table().end() ? nullptr : &it->second;
+}
+
+// Parses straight from the received slices (no flattening into one buffer first), then lets
+// them go. protobuf 3.21 copies a `bytes` field into its own std::string once (as the sync
+// edge's deserializer does); that is the only copy of a tensor on the way in.
+bool Parse(grpc::ByteBuffer& buffer, google::protobuf::Message& message) {
+  if (!buffer.Valid() || buffer.Length() == 0) {
+    message.Clear();  // an empty message: every field at its default
+    buffer.Clear();
+    return true;
+  }
+  bool ok;
+  {
+    grpc::ProtoBufferReader reader(&buffer);
+    ok = message.ParseFromZeroCopyStream(&reader) && reader.status().ok();
+  }
+  buffer.Clear();
+  return ok;
+}
+
+// Into one slice of exactly the message's size: one pass over the answer, no chunking.
+void Serialize(const google::protobuf::Message& message, grpc::ByteBuffer& out) {
+  const size_t size = message.ByteSizeLong();
+  grpc::Slice slice(size);
+  message.SerializeWithCachedSizesToArray(const_cast<uint8_t*>(slice.begin()));
+  grpc::ByteBuffer buffer(&slice, 1);
+  out.Swap(&buffer);
+}
+
+}  // namespace
+
+WorkerPool::WorkerPool(int threads) {
+  for (int i = 0; i < std::max(1, threads); ++i) threads_.emplace_back([this] { Run(); });
+}
+
+WorkerPool::~WorkerPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  for (std::thread& t : threads_) t.join();
+}
+
+void WorkerPool::Post(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+}
+
+void WorkerPool::Run() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;  // stopping, and nothing left
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    task();
+  }
+}
+
+int DefaultEdgeWorkers() {
+  return std::max(4, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
+// One call. Reactions (the constructor, OnReadDone, OnWriteDone) run on gRPC's threads and
+// only start operations or post work; the bodies run on the pool. Every path ends in exactly
+// one Finish / StartWriteAndFinish, after which gRPC calls OnDone and the call deletes itself;
+// no task touches the call after starting its final operation.
+class CallbackEdge::Call final : public grpc::ServerGenericBidiReactor {
+ public:
+  // `entry`: the method, null for an unknown `path`.
+  Call(CallbackEdge& edge, grpc::CallbackServerContext* context, const Entry* entry,
+       const std::string& path)
+      : edge_(edge), service_(edge.service_), call_(context), entry_(entry), path_(path) {
+    edge_.open_calls_.fetch_add(1, std::memory_order_relaxed);
+    if (entry_ == nullptr) {
+      // The token first on the guarded prefix: without it a client learns nothing, not even
+      // which methods exist.
+      absl::Status s = std::string_view(path).starts_with(kTokenGuardedPrefix)
+                           ? service_.Authorize(call_)
+                           : absl::OkStatus();
+      s = s.ok() ? absl::UnimplementedError(
+                       absl::StrCat("method ", EchoInput(path), " is not served here"))
+                 : absl::UnauthenticatedError(
+                       absl::StrCat(s.message(), "; refused before the request was read"));
+      Finish(ToGrpcStatus(s));
+      return;
+    }
+    // Before any message is read: a refused call's bytes are never buffered beyond the
+    // stream's flow-control window, and never parsed.
+    if (absl::Status s = service_.AuthorizeBeforeRead(entry_->method, call_); !s.ok()) {
+      Finish(ToGrpcStatus(s));
+      return;
+    }
+    if (entry_->kind == Kind::kBidi) {
+      if (absl::Status s = service_.OpenStream(call_, request_id_); !s.ok()) {
+        Finish(ToGrpcStatus(s));
+        return;
+      }
+    } else if (entry_->kind == Kind::kClientStream) {
+      import_ = service_.ImportBegin(call_);
+      if (!import_->status.ok()) {
+        edge_.pool_.Post([this] { EndImport(); });
+        return;
+      }
+    }
+    StartRead(&in_);
+  }
+
+  void OnReadDone(bool ok) override {
+    const auto read_at = Clock::now();
+    if (ok) edge_.bytes_read_.fetch_add(in_.Length(), std::memory_order_relaxed);
+    switch (entry_->kind) {
+      case Kind::kUnary:
+      case Kind::kServerStream:
+        if (!ok) {
+          Finish(ToGrpcStatus(
+              absl::InvalidArgumentError("request: the call ended without its request message")));
+          return;
+        }
+        edge_.pool_.Post([this, read_at] { RunUnary(read_at); });
+        return;
+      case Kind::kBidi:
+        if (!ok) {  // the client closed its side (or went away): every step was answered
+          Finish(grpc::Status::OK);
+          return;
+        }
+        edge_.pool_.Post([this, read_at] { RunStreamStep(read_at); });
+        return;
+      case Kind::kClientStream:
+        edge_.pool_.Post([this, ok] {
+          if (ok) {
+            RunImportChunk();
+          } else {
+            EndImport();
+          }
+        });
+        return;
+    }
+  }
+
+  void OnWriteDone(bool ok) override {
+    out_.Clear();
+    if (!ok) {
+      Finish(ToGrpcStatus(absl::CancelledError("the client went away")));
+      return;
+    }
+    if (entry_->kind == Kind::kServerStream) {
+      WriteNextChunk();
+    } else {  // DecodeStream: the answer is out; only now read the next request
+      StartRead(&in_);
+    }
+  }
+
+  void OnDone() override {
+    edge_.open_calls_.fetch_sub(1, std::memory_order_relaxed);
+    delete this;
+  }
+
+ private:
+  // Unary methods and ExportSequence (one request).
+  void RunUnary(Clock::time_point read_at) {
+    std::unique_ptr<google::protobuf::Message> request(entry_->request->New());
+    if (!Parse(in_, *request)) {
+      Finish(ToGrpcStatus(UnparseableRequestError(path_)));
+      return;
+    }
+    if (entry_->kind == Kind::kServerStream) {
+      RunExport(static_cast<const v1::ExportSequenceRequest&>(*request));
+      return;
+    }
+    std::unique_ptr<google::protobuf::Message> response(entry_->response->New());
+    absl::Status s = service_.Unary(entry_->method, call_, *request, *response, read_at);
+    if (!s.ok()) {
+      Finish(ToGrpcStatus(s));
+      return;
+    }
+    request.reset();
+    Serialize(*response, out_);
+    StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
+  }
+
+  // The chunks are serialized up front (the image is in memory anyway), so no worker waits
+  // for a slow reader: the reactor writes them one after another.
+  void RunExport(const v1::ExportSequenceRequest& request) {
+    absl::Status s = service_.Export(call_, request, [this](v1::SequenceChunk& chunk) {
+      chunks_.emplace_back();
+      Serialize(chunk, chunks_.back());
+      return absl::OkStatus();
+    });
+    if (!s.ok()) {
+      chunks_.clear();
+      Finish(ToGrpcStatus(s));
+      return;
+    }
+    WriteNextChunk();
+  }
+
+  void WriteNextChunk() {
+    if (next_chunk_ == chunks_.size()) {
+      chunks_.clear();
+      Finish(grpc::Status::OK);
+      return;
+    }
+    out_.Swap(&chunks_[next_chunk_++]);
+    StartWrite(&out_);
+  }
+
+  void RunStreamStep(Clock::time_point read_at) {
+    ScopedRequestId scope(request_id_);
+    // Per step, not per stream: an idle stream keeps no request or answer buffers.
+    v1::DecodeStepRequest request;
+    if (!Parse(in_, request)) {
+      Finish(ToGrpcStatus(UnparseableRequestError(path_)));
+      return;
+    }
+    v1::DecodeStepResponse response;
+    absl::Status s = service_.StreamStep(call_, request, response, read_at);
+    if (!s.ok()) {
+      Finish(ToGrpcStatus(s));
+      return;
+    }
+    Serialize(response, out_);
+    StartWrite(&out_);
+  }
+
+  void RunImportChunk() {
+    v1::ImportSequenceRequest request;
+    const absl::Status s = Parse(in_, request) ? service_.ImportChunk(*import_, request)
+                                               : (import_->status = UnparseableRequestError(path_));
+    if (!s.ok()) {
+      EndImport();
+      return;
+    }
+    StartRead(&in_);
+  }
+
+  void EndImport() {
+    v1::ImportSequenceResponse response;
+    absl::Status s = service_.ImportEnd(call_, *import_, response);
+    if (!s.ok()) {
+      Finish(ToGrpcStatus(s));
+      return;
+    }
+    Serialize(response, out_);
+    StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
+  }
+
+  CallbackEdge& edge_;
+  IndexerService& service_;
+  GrpcCallContext call_;
+  const Entry* entry_;
+  const std::string path_;
+  grpc::ByteBuffer in_;
+  grpc::ByteBuffer out_;
+  std::string request_id_;                              // DecodeStream
+  std::vector<grpc::ByteBuffer> chunks_;                // ExportSequence
+  size_t next_chunk_ = 0;                               // ExportSequence
+  std::unique_ptr<IndexerService::ImportCall> import_;  // ImportSequence
+};
+
+// Every DecodeIndexer method registered under its own path but as a raw bidi callback
+// method: gRPC reads no message before the reactor starts one (a unary method registered as
+// unary would have its request read first), and the server lists the service (reflection).
+CallbackEdge::Methods::Methods(CallbackEdge& edge) {
+  int index = 0;
+  for (const auto& [path, entry] : Table()) {
+    AddMethod(new grpc::internal::RpcServiceMethod(
+        entry.path.c_str(), grpc::internal::RpcMethod::BIDI_STREAMING, nullptr));
+    const Entry* e = &entry;
+    MarkMethodRawCallback(
+        index++, new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
+                     [&edge, e](grpc::CallbackServerContext* context) {
+                       return new Call(edge, context, e, e->path);
+                     }));
+  }
+}
+
+CallbackEdge::CallbackEdge(IndexerService& service, int workers)
+    : service_(service), methods_(*this), pool_(workers > 0 ? workers : DefaultEdgeWorkers()) {}
+
+grpc::ServerGenericBidiReactor* CallbackEdge::CreateReactor(
+    grpc::GenericCallbackServerContext* context) {
+  return new Call(*this, context, Lookup(context->method()), context->method());
+}
+
+}  // namespace decode_indexer::service
