@@ -5,6 +5,7 @@
 #include <grpcpp/support/proto_buffer_reader.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -114,6 +115,38 @@ void Serialize(const google::protobuf::Message& message, grpc::ByteBuffer& out) 
   out.Swap(&buffer);
 }
 
+// Per worker thread and method, the request and answer messages reused from call to call:
+// cleared, their tensor buffers keep their capacity, so steady traffic allocates (and
+// page-faults) nothing for them, as the sync edge's stream loop reuses its two messages. Held
+// per worker, not per call, so open streams hold none; one that grew past kKeepBytes is
+// dropped after its call instead of kept.
+struct Scratch {
+  std::unique_ptr<google::protobuf::Message> request;
+  std::unique_ptr<google::protobuf::Message> response;
+};
+constexpr size_t kKeepBytes = size_t{8} << 20;
+
+Scratch& ScratchFor(const Entry& entry) {
+  thread_local std::array<Scratch, IndexerService::kNumMethods> scratch;
+  Scratch& s = scratch[entry.method];
+  if (s.request == nullptr) s.request.reset(entry.request->New());
+  if (s.response == nullptr) s.response.reset(entry.response->New());
+  return s;
+}
+
+void Recycle(std::unique_ptr<google::protobuf::Message>& message) {
+  if (message->SpaceUsedLong() > kKeepBytes) {
+    message.reset();
+  } else {
+    message->Clear();
+  }
+}
+
+void Recycle(Scratch& s) {
+  Recycle(s.request);
+  Recycle(s.response);
+}
+
 }  // namespace
 
 WorkerPool::WorkerPool(int threads) {
@@ -197,6 +230,10 @@ class CallbackEdge::Call final : public grpc::ServerGenericBidiReactor {
         return;
       }
     }
+    if (entry_->kind == Kind::kBidi) {
+      std::lock_guard<std::mutex> lock(mu_);
+      stream_.reading = true;
+    }
     StartRead(&in_);
   }
 
@@ -214,11 +251,7 @@ class CallbackEdge::Call final : public grpc::ServerGenericBidiReactor {
         edge_.pool_.Post([this, read_at] { RunUnary(read_at); });
         return;
       case Kind::kBidi:
-        if (!ok) {  // the client closed its side (or went away): every step was answered
-          Finish(grpc::Status::OK);
-          return;
-        }
-        edge_.pool_.Post([this, read_at] { RunStreamStep(read_at); });
+        StreamReadDone(ok, read_at);
         return;
       case Kind::kClientStream:
         edge_.pool_.Post([this, ok] {
@@ -233,16 +266,16 @@ class CallbackEdge::Call final : public grpc::ServerGenericBidiReactor {
   }
 
   void OnWriteDone(bool ok) override {
+    if (entry_->kind == Kind::kBidi) {
+      StreamWriteDone(ok);
+      return;
+    }
     out_.Clear();
     if (!ok) {
       Finish(ToGrpcStatus(absl::CancelledError("the client went away")));
       return;
     }
-    if (entry_->kind == Kind::kServerStream) {
-      WriteNextChunk();
-    } else {  // DecodeStream: the answer is out; only now read the next request
-      StartRead(&in_);
-    }
+    WriteNextChunk();  // ExportSequence
   }
 
   void OnDone() override {
@@ -253,40 +286,44 @@ class CallbackEdge::Call final : public grpc::ServerGenericBidiReactor {
  private:
   // Unary methods and ExportSequence (one request).
   void RunUnary(Clock::time_point read_at) {
-    std::unique_ptr<google::protobuf::Message> request(entry_->request->New());
-    if (!Parse(in_, *request)) {
+    Scratch& scratch = ScratchFor(*entry_);
+    google::protobuf::Message& request = *scratch.request;
+    if (!Parse(in_, request)) {
+      Recycle(scratch);
       Finish(ToGrpcStatus(UnparseableRequestError(path_)));
       return;
     }
     if (entry_->kind == Kind::kServerStream) {
-      RunExport(static_cast<const v1::ExportSequenceRequest&>(*request));
+      absl::Status s = RunExport(static_cast<const v1::ExportSequenceRequest&>(request));
+      Recycle(scratch);
+      if (!s.ok()) {
+        Finish(ToGrpcStatus(s));
+        return;
+      }
+      WriteNextChunk();
       return;
     }
-    std::unique_ptr<google::protobuf::Message> response(entry_->response->New());
-    absl::Status s = service_.Unary(entry_->method, call_, *request, *response, read_at);
+    google::protobuf::Message& response = *scratch.response;
+    absl::Status s = service_.Unary(entry_->method, call_, request, response, read_at);
+    if (s.ok()) Serialize(response, out_);
+    Recycle(scratch);
     if (!s.ok()) {
       Finish(ToGrpcStatus(s));
       return;
     }
-    request.reset();
-    Serialize(*response, out_);
     StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
   }
 
   // The chunks are serialized up front (the image is in memory anyway), so no worker waits
   // for a slow reader: the reactor writes them one after another.
-  void RunExport(const v1::ExportSequenceRequest& request) {
+  absl::Status RunExport(const v1::ExportSequenceRequest& request) {
     absl::Status s = service_.Export(call_, request, [this](v1::SequenceChunk& chunk) {
       chunks_.emplace_back();
       Serialize(chunk, chunks_.back());
       return absl::OkStatus();
     });
-    if (!s.ok()) {
-      chunks_.clear();
-      Finish(ToGrpcStatus(s));
-      return;
-    }
-    WriteNextChunk();
+    if (!s.ok()) chunks_.clear();
+    return s;
   }
 
   void WriteNextChunk() {
@@ -299,22 +336,148 @@ class CallbackEdge::Call final : public grpc::ServerGenericBidiReactor {
     StartWrite(&out_);
   }
 
-  void RunStreamStep(Clock::time_point read_at) {
-    ScopedRequestId scope(request_id_);
-    // Per step, not per stream: an idle stream keeps no request or answer buffers.
-    v1::DecodeStepRequest request;
-    if (!Parse(in_, request)) {
-      Finish(ToGrpcStatus(UnparseableRequestError(path_)));
+  // DecodeStream. Steps run one at a time and are answered in request order, while the next
+  // request is already being received (read ahead by one) and the previous answer may still
+  // be being written (one queued behind it): at most one request waiting, one step running,
+  // one answer written and one queued. The state is under mu_; operations are started after
+  // it is released.
+  struct StreamState {
+    bool reading = false;      // a read in flight (into in_)
+    bool half_closed = false;  // the client sent its last request
+    bool has_next = false;     // next / next_read_at: a request read, its step not started
+    grpc::ByteBuffer next;
+    Clock::time_point next_read_at;
+    bool stepping = false;  // a step on a worker
+    bool writing = false;   // out_ in flight
+    bool has_queued = false;
+    grpc::ByteBuffer queued;  // an answer waiting for out_'s write
+    bool failed = false;      // a step failed: its status once the writes are done
+    grpc::Status failure;
+    bool finished = false;
+  };
+  // What to start once mu_ is released.
+  struct Actions {
+    bool read = false;
+    bool write = false;
+    bool step = false;
+    grpc::ByteBuffer step_request;
+    Clock::time_point step_read_at;
+    bool finish = false;
+    grpc::Status status;
+  };
+
+  void StreamReadDone(bool ok, Clock::time_point read_at) {
+    Actions a;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stream_.reading = false;
+      if (!ok) {
+        stream_.half_closed = true;  // (or the client went away: then Finish is moot)
+      } else {
+        stream_.next.Swap(&in_);
+        stream_.has_next = true;
+        stream_.next_read_at = read_at;
+      }
+      Advance(a);
+    }
+    Act(a);
+  }
+
+  void StreamWriteDone(bool ok) {
+    Actions a;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stream_.writing = false;
+      out_.Clear();
+      if (!ok && !stream_.failed) {
+        stream_.failed = true;
+        stream_.failure = ToGrpcStatus(absl::CancelledError("the client went away"));
+        stream_.has_queued = false;
+        stream_.queued.Clear();
+      }
+      Advance(a);
+    }
+    Act(a);
+  }
+
+  // The next operations the state allows (mu_ held).
+  void Advance(Actions& a) {
+    StreamState& st = stream_;
+    if (st.finished) return;
+    if (!st.writing && st.has_queued) {
+      out_.Swap(&st.queued);
+      st.has_queued = false;
+      st.writing = true;
+      a.write = true;
+    }
+    if (st.failed) {
+      st.has_next = false;
+      st.next.Clear();
+      if (!st.stepping && !st.writing) {
+        st.finished = true;
+        a.finish = true;
+        a.status = st.failure;
+      }
       return;
     }
-    v1::DecodeStepResponse response;
-    absl::Status s = service_.StreamStep(call_, request, response, read_at);
-    if (!s.ok()) {
-      Finish(ToGrpcStatus(s));
-      return;
+    if (!st.stepping && st.has_next && !st.has_queued) {
+      st.stepping = true;
+      st.has_next = false;
+      a.step = true;
+      a.step_request.Swap(&st.next);
+      a.step_read_at = st.next_read_at;
     }
-    Serialize(response, out_);
-    StartWrite(&out_);
+    if (!st.reading && !st.half_closed && !st.has_next) {
+      st.reading = true;
+      a.read = true;
+    }
+    if (st.half_closed && !st.has_next && !st.stepping && !st.writing && !st.has_queued) {
+      st.finished = true;  // every step answered
+      a.finish = true;
+      a.status = grpc::Status::OK;
+    }
+  }
+
+  void Act(Actions& a) {
+    if (a.write) StartWrite(&out_);
+    if (a.read) StartRead(&in_);
+    if (a.step) {
+      edge_.pool_.Post([this, at = a.step_read_at, taken = std::move(a.step_request)]() mutable {
+        RunStreamStep(taken, at);
+      });
+    }
+    if (a.finish) Finish(a.status);
+  }
+
+  void RunStreamStep(grpc::ByteBuffer& buffer, Clock::time_point read_at) {
+    grpc::ByteBuffer answer;
+    absl::Status s;
+    {
+      ScopedRequestId scope(request_id_);
+      Scratch& scratch = ScratchFor(*entry_);
+      auto& request = static_cast<v1::DecodeStepRequest&>(*scratch.request);
+      auto& response = static_cast<v1::DecodeStepResponse&>(*scratch.response);
+      s = Parse(buffer, request) ? service_.StreamStep(call_, request, response, read_at)
+                                 : UnparseableRequestError(path_);
+      if (s.ok()) Serialize(response, answer);
+      Recycle(scratch);
+    }
+    Actions a;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stream_.stepping = false;
+      if (!s.ok()) {
+        if (!stream_.failed) {
+          stream_.failed = true;
+          stream_.failure = ToGrpcStatus(s);
+        }
+      } else if (!stream_.failed) {
+        stream_.queued.Swap(&answer);
+        stream_.has_queued = true;
+      }
+      Advance(a);
+    }
+    Act(a);
   }
 
   void RunImportChunk() {
@@ -350,6 +513,8 @@ class CallbackEdge::Call final : public grpc::ServerGenericBidiReactor {
   std::vector<grpc::ByteBuffer> chunks_;                // ExportSequence
   size_t next_chunk_ = 0;                               // ExportSequence
   std::unique_ptr<IndexerService::ImportCall> import_;  // ImportSequence
+  std::mutex mu_;                                       // DecodeStream: stream_
+  StreamState stream_;
 };
 
 // Every DecodeIndexer method registered under its own path but as a raw bidi callback
