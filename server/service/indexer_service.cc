@@ -994,8 +994,9 @@ std::string IndexerService::RenderMetrics() const {
   sample(family("steps_total", MetricType::Counter, "Steps the executor ran."), {},
          double(st.steps));
   sample(family("auth_refused_total", MetricType::Counter,
-                "Calls refused in gRPC's auth filter before their handler ran (TLS servers: "
-                "missing or wrong bearer token, client certificate not for client use)."),
+                "Calls refused before their request was read: on TLS in gRPC's auth filter "
+                "(missing or wrong bearer token, client certificate not for client use), on "
+                "plaintext by the callback edge (missing or wrong bearer token)."),
          {}, double(auth_refused_.load()));
   sample(family("steps_sharded_total", MetricType::Counter, "Steps row-sharded across ranks."), {},
          double(st.steps_sharded));
