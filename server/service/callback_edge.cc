@@ -31,6 +31,7 @@ struct Entry {
   Kind kind;
   const google::protobuf::Message* request;  // prototypes (default instances)
   const google::protobuf::Message* response;
+  bool data;  // the pool's data lane: waits for step admission or moves a sequence's bytes
 };
 
 // The DecodeIndexer methods by their gRPC path.
@@ -40,7 +41,10 @@ const std::unordered_map<std::string, Entry>& Table() {
     auto add = [t](Method m, Kind k, const google::protobuf::Message& request,
                    const google::protobuf::Message& response) {
       const std::string path = std::string(kTokenGuardedPrefix) + IndexerService::MethodName(m);
-      t->emplace(path, Entry{path, m, k, &request, &response});
+      using S = IndexerService;
+      const bool data = m == S::kDecodeStep || m == S::kDecodeStream || m == S::kAppendKeys ||
+                        m == S::kExportSequence || m == S::kImportSequence;
+      t->emplace(path, Entry{path, m, k, &request, &response, data});
     };
     using S = IndexerService;
     add(S::kGetServerInfo, Kind::kUnary, v1::GetServerInfoRequest::default_instance(),
@@ -150,6 +154,7 @@ void Recycle(Scratch& s) {
 }  // namespace
 
 WorkerPool::WorkerPool(int threads) {
+  max_data_ = std::max(1, threads - 1);
   for (int i = 0; i < std::max(1, threads); ++i) threads_.emplace_back([this] { Run(); });
 }
 
@@ -162,25 +167,36 @@ WorkerPool::~WorkerPool() {
   for (std::thread& t : threads_) t.join();
 }
 
-void WorkerPool::Post(std::function<void()> task) {
+void WorkerPool::Post(Lane lane, std::function<void()> task) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    tasks_.push_back(std::move(task));
+    (lane == Lane::kData ? data_ : control_).push_back(std::move(task));
   }
   cv_.notify_one();
 }
 
+bool WorkerPool::Runnable() const {
+  return !control_.empty() || (!data_.empty() && data_running_ < max_data_);
+}
+
 void WorkerPool::Run() {
+  std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    std::function<void()> task;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
-      if (tasks_.empty()) return;  // stopping, and nothing left
-      task = std::move(tasks_.front());
-      tasks_.pop_front();
-    }
+    cv_.wait(lock, [this] { return Runnable() || (stopping_ && data_.empty()); });
+    if (!Runnable()) return;  // stopping, and nothing left
+    const bool data = control_.empty();
+    std::deque<std::function<void()>>& queue = data ? data_ : control_;
+    std::function<void()> task = std::move(queue.front());
+    queue.pop_front();
+    if (data) ++data_running_;
+    lock.unlock();
     task();
+    lock.lock();
+    if (data) {
+      --data_running_;
+      // A data task may have been waiting for this slot while its thread slept.
+      if (!data_.empty()) cv_.notify_all();
+    }
   }
 }
 
@@ -226,7 +242,7 @@ class CallbackEdge::Call final : public grpc::ServerGenericBidiReactor {
     } else if (entry_->kind == Kind::kClientStream) {
       import_ = service_.ImportBegin(call_);
       if (!import_->status.ok()) {
-        edge_.pool_.Post([this] { EndImport(); });
+        edge_.pool_.Post(WorkerPool::Lane::kData, [this] { EndImport(); });
         return;
       }
     }
@@ -248,13 +264,14 @@ class CallbackEdge::Call final : public grpc::ServerGenericBidiReactor {
               absl::InvalidArgumentError("request: the call ended without its request message")));
           return;
         }
-        edge_.pool_.Post([this, read_at] { RunUnary(read_at); });
+        edge_.pool_.Post(entry_->data ? WorkerPool::Lane::kData : WorkerPool::Lane::kControl,
+                         [this, read_at] { RunUnary(read_at); });
         return;
       case Kind::kBidi:
         StreamReadDone(ok, read_at);
         return;
       case Kind::kClientStream:
-        edge_.pool_.Post([this, ok] {
+        edge_.pool_.Post(WorkerPool::Lane::kData, [this, ok] {
           if (ok) {
             RunImportChunk();
           } else {
@@ -442,9 +459,10 @@ class CallbackEdge::Call final : public grpc::ServerGenericBidiReactor {
     if (a.write) StartWrite(&out_);
     if (a.read) StartRead(&in_);
     if (a.step) {
-      edge_.pool_.Post([this, at = a.step_read_at, taken = std::move(a.step_request)]() mutable {
-        RunStreamStep(taken, at);
-      });
+      edge_.pool_.Post(WorkerPool::Lane::kData,
+                       [this, at = a.step_read_at, taken = std::move(a.step_request)]() mutable {
+                         RunStreamStep(taken, at);
+                       });
     }
     if (a.finish) Finish(a.status);
   }

@@ -32,19 +32,32 @@
 
 namespace decode_indexer::service {
 
-// A fixed number of threads running posted tasks in order of posting.
+// A fixed number of threads running posted tasks, each lane in order of posting. Data tasks
+// (steps, appends, imports, exports: they wait for step admission and the executor) run on at
+// most size - 1 threads at once, so a control call (server info, statistics, sequence
+// lifecycle) always finds a thread even while every other worker waits behind a step.
 class WorkerPool {
  public:
+  enum class Lane { kControl, kData };
   explicit WorkerPool(int threads);
   ~WorkerPool();  // runs what is queued, then joins
-  void Post(std::function<void()> task);
+  void Post(Lane lane, std::function<void()> task);
   int size() const { return static_cast<int>(threads_.size()); }
+  // Tasks posted to `lane` and not yet started.
+  int queued(Lane lane) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int>((lane == Lane::kData ? data_ : control_).size());
+  }
 
  private:
   void Run();
+  bool Runnable() const;  // mu_ held
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;
+  std::deque<std::function<void()>> control_;
+  std::deque<std::function<void()>> data_;
+  int data_running_ = 0;
+  int max_data_ = 1;
   bool stopping_ = false;
   std::vector<std::thread> threads_;
 };
@@ -72,6 +85,8 @@ class CallbackEdge final : public grpc::CallbackGenericService {
   uint64_t bytes_read() const { return bytes_read_.load(); }
   // Calls whose reactor exists (open streams included).
   int64_t open_calls() const { return open_calls_.load(); }
+  // Data tasks (steps, appends, imports, exports) waiting for a worker.
+  int data_tasks_queued() { return pool_.queued(WorkerPool::Lane::kData); }
 
  private:
   class Call;

@@ -94,7 +94,7 @@ class Server {
   int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
   IndexerService& service() { return *service_; }
   // The callback edge; null on the sync edge.
-  const CallbackEdge* callback_edge() const { return edge_.get(); }
+  CallbackEdge* callback_edge() const { return edge_.get(); }
   // "127.0.0.1:<port>" when listening on a wildcard or loopback address, else the listen host.
   std::string address() const { return address_; }
   const exec::Executor& executor() const { return *executor_; }

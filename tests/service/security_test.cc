@@ -417,6 +417,55 @@ TEST_F(SecurityTest, CallbackEdgeHoldsTenThousandStreamsOnAFixedPool) {
   }
 }
 
+// On the callback edge steps waiting for admission hold at most all but one worker: a control
+// call (here GetServerInfo) is still answered while every other worker waits behind a held
+// step, and the steps queued behind them run once admission is released. (With every worker
+// open to steps, the info call waited for the steps and ran into its deadline.)
+TEST_F(SecurityTest, ControlCallsAreAnsweredWhileStepsWaitForAdmission) {
+  if (TestEdge() != service::ServerOptions::GrpcEdge::kCallback) {
+    GTEST_SKIP() << "a property of the callback edge's pool";
+  }
+  Start([](service::ServerOptions& o) { o.edge_workers = 2; });
+  service::CallbackEdge* edge = s_->server->callback_edge();
+  ASSERT_NE(edge, nullptr);
+  constexpr int kSteps = 3;
+  const v1::DecodeStepRequest req = Step(0);
+  std::vector<absl::Status> results(kSteps);
+  std::vector<std::thread> threads;
+  {
+    std::unique_lock<std::mutex> hold = s_->server->service().HoldStepAdmissionForTesting();
+    for (int i = 0; i < kSteps; ++i) {
+      threads.emplace_back([&, i] {
+        std::unique_ptr<client::IndexerClient> c = OtherClient();
+        results[i] = c != nullptr ? c->DecodeStep(req).status() : absl::UnknownError("no client");
+      });
+    }
+    // Every step has reached the server: waiting for admission or for a worker (counts, not
+    // a clock; bounded so that a lost step fails instead of hanging).
+    for (int i = 0; i < 12000 && s_->server->service().StepsWaitingForAdmissionForTesting() +
+                                         edge->data_tasks_queued() <
+                                     kSteps;
+         ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT_EQ(
+        s_->server->service().StepsWaitingForAdmissionForTesting() + edge->data_tasks_queued(),
+        kSteps);
+    client::ClientOptions bounded;
+    bounded.timeout = std::chrono::seconds(20);
+    auto info_client = client::IndexerClient::Connect(s_->server->address(), bounded);
+    ASSERT_TRUE(info_client.ok()) << info_client.status();
+    absl::StatusOr<v1::ServerInfo> info = (*info_client)->ServerInfo();
+    EXPECT_TRUE(info.ok()) << info.status();
+    // One data slot of the two workers: the other steps wait in the pool, not on admission.
+    EXPECT_EQ(s_->server->service().StepsWaitingForAdmissionForTesting(), 1);
+  }
+  for (std::thread& t : threads) t.join();
+  for (const absl::Status& r : results) {
+    EXPECT_TRUE(r.ok()) << r;  // answered once admission was released
+  }
+}
+
 // ---- shared memory ------------------------------------------------------------------------
 
 std::string ShmName(const char* what) {
