@@ -111,8 +111,23 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--max-threads", options.max_threads,
-                 "threads the gRPC handlers may use in all (calls beyond wait for one)")
+                 "threads gRPC's sync handlers may use in all (calls beyond wait for one): every "
+                 "call on --grpc-edge sync, reflection on either edge")
       ->check(CLI::Range(8, 1 << 20))
+      ->capture_default_str();
+  std::string grpc_edge = "callback";
+  app.add_option("--grpc-edge", grpc_edge,
+                 "callback: one reactor per call, the token checked before a request is read "
+                 "(plaintext too), open streams cost no thread, the methods run on "
+                 "--edge-workers threads; sync: gRPC's sync service, a thread per running call "
+                 "(up to --max-threads), on plaintext the token checked after the request was "
+                 "read and parsed")
+      ->check(CLI::IsMember({"callback", "sync"}))
+      ->capture_default_str();
+  app.add_option("--edge-workers", options.edge_workers,
+                 "threads that run the methods on --grpc-edge callback (0: hardware threads, "
+                 "at least 4)")
+      ->check(CLI::Range(0, 4096))
       ->capture_default_str();
   app.add_option("--shm-socket", options.shm_socket,
                  "Unix socket on which clients of this host register sealed memfds as "
@@ -208,6 +223,8 @@ int main(int argc, char** argv) {
     // From the environment so the token stays out of `ps`.
     if (const char* env = std::getenv("DI_AUTH_TOKEN")) options.auth_token = env;
   }
+  options.grpc_edge = grpc_edge == "sync" ? service::ServerOptions::GrpcEdge::kSync
+                                          : service::ServerOptions::GrpcEdge::kCallback;
   options.reflection = reflection == "on" || (reflection == "auto" && options.auth_token.empty());
 
   absl::StatusOr<decode_indexer::config::Profile> profile =

@@ -38,6 +38,7 @@
 #include "common/cli.h"
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
+#include "server/service/callback_edge.h"
 #include "server/service/indexer_service.h"
 #include "server/service/request_decode.h"
 
@@ -364,8 +365,9 @@ void TimePieces(const Request& req, const di::config::Profile& profile, int64_t 
 }
 
 // Echo mode: the service in process over loopback, no compute.
+// `edges`: "sync", "callback" or "both" (each mode on each edge, in the same run).
 int RunEcho(const di::config::Profile& profile, const Request& req, int64_t context, int warmup,
-            int iters, bool pieces) {
+            int iters, bool pieces, const std::string& edges, int edge_workers) {
   EchoExecutor echo(profile, context, 1234);
   di::service::IndexerService service(echo, "bench");
   const std::string socket_path = "/tmp/di-bench-" + std::to_string(getpid()) + ".sock";
@@ -374,62 +376,76 @@ int RunEcho(const di::config::Profile& profile, const Request& req, int64_t cont
     return 1;
   }
   PrintHeader(false);
-  for (bool tuned : {false, true}) {
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.SetMaxReceiveMessageSize(512 << 20);
-    builder.SetMaxSendMessageSize(512 << 20);
-    if (tuned) {
-      builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 16 << 20);
-      builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-      builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 1 << 20);
-      builder.AddChannelArgument(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 4 << 20);
-    }
-    builder.RegisterService(&service);
-    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-    const std::string target = "127.0.0.1:" + std::to_string(port);
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(512 << 20);
-    args.SetMaxSendMessageSize(512 << 20);
-    if (tuned) Tune(args);
-    auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
-    auto stub = di::v1::DecodeIndexer::NewStub(channel);
-    const std::string suffix = tuned ? " tuned" : " default";
-    auto none = [](int) {};
-    auto mode = [&](const char* name, Request r, bool stream) {
-      PrintRow(name + suffix, RunMode(*stub, name, r, stream, warmup, iters, none), false);
-    };
-    Request delta = req;
-    delta.set_answer_encoding(di::v1::ANSWER_ENCODING_DELTA_VARINT);
-    mode("unary raw", req, false);
-    mode("unary delta", delta, false);
-    mode("stream raw", req, true);
-    mode("stream delta", delta, true);
-    for (int depth : {1, 2, 4}) {
-      std::printf("%-34s %10.2f GB/s of payload (request + response)\n",
-                  ("stream raw pipelined x" + std::to_string(depth) + suffix).c_str(),
-                  RunPipelined(*stub, req, depth, warmup + iters));
-    }
+  std::vector<bool> callback_edges;
+  if (edges != "callback") callback_edges.push_back(false);
+  if (edges != "sync") callback_edges.push_back(true);
+  for (bool callback : callback_edges) {
+    for (bool tuned : {false, true}) {
+      // Outlives the grpc::Server below (its reactors run until the server shut down).
+      std::unique_ptr<di::service::CallbackEdge> edge;
+      grpc::ServerBuilder builder;
+      int port = 0;
+      builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+      builder.SetMaxReceiveMessageSize(512 << 20);
+      builder.SetMaxSendMessageSize(512 << 20);
+      if (tuned) {
+        builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 16 << 20);
+        builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+        builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 1 << 20);
+        builder.AddChannelArgument(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 4 << 20);
+      }
+      if (callback) {
+        edge = std::make_unique<di::service::CallbackEdge>(service, edge_workers);
+        builder.RegisterService(edge->methods());
+      builder.RegisterCallbackGenericService(edge.get());
+      } else {
+        builder.RegisterService(&service);
+      }
+      std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+      const std::string target = "127.0.0.1:" + std::to_string(port);
+      grpc::ChannelArguments args;
+      args.SetMaxReceiveMessageSize(512 << 20);
+      args.SetMaxSendMessageSize(512 << 20);
+      if (tuned) Tune(args);
+      auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+      auto stub = di::v1::DecodeIndexer::NewStub(channel);
+      const std::string suffix =
+          std::string(tuned ? " tuned" : " default") + (callback ? " callback" : " sync");
+      auto none = [](int) {};
+      auto mode = [&](const char* name, Request r, bool stream) {
+        PrintRow(name + suffix, RunMode(*stub, name, r, stream, warmup, iters, none), false);
+      };
+      Request delta = req;
+      delta.set_answer_encoding(di::v1::ANSWER_ENCODING_DELTA_VARINT);
+      mode("unary raw", req, false);
+      mode("unary delta", delta, false);
+      mode("stream raw", req, true);
+      mode("stream delta", delta, true);
+      for (int depth : {1, 2, 4}) {
+        std::printf("%-34s %10.2f GB/s of payload (request + response)\n",
+                    ("stream raw pipelined x" + std::to_string(depth) + suffix).c_str(),
+                    RunPipelined(*stub, req, depth, warmup + iters));
+      }
 
-    // Shared memory: q and weights in the region, the answer written back there.
-    const std::string name = "/di-bench-" + std::to_string(getpid());
-    const uint64_t size = 64 << 20;
-    auto shm = di::client::SharedMemory::Create(name, size);
-    if (!shm.ok()) {
-      std::fprintf(stderr, "shm: %s\n", shm.status().ToString().c_str());
-      return 1;
+      // Shared memory: q and weights in the region, the answer written back there.
+      const std::string name = "/di-bench-" + std::to_string(getpid());
+      const uint64_t size = 64 << 20;
+      auto shm = di::client::SharedMemory::Create(name, size);
+      if (!shm.ok()) {
+        std::fprintf(stderr, "shm: %s\n", shm.status().ToString().c_str());
+        return 1;
+      }
+      absl::StatusOr<uint64_t> region = di::client::RegisterMemfd(socket_path, (*shm)->fd(), size);
+      if (!region.ok()) {
+        std::fprintf(stderr, "shm: %s\n", region.status().ToString().c_str());
+        return 1;
+      }
+      Request shared = req;
+      MoveToShared(shared, (*shm)->data(), *region);
+      mode("unary shm", shared, false);
+      mode("stream shm", shared, true);
+      server->Shutdown();
     }
-    absl::StatusOr<uint64_t> region = di::client::RegisterMemfd(socket_path, (*shm)->fd(), size);
-    if (!region.ok()) {
-      std::fprintf(stderr, "shm: %s\n", region.status().ToString().c_str());
-      return 1;
-    }
-    Request shared = req;
-    MoveToShared(shared, (*shm)->data(), *region);
-    mode("unary shm", shared, false);
-    mode("stream shm", shared, true);
-    server->Shutdown();
   }
   if (pieces) TimePieces(req, profile, context, std::max(50, iters));
   return 0;
@@ -641,6 +657,8 @@ int main(int argc, char** argv) {
   int64_t context = 32768;
   uint64_t first_id = 1000000;
   bool pieces = true;
+  std::string edges = "both";
+  int edge_workers = 0;
   CLI::App app{"decode-indexer-bench-data-plane: per-step transport cost"};
   app.add_option("--profile", profile_name, "built-in profile or file (echo mode)")
       ->capture_default_str();
@@ -654,6 +672,13 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed steps per mode")->capture_default_str();
   app.add_option("--first-id", first_id, "first sequence id (server mode)")->capture_default_str();
   app.add_flag("!--no-pieces", pieces, "skip timing the pieces (echo mode)");
+  app.add_option("--grpc-edge", edges,
+                 "echo mode: the service's gRPC edge, sync, callback or both (in one run)")
+      ->check(CLI::IsMember({"sync", "callback", "both"}))
+      ->capture_default_str();
+  app.add_option("--edge-workers", edge_workers,
+                 "echo mode: the callback edge's worker threads (0: the server's default)")
+      ->capture_default_str();
   decode_indexer::cli::AddVersion(app);
   DI_CLI_PARSE(app, argc, argv);
   std::mt19937_64 rng(42);
@@ -696,5 +721,5 @@ int main(int argc, char** argv) {
               static_cast<long long>(context));
   std::printf("# request %zu B; %d timed steps per mode after %d warm-up\n", req.ByteSizeLong(),
               iters, warmup);
-  return RunEcho(*profile, req, context, warmup, iters, pieces);
+  return RunEcho(*profile, req, context, warmup, iters, pieces, edges, edge_workers);
 }

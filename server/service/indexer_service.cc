@@ -28,13 +28,12 @@ double MicrosSince(Clock::time_point start) {
 }
 
 // The client's x-request-id when it is 1..128 printable ASCII characters, else a fresh one.
-std::string RequestIdOf(const grpc::ServerContext* context) {
-  const auto& md = context->client_metadata();
-  auto it = md.find(kRequestIdKey);
-  if (it != md.end() && !it->second.empty() && it->second.size() <= 128) {
+std::string RequestIdOf(const CallContext& context) {
+  const std::vector<std::string_view> ids = context.ClientMetadata(kRequestIdKey);
+  if (!ids.empty() && !ids.front().empty() && ids.front().size() <= 128) {
     bool printable = true;
-    for (char c : it->second) printable = printable && c > 0x20 && c < 0x7f;
-    if (printable) return std::string(it->second.data(), it->second.size());
+    for (char c : ids.front()) printable = printable && c > 0x20 && c < 0x7f;
+    if (printable) return std::string(ids.front());
   }
   return NewRequestId();
 }
@@ -61,9 +60,9 @@ absl::Status WithLostSequenceHint(absl::Status s) {
 // Echoes the call's request id in the initial and trailing metadata and makes it this
 // thread's (log lines carry it).
 struct RequestIdScope {
-  explicit RequestIdScope(grpc::ServerContext* context) : scope(RequestIdOf(context)) {
-    context->AddInitialMetadata(kRequestIdKey, CurrentRequestId());
-    context->AddTrailingMetadata(kRequestIdKey, CurrentRequestId());
+  explicit RequestIdScope(CallContext& context) : scope(RequestIdOf(context)) {
+    context.AddInitialMetadata(kRequestIdKey, CurrentRequestId());
+    context.AddTrailingMetadata(kRequestIdKey, CurrentRequestId());
   }
   ScopedRequestId scope;
 };
@@ -173,7 +172,7 @@ uint64_t ResponseBound(const v1::DecodeStepRequest& request, const config::Profi
 // The call's side of a state-changing executor call (exec::CallCheck), asked right before it
 // commits: a deadline that passed or a cancellation while it ran makes it commit nothing, so
 // a failed call never leaves state behind (the caller would retry it on top).
-exec::CallCheck CallCheckOf(const grpc::ServerContext* context) {
+exec::CallCheck CallCheckOf(const CallContext* context) {
   return [context]() -> absl::Status {
     // The deadline first: gRPC also cancels a call whose deadline passed.
     if (context->deadline() <= std::chrono::system_clock::now()) {
@@ -279,19 +278,26 @@ IndexerService::IndexerService(exec::Executor& executor, std::string version,
                           .Add({});
 }
 
-absl::Status IndexerService::Authorize(const grpc::ServerContext* context) const {
-  // On TLS the auth filter (auth.h) has checked the token before the request was read; on
-  // plaintext this is the only check. Either way the handler checks it too.
+absl::Status IndexerService::Authorize(const CallContext& context) const {
+  // Before the request is read: on TLS the auth filter (auth.h), on the callback edge
+  // AuthorizeBeforeRead. On the sync edge on plaintext this is the only check (after gRPC
+  // read and parsed the request). Either way the handler checks it too.
   if (options_.auth_token.empty()) return absl::OkStatus();
-  const auto& md = context->client_metadata();
-  auto range = md.equal_range("authorization");
-  for (auto it = range.first; it != range.second; ++it) {
-    if (BearerTokenMatches(std::string_view(it->second.data(), it->second.size()),
-                           options_.auth_token)) {
-      return absl::OkStatus();
-    }
+  for (std::string_view value : context.ClientMetadata("authorization")) {
+    if (BearerTokenMatches(value, options_.auth_token)) return absl::OkStatus();
   }
   return absl::UnauthenticatedError("missing or wrong bearer token (authorization metadata)");
+}
+
+absl::Status IndexerService::AuthorizeBeforeRead(Method method, CallContext& call) {
+  absl::Status s = Authorize(call);
+  if (s.ok()) return s;
+  RequestIdScope request_id(call);
+  auth_refused_.fetch_add(1, std::memory_order_relaxed);
+  stats_[method].Record(0, s.code());
+  rpc_seconds_[method]->Observe(0);
+  return absl::UnauthenticatedError(
+      absl::StrCat(s.message(), "; refused before the request was read"));
 }
 
 void IndexerService::SetHealthSink(std::function<void(bool serving)> sink) {
@@ -392,10 +398,11 @@ void IndexerService::FillServerInfo(v1::ServerInfo& info) const {
 }
 
 template <typename F>
-grpc::Status IndexerService::Handle(Method method, grpc::ServerContext* context, F&& body) {
+absl::Status IndexerService::Handle(Method method, CallContext& context, F&& body) {
   const auto start = Clock::now();
   RequestIdScope request_id(context);
   absl::Status s = Authorize(context);
+  if (!s.ok()) refused_after_read_.fetch_add(1, std::memory_order_relaxed);
   if (s.ok() && restoring_) {
     s = absl::UnavailableError("the server is restoring its snapshot (health NOT_SERVING); retry");
   }
@@ -406,57 +413,75 @@ grpc::Status IndexerService::Handle(Method method, grpc::ServerContext* context,
   spdlog::debug("{} {} in {:.0f} us (request {}){}{}", MethodName(method),
                 absl::StatusCodeToString(s.code()), us, CurrentRequestId(), s.ok() ? "" : ": ",
                 std::string(s.message()));
-  return ToGrpcStatus(s);
+  return s;
 }
 
 grpc::Status IndexerService::GetServerInfo(grpc::ServerContext* context,
-                                           const v1::GetServerInfoRequest*,
+                                           const v1::GetServerInfoRequest* request,
                                            v1::ServerInfo* response) {
-  return Handle(kGetServerInfo, context, [&] {
-    FillServerInfo(*response);
-    return absl::OkStatus();
-  });
+  GrpcCallContext call(context);
+  return ToGrpcStatus(Unary(kGetServerInfo, call, *request, *response, Clock::now()));
+}
+
+absl::Status IndexerService::DoGetServerInfo(CallContext& /*call*/,
+                                             const v1::GetServerInfoRequest& /*request*/,
+                                             v1::ServerInfo& response) {
+  FillServerInfo(response);
+  return absl::OkStatus();
 }
 
 grpc::Status IndexerService::CreateSequence(grpc::ServerContext* context,
                                             const v1::CreateSequenceRequest* request,
-                                            v1::CreateSequenceResponse*) {
-  return Handle(kCreateSequence, context, [&] {
-    return executor_.CreateSequence(request->sequence_id(), CallCheckOf(context));
-  });
+                                            v1::CreateSequenceResponse* response) {
+  GrpcCallContext call(context);
+  return ToGrpcStatus(Unary(kCreateSequence, call, *request, *response, Clock::now()));
+}
+
+absl::Status IndexerService::DoCreateSequence(CallContext& call,
+                                              const v1::CreateSequenceRequest& request,
+                                              v1::CreateSequenceResponse& /*response*/) {
+  return executor_.CreateSequence(request.sequence_id(), CallCheckOf(&call));
 }
 
 grpc::Status IndexerService::AppendKeys(grpc::ServerContext* context,
                                         const v1::AppendKeysRequest* request,
                                         v1::AppendKeysResponse* response) {
-  return Handle(kAppendKeys, context, [&]() -> absl::Status {
-    absl::StatusOr<DecodedAppend> decoded = DecodeAppendKeys(*request, executor_.profile());
-    if (!decoded.ok()) return decoded.status();
-    absl::StatusOr<int64_t> length = executor_.AppendKeys(decoded->sequence_id, decoded->layer,
-                                                          decoded->keys, CallCheckOf(context));
-    if (!length.ok()) {
-      CheckHealth(length.status());
-      return length.status();
-    }
-    response->set_length(*length);
-    return absl::OkStatus();
-  });
+  GrpcCallContext call(context);
+  return ToGrpcStatus(Unary(kAppendKeys, call, *request, *response, Clock::now()));
+}
+
+absl::Status IndexerService::DoAppendKeys(CallContext& call, const v1::AppendKeysRequest& request,
+                                          v1::AppendKeysResponse& response) {
+  absl::StatusOr<DecodedAppend> decoded = DecodeAppendKeys(request, executor_.profile());
+  if (!decoded.ok()) return decoded.status();
+  absl::StatusOr<int64_t> length =
+      executor_.AppendKeys(decoded->sequence_id, decoded->layer, decoded->keys, CallCheckOf(&call));
+  if (!length.ok()) {
+    CheckHealth(length.status());
+    return length.status();
+  }
+  response.set_length(*length);
+  return absl::OkStatus();
 }
 
 grpc::Status IndexerService::ReleaseSequence(grpc::ServerContext* context,
                                              const v1::ReleaseSequenceRequest* request,
                                              v1::ReleaseSequenceResponse* response) {
-  return Handle(kReleaseSequence, context, [&]() -> absl::Status {
-    absl::StatusOr<int64_t> freed =
-        executor_.ReleaseSequence(request->sequence_id(), CallCheckOf(context));
-    if (!freed.ok()) return freed.status();
-    response->set_pages_freed(*freed);
-    return absl::OkStatus();
-  });
+  GrpcCallContext call(context);
+  return ToGrpcStatus(Unary(kReleaseSequence, call, *request, *response, Clock::now()));
 }
 
-absl::Status IndexerService::RunStep(grpc::ServerContext* context,
-                                     const v1::DecodeStepRequest& request,
+absl::Status IndexerService::DoReleaseSequence(CallContext& call,
+                                               const v1::ReleaseSequenceRequest& request,
+                                               v1::ReleaseSequenceResponse& response) {
+  absl::StatusOr<int64_t> freed =
+      executor_.ReleaseSequence(request.sequence_id(), CallCheckOf(&call));
+  if (!freed.ok()) return freed.status();
+  response.set_pages_freed(*freed);
+  return absl::OkStatus();
+}
+
+absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepRequest& request,
                                      v1::DecodeStepResponse& response,
                                      std::chrono::steady_clock::time_point read_at) {
   steps_in_flight_->Increment();
@@ -689,38 +714,95 @@ grpc::Status IndexerService::DecodeStep(grpc::ServerContext* context,
                                         const v1::DecodeStepRequest* request,
                                         v1::DecodeStepResponse* response) {
   // gRPC has read and parsed the message when the handler starts: timeout_us counts from here.
-  const auto read_at = Clock::now();
-  return Handle(kDecodeStep, context,
-                [&] { return RunStep(context, *request, *response, read_at); });
+  GrpcCallContext call(context);
+  return ToGrpcStatus(Unary(kDecodeStep, call, *request, *response, Clock::now()));
+}
+
+absl::Status IndexerService::Unary(Method method, CallContext& call,
+                                   const google::protobuf::Message& request,
+                                   google::protobuf::Message& response,
+                                   std::chrono::steady_clock::time_point read_at) {
+  return Handle(method, call, [&]() -> absl::Status {
+    // The edges hand each method its own messages (the sync service by type, the callback
+    // edge by its method table).
+    switch (method) {
+#define DI_UNARY(M, Req, Resp) \
+  case k##M:                   \
+    return Do##M(call, static_cast<const Req&>(request), static_cast<Resp&>(response));
+      DI_UNARY(GetServerInfo, v1::GetServerInfoRequest, v1::ServerInfo)
+      DI_UNARY(CreateSequence, v1::CreateSequenceRequest, v1::CreateSequenceResponse)
+      DI_UNARY(AppendKeys, v1::AppendKeysRequest, v1::AppendKeysResponse)
+      DI_UNARY(ReleaseSequence, v1::ReleaseSequenceRequest, v1::ReleaseSequenceResponse)
+      DI_UNARY(GetStatistics, v1::GetStatisticsRequest, v1::Statistics)
+      DI_UNARY(RegisterSharedMemory, v1::RegisterSharedMemoryRequest,
+               v1::RegisterSharedMemoryResponse)
+      DI_UNARY(UnregisterSharedMemory, v1::UnregisterSharedMemoryRequest,
+               v1::UnregisterSharedMemoryResponse)
+      DI_UNARY(RegisterCudaIpcMemory, v1::RegisterCudaIpcMemoryRequest,
+               v1::RegisterCudaIpcMemoryResponse)
+      DI_UNARY(UnregisterCudaIpcMemory, v1::UnregisterCudaIpcMemoryRequest,
+               v1::UnregisterCudaIpcMemoryResponse)
+      DI_UNARY(TruncateSequence, v1::TruncateSequenceRequest, v1::TruncateSequenceResponse)
+      DI_UNARY(ForkSequence, v1::ForkSequenceRequest, v1::ForkSequenceResponse)
+      DI_UNARY(GetSequence, v1::GetSequenceRequest, v1::GetSequenceResponse)
+      DI_UNARY(RegisterStepRing, v1::RegisterStepRingRequest, v1::RegisterStepRingResponse)
+      DI_UNARY(UnregisterStepRing, v1::UnregisterStepRingRequest, v1::UnregisterStepRingResponse)
+#undef DI_UNARY
+      case kDecodeStep:
+        return RunStep(&call, static_cast<const v1::DecodeStepRequest&>(request),
+                       static_cast<v1::DecodeStepResponse&>(response), read_at);
+      default:
+        return absl::InternalError(
+            absl::StrCat(MethodName(method), " is not a unary method (an edge bug)"));
+    }
+  });
+}
+
+absl::Status IndexerService::OpenStream(CallContext& call, std::string& request_id) {
+  RequestIdScope scope(call);
+  request_id = CurrentRequestId();
+  absl::Status a = Authorize(call);
+  if (!a.ok()) {
+    refused_after_read_.fetch_add(1, std::memory_order_relaxed);
+    stats_[kDecodeStream].Record(0, a.code());
+  }
+  return a;
+}
+
+absl::Status IndexerService::StreamStep(CallContext& call, const v1::DecodeStepRequest& request,
+                                        v1::DecodeStepResponse& response,
+                                        std::chrono::steady_clock::time_point read_at) {
+  if (call.IsCancelled()) return absl::CancelledError("cancelled");
+  absl::Status s =
+      WithLostSequenceHint(Guarded([&] { return RunStep(&call, request, response, read_at); }));
+  const double us = MicrosSince(read_at);
+  stats_[kDecodeStream].Record(us, s.code());
+  rpc_seconds_[kDecodeStream]->Observe(us * 1e-6);
+  if (!s.ok()) {
+    spdlog::debug("DecodeStream step {} (request {}): {}", request.step_id(), CurrentRequestId(),
+                  s.ToString());
+  }
+  return s;
 }
 
 grpc::Status IndexerService::DecodeStream(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::DecodeStepResponse, v1::DecodeStepRequest>* stream) {
-  RequestIdScope request_id(context);
-  if (absl::Status a = Authorize(context); !a.ok()) {
-    stats_[kDecodeStream].Record(0, a.code());
-    return ToGrpcStatus(a);
-  }
+  GrpcCallContext call(context);
+  std::string request_id;
+  if (absl::Status a = OpenStream(call, request_id); !a.ok()) return ToGrpcStatus(a);
+  ScopedRequestId scope(request_id);
   v1::DecodeStepRequest request;
   v1::DecodeStepResponse response;
   // One step at a time: each is answered before the next is read, so answers are in order.
   while (stream->Read(&request)) {
     const auto read_at = Clock::now();
-    if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
     response.Clear();
-    absl::Status s =
-        WithLostSequenceHint(Guarded([&] { return RunStep(context, request, response, read_at); }));
-    const double us = MicrosSince(read_at);
-    stats_[kDecodeStream].Record(us, s.code());
-    rpc_seconds_[kDecodeStream]->Observe(us * 1e-6);
-    if (!s.ok()) {
-      spdlog::debug("DecodeStream step {} (request {}): {}", request.step_id(), CurrentRequestId(),
-                    s.ToString());
+    if (absl::Status s = StreamStep(call, request, response, read_at); !s.ok()) {
       return ToGrpcStatus(s);
     }
     if (!stream->Write(response)) {
-      return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+      return ToGrpcStatus(absl::CancelledError("client went away"));
     }
   }
   return grpc::Status::OK;
@@ -760,12 +842,17 @@ void IndexerService::FillStatistics(v1::Statistics& out) const {
 }
 
 grpc::Status IndexerService::GetStatistics(grpc::ServerContext* context,
-                                           const v1::GetStatisticsRequest*,
+                                           const v1::GetStatisticsRequest* request,
                                            v1::Statistics* response) {
-  return Handle(kGetStatistics, context, [&] {
-    FillStatistics(*response);
-    return absl::OkStatus();
-  });
+  GrpcCallContext call(context);
+  return ToGrpcStatus(Unary(kGetStatistics, call, *request, *response, Clock::now()));
+}
+
+absl::Status IndexerService::DoGetStatistics(CallContext& /*call*/,
+                                             const v1::GetStatisticsRequest& /*request*/,
+                                             v1::Statistics& response) {
+  FillStatistics(response);
+  return absl::OkStatus();
 }
 
 void IndexerService::PinRegion(SharedMemoryRegion& region) {
@@ -796,74 +883,96 @@ absl::Status IndexerService::StartShmSocket(const std::string& path) {
 
 grpc::Status IndexerService::RegisterSharedMemory(grpc::ServerContext* context,
                                                   const v1::RegisterSharedMemoryRequest* request,
-                                                  v1::RegisterSharedMemoryResponse*) {
-  return Handle(kRegisterSharedMemory, context, [&]() -> absl::Status {
-    // A named POSIX object can be shrunk by whoever can open it, and a server reading a
-    // shrunk mapping dies of SIGBUS; names can also be guessed and modes bypassed by a root
-    // server. Only sealed memfds, handed over the Unix socket, are mapped.
-    return absl::FailedPreconditionError(absl::StrCat(
-        "name ", EchoInput(request->name()),
-        ": POSIX shared-memory names are not mapped (the object could be shrunk under the "
-        "server); send a sealed memfd over the server's shm socket (ServerInfo.shm_socket",
-        shm_socket_ ? "" : "; this server has none: start it with --shm-socket", ")"));
-  });
+                                                  v1::RegisterSharedMemoryResponse* response) {
+  GrpcCallContext call(context);
+  return ToGrpcStatus(Unary(kRegisterSharedMemory, call, *request, *response, Clock::now()));
+}
+
+absl::Status IndexerService::DoRegisterSharedMemory(
+    CallContext& /*call*/, const v1::RegisterSharedMemoryRequest& request,
+    v1::RegisterSharedMemoryResponse& /*response*/) {
+  // A named POSIX object can be shrunk by whoever can open it, and a server reading a
+  // shrunk mapping dies of SIGBUS; names can also be guessed and modes bypassed by a root
+  // server. Only sealed memfds, handed over the Unix socket, are mapped.
+  return absl::FailedPreconditionError(absl::StrCat(
+      "name ", EchoInput(request.name()),
+      ": POSIX shared-memory names are not mapped (the object could be shrunk under the "
+      "server); send a sealed memfd over the server's shm socket (ServerInfo.shm_socket",
+      shm_socket_ ? "" : "; this server has none: start it with --shm-socket", ")"));
 }
 
 grpc::Status IndexerService::UnregisterSharedMemory(
     grpc::ServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
-    v1::UnregisterSharedMemoryResponse*) {
-  return Handle(kUnregisterSharedMemory, context,
-                [&] { return shm_.Unregister(request->region_id()); });
+    v1::UnregisterSharedMemoryResponse* response) {
+  GrpcCallContext call(context);
+  return ToGrpcStatus(Unary(kUnregisterSharedMemory, call, *request, *response, Clock::now()));
+}
+
+absl::Status IndexerService::DoUnregisterSharedMemory(
+    CallContext& /*call*/, const v1::UnregisterSharedMemoryRequest& request,
+    v1::UnregisterSharedMemoryResponse& /*response*/) {
+  return shm_.Unregister(request.region_id());
 }
 
 grpc::Status IndexerService::RegisterCudaIpcMemory(grpc::ServerContext* context,
                                                    const v1::RegisterCudaIpcMemoryRequest* request,
                                                    v1::RegisterCudaIpcMemoryResponse* response) {
-  return Handle(kRegisterCudaIpcMemory, context, [&]() -> absl::Status {
-    if (request->handle().size() != kCudaIpcHandleBytes) {
-      return absl::InvalidArgumentError(absl::StrCat("handle: expected ", kCudaIpcHandleBytes,
-                                                     " bytes (a cudaIpcMemHandle_t), got ",
-                                                     request->handle().size()));
-    }
-    if (request->size() == 0 || request->size() > (uint64_t{1} << 48)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("size: must be in [1, 2^48] bytes, got ", request->size()));
-    }
-    if (request->device() < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("device: must be a device ordinal >= 0, got ", request->device()));
-    }
-    if (cuda_ipc_.size() >= CudaIpcRegistry::kMaxRegions) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("at most ", CudaIpcRegistry::kMaxRegions, " CUDA IPC regions"));
-    }
-    void* opened = nullptr;
-    absl::Status s = executor_.WithAnswerBackend([&](kernels::Backend& be) -> absl::Status {
-      absl::StatusOr<void*> ptr =
-          be.OpenIpcMemory(request->handle(), request->size(), request->device());
-      if (!ptr.ok()) return ptr.status();
-      opened = *ptr;
-      return absl::OkStatus();
-    });
-    if (!s.ok()) return s;
-    // Closed by the answering rank's backend once unregistered and no step uses it.
-    auto region = std::make_shared<CudaIpcRegion>(opened, request->size(), [this](void* ptr) {
-      absl::Status c = executor_.WithAnswerBackend(
-          [ptr](kernels::Backend& be) { return be.CloseIpcMemory(ptr); });
-      if (!c.ok()) spdlog::warn("cuda ipc: closing a region: {}", c.ToString());
-    });
-    absl::StatusOr<uint64_t> id = cuda_ipc_.Add(std::move(region));
-    if (!id.ok()) return id.status();
-    response->set_region_id(*id);
+  GrpcCallContext call(context);
+  return ToGrpcStatus(Unary(kRegisterCudaIpcMemory, call, *request, *response, Clock::now()));
+}
+
+absl::Status IndexerService::DoRegisterCudaIpcMemory(
+    CallContext& /*call*/, const v1::RegisterCudaIpcMemoryRequest& request,
+    v1::RegisterCudaIpcMemoryResponse& response) {
+  if (request.handle().size() != kCudaIpcHandleBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("handle: expected ", kCudaIpcHandleBytes,
+                                                   " bytes (a cudaIpcMemHandle_t), got ",
+                                                   request.handle().size()));
+  }
+  if (request.size() == 0 || request.size() > (uint64_t{1} << 48)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("size: must be in [1, 2^48] bytes, got ", request.size()));
+  }
+  if (request.device() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device: must be a device ordinal >= 0, got ", request.device()));
+  }
+  if (cuda_ipc_.size() >= CudaIpcRegistry::kMaxRegions) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("at most ", CudaIpcRegistry::kMaxRegions, " CUDA IPC regions"));
+  }
+  void* opened = nullptr;
+  absl::Status s = executor_.WithAnswerBackend([&](kernels::Backend& be) -> absl::Status {
+    absl::StatusOr<void*> ptr =
+        be.OpenIpcMemory(request.handle(), request.size(), request.device());
+    if (!ptr.ok()) return ptr.status();
+    opened = *ptr;
     return absl::OkStatus();
   });
+  if (!s.ok()) return s;
+  // Closed by the answering rank's backend once unregistered and no step uses it.
+  auto region = std::make_shared<CudaIpcRegion>(opened, request.size(), [this](void* ptr) {
+    absl::Status c =
+        executor_.WithAnswerBackend([ptr](kernels::Backend& be) { return be.CloseIpcMemory(ptr); });
+    if (!c.ok()) spdlog::warn("cuda ipc: closing a region: {}", c.ToString());
+  });
+  absl::StatusOr<uint64_t> id = cuda_ipc_.Add(std::move(region));
+  if (!id.ok()) return id.status();
+  response.set_region_id(*id);
+  return absl::OkStatus();
 }
 
 grpc::Status IndexerService::UnregisterCudaIpcMemory(
     grpc::ServerContext* context, const v1::UnregisterCudaIpcMemoryRequest* request,
-    v1::UnregisterCudaIpcMemoryResponse*) {
-  return Handle(kUnregisterCudaIpcMemory, context,
-                [&] { return cuda_ipc_.Remove(request->region_id()); });
+    v1::UnregisterCudaIpcMemoryResponse* response) {
+  GrpcCallContext call(context);
+  return ToGrpcStatus(Unary(kUnregisterCudaIpcMemory, call, *request, *response, Clock::now()));
+}
+
+absl::Status IndexerService::DoUnregisterCudaIpcMemory(
+    CallContext& /*call*/, const v1::UnregisterCudaIpcMemoryRequest& request,
+    v1::UnregisterCudaIpcMemoryResponse& /*response*/) {
+  return cuda_ipc_.Remove(request.region_id());
 }
 
 std::string IndexerService::RenderMetrics() const {
@@ -925,8 +1034,9 @@ std::string IndexerService::RenderMetrics() const {
   sample(family("steps_total", MetricType::Counter, "Steps the executor ran."), {},
          double(st.steps));
   sample(family("auth_refused_total", MetricType::Counter,
-                "Calls refused in gRPC's auth filter before their handler ran (TLS servers: "
-                "missing or wrong bearer token, client certificate not for client use)."),
+                "Calls refused before their request was read: on TLS in gRPC's auth filter "
+                "(missing or wrong bearer token, client certificate not for client use), on "
+                "plaintext by the callback edge (missing or wrong bearer token)."),
          {}, double(auth_refused_.load()));
   sample(family("steps_sharded_total", MetricType::Counter, "Steps row-sharded across ranks."), {},
          double(st.steps_sharded));
@@ -991,94 +1101,158 @@ namespace decode_indexer::service {
 grpc::Status IndexerService::TruncateSequence(grpc::ServerContext* context,
                                               const v1::TruncateSequenceRequest* request,
                                               v1::TruncateSequenceResponse* response) {
-  return Handle(kTruncateSequence, context, [&]() -> absl::Status {
-    absl::StatusOr<int64_t> freed =
-        executor_.TruncateSequence(request->sequence_id(), request->length(), CallCheckOf(context));
-    if (!freed.ok()) return freed.status();
-    response->set_pages_freed(*freed);
-    return absl::OkStatus();
-  });
+  GrpcCallContext call(context);
+  return ToGrpcStatus(Unary(kTruncateSequence, call, *request, *response, Clock::now()));
+}
+
+absl::Status IndexerService::DoTruncateSequence(CallContext& call,
+                                                const v1::TruncateSequenceRequest& request,
+                                                v1::TruncateSequenceResponse& response) {
+  absl::StatusOr<int64_t> freed =
+      executor_.TruncateSequence(request.sequence_id(), request.length(), CallCheckOf(&call));
+  if (!freed.ok()) return freed.status();
+  response.set_pages_freed(*freed);
+  return absl::OkStatus();
 }
 
 grpc::Status IndexerService::ForkSequence(grpc::ServerContext* context,
                                           const v1::ForkSequenceRequest* request,
-                                          v1::ForkSequenceResponse*) {
-  return Handle(kForkSequence, context, [&] {
-    return executor_.ForkSequence(request->parent_id(), request->new_id(), request->length(),
-                                  CallCheckOf(context));
-  });
+                                          v1::ForkSequenceResponse* response) {
+  GrpcCallContext call(context);
+  return ToGrpcStatus(Unary(kForkSequence, call, *request, *response, Clock::now()));
+}
+
+absl::Status IndexerService::DoForkSequence(CallContext& call,
+                                            const v1::ForkSequenceRequest& request,
+                                            v1::ForkSequenceResponse& /*response*/) {
+  return executor_.ForkSequence(request.parent_id(), request.new_id(), request.length(),
+                                CallCheckOf(&call));
 }
 
 grpc::Status IndexerService::GetSequence(grpc::ServerContext* context,
                                          const v1::GetSequenceRequest* request,
                                          v1::GetSequenceResponse* response) {
-  return Handle(kGetSequence, context, [&]() -> absl::Status {
-    absl::StatusOr<exec::SequenceInfo> info = executor_.GetSequence(request->sequence_id());
-    if (!info.ok()) return info.status();
-    for (const exec::SequenceCacheInfo& c : info->caches) {
-      v1::SequenceCacheLength* out = response->add_caches();
-      out->set_cache_layer(c.cache_layer);
-      out->set_length(c.length);
-      out->set_pages(c.pages);
-      out->set_shared_pages(c.shared_pages);
-    }
-    for (const auto& [layer, length] : info->candidates) response->add_candidate_layers(layer);
-    return absl::OkStatus();
-  });
+  GrpcCallContext call(context);
+  return ToGrpcStatus(Unary(kGetSequence, call, *request, *response, Clock::now()));
+}
+
+absl::Status IndexerService::DoGetSequence(CallContext& /*call*/,
+                                           const v1::GetSequenceRequest& request,
+                                           v1::GetSequenceResponse& response) {
+  absl::StatusOr<exec::SequenceInfo> info = executor_.GetSequence(request.sequence_id());
+  if (!info.ok()) return info.status();
+  for (const exec::SequenceCacheInfo& c : info->caches) {
+    v1::SequenceCacheLength* out = response.add_caches();
+    out->set_cache_layer(c.cache_layer);
+    out->set_length(c.length);
+    out->set_pages(c.pages);
+    out->set_shared_pages(c.shared_pages);
+  }
+  for (const auto& [layer, length] : info->candidates) response.add_candidate_layers(layer);
+  return absl::OkStatus();
 }
 
 grpc::Status IndexerService::ExportSequence(grpc::ServerContext* context,
                                             const v1::ExportSequenceRequest* request,
                                             grpc::ServerWriter<v1::SequenceChunk>* writer) {
-  return Handle(kExportSequence, context, [&]() -> absl::Status {
-    if (request->chunk_bytes() < 0 || request->chunk_bytes() > (int64_t{64} << 20)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "chunk_bytes: must be in [0, 64 MiB] (0: 1 MiB), got ", request->chunk_bytes()));
+  GrpcCallContext call(context);
+  return ToGrpcStatus(Export(call, *request, [&](v1::SequenceChunk& chunk) {
+    if (context->IsCancelled() || !writer->Write(chunk)) {
+      return absl::CancelledError("the client went away");
     }
-    absl::StatusOr<exec::SequenceImage> image = executor_.ExportSequence(request->sequence_id());
+    return absl::OkStatus();
+  }));
+}
+
+absl::Status IndexerService::Export(CallContext& call, const v1::ExportSequenceRequest& request,
+                                    const std::function<absl::Status(v1::SequenceChunk&)>& emit) {
+  return Handle(kExportSequence, call, [&]() -> absl::Status {
+    if (request.chunk_bytes() < 0 || request.chunk_bytes() > (int64_t{64} << 20)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "chunk_bytes: must be in [0, 64 MiB] (0: 1 MiB), got ", request.chunk_bytes()));
+    }
+    absl::StatusOr<exec::SequenceImage> image = executor_.ExportSequence(request.sequence_id());
     if (!image.ok()) {
       CheckHealth(image.status());
       return image.status();
     }
-    return EmitSequenceChunks(*image, executor_.profile(), request->sequence_id(),
-                              request->chunk_bytes(), [&](v1::SequenceChunk& chunk) {
-                                if (context->IsCancelled() || !writer->Write(chunk)) {
-                                  return absl::CancelledError("the client went away");
-                                }
-                                return absl::OkStatus();
-                              });
+    return EmitSequenceChunks(*image, executor_.profile(), request.sequence_id(),
+                              request.chunk_bytes(), emit);
   });
+}
+
+std::unique_ptr<IndexerService::ImportCall> IndexerService::ImportBegin(CallContext& call) {
+  auto import = std::make_unique<ImportCall>(executor_.profile());
+  import->start = Clock::now();
+  RequestIdScope scope(call);
+  import->request_id = CurrentRequestId();
+  import->status = Authorize(call);
+  if (!import->status.ok()) {
+    refused_after_read_.fetch_add(1, std::memory_order_relaxed);
+  } else if (restoring_) {
+    import->status =
+        absl::UnavailableError("the server is restoring its snapshot (health NOT_SERVING); retry");
+  }
+  return import;
+}
+
+absl::Status IndexerService::ImportChunk(ImportCall& import,
+                                         const v1::ImportSequenceRequest& request) {
+  if (!import.status.ok()) return import.status;
+  import.status = Guarded([&]() -> absl::Status {
+    if (import.first) {
+      import.id = request.sequence_id();
+  import.first = false;
+}
+else if (request.sequence_id() != 0 && request.sequence_id() != import.id) {
+  return absl::InvalidArgumentError("sequence_id: only the first message names the sequence");
+}
+return import.assembler.Add(request.chunk());
+}  // namespace decode_indexer::service
+);
+return import.status;
+}
+
+absl::Status IndexerService::ImportEnd(CallContext& call, ImportCall& import,
+                                       v1::ImportSequenceResponse& response) {
+  ScopedRequestId scope(import.request_id);
+  absl::Status s = import.status;
+  if (s.ok()) {
+    s = WithLostSequenceHint(Guarded([&]() -> absl::Status {
+      if (call.IsCancelled()) return absl::CancelledError("the client cancelled the import");
+      absl::StatusOr<exec::SequenceImage> image = import.assembler.Finish();
+      if (!image.ok()) return image.status();
+      uint64_t id = import.id;
+      if (id == 0) id = import.assembler.exported_id();
+      if (absl::Status e = executor_.ImportSequence(id, *image, CallCheckOf(&call)); !e.ok()) {
+        CheckHealth(e);
+        return e;
+      }
+      response.set_sequence_id(id);
+      for (const exec::CacheImage& c : image->caches) response.add_lengths(c.length);
+      return absl::OkStatus();
+    }));
+  }
+  const double us = MicrosSince(import.start);
+  stats_[kImportSequence].Record(us, s.code());
+  rpc_seconds_[kImportSequence]->Observe(us * 1e-6);
+  spdlog::debug("ImportSequence {} in {:.0f} us (request {}){}{}",
+                absl::StatusCodeToString(s.code()), us, CurrentRequestId(), s.ok() ? "" : ": ",
+                std::string(s.message()));
+  return s;
 }
 
 grpc::Status IndexerService::ImportSequence(grpc::ServerContext* context,
                                             grpc::ServerReader<v1::ImportSequenceRequest>* reader,
                                             v1::ImportSequenceResponse* response) {
-  return Handle(kImportSequence, context, [&]() -> absl::Status {
-    SequenceAssembler assembler(executor_.profile());
-    v1::ImportSequenceRequest request;
-    uint64_t id = 0;
-    bool first = true;
-    while (reader->Read(&request)) {
-      if (first) {
-        id = request.sequence_id();
-        first = false;
-      } else if (request.sequence_id() != 0 && request.sequence_id() != id) {
-        return absl::InvalidArgumentError("sequence_id: only the first message names the sequence");
-      }
-      if (absl::Status s = assembler.Add(request.chunk()); !s.ok()) return s;
-    }
-    if (context->IsCancelled()) return absl::CancelledError("the client cancelled the import");
-    absl::StatusOr<exec::SequenceImage> image = assembler.Finish();
-    if (!image.ok()) return image.status();
-    if (id == 0) id = assembler.exported_id();
-    if (absl::Status s = executor_.ImportSequence(id, *image, CallCheckOf(context)); !s.ok()) {
-      CheckHealth(s);
-      return s;
-    }
-    response->set_sequence_id(id);
-    for (const exec::CacheImage& c : image->caches) response->add_lengths(c.length);
-    return absl::OkStatus();
-  });
+  GrpcCallContext call(context);
+  std::unique_ptr<ImportCall> import = ImportBegin(call);
+  v1::ImportSequenceRequest request;
+  // ImportChunk keeps the first failure in import->status; reading stops there.
+  while (import->status.ok() && reader->Read(&request)) {
+    if (!ImportChunk(*import, request).ok()) break;
+  }
+  return ToGrpcStatus(ImportEnd(call, *import, *response));
 }
 
 }  // namespace decode_indexer::service
@@ -1088,7 +1262,16 @@ namespace decode_indexer::service {
 grpc::Status IndexerService::RegisterStepRing(grpc::ServerContext* context,
                                               const v1::RegisterStepRingRequest* request,
                                               v1::RegisterStepRingResponse* response) {
-  return Handle(kRegisterStepRing, context, [&]() -> absl::Status {
+  GrpcCallContext call(context);
+  return ToGrpcStatus(Unary(kRegisterStepRing, call, *request, *response, Clock::now()));
+}
+
+absl::Status IndexerService::DoRegisterStepRing(CallContext& /*call*/,
+                                                const v1::RegisterStepRingRequest& req,
+                                                v1::RegisterStepRingResponse& resp) {
+  const v1::RegisterStepRingRequest* request = &req;
+  v1::RegisterStepRingResponse* response = &resp;
+  {
     absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> region = shm_.Get(request->region_id());
     if (!region.ok()) {
       return absl::NotFoundError(
@@ -1109,26 +1292,31 @@ grpc::Status IndexerService::RegisterStepRing(grpc::ServerContext* context,
     if (!registered.ok()) return registered.status();
     *response = *std::move(registered);
     return absl::OkStatus();
-  });
+  }
 }
 
 grpc::Status IndexerService::UnregisterStepRing(grpc::ServerContext* context,
                                                 const v1::UnregisterStepRingRequest* request,
                                                 v1::UnregisterStepRingResponse* response) {
-  return Handle(kUnregisterStepRing, context, [&]() -> absl::Status {
-    absl::StatusOr<uint64_t> steps = step_rings_.Unregister(request->ring_id());
-    if (!steps.ok()) return steps.status();
-    response->set_steps(*steps);
-    return absl::OkStatus();
-  });
+  GrpcCallContext call(context);
+  return ToGrpcStatus(Unary(kUnregisterStepRing, call, *request, *response, Clock::now()));
+}
+
+absl::Status IndexerService::DoUnregisterStepRing(CallContext& /*call*/,
+                                                  const v1::UnregisterStepRingRequest& request,
+                                                  v1::UnregisterStepRingResponse& response) {
+  absl::StatusOr<uint64_t> steps = step_rings_.Unregister(request.ring_id());
+  if (!steps.ok()) return steps.status();
+  response.set_steps(*steps);
+  return absl::OkStatus();
 }
 
 absl::Status IndexerService::RunRingStep(const v1::DecodeStepRequest& request,
                                          v1::DecodeStepResponse& response,
                                          Clock::time_point taken) {
-  // RunStep asks its context for the call's deadline and cancellation: a context bound to no
-  // call has neither (an infinite deadline, never cancelled), which is what a ring step is.
-  grpc::ServerContext no_call;
+  // RunStep asks its context for the call's deadline and cancellation: a ring step has
+  // neither (an infinite deadline, never cancelled).
+  NoCallContext no_call;
   absl::Status s = restoring_ ? absl::UnavailableError("the server is restoring its snapshot")
                               : WithLostSequenceHint(Guarded(
                                     [&] { return RunStep(&no_call, request, response, taken); }));

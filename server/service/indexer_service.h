@@ -1,6 +1,10 @@
-// The DecodeIndexer gRPC service (sync API): decode + validate at the edge, run on the
-// executor, encode the answer, and keep per-RPC statistics. Handlers never throw and answer
-// every failure through ToGrpcStatus.
+// The DecodeIndexer gRPC service: decode + validate at the edge, run on the executor, encode
+// the answer, and keep per-RPC statistics. Each method's body is written once, against a
+// CallContext (call_context.h), and served by either edge: the sync typed service below
+// (v1::DecodeIndexer::Service) or the callback edge (callback_edge.h), which calls the same
+// entry points (Unary, OpenStream/StreamStep, Export, ImportBegin/ImportChunk/ImportEnd).
+// Bodies never throw and answer every failure as an absl::Status; the edges map it once
+// (ToGrpcStatus).
 #pragma once
 
 #include <array>
@@ -17,9 +21,11 @@
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "server/exec/executor.h"
+#include "server/service/call_context.h"
 #include "server/service/data_plane.h"
 #include "server/service/gpu_utilization.h"
 #include "server/service/metrics.h"
+#include "server/service/sequence_transfer.h"
 #include "server/service/shm_socket.h"
 #include "server/service/step_ring.h"
 
@@ -65,6 +71,72 @@ class IndexerService final : public v1::DecodeIndexer::Service {
  public:
   // `executor` must outlive the service.
   IndexerService(exec::Executor& executor, std::string version, ServiceOptions options = {});
+
+  enum Method {
+    kGetServerInfo,
+    kCreateSequence,
+    kAppendKeys,
+    kReleaseSequence,
+    kDecodeStep,
+    kDecodeStream,
+    kGetStatistics,
+    kRegisterSharedMemory,
+    kUnregisterSharedMemory,
+    kRegisterCudaIpcMemory,
+    kUnregisterCudaIpcMemory,
+    kTruncateSequence,
+    kForkSequence,
+    kGetSequence,
+    kExportSequence,
+    kImportSequence,
+    kRegisterStepRing,
+    kUnregisterStepRing,
+    kRingStep,  // a step through a step ring (not an RPC): the fast path's count and latency
+    kNumMethods
+  };
+  static const char* MethodName(Method m);
+
+  // ---- The edges' entry points (both the sync overrides below and the callback edge) ----
+
+  // A unary method (every Method but DecodeStream, ExportSequence and ImportSequence):
+  // request id, Authorize, the body, statistics. `request` and `response` are the method's
+  // v1 messages.
+  // `read_at`: when the request was read (DecodeStep's timeout_us counts from there).
+  absl::Status Unary(Method method, CallContext& call, const google::protobuf::Message& request,
+                     google::protobuf::Message& response,
+                     std::chrono::steady_clock::time_point read_at);
+  // DecodeStream: OpenStream once (request id into `request_id`, Authorize), then StreamStep
+  // for each request in order, each answered before the next is read (the edge's part).
+  absl::Status OpenStream(CallContext& call, std::string& request_id);
+  absl::Status StreamStep(CallContext& call, const v1::DecodeStepRequest& request,
+                          v1::DecodeStepResponse& response,
+                          std::chrono::steady_clock::time_point read_at);
+  // ExportSequence: `emit` takes each chunk in order (the edge writes or queues it).
+  absl::Status Export(CallContext& call, const v1::ExportSequenceRequest& request,
+                      const std::function<absl::Status(v1::SequenceChunk&)>& emit);
+  // ImportSequence, in pieces so an edge never waits for the client on a worker: ImportBegin
+  // when the call starts, ImportChunk per message until one fails, ImportEnd after the last.
+  struct ImportCall {
+    explicit ImportCall(const config::Profile& profile) : assembler(profile) {}
+    SequenceAssembler assembler;
+    uint64_t id = 0;
+    bool first = true;
+    std::chrono::steady_clock::time_point start;
+    std::string request_id;
+    absl::Status status;  // the first failure
+  };
+  std::unique_ptr<ImportCall> ImportBegin(CallContext& call);
+  absl::Status ImportChunk(ImportCall& import, const v1::ImportSequenceRequest& request);
+  absl::Status ImportEnd(CallContext& call, ImportCall& import,
+                         v1::ImportSequenceResponse& response);
+  // The callback edge, before it reads a message of a call: the token (Authorize). A refusal
+  // is counted (auth_refused) and recorded against `method`; its request id is echoed.
+  absl::Status AuthorizeBeforeRead(Method method, CallContext& call);
+  // Whether the call carries the token (OK when none is set).
+  absl::Status Authorize(const CallContext& call) const;
+  // Tests: calls whose token was refused only after their request had been read and parsed
+  // (the sync edge on plaintext; the callback edge refuses before reading, so never).
+  uint64_t RefusedAfterReadForTesting() const { return refused_after_read_.load(); }
 
   grpc::Status GetServerInfo(grpc::ServerContext* context, const v1::GetServerInfoRequest* request,
                              v1::ServerInfo* response) override;
@@ -156,8 +228,9 @@ class IndexerService final : public v1::DecodeIndexer::Service {
         std::chrono::system_clock::duration(last_queued_deadline_.load()));
   }
 
-  // Calls the auth filter (TLS: auth.h's processor) refused before their handler ran; the
-  // Server hands the processor this counter.
+  // Calls refused for their token (or, on mutual TLS, client certificate) before their
+  // request was read: by the auth filter (TLS: auth.h's processor; the Server hands it this
+  // counter) or by the callback edge (AuthorizeBeforeRead).
   std::atomic<uint64_t>* AuthRefusedCounter() { return &auth_refused_; }
   uint64_t auth_refused() const { return auth_refused_.load(); }
 
@@ -166,46 +239,51 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   void SetHealthSink(std::function<void(bool serving)> sink);
 
  private:
-  enum Method {
-    kGetServerInfo,
-    kCreateSequence,
-    kAppendKeys,
-    kReleaseSequence,
-    kDecodeStep,
-    kDecodeStream,
-    kGetStatistics,
-    kRegisterSharedMemory,
-    kUnregisterSharedMemory,
-    kRegisterCudaIpcMemory,
-    kUnregisterCudaIpcMemory,
-    kTruncateSequence,
-    kForkSequence,
-    kGetSequence,
-    kExportSequence,
-    kImportSequence,
-    kRegisterStepRing,
-    kUnregisterStepRing,
-    kRingStep,  // a step through a step ring (not an RPC): the fast path's count and latency
-    kNumMethods
-  };
-  static const char* MethodName(Method m);
   // sizeof(cudaIpcMemHandle_t), checked at the edge without CUDA headers.
   static constexpr size_t kCudaIpcHandleBytes = 64;
 
   // The wrapper every unary handler shares: Authorize, run `body` (exceptions become
   // INTERNAL), record the method's latency and status code, map to a grpc::Status.
   template <typename F>
-  grpc::Status Handle(Method method, grpc::ServerContext* context, F&& body);
+  absl::Status Handle(Method method, CallContext& call, F&& body);
+  // The unary bodies (under Handle).
+  absl::Status DoGetServerInfo(CallContext& call, const v1::GetServerInfoRequest& request,
+                               v1::ServerInfo& response);
+  absl::Status DoCreateSequence(CallContext& call, const v1::CreateSequenceRequest& request,
+                                v1::CreateSequenceResponse& response);
+  absl::Status DoAppendKeys(CallContext& call, const v1::AppendKeysRequest& request,
+                            v1::AppendKeysResponse& response);
+  absl::Status DoReleaseSequence(CallContext& call, const v1::ReleaseSequenceRequest& request,
+                                 v1::ReleaseSequenceResponse& response);
+  absl::Status DoGetStatistics(CallContext& call, const v1::GetStatisticsRequest& request,
+                               v1::Statistics& response);
+  absl::Status DoRegisterSharedMemory(CallContext& call,
+                                      const v1::RegisterSharedMemoryRequest& request,
+                                      v1::RegisterSharedMemoryResponse& response);
+  absl::Status DoUnregisterSharedMemory(CallContext& call,
+                                        const v1::UnregisterSharedMemoryRequest& request,
+                                        v1::UnregisterSharedMemoryResponse& response);
+  absl::Status DoRegisterCudaIpcMemory(CallContext& call,
+                                       const v1::RegisterCudaIpcMemoryRequest& request,
+                                       v1::RegisterCudaIpcMemoryResponse& response);
+  absl::Status DoUnregisterCudaIpcMemory(CallContext& call,
+                                         const v1::UnregisterCudaIpcMemoryRequest& request,
+                                         v1::UnregisterCudaIpcMemoryResponse& response);
+  absl::Status DoTruncateSequence(CallContext& call, const v1::TruncateSequenceRequest& request,
+                                  v1::TruncateSequenceResponse& response);
+  absl::Status DoForkSequence(CallContext& call, const v1::ForkSequenceRequest& request,
+                              v1::ForkSequenceResponse& response);
+  absl::Status DoRegisterStepRing(CallContext& call, const v1::RegisterStepRingRequest& request,
+                                  v1::RegisterStepRingResponse& response);
+  absl::Status DoUnregisterStepRing(CallContext& call, const v1::UnregisterStepRingRequest& request,
+                                    v1::UnregisterStepRingResponse& response);
+  absl::Status DoGetSequence(CallContext& call, const v1::GetSequenceRequest& request,
+                             v1::GetSequenceResponse& response);
   // One decode step: validate, admit (deadline, timeout_us counted from `read_at`,
   // cancellation), execute, encode.
-  absl::Status RunStep(grpc::ServerContext* context, const v1::DecodeStepRequest& request,
+  absl::Status RunStep(CallContext* context, const v1::DecodeStepRequest& request,
                        v1::DecodeStepResponse& response,
                        std::chrono::steady_clock::time_point read_at);
-  // A step ring's descriptor, as RunStep runs a gRPC step (same checks, same admission
-  // order), with no call behind it: no deadline but timeout_us, never cancelled.
-  absl::Status RunRingStep(const v1::DecodeStepRequest& request, v1::DecodeStepResponse& response,
-                           std::chrono::steady_clock::time_point taken);
-  absl::Status Authorize(const grpc::ServerContext* context) const;
   // After a failed call: whether the executor turned unhealthy; if so, tell the sink once.
   void CheckHealth(const absl::Status& status);
   // Page-locks a newly mapped region with the answering rank's backend (where it can).
@@ -234,6 +312,7 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   // Sum of successful steps' ServerTiming.queue_us (GetStatistics.queue_us_total).
   std::atomic<int64_t> queue_us_total_{0};
   std::atomic<uint64_t> auth_refused_{0};
+  std::atomic<uint64_t> refused_after_read_{0};
   // Registers into shm_ (and pins through executor_): stopped before either goes.
   std::unique_ptr<ShmSocketServer> shm_socket_;
   std::mutex health_mu_;

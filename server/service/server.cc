@@ -113,10 +113,7 @@ class StatusInterceptor final : public grpc::experimental::Interceptor {
             grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
       grpc::Status s = methods->GetSendStatus();
       if (s.error_code() == grpc::StatusCode::INTERNAL && s.error_message().empty()) {
-        methods->ModifySendStatus(
-            grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                         absl::StrCat("request: the bytes do not parse as the request message of ",
-                                      EchoInput(method_), " (protobuf)")));
+        methods->ModifySendStatus(ToGrpcStatus(UnparseableRequestError(method_)));
       } else if (s.error_message().size() > kMaxStatusMessage) {
         methods->ModifySendStatus(grpc::Status(
             s.error_code(), s.error_message().substr(0, kMaxStatusMessage - 3) + "..."));
@@ -230,7 +227,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   builder.SetMaxSendMessageSize(send_limit);
   // Bounded streams and threads: one connection cannot open more than
   // max_concurrent_streams calls at once (HTTP/2 SETTINGS), and the sync server's handler
-  // threads stop at max_threads (further calls wait for one) instead of one per stream.
+  // threads (the sync edge's calls, reflection on either edge) stop at max_threads (further
+  // calls wait for one) instead of one per stream. The callback edge needs no thread per
+  // call: its bodies run on edge_workers threads.
   if (options.max_concurrent_streams > 0) {
     builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_concurrent_streams);
   }
@@ -253,7 +252,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
                                options.keepalive_min_ping_ms);
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   }
-  builder.RegisterService(server->service_.get());
+  if (options.grpc_edge == ServerOptions::GrpcEdge::kCallback) {
+    server->edge_ = std::make_unique<CallbackEdge>(*server->service_, options.edge_workers);
+    builder.RegisterService(server->edge_->methods());
+    builder.RegisterCallbackGenericService(server->edge_.get());
+  } else {
+    builder.RegisterService(server->service_.get());
+  }
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     server->executor_->Shutdown();
@@ -332,6 +337,8 @@ void Server::Shutdown(std::chrono::milliseconds deadline) {
       std::this_thread::sleep_for(drain_grace_);
     }
     // Stops accepting at once; in-flight calls get until the deadline, then are cancelled.
+    // On the callback edge this also waits for every reactor (each finishes only after its
+    // worker task): the edge's pool is idle once it returns, and goes with the Server.
     server_->Shutdown(std::chrono::system_clock::now() + deadline);
   }
   // The fast path's pollers too: after this nothing changes a sequence.

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
+#include "server/service/callback_edge.h"
 #include "server/service/indexer_service.h"
 #include "server/service/metrics.h"
 
@@ -34,6 +35,14 @@ struct ServerOptions {
   // sync handlers may use (a grpc::ResourceQuota); 0 leaves gRPC's default.
   int max_concurrent_streams = 0;
   int max_threads = 0;
+  // The DecodeIndexer edge (callback_edge.h): kCallback serves it through a generic callback
+  // reactor per call (the token checked before a request is read, on plaintext too; open
+  // streams cost no thread; method bodies on a fixed pool of edge_workers threads, 0:
+  // DefaultEdgeWorkers); kSync through gRPC's sync typed service (a thread per running call,
+  // bounded by max_threads; on plaintext the token is checked after the request was read).
+  enum class GrpcEdge { kCallback, kSync };
+  GrpcEdge grpc_edge = GrpcEdge::kCallback;
+  int edge_workers = 0;
   // Unix socket for sealed-memfd shared-memory registration; empty: no shared memory.
   std::string shm_socket;
   // Sequences one DecodeStep may carry (INVALID_ARGUMENT beyond): what bounds the largest
@@ -84,6 +93,8 @@ class Server {
   // The /metrics port, 0 without --metrics-listen.
   int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
   IndexerService& service() { return *service_; }
+  // The callback edge; null on the sync edge.
+  CallbackEdge* callback_edge() const { return edge_.get(); }
   // "127.0.0.1:<port>" when listening on a wildcard or loopback address, else the listen host.
   std::string address() const { return address_; }
   const exec::Executor& executor() const { return *executor_; }
@@ -109,6 +120,9 @@ class Server {
 
   std::unique_ptr<exec::Executor> executor_;
   std::unique_ptr<IndexerService> service_;
+  // Outlives server_ (declared before it): gRPC's threads run its reactors until the
+  // server has shut down; Shutdown then joins its workers.
+  std::unique_ptr<CallbackEdge> edge_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsHttpServer> metrics_;
   int port_ = 0;

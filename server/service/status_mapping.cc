@@ -20,6 +20,11 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
   return grpc::Status(grpc_code, std::move(message));
 }
 
+absl::Status UnparseableRequestError(std::string_view method) {
+  return absl::InvalidArgumentError("request: the bytes do not parse as the request message of " +
+                                    EchoInput(method) + " (protobuf)");
+}
+
 std::string EchoInput(std::string_view input, size_t max) {
   std::string out = "\"";
   const size_t n = std::min(input.size(), max);

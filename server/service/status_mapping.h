@@ -20,6 +20,11 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 
 inline constexpr size_t kMaxStatusMessage = 1024;
 
+// A request whose bytes do not parse as `method`'s request message (the full path, e.g.
+// "/decode_indexer.v1.DecodeIndexer/DecodeStep"): INVALID_ARGUMENT naming it. The sync edge's
+// interceptor turns gRPC's bare INTERNAL into this; the callback edge parses itself.
+absl::Status UnparseableRequestError(std::string_view method);
+
 // Client input echoed in an error message: quoted, at most `max` bytes of it (then "..."
 // and the full length), non-printable bytes as \xNN, so a 10 kB or binary name cannot
 // swell or garble the message.

@@ -311,7 +311,14 @@ TEST(CudaIpcPlumbingTest, AnswersInTheRegisteredBufferExactlyAsGrpc) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(service.get());
+  std::unique_ptr<service::CallbackEdge> edge;  // outlives the server
+  if (TestEdge() == service::ServerOptions::GrpcEdge::kCallback) {
+    edge = std::make_unique<service::CallbackEdge>(*service, 2);
+    builder.RegisterService(edge->methods());
+    builder.RegisterCallbackGenericService(edge.get());
+  } else {
+    builder.RegisterService(service.get());
+  }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   ASSERT_NE(server, nullptr);
   Session s;

@@ -57,6 +57,7 @@ service::ServerOptions BaseOptions(int ranks = 1) {
   service::ServerOptions so;
   so.profile = LoadOrDie(TinyProfilePath());
   so.executor = CpuOptions(ranks, 64);
+  so.grpc_edge = TestEdge();
   return so;
 }
 

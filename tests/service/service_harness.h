@@ -68,6 +68,17 @@ inline exec::ExecutorOptions CpuOptions(int ranks = 1, int64_t cache_pages = 256
   return o;
 }
 
+// The gRPC edge the suites' servers use: $DI_TEST_GRPC_EDGE ("sync" or "callback"), else the
+// server's default. ctest runs the suites that drive the edge on both (tests/service's
+// CMakeLists: the "sync_edge." tests).
+inline service::ServerOptions::GrpcEdge TestEdge() {
+  const char* env = std::getenv("DI_TEST_GRPC_EDGE");
+  const std::string edge = env != nullptr ? env : "";
+  if (edge == "sync") return service::ServerOptions::GrpcEdge::kSync;
+  if (edge == "callback") return service::ServerOptions::GrpcEdge::kCallback;
+  return service::ServerOptions().grpc_edge;
+}
+
 // `tweak` (optional) adjusts the server's options before it starts; the session's client
 // connects with `client_options`.
 inline std::unique_ptr<Session> StartSession(
@@ -80,6 +91,7 @@ inline std::unique_ptr<Session> StartSession(
   so.listen = "127.0.0.1:0";
   so.profile = profile;
   so.executor = options;
+  so.grpc_edge = TestEdge();
   if (tweak) tweak(so);
   absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(so);
   EXPECT_TRUE(server.ok()) << server.status();
