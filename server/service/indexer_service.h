@@ -281,6 +281,10 @@ class IndexerService final : public v1::DecodeIndexer::Service {
                              v1::GetSequenceResponse& response);
   // One decode step: validate, admit (deadline, timeout_us counted from `read_at`,
   // cancellation), execute, encode.
+  // A step ring's descriptor, as RunStep runs a gRPC step (same checks, same admission
+  // order), with no call behind it: no deadline but timeout_us, never cancelled.
+  absl::Status RunRingStep(const v1::DecodeStepRequest& request, v1::DecodeStepResponse& response,
+                           std::chrono::steady_clock::time_point taken);
   absl::Status RunStep(CallContext* context, const v1::DecodeStepRequest& request,
                        v1::DecodeStepResponse& response,
                        std::chrono::steady_clock::time_point read_at);
