@@ -7,7 +7,8 @@
 #                           [CONTEXT=4096] [STEPS=400] [NEXT_N=1]
 # BIN_DIR holds decode-indexer-server and decode-indexer-load (build/server, build/client/load,
 # or a GPU bundle: pass BIN_DIR=bundle with LD_LIBRARY_PATH=bundle/lib on a GPU machine and
-# BACKEND=cuda). Needs python3 for the table.
+# BACKEND=cuda). DI_SERVER_ARGS (optional) is appended to the server's flags (e.g.
+# "--grpc-edge sync"). Needs python3 for the table.
 set -uo pipefail
 bin=$1
 out=$2
@@ -24,7 +25,7 @@ port=$((40000 + RANDOM % 20000))
 sock=/tmp/di-fast-path-bench-$$.sock
 pages=$(( 2 * requests * ((context + 4 * steps * next_n + 400) / 16 + 2) ))  # page_size 16 or more
 "$server_bin" --listen 127.0.0.1:$port --backend "$backend" --ranks 1 --profile "$profile" \
-  --cache-pages "$pages" --shm-socket "$sock" --log-level warn >"$out/server.log" 2>&1 &
+  --cache-pages "$pages" --shm-socket "$sock" --log-level warn ${DI_SERVER_ARGS:-} >"$out/server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
 for _ in $(seq 100); do
