@@ -397,7 +397,7 @@ int RunEcho(const di::config::Profile& profile, const Request& req, int64_t cont
       if (callback) {
         edge = std::make_unique<di::service::CallbackEdge>(service, edge_workers);
         builder.RegisterService(edge->methods());
-      builder.RegisterCallbackGenericService(edge.get());
+        builder.RegisterCallbackGenericService(edge.get());
       } else {
         builder.RegisterService(&service);
       }

@@ -125,12 +125,6 @@ absl::StatusOr<std::vector<int64_t>> CheckTensor(const v1::Tensor& t, std::strin
   return shape;
 }
 
-absl::StatusOr<std::vector<int64_t>> CheckTensor(const v1::Tensor& t, absl::string_view field,
-                                                 std::span<const v1::DType> allowed,
-                                                 std::span<const Dim> dims) {
-  return CheckTensor(t, t.data(), field, allowed, dims);
-}
-
 // "[row 2, head 3, dim 5]" for a flat element index of a tensor of `shape`.
 std::string IndexString(int64_t flat, const std::vector<int64_t>& shape) {
   std::vector<int64_t> idx(shape.size(), 0);
@@ -239,11 +233,6 @@ ElemType ToElemType(v1::DType dtype) {
     default:
       return ElemType::kI64;
   }
-}
-
-absl::Status CheckValues(const v1::Tensor& t, absl::string_view field,
-                         const std::vector<int64_t>& shape, bool positive) {
-  return CheckValues(t, t.data(), field, shape, positive);
 }
 
 // The request's bytes when suitably aligned for `align`, else a copy kept in `storage`.

@@ -163,7 +163,9 @@ TEST(GpuLifecycleTest, RollbackForkTruncateExportImportMatchTheCpuBackend) {
       ASSERT_TRUE(own.ok() && from_gpu.ok() && from_cpu.ok())
           << own.status() << " / " << from_gpu.status() << " / " << from_cpu.status();
       EXPECT_EQ(own->topk_indices, from_gpu->topk_indices) << "layer " << layer;
-      if (i > 0) EXPECT_EQ(own->topk_indices, from_cpu->topk_indices) << "layer " << layer;
+      if (i > 0) {
+        EXPECT_EQ(own->topk_indices, from_cpu->topk_indices) << "layer " << layer;
+      }
     }
   }
 }

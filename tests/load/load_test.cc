@@ -522,10 +522,28 @@ TEST_F(LoadTest, RealServerSharedMemoryUnaryVerifies) {
 TEST_F(LoadTest, RealServerFastPathVerifies) {
   RealServer server(std::string(DI_LOAD_TEST_DIR) + "/v41-tiny.toml", Path("server.log"));
   ASSERT_TRUE(server.WaitReady()) << ReadText(Path("server.log"));
-  const int rc = RunLoad({"--target", server.target(), "--fast-path", "--concurrency", "2",
-                          "--requests-per-step", "2", "--next-n", "2", "--context", "300",
-                          "--steps", "4", "--verify", "--verify-sequences", "4",
-                          "--verify-tolerance", "0", "--seed", Seed(), "--json", Path("r.json")});
+  const int rc = RunLoad({"--target",
+                          server.target(),
+                          "--fast-path",
+                          "--concurrency",
+                          "2",
+                          "--requests-per-step",
+                          "2",
+                          "--next-n",
+                          "2",
+                          "--context",
+                          "300",
+                          "--steps",
+                          "4",
+                          "--verify",
+                          "--verify-sequences",
+                          "4",
+                          "--verify-tolerance",
+                          "0",
+                          "--seed",
+                          Seed(),
+                          "--json",
+                          Path("r.json")});
   EXPECT_EQ(rc, 0) << Log() << ReadText(Path("server.log"));
   const nlohmann::json report = ReadJson("r.json");
   ExpectCleanVerifiedRun(report, 4);
