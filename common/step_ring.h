@@ -83,7 +83,10 @@ enum DescriptorFlags : uint32_t {
   kNewKeyCountsColumn = 1u << 2,
   kNewKeysPositionsColumn = 1u << 3,
   kAnswerCudaIpc = 1u << 4,  // answer / candidates offsets are in cuda_ipc_region_id's buffer
-  kKnownFlags = (1u << 5) - 1,
+  // q / q_scales / weights offsets are in cuda_ipc_region_id's buffer too (read device to
+  // device, checked on the device: CudaIpcStep.q_offset); needs kAnswerCudaIpc.
+  kInputsCudaIpc = 1u << 5,
+  kKnownFlags = (1u << 6) - 1,
 };
 
 // One step: the columnar DecodeStepRequest (the same fields, the same checks, the same

@@ -13,7 +13,10 @@
 // each path runs decode steps (one row and one new key per sequence) and reports the
 // client's round trip next to the server's compute_us (the step's device work, key insert
 // to answer copy): unary/stream x raw/delta, shared memory, and, where this binary has CUDA,
-// the answer left in a CUDA IPC buffer of this process.
+// the answer left in a CUDA IPC buffer of this process, q read from it too (cuda_ipc.q_offset),
+// and the same-host step ring (client/fast_path.h: no gRPC per step) with q and the answer in
+// the ring's region or in the CUDA IPC buffer, each at the ring's default spins and with the
+// server's poller and the client spinning (--ring-spin: a worker that owns a core).
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 #ifdef DI_BENCH_CUDA
@@ -33,6 +36,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "client/fast_path.h"
 #include "client/indexer_client.h"
 #include "client/tensor.h"
 #include "common/cli.h"
@@ -451,6 +455,30 @@ int RunEcho(const di::config::Profile& profile, const Request& req, int64_t cont
   return 0;
 }
 
+// Ring steps: `step` as given (its tensors already where its offsets say), `warmup` untimed
+// then `iters` timed calls (Submit to completion seen). Exits on failure.
+ModeResult RunRing(di::client::FastPathRing& ring, di::client::RingStep step, int warmup, int iters,
+                   uint64_t& step_id) {
+  ModeResult out;
+  for (int i = 0; i < warmup + iters; ++i) {
+    step.descriptor.step_id = step_id++;
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::StatusOr<di::client::RingCompletion> done = ring.Step(step);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (!done.ok() || !done->status.ok()) {
+      std::fprintf(stderr, "ring step: %s\n",
+                   (done.ok() ? done->status : done.status()).ToString().c_str());
+      std::exit(1);
+    }
+    if (i < warmup) continue;
+    out.client_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    out.compute_us.push_back(double(done->compute_us));
+    out.queue_us.push_back(double(done->queue_us));
+    out.handler_mean_us += double(done->server_us) / iters;  // the poller's time, mean
+  }
+  return out;
+}
+
 // Server mode: a real server at `target`.
 int RunServer(const std::string& target, int requests, int64_t context, int warmup, int iters,
               uint64_t first_id, std::mt19937_64& rng) {
@@ -609,13 +637,83 @@ int RunServer(const std::string& target, int requests, int64_t context, int warm
   MoveToShared(shared, (*shm)->data(), *region);
   mode("unary shm", shared, false);
   mode("stream shm", shared, true);
+
+  // The step ring: one descriptor per step, the tensors written into the ring's data area
+  // once (a worker writes them in place), at the default spins and spinning.
+  absl::StatusOr<std::unique_ptr<di::client::IndexerClient>> control =
+      di::client::IndexerClient::Connect(target);
+  if (!control.ok()) {
+    std::fprintf(stderr, "connect: %s\n", control.status().ToString().c_str());
+    return 1;
+  }
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < requests; ++i) ids.push_back(first_id + i);
+  Request columnar;  // the step's columnar form: its tensors are staged into each ring
+  columnar.set_layer(layer);
+  for (uint64_t id : ids) columnar.add_sequence_ids(id);
+  columnar.set_rows_per_sequence(1);
+  *columnar.mutable_q() = req.q();
+  *columnar.mutable_weights() = req.weights();
+  {
+    std::string keys, key_scales;
+    for (const auto& seq : req.sequences()) {
+      keys += seq.new_keys().data();
+      key_scales += seq.new_key_scales().data();
+    }
+    *columnar.mutable_new_keys() = di::client::CodesTensor(
+        di::v1::DTYPE_FP8_E4M3, std::vector<uint8_t>(keys.begin(), keys.end()), {requests, D});
+    columnar.mutable_new_key_scales()->set_dtype(di::v1::DTYPE_FP32);
+    columnar.mutable_new_key_scales()->add_shape(requests);
+    columnar.mutable_new_key_scales()->set_data(key_scales);
+  }
+  // `device`: q / weights / answer in the CUDA IPC buffer `device` describes (cuda_ipc).
+  auto ring_modes = [&](const Request* device, uint64_t ipc_region) {
+    for (const bool spin : {false, true}) {
+      di::client::FastPathOptions fo;
+      fo.data_bytes = uint64_t{8} << 20;
+      if (spin) {
+        fo.server_spin_us = 1000;
+        fo.client_spin_us = 5000;
+      }
+      absl::StatusOr<std::unique_ptr<di::client::FastPathRing>> ring =
+          di::client::FastPathRing::Create(**control, fo);
+      if (!ring.ok()) {
+        std::fprintf(stderr, "ring: %s\n", ring.status().ToString().c_str());
+        std::exit(1);
+      }
+      absl::StatusOr<di::client::StagedStep> staged = di::client::StageRequest(
+          columnar, std::span<uint8_t>((*ring)->region(), (*ring)->region_bytes()),
+          (*ring)->data_offset(), info.topk(), info.num_candidate_blocks());
+      if (!staged.ok()) {
+        std::fprintf(stderr, "stage: %s\n", staged.status().ToString().c_str());
+        std::exit(1);
+      }
+      di::client::RingStep step = staged->step;
+      std::string name = "ring shm q + shm answer";
+      if (device != nullptr) {
+        const auto& ci = device->cuda_ipc();
+        step.descriptor.flags |= di::ring::kAnswerCudaIpc | di::ring::kInputsCudaIpc;
+        step.descriptor.cuda_ipc_region_id = ipc_region;
+        step.descriptor.q_offset = ci.q_offset();
+        step.descriptor.weights_offset = ci.weights_offset();
+        step.descriptor.answer_offset = 0;
+        name = "ring ipc q + ipc answer";
+      }
+      if (spin) name += " spin";
+      PrintRow(name, RunRing(**ring, step, warmup, iters, step_id), true);
+    }
+  };
+  ring_modes(nullptr, 0);
 #ifdef DI_BENCH_CUDA
   int devices = 0;
   if (cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0 && info.backend() == "cuda") {
     void* buffer = nullptr;
     const size_t bytes = size_t(requests) * info.topk() * 4;
+    const size_t buffer_bytes = (bytes + 4095) / 4096 * 4096 +
+                                (req.q().data().size() + 4095) / 4096 * 4096 +
+                                req.weights().data().size();
     cudaIpcMemHandle_t handle;
-    if (cudaSetDevice(0) != cudaSuccess || cudaMalloc(&buffer, bytes) != cudaSuccess ||
+    if (cudaSetDevice(0) != cudaSuccess || cudaMalloc(&buffer, buffer_bytes) != cudaSuccess ||
         cudaIpcGetMemHandle(&handle, buffer) != cudaSuccess) {
       std::fprintf(stderr, "cuda: cannot export a buffer\n");
       return 1;
@@ -623,7 +721,7 @@ int RunServer(const std::string& target, int requests, int64_t context, int warm
     grpc::ClientContext ictx;
     di::v1::RegisterCudaIpcMemoryRequest ireq;
     ireq.set_handle(&handle, sizeof(handle));
-    ireq.set_size(bytes);
+    ireq.set_size(buffer_bytes);
     ireq.set_device(0);
     di::v1::RegisterCudaIpcMemoryResponse iresp;
     if (grpc::Status is = stub->RegisterCudaIpcMemory(&ictx, ireq, &iresp); !is.ok()) {
@@ -638,6 +736,28 @@ int RunServer(const std::string& target, int requests, int64_t context, int warm
     both.mutable_cuda_ipc()->set_region_id(iresp.region_id());
     mode("unary shm q + ipc answer", both, false);
     mode("stream shm q + ipc answer", both, true);
+    // q and the weights in the device buffer too (what a worker whose q is on its GPU sends).
+    Request device_q = req;
+    {
+      auto* ci = device_q.mutable_cuda_ipc();
+      ci->set_region_id(iresp.region_id());
+      const uint64_t q_at = (bytes + 4095) / 4096 * 4096;
+      ci->set_q_offset(q_at);
+      const uint64_t w_at = q_at + (req.q().data().size() + 4095) / 4096 * 4096;
+      ci->set_weights_offset(w_at);
+      if (cudaMemcpy(static_cast<char*>(buffer) + q_at, req.q().data().data(),
+                     req.q().data().size(), cudaMemcpyHostToDevice) != cudaSuccess ||
+          cudaMemcpy(static_cast<char*>(buffer) + w_at, req.weights().data().data(),
+                     req.weights().data().size(), cudaMemcpyHostToDevice) != cudaSuccess) {
+        std::fprintf(stderr, "cuda: cannot fill the buffer\n");
+        return 1;
+      }
+      device_q.mutable_q()->clear_data();
+      device_q.mutable_weights()->clear_data();
+    }
+    mode("unary ipc q + ipc answer", device_q, false);
+    mode("stream ipc q + ipc answer", device_q, true);
+    ring_modes(&device_q, iresp.region_id());
     cudaFree(buffer);
   } else {
     std::printf("# ipc modes skipped: no GPU here or the server is not on cuda\n");

@@ -3,7 +3,8 @@
 # decode-indexer-server, decode-indexer-bench-data-plane and gpu_ipc_test:
 #   1. gpu_ipc_test (the CUDA IPC answer against the real server binary);
 #   2. the bench in server mode against a real CUDA server: REQUESTS x CONTEXT, v32, one
-#      layer, every path (unary/stream raw/delta, shared memory, CUDA IPC) next to the
+#      layer, every path (unary/stream raw/delta, shared memory, CUDA IPC answers, q from the
+#      CUDA IPC buffer, the step ring with q in its region or in the IPC buffer) next to the
 #      server's compute_us;
 #   3. the bench in echo mode (transport only) and the pieces of a unary step.
 # usage: device_run.sh BUNDLE OUT_DIR [REQUESTS] [CONTEXT] [ITERS]
@@ -24,10 +25,11 @@ timeout 80 "$bundle/gpu_ipc_test" 2>&1 | tee -a "$out/ipc_test.log"
 ipc_rc=${PIPESTATUS[0]}
 
 # Pages for CONTEXT keys plus the steps' new keys, in every v32 cache pool.
-pages=$(( (requests * ((context + iters * 20 + 400) / 64 + 2)) ))
+pages=$(( (requests * ((context + iters * 40 + 400) / 64 + 2)) ))
 echo "== server: --cache-pages $pages" | tee "$out/server.log"
 "$bundle/decode-indexer-server" --listen 127.0.0.1:50077 --backend cuda --ranks 1 \
-  --profile v32 --cache-pages "$pages" --log-level info >>"$out/server.log" 2>&1 &
+  --profile v32 --cache-pages "$pages" --log-level info \
+  --shm-socket "${TMPDIR:-/tmp}/di-bench-dp-$$.sock" >>"$out/server.log" 2>&1 &
 server=$!
 for _ in $(seq 1 600); do
   grep -q "(port " "$out/server.log" && break
@@ -35,7 +37,7 @@ for _ in $(seq 1 600); do
   sleep 0.1
 done
 echo "== bench server mode" | tee "$out/bench_server.log"
-timeout 90 "$bundle/decode-indexer-bench-data-plane" --target 127.0.0.1:50077 \
+timeout 240 "$bundle/decode-indexer-bench-data-plane" --target 127.0.0.1:50077 \
   --requests "$requests" --context "$context" --iters "$iters" 2>&1 | tee -a "$out/bench_server.log"
 bench_rc=${PIPESTATUS[0]}
 kill -TERM "$server" 2>/dev/null

@@ -24,14 +24,16 @@
 // Usage: decode-indexer-bench-multigpu [--backend cuda|cpu|host] [--ranks 1,2] [--requests 64,128]
 //        [--contexts 32768,65536] [--next-n 1,2] [--steps 20] [--v41-requests 64]
 //        [--v41-context 32768] [--skip-v32] [--skip-v41] [--graphs on,off] [--pinned on]
-//        [--direct on,off] [--answer vector,host,pinned,pinned-q]
+//        [--direct on,off] [--answer vector,host,pinned,pinned-q,device-q]
 //
 // --answer (v32; v41 uses the first value): where the timed steps' answers go. vector:
 // StepResult's vectors (the executor's fallback, the path before AnswerSink); host: a
 // caller-owned, reused pageable span (AnswerSink::Host, like a gRPC response's bytes); pinned:
 // a caller-owned, reused span in a registered (page-locked) region, as a serving frontend
 // with a registered shared-memory region passes it; pinned-q: that region holds q and the
-// weights too (StepInput::host_memory_page_locked: q is not staged).
+// weights too (StepInput::host_memory_page_locked: q is not staged); device-q: q, the weights
+// and the answer in the answering backend's device memory (QInput::on_device, a device
+// AnswerSink): an attention worker's CUDA IPC buffer, in process.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -155,7 +157,7 @@ Args Parse(int argc, char** argv) {
           "[--requests 64,128]\n  [--contexts 32768,65536] [--next-n 1,2] [--steps 20] "
           "[--v41-requests 64] [--v41-context 32768]\n  [--skip-v32] [--skip-v41] "
           "[--graphs on,off] [--pinned on] [--direct on,off]\n  [--answer "
-          "vector,host,pinned,pinned-q] "
+          "vector,host,pinned,pinned-q,device-q] "
           "[--version]\n");
       std::exit(0);
     } else if (f == "--version") {
@@ -318,8 +320,27 @@ class CallerRegion {
     if (mode == "host" || mode == "pinned" || mode == "pinned-q") {
       sink_ = di::exec::AnswerSink::Host(answer_, nullptr, registered_);
     }
+    if (mode == "device-q") {
+      // The answering backend's own memory standing in for a worker's CUDA IPC buffer.
+      const absl::Status st = e_.WithAnswerBackend([&](di::kernels::Backend& be) {
+        absl::StatusOr<void*> p = be.Allocate(bytes_);
+        if (!p.ok()) return p.status();
+        device_ = static_cast<uint8_t*>(*p);
+        return absl::OkStatus();
+      });
+      if (!st.ok()) std::fprintf(stderr, "device-q: %s\n", st.ToString().c_str());
+      if (device_ != nullptr) {
+        sink_ = di::exec::AnswerSink::Device(reinterpret_cast<int32_t*>(device_), nullptr);
+      }
+    }
   }
   ~CallerRegion() {
+    if (device_ != nullptr) {
+      (void)e_.WithAnswerBackend([&](di::kernels::Backend& be) {
+        be.Free(device_);
+        return absl::OkStatus();
+      });
+    }
     if (registered_) {
       (void)e_.WithAnswerBackend(
           [&](di::kernels::Backend& be) { return be.UnregisterHostMemory(base_); });
@@ -337,6 +358,18 @@ class CallerRegion {
       in.q.weights = reinterpret_cast<const float*>(q_ + q_bytes);
       in.host_memory_page_locked = registered_;
     }
+    if (mode_ == "device-q" && device_ != nullptr) {
+      uint8_t* q = device_ + (q_ - base_);
+      (void)e_.WithAnswerBackend([&](di::kernels::Backend& be) {
+        absl::Status st = be.CopyToDevice(q, in.q.q, q_bytes);
+        if (st.ok()) st = be.CopyToDevice(q + q_bytes, in.q.weights, w_bytes);
+        if (st.ok()) st = be.Synchronize();
+        return st;
+      });
+      in.q.q = q;
+      in.q.weights = reinterpret_cast<const float*>(q + q_bytes);
+      in.q.on_device = true;
+    }
   }
 
  private:
@@ -346,6 +379,7 @@ class CallerRegion {
   uint8_t* base_ = nullptr;
   int32_t* answer_ = nullptr;
   uint8_t* q_ = nullptr;
+  uint8_t* device_ = nullptr;  // device-q: [answer | q | weights] in device memory
   bool registered_ = false;
   di::exec::AnswerSink sink_;
 };
@@ -667,7 +701,10 @@ void BenchV41(const Args& a) {
           }
           round[0].return_candidates = false;
           // The answers into the first --answer's sink (q stays where it is: FP4 q has scales).
-          const std::string mode = a.answers.front() == "pinned-q" ? "pinned" : a.answers.front();
+          const std::string mode =
+              a.answers.front() == "pinned-q" || a.answers.front() == "device-q"
+                  ? "pinned"
+                  : a.answers.front();
           CallerRegion region(*e, mode, size_t(req) * n * p.topk * sizeof(int32_t), 0);
           for (di::exec::StepInput& st : round) region.Use(st, 0, 0);
           // The source alone, then the whole round: the consumers' mean is the difference.

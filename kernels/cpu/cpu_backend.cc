@@ -89,6 +89,7 @@ class CpuBackend final : public Backend {
     return engine_.MaskedTopK(args);
   }
   absl::Status CopyRows(const CopyRowsArgs& args) override { return cpu::CopyRows(args); }
+  absl::Status CheckValues(const ValueCheckArgs& args) override { return cpu::CheckValues(args); }
 
   absl::Status ForkExpand(const ExpandArgs& args) override { return cpu::ExpandCandidates(args); }
   absl::Status JoinExpand() override { return absl::OkStatus(); }

@@ -111,4 +111,6 @@ absl::Status CopyRows(const CopyRowsArgs& args) {
   return absl::OkStatus();
 }
 
+absl::Status CheckValues(const ValueCheckArgs& args) { return HostCheckValues(args); }
+
 }  // namespace decode_indexer::kernels::cpu

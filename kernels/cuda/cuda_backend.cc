@@ -305,6 +305,11 @@ class CudaBackend final : public Backend {
     return cuda::LaunchCopyRows(args, main_);
   }
 
+  absl::Status CheckValues(const ValueCheckArgs& args) override {
+    DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    return cuda::LaunchCheckValues(args, num_sms_, main_);
+  }
+
   absl::Status ForkExpand(const ExpandArgs& args) override {
     DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     // The side stream starts after the main stream's work so far (the candidates it reads,

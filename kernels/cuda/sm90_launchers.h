@@ -242,4 +242,8 @@ absl::Status LaunchSparseLogitsMma(const CacheView& cache, const RowBatch& rows,
 // ---- Row copies (sm90_copy_rows.cu) --------------------------------------------------------
 absl::Status LaunchCopyRows(const CopyRowsArgs& args, cudaStream_t stream);
 
+// ---- Value checks of device-resident inputs (sm90_check_values.cu) ------------------------
+// Clears *args.flags, then ORs in the bit of each tensor holding a NaN / Inf.
+absl::Status LaunchCheckValues(const ValueCheckArgs& args, int32_t num_sms, cudaStream_t stream);
+
 }  // namespace decode_indexer::kernels::cuda

@@ -56,6 +56,11 @@ class Staging {
     if (!arena_.pinned) return be_.CopyToDevice(dst, src, bytes);
     return UploadStaged(dst, src, bytes);
   }
+  // From device memory (QInput::on_device): a copy on the device.
+  absl::Status UploadFromDevice(void* dst, const void* src, size_t bytes) {
+    if (bytes == 0) return absl::OkStatus();
+    return be_.CopyDeviceToDevice(dst, src, bytes);
+  }
   // Upload from memory that is page-locked already (StepInput::host_memory_page_locked):
   // a direct DMA, no staging copy.
   absl::Status UploadPageLocked(void* dst, const void* src, size_t bytes) {
@@ -303,6 +308,31 @@ absl::Status ApplyTableEdits(Rank& rank, Staging& staging, int32_t pool, const T
   return absl::OkStatus();
 }
 
+// Device-resident q (QInput::on_device): the rank's copies of its rows are checked on its
+// device; the flag word lands in the rank's host word with the step's last copies and is
+// read after its Synchronize (DeviceInputsStatus).
+constexpr uint32_t kQBit = 1, kQScalesBit = 2, kWeightsBit = 4;
+absl::Status CheckDeviceInputs(Rank& rank, kernels::ValueCheck q, kernels::ValueCheck q_scales,
+                               kernels::ValueCheck weights) {
+  kernels::ValueCheckArgs args;
+  for (const kernels::ValueCheck& c : {q, q_scales, weights}) {
+    if (c.data != nullptr && c.count > 0) args.checks[args.num_checks++] = c;
+  }
+  args.flags = rank.buffers().value_flags;
+  return rank.backend().CheckValues(args);
+}
+
+absl::Status DeviceInputsStatus(uint32_t flags) {
+  if (flags == 0) return absl::OkStatus();
+  const char* field = (flags & kQBit)         ? "q.data"
+                      : (flags & kQScalesBit) ? "q_scales.data"
+                                              : "weights.data";
+  return absl::InvalidArgumentError(absl::StrCat(
+      field,
+      ": NaN or Inf (FP8: a NaN code; UE8M0: 0xFF) in the device buffer, found by the check "
+      "on the device; the step committed nothing"));
+}
+
 // Uploads the step's inputs, inserts its keys, prepares q and scores rows [range) into the
 // rank's topk (and candidates at a source). Everything before the collectives. The uploads,
 // key inserts, the consumer's candidate gather and its inline expansion run eagerly (their
@@ -352,10 +382,18 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
     const int64_t eb = InputElemBytes(q.type);
     uint8_t* q_raw = b.q_raw + range.start * hd * eb;
     float* w_raw = b.weights_raw + int64_t{range.start} * H;
-    DI_RETURN_IF_ERROR(staging.Upload(
-        q_raw, static_cast<const uint8_t*>(q.q) + range.start * hd * eb, n * hd * eb));
-    DI_RETURN_IF_ERROR(staging.Upload(w_raw, q.weights + int64_t{range.start} * H,
-                                      int64_t{n} * H * sizeof(float)));
+    auto upload = [&](void* dst, const void* src, size_t bytes) {
+      return q.on_device ? staging.UploadFromDevice(dst, src, bytes)
+                         : staging.Upload(dst, src, bytes);
+    };
+    DI_RETURN_IF_ERROR(
+        upload(q_raw, static_cast<const uint8_t*>(q.q) + range.start * hd * eb, n * hd * eb));
+    DI_RETURN_IF_ERROR(
+        upload(w_raw, q.weights + int64_t{range.start} * H, int64_t{n} * H * sizeof(float)));
+    if (q.on_device) {
+      DI_RETURN_IF_ERROR(CheckDeviceInputs(rank, {q_raw, int64_t{n} * hd, q.type, kQBit}, {},
+                                           {w_raw, int64_t{n} * H, ElemType::kF32, kWeightsBit}));
+    }
     prep.num_rows = n;
     prep.num_heads = H;
     prep.head_dim = D;
@@ -376,7 +414,9 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
     prep.weights_out = weights;
   } else {
     // From a page-locked client region, straight to the device; else through the staging.
+    // From the client's device buffer, device to device.
     auto upload = [&](void* dst, const void* src, size_t bytes) {
+      if (q.on_device) return staging.UploadFromDevice(dst, src, bytes);
       return plan.q_page_locked ? staging.UploadPageLocked(dst, src, bytes)
                                 : staging.Upload(dst, src, bytes);
     };
@@ -387,6 +427,15 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
     }
     DI_RETURN_IF_ERROR(
         upload(weights, q.weights + int64_t{range.start} * H, int64_t{n} * H * sizeof(float)));
+    if (q.on_device) {
+      const bool fp4 = format == CacheFormat::kFp4;
+      // FP4 codes are all finite; their UE8M0 scales are not.
+      DI_RETURN_IF_ERROR(CheckDeviceInputs(
+          rank, {fp4 ? nullptr : q_codes, fp4 ? 0 : int64_t{n} * hd, q.type, kQBit},
+          {fp4 ? q_scales : nullptr, fp4 ? int64_t{n} * scale_bytes : 0, ElemType::kUE8M0,
+           kQScalesBit},
+          {weights, int64_t{n} * H, ElemType::kF32, kWeightsBit}));
+    }
   }
 
   const int32_t NB = s.num_candidate_blocks;
@@ -776,10 +825,14 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
       DI_RETURN_IF_ERROR(readback.Copy(Readback::Answer::kCandidates, 0, b.candidates, cand_bytes));
     }
   }
+  if (plan.q.on_device) {
+    DI_RETURN_IF_ERROR(be.CopyToHost(rank.value_flags_host(), b.value_flags, sizeof(uint32_t)));
+  }
   const auto wait_start = std::chrono::steady_clock::now();
   rank.last_phases.copies_ns = NanosBetween(copies_start, wait_start);
   absl::Status done = be.Synchronize();
   rank.last_phases.wait_ns = since(wait_start);
+  if (done.ok() && plan.q.on_device) done = DeviceInputsStatus(*rank.value_flags_host());
   if (done.ok()) readback.Finish();
   if (!plan.sharded || direct) rank.last_score_ns = since(step_start);
   return done;

@@ -101,7 +101,13 @@ struct QInput {
   const void* q = nullptr;             // [rows, H, D] (FP4 packed [rows, H, D/2])
   const uint8_t* scales = nullptr;     // FP4 only: [rows, H, D/32]
   const float* weights = nullptr;      // [rows, H] fp32
-  const int64_t* positions = nullptr;  // [rows] or null
+  const int64_t* positions = nullptr;  // [rows] or null (host memory in every case)
+  // q, scales and weights are device addresses (a client's CUDA IPC buffer, opened on the
+  // answering rank's device) that every rank copies from device to device. The edge checked
+  // their sizes but could not read their values: each rank checks the rows it copied on its
+  // device (Backend::CheckValues), and a NaN / Inf fails the step with INVALID_ARGUMENT
+  // naming the field, committing nothing.
+  bool on_device = false;
 };
 
 struct StepInput {

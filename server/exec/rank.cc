@@ -124,6 +124,7 @@ absl::Status Rank::Allocate() {
            Alloc(&b.expansion_positions, rows * cand_positions),
            Alloc(&b.expansion_counts, rows),
            Alloc(&b.inv_freq, static_cast<int64_t>(s.inv_freq.size())),
+           Alloc(&b.value_flags, 1),
        }) {
     if (!st.ok()) return st;
   }
@@ -145,12 +146,19 @@ absl::Status Rank::Allocate() {
   arena_.base = static_cast<uint8_t*>(*arena);
   arena_.capacity = static_cast<size_t>(arena_bytes);
   if (arena_.pinned) {
-    const int64_t readback_bytes = rows * (int64_t{s.topk} + s.num_candidate_blocks) * 4 + 2 * 64;
+    const int64_t readback_bytes = rows * (int64_t{s.topk} + s.num_candidate_blocks) * 4 + 3 * 64;
     absl::StatusOr<void*> rb = backend_->AllocateHost(static_cast<size_t>(readback_bytes));
     if (!rb.ok()) return rb.status();
     readback_.base = static_cast<uint8_t*>(*rb);
     readback_.capacity = static_cast<size_t>(readback_bytes);
     readback_.pinned = true;
+  }
+  // The flag word's landing place: the readback space's last 64 bytes where it is
+  // page-locked (a DMA target), else a word of the rank's own.
+  value_flags_host_ = &value_flags_plain_;
+  if (readback_.pinned) {
+    readback_.capacity -= 64;
+    value_flags_host_ = reinterpret_cast<uint32_t*>(readback_.base + readback_.capacity);
   }
   if (!s.inv_freq.empty()) {
     absl::Status st =

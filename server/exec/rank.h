@@ -138,6 +138,8 @@ struct RankBuffers {
   int32_t* expansion_positions = nullptr;  // [max_rows, NB * block]
   int32_t* expansion_counts = nullptr;     // [max_rows]
   double* inv_freq = nullptr;              // RankSizes::inv_freq, copied once
+  // Backend::CheckValues' flag word (device-resident q: QInput::on_device).
+  uint32_t* value_flags = nullptr;
 };
 
 class Rank {
@@ -188,6 +190,9 @@ class Rank {
   // candidates of every row), so the device-to-host copy is one DMA; the host copies them on
   // to their destination after the step's Synchronize. Empty where staging is not pinned.
   HostArena& readback() { return readback_; }
+  // Host landing word of RankBuffers::value_flags (in the readback space where it is
+  // page-locked).
+  uint32_t* value_flags_host() { return value_flags_host_; }
   // The last step's deferred answer rows (StepPlan::defer_topk / defer_candidates), in this
   // rank's readback space until its next step: `elems` int32 of the top-k (or candidates)
   // answer starting at element `elem_offset`.
@@ -220,6 +225,8 @@ class Rank {
   StepGraphs graphs_;
   HostArena arena_;
   HostArena readback_;
+  uint32_t* value_flags_host_ = nullptr;
+  uint32_t value_flags_plain_ = 0;
 
   // The hand-off: job_, done_ and stop_ change under mu_ (with a notify), so a waiter that
   // sleeps on cv_ never misses one; they are atomics so that a waiter may first spin on them

@@ -509,6 +509,62 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
   // ranks copy them to the device from there; page-locked where the backend could pin it).
   std::shared_ptr<SharedMemoryRegion> region;
   ExternalStepBytes external;
+  // A CUDA IPC buffer: the answer goes there, and (with cuda_ipc.q_offset) q, q_scales and
+  // weights are read from it on the device.
+  std::shared_ptr<CudaIpcRegion> ipc;
+  if (request.has_cuda_ipc()) {
+    absl::StatusOr<std::shared_ptr<CudaIpcRegion>> got =
+        cuda_ipc_.Get(request.cuda_ipc().region_id());
+    if (!got.ok()) return got.status();
+    ipc = *std::move(got);
+  }
+  const bool q_on_device = ipc != nullptr && request.cuda_ipc().has_q_offset();
+  if (q_on_device) {
+    const v1::CudaIpcStep& ci = request.cuda_ipc();
+    auto device_view = [&](const v1::Tensor& t, const char* field, const char* offset_field,
+                           uint64_t offset, uint64_t align) -> absl::StatusOr<std::string_view> {
+      if (!t.data().empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".data: must be empty when cuda_ipc.q_offset is set"));
+      }
+      if (offset % align != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("cuda_ipc.", offset_field, ": ", offset, " is not a multiple of ", align));
+      }
+      absl::StatusOr<uint64_t> bytes = ShapeBytes(t, field);
+      if (!bytes.ok()) return bytes.status();
+      absl::StatusOr<uint8_t*> at = ipc->Span(offset_field, offset, *bytes);
+      if (!at.ok()) return at.status();
+      return std::string_view(reinterpret_cast<const char*>(*at), *bytes);
+    };
+    absl::StatusOr<std::string_view> bytes =
+        device_view(request.q(), "q", "q_offset", ci.q_offset(), 16);
+    if (!bytes.ok()) return bytes.status();
+    external.q = *bytes;
+    if (request.q_scales().dtype() != v1::DTYPE_UNSPECIFIED) {
+      if (!ci.has_q_scales_offset()) {
+        return absl::InvalidArgumentError(
+            "cuda_ipc.q_scales_offset: required for q_scales when cuda_ipc.q_offset is set");
+      }
+      bytes =
+          device_view(request.q_scales(), "q_scales", "q_scales_offset", ci.q_scales_offset(), 16);
+      if (!bytes.ok()) return bytes.status();
+      external.q_scales = *bytes;
+    }
+    if (!ci.has_weights_offset()) {
+      return absl::InvalidArgumentError(
+          "cuda_ipc.weights_offset: required when cuda_ipc.q_offset is set");
+    }
+    bytes = device_view(request.weights(), "weights", "weights_offset", ci.weights_offset(), 4);
+    if (!bytes.ok()) return bytes.status();
+    external.weights = *bytes;
+    external.q_on_device = true;
+  } else if (request.has_cuda_ipc() && (request.cuda_ipc().has_q_scales_offset() ||
+                                        request.cuda_ipc().has_weights_offset())) {
+    return absl::InvalidArgumentError(
+        "cuda_ipc.q_offset: required with cuda_ipc.q_scales_offset / weights_offset (q, its "
+        "scales and the weights are read from device memory together)");
+  }
   if (request.has_shared_memory()) {
     const v1::SharedMemoryStep& sm = request.shared_memory();
     absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> got = shm_.Get(sm.region_id());
@@ -526,17 +582,20 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
       if (!at.ok()) return at.status();
       return std::string_view(reinterpret_cast<const char*>(*at), *bytes);
     };
-    absl::StatusOr<std::string_view> bytes = view(request.q(), "q", "q_offset", sm.q_offset());
-    if (!bytes.ok()) return bytes.status();
-    external.q = *bytes;
-    if (request.q_scales().dtype() != v1::DTYPE_UNSPECIFIED) {
-      bytes = view(request.q_scales(), "q_scales", "q_scales_offset", sm.q_scales_offset());
+    absl::StatusOr<std::string_view> bytes;
+    if (!q_on_device) {
+      bytes = view(request.q(), "q", "q_offset", sm.q_offset());
       if (!bytes.ok()) return bytes.status();
-      external.q_scales = *bytes;
+      external.q = *bytes;
+      if (request.q_scales().dtype() != v1::DTYPE_UNSPECIFIED) {
+        bytes = view(request.q_scales(), "q_scales", "q_scales_offset", sm.q_scales_offset());
+        if (!bytes.ok()) return bytes.status();
+        external.q_scales = *bytes;
+      }
+      bytes = view(request.weights(), "weights", "weights_offset", sm.weights_offset());
+      if (!bytes.ok()) return bytes.status();
+      external.weights = *bytes;
     }
-    bytes = view(request.weights(), "weights", "weights_offset", sm.weights_offset());
-    if (!bytes.ok()) return bytes.status();
-    external.weights = *bytes;
     // Optional: positions and (columnar) new keys read there too.
     if (sm.has_positions_offset()) {
       bytes = view(request.positions(), "positions", "positions_offset", sm.positions_offset());
@@ -568,13 +627,9 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
   const uint64_t answer_bytes = rows * static_cast<uint64_t>(profile.topk) * 4;
   const uint64_t cand_bytes = rows * static_cast<uint64_t>(profile.num_candidate_blocks) * 4;
   const bool delta = request.answer_encoding() == v1::ANSWER_ENCODING_DELTA_VARINT;
-  std::shared_ptr<CudaIpcRegion> ipc;
   exec::AnswerSink sink;
-  if (request.has_cuda_ipc()) {
+  if (ipc != nullptr) {
     const v1::CudaIpcStep& ci = request.cuda_ipc();
-    absl::StatusOr<std::shared_ptr<CudaIpcRegion>> got = cuda_ipc_.Get(ci.region_id());
-    if (!got.ok()) return got.status();
-    ipc = *std::move(got);
     absl::StatusOr<uint8_t*> at = ipc->Span("answer_offset", ci.answer_offset(), answer_bytes);
     if (!at.ok()) return at.status();
     int32_t* candidates = nullptr;

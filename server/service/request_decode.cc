@@ -755,10 +755,15 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
   const Dim q_dims[] = {{total_rows}, {h}, {d}};
   absl::StatusOr<std::vector<int64_t>> q_shape = CheckTensor(q, q_data, "q", q_types, q_dims);
   if (!q_shape.ok()) return q_shape.status();
-  if (absl::Status s = CheckValues(q, q_data, "q", *q_shape, false); !s.ok()) return s;
+  // Device bytes (external.q_on_device) are checked on the device, and never realigned.
+  const bool on_device = external.q_on_device;
+  if (!on_device) {
+    if (absl::Status s = CheckValues(q, q_data, "q", *q_shape, false); !s.ok()) return s;
+  }
   const bool q_quantized = q.dtype() == quantized;
   out.step.q.type = ToElemType(q.dtype());
-  out.step.q.q = q_quantized
+  out.step.q.on_device = on_device;
+  out.step.q.q = q_quantized || on_device
                      ? static_cast<const void*>(q_data.data())
                      : AlignedView(q_data, q.dtype() == v1::DTYPE_FP32 ? 4 : 2, out.realigned);
   const std::string_view s_data =
@@ -771,7 +776,9 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
     absl::StatusOr<std::vector<int64_t>> s_shape =
         CheckTensor(request.q_scales(), s_data, "q_scales", s_types, s_dims);
     if (!s_shape.ok()) return s_shape.status();
-    if (absl::Status s = CheckValues(request.q_scales(), s_data, "q_scales", *s_shape, false);
+    if (absl::Status s = on_device
+                             ? absl::OkStatus()
+                             : CheckValues(request.q_scales(), s_data, "q_scales", *s_shape, false);
         !s.ok()) {
       return s;
     }
@@ -790,11 +797,18 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
   absl::StatusOr<std::vector<int64_t>> w_shape =
       CheckTensor(request.weights(), w_data, "weights", w_types, w_dims);
   if (!w_shape.ok()) return w_shape.status();
-  if (absl::Status s = CheckValues(request.weights(), w_data, "weights", *w_shape, false);
-      !s.ok()) {
+  if (on_device) {
+    if (request.weights().dtype() != v1::DTYPE_FP32) {
+      return Invalid("weights.dtype",
+                     absl::StrCat("DTYPE_FP32 expected for weights in device memory "
+                                  "(cuda_ipc.weights_offset), got ",
+                                  DTypeName(request.weights().dtype())));
+    }
+    out.step.q.weights = reinterpret_cast<const float*>(w_data.data());
+  } else if (absl::Status s = CheckValues(request.weights(), w_data, "weights", *w_shape, false);
+             !s.ok()) {
     return s;
-  }
-  if (request.weights().dtype() == v1::DTYPE_BF16) {
+  } else if (request.weights().dtype() == v1::DTYPE_BF16) {
     const std::string_view data = w_data;
     out.weights.resize(data.size() / 2);
     for (size_t i = 0; i < out.weights.size(); ++i) {

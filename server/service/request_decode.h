@@ -64,6 +64,10 @@ struct ExternalStepBytes {
   std::optional<std::string_view> positions;
   std::optional<std::string_view> new_keys;
   std::optional<std::string_view> new_key_scales;
+  // q / q_scales / weights above are device addresses (a CUDA IPC buffer): their sizes are
+  // checked here, their values on the device (exec::QInput::on_device); weights must be fp32
+  // (nothing is converted on the host).
+  bool q_on_device = false;
 };
 
 absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& request,

@@ -82,6 +82,10 @@ absl::Status DescriptorToRequest(const StepDescriptor& d, const uint8_t* columns
                                 "(ANSWER_ENCODING_RAW, 0)"));
   }
   const bool ipc = (d.flags & ring::kAnswerCudaIpc) != 0;
+  const bool ipc_inputs = (d.flags & ring::kInputsCudaIpc) != 0;
+  if (ipc_inputs && !ipc) {
+    return Invalid("flags", "kInputsCudaIpc (q in the CUDA IPC buffer) needs kAnswerCudaIpc");
+  }
   // Step data lies past the ring: the answer must never land on the counters or slots.
   struct Offset {
     const char* field;
@@ -89,9 +93,9 @@ absl::Status DescriptorToRequest(const StepDescriptor& d, const uint8_t* columns
     bool used;
   };
   const Offset offsets[] = {
-      {"q_offset", d.q_offset, true},
-      {"q_scales_offset", d.q_scales_offset, d.q_scales_dtype != 0},
-      {"weights_offset", d.weights_offset, true},
+      {"q_offset", d.q_offset, !ipc_inputs},
+      {"q_scales_offset", d.q_scales_offset, !ipc_inputs && d.q_scales_dtype != 0},
+      {"weights_offset", d.weights_offset, !ipc_inputs},
       {"positions_offset", d.positions_offset, d.positions_dtype != 0},
       {"new_keys_offset", d.new_keys_offset, d.new_keys_dtype != 0},
       {"new_key_scales_offset", d.new_key_scales_offset, d.new_key_scales_dtype != 0},
@@ -137,13 +141,20 @@ absl::Status DescriptorToRequest(const StepDescriptor& d, const uint8_t* columns
   v1::SharedMemoryStep* sm = out.mutable_shared_memory();
   sm->set_region_id(region_id);
   ShapeOnly(d.q_dtype, {rows, h, dim}, out.mutable_q());
-  sm->set_q_offset(d.q_offset);
   if (d.q_scales_dtype != 0) {
     ShapeOnly(d.q_scales_dtype, {rows, h, dim / 32}, out.mutable_q_scales());
-    sm->set_q_scales_offset(d.q_scales_offset);
   }
   ShapeOnly(d.weights_dtype, {rows, h}, out.mutable_weights());
-  sm->set_weights_offset(d.weights_offset);
+  if (ipc_inputs) {
+    v1::CudaIpcStep* ci = out.mutable_cuda_ipc();
+    ci->set_q_offset(d.q_offset);
+    if (d.q_scales_dtype != 0) ci->set_q_scales_offset(d.q_scales_offset);
+    ci->set_weights_offset(d.weights_offset);
+  } else {
+    sm->set_q_offset(d.q_offset);
+    if (d.q_scales_dtype != 0) sm->set_q_scales_offset(d.q_scales_offset);
+    sm->set_weights_offset(d.weights_offset);
+  }
   if (d.positions_dtype != 0) {
     ShapeOnly(d.positions_dtype, {rows}, out.mutable_positions());
     sm->set_positions_offset(d.positions_offset);

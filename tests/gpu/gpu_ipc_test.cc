@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "client/fast_path.h"
 #include "client/indexer_client.h"
 #include "client/tensor.h"
 #include "tests/test_seed.h"
@@ -251,6 +252,103 @@ TEST(GpuIpcTest, AnswerInTheExportedBufferEqualsThePlainGrpcAnswer) {
       EXPECT_EQ(answer, want->topk) << (to_device ? "shm q, device answer" : "shm q and answer");
     }
     ASSERT_TRUE(cl.UnregisterSharedMemory(*shm_region).ok());
+  }
+
+  // q and weights read from the device buffer (cuda_ipc.q_offset), fp32 q (rotated by the
+  // server) and FP8 codes, over gRPC and through the step ring: bit for bit the plain answer.
+  auto to_device = [&](v1::DecodeStepRequest& req, uint64_t q_at, uint64_t answer_at) {
+    uint64_t at = q_at;
+    auto put = [&](v1::Tensor* t) {
+      const uint64_t off = at;
+      EXPECT_EQ(cudaMemcpy(static_cast<char*>(buffer) + off, t->data().data(), t->data().size(),
+                           cudaMemcpyHostToDevice),
+                cudaSuccess);
+      at = (at + t->data().size() + 255) / 256 * 256;
+      t->clear_data();
+      return off;
+    };
+    v1::CudaIpcStep* ci = req.mutable_cuda_ipc();
+    ci->set_region_id(*region);
+    ci->set_q_offset(put(req.mutable_q()));
+    ci->set_weights_offset(put(req.mutable_weights()));
+    ci->set_answer_offset(answer_at);
+  };
+  auto fp8_step = [&](uint64_t step_id) {
+    v1::DecodeStepRequest req = make_step(step_id);
+    std::string codes(size_t(requests) * H * D, '\0');
+    for (char& ch : codes) {
+      uint8_t b = uint8_t(rng());
+      if ((b & 0x7F) == 0x7F) b ^= 0x40;  // no NaN codes
+      ch = static_cast<char>(b);
+    }
+    req.mutable_q()->set_dtype(v1::DTYPE_FP8_E4M3);
+    req.mutable_q()->set_data(codes);
+    req.clear_positions();  // FP8 q is already rotated
+    return req;
+  };
+  for (int i = 0; i < 4; ++i) {
+    const v1::DecodeStepRequest plain = i % 2 == 0 ? make_step(30 + i) : fp8_step(30 + i);
+    absl::StatusOr<client::StepAnswer> want = cl.DecodeStep(plain);
+    ASSERT_TRUE(want.ok()) << want.status();
+    v1::DecodeStepRequest req = plain;
+    const uint64_t answer_at = 4 * (rng() % 4096);
+    to_device(req, 1 << 20, answer_at);
+    absl::StatusOr<client::StepAnswer> got = cl.DecodeStep(req);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(read_back(answer_at, want->topk.size()), want->topk) << "device q, step " << i;
+  }
+  {
+    absl::StatusOr<std::unique_ptr<client::FastPathRing>> ring = client::FastPathRing::Create(cl);
+    ASSERT_TRUE(ring.ok()) << ring.status();
+    for (int i = 0; i < 3; ++i) {
+      const v1::DecodeStepRequest plain = fp8_step(40 + i);
+      absl::StatusOr<client::StepAnswer> want = cl.DecodeStep(plain);
+      ASSERT_TRUE(want.ok()) << want.status();
+      v1::DecodeStepRequest req = plain;
+      to_device(req, 1 << 20, 8192);
+      client::RingStep step;
+      step.descriptor.layer = 0;
+      step.descriptor.step_id = 40 + i;
+      step.descriptor.flags = ring::kAnswerCudaIpc | ring::kInputsCudaIpc;
+      step.descriptor.cuda_ipc_region_id = *region;
+      step.descriptor.rows_per_sequence = 1;
+      step.descriptor.q_dtype = v1::DTYPE_FP8_E4M3;
+      step.descriptor.weights_dtype = v1::DTYPE_FP32;
+      step.descriptor.q_offset = req.cuda_ipc().q_offset();
+      step.descriptor.weights_offset = req.cuda_ipc().weights_offset();
+      step.descriptor.answer_offset = 8192;
+      std::vector<uint64_t> ids;
+      for (int r = 0; r < requests; ++r) ids.push_back(100 + r);
+      step.sequence_ids = ids;
+      ASSERT_CUDA(cudaMemset(static_cast<char*>(buffer) + 8192, 0x5A, size_t(requests) * K * 4));
+      absl::StatusOr<client::RingCompletion> done = (*ring)->Step(step);
+      ASSERT_TRUE(done.ok()) << done.status();
+      ASSERT_TRUE(done->status.ok()) << done->status;
+      EXPECT_EQ(read_back(8192, want->topk.size()), want->topk) << "ring, device q, step " << i;
+    }
+    ASSERT_TRUE((*ring)->Unregister().ok());
+  }
+  // A NaN code in the device q of a step that appends a key: INVALID_ARGUMENT naming q, found
+  // on the device, and the key is not committed.
+  {
+    v1::DecodeStepRequest bad = fp8_step(50);
+    std::vector<float> key(D);
+    for (float& x : key) x = normal(rng);
+    *bad.mutable_sequences(0)->mutable_new_keys() = client::F32Tensor(key, {1, D});
+    to_device(bad, 1 << 20, 0);
+    const uint8_t nan = 0xFF;
+    ASSERT_CUDA(
+        cudaMemcpy(static_cast<char*>(buffer) + (1 << 20) + 4097, &nan, 1, cudaMemcpyHostToDevice));
+    absl::StatusOr<client::StepAnswer> r = cl.DecodeStep(bad);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    EXPECT_NE(r.status().message().find("q.data"), std::string::npos) << r.status();
+    absl::StatusOr<v1::GetSequenceResponse> seq = cl.GetSequence(100);
+    ASSERT_TRUE(seq.ok()) << seq.status();
+    ASSERT_GT(seq->caches_size(), 0);
+    EXPECT_EQ(seq->caches(0).length(), lengths[0]) << "a failed step committed its key";
+    const v1::DecodeStepRequest plain = make_step(51);
+    absl::StatusOr<client::StepAnswer> after = cl.DecodeStep(plain);
+    ASSERT_TRUE(after.ok()) << after.status();
   }
 
   // Device-side rejections: a handle of no allocation, a size past the allocation, another

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -1958,6 +1959,76 @@ TEST_F(GpuTest, SparseLogitsMmaVariantsMatchCpuAndMma) {
       ExpectLogitsDependOnlyOnRowAndPosition(this, *ds, s, pos, shuf, cnt, dpos, dshuf, dcnt, maxp,
                                              math, got, 533);
     }
+  }
+}
+
+// ---- Value checks of device-resident inputs -------------------------------------------------
+
+// CheckValues on the device sets exactly the bits the CPU twin sets: fresh random tensors of
+// every checked type (and FP4, never flagged), clean or with one bad element at a random place
+// (first, last or inside; every bad code of the type), at sizes below and past one block's
+// share; the flag word starts poisoned.
+TEST_F(GpuTest, CheckValuesMatchesCpu) {
+  std::mt19937_64& rng = Rng();
+  const ElemType types[] = {ElemType::kF32, ElemType::kBF16, ElemType::kFp8E4M3, ElemType::kUE8M0,
+                            ElemType::kFp4E2M1};
+  for (int trial = 0; trial < 60; ++trial) {
+    kernels::ValueCheckArgs args;
+    args.num_checks = 1 + int32_t(rng() % kernels::ValueCheckArgs::kMaxChecks);
+    std::vector<DeviceBuffer> device;
+    std::vector<std::vector<uint8_t>> host;
+    for (int32_t c = 0; c < args.num_checks; ++c) {
+      const ElemType type = types[rng() % 5];
+      const int64_t count = std::vector<int64_t>{1, 7, 2048, 100003, 1 << 20}[rng() % 5];
+      const int32_t eb = std::max(1, kernels::CheckedElemBytes(type));
+      std::vector<uint8_t> bytes(size_t(count) * eb);
+      for (uint8_t& b : bytes) b = uint8_t(rng());
+      // Clean every element, then maybe poison one.
+      for (int64_t i = 0; i < count; ++i) {
+        uint32_t bits = 0;
+        std::memcpy(&bits, &bytes[i * eb], eb);
+        if (kernels::IsBadValue(type, bits)) bytes[i * eb + eb - 1] ^= 0x40;  // an exponent bit
+        std::memcpy(&bits, &bytes[i * eb], eb);
+        ASSERT_FALSE(kernels::IsBadValue(type, bits));
+      }
+      if (rng() % 2 == 0) {
+        const int64_t at = std::vector<int64_t>{0, count - 1, int64_t(rng() % count)}[rng() % 3];
+        switch (type) {
+          case ElemType::kF32: {
+            const float v = std::vector<float>{std::numeric_limits<float>::quiet_NaN(),
+                                               std::numeric_limits<float>::infinity(),
+                                               -std::numeric_limits<float>::infinity()}[rng() % 3];
+            std::memcpy(&bytes[at * 4], &v, 4);
+            break;
+          }
+          case ElemType::kBF16:
+            bytes[at * 2] = uint8_t(rng());
+            bytes[at * 2 + 1] = uint8_t(0x7F | (rng() % 2 ? 0x80 : 0));
+            bytes[at * 2] |= 0x80;
+            break;
+          case ElemType::kFp8E4M3:
+            bytes[at] = rng() % 2 ? 0x7F : 0xFF;
+            break;
+          case ElemType::kUE8M0:
+            bytes[at] = 0xFF;
+            break;
+          default:
+            break;  // FP4: every code is finite
+        }
+      }
+      host.push_back(bytes);
+      device.push_back(Upload(bytes));
+      args.checks[c] = {device.back().as<void>(), count, type, 1u << (3 * c + rng() % 3)};
+    }
+    kernels::ValueCheckArgs cpu = args;
+    uint32_t cpu_flags = 0xDEADBEEF;
+    cpu.flags = &cpu_flags;
+    for (int32_t c = 0; c < args.num_checks; ++c) cpu.checks[c].data = host[c].data();
+    ASSERT_TRUE(kernels::cpu::CheckValues(cpu).ok());
+    DeviceBuffer flags = Poisoned<uint32_t>(1, 0xDEADBEEFu);
+    args.flags = flags.as<uint32_t>();
+    ASSERT_TRUE(backend_->CheckValues(args).ok());
+    EXPECT_EQ(Download<uint32_t>(flags, 1)[0], cpu_flags) << "trial " << trial;
   }
 }
 

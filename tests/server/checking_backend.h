@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "decode_indexer/kernels/backend.h"
@@ -128,6 +129,18 @@ class CheckingBackend final : public kernels::Backend {
     return Check(
         {{a.dst, "dst"}, {a.dst_index, "dst_index"}, {a.src, "src"}, {a.src_index, "src_index"}},
         [&] { return inner_->CopyRows(a); });
+  }
+  absl::Status CheckValues(const kernels::ValueCheckArgs& a) override {
+    std::vector<Arg> args{{a.flags, "flags"}};
+    for (int32_t c = 0; c < a.num_checks && c < kernels::ValueCheckArgs::kMaxChecks; ++c) {
+      args.push_back({a.checks[c].data, "checks[].data"});
+    }
+    for (const Arg& arg : args) {
+      if (arg.ptr != nullptr && !Owns(arg.ptr, 1)) {
+        return Violation(absl::StrCat(arg.what, " is not this backend's memory"));
+      }
+    }
+    return inner_->CheckValues(a);
   }
   absl::Status ForkExpand(const kernels::ExpandArgs& a) override {
     return Check({{a.candidates, "candidates"},

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -296,38 +297,72 @@ class FakeIpcBackend final : public kernels::Backend {
   std::atomic<int>* open_;
 };
 
-TEST(CudaIpcPlumbingTest, AnswersInTheRegisteredBufferExactlyAsGrpc) {
-  const config::Profile profile = LoadOrDie(TinyProfilePath());
-  std::atomic<int> open{0};
-  exec::ExecutorOptions options = CpuOptions(1, 64);
-  absl::StatusOr<std::unique_ptr<exec::Executor>> executor = exec::CreateExecutorWithBackends(
-      profile, options,
-      [&open](int32_t, const kernels::BackendLimits& limits)
-          -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
-        return std::make_unique<FakeIpcBackend>(kernels::MakeCpuBackend(limits, 1), &open);
-      });
-  ASSERT_TRUE(executor.ok()) << executor.status();
-  auto service = std::make_unique<service::IndexerService>(**executor, "test");
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  std::unique_ptr<service::CallbackEdge> edge;  // outlives the server
-  if (TestEdge() == service::ServerOptions::GrpcEdge::kCallback) {
-    edge = std::make_unique<service::CallbackEdge>(*service, 2);
-    builder.RegisterService(edge->methods());
-    builder.RegisterCallbackGenericService(edge.get());
-  } else {
-    builder.RegisterService(service.get());
+// A server on FakeIpcBackend ranks (CPU underneath) with a client, for the CUDA IPC tests.
+class FakeIpcTest : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override {
+    profile_ = LoadOrDie(TinyProfilePath());
+    exec::ExecutorOptions options = CpuOptions(GetParam(), 64);
+    absl::StatusOr<std::unique_ptr<exec::Executor>> executor = exec::CreateExecutorWithBackends(
+        profile_, options,
+        [this](int32_t, const kernels::BackendLimits& limits)
+            -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
+          return std::make_unique<FakeIpcBackend>(kernels::MakeCpuBackend(limits, 1), &open_);
+        });
+    ASSERT_TRUE(executor.ok()) << executor.status();
+    executor_ = *std::move(executor);
+    service_ = std::make_unique<service::IndexerService>(*executor_, "test");
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    if (TestEdge() == service::ServerOptions::GrpcEdge::kCallback) {
+      edge_ = std::make_unique<service::CallbackEdge>(*service_, 2);
+      builder.RegisterService(edge_->methods());
+      builder.RegisterCallbackGenericService(edge_.get());
+    } else {
+      builder.RegisterService(service_.get());
+    }
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    s_.profile = profile_;
+    absl::StatusOr<std::unique_ptr<client::IndexerClient>> c =
+        client::IndexerClient::Connect("127.0.0.1:" + std::to_string(port));
+    ASSERT_TRUE(c.ok()) << c.status();
+    s_.client = std::move(*c);
   }
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  ASSERT_NE(server, nullptr);
-  Session s;
-  s.profile = profile;
-  absl::StatusOr<std::unique_ptr<client::IndexerClient>> c =
-      client::IndexerClient::Connect("127.0.0.1:" + std::to_string(port));
-  ASSERT_TRUE(c.ok()) << c.status();
-  s.client = std::move(*c);
+  void TearDown() override {
+    if (server_) server_->Shutdown();
+    if (executor_) executor_->Shutdown();
+  }
+  // Registers `device` (the test's "device buffer") and answers its region id.
+  uint64_t Register(std::vector<int32_t>& device, std::string* handle_out = nullptr) {
+    const uint64_t bytes = device.size() * 4;
+    std::string handle(64, '\0');
+    const uint64_t address = reinterpret_cast<uint64_t>(device.data());
+    std::memcpy(handle.data(), &address, 8);
+    std::memcpy(handle.data() + 8, &bytes, 8);
+    absl::StatusOr<uint64_t> region = s_.client->RegisterCudaIpcMemory(handle, bytes, 0);
+    EXPECT_TRUE(region.ok()) << region.status();
+    if (handle_out != nullptr) *handle_out = handle;
+    return region.ok() ? *region : 0;
+  }
 
+  config::Profile profile_;
+  std::atomic<int> open_{0};
+  std::unique_ptr<exec::Executor> executor_;
+  std::unique_ptr<service::IndexerService> service_;
+  std::unique_ptr<service::CallbackEdge> edge_;  // outlives the server
+  std::unique_ptr<grpc::Server> server_;
+  Session s_;
+};
+
+using CudaIpcPlumbingTest = FakeIpcTest;
+INSTANTIATE_TEST_SUITE_P(Ranks, CudaIpcPlumbingTest, ::testing::Values(1, 2));
+
+TEST_P(CudaIpcPlumbingTest, AnswersInTheRegisteredBufferExactlyAsGrpc) {
+  const config::Profile& profile = profile_;
+  std::atomic<int>& open = open_;
+  Session& s = s_;
   Gen gen(Seed());
   ServiceOracle oracle(profile, 64, Seed());
   const std::vector<uint64_t> ids = {5, 6, 7, 8};
@@ -337,13 +372,10 @@ TEST(CudaIpcPlumbingTest, AnswersInTheRegisteredBufferExactlyAsGrpc) {
   // The "device buffer": stale bytes everywhere, so a missing write shows.
   std::vector<int32_t> device(1 << 15, 0x5A5A5A5A);
   const uint64_t bytes = device.size() * 4;
-  std::string handle(64, '\0');
-  const uint64_t address = reinterpret_cast<uint64_t>(device.data());
-  std::memcpy(handle.data(), &address, 8);
-  std::memcpy(handle.data() + 8, &bytes, 8);
-  absl::StatusOr<uint64_t> region = s.client->RegisterCudaIpcMemory(handle, bytes, 0);
-  ASSERT_TRUE(region.ok()) << region.status();
-  EXPECT_EQ(open.load(), 1);
+  std::string handle;
+  absl::StatusOr<uint64_t> region = Register(device, &handle);
+  ASSERT_TRUE(region.ok());
+  EXPECT_EQ(open.load(), 1);  // opened by the answering rank's backend
 
   uint64_t step_id = 1;
   for (int layer : {0, 1, 2, 3}) {
@@ -398,8 +430,149 @@ TEST(CudaIpcPlumbingTest, AnswersInTheRegisteredBufferExactlyAsGrpc) {
   ASSERT_TRUE(s.client->UnregisterCudaIpcMemory(*region).ok());
   EXPECT_EQ(open.load(), 0);  // closed by the answering rank's backend
   EXPECT_EQ(s.client->UnregisterCudaIpcMemory(*region).code(), absl::StatusCode::kNotFound);
-  server->Shutdown();
-  (*executor)->Shutdown();
+}
+
+// Moves q, q_scales and weights of `req` into `device` at 16-byte aligned offsets from
+// `at` (bytes) and points cuda_ipc at them: the Tensors keep dtype and shape only.
+void MoveQToDevice(v1::DecodeStepRequest& req, std::vector<int32_t>& device, uint64_t region,
+                   uint64_t at) {
+  auto* base = reinterpret_cast<uint8_t*>(device.data());
+  auto put = [&](v1::Tensor* t) {
+    const uint64_t offset = at;
+    std::memcpy(base + offset, t->data().data(), t->data().size());
+    at = (at + t->data().size() + 15) / 16 * 16;
+    t->clear_data();
+    return offset;
+  };
+  v1::CudaIpcStep* ci = req.mutable_cuda_ipc();
+  ci->set_region_id(region);
+  ci->set_q_offset(put(req.mutable_q()));
+  if (req.q_scales().dtype() != v1::DTYPE_UNSPECIFIED) {
+    ci->set_q_scales_offset(put(req.mutable_q_scales()));
+  }
+  ci->set_weights_offset(put(req.mutable_weights()));
+  ci->set_answer_offset(at);
+  ci->set_candidates_offset((at + 4 * uint64_t(req.q().shape(0)) * 4096 + 15) / 16 * 16);
+}
+
+// q read from the client's device buffer (cuda_ipc.q_offset): the answers the same step gets
+// with q inline; a NaN / Inf there (checked on the device) fails the step naming the field and
+// commits nothing; wrong offsets and forms are named before anything runs.
+TEST_P(CudaIpcPlumbingTest, QFromTheRegisteredBufferAnswersAsInline) {
+  Gen gen(Seed());
+  ServiceOracle oracle(profile_, 64, Seed());
+  const std::vector<uint64_t> ids = {5, 6, 7, 8};
+  std::vector<int64_t> lengths = {40 + int64_t(gen.rng()() % 30), 33, 70, 12};
+  Prefill(s_, oracle, gen, ids, lengths, {0, 1, 2});
+  std::vector<int32_t> device(1 << 18, 0x5A5A5A5A);
+  const uint64_t region = Register(device);
+  ASSERT_NE(region, 0u);
+
+  uint64_t step_id = 1;
+  auto answer_at = [&](const v1::DecodeStepRequest& req, size_t n) {
+    const int32_t* at = device.data() + req.cuda_ipc().answer_offset() / 4;
+    return std::vector<int32_t>(at, at + n);
+  };
+  // Every layer (FP8 and FP4 caches, dense, source, consumer), quantized and fp32 q, 1-2 rows.
+  // A consumer reads its source's rows of the same step shape: one next_n per pass.
+  int pass = 0;
+  for (const QForm form : {QForm::kQuantized, QForm::kF32Rope, QForm::kF32NoRope}) {
+    const int next_n = 1 + pass++ % 2;
+    for (int layer : {0, 1, 2, 3}) {
+      const v1::DecodeStepRequest plain =
+          MakeStep(gen, profile_, layer, ids, lengths, next_n, form, KeyForm::kF32, step_id++);
+      v1::DecodeStepRequest req = plain;
+      MoveQToDevice(req, device, region, 16 * (gen.rng()() % 64));
+      absl::StatusOr<client::StepAnswer> got = s_.client->DecodeStep(req);
+      ASSERT_TRUE(got.ok()) << got.status();
+      absl::StatusOr<OracleAnswer> want = oracle.Step(plain);
+      ASSERT_TRUE(want.ok()) << want.status();
+      EXPECT_EQ(got->lengths, want->lengths);
+      const std::vector<int32_t> answer = answer_at(req, want->topk.size());
+      if (plain.return_candidates()) {
+        const int32_t* c = device.data() + req.cuda_ipc().candidates_offset() / 4;
+        const std::vector<int32_t> cand(c, c + want->candidates.size());
+        EXPECT_TRUE(want->Matches(answer, cand)) << "layer " << layer;
+        oracle.AdoptCandidates(plain, cand);
+      } else {
+        EXPECT_TRUE(want->Matches(answer)) << "layer " << layer << " form " << int(form);
+      }
+    }
+  }
+
+  // A NaN in the device bytes of q (fp32 and FP8), its FP4 scales, or the weights: the step
+  // ran but committed nothing (the retry after it answers as the oracle, at the old lengths).
+  struct Poison {
+    int layer;
+    QForm form;
+    const char* field;
+  };
+  for (const Poison& p :
+       {Poison{0, QForm::kQuantized, "q.data"}, Poison{0, QForm::kF32NoRope, "q.data"},
+        Poison{1, QForm::kQuantized, "q.data"}, Poison{0, QForm::kQuantized, "weights.data"}}) {
+    const kernels::CacheFormat format = profile_.layers.at(p.layer).cache_format;
+    const v1::DecodeStepRequest plain =
+        MakeStep(gen, profile_, p.layer, ids, lengths, 1, p.form, KeyForm::kF32, step_id++);
+    v1::DecodeStepRequest bad = plain;
+    MoveQToDevice(bad, device, region, 0);
+    auto* base = reinterpret_cast<uint8_t*>(device.data());
+    const bool fp4 = format == kernels::CacheFormat::kFp4 && p.form == QForm::kQuantized;
+    std::string field = p.field;
+    if (field == "weights.data") {
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      std::memcpy(base + bad.cuda_ipc().weights_offset() + 4 * 5, &nan, 4);
+    } else if (fp4) {
+      field = "q_scales.data";
+      base[bad.cuda_ipc().q_scales_offset() + 3] = 0xFF;
+    } else if (p.form == QForm::kQuantized) {
+      base[bad.cuda_ipc().q_offset() + 77] = 0x7F;
+    } else {
+      const float inf = std::numeric_limits<float>::infinity();
+      std::memcpy(base + bad.cuda_ipc().q_offset() + 4 * 123, &inf, 4);
+    }
+    absl::StatusOr<client::StepAnswer> r = s_.client->DecodeStep(bad);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << field << ": " << r.status();
+    EXPECT_NE(r.status().message().find(field), std::string::npos) << r.status();
+    EXPECT_NE(r.status().message().find("committed nothing"), std::string::npos) << r.status();
+    v1::DecodeStepRequest retry = plain;
+    retry.set_step_id(step_id++);
+    // The oracle never saw the failed step: equal lengths and answers mean nothing committed.
+    StepAndCompare(s_, oracle, retry, "after " + field);
+  }
+
+  // Named before anything runs: the offsets' alignment and room, the forms the device path
+  // takes, and the fields that must go together.
+  const v1::DecodeStepRequest plain =
+      MakeStep(gen, profile_, 0, ids, lengths, 1, QForm::kQuantized, KeyForm::kF32, step_id++);
+  auto expect_named = [&](v1::DecodeStepRequest req, const std::string& field) {
+    absl::StatusOr<client::StepAnswer> r = s_.client->DecodeStep(req);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << field << ": " << r.status();
+    EXPECT_NE(r.status().message().find(field), std::string::npos) << field << ": " << r.status();
+  };
+  v1::DecodeStepRequest good = plain;
+  MoveQToDevice(good, device, region, 64);
+  v1::DecodeStepRequest bad = good;
+  bad.mutable_cuda_ipc()->set_q_offset(good.cuda_ipc().q_offset() + 4);
+  expect_named(bad, "cuda_ipc.q_offset");
+  bad = good;
+  bad.mutable_cuda_ipc()->set_q_offset(device.size() * 4 - 16);
+  expect_named(bad, "cuda_ipc.q_offset");
+  bad = good;
+  bad.mutable_cuda_ipc()->clear_weights_offset();
+  expect_named(bad, "cuda_ipc.weights_offset");
+  bad = good;
+  bad.mutable_cuda_ipc()->clear_q_offset();
+  expect_named(bad, "cuda_ipc.q_offset");
+  bad = good;
+  bad.mutable_q()->set_data(plain.q().data());
+  expect_named(bad, "q.data");
+  bad = MakeStep(gen, profile_, 0, ids, lengths, 1, QForm::kBF16Rope, KeyForm::kF32, step_id++);
+  MoveQToDevice(bad, device, region, 0);
+  expect_named(bad, "weights.dtype");
+  v1::DecodeStepRequest retry = plain;
+  retry.set_step_id(step_id++);
+  StepAndCompare(s_, oracle, retry, "after the rejected device-q steps");
+  ASSERT_TRUE(s_.client->UnregisterCudaIpcMemory(region).ok());
 }
 
 }  // namespace

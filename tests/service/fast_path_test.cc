@@ -317,6 +317,14 @@ TEST_F(FastPathBadDescriptorTest, EachBadFieldIsNamedAndChangesNothing) {
       {"cuda_ipc.region_id",
        [](Staged&, client::RingStep& s) { s.descriptor.flags |= ring::kAnswerCudaIpc; },
        absl::StatusCode::kNotFound},
+      // q in a CUDA IPC buffer needs the answer there too; with it, the buffer is looked up.
+      {"flags", [](Staged&, client::RingStep& s) { s.descriptor.flags |= ring::kInputsCudaIpc; }},
+      {"cuda_ipc.region_id",
+       [](Staged&, client::RingStep& s) {
+         s.descriptor.flags |= ring::kInputsCudaIpc | ring::kAnswerCudaIpc;
+         s.descriptor.q_offset = 0;  // an offset into the device buffer, not the region
+       },
+       absl::StatusCode::kNotFound},
   };
   for (const Case& c : cases) {
     std::unique_ptr<Staged> good = Good();

@@ -21,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "decode_indexer/kernels/types.h"
+#include "decode_indexer/kernels/value_check.h"
 
 namespace decode_indexer::kernels {
 
@@ -225,6 +226,11 @@ class Backend {
   virtual absl::Status SparseTopK(const SparseArgs& args) = 0;
   virtual absl::Status MaskedTopK(const MaskedArgs& args) = 0;
   virtual absl::Status CopyRows(const CopyRowsArgs& args) = 0;
+  // Checks inputs that live in this backend's memory for NaN / Inf (value_check.h): clears
+  // *args.flags, then sets the bit of every tensor holding a bad element. The default scans
+  // on the host (backends whose memory is host memory); a device backend runs it on its main
+  // stream.
+  virtual absl::Status CheckValues(const ValueCheckArgs& args) { return HostCheckValues(args); }
 
   // CandidateOverlap (seed): the expansion may run on a side stream. ForkExpand orders the
   // side stream after the main stream's work so far, then expands there; JoinExpand makes

@@ -1,0 +1,101 @@
+// Value checks of step inputs that live in device memory, where the edge cannot read them
+// (q, q_scales and weights in a client's CUDA IPC buffer): the same rule the edge applies to
+// host bytes (server/service/request_decode.cc), as one predicate for the CPU twin and the
+// CUDA kernel. A bad element is a NaN or Inf in fp32 / bf16, a NaN code in FP8 e4m3
+// (S.1111.111; e4m3fn has no Inf) or a NaN scale in UE8M0 (0xFF); FP4 codes and integers
+// are always finite.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "absl/status/status.h"
+#include "decode_indexer/kernels/types.h"
+
+#if defined(__CUDACC__)
+#define DI_HOST_DEVICE __host__ __device__
+#else
+#define DI_HOST_DEVICE
+#endif
+
+namespace decode_indexer::kernels {
+
+// Bytes one element of `type` takes in a checked tensor (FP4: two codes a byte, checked as
+// bytes); 0 for a type with nothing to check.
+DI_HOST_DEVICE constexpr int32_t CheckedElemBytes(ElemType type) {
+  switch (type) {
+    case ElemType::kF32:
+      return 4;
+    case ElemType::kBF16:
+      return 2;
+    case ElemType::kFp8E4M3:
+    case ElemType::kUE8M0:
+      return 1;
+    default:
+      return 0;
+  }
+}
+
+// Whether the element with these bits (its CheckedElemBytes low bytes) is a NaN / Inf.
+DI_HOST_DEVICE constexpr bool IsBadValue(ElemType type, uint32_t bits) {
+  switch (type) {
+    case ElemType::kF32:
+      return (bits & 0x7F800000u) == 0x7F800000u;
+    case ElemType::kBF16:
+      return (bits & 0x7F80u) == 0x7F80u;
+    case ElemType::kFp8E4M3:
+      return (bits & 0x7Fu) == 0x7Fu;
+    case ElemType::kUE8M0:
+      return (bits & 0xFFu) == 0xFFu;
+    default:
+      return false;
+  }
+}
+
+// One tensor to check: `count` elements of `type` at `data` (the backend's memory). A bad
+// element sets `bit` in the flag word.
+struct ValueCheck {
+  const void* data = nullptr;
+  int64_t count = 0;
+  ElemType type = ElemType::kFp8E4M3;
+  uint32_t bit = 0;
+};
+
+// Up to kMaxChecks tensors; `flags` is one uint32 in the backend's memory, cleared by the
+// call, then OR-ed with the bit of every tensor holding a bad element (ordered on the main
+// stream: read it after a Synchronize).
+struct ValueCheckArgs {
+  static constexpr int kMaxChecks = 4;
+  ValueCheck checks[kMaxChecks];
+  int32_t num_checks = 0;
+  uint32_t* flags = nullptr;
+};
+
+// The check on host memory: the CPU twin (cpu::CheckValues) and Backend's default. Inline, so
+// that every library defining a Backend has it without a link dependency on the CPU backend.
+inline absl::Status HostCheckValues(const ValueCheckArgs& args) {
+  if (args.flags == nullptr || args.num_checks < 0 ||
+      args.num_checks > ValueCheckArgs::kMaxChecks) {
+    return absl::InvalidArgumentError("CheckValues: bad arguments");
+  }
+  uint32_t flags = 0;
+  for (int32_t c = 0; c < args.num_checks; ++c) {
+    const ValueCheck& v = args.checks[c];
+    const int32_t eb = CheckedElemBytes(v.type);
+    if (eb == 0 || v.count <= 0) continue;
+    if (v.data == nullptr) return absl::InvalidArgumentError("CheckValues: null tensor");
+    const auto* p = static_cast<const uint8_t*>(v.data);
+    for (int64_t i = 0; i < v.count; ++i) {
+      uint32_t bits = 0;
+      std::memcpy(&bits, p + i * eb, static_cast<size_t>(eb));  // little-endian low bytes
+      if (IsBadValue(v.type, bits)) {
+        flags |= v.bit;
+        break;
+      }
+    }
+  }
+  *args.flags = flags;
+  return absl::OkStatus();
+}
+
+}  // namespace decode_indexer::kernels
