@@ -8,6 +8,8 @@ ring releases it and its region while the server keeps serving."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 import unittest
 from pathlib import Path
@@ -19,7 +21,13 @@ from _support import ServerTestCase
 import decode_indexer as di
 from decode_indexer import fast_path, quant
 
+try:
+    import torch
+except ImportError:
+    torch = None
+
 SMALL_PROFILE = str(Path(__file__).resolve().parent / "profiles" / "py-small.json")
+_PKG = Path(__file__).resolve().parents[2] / "client" / "python"
 V41_TINY = str(Path(__file__).resolve().parents[1] / "service" / "profiles" / "v41-tiny.toml")
 
 
@@ -145,7 +153,6 @@ class _RingTests:
             wv[...] = kw["weights"]
             kv[...] = kw["new_keys"].array
             ksv[...] = kw["new_key_scales"].array if fp4 else kw["new_key_scales"]
-            used = ring.region.used
             answer.fill(-7)
             got = ring.step(layer.layer, b, di.typed(qv, kw["q"].dtype), wv,
                             num_rows=np.asarray(rows_each, np.int32),
@@ -153,7 +160,7 @@ class _RingTests:
                             new_keys=di.typed(kv, kw["new_keys"].dtype),
                             new_key_scales=di.typed(ksv, di.DType.UE8M0) if fp4 else ksv,
                             answer=answer)
-            self.assertEqual(ring.region.used, used)
+            self.assertEqual(ring.staged_bytes, 0)  # nothing copied: every tensor in place
             self.assertTrue(np.shares_memory(got.topk, answer))
             self.assert_same(got, want, "in place")
 
@@ -162,6 +169,7 @@ class _RingTests:
         a, b = self.twins(1, [layer.layer], (self.k + 8, 2 * self.k))
         kw = dict(q=self.q(1), weights=self.weights(1))
         view = self.ring.step(layer.layer, b, **kw)
+        self.assertEqual(self.ring.staged_bytes, kw["q"].nbytes + kw["weights"].nbytes)
         self.assertFalse(view.topk.flags.owndata)
         kept = view.topk.copy()
         copied = self.ring.step(layer.layer, b, copy=True, **kw)
@@ -239,8 +247,10 @@ class _RingTests:
         kw = dict(q=self.q(1), weights=self.weights(1))
         ring.step(layer.layer, b, **kw)
         ring_id, region_id = ring.ring_id, ring.region.region_id
+        rings_before = c.statistics().step_rings
         self.assertEqual(ring.close(), 1)  # the steps the server ran on it
         self.assertTrue(ring.closed)
+        self.assertEqual(c.statistics().step_rings, rings_before - 1)
         self.assertEqual(ring.close(), 0)  # idempotent
         with self.assertRaises(di.IndexerError) as e:
             c._call("UnregisterStepRing", c._unregister_step_ring,
@@ -255,7 +265,33 @@ class _RingTests:
         want = c.decode_step_columnar(layer.layer, a, **kw)
         self.assert_same(self.ring.step(layer.layer, b, **kw), want, "other ring")
         with c.fast_path() as again:
+            self.assertEqual(c.statistics().step_rings, rings_before)
             self.assert_same(again.step(layer.layer, b, **kw), want, "new ring")
+
+    def test_owner_exit_releases_the_ring(self):
+        """A worker that exits without close(): the server releases its ring and region (it
+        watches the registering process) and keeps serving."""
+        c = self.client
+        before = c.statistics().step_rings
+        code = (f"import os, sys; sys.path.insert(0, {str(_PKG)!r}); import decode_indexer as di\n"
+                f"ring = di.Client({self.server.target!r}).fast_path()\n"
+                "print(ring.region.region_id, flush=True); os._exit(0)")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=60)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        region_id = int(done.stdout.split()[0])
+        deadline = time.monotonic() + 30  # the poller looks at least every 50 ms
+        while c.statistics().step_rings != before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertEqual(c.statistics().step_rings, before)
+        with self.assertRaises(di.IndexerError) as e:
+            c.unregister_shared_memory(region_id)
+        self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
+        layer = self.dense_layers()[0]
+        a, b = self.twins(1, [layer.layer], (self.k + 8, 2 * self.k))
+        kw = dict(q=self.q(1), weights=self.weights(1))
+        self.assert_same(self.ring.step(layer.layer, b, **kw),
+                         c.decode_step_columnar(layer.layer, a, **kw), "after the exit")
 
 
 class SmallProfileFastPathTest(_RingTests, ServerTestCase):
@@ -270,6 +306,37 @@ class V41TinyFastPathTest(_RingTests, ServerTestCase):
 
     PROFILE = V41_TINY
     CACHE_PAGES = 512
+
+
+@unittest.skipIf(torch is None, "torch is not importable")
+class TorchFastPathTest(ServerTestCase):
+    PROFILE = SMALL_PROFILE
+    CACHE_PAGES = 256
+
+    def test_torch_cpu_tensors_through_the_ring(self):
+        c = self.client
+        layer = next(l for l in self.info.layers if l.role == "dense")
+        a = [c.create_sequence(self.new_id()) for _ in range(2)]
+        b = [c.create_sequence(self.new_id()) for _ in range(2)]
+        for x, y in zip(a, b):
+            k = self.keys(60)
+            c.append_keys(x, layer.layer, k)
+            c.append_keys(y, layer.layer, k)
+        with c.fast_path() as ring:
+            qv = ring.alloc((2, self.info.num_heads, self.info.head_dim), np.float32)
+            for _ in range(2):
+                q, w, k = self.q(2), self.weights(2), self.keys(2)
+                want = c.decode_step_columnar(layer.layer, np.asarray(a, np.uint64), q, w,
+                                              new_keys=k)
+                qv[...] = q
+                got = ring.step(layer.layer, torch.tensor(b, dtype=torch.int64),
+                                torch.from_numpy(qv), torch.from_numpy(w),
+                                new_keys=torch.from_numpy(k),
+                                num_rows=torch.ones(2, dtype=torch.int32))
+                # q read in place; weights and keys copied once
+                self.assertEqual(ring.staged_bytes, w.nbytes + k.nbytes)
+                np.testing.assert_array_equal(got.topk, want.topk)
+                np.testing.assert_array_equal(got.lengths, want.lengths)
 
 
 class V32FastPathTest(ServerTestCase):

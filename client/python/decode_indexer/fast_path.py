@@ -257,6 +257,7 @@ class FastPathRing:
         self._registered = True
         self._produced = 0
         self.steps = 0
+        self.staged_bytes = 0  # bytes the last step copied into the ring (0: all in place)
         self.fenced = _atomic is not None
 
     # -- views of the step data -----------------------------------------------------------------
@@ -282,6 +283,10 @@ class FastPathRing:
     def _in_region(self, x: Any) -> int | None:
         """The offset of a C-contiguous array (or TypedArray of one) lying in the step data."""
         arr = x.array if type(x) is _wire.TypedArray else x
+        if _wire._is_torch(arr):  # torch.from_numpy(ring view): the same memory
+            if arr.device.type != "cpu":
+                return None
+            arr = _wire._torch_to_numpy(arr, "tensor")[0]
         if type(arr) is not np.ndarray or not arr.flags.c_contiguous:
             return None
         off = arr.ctypes.data - self._base
@@ -343,9 +348,9 @@ class FastPathRing:
                 _column(new_keys_positions, "new_keys_positions", "int64"), "<i8")
             flags |= F_NEW_KEYS_POSITIONS
         for name in ("new_key_counts", "new_keys_positions"):
-            if name in cols and cols[name].size != n:
-                raise ValueError(f"{name}: one entry per sequence_ids entry ({n}), got "
-                                 f"{cols[name].size}")
+            if name in cols and cols[name].size != n:  # the server's check and message
+                raise _invalid(name, f"{cols[name].size} entries for {n} sequence_ids (one "
+                               "per request, or none)")
         if row_lengths is not None:
             cols["row_lengths"] = np.asarray(_column(row_lengths, "row_lengths", "int32"), "<i4")
         d["flags"] = flags
@@ -405,11 +410,13 @@ class FastPathRing:
             cand_at, flat_candidates = self._answer_place(
                 candidates, rows * self.num_candidate_blocks, "candidates", at)
             d["candidates_offset"] = cand_at
+        seq = self._produced + 1
+        self._check_free(seq)
         for off, data in staged:  # the one copy of a tensor not already in the ring
             self._u8[off:off + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self.staged_bytes = sum(len(data) for _, data in staged)
 
         # Descriptor n into slot (n - 1) % slots, its columns after it; then publish.
-        seq = self._produced + 1
         d["sequence"] = seq
         slot = HEADER_BYTES + ((seq - 1) % self.slots) * self.slot_bytes
         self._u8[slot:slot + DESCRIPTOR_BYTES] = d.reshape(1).view(np.uint8)
@@ -438,10 +445,19 @@ class FastPathRing:
             raise ValueError(f"{what}: {view.size} elements cannot hold this step's {need}")
         return off, view.reshape(-1)
 
-    def _publish(self, seq: int) -> None:
+    def _check_free(self, seq: int) -> None:
+        """Before anything of step `seq` is written: the ring is served and its slot free."""
         if self._state_w.value != STATE_SERVING:
             raise IndexerError(grpc.StatusCode.FAILED_PRECONDITION,
                                "the ring is not served (released)", "FastPath")
+        if self._completed_w.value < seq - 1:
+            # A step whose wait timed out may still be read by the server (its slot, its
+            # staged tensors): nothing is written until it completes.
+            raise IndexerError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"step {seq - 1} has not completed (its wait timed out); retry "
+                               "once the server has answered it", "FastPath")
+
+    def _publish(self, seq: int) -> None:
         # An aligned 8-byte store after the descriptor's (TSO: seen after them).
         self._produced_w.value = seq
         self._produced = seq
