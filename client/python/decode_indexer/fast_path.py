@@ -126,7 +126,8 @@ def columns_of(flags: int, sequence_count: int, row_lengths_count: int) -> dict:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+# x86-64 only: the plain stores above rely on its TSO (elsewhere they would need fences).
+_SYS_FUTEX = {"x86_64": 202, "AMD64": 202}.get(platform.machine())
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared futexes (not FUTEX_PRIVATE): two processes
 _INT_MAX = 0x7FFFFFFF
 _SEQ_CST = 5
@@ -202,7 +203,8 @@ class FastPathRing:
                  client_spin_us: int = 50, socket_path: str | None = None,
                  timeout: float | None = None):
         if _SYS_FUTEX is None:
-            raise OSError(f"the fast path's futexes are not wired for {platform.machine()}")
+            raise OSError(f"the Python fast path relies on x86-64 ordering (TSO); this is "
+                          f"{platform.machine()}")
         if not 1 <= slots <= MAX_SLOTS:
             raise ValueError(f"slots: must be in [1, {MAX_SLOTS}], got {slots}")
         self._client = client
