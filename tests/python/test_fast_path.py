@@ -45,6 +45,17 @@ class LayoutTest(unittest.TestCase):
         self.assertEqual(fast_path.COMPLETION.itemsize, 320)
         self.assertEqual(fast_path.COMPLETION.fields["message"][1], 64)
         self.assertEqual(fast_path.ring_bytes(4, 16384), 1024 + 8 * 16384 + 3072)
+        # The hot path's struct formats say what the NumPy records say, field by field.
+        values = list(range(1, len(fast_path._DESCRIPTOR_FIELDS) + 1))
+        raw = bytearray(256)
+        fast_path._DESCRIPTOR_STRUCT.pack_into(raw, 0, *values)
+        rec = np.frombuffer(bytes(raw), fast_path.DESCRIPTOR)[0]
+        self.assertEqual([int(rec[f]) for f in fast_path._DESCRIPTOR_FIELDS], values)
+        raw = bytearray(320)
+        fast_path._COMPLETION_STRUCT.pack_into(raw, 0, *range(1, 10))
+        rec = np.frombuffer(bytes(raw), fast_path.COMPLETION)[0]
+        self.assertEqual([int(rec[f]) for f in fast_path.COMPLETION.names[:9]],
+                         list(range(1, 10)))
         c = fast_path.columns_of(fast_path.F_NUM_ROWS | fast_path.F_NEW_KEYS_POSITIONS, 3, 5)
         # ids 256..280, num_rows 280..292, aligned to 296, positions 296..320, lengths 320..340
         self.assertEqual((c["sequence_ids"], c["num_rows"], c["new_keys_positions"],

@@ -20,7 +20,8 @@ q as typed FP8 codes and folded weights, no new keys (the caches do not grow, so
 does the same work). Per path: p50, p99 and mean of the client's wall time per call
 (perf_counter around the call, answer decoded), the server's compute_us p50 and the p50 of
 wall minus compute per call (what the path itself costs: client, transport, server queue and
-decode). Answers of
+decode); for the ring also wall minus the poller's server_us (the client's Python, the
+doorbell, the wake-up). Answers of
 the three paths are checked equal first.
 """
 
@@ -144,12 +145,15 @@ def run(target: str, args: argparse.Namespace) -> int:
                 fn()
         wall = {name: [] for name in paths}
         compute = {name: [] for name in paths}
+        outside = []  # ring: wall minus the poller's server_us (take to completion)
         for _ in range(args.calls):
             for name, fn in paths.items():
                 t = time.perf_counter()
                 r = fn()
                 wall[name].append((time.perf_counter() - t) * 1e6)
                 compute[name].append(r.timing.compute_us)
+                if name == "ring":
+                    outside.append(wall[name][-1] - ring.last_server_us)
     c.close()
     print(f"server {target}, profile {info.profile}, layer {layer.layer} (FP8), {n} requests "
           f"x 1 row, context {args.context}, K {k}, H {h}, D {d}; {args.calls} calls a path, "
@@ -167,6 +171,9 @@ def run(target: str, args: argparse.Namespace) -> int:
         figures[name] = f
         print(f"{name:14}{f['p50']:9.1f}{f['p99']:9.1f}{f['mean']:9.1f}{f['compute_p50']:13.0f}"
               f"{f['overhead_p50']:18.1f}")
+    figures["ring"]["outside_server_p50"] = pct(outside, 50)
+    print(f"ring, wall minus the poller's server_us (this client's Python, the doorbell and "
+          f"the completion wake-up): p50 {pct(outside, 50):.1f} us")
     if args.json:
         text = json.dumps({"requests": n, "context": args.context, "profile": info.profile,
                            "figures": figures}, indent=1)

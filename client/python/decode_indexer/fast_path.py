@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import platform
+import struct
 import time
 from typing import Any, Sequence
 
@@ -90,6 +91,17 @@ COMPLETION = np.dtype([
     ("server_us", "<i8"), ("reserved", "u1", (8,)), ("message", "u1", (MESSAGE_BYTES,)),
 ])
 assert COMPLETION.itemsize == COMPLETION_BYTES
+
+# The same two records as struct formats, for the hot path (a NumPy structured scalar costs
+# ~1 us a field; one pack_into / unpack_from costs about that for all of them). The
+# descriptor's reserved tail is never written (the memfd's zeros stay).
+_DESCRIPTOR_FIELDS = DESCRIPTOR.names[:-1]
+_DESCRIPTOR_STRUCT = struct.Struct("<" + "".join(
+    DESCRIPTOR.fields[f][0].str[1:].replace("u8", "Q").replace("i8", "q").replace("u4", "I")
+    .replace("i4", "i") for f in _DESCRIPTOR_FIELDS))
+assert _DESCRIPTOR_STRUCT.size == DESCRIPTOR.fields["reserved"][1]
+_COMPLETION_STRUCT = struct.Struct("<QiIQqqIIq")  # sequence .. server_us
+assert _COMPLETION_STRUCT.size == COMPLETION.fields["reserved"][1]
 
 
 def _align8(v: int) -> int:
@@ -313,7 +325,7 @@ class FastPathRing:
         start = time.perf_counter()
         if self._u8 is None:
             raise ValueError("FastPathRing: closed")
-        d = np.zeros((), dtype=DESCRIPTOR)
+        d = dict.fromkeys(_DESCRIPTOR_FIELDS, 0)
         d["layer"] = layer
         d["step_id"] = step_id
         d["timeout_us"] = _timeout_us(timeout_us)
@@ -421,7 +433,8 @@ class FastPathRing:
         # Descriptor n into slot (n - 1) % slots, its columns after it; then publish.
         d["sequence"] = seq
         slot = HEADER_BYTES + ((seq - 1) % self.slots) * self.slot_bytes
-        self._u8[slot:slot + DESCRIPTOR_BYTES] = d.reshape(1).view(np.uint8)
+        _DESCRIPTOR_STRUCT.pack_into(self.region._map, slot,
+                                     *[int(d[f]) for f in _DESCRIPTOR_FIELDS])
         for name, arr in cols.items():
             if arr.size:
                 b = slot + c[name]
@@ -508,20 +521,21 @@ class FastPathRing:
     def _result(self, slot: int, seq: int, rows: int, flat_answer: np.ndarray,
                 flat_candidates: np.ndarray | None, return_candidates: bool, copy: bool,
                 client_us: float) -> DecodeResult:
-        rec = self._u8[slot:slot + COMPLETION_BYTES].view(COMPLETION)[0].copy()
+        (sequence, code, message_bytes, step_id, queue_us, compute_us, lengths_count, sharded,
+         server_us) = _COMPLETION_STRUCT.unpack_from(self.region._map, slot)
         self.steps += 1
-        if int(rec["sequence"]) != seq:
+        if sequence != seq:
             raise IndexerError(grpc.StatusCode.DATA_LOSS,
-                               f"completion slot holds step {int(rec['sequence'])}, expected "
-                               f"{seq}", "FastPath")
-        code = int(rec["code"])
+                               f"completion slot holds step {sequence}, expected {seq}",
+                               "FastPath")
         if code != 0:
             by_value = {s.value[0]: s for s in grpc.StatusCode}
-            nbytes = min(int(rec["message_bytes"]), MESSAGE_BYTES)
-            message = bytes(rec["message"][:nbytes]).decode("utf-8", "replace")
+            nbytes = min(message_bytes, MESSAGE_BYTES)
+            at = slot + COMPLETION.fields["message"][1]
+            message = bytes(self._u8[at:at + nbytes]).decode("utf-8", "replace")
             raise IndexerError(by_value.get(code, grpc.StatusCode.UNKNOWN), message, "FastPath")
         max_lengths = (self.slot_bytes - COMPLETION_BYTES) // 8
-        count = min(int(rec["lengths_count"]), max_lengths)
+        count = min(lengths_count, max_lengths)
         b = slot + COMPLETION_BYTES
         lengths = self._u8[b:b + 8 * count].view("<i8").copy()
         topk = flat_answer[:rows * self.topk].reshape(rows, self.topk)
@@ -532,11 +546,10 @@ class FastPathRing:
         if copy:
             topk = topk.copy()
             cand = None if cand is None else cand.copy()
-        self.last_server_us = int(rec["server_us"])
-        return DecodeResult(step_id=int(rec["step_id"]), topk=topk, candidate_blocks=cand,
-                            timing=Timing(int(rec["queue_us"]), int(rec["compute_us"]),
-                                          client_us),
-                            lengths=lengths, sharded=bool(rec["sharded"]))
+        self.last_server_us = server_us
+        return DecodeResult(step_id=step_id, topk=topk, candidate_blocks=cand,
+                            timing=Timing(queue_us, compute_us, client_us),
+                            lengths=lengths, sharded=bool(sharded))
 
     # -- lifecycle --------------------------------------------------------------------------------
 
