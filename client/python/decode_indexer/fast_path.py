@@ -297,13 +297,13 @@ class FastPathRing:
     def _in_region(self, x: Any) -> int | None:
         """The offset of a C-contiguous array (or TypedArray of one) lying in the step data."""
         arr = x.array if type(x) is _wire.TypedArray else x
-        if _wire._is_torch(arr):  # torch.from_numpy(ring view): the same memory
+        if type(arr) is not np.ndarray and _wire._is_torch(arr):  # from_numpy(ring view)
             if arr.device.type != "cpu":
                 return None
             arr = _wire._torch_to_numpy(arr, "tensor")[0]
         if type(arr) is not np.ndarray or not arr.flags.c_contiguous:
             return None
-        off = arr.ctypes.data - self._base
+        off = arr.__array_interface__["data"][0] - self._base
         if self.ring_bytes <= off and off + arr.nbytes <= self.region.size:
             return off
         return None
@@ -341,7 +341,9 @@ class FastPathRing:
         max_rows = max(1, self.max_rows_per_sequence)
         if isinstance(num_rows, (int, np.integer)) and not isinstance(num_rows, bool):
             d["rows_per_sequence"] = int(num_rows)
-            counts = [int(num_rows)] * n
+            counts = None
+            rows = n * min(max(int(num_rows), 1), max_rows)
+            counts_ok = 1 <= num_rows <= max_rows
         else:
             counts = _column(num_rows, "num_rows", "int32")
             cols["num_rows"] = np.asarray(counts, "<i4")
@@ -351,8 +353,9 @@ class FastPathRing:
             flags |= F_NUM_ROWS
         # The rows the server builds the tensors' shapes for (each count clamped, as the
         # poller does: a bad count is then the server's to name).
-        rows = sum(min(max(r, 1), max_rows) for r in counts)
-        counts_ok = all(1 <= r <= max_rows for r in counts)
+        if counts is not None:
+            rows = sum(min(max(r, 1), max_rows) for r in counts)
+            counts_ok = all(1 <= r <= max_rows for r in counts)
         if new_key_counts is not None:
             cols["new_key_counts"] = np.asarray(
                 _column(new_key_counts, "new_key_counts", "int32"), "<i4")
