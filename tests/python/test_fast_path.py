@@ -75,12 +75,12 @@ class _RingTests:
         c = self.client
         a = [c.create_sequence(self.new_id()) for _ in range(count)]
         b = [c.create_sequence(self.new_id()) for _ in range(count)]
+        self.addCleanup(lambda: [c.release_sequence(s) for s in a + b])
         for x, y in zip(a, b):
             for layer in cache_layers:
                 keys = self.keys(int(self.rng.integers(*lengths)))
                 c.append_keys(x, layer, keys)
                 c.append_keys(y, layer, keys)
-        self.addCleanup(lambda: [c.release_sequence(s) for s in a + b])
         return a, b
 
     def assert_same(self, got: di.DecodeResult, want: di.DecodeResult, what: str):
@@ -204,6 +204,32 @@ class _RingTests:
                 got = ring.step(layer.layer, b, step_id=i + 1, **kw)
                 self.assert_same(got, want, f"step {i}")
 
+    def test_a_wait_that_times_out(self):
+        """A step whose wait gives up (timeout=0: DEADLINE_EXCEEDED at once) still runs and
+        commits; the ring then serves as before. The step is large (milliseconds of compute),
+        so that it is still running when the wait gives up; a few tries, should this box
+        stall the client for that long."""
+        c, ring = self.client, self.ring
+        layer = self.dense_layers()[0]
+        n = 4
+        a, b = self.twins(n, [layer.layer], (1500, 2000))
+        for _ in range(5):
+            kw = dict(q=self.q(n), weights=self.weights(n), new_keys=self.keys(n))
+            c.decode_step_columnar(layer.layer, a, **kw)
+            try:
+                ring.step(layer.layer, b, timeout=0, **kw)
+            except di.IndexerError as e:
+                self.assertEqual(e.code, grpc.StatusCode.DEADLINE_EXCEEDED)
+                break
+        else:
+            self.fail("no step was still running when its wait gave up")
+        deadline = time.monotonic() + 30
+        while ring._completed_w.value < ring._produced and time.monotonic() < deadline:
+            time.sleep(0.001)
+        kw = dict(q=self.q(n), weights=self.weights(n), new_keys=self.keys(n))
+        want = c.decode_step_columnar(layer.layer, a, **kw)
+        self.assert_same(ring.step(layer.layer, b, **kw), want, "after the late step")
+
     def bad_cases(self, layer: di.LayerInfo, b: list[int], rows: int):
         q, w = self.q(rows * 2), self.weights(rows * 2)
         keys = self.keys(rows * 2)
@@ -309,14 +335,14 @@ class SmallProfileFastPathTest(_RingTests, ServerTestCase):
     """py-small: FP8 dense, FP4 source, consumers, FP4 dense (V4.1-like)."""
 
     PROFILE = SMALL_PROFILE
-    CACHE_PAGES = 512
+    CACHE_PAGES = 1536
 
 
 class V41TinyFastPathTest(_RingTests, ServerTestCase):
     """The service tests' v41-tiny profile (interleaved RoPE, FP8 and FP4 dense layers)."""
 
     PROFILE = V41_TINY
-    CACHE_PAGES = 512
+    CACHE_PAGES = 1536
 
 
 @unittest.skipIf(torch is None, "torch is not importable")
