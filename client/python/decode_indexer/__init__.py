@@ -8,6 +8,9 @@
     result.topk                                          # int32 [rows, K]
     # a batch as arrays (no message per request): ids [n], keys stacked [n, D]
     result = client.decode_step_columnar(0, ids, q, weights, new_keys=keys, positions=pos)
+    # on the server's host, the same step with no gRPC call (a step ring, docs/fast-path.md)
+    with client.fast_path() as ring:
+        result = ring.step(0, ids, q, weights, new_keys=keys, positions=pos)
 """
 
 from ._generate import ensure_generated as _ensure_generated
@@ -29,12 +32,13 @@ from .client import (  # noqa: E402
     encode_columnar_step,
 )
 from .errors import IndexerError  # noqa: E402
+from .fast_path import FastPathRing  # noqa: E402
 from .shm import SharedMemoryRegion  # noqa: E402
 
 __version__ = "0.2.0"
 
 __all__ = [
     "AsyncClient", "AsyncDecodeStream", "Client", "DecodeResult", "DecodeStream", "DType",
-    "IndexerError", "LayerInfo", "SequenceStep", "ServerInfo", "SharedMemoryRegion", "Timing",
-    "TypedArray", "encode_columnar_step", "quant", "typed",
+    "FastPathRing", "IndexerError", "LayerInfo", "SequenceStep", "ServerInfo",
+    "SharedMemoryRegion", "Timing", "TypedArray", "encode_columnar_step", "quant", "typed",
 ]

@@ -18,7 +18,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -27,6 +27,9 @@ from . import _wire
 from ._gen import indexer_pb2 as pb
 from .errors import IndexerError
 from .shm import SharedMemoryRegion, register_memfd
+
+if TYPE_CHECKING:
+    from .fast_path import FastPathRing
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["DecodeIndexer"].full_name
 # The metadata key carrying the (first) sequence id of every call that names sequences.
@@ -597,6 +600,10 @@ class Client:
                                    pb.RegisterSharedMemoryRequest)
         self._unregister_shm = unary("UnregisterSharedMemory", pb.UnregisterSharedMemoryResponse,
                                      pb.UnregisterSharedMemoryRequest)
+        self._register_step_ring = unary("RegisterStepRing", pb.RegisterStepRingResponse,
+                                         pb.RegisterStepRingRequest)
+        self._unregister_step_ring = unary("UnregisterStepRing", pb.UnregisterStepRingResponse,
+                                           pb.UnregisterStepRingRequest)
         self._truncate = unary("TruncateSequence", pb.TruncateSequenceResponse,
                                pb.TruncateSequenceRequest)
         self._fork = unary("ForkSequence", pb.ForkSequenceResponse, pb.ForkSequenceRequest)
@@ -846,6 +853,13 @@ class Client:
         (which must run on this host, with --shm-socket); see decode_indexer.shm. Close it (or
         use it as a context manager) to unregister and unmap it. `name` labels the memfd."""
         return SharedMemoryRegion(self, size, name, timeout=timeout, socket_path=socket_path)
+
+    def fast_path(self, **kwargs: Any) -> "FastPathRing":
+        """A step ring registered with the server (same host, --shm-socket): steps with no
+        gRPC call each (decode_indexer.fast_path.FastPathRing; keyword arguments as its)."""
+        from .fast_path import FastPathRing
+
+        return FastPathRing(self, **kwargs)
 
     def statistics(self, *, timeout: float | None = None) -> pb.Statistics:
         """The server's cumulative counters (a decode_indexer.v1.Statistics message)."""

@@ -1,0 +1,600 @@
+"""The same-host fast path from Python: a step ring (docs/fast-path.md) in a sealed memfd.
+
+    with di.FastPathRing(client) as ring:                 # memfd + shm socket + gRPC, once
+        q = ring.alloc((rows, H, D), np.uint8)             # views into the ring's step data
+        w = ring.alloc((rows, H), np.float32)
+        q[:], w[:] = codes, folded_weights                 # the worker writes in place
+        r = ring.step(layer, ids, di.typed(q, di.DType.FP8_E4M3), w,
+                      new_keys=key_codes, new_key_scales=key_scales)
+        r.topk                                             # int32 [rows, K], a view of the ring
+
+No gRPC call per step: the step is a descriptor in a slot of the ring, published with a
+counter and a doorbell; the server's poller runs it through the same checks and the same
+executor as DecodeStep and writes a completion record. Tensors given as views of the ring
+(alloc / array) are read where they are; any other array (NumPy, torch CPU, TypedArray) is
+copied once into the step data after the allocated views. The answer is a view of the ring,
+overwritten by the next step (copy=True, or .copy(), to keep it). One thread drives a ring.
+
+The byte layout is common/step_ring.h (the one definition); the offsets below are its
+static_asserts. Memory ordering, as client/fast_path.cc: the descriptor and its columns are
+plain stores, then `produced` (an aligned 8-byte store), then `doorbell` += 1 with an atomic
+fetch-add, then `server_sleeping` is read. This relies on x86-64 TSO: stores become visible in
+program order (so the poller that sees `produced` sees the descriptor: a release store is a
+plain store), and a locked read-modify-write (the fetch-add, through libatomic's
+__atomic_fetch_add_4 via ctypes) is a full fence, so the `server_sleeping` load is not
+satisfied before `produced` is visible (the store-load order the futex hand-shake needs). The
+wait side is the same: `client_waiting` = 1 is an atomic exchange (a full fence) before
+`completed` is read again, and a completion is read after `completed` covers it (loads are
+not reordered with other loads under TSO). Without libatomic (libatomic1) the fetch-add and
+the exchange become plain stores with no fence: a wake-up can then be missed, and that side
+sleeps until its bounded futex wait ends (50 ms), never longer; `FastPathRing.fenced` says
+which is in use. The doorbell's only other writer is the server's Stop(), and a waiter needs
+only that the bell changed, so a plain increment by the one client thread is safe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import platform
+import struct
+import time
+from typing import Any, Sequence
+
+import grpc
+import numpy as np
+
+from . import _wire
+from ._gen import indexer_pb2 as pb
+from .client import Client, DecodeResult, Timing, _column, _timeout_us
+from .errors import IndexerError
+from .shm import SharedMemoryRegion
+
+# common/step_ring.h
+MAGIC = 0x3130475249444944  # "DIDIRG01" little-endian
+VERSION = 1
+HEADER_BYTES = 1024
+MAX_SLOTS = 1024
+MESSAGE_BYTES = 256
+DESCRIPTOR_BYTES = 256
+COMPLETION_BYTES = 320
+STATE_UNREGISTERED, STATE_SERVING, STATE_STOPPED = 0, 1, 2
+F_RETURN_CANDIDATES = 1 << 0
+F_NUM_ROWS = 1 << 1
+F_NEW_KEY_COUNTS = 1 << 2
+F_NEW_KEYS_POSITIONS = 1 << 3
+
+# RingHeader offsets.
+_H_MAGIC, _H_VERSION, _H_SLOTS, _H_SLOT_BYTES = 0, 8, 12, 16
+_H_PRODUCED, _H_DOORBELL, _H_CLIENT_WAITING = 64, 128, 132
+_H_COMPLETED, _H_COMPLETION_BELL, _H_SERVER_SLEEPING = 192, 256, 260
+_H_SERVER_STATE = 320
+
+# StepDescriptor, 256 bytes (field order of common/step_ring.h).
+DESCRIPTOR = np.dtype([
+    ("sequence", "<u8"), ("step_id", "<u8"), ("layer", "<i4"), ("flags", "<u4"),
+    ("sequence_count", "<u4"), ("rows_per_sequence", "<i4"), ("row_lengths_count", "<u4"),
+    ("answer_encoding", "<i4"), ("q_dtype", "<i4"), ("q_scales_dtype", "<i4"),
+    ("weights_dtype", "<i4"), ("positions_dtype", "<i4"), ("new_keys_dtype", "<i4"),
+    ("new_key_scales_dtype", "<i4"), ("new_keys_rows", "<i8"), ("timeout_us", "<i8"),
+    ("q_offset", "<u8"), ("q_scales_offset", "<u8"), ("weights_offset", "<u8"),
+    ("positions_offset", "<u8"), ("new_keys_offset", "<u8"), ("new_key_scales_offset", "<u8"),
+    ("answer_offset", "<u8"), ("candidates_offset", "<u8"), ("cuda_ipc_region_id", "<u8"),
+    ("reserved", "u1", (256 - 152,)),
+])
+assert DESCRIPTOR.itemsize == DESCRIPTOR_BYTES and DESCRIPTOR.fields["cuda_ipc_region_id"][1] == 144
+
+# StepCompletion, 320 bytes; then int64 lengths[lengths_count].
+COMPLETION = np.dtype([
+    ("sequence", "<u8"), ("code", "<i4"), ("message_bytes", "<u4"), ("step_id", "<u8"),
+    ("queue_us", "<i8"), ("compute_us", "<i8"), ("lengths_count", "<u4"), ("sharded", "<u4"),
+    ("server_us", "<i8"), ("reserved", "u1", (8,)), ("message", "u1", (MESSAGE_BYTES,)),
+])
+assert COMPLETION.itemsize == COMPLETION_BYTES
+
+# The same two records as struct formats, for the hot path (a NumPy structured scalar costs
+# ~1 us a field; one pack_into / unpack_from costs about that for all of them). The
+# descriptor's reserved tail is never written (the memfd's zeros stay).
+_DESCRIPTOR_FIELDS = DESCRIPTOR.names[:-1]
+_DESCRIPTOR_STRUCT = struct.Struct("<" + "".join(
+    DESCRIPTOR.fields[f][0].str[1:].replace("u8", "Q").replace("i8", "q").replace("u4", "I")
+    .replace("i4", "i") for f in _DESCRIPTOR_FIELDS))
+assert _DESCRIPTOR_STRUCT.size == DESCRIPTOR.fields["reserved"][1]
+_COMPLETION_STRUCT = struct.Struct("<QiIQqqIIq")  # sequence .. server_us
+assert _COMPLETION_STRUCT.size == COMPLETION.fields["reserved"][1]
+
+
+def _align8(v: int) -> int:
+    return (v + 7) & ~7
+
+
+def ring_bytes(slots: int, slot_bytes: int) -> int:
+    """RingBytes(): header, descriptor slots, completion slots, rounded up to 4 KiB."""
+    return (HEADER_BYTES + 2 * slots * slot_bytes + 4095) & ~4095
+
+
+def columns_of(flags: int, sequence_count: int, row_lengths_count: int) -> dict:
+    """ColumnsOf(): where a descriptor's columns lie from the slot's start; "end": bytes used."""
+    at = DESCRIPTOR_BYTES
+    c = {"sequence_ids": at}
+    at += 8 * sequence_count
+    c["num_rows"] = at
+    if flags & F_NUM_ROWS:
+        at += 4 * sequence_count
+    c["new_key_counts"] = at
+    if flags & F_NEW_KEY_COUNTS:
+        at += 4 * sequence_count
+    at = _align8(at)
+    c["new_keys_positions"] = at
+    if flags & F_NEW_KEYS_POSITIONS:
+        at += 8 * sequence_count
+    c["row_lengths"] = at
+    at += 4 * row_lengths_count
+    c["end"] = at
+    return c
+
+
+# --- futexes and the two atomic read-modify-writes ------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+# x86-64 only: the plain stores above rely on its TSO (elsewhere they would need fences).
+_SYS_FUTEX = {"x86_64": 202, "AMD64": 202}.get(platform.machine())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared futexes (not FUTEX_PRIVATE): two processes
+_INT_MAX = 0x7FFFFFFF
+_SEQ_CST = 5
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _load_libatomic() -> Any:
+    for name in (ctypes.util.find_library("atomic"), "libatomic.so.1"):
+        if not name:
+            continue
+        try:
+            lib = ctypes.CDLL(name)
+            lib.__atomic_fetch_add_4.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int]
+            lib.__atomic_fetch_add_4.restype = ctypes.c_uint32
+            lib.__atomic_exchange_4.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int]
+            lib.__atomic_exchange_4.restype = ctypes.c_uint32
+            return lib
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+_atomic = _load_libatomic()
+# Bound here: a name starting with two underscores would be mangled inside the class.
+_fetch_add_4 = getattr(_atomic, "__atomic_fetch_add_4", None)
+_exchange_4 = getattr(_atomic, "__atomic_exchange_4", None)
+
+
+def _futex_wait(addr: int, expected: int, timeout_us: int) -> None:
+    ts = _Timespec(timeout_us // 1_000_000, (timeout_us % 1_000_000) * 1000)
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_uint32(expected),
+                  ctypes.byref(ts), None, 0)
+
+
+def _futex_wake(addr: int) -> None:
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, _INT_MAX, None, None, 0)
+
+
+# --- the ring ----------------------------------------------------------------------------------
+
+# The tensor arguments: (name, DType field of the descriptor, offset field).
+_TENSORS = (("q", "q_dtype", "q_offset"), ("q_scales", "q_scales_dtype", "q_scales_offset"),
+            ("weights", "weights_dtype", "weights_offset"),
+            ("positions", "positions_dtype", "positions_offset"),
+            ("new_keys", "new_keys_dtype", "new_keys_offset"),
+            ("new_key_scales", "new_key_scales_dtype", "new_key_scales_offset"))
+
+
+def _invalid(field: str, what: str) -> IndexerError:
+    return IndexerError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {what}", "FastPath")
+
+
+def _shape_str(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+class FastPathRing:
+    """A step ring registered with the server (which must run on this host, --shm-socket).
+
+    slots: descriptors in flight at most (1..1024); slot_bytes: a multiple of 64 in
+    [1 KiB, 1 MiB], enough for a step's columns (max_sequences says how many requests fit).
+    data_bytes: the step data after the ring (views from alloc(), then staged copies and the
+    answer). server_spin_us: how long the poller spins before sleeping (0: its default);
+    client_spin_us: how long step() spins on the completion before sleeping on its futex.
+    Close it (or leave the `with` block) to release the ring and its region on the server.
+    """
+
+    def __init__(self, client: Client, *, slots: int = 4, slot_bytes: int = 16384,
+                 data_bytes: int = 16 << 20, server_spin_us: int = 0,
+                 client_spin_us: int = 50, socket_path: str | None = None,
+                 timeout: float | None = None):
+        if _SYS_FUTEX is None:
+            raise OSError(f"the Python fast path relies on x86-64 ordering (TSO); this is "
+                          f"{platform.machine()}")
+        if not 1 <= slots <= MAX_SLOTS:
+            raise ValueError(f"slots: must be in [1, {MAX_SLOTS}], got {slots}")
+        self._client = client
+        self.slots = int(slots)
+        self.slot_bytes = int(slot_bytes)
+        self.client_spin_us = int(client_spin_us)
+        self.ring_bytes = ring_bytes(self.slots, self.slot_bytes)
+        info = client.server_info(timeout=timeout)
+        self.topk = int(info.topk)
+        self.num_candidate_blocks = int(info.num_candidate_blocks)
+        self.num_heads = int(info.num_heads)
+        self.head_dim = int(info.head_dim)
+        self.max_rows_per_sequence = int(info.max_rows_per_sequence)
+        self.ring_id = 0
+        self._registered = False
+        # The region (memfd, sealed, registered over the shm socket): the ring at its start.
+        self.region = SharedMemoryRegion(client, self.ring_bytes + max(int(data_bytes), 64),
+                                         "di-py-step-ring", timeout=timeout,
+                                         socket_path=socket_path)
+        try:
+            self.region.alloc(self.ring_bytes, np.uint8)  # views start past the ring
+            m = self.region._map
+            self._u8 = np.frombuffer(m, dtype=np.uint8)
+            self._base = self.region._base
+            u64 = lambda off: ctypes.c_uint64.from_buffer(m, off)  # noqa: E731
+            u32 = lambda off: ctypes.c_uint32.from_buffer(m, off)  # noqa: E731
+            self._produced_w, self._completed_w = u64(_H_PRODUCED), u64(_H_COMPLETED)
+            self._doorbell_w, self._client_waiting_w = u32(_H_DOORBELL), u32(_H_CLIENT_WAITING)
+            self._bell_w, self._sleeping_w = u32(_H_COMPLETION_BELL), u32(_H_SERVER_SLEEPING)
+            self._state_w = u32(_H_SERVER_STATE)
+            # The header, as FastPathRing::Create writes it (the memfd is zero: counters 0).
+            u64(_H_MAGIC).value = MAGIC
+            u32(_H_VERSION).value = VERSION
+            u32(_H_SLOTS).value = self.slots
+            u32(_H_SLOT_BYTES).value = self.slot_bytes
+            resp = client._call(
+                "RegisterStepRing", client._register_step_ring,
+                pb.RegisterStepRingRequest(region_id=self.region.region_id, slots=self.slots,
+                                           slot_bytes=self.slot_bytes,
+                                           spin_us=server_spin_us), timeout)
+        except BaseException:
+            self._drop_words()
+            self.region.close()
+            raise
+        self.ring_id = resp.ring_id
+        self.max_sequences = resp.max_sequences
+        if resp.ring_bytes != self.ring_bytes:
+            self.close()
+            raise IndexerError(grpc.StatusCode.INTERNAL,
+                               f"the server's ring takes {resp.ring_bytes} bytes, this client "
+                               f"laid out {self.ring_bytes}", "RegisterStepRing")
+        self._registered = True
+        self._produced = 0
+        self.steps = 0
+        self.staged_bytes = 0  # bytes the last step copied into the ring (0: all in place)
+        self.fenced = _atomic is not None
+
+    # -- views of the step data -----------------------------------------------------------------
+
+    @property
+    def data_offset(self) -> int:
+        """The first byte past the ring (where alloc() starts)."""
+        return self.ring_bytes
+
+    def alloc(self, shape: Sequence[int] | int, dtype: Any) -> np.ndarray:
+        """A writable view of the step data (64-byte aligned, never reused: lay it out once).
+        A tensor passed to step() as such a view (or a TypedArray of one) is read in place."""
+        return self.region.alloc(shape, dtype)
+
+    def array(self, offset: int, shape: Sequence[int] | int, dtype: Any) -> np.ndarray:
+        """A view of `shape` x `dtype` at byte `offset` of the region (past data_offset)."""
+        if offset < self.ring_bytes:
+            raise ValueError(f"offset {offset} lies inside the ring (first {self.ring_bytes} B)")
+        return self.region.array(offset, shape, dtype)
+
+    # -- a step -----------------------------------------------------------------------------------
+
+    def _in_region(self, x: Any) -> int | None:
+        """The offset of a C-contiguous array (or TypedArray of one) lying in the step data."""
+        arr = x.array if type(x) is _wire.TypedArray else x
+        if type(arr) is not np.ndarray and _wire._is_torch(arr):  # from_numpy(ring view)
+            if arr.device.type != "cpu":
+                return None
+            arr = _wire._torch_to_numpy(arr, "tensor")[0]
+        if type(arr) is not np.ndarray or not arr.flags.c_contiguous:
+            return None
+        off = arr.__array_interface__["data"][0] - self._base
+        if self.ring_bytes <= off and off + arr.nbytes <= self.region.size:
+            return off
+        return None
+
+    def step(self, layer: int, sequence_ids: Any, q: Any, weights: Any, *, num_rows: Any = 1,
+             new_keys: Any = None, new_key_scales: Any = None, new_key_counts: Any = None,
+             new_keys_positions: Any = None, row_lengths: Any = None, q_scales: Any = None,
+             positions: Any = None, step_id: int = 0, return_candidates: bool = False,
+             answer: Any = None, candidates: Any = None, timeout_us: int | None = None,
+             copy: bool = False, timeout: float = 60.0) -> DecodeResult:
+        """One columnar step through the ring (arguments as Client.decode_step_columnar).
+
+        answer / candidates: int32 views of the ring (alloc) to write the answer into; None:
+        after the staged tensors. Returns the DecodeResult decode_step_columnar returns, bit
+        for bit; topk / candidate_blocks are views of the ring (copy=True: copies). A failed
+        step raises IndexerError with the server's code and message (naming the field), as
+        the gRPC call does, and changes nothing. timeout: seconds to wait for the completion.
+        """
+        start = time.perf_counter()
+        if self._u8 is None:
+            raise ValueError("FastPathRing: closed")
+        d = dict.fromkeys(_DESCRIPTOR_FIELDS, 0)
+        d["layer"] = layer
+        d["step_id"] = step_id
+        d["timeout_us"] = _timeout_us(timeout_us)
+        ids = np.asarray(_wire._as_numpy(sequence_ids, "sequence_ids")
+                         if _wire._is_torch(sequence_ids) else sequence_ids)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError("sequence_ids: expected a 1-D array of at least one id")
+        if ids.dtype.kind not in "iu" or (ids.dtype.kind == "i" and ids.min() < 0):
+            raise TypeError("sequence_ids: expected unsigned integers")
+        n = int(ids.size)
+        cols: dict = {"sequence_ids": np.ascontiguousarray(ids, "<u8")}
+        flags = F_RETURN_CANDIDATES if return_candidates else 0
+        max_rows = max(1, self.max_rows_per_sequence)
+        if isinstance(num_rows, (int, np.integer)) and not isinstance(num_rows, bool):
+            d["rows_per_sequence"] = int(num_rows)
+            counts = None
+            rows = n * min(max(int(num_rows), 1), max_rows)
+            counts_ok = 1 <= num_rows <= max_rows
+        else:
+            counts = _column(num_rows, "num_rows", "int32")
+            cols["num_rows"] = np.asarray(counts, "<i4")
+            if len(counts) != n:  # the server's check, message and all
+                raise _invalid("num_rows", f"{len(counts)} entries for {n} sequence_ids (one "
+                               "per request, or none and rows_per_sequence)")
+            flags |= F_NUM_ROWS
+        # The rows the server builds the tensors' shapes for (each count clamped, as the
+        # poller does: a bad count is then the server's to name).
+        if counts is not None:
+            rows = sum(min(max(r, 1), max_rows) for r in counts)
+            counts_ok = all(1 <= r <= max_rows for r in counts)
+        if new_key_counts is not None:
+            cols["new_key_counts"] = np.asarray(
+                _column(new_key_counts, "new_key_counts", "int32"), "<i4")
+            flags |= F_NEW_KEY_COUNTS
+        if new_keys_positions is not None:
+            cols["new_keys_positions"] = np.asarray(
+                _column(new_keys_positions, "new_keys_positions", "int64"), "<i8")
+            flags |= F_NEW_KEYS_POSITIONS
+        for name in ("new_key_counts", "new_keys_positions"):
+            if name in cols and cols[name].size != n:  # the server's check and message
+                raise _invalid(name, f"{cols[name].size} entries for {n} sequence_ids (one "
+                               "per request, or none)")
+        if row_lengths is not None:
+            cols["row_lengths"] = np.asarray(_column(row_lengths, "row_lengths", "int32"), "<i4")
+        d["flags"] = flags
+        d["sequence_count"] = n
+        d["row_lengths_count"] = cols["row_lengths"].size if "row_lengths" in cols else 0
+        c = columns_of(flags, n, int(d["row_lengths_count"]))
+        if c["end"] > self.slot_bytes:
+            raise ValueError(f"the step's columns take {c['end']} bytes, past the slot's "
+                             f"{self.slot_bytes} (make the ring with a larger slot_bytes)")
+
+        # The tensors: checked against the shapes the descriptor implies (the server sees no
+        # shape but these), placed (in place, or one copy after the allocated views).
+        h, dim = self.num_heads, self.head_dim
+        given = {"q": q, "q_scales": q_scales, "weights": weights, "positions": positions,
+                 "new_keys": new_keys, "new_key_scales": new_key_scales}
+        at = -(-self.region.used // 64) * 64
+        staged = []
+        for name, dtype_field, offset_field in _TENSORS:
+            x = given[name]
+            if x is None:
+                continue
+            dtype, shape, data = _wire.wire_parts(x, name)
+            if name == "new_keys":
+                d["new_keys_rows"] = shape[0] if len(shape) >= 1 else 0
+                keys_rows = int(d["new_keys_rows"])
+                want = (keys_rows, dim)
+            elif name == "new_key_scales":
+                keys_rows = int(d["new_keys_rows"]) if new_keys is not None else (
+                    shape[0] if shape else 0)
+                want = ((keys_rows, dim // 32) if dtype == _wire.DType.UE8M0 else (keys_rows,))
+            else:
+                want = {"q": (rows, h, dim), "q_scales": (rows, h, dim // 32),
+                        "weights": (rows, h), "positions": (rows,)}[name]
+            if tuple(shape) != want and (counts_ok or name.startswith("new_key")):
+                raise _invalid(f"{name}.shape", f"expected {_shape_str(want)}, got "
+                               f"{_shape_str(shape)}")
+            off = self._in_region(x)
+            if off is None:
+                nbytes = len(data)
+                if at + nbytes > self.region.size:
+                    raise MemoryError(f"the step needs {at + nbytes - self.ring_bytes} bytes "
+                                      f"of step data, the ring has "
+                                      f"{self.region.size - self.ring_bytes} (data_bytes)")
+                staged.append((at, data))
+                off = at
+                at = -(-(at + nbytes) // 64) * 64
+            d[dtype_field] = dtype
+            d[offset_field] = off
+        if new_key_scales is not None and new_keys is None:
+            d["new_keys_rows"] = 0
+        answer_at, flat_answer = self._answer_place(answer, rows * self.topk, "answer", at)
+        if answer is None:
+            at = -(-(answer_at + rows * self.topk * 4) // 64) * 64
+        d["answer_offset"] = answer_at
+        flat_candidates = None
+        if return_candidates:
+            cand_at, flat_candidates = self._answer_place(
+                candidates, rows * self.num_candidate_blocks, "candidates", at)
+            d["candidates_offset"] = cand_at
+        seq = self._produced + 1
+        self._check_free(seq)
+        for off, data in staged:  # the one copy of a tensor not already in the ring
+            self._u8[off:off + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self.staged_bytes = sum(len(data) for _, data in staged)
+
+        # Descriptor n into slot (n - 1) % slots, its columns after it; then publish.
+        d["sequence"] = seq
+        slot = HEADER_BYTES + ((seq - 1) % self.slots) * self.slot_bytes
+        _DESCRIPTOR_STRUCT.pack_into(self.region._map, slot,
+                                     *[int(d[f]) for f in _DESCRIPTOR_FIELDS])
+        for name, arr in cols.items():
+            if arr.size:
+                b = slot + c[name]
+                self._u8[b:b + arr.nbytes] = arr.view(np.uint8)
+        self._publish(seq)
+        done = self._wait(seq, timeout)
+        client_us = (time.perf_counter() - start) * 1e6
+        return self._result(done, seq, rows, flat_answer, flat_candidates, return_candidates,
+                            copy, client_us)
+
+    def _answer_place(self, view: Any, need: int, what: str, at: int) -> tuple[int, np.ndarray]:
+        if view is None:
+            if at + need * 4 > self.region.size:
+                raise MemoryError(f"{what}: {need * 4} bytes past the ring's step data "
+                                  "(data_bytes)")
+            return at, self._u8[at:at + need * 4].view(np.int32)
+        if not isinstance(view, np.ndarray) or view.dtype != np.int32:
+            raise TypeError(f"{what}: expected an int32 view of the ring (ring.alloc)")
+        off = self._in_region(view)
+        if off is None:
+            raise ValueError(f"{what}: must be a C-contiguous view of the ring's step data")
+        if view.size < need:
+            raise ValueError(f"{what}: {view.size} elements cannot hold this step's {need}")
+        return off, view.reshape(-1)
+
+    def _check_free(self, seq: int) -> None:
+        """Before anything of step `seq` is written: the ring is served and its slot free."""
+        if self._state_w.value != STATE_SERVING:
+            raise IndexerError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "the ring is not served (released)", "FastPath")
+        if self._completed_w.value < seq - 1:
+            # A step whose wait timed out may still be read by the server (its slot, its
+            # staged tensors): nothing is written until it completes.
+            raise IndexerError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"step {seq - 1} has not completed (its wait timed out); retry "
+                               "once the server has answered it", "FastPath")
+
+    def _publish(self, seq: int) -> None:
+        # An aligned 8-byte store after the descriptor's (TSO: seen after them).
+        self._produced_w.value = seq
+        self._produced = seq
+        if _atomic is not None:
+            # lock xadd: also the full fence between `produced` and the sleeping flag's load.
+            _fetch_add_4(self._base + _H_DOORBELL, 1, _SEQ_CST)
+        else:
+            # The only other writer of the bell is the server's Stop(), for which any change
+            # does; without a fence a wake-up can be missed (the poller's sleep is bounded).
+            self._doorbell_w.value = (self._doorbell_w.value + 1) & 0xFFFFFFFF
+        if self._sleeping_w.value != 0:
+            _futex_wake(self._base + _H_DOORBELL)
+
+    def _wait(self, seq: int, timeout: float) -> int:
+        """Waits for completion `seq`; answers its slot's offset."""
+        completed = self._completed_w
+        if completed.value < seq:
+            now = time.perf_counter()
+            deadline = now + timeout
+            spin_until = now + self.client_spin_us * 1e-6
+            while completed.value < seq:
+                now = time.perf_counter()
+                if self._state_w.value == STATE_STOPPED and completed.value < seq:
+                    raise IndexerError(grpc.StatusCode.UNAVAILABLE,
+                                       "the server released the ring", "FastPath")
+                if now >= deadline:
+                    raise IndexerError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       f"step {seq} not completed in {timeout} s", "FastPath")
+                if now < spin_until:
+                    continue
+                # Read the bell, publish the flag, re-check: a completion after the check
+                # changes the bell and the futex wait returns at once.
+                bell = self._bell_w.value
+                if _atomic is not None:
+                    _exchange_4(self._base + _H_CLIENT_WAITING, 1, _SEQ_CST)
+                else:
+                    self._client_waiting_w.value = 1
+                if completed.value < seq:
+                    left = int((deadline - now) * 1e6)
+                    _futex_wait(self._base + _H_COMPLETION_BELL, bell, min(left + 1, 50000))
+                self._client_waiting_w.value = 0
+        slot = HEADER_BYTES + self.slots * self.slot_bytes + ((seq - 1) % self.slots) * \
+            self.slot_bytes
+        return slot
+
+    def _result(self, slot: int, seq: int, rows: int, flat_answer: np.ndarray,
+                flat_candidates: np.ndarray | None, return_candidates: bool, copy: bool,
+                client_us: float) -> DecodeResult:
+        (sequence, code, message_bytes, step_id, queue_us, compute_us, lengths_count, sharded,
+         server_us) = _COMPLETION_STRUCT.unpack_from(self.region._map, slot)
+        self.steps += 1
+        if sequence != seq:
+            raise IndexerError(grpc.StatusCode.DATA_LOSS,
+                               f"completion slot holds step {sequence}, expected {seq}",
+                               "FastPath")
+        if code != 0:
+            by_value = {s.value[0]: s for s in grpc.StatusCode}
+            nbytes = min(message_bytes, MESSAGE_BYTES)
+            at = slot + COMPLETION.fields["message"][1]
+            message = bytes(self._u8[at:at + nbytes]).decode("utf-8", "replace")
+            raise IndexerError(by_value.get(code, grpc.StatusCode.UNKNOWN), message, "FastPath")
+        max_lengths = (self.slot_bytes - COMPLETION_BYTES) // 8
+        count = min(lengths_count, max_lengths)
+        b = slot + COMPLETION_BYTES
+        lengths = self._u8[b:b + 8 * count].view("<i8").copy()
+        topk = flat_answer[:rows * self.topk].reshape(rows, self.topk)
+        cand = None
+        if return_candidates:
+            cand = flat_candidates[:rows * self.num_candidate_blocks].reshape(
+                rows, self.num_candidate_blocks)
+        if copy:
+            topk = topk.copy()
+            cand = None if cand is None else cand.copy()
+        self.last_server_us = server_us
+        return DecodeResult(step_id=step_id, topk=topk, candidate_blocks=cand,
+                            timing=Timing(queue_us, compute_us, client_us),
+                            lengths=lengths, sharded=bool(sharded))
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> int:
+        """The server's word for this ring: 0 unregistered, 1 serving, 2 stopped."""
+        return STATE_STOPPED if self._u8 is None else self._state_w.value
+
+    def _drop_words(self) -> None:
+        # ctypes objects made with from_buffer pin the mapping: drop them before unmapping.
+        for name in ("_produced_w", "_completed_w", "_doorbell_w", "_client_waiting_w",
+                     "_bell_w", "_sleeping_w", "_state_w"):
+            setattr(self, name, None)
+        self._u8 = None
+
+    def close(self, *, timeout: float | None = None) -> int:
+        """Releases the ring and its region on the server (best effort: the server may be
+        gone) and unmaps it; returns the steps the server ran (0 when unknown). Idempotent."""
+        steps = 0
+        if self._registered:
+            self._registered = False
+            try:
+                steps = self._client._call(
+                    "UnregisterStepRing", self._client._unregister_step_ring,
+                    pb.UnregisterStepRingRequest(ring_id=self.ring_id), timeout).steps
+            except IndexerError:
+                pass
+        if self._u8 is not None:
+            self._drop_words()
+            self.region.close()
+        return steps
+
+    @property
+    def closed(self) -> bool:
+        return self._u8 is None
+
+    def __enter__(self) -> "FastPathRing":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"FastPathRing(ring {self.ring_id}, {self.slots} x {self.slot_bytes} B, "
+                f"{'closed' if self.closed else f'{self.steps} steps'})")

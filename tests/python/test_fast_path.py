@@ -1,0 +1,409 @@
+"""The fast path from Python (decode_indexer.FastPathRing, a step ring in a registered memfd)
+against a real CPU server: ring steps answer bit for bit as the gRPC columnar call on twin
+sequences (the small V4.1-style profile's every layer kind and v32, next_n 1 and 2, float32
+and pre-quantized q and keys, tensors staged or written in place), for more steps than the
+ring has slots and across the poller's futex sleep; a bad step raises the IndexerError the
+gRPC call raises (its code, its message naming the field) and changes nothing; closing the
+ring releases it and its region while the server keeps serving."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import unittest
+from pathlib import Path
+
+import grpc
+import numpy as np
+from _support import ServerTestCase
+
+import decode_indexer as di
+from decode_indexer import fast_path, quant
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+SMALL_PROFILE = str(Path(__file__).resolve().parent / "profiles" / "py-small.json")
+_PKG = Path(__file__).resolve().parents[2] / "client" / "python"
+V41_TINY = str(Path(__file__).resolve().parents[1] / "service" / "profiles" / "v41-tiny.toml")
+
+
+class LayoutTest(unittest.TestCase):
+    """No server: the Python layout is common/step_ring.h's."""
+
+    def test_layout_matches_the_header(self):
+        header = (Path(__file__).resolve().parents[2] / "common" / "step_ring.h").read_text()
+        self.assertIn("kMagic = 0x31304752'49444944ull", header)
+        self.assertEqual(fast_path.MAGIC.to_bytes(8, "little"), b"DIDIRG01")
+        self.assertIn("offsetof(RingHeader, produced) == 64", header)
+        self.assertIn("offsetof(RingHeader, server_state) == 320", header)
+        self.assertIn("offsetof(StepDescriptor, cuda_ipc_region_id) == 144", header)
+        self.assertEqual(fast_path.DESCRIPTOR.itemsize, 256)
+        self.assertEqual(fast_path.COMPLETION.itemsize, 320)
+        self.assertEqual(fast_path.COMPLETION.fields["message"][1], 64)
+        self.assertEqual(fast_path.ring_bytes(4, 16384), 1024 + 8 * 16384 + 3072)
+        # The hot path's struct formats say what the NumPy records say, field by field.
+        values = list(range(1, len(fast_path._DESCRIPTOR_FIELDS) + 1))
+        raw = bytearray(256)
+        fast_path._DESCRIPTOR_STRUCT.pack_into(raw, 0, *values)
+        rec = np.frombuffer(bytes(raw), fast_path.DESCRIPTOR)[0]
+        self.assertEqual([int(rec[f]) for f in fast_path._DESCRIPTOR_FIELDS], values)
+        raw = bytearray(320)
+        fast_path._COMPLETION_STRUCT.pack_into(raw, 0, *range(1, 10))
+        rec = np.frombuffer(bytes(raw), fast_path.COMPLETION)[0]
+        self.assertEqual([int(rec[f]) for f in fast_path.COMPLETION.names[:9]],
+                         list(range(1, 10)))
+        c = fast_path.columns_of(fast_path.F_NUM_ROWS | fast_path.F_NEW_KEYS_POSITIONS, 3, 5)
+        # ids 256..280, num_rows 280..292, aligned to 296, positions 296..320, lengths 320..340
+        self.assertEqual((c["sequence_ids"], c["num_rows"], c["new_keys_positions"],
+                          c["row_lengths"], c["end"]), (256, 280, 296, 320, 340))
+
+
+class _RingTests:
+    """Shared by the profiles: twins a (gRPC) and b (ring) with the same history."""
+
+    def setUp(self):
+        info = self.info
+        self.h, self.d, self.k = info.num_heads, info.head_dim, info.topk
+        self.ring = self.client.fast_path(slots=2, slot_bytes=8192, data_bytes=4 << 20)
+        self.addCleanup(self.ring.close)
+
+    def twins(self, count: int, cache_layers: list[int], lengths: tuple[int, int]):
+        c = self.client
+        a = [c.create_sequence(self.new_id()) for _ in range(count)]
+        b = [c.create_sequence(self.new_id()) for _ in range(count)]
+        self.addCleanup(lambda: [c.release_sequence(s) for s in a + b])
+        for x, y in zip(a, b):
+            for layer in cache_layers:
+                keys = self.keys(int(self.rng.integers(*lengths)))
+                c.append_keys(x, layer, keys)
+                c.append_keys(y, layer, keys)
+        return a, b
+
+    def assert_same(self, got: di.DecodeResult, want: di.DecodeResult, what: str):
+        self.assertEqual(got.topk.shape, want.topk.shape, what)
+        self.assertTrue((want.topk >= 0).any(), what)
+        np.testing.assert_array_equal(got.topk, want.topk, what)
+        np.testing.assert_array_equal(got.lengths, want.lengths, what)
+        self.assertEqual(got.step_id, want.step_id, what)
+        if want.candidate_blocks is None:
+            self.assertIsNone(got.candidate_blocks, what)
+        else:
+            np.testing.assert_array_equal(got.candidate_blocks, want.candidate_blocks, what)
+
+    def step_args(self, layer: di.LayerInfo, rows: int, quantized: bool) -> dict:
+        """The step's tensors: float32 q (the server quantizes) or the layer's codes, and one
+        new key a row where the layer owns a cache (float32 or pre-quantized)."""
+        q, w = self.q(rows), self.weights(rows)
+        kw = (quant.quantize_q(q, w, layer.cache_format, hadamard_rotate=self.info.hadamard)
+              if quantized else dict(q=q, weights=w))
+        if layer.owns_cache:
+            keys = self.keys(rows)
+            if quantized:
+                kw["new_keys"], kw["new_key_scales"] = quant.quantize_keys(
+                    keys, layer.cache_format, hadamard_rotate=self.info.hadamard)
+            else:
+                kw["new_keys"] = keys
+        return kw
+
+    def run_layers(self, layers: list[di.LayerInfo], count: int, quantized: bool,
+                   steps: int = 2, next_ns=(1, 2)):
+        c = self.client
+        a, b = self.twins(count, self.info.cache_layers, (self.k + 8, 3 * self.k))
+        step_id = 1
+        for next_n in next_ns:
+            for _ in range(steps):
+                for layer in layers:
+                    kw = self.step_args(layer, count * next_n, quantized)
+                    source = layer.role == "candidate_source"
+                    want = c.decode_step_columnar(layer.layer, a, num_rows=next_n,
+                                                  step_id=step_id, return_candidates=source,
+                                                  **kw)
+                    got = self.ring.step(layer.layer, np.asarray(b, np.uint64),
+                                         num_rows=next_n, step_id=step_id,
+                                         return_candidates=source, **kw)
+                    self.assert_same(got, want, f"layer {layer.layer} next_n {next_n}")
+                    step_id += 1
+        return step_id - 1
+
+    def test_ring_answers_as_the_columnar_call(self):
+        before = self.ring.steps
+        n = self.run_layers(self.info.layers, 3, quantized=False)
+        # More steps than the ring has slots: each slot was reused.
+        self.assertGreater(n, 2 * self.ring.slots)
+        self.assertEqual(self.ring.steps - before, n)
+
+    def test_pre_quantized_q_and_keys(self):
+        self.run_layers(self.info.layers, 2, quantized=True, steps=1)
+
+    def test_in_place_views_are_read_where_they_are(self):
+        """q / weights / keys written into ring.alloc views (no staging copy), the answer into
+        an answer view; per-request row counts as a column."""
+        c, ring = self.client, self.ring
+        layer = self.dense_layers()[0]
+        fp4 = layer.cache_format == "fp4"
+        a, b = self.twins(2, [layer.layer], (self.k + 8, 3 * self.k))
+        rows_each = [1, min(2, self.info.max_rows_per_sequence)]
+        rows = sum(rows_each)
+        h, d = self.h, self.d
+        qv = ring.alloc((rows, h, d // 2 if fp4 else d), np.uint8)
+        sv = ring.alloc((rows, h, d // 32), np.uint8)
+        wv = ring.alloc((rows, h), np.float32)
+        kv = ring.alloc((rows, d // 2 if fp4 else d), np.uint8)
+        ksv = ring.alloc((rows, d // 32), np.uint8) if fp4 else ring.alloc(rows, np.float32)
+        answer = ring.alloc((rows, self.k), np.int32)
+        for _ in range(3):
+            kw = self.step_args(layer, rows, quantized=True)
+            want = c.decode_step_columnar(layer.layer, a, num_rows=rows_each, **kw)
+            qv[...] = kw["q"].array
+            if fp4:
+                sv[...] = kw["q_scales"].array
+            wv[...] = kw["weights"]
+            kv[...] = kw["new_keys"].array
+            ksv[...] = kw["new_key_scales"].array if fp4 else kw["new_key_scales"]
+            answer.fill(-7)
+            got = ring.step(layer.layer, b, di.typed(qv, kw["q"].dtype), wv,
+                            num_rows=np.asarray(rows_each, np.int32),
+                            q_scales=di.typed(sv, di.DType.UE8M0) if fp4 else None,
+                            new_keys=di.typed(kv, kw["new_keys"].dtype),
+                            new_key_scales=di.typed(ksv, di.DType.UE8M0) if fp4 else ksv,
+                            answer=answer)
+            self.assertEqual(ring.staged_bytes, 0)  # nothing copied: every tensor in place
+            self.assertTrue(np.shares_memory(got.topk, answer))
+            self.assert_same(got, want, "in place")
+
+    def test_copy_and_views(self):
+        layer = self.dense_layers()[0]
+        a, b = self.twins(1, [layer.layer], (self.k + 8, 2 * self.k))
+        kw = dict(q=self.q(1), weights=self.weights(1))
+        view = self.ring.step(layer.layer, b, **kw)
+        self.assertEqual(self.ring.staged_bytes, kw["q"].nbytes + kw["weights"].nbytes)
+        self.assertFalse(view.topk.flags.owndata)
+        kept = view.topk.copy()
+        copied = self.ring.step(layer.layer, b, copy=True, **kw)
+        self.assertIsNone(copied.topk.base)
+        np.testing.assert_array_equal(copied.topk, kept)
+        np.testing.assert_array_equal(
+            copied.topk, self.client.decode_step_columnar(layer.layer, a, **kw).topk)
+
+    def test_across_the_pollers_sleep(self):
+        """With no spinning on either side, every step goes through the futexes: the poller
+        sleeping on the doorbell, this client on the completion bell."""
+        c = self.client
+        layer = self.dense_layers()[0]
+        a, b = self.twins(2, [layer.layer], (self.k + 8, 2 * self.k))
+        with c.fast_path(slots=1, slot_bytes=4096, data_bytes=1 << 20, server_spin_us=1,
+                         client_spin_us=0) as ring:
+            for i in range(5):
+                time.sleep(0.02)  # the poller is asleep on the doorbell by now
+                kw = dict(q=self.q(2), weights=self.weights(2), new_keys=self.keys(2))
+                want = c.decode_step_columnar(layer.layer, a, step_id=i + 1, **kw)
+                got = ring.step(layer.layer, b, step_id=i + 1, **kw)
+                self.assert_same(got, want, f"step {i}")
+
+    def test_a_wait_that_times_out(self):
+        """A step whose wait gives up (timeout=0: DEADLINE_EXCEEDED at once) still runs and
+        commits; the ring then serves as before. The step is large (milliseconds of compute),
+        so that it is still running when the wait gives up; a few tries, should this box
+        stall the client for that long."""
+        c, ring = self.client, self.ring
+        layer = self.dense_layers()[0]
+        n = 4
+        a, b = self.twins(n, [layer.layer], (1500, 2000))
+        for _ in range(5):
+            kw = dict(q=self.q(n), weights=self.weights(n), new_keys=self.keys(n))
+            c.decode_step_columnar(layer.layer, a, **kw)
+            try:
+                ring.step(layer.layer, b, timeout=0, **kw)
+            except di.IndexerError as e:
+                self.assertEqual(e.code, grpc.StatusCode.DEADLINE_EXCEEDED)
+                break
+        else:
+            self.fail("no step was still running when its wait gave up")
+        deadline = time.monotonic() + 30
+        while ring._completed_w.value < ring._produced and time.monotonic() < deadline:
+            time.sleep(0.001)
+        kw = dict(q=self.q(n), weights=self.weights(n), new_keys=self.keys(n))
+        want = c.decode_step_columnar(layer.layer, a, **kw)
+        self.assert_same(ring.step(layer.layer, b, **kw), want, "after the late step")
+
+    def bad_cases(self, layer: di.LayerInfo, b: list[int], rows: int):
+        q, w = self.q(rows * 2), self.weights(rows * 2)
+        keys = self.keys(rows * 2)
+        missing = self.new_id()
+        return [
+            ("sequence_ids[1]", grpc.StatusCode.NOT_FOUND,
+             dict(sequence_ids=[b[0], missing], q=q, weights=w, num_rows=rows, new_keys=keys)),
+            ("sequence_ids[1]", grpc.StatusCode.INVALID_ARGUMENT,
+             dict(sequence_ids=[b[0], b[0]], q=q, weights=w, num_rows=rows, new_keys=keys)),
+            ("num_rows[1]", grpc.StatusCode.INVALID_ARGUMENT,
+             dict(sequence_ids=b, q=q, weights=w, num_rows=[rows, 0], new_keys=keys)),
+            ("new_keys.shape", grpc.StatusCode.INVALID_ARGUMENT,
+             dict(sequence_ids=b, q=q, weights=w, num_rows=rows, new_keys=keys[:-1])),
+            ("q.shape", grpc.StatusCode.INVALID_ARGUMENT,
+             dict(sequence_ids=b, q=q[:-1], weights=w, num_rows=rows, new_keys=keys)),
+            ("weights.shape", grpc.StatusCode.INVALID_ARGUMENT,
+             dict(sequence_ids=b, q=q, weights=w[:, :-1], num_rows=rows, new_keys=keys)),
+            ("new_key_counts[0]", grpc.StatusCode.INVALID_ARGUMENT,
+             dict(sequence_ids=b, q=q, weights=w, num_rows=rows, new_keys=keys,
+                  new_key_counts=[-1, 2 * rows + 1])),
+        ]
+
+    def test_bad_steps_raise_the_grpc_error_and_change_nothing(self):
+        c = self.client
+        layer = self.dense_layers()[0]
+        rows = min(2, self.info.max_rows_per_sequence)
+        a, b = self.twins(2, [layer.layer], (self.k + 8, 2 * self.k))
+        for field, code, kw in self.bad_cases(layer, b, rows):
+            with self.subTest(field=field):
+                before = [c.get_sequence(s).SerializeToString() for s in b]
+                with self.assertRaises(di.IndexerError) as grpc_err:
+                    c.decode_step_columnar(layer.layer, **kw)
+                with self.assertRaises(di.IndexerError) as ring_err:
+                    self.ring.step(layer.layer, **kw)
+                e = ring_err.exception
+                self.assertEqual(e.code, code, e)
+                self.assertEqual(grpc_err.exception.code, code)
+                self.assertTrue(e.message.startswith(field + ":"), e.message)
+                self.assertEqual(e.message, grpc_err.exception.message[:256])
+                self.assertEqual([c.get_sequence(s).SerializeToString() for s in b], before)
+                # The ring keeps serving: the next good step answers exactly.
+                good = dict(q=self.q(2 * rows), weights=self.weights(2 * rows),
+                            new_keys=self.keys(2 * rows), num_rows=rows)
+                want = c.decode_step_columnar(layer.layer, a, **good)
+                self.assert_same(self.ring.step(layer.layer, b, **good), want, field)
+
+    def test_close_releases_the_ring(self):
+        c = self.client
+        ring = c.fast_path(slots=1, slot_bytes=4096, data_bytes=1 << 16)
+        layer = self.dense_layers()[0]
+        a, b = self.twins(1, [layer.layer], (self.k + 8, 2 * self.k))
+        kw = dict(q=self.q(1), weights=self.weights(1))
+        ring.step(layer.layer, b, **kw)
+        ring_id, region_id = ring.ring_id, ring.region.region_id
+        rings_before = c.statistics().step_rings
+        self.assertEqual(ring.close(), 1)  # the steps the server ran on it
+        self.assertTrue(ring.closed)
+        self.assertEqual(c.statistics().step_rings, rings_before - 1)
+        self.assertEqual(ring.close(), 0)  # idempotent
+        with self.assertRaises(di.IndexerError) as e:
+            c._call("UnregisterStepRing", c._unregister_step_ring,
+                    fast_path.pb.UnregisterStepRingRequest(ring_id=ring_id), None)
+        self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
+        with self.assertRaises(di.IndexerError) as e:
+            c.unregister_shared_memory(region_id)
+        self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
+        with self.assertRaises(ValueError):
+            ring.step(layer.layer, b, **kw)
+        # The server keeps serving: gRPC, the other ring, and a new ring.
+        want = c.decode_step_columnar(layer.layer, a, **kw)
+        self.assert_same(self.ring.step(layer.layer, b, **kw), want, "other ring")
+        with c.fast_path() as again:
+            self.assertEqual(c.statistics().step_rings, rings_before)
+            self.assert_same(again.step(layer.layer, b, **kw), want, "new ring")
+
+    def test_owner_exit_releases_the_ring(self):
+        """A worker that exits without close(): the server releases its ring and region (it
+        watches the registering process) and keeps serving."""
+        c = self.client
+        before = c.statistics().step_rings
+        code = (f"import os, sys; sys.path.insert(0, {str(_PKG)!r}); import decode_indexer as di\n"
+                f"ring = di.Client({self.server.target!r}).fast_path()\n"
+                "print(ring.region.region_id, flush=True); os._exit(0)")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=60)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        region_id = int(done.stdout.split()[0])
+        deadline = time.monotonic() + 30  # the poller looks at least every 50 ms
+        while c.statistics().step_rings != before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertEqual(c.statistics().step_rings, before)
+        with self.assertRaises(di.IndexerError) as e:
+            c.unregister_shared_memory(region_id)
+        self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
+        layer = self.dense_layers()[0]
+        a, b = self.twins(1, [layer.layer], (self.k + 8, 2 * self.k))
+        kw = dict(q=self.q(1), weights=self.weights(1))
+        self.assert_same(self.ring.step(layer.layer, b, **kw),
+                         c.decode_step_columnar(layer.layer, a, **kw), "after the exit")
+
+
+class SmallProfileFastPathTest(_RingTests, ServerTestCase):
+    """py-small: FP8 dense, FP4 source, consumers, FP4 dense (V4.1-like)."""
+
+    PROFILE = SMALL_PROFILE
+    CACHE_PAGES = 1536
+
+
+class V41TinyFastPathTest(_RingTests, ServerTestCase):
+    """The service tests' v41-tiny profile (interleaved RoPE, FP8 and FP4 dense layers)."""
+
+    PROFILE = V41_TINY
+    CACHE_PAGES = 1536
+
+
+@unittest.skipIf(torch is None, "torch is not importable")
+class TorchFastPathTest(ServerTestCase):
+    PROFILE = SMALL_PROFILE
+    CACHE_PAGES = 256
+
+    def test_torch_cpu_tensors_through_the_ring(self):
+        c = self.client
+        layer = next(l for l in self.info.layers if l.role == "dense")
+        a = [c.create_sequence(self.new_id()) for _ in range(2)]
+        b = [c.create_sequence(self.new_id()) for _ in range(2)]
+        for x, y in zip(a, b):
+            k = self.keys(60)
+            c.append_keys(x, layer.layer, k)
+            c.append_keys(y, layer.layer, k)
+        with c.fast_path() as ring:
+            qv = ring.alloc((2, self.info.num_heads, self.info.head_dim), np.float32)
+            for _ in range(2):
+                q, w, k = self.q(2), self.weights(2), self.keys(2)
+                want = c.decode_step_columnar(layer.layer, np.asarray(a, np.uint64), q, w,
+                                              new_keys=k)
+                qv[...] = q
+                got = ring.step(layer.layer, torch.tensor(b, dtype=torch.int64),
+                                torch.from_numpy(qv), torch.from_numpy(w),
+                                new_keys=torch.from_numpy(k),
+                                num_rows=torch.ones(2, dtype=torch.int32))
+                # q read in place; weights and keys copied once
+                self.assertEqual(ring.staged_bytes, w.nbytes + k.nbytes)
+                np.testing.assert_array_equal(got.topk, want.topk)
+                np.testing.assert_array_equal(got.lengths, want.lengths)
+
+
+class V32FastPathTest(ServerTestCase):
+    """v32 (H 64, D 128, K 2048, FP8): the issue's shape, next_n 1 and 2."""
+
+    PROFILE = "v32"
+    CACHE_PAGES = 400
+
+    def test_fp8_ring_equals_the_columnar_call(self):
+        c, info = self.client, self.info
+        n = 3
+        a = [c.create_sequence(self.new_id()) for _ in range(n)]
+        b = [c.create_sequence(self.new_id()) for _ in range(n)]
+        for x, y in zip(a, b):
+            k = self.keys(int(self.rng.integers(1000, 3000)))  # below and above K
+            c.append_keys(x, 0, k)
+            c.append_keys(y, 0, k)
+        with c.fast_path(slots=2) as ring:
+            for next_n in (1, 2, 1, 2):
+                rows = n * next_n
+                kw = quant.quantize_q(self.q(rows), self.weights(rows), "fp8")
+                codes, scales = quant.quantize_keys(self.keys(rows), "fp8")
+                want = c.decode_step_columnar(0, a, num_rows=next_n, new_keys=codes,
+                                              new_key_scales=scales, **kw)
+                got = ring.step(0, b, num_rows=next_n, new_keys=codes, new_key_scales=scales,
+                                **kw)
+                self.assertEqual(got.topk.shape, (rows, info.topk))
+                np.testing.assert_array_equal(got.topk, want.topk)
+                np.testing.assert_array_equal(got.lengths, want.lengths)
+
+
+if __name__ == "__main__":
+    unittest.main()
