@@ -1183,32 +1183,28 @@ grpc::Status IndexerService::ImportSequence(grpc::ServerContext* context,
 namespace decode_indexer::service {
 
 absl::Status IndexerService::DoRegisterStepRing(CallContext& /*call*/,
-                                                const v1::RegisterStepRingRequest& req,
-                                                v1::RegisterStepRingResponse& resp) {
-  const v1::RegisterStepRingRequest* request = &req;
-  v1::RegisterStepRingResponse* response = &resp;
-  {
-    absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> region = shm_.Get(request->region_id());
-    if (!region.ok()) {
-      return absl::NotFoundError(
-          "region_id: no such shared-memory region (register the ring's memfd over the shm "
-          "socket first)");
-    }
-    StepRingConfig config;
-    config.region_id = request->region_id();
-    config.slots = request->slots();
-    config.slot_bytes = request->slot_bytes();
-    config.spin_us = request->spin_us() == 0 ? 50 : request->spin_us();
-    absl::StatusOr<v1::RegisterStepRingResponse> registered = step_rings_.Register(
-        *std::move(region), config, executor_.profile(),
-        [this](const v1::DecodeStepRequest& step, v1::DecodeStepResponse& answer,
-               Clock::time_point taken) { return RunRingStep(step, answer, taken); },
-        // The owner is gone: so is its region (the ring held the last use of it).
-        [this](uint64_t region_id) { shm_.Unregister(region_id).IgnoreError(); });
-    if (!registered.ok()) return registered.status();
-    *response = *std::move(registered);
-    return absl::OkStatus();
+                                                const v1::RegisterStepRingRequest& request,
+                                                v1::RegisterStepRingResponse& response) {
+  absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> region = shm_.Get(request.region_id());
+  if (!region.ok()) {
+    return absl::NotFoundError(
+        "region_id: no such shared-memory region (register the ring's memfd over the shm "
+        "socket first)");
   }
+  StepRingConfig config;
+  config.region_id = request.region_id();
+  config.slots = request.slots();
+  config.slot_bytes = request.slot_bytes();
+  config.spin_us = request.spin_us() == 0 ? 50 : request.spin_us();
+  absl::StatusOr<v1::RegisterStepRingResponse> registered = step_rings_.Register(
+      *std::move(region), config, executor_.profile(),
+      [this](const v1::DecodeStepRequest& step, v1::DecodeStepResponse& answer,
+             Clock::time_point taken) { return RunRingStep(step, answer, taken); },
+      // The owner is gone: so is its region (the ring held the last use of it).
+      [this](uint64_t region_id) { shm_.Unregister(region_id).IgnoreError(); });
+  if (!registered.ok()) return registered.status();
+  response = *std::move(registered);
+  return absl::OkStatus();
 }
 
 absl::Status IndexerService::DoUnregisterStepRing(CallContext& /*call*/,
