@@ -1119,21 +1119,21 @@ std::unique_ptr<IndexerService::ImportCall> IndexerService::ImportBegin(CallCont
   return import;
 }
 
-absl::Status IndexerService::ImportChunk(ImportCall& import,
+// `state`, not `import`: clang-format 14 reads a line that starts with `import` as a C++20
+// module import and mangles the function.
+absl::Status IndexerService::ImportChunk(ImportCall& state,
                                          const v1::ImportSequenceRequest& request) {
-  if (!import.status.ok()) return import.status;
-  import.status = Guarded([&]() -> absl::Status {
-    if (import.first) {
-      import.id = request.sequence_id();
-  import.first = false;
-}
-else if (request.sequence_id() != 0 && request.sequence_id() != import.id) {
-  return absl::InvalidArgumentError("sequence_id: only the first message names the sequence");
-}
-return import.assembler.Add(request.chunk());
-}  // namespace decode_indexer::service
-);
-return import.status;
+  if (!state.status.ok()) return state.status;
+  state.status = Guarded([&]() -> absl::Status {
+    if (state.first) {
+      state.id = request.sequence_id();
+      state.first = false;
+    } else if (request.sequence_id() != 0 && request.sequence_id() != state.id) {
+      return absl::InvalidArgumentError("sequence_id: only the first message names the sequence");
+    }
+    return state.assembler.Add(request.chunk());
+  });
+  return state.status;
 }
 
 absl::Status IndexerService::ImportEnd(CallContext& call, ImportCall& import,
