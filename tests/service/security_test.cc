@@ -309,6 +309,15 @@ TEST_F(SecurityTest, UnparseableBytesGetAMessage) {
 
 // ---- streams and threads ------------------------------------------------------------------
 
+// Another client on a connection of its own, whose calls carry a deadline of `timeout` (a
+// stall fails them rather than the test's timeout).
+absl::StatusOr<std::unique_ptr<client::IndexerClient>> ConnectWithDeadline(
+    const std::string& address, std::chrono::seconds timeout) {
+  client::ClientOptions bounded;
+  bounded.timeout = timeout;
+  return client::IndexerClient::Connect(address, bounded);
+}
+
 // `n` DecodeStream streams opened on one new connection and left open (no message sent) until
 // the object goes: then each is cancelled and finished and the queue drained.
 class OpenStreams {
@@ -359,9 +368,7 @@ TEST_F(SecurityTest, ManyStreamsDoNotMakeManyThreads) {
   OpenStreams streams(s_->server->address(), kStreams);
   // Another connection is answered while the streams are open; a bounded number of round
   // trips gives the server time to see them (the old server made a thread per stream).
-  client::ClientOptions bounded;
-  bounded.timeout = std::chrono::seconds(30);
-  auto other = client::IndexerClient::Connect(s_->server->address(), bounded);
+  auto other = ConnectWithDeadline(s_->server->address(), std::chrono::seconds(30));
   ASSERT_TRUE(other.ok()) << other.status();
   absl::StatusOr<v1::ServerInfo> info = (*other)->ServerInfo();
   ASSERT_TRUE(info.ok()) << info.status();
@@ -396,9 +403,7 @@ TEST_F(SecurityTest, CallbackEdgeHoldsTenThousandStreamsOnAFixedPool) {
   OpenStreams streams(s_->server->address(), kStreams);
   // A bounded number of round trips on another connection until every stream has its
   // reactor on the server (a count, not a clock).
-  client::ClientOptions bounded;
-  bounded.timeout = std::chrono::seconds(60);
-  auto other = client::IndexerClient::Connect(s_->server->address(), bounded);
+  auto other = ConnectWithDeadline(s_->server->address(), std::chrono::seconds(60));
   ASSERT_TRUE(other.ok()) << other.status();
   for (int i = 0; i < 20000 && edge->open_calls() < kStreams; ++i) {
     ASSERT_TRUE((*other)->GetStatistics().ok());
@@ -449,9 +454,7 @@ TEST_F(SecurityTest, ControlCallsAreAnsweredWhileStepsWaitForAdmission) {
     EXPECT_EQ(
         s_->server->service().StepsWaitingForAdmissionForTesting() + edge->data_tasks_queued(),
         kSteps);
-    client::ClientOptions bounded;
-    bounded.timeout = std::chrono::seconds(20);
-    auto info_client = client::IndexerClient::Connect(s_->server->address(), bounded);
+    auto info_client = ConnectWithDeadline(s_->server->address(), std::chrono::seconds(20));
     ASSERT_TRUE(info_client.ok()) << info_client.status();
     absl::StatusOr<v1::ServerInfo> info = (*info_client)->ServerInfo();
     EXPECT_TRUE(info.ok()) << info.status();
