@@ -23,14 +23,15 @@ if [ "${DI_SKIP_SANITIZERS:-0}" != 1 ]; then
 fi
 if [ "${DI_SKIP_FUZZ:-0}" != 1 ]; then
   # libFuzzer targets (tests/fuzz): request decoding, profile loading, the delta decoder, the
-  # sequence-image decoders (ImportSequence chunks, snapshot files).
+  # sequence-image decoders (ImportSequence chunks, snapshot files), the step ring's descriptor
+  # parser.
   # Each runs for a bounded time from its checked-in corpus; a crash fails the run (its input
   # is left in build-fuzz/ as crash-*). New inputs go to build-fuzz/corpus, never the repo's.
   echo "=== fuzz targets (clang 14 + libFuzzer, ${DI_FUZZ_SECONDS:-30} s each) ==="
   cmake -S . -B build-fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_C_COMPILER=clang-14 \
     -DDI_FUZZ=ON -DDI_CUDA=OFF -DDI_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=Release \
     >build-fuzz.configure.log 2>&1 || { cat build-fuzz.configure.log; exit 1; }
-  targets=(fuzz_request_decode fuzz_profile fuzz_topk_delta fuzz_sequence_image)
+  targets=(fuzz_request_decode fuzz_profile fuzz_topk_delta fuzz_sequence_image fuzz_step_ring)
   ninja -C build-fuzz -j "${DI_JOBS:-$(nproc)}" "${targets[@]}"
   for t in "${targets[@]}"; do
     mkdir -p "build-fuzz/corpus/$t"

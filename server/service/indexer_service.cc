@@ -416,13 +416,6 @@ absl::Status IndexerService::Handle(Method method, CallContext& context, F&& bod
   return s;
 }
 
-grpc::Status IndexerService::GetServerInfo(grpc::ServerContext* context,
-                                           const v1::GetServerInfoRequest* request,
-                                           v1::ServerInfo* response) {
-  GrpcCallContext call(context);
-  return ToGrpcStatus(Unary(kGetServerInfo, call, *request, *response, Clock::now()));
-}
-
 absl::Status IndexerService::DoGetServerInfo(CallContext& /*call*/,
                                              const v1::GetServerInfoRequest& /*request*/,
                                              v1::ServerInfo& response) {
@@ -430,24 +423,10 @@ absl::Status IndexerService::DoGetServerInfo(CallContext& /*call*/,
   return absl::OkStatus();
 }
 
-grpc::Status IndexerService::CreateSequence(grpc::ServerContext* context,
-                                            const v1::CreateSequenceRequest* request,
-                                            v1::CreateSequenceResponse* response) {
-  GrpcCallContext call(context);
-  return ToGrpcStatus(Unary(kCreateSequence, call, *request, *response, Clock::now()));
-}
-
 absl::Status IndexerService::DoCreateSequence(CallContext& call,
                                               const v1::CreateSequenceRequest& request,
                                               v1::CreateSequenceResponse& /*response*/) {
   return executor_.CreateSequence(request.sequence_id(), CallCheckOf(&call));
-}
-
-grpc::Status IndexerService::AppendKeys(grpc::ServerContext* context,
-                                        const v1::AppendKeysRequest* request,
-                                        v1::AppendKeysResponse* response) {
-  GrpcCallContext call(context);
-  return ToGrpcStatus(Unary(kAppendKeys, call, *request, *response, Clock::now()));
 }
 
 absl::Status IndexerService::DoAppendKeys(CallContext& call, const v1::AppendKeysRequest& request,
@@ -462,13 +441,6 @@ absl::Status IndexerService::DoAppendKeys(CallContext& call, const v1::AppendKey
   }
   response.set_length(*length);
   return absl::OkStatus();
-}
-
-grpc::Status IndexerService::ReleaseSequence(grpc::ServerContext* context,
-                                             const v1::ReleaseSequenceRequest* request,
-                                             v1::ReleaseSequenceResponse* response) {
-  GrpcCallContext call(context);
-  return ToGrpcStatus(Unary(kReleaseSequence, call, *request, *response, Clock::now()));
 }
 
 absl::Status IndexerService::DoReleaseSequence(CallContext& call,
@@ -765,13 +737,24 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
   return absl::OkStatus();
 }
 
-grpc::Status IndexerService::DecodeStep(grpc::ServerContext* context,
-                                        const v1::DecodeStepRequest* request,
-                                        v1::DecodeStepResponse* response) {
-  // gRPC has read and parsed the message when the handler starts: timeout_us counts from here.
-  GrpcCallContext call(context);
-  return ToGrpcStatus(Unary(kDecodeStep, call, *request, *response, Clock::now()));
-}
+// The unary methods whose body is Do<Method> (DecodeStep's is RunStep, which takes the read
+// time), as X(Method, request type, response type).
+#define DI_UNARY_METHODS(X)                                                                        \
+  X(GetServerInfo, v1::GetServerInfoRequest, v1::ServerInfo)                                       \
+  X(CreateSequence, v1::CreateSequenceRequest, v1::CreateSequenceResponse)                         \
+  X(AppendKeys, v1::AppendKeysRequest, v1::AppendKeysResponse)                                     \
+  X(ReleaseSequence, v1::ReleaseSequenceRequest, v1::ReleaseSequenceResponse)                      \
+  X(GetStatistics, v1::GetStatisticsRequest, v1::Statistics)                                       \
+  X(RegisterSharedMemory, v1::RegisterSharedMemoryRequest, v1::RegisterSharedMemoryResponse)       \
+  X(UnregisterSharedMemory, v1::UnregisterSharedMemoryRequest, v1::UnregisterSharedMemoryResponse) \
+  X(RegisterCudaIpcMemory, v1::RegisterCudaIpcMemoryRequest, v1::RegisterCudaIpcMemoryResponse)    \
+  X(UnregisterCudaIpcMemory, v1::UnregisterCudaIpcMemoryRequest,                                   \
+    v1::UnregisterCudaIpcMemoryResponse)                                                           \
+  X(TruncateSequence, v1::TruncateSequenceRequest, v1::TruncateSequenceResponse)                   \
+  X(ForkSequence, v1::ForkSequenceRequest, v1::ForkSequenceResponse)                               \
+  X(GetSequence, v1::GetSequenceRequest, v1::GetSequenceResponse)                                  \
+  X(RegisterStepRing, v1::RegisterStepRingRequest, v1::RegisterStepRingResponse)                   \
+  X(UnregisterStepRing, v1::UnregisterStepRingRequest, v1::UnregisterStepRingResponse)
 
 absl::Status IndexerService::Unary(Method method, CallContext& call,
                                    const google::protobuf::Message& request,
@@ -781,28 +764,11 @@ absl::Status IndexerService::Unary(Method method, CallContext& call,
     // The edges hand each method its own messages (the sync service by type, the callback
     // edge by its method table).
     switch (method) {
-#define DI_UNARY(M, Req, Resp) \
-  case k##M:                   \
+#define DI_UNARY_CASE(M, Req, Resp) \
+  case k##M:                        \
     return Do##M(call, static_cast<const Req&>(request), static_cast<Resp&>(response));
-      DI_UNARY(GetServerInfo, v1::GetServerInfoRequest, v1::ServerInfo)
-      DI_UNARY(CreateSequence, v1::CreateSequenceRequest, v1::CreateSequenceResponse)
-      DI_UNARY(AppendKeys, v1::AppendKeysRequest, v1::AppendKeysResponse)
-      DI_UNARY(ReleaseSequence, v1::ReleaseSequenceRequest, v1::ReleaseSequenceResponse)
-      DI_UNARY(GetStatistics, v1::GetStatisticsRequest, v1::Statistics)
-      DI_UNARY(RegisterSharedMemory, v1::RegisterSharedMemoryRequest,
-               v1::RegisterSharedMemoryResponse)
-      DI_UNARY(UnregisterSharedMemory, v1::UnregisterSharedMemoryRequest,
-               v1::UnregisterSharedMemoryResponse)
-      DI_UNARY(RegisterCudaIpcMemory, v1::RegisterCudaIpcMemoryRequest,
-               v1::RegisterCudaIpcMemoryResponse)
-      DI_UNARY(UnregisterCudaIpcMemory, v1::UnregisterCudaIpcMemoryRequest,
-               v1::UnregisterCudaIpcMemoryResponse)
-      DI_UNARY(TruncateSequence, v1::TruncateSequenceRequest, v1::TruncateSequenceResponse)
-      DI_UNARY(ForkSequence, v1::ForkSequenceRequest, v1::ForkSequenceResponse)
-      DI_UNARY(GetSequence, v1::GetSequenceRequest, v1::GetSequenceResponse)
-      DI_UNARY(RegisterStepRing, v1::RegisterStepRingRequest, v1::RegisterStepRingResponse)
-      DI_UNARY(UnregisterStepRing, v1::UnregisterStepRingRequest, v1::UnregisterStepRingResponse)
-#undef DI_UNARY
+      DI_UNARY_METHODS(DI_UNARY_CASE)
+#undef DI_UNARY_CASE
       case kDecodeStep:
         return RunStep(&call, static_cast<const v1::DecodeStepRequest&>(request),
                        static_cast<v1::DecodeStepResponse&>(response), read_at);
@@ -812,6 +778,19 @@ absl::Status IndexerService::Unary(Method method, CallContext& call,
     }
   });
 }
+
+// The sync edge's unary overrides: the call's context, then Unary. gRPC has read and parsed
+// the message when the handler starts: DecodeStep's timeout_us counts from here.
+#define DI_SYNC_UNARY(M, Req, Resp)                                                \
+  grpc::Status IndexerService::M(grpc::ServerContext* context, const Req* request, \
+                                 Resp* response) {                                 \
+    GrpcCallContext call(context);                                                 \
+    return ToGrpcStatus(Unary(k##M, call, *request, *response, Clock::now()));     \
+  }
+DI_UNARY_METHODS(DI_SYNC_UNARY)
+DI_SYNC_UNARY(DecodeStep, v1::DecodeStepRequest, v1::DecodeStepResponse)
+#undef DI_SYNC_UNARY
+#undef DI_UNARY_METHODS
 
 absl::Status IndexerService::OpenStream(CallContext& call, std::string& request_id) {
   RequestIdScope scope(call);
@@ -896,13 +875,6 @@ void IndexerService::FillStatistics(v1::Statistics& out) const {
   }
 }
 
-grpc::Status IndexerService::GetStatistics(grpc::ServerContext* context,
-                                           const v1::GetStatisticsRequest* request,
-                                           v1::Statistics* response) {
-  GrpcCallContext call(context);
-  return ToGrpcStatus(Unary(kGetStatistics, call, *request, *response, Clock::now()));
-}
-
 absl::Status IndexerService::DoGetStatistics(CallContext& /*call*/,
                                              const v1::GetStatisticsRequest& /*request*/,
                                              v1::Statistics& response) {
@@ -936,13 +908,6 @@ absl::Status IndexerService::StartShmSocket(const std::string& path) {
   return absl::OkStatus();
 }
 
-grpc::Status IndexerService::RegisterSharedMemory(grpc::ServerContext* context,
-                                                  const v1::RegisterSharedMemoryRequest* request,
-                                                  v1::RegisterSharedMemoryResponse* response) {
-  GrpcCallContext call(context);
-  return ToGrpcStatus(Unary(kRegisterSharedMemory, call, *request, *response, Clock::now()));
-}
-
 absl::Status IndexerService::DoRegisterSharedMemory(
     CallContext& /*call*/, const v1::RegisterSharedMemoryRequest& request,
     v1::RegisterSharedMemoryResponse& /*response*/) {
@@ -956,24 +921,10 @@ absl::Status IndexerService::DoRegisterSharedMemory(
       shm_socket_ ? "" : "; this server has none: start it with --shm-socket", ")"));
 }
 
-grpc::Status IndexerService::UnregisterSharedMemory(
-    grpc::ServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
-    v1::UnregisterSharedMemoryResponse* response) {
-  GrpcCallContext call(context);
-  return ToGrpcStatus(Unary(kUnregisterSharedMemory, call, *request, *response, Clock::now()));
-}
-
 absl::Status IndexerService::DoUnregisterSharedMemory(
     CallContext& /*call*/, const v1::UnregisterSharedMemoryRequest& request,
     v1::UnregisterSharedMemoryResponse& /*response*/) {
   return shm_.Unregister(request.region_id());
-}
-
-grpc::Status IndexerService::RegisterCudaIpcMemory(grpc::ServerContext* context,
-                                                   const v1::RegisterCudaIpcMemoryRequest* request,
-                                                   v1::RegisterCudaIpcMemoryResponse* response) {
-  GrpcCallContext call(context);
-  return ToGrpcStatus(Unary(kRegisterCudaIpcMemory, call, *request, *response, Clock::now()));
 }
 
 absl::Status IndexerService::DoRegisterCudaIpcMemory(
@@ -1015,13 +966,6 @@ absl::Status IndexerService::DoRegisterCudaIpcMemory(
   if (!id.ok()) return id.status();
   response.set_region_id(*id);
   return absl::OkStatus();
-}
-
-grpc::Status IndexerService::UnregisterCudaIpcMemory(
-    grpc::ServerContext* context, const v1::UnregisterCudaIpcMemoryRequest* request,
-    v1::UnregisterCudaIpcMemoryResponse* response) {
-  GrpcCallContext call(context);
-  return ToGrpcStatus(Unary(kUnregisterCudaIpcMemory, call, *request, *response, Clock::now()));
 }
 
 absl::Status IndexerService::DoUnregisterCudaIpcMemory(
@@ -1153,13 +1097,6 @@ std::string IndexerService::RenderMetrics() const {
 
 namespace decode_indexer::service {
 
-grpc::Status IndexerService::TruncateSequence(grpc::ServerContext* context,
-                                              const v1::TruncateSequenceRequest* request,
-                                              v1::TruncateSequenceResponse* response) {
-  GrpcCallContext call(context);
-  return ToGrpcStatus(Unary(kTruncateSequence, call, *request, *response, Clock::now()));
-}
-
 absl::Status IndexerService::DoTruncateSequence(CallContext& call,
                                                 const v1::TruncateSequenceRequest& request,
                                                 v1::TruncateSequenceResponse& response) {
@@ -1170,25 +1107,11 @@ absl::Status IndexerService::DoTruncateSequence(CallContext& call,
   return absl::OkStatus();
 }
 
-grpc::Status IndexerService::ForkSequence(grpc::ServerContext* context,
-                                          const v1::ForkSequenceRequest* request,
-                                          v1::ForkSequenceResponse* response) {
-  GrpcCallContext call(context);
-  return ToGrpcStatus(Unary(kForkSequence, call, *request, *response, Clock::now()));
-}
-
 absl::Status IndexerService::DoForkSequence(CallContext& call,
                                             const v1::ForkSequenceRequest& request,
                                             v1::ForkSequenceResponse& /*response*/) {
   return executor_.ForkSequence(request.parent_id(), request.new_id(), request.length(),
                                 CallCheckOf(&call));
-}
-
-grpc::Status IndexerService::GetSequence(grpc::ServerContext* context,
-                                         const v1::GetSequenceRequest* request,
-                                         v1::GetSequenceResponse* response) {
-  GrpcCallContext call(context);
-  return ToGrpcStatus(Unary(kGetSequence, call, *request, *response, Clock::now()));
 }
 
 absl::Status IndexerService::DoGetSequence(CallContext& /*call*/,
@@ -1251,21 +1174,21 @@ std::unique_ptr<IndexerService::ImportCall> IndexerService::ImportBegin(CallCont
   return import;
 }
 
-absl::Status IndexerService::ImportChunk(ImportCall& import,
+// `state`, not `import`: clang-format 14 reads a line that starts with `import` as a C++20
+// module import and mangles the function.
+absl::Status IndexerService::ImportChunk(ImportCall& state,
                                          const v1::ImportSequenceRequest& request) {
-  if (!import.status.ok()) return import.status;
-  import.status = Guarded([&]() -> absl::Status {
-    if (import.first) {
-      import.id = request.sequence_id();
-  import.first = false;
-}
-else if (request.sequence_id() != 0 && request.sequence_id() != import.id) {
-  return absl::InvalidArgumentError("sequence_id: only the first message names the sequence");
-}
-return import.assembler.Add(request.chunk());
-}  // namespace decode_indexer::service
-);
-return import.status;
+  if (!state.status.ok()) return state.status;
+  state.status = Guarded([&]() -> absl::Status {
+    if (state.first) {
+      state.id = request.sequence_id();
+      state.first = false;
+    } else if (request.sequence_id() != 0 && request.sequence_id() != state.id) {
+      return absl::InvalidArgumentError("sequence_id: only the first message names the sequence");
+    }
+    return state.assembler.Add(request.chunk());
+  });
+  return state.status;
 }
 
 absl::Status IndexerService::ImportEnd(CallContext& call, ImportCall& import,
@@ -1314,47 +1237,29 @@ grpc::Status IndexerService::ImportSequence(grpc::ServerContext* context,
 
 namespace decode_indexer::service {
 
-grpc::Status IndexerService::RegisterStepRing(grpc::ServerContext* context,
-                                              const v1::RegisterStepRingRequest* request,
-                                              v1::RegisterStepRingResponse* response) {
-  GrpcCallContext call(context);
-  return ToGrpcStatus(Unary(kRegisterStepRing, call, *request, *response, Clock::now()));
-}
-
 absl::Status IndexerService::DoRegisterStepRing(CallContext& /*call*/,
-                                                const v1::RegisterStepRingRequest& req,
-                                                v1::RegisterStepRingResponse& resp) {
-  const v1::RegisterStepRingRequest* request = &req;
-  v1::RegisterStepRingResponse* response = &resp;
-  {
-    absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> region = shm_.Get(request->region_id());
-    if (!region.ok()) {
-      return absl::NotFoundError(
-          "region_id: no such shared-memory region (register the ring's memfd over the shm "
-          "socket first)");
-    }
-    StepRingConfig config;
-    config.region_id = request->region_id();
-    config.slots = request->slots();
-    config.slot_bytes = request->slot_bytes();
-    config.spin_us = request->spin_us() == 0 ? 50 : request->spin_us();
-    absl::StatusOr<v1::RegisterStepRingResponse> registered = step_rings_.Register(
-        *std::move(region), config, executor_.profile(),
-        [this](const v1::DecodeStepRequest& step, v1::DecodeStepResponse& answer,
-               Clock::time_point taken) { return RunRingStep(step, answer, taken); },
-        // The owner is gone: so is its region (the ring held the last use of it).
-        [this](uint64_t region_id) { shm_.Unregister(region_id).IgnoreError(); });
-    if (!registered.ok()) return registered.status();
-    *response = *std::move(registered);
-    return absl::OkStatus();
+                                                const v1::RegisterStepRingRequest& request,
+                                                v1::RegisterStepRingResponse& response) {
+  absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> region = shm_.Get(request.region_id());
+  if (!region.ok()) {
+    return absl::NotFoundError(
+        "region_id: no such shared-memory region (register the ring's memfd over the shm "
+        "socket first)");
   }
-}
-
-grpc::Status IndexerService::UnregisterStepRing(grpc::ServerContext* context,
-                                                const v1::UnregisterStepRingRequest* request,
-                                                v1::UnregisterStepRingResponse* response) {
-  GrpcCallContext call(context);
-  return ToGrpcStatus(Unary(kUnregisterStepRing, call, *request, *response, Clock::now()));
+  StepRingConfig config;
+  config.region_id = request.region_id();
+  config.slots = request.slots();
+  config.slot_bytes = request.slot_bytes();
+  config.spin_us = request.spin_us() == 0 ? 50 : request.spin_us();
+  absl::StatusOr<v1::RegisterStepRingResponse> registered = step_rings_.Register(
+      *std::move(region), config, executor_.profile(),
+      [this](const v1::DecodeStepRequest& step, v1::DecodeStepResponse& answer,
+             Clock::time_point taken) { return RunRingStep(step, answer, taken); },
+      // The owner is gone: so is its region (the ring held the last use of it).
+      [this](uint64_t region_id) { shm_.Unregister(region_id).IgnoreError(); });
+  if (!registered.ok()) return registered.status();
+  response = *std::move(registered);
+  return absl::OkStatus();
 }
 
 absl::Status IndexerService::DoUnregisterStepRing(CallContext& /*call*/,

@@ -183,6 +183,40 @@ absl::Status DescriptorToRequest(const StepDescriptor& d, const uint8_t* columns
   return absl::OkStatus();
 }
 
+absl::Status ReadDescriptor(const uint8_t* slot, uint64_t n, const StepRingConfig& config,
+                            uint64_t ring_bytes, const config::Profile& profile, StepDescriptor& d,
+                            std::vector<uint8_t>& columns, v1::DecodeStepRequest& out) {
+  // A snapshot: the client may scribble over the slot meanwhile, the checks hold for the copy.
+  std::memcpy(&d, slot, sizeof(d));
+  absl::Status status;
+  if (d.sequence != n) {
+    status = Invalid("sequence",
+                     absl::StrCat("expected descriptor ", n, ", got ", d.sequence, " (at most ",
+                                  config.slots, " descriptors may be in flight)"));
+  } else if (d.sequence_count > ring::MaxLengths(config.slot_bytes)) {
+    status = Invalid(
+        "sequence_count",
+        absl::StrCat(d.sequence_count, " requests exceed the ", ring::MaxLengths(config.slot_bytes),
+                     " a completion slot of ", config.slot_bytes, " bytes reports"));
+  } else if (d.row_lengths_count > config.slot_bytes / 4) {
+    status = Invalid("row_lengths_count",
+                     absl::StrCat(d.row_lengths_count, " row lengths do not fit a slot of ",
+                                  config.slot_bytes, " bytes"));
+  } else {
+    const ring::ColumnOffsets c = ring::ColumnsOf(d.flags, d.sequence_count, d.row_lengths_count);
+    if (c.end > config.slot_bytes) {
+      status = Invalid(
+          d.row_lengths_count > 0 ? "row_lengths_count" : "sequence_count",
+          absl::StrCat(d.sequence_count, " requests and ", d.row_lengths_count,
+                       " row lengths take ", c.end, " bytes, past the slot's ", config.slot_bytes));
+    } else {
+      std::memcpy(columns.data(), slot + sizeof(d), c.end - sizeof(d));
+      status = DescriptorToRequest(d, columns.data(), config.region_id, ring_bytes, profile, out);
+    }
+  }
+  return status;
+}
+
 StepRing::StepRing(std::shared_ptr<SharedMemoryRegion> region, const StepRingConfig& config,
                    const config::Profile& profile)
     : region_(std::move(region)), config_(config), profile_(profile) {}
@@ -323,36 +357,9 @@ void StepRing::RunOne(uint64_t n) {
   const auto taken = Clock::now();
   const uint8_t* slot =
       region_->base() + ring::DescriptorSlot(config_.slots, config_.slot_bytes, n);
-  // A snapshot: the client may scribble over the slot meanwhile, the checks hold for the copy.
   StepDescriptor d;
-  std::memcpy(&d, slot, sizeof(d));
-  absl::Status status;
-  if (d.sequence != n) {
-    status = Invalid("sequence",
-                     absl::StrCat("expected descriptor ", n, ", got ", d.sequence, " (at most ",
-                                  config_.slots, " descriptors may be in flight)"));
-  } else if (d.sequence_count > ring::MaxLengths(config_.slot_bytes)) {
-    status = Invalid("sequence_count",
-                     absl::StrCat(d.sequence_count, " requests exceed the ",
-                                  ring::MaxLengths(config_.slot_bytes), " a completion slot of ",
-                                  config_.slot_bytes, " bytes reports"));
-  } else if (d.row_lengths_count > config_.slot_bytes / 4) {
-    status = Invalid("row_lengths_count",
-                     absl::StrCat(d.row_lengths_count, " row lengths do not fit a slot of ",
-                                  config_.slot_bytes, " bytes"));
-  } else {
-    const ring::ColumnOffsets c = ring::ColumnsOf(d.flags, d.sequence_count, d.row_lengths_count);
-    if (c.end > config_.slot_bytes) {
-      status = Invalid(d.row_lengths_count > 0 ? "row_lengths_count" : "sequence_count",
-                       absl::StrCat(d.sequence_count, " requests and ", d.row_lengths_count,
-                                    " row lengths take ", c.end, " bytes, past the slot's ",
-                                    config_.slot_bytes));
-    } else {
-      std::memcpy(columns_.data(), slot + sizeof(d), c.end - sizeof(d));
-      status = DescriptorToRequest(d, columns_.data(), config_.region_id, ring_bytes_, profile_,
-                                   request_);
-    }
-  }
+  absl::Status status =
+      ReadDescriptor(slot, n, config_, ring_bytes_, profile_, d, columns_, request_);
   response_.Clear();
   if (status.ok()) status = run_(request_, response_, taken);
   Complete(n, d.step_id, status, status.ok() ? &response_ : nullptr, taken);

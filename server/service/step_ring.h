@@ -64,6 +64,16 @@ absl::Status DescriptorToRequest(const ring::StepDescriptor& d, const uint8_t* c
                                  uint64_t region_id, uint64_t ring_bytes,
                                  const config::Profile& profile, v1::DecodeStepRequest& out);
 
+// What the poller does with descriptor `n` in its slot (`slot`: config.slot_bytes bytes the
+// client may still be writing): snapshots the descriptor into `d` and its columns into
+// `columns` (config.slot_bytes bytes, reused step after step), checks what is the
+// descriptor's own (its number; counts that fit the slot and the completion; then
+// DescriptorToRequest's) and builds the request into `out`. Exposed for the fuzzer.
+absl::Status ReadDescriptor(const uint8_t* slot, uint64_t n, const StepRingConfig& config,
+                            uint64_t ring_bytes, const config::Profile& profile,
+                            ring::StepDescriptor& d, std::vector<uint8_t>& columns,
+                            v1::DecodeStepRequest& out);
+
 class StepRing {
  public:
   // Checks the config against the region and the ring header the client wrote (magic,

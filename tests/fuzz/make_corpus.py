@@ -154,6 +154,55 @@ def sequence_image_corpus():
     write(t, "snapshot_file", b"\x03DISNAP01" + b"".join(snapshot_record(p) for p in payloads))
 
 
+# fuzz_step_ring: common/step_ring.h's StepDescriptor (256 bytes) and its columns.
+RING_RETURN_CANDIDATES, RING_NUM_ROWS, RING_KEY_COUNTS, RING_KEY_POSITIONS, RING_CUDA_IPC = (
+    1, 2, 4, 8, 16)
+
+
+def descriptor(n, flags, ids, rows_per_sequence=1, num_rows=None, key_counts=None,
+               key_positions=None, row_lengths=(), q_dtype=pb.DTYPE_FP8_E4M3, q_scales_dtype=0,
+               positions_dtype=0, new_keys=(0, 0, 0), new_keys_rows=0, at=135168, layer=0):
+    """A slot: descriptor n and its columns; the step's tensors from region offset `at` on."""
+    keys_dtype, key_scales_dtype = new_keys[0], new_keys[1]
+    offsets = [at + i * (1 << 16) for i in range(8)]  # q, q_scales, weights, positions, keys,
+    # key scales, answer, candidates: 64 KiB apart, past the ring of 4 x 16 KiB slots.
+    d = struct.pack("<QQiIIiIi6iqq9Q", n, 7 + n, layer, flags, len(ids), rows_per_sequence,
+                    len(row_lengths), pb.ANSWER_ENCODING_RAW, q_dtype, q_scales_dtype,
+                    pb.DTYPE_FP32, positions_dtype, keys_dtype, key_scales_dtype, new_keys_rows,
+                    0, *offsets, 0)
+    d += bytes(256 - len(d))
+    cols = struct.pack(f"<{len(ids)}Q", *ids)
+    if flags & RING_NUM_ROWS:
+        cols += struct.pack(f"<{len(ids)}i", *num_rows)
+    if flags & RING_KEY_COUNTS:
+        cols += struct.pack(f"<{len(ids)}i", *key_counts)
+    cols += bytes(-len(cols) % 8)
+    if flags & RING_KEY_POSITIONS:
+        cols += struct.pack(f"<{len(ids)}q", *key_positions)
+    cols += struct.pack(f"<{len(row_lengths)}i", *row_lengths)
+    return d + cols
+
+
+def step_ring_corpus():
+    t = "fuzz_step_ring"
+    # mode byte: bit 0 v41; bits 1-2 slots (1, 4, 16, 64); bits 3-4 slot bytes (1, 4, 16,
+    # 64 KiB); bits 5-6 step data after the ring (1 B, 4 KiB, 1 MiB, 16 MiB). Then the
+    # descriptor's number - 1. 0x52: v32, 4 slots of 16 KiB, 1 MiB of data.
+    write(t, "v32_uniform_rows", b"\x52\x00" + descriptor(1, 0, [11, 12]))
+    write(t, "v32_columns", b"\x52\x00" + descriptor(
+        1, RING_NUM_ROWS | RING_KEY_COUNTS | RING_KEY_POSITIONS, [11, 12], num_rows=[1, 2],
+        key_counts=[1, 2], key_positions=[-1, 40], row_lengths=[30, 39, 40],
+        positions_dtype=pb.DTYPE_INT32, new_keys=(pb.DTYPE_FP8_E4M3, pb.DTYPE_FP32, 0),
+        new_keys_rows=3))
+    write(t, "v41_fp4_candidates", b"\x53\x01" + descriptor(
+        2, RING_RETURN_CANDIDATES, [5], rows_per_sequence=2, q_dtype=pb.DTYPE_FP4_E2M1,
+        q_scales_dtype=pb.DTYPE_UE8M0, new_keys=(pb.DTYPE_FP4_E2M1, pb.DTYPE_UE8M0, 0),
+        new_keys_rows=2, layer=3))
+    write(t, "v32_cuda_ipc_answer", b"\x52\x00" + descriptor(1, RING_CUDA_IPC, [9]))
+    # Past the region: accepted here, refused by the region's bounds check (1 B of data).
+    write(t, "v32_offsets_past_region", b"\x12\x00" + descriptor(1, 0, [11]))
+
+
 def main():
     t = "fuzz_request_decode"
     # mode byte: bit 0 v41, bit 1 AppendKeys, bit 2 q/weights external.
@@ -218,6 +267,7 @@ def main():
     write(t, "append_at_position", b"\x02" + a.SerializeToString())
 
     sequence_image_corpus()
+    step_ring_corpus()
 
     t = "fuzz_profile"
     examples = os.path.join(REPO, "server", "config", "examples")

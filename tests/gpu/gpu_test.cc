@@ -1252,13 +1252,6 @@ TEST_F(GpuTest, DenseTopKBitIdenticalAcrossRuns) {
 
 // ---- Radix top-k: the compact algorithm and the fused threshold-filter histogram ----------
 
-uint32_t HostOrderedKey(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  if ((u << 1) == 0u) u = 0u;
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
 // Host-only: the bucket function must be monotone in the key (radix select needs nothing
 // else), and interior buckets must fix the key's top 14 bits (the compact kernel skips them).
 TEST(TopKBucketTest, MonotoneAndInteriorPrefix) {
@@ -1370,37 +1363,10 @@ TEST_F(GpuTest, RadixTopKCompactMatchesCpuOnEveryPath) {
 // builds its own, equals the CPU's top-k of those logits, and leaves the histogram zero. Cases:
 // one row per request, 2 and 3 rows per pass, and a long row.
 TEST_F(GpuTest, TopKWithTheSampleHistogramMatchesCpu) {
-  struct Case {
-    std::vector<int32_t> lengths;
-    int32_t next_n;
-    int num_sms;
-    bool uneven;  // rebuild as {request 0: 4 rows, request 1: 2 rows}: 3 rows per pass
-  };
-  const Case cases[] = {{Lengths(5, 9000), 1, 132, false},
-                        {Lengths(3, 7000), 2, 132, false},
-                        {Lengths(2, 5000), 3, 5, false},
-                        {{9000, 3000}, 2, 132, true},
-                        {{300000}, 1, 1, false}};
   const int32_t k = 2048;
-  for (const Case& c : cases) {
-    SCOPED_TRACE(::testing::Message() << "first length " << c.lengths[0] << " next_n " << c.next_n
-                                      << " sms " << c.num_sms << " uneven " << c.uneven);
-    Scene s = MakeScene(Spec(CacheFormat::kFp8, 64, c.lengths, c.next_n));
-    if (c.uneven) {  // 6 rows over 2 requests: rows per pass 3, request 0 needs 2 passes
-      s.row_request = {0, 0, 0, 0, 1, 1};
-      const int32_t l0 = s.spec.lengths[0], l1 = s.spec.lengths[1];
-      s.row_length = {l0 - 3, l0 - 2, l0 - 1, l0, l1 - 1, l1};
-      const int64_t qrow = int64_t{64} * 128;
-      std::vector<uint8_t> qc(6 * qrow);
-      std::vector<float> w(6 * 64);
-      for (int r = 0; r < 6; ++r) {
-        std::copy_n(s.q_codes.begin() + (r % 4) * qrow, qrow, qc.begin() + r * qrow);
-        std::copy_n(s.weights.begin() + (r % 4) * 64, 64, w.begin() + r * 64);
-      }
-      s.q_codes = qc;
-      s.weights = w;
-      s.q_scales.assign(6 * 64 * 4, 0);
-    }
+  for (const HistogramCase& c : HistogramCases()) {
+    SCOPED_TRACE(Describe(c));
+    Scene s = MakeHistogramScene(c);
     auto ds = UploadScene(this, s);
     const int32_t rows = s.num_rows();
     const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;

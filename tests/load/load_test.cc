@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <random>
 #include <string>
@@ -57,6 +58,10 @@ class LoadTest : public ::testing::Test {
 
   // A fresh seed per run: the payloads differ every time the test runs.
   static std::string Seed() { return std::to_string(::decode_indexer::testing::TestSeed() | 1u); }
+
+  // Four verified unary steps of a v41-tiny server over one path (defined below RealServer).
+  void VerifyV41UnaryPath(const std::string& path_flag, const std::vector<std::string>& extra_args,
+                          const std::function<void(const nlohmann::json&)>& check);
 
   std::filesystem::path dir_;
 };
@@ -465,93 +470,78 @@ double RawAnswerBytes(const nlohmann::json& report) {
          report["config"]["next_n"].get<double>() * report["server"]["topk"].get<double>() * 4;
 }
 
-// q, q_scales and weights through each worker's shared-memory region and the answer (and
-// the candidate blocks) back through it: every tracked row still matches the reference,
-// and neither q nor the answer crossed gRPC.
-TEST_F(LoadTest, RealServerSharedMemoryUnaryVerifies) {
+// Four verified unary steps of a v41-tiny server (two workers, two requests of two rows a
+// step) over the path `path_flag` selects: every tracked row matches the reference, the
+// candidate blocks too. `check` then looks at what is particular to that path, before the
+// server stops.
+void LoadTest::VerifyV41UnaryPath(const std::string& path_flag,
+                                  const std::vector<std::string>& extra_args,
+                                  const std::function<void(const nlohmann::json&)>& check) {
   RealServer server(std::string(DI_LOAD_TEST_DIR) + "/v41-tiny.toml", Path("server.log"));
   ASSERT_TRUE(server.WaitReady()) << ReadText(Path("server.log"));
-  const int rc = RunLoad({"--target",
-                          server.target(),
-                          "--shared-memory",
-                          "--concurrency",
-                          "2",
-                          "--requests-per-step",
-                          "2",
-                          "--next-n",
-                          "2",
-                          "--context",
-                          "300",
-                          "--steps",
-                          "4",
-                          "--verify",
-                          "--verify-sequences",
-                          "4",
-                          "--verify-tolerance",
-                          "0",
-                          "--seed",
-                          Seed(),
-                          "--json",
-                          Path("r.json"),
-                          "--csv",
-                          Path("r.csv")});
+  std::vector<std::string> args = {"--target",
+                                   server.target(),
+                                   path_flag,
+                                   "--concurrency",
+                                   "2",
+                                   "--requests-per-step",
+                                   "2",
+                                   "--next-n",
+                                   "2",
+                                   "--context",
+                                   "300",
+                                   "--steps",
+                                   "4",
+                                   "--verify",
+                                   "--verify-sequences",
+                                   "4",
+                                   "--verify-tolerance",
+                                   "0",
+                                   "--seed",
+                                   Seed(),
+                                   "--json",
+                                   Path("r.json")};
+  args.insert(args.end(), extra_args.begin(), extra_args.end());
+  const int rc = RunLoad(args);
   EXPECT_EQ(rc, 0) << Log() << ReadText(Path("server.log"));
   const nlohmann::json report = ReadJson("r.json");
   ExpectCleanVerifiedRun(report, 4);
   EXPECT_GT(report["verify"]["candidate_rows_checked"].get<int>(), 0);
   EXPECT_EQ(report["verify"]["candidate_rows_mismatched"].get<int>(), 0);
-  EXPECT_TRUE(report["config"]["shared_memory"].get<bool>());
-  // The smallest q a step can carry (packed FP4, half a byte an element) did not travel.
-  const double rows = report["config"]["requests_per_step"].get<double>() *
-                      report["config"]["next_n"].get<double>();
-  const double fp4_q = rows * report["server"]["num_heads"].get<double>() *
-                       report["server"]["head_dim"].get<double>() / 2;
-  EXPECT_LT(RequestBytesPerRpc(report), fp4_q);
-  EXPECT_LT(ResponseBytesPerRpc(report), RawAnswerBytes(report));
-  EXPECT_NE(ReadText(Path("r.csv")).find("shared_memory"), std::string::npos);
-  // Every worker unregistered its region and unlinked it.
-  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
-    EXPECT_EQ(entry.path().filename().string().find("di-load-" + std::to_string(getpid())),
-              std::string::npos);
-  }
+  check(report);
   EXPECT_TRUE(server.Stop().has_value());
+}
+
+// q, q_scales and weights through each worker's shared-memory region and the answer (and
+// the candidate blocks) back through it: every tracked row still matches the reference,
+// and neither q nor the answer crossed gRPC.
+TEST_F(LoadTest, RealServerSharedMemoryUnaryVerifies) {
+  VerifyV41UnaryPath(
+      "--shared-memory", {"--csv", Path("r.csv")}, [&](const nlohmann::json& report) {
+        EXPECT_TRUE(report["config"]["shared_memory"].get<bool>());
+        // The smallest q a step can carry (packed FP4, half a byte an element) did not travel.
+        const double rows = report["config"]["requests_per_step"].get<double>() *
+                            report["config"]["next_n"].get<double>();
+        const double fp4_q = rows * report["server"]["num_heads"].get<double>() *
+                             report["server"]["head_dim"].get<double>() / 2;
+        EXPECT_LT(RequestBytesPerRpc(report), fp4_q);
+        EXPECT_LT(ResponseBytesPerRpc(report), RawAnswerBytes(report));
+        EXPECT_NE(ReadText(Path("r.csv")).find("shared_memory"), std::string::npos);
+        // Every worker unregistered its region and unlinked it.
+        for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+          EXPECT_EQ(entry.path().filename().string().find("di-load-" + std::to_string(getpid())),
+                    std::string::npos);
+        }
+      });
 }
 
 // Every step through each worker's step ring (the same-host fast path): every tracked row
 // still matches the reference (the candidate blocks too), and nothing crossed gRPC per step.
 TEST_F(LoadTest, RealServerFastPathVerifies) {
-  RealServer server(std::string(DI_LOAD_TEST_DIR) + "/v41-tiny.toml", Path("server.log"));
-  ASSERT_TRUE(server.WaitReady()) << ReadText(Path("server.log"));
-  const int rc = RunLoad({"--target",
-                          server.target(),
-                          "--fast-path",
-                          "--concurrency",
-                          "2",
-                          "--requests-per-step",
-                          "2",
-                          "--next-n",
-                          "2",
-                          "--context",
-                          "300",
-                          "--steps",
-                          "4",
-                          "--verify",
-                          "--verify-sequences",
-                          "4",
-                          "--verify-tolerance",
-                          "0",
-                          "--seed",
-                          Seed(),
-                          "--json",
-                          Path("r.json")});
-  EXPECT_EQ(rc, 0) << Log() << ReadText(Path("server.log"));
-  const nlohmann::json report = ReadJson("r.json");
-  ExpectCleanVerifiedRun(report, 4);
-  EXPECT_GT(report["verify"]["candidate_rows_checked"].get<int>(), 0);
-  EXPECT_EQ(report["verify"]["candidate_rows_mismatched"].get<int>(), 0);
-  EXPECT_TRUE(report["config"]["fast_path"].get<bool>());
-  EXPECT_EQ(RequestBytesPerRpc(report), 0);
-  EXPECT_TRUE(server.Stop().has_value());
+  VerifyV41UnaryPath("--fast-path", {}, [](const nlohmann::json& report) {
+    EXPECT_TRUE(report["config"]["fast_path"].get<bool>());
+    EXPECT_EQ(RequestBytesPerRpc(report), 0);
+  });
 }
 
 TEST_F(LoadTest, RealServerSharedMemoryStreamingFp32Verifies) {

@@ -12,7 +12,6 @@
 #include <cstring>
 #include <functional>
 #include <map>
-#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -185,22 +184,10 @@ TEST_P(ColumnarTest, AnswersAsSequencesBitForBit) {
   ASSERT_NE(t.col, nullptr);
   Gen gen(TestSeed());
   auto& rng = gen.rng();
-  std::vector<uint64_t> ids(shape.requests);
-  std::vector<int64_t> lengths(shape.requests);
-  for (int i = 0; i < shape.requests; ++i) {
-    ids[i] = 1000 + rng() % 1000 * 100 + i;
-    // Below K, around it, above it.
-    lengths[i] = std::max<int64_t>(3, p.topk / 2 + static_cast<int64_t>(rng() % (2 * p.topk)));
-  }
-  // v32: its first layers (each has its own cache); v41-tiny: every layer in plan order, so a
-  // consumer follows its source.
-  std::vector<int> layers;
-  if (p.layers.size() > 8) {
-    layers = {0, 1, 2};
-  } else {
-    layers.resize(p.layers.size());
-    std::iota(layers.begin(), layers.end(), 0);
-  }
+  std::vector<uint64_t> ids;
+  std::vector<int64_t> lengths;
+  RandomSequences(gen, p, shape.requests, 1000, ids, lengths);
+  const std::vector<int> layers = ComparedLayers(p);
   PrefillBoth(t, gen, ids, lengths, layers);
   absl::StatusOr<std::unique_ptr<client::StepStream>> stream = t.col->client->OpenStream();
   ASSERT_TRUE(stream.ok()) << stream.status();

@@ -9,8 +9,6 @@
 //    taken step committed, the ring and its region released, and the server serving.
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <sys/socket.h>
-#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -19,7 +17,6 @@
 #include <cstring>
 #include <functional>
 #include <map>
-#include <numeric>
 #include <string>
 #include <thread>
 #include <vector>
@@ -98,19 +95,10 @@ TEST_P(FastPathTest, AnswersAsGrpcBitForBit) {
   ASSERT_NE(fast, nullptr);
   Gen gen(TestSeed());
   auto& rng = gen.rng();
-  std::vector<uint64_t> ids(shape.requests);
-  std::vector<int64_t> lengths(shape.requests);
-  for (int i = 0; i < shape.requests; ++i) {
-    ids[i] = 5000 + rng() % 1000 * 100 + i;
-    lengths[i] = std::max<int64_t>(3, p.topk / 2 + static_cast<int64_t>(rng() % (2 * p.topk)));
-  }
-  std::vector<int> layers;
-  if (p.layers.size() > 8) {
-    layers = {0, 1, 2};
-  } else {
-    layers.resize(p.layers.size());
-    std::iota(layers.begin(), layers.end(), 0);
-  }
+  std::vector<uint64_t> ids;
+  std::vector<int64_t> lengths;
+  RandomSequences(gen, p, shape.requests, 5000, ids, lengths);
+  const std::vector<int> layers = ComparedLayers(p);
   PrefillAll({grpc.get(), fast.get()}, gen, ids, lengths, layers);
   client::FastPathOptions fo;
   fo.data_bytes = 8 << 20;
@@ -394,42 +382,6 @@ TEST_F(FastPathBadDescriptorTest, RegistrationChecksTheRing) {
   EXPECT_EQ(s_->client->UnregisterStepRing(424242).status().code(), absl::StatusCode::kNotFound);
 }
 
-// The memfd registration of shm_socket.h with raw system calls only (the forked child must
-// not allocate: the parent's other threads may hold the allocator's locks).
-uint64_t RegisterMemfdRaw(const char* path, int fd, uint64_t size) {
-  sockaddr_un addr = {};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, path, sizeof(addr.sun_path) - 1);
-  const int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  if (sock < 0 || connect(sock, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return 0;
-  char payload[16];
-  std::memcpy(payload, "DISHM001", 8);
-  std::memcpy(payload + 8, &size, 8);
-  iovec iov = {payload, sizeof(payload)};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg = {};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  cmsghdr* c = CMSG_FIRSTHDR(&msg);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
-  if (sendmsg(sock, &msg, MSG_NOSIGNAL) != 16) return 0;
-  char reply[12 + 256];
-  const ssize_t n = recv(sock, reply, sizeof(reply), 0);
-  close(sock);
-  uint32_t code = 1;
-  uint64_t id = 0;
-  if (n >= 12) {
-    std::memcpy(&code, reply, 4);
-    std::memcpy(&id, reply + 4, 8);
-  }
-  return code == 0 ? id : 0;
-}
-
 template <typename F>
 bool WaitFor(F&& done) {
   for (int i = 0; i < 2000; ++i) {  // up to 20 s: an event, not a timing
@@ -482,7 +434,11 @@ TEST(FastPathWorkerDeathTest, KilledMidStepCommitsExactlyTheTakenStep) {
   ASSERT_GE(child, 0);
   if (child == 0) {
     // The worker: registers the memfd (it owns the region), waits for the ring, submits.
-    const uint64_t region = RegisterMemfdRaw(socket_path.c_str(), (*shm)->fd(), (*shm)->size());
+    // RegisterMemfd allocates nothing on success (socket_path is built before the fork): the
+    // parent's other threads may hold the allocator's locks.
+    const absl::StatusOr<uint64_t> got =
+        client::RegisterMemfd(socket_path, (*shm)->fd(), (*shm)->size());
+    const uint64_t region = got.ok() ? *got : 0;
     if (write(to_parent[1], &region, 8) != 8 || region == 0) _exit(1);
     char go;
     if (read(to_child[0], &go, 1) != 1) _exit(1);

@@ -309,6 +309,51 @@ TEST_F(SecurityTest, UnparseableBytesGetAMessage) {
 
 // ---- streams and threads ------------------------------------------------------------------
 
+// Another client on a connection of its own, whose calls carry a deadline of `timeout` (a
+// stall fails them rather than the test's timeout).
+absl::StatusOr<std::unique_ptr<client::IndexerClient>> ConnectWithDeadline(
+    const std::string& address, std::chrono::seconds timeout) {
+  client::ClientOptions bounded;
+  bounded.timeout = timeout;
+  return client::IndexerClient::Connect(address, bounded);
+}
+
+// `n` DecodeStream streams opened on one new connection and left open (no message sent) until
+// the object goes: then each is cancelled and finished and the queue drained.
+class OpenStreams {
+ public:
+  OpenStreams(const std::string& address, int n)
+      : channel_(grpc::CreateChannel(address, grpc::InsecureChannelCredentials())),
+        stub_(v1::DecodeIndexer::NewStub(channel_)) {
+    for (int i = 0; i < n; ++i) {
+      contexts_.push_back(std::make_unique<grpc::ClientContext>());
+      streams_.push_back(stub_->AsyncDecodeStream(contexts_.back().get(), &cq_,
+                                                  reinterpret_cast<void*>(intptr_t(i + 1))));
+    }
+  }
+  OpenStreams(const OpenStreams&) = delete;
+  OpenStreams& operator=(const OpenStreams&) = delete;
+  ~OpenStreams() {
+    for (auto& c : contexts_) c->TryCancel();
+    std::vector<grpc::Status> finals(streams_.size());
+    for (size_t i = 0; i < streams_.size(); ++i) streams_[i]->Finish(&finals[i], nullptr);
+    cq_.Shutdown();
+    void* tag;
+    bool ok;
+    while (cq_.Next(&tag, &ok)) {
+    }
+  }
+
+ private:
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::DecodeIndexer::Stub> stub_;
+  grpc::CompletionQueue cq_;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts_;
+  std::vector<
+      std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::DecodeStepRequest, v1::DecodeStepResponse>>>
+      streams_;
+};
+
 // 10,000 streams opened on one connection (the case: the old server made 10,015
 // threads and GetServerInfo stalled past 5 s) neither make a thread each nor stall another
 // client: bounded by max_concurrent_streams (the client queues the rest; a client that ignores
@@ -319,24 +364,11 @@ TEST_F(SecurityTest, ManyStreamsDoNotMakeManyThreads) {
     o.max_concurrent_streams = 16;
     o.max_threads = 48;
   });
-  auto channel = grpc::CreateChannel(s_->server->address(), grpc::InsecureChannelCredentials());
-  auto stub = v1::DecodeIndexer::NewStub(channel);
   constexpr int kStreams = 10000;
-  grpc::CompletionQueue cq;
-  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
-  std::vector<
-      std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::DecodeStepRequest, v1::DecodeStepResponse>>>
-      streams;
-  for (int i = 0; i < kStreams; ++i) {
-    contexts.push_back(std::make_unique<grpc::ClientContext>());
-    streams.push_back(stub->AsyncDecodeStream(contexts.back().get(), &cq,
-                                              reinterpret_cast<void*>(intptr_t(i + 1))));
-  }
+  OpenStreams streams(s_->server->address(), kStreams);
   // Another connection is answered while the streams are open; a bounded number of round
   // trips gives the server time to see them (the old server made a thread per stream).
-  client::ClientOptions bounded;
-  bounded.timeout = std::chrono::seconds(30);
-  auto other = client::IndexerClient::Connect(s_->server->address(), bounded);
+  auto other = ConnectWithDeadline(s_->server->address(), std::chrono::seconds(30));
   ASSERT_TRUE(other.ok()) << other.status();
   absl::StatusOr<v1::ServerInfo> info = (*other)->ServerInfo();
   ASSERT_TRUE(info.ok()) << info.status();
@@ -347,14 +379,6 @@ TEST_F(SecurityTest, ManyStreamsDoNotMakeManyThreads) {
   EXPECT_LT(threads, 200) << "threads with " << kStreams << " open streams";
   info = (*other)->ServerInfo();
   ASSERT_TRUE(info.ok()) << info.status();
-  for (auto& c : contexts) c->TryCancel();
-  std::vector<grpc::Status> finals(kStreams);
-  for (int i = 0; i < kStreams; ++i) streams[i]->Finish(&finals[i], nullptr);
-  cq.Shutdown();
-  void* tag;
-  bool ok;
-  while (cq.Next(&tag, &ok)) {
-  }
 }
 
 // The callback edge holds open streams without a thread each, whatever their number: 10,000
@@ -375,24 +399,11 @@ TEST_F(SecurityTest, CallbackEdgeHoldsTenThousandStreamsOnAFixedPool) {
   EXPECT_EQ(edge->workers(), kWorkers);
   // gRPC's threads and the pool exist once calls have been served (the prefill's).
   const int before = ThreadCount();
-  auto channel = grpc::CreateChannel(s_->server->address(), grpc::InsecureChannelCredentials());
-  auto stub = v1::DecodeIndexer::NewStub(channel);
   constexpr int kStreams = 10000;
-  grpc::CompletionQueue cq;
-  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
-  std::vector<
-      std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::DecodeStepRequest, v1::DecodeStepResponse>>>
-      streams;
-  for (int i = 0; i < kStreams; ++i) {
-    contexts.push_back(std::make_unique<grpc::ClientContext>());
-    streams.push_back(stub->AsyncDecodeStream(contexts.back().get(), &cq,
-                                              reinterpret_cast<void*>(intptr_t(i + 1))));
-  }
+  OpenStreams streams(s_->server->address(), kStreams);
   // A bounded number of round trips on another connection until every stream has its
   // reactor on the server (a count, not a clock).
-  client::ClientOptions bounded;
-  bounded.timeout = std::chrono::seconds(60);
-  auto other = client::IndexerClient::Connect(s_->server->address(), bounded);
+  auto other = ConnectWithDeadline(s_->server->address(), std::chrono::seconds(60));
   ASSERT_TRUE(other.ok()) << other.status();
   for (int i = 0; i < 20000 && edge->open_calls() < kStreams; ++i) {
     ASSERT_TRUE((*other)->GetStatistics().ok());
@@ -407,14 +418,6 @@ TEST_F(SecurityTest, CallbackEdgeHoldsTenThousandStreamsOnAFixedPool) {
   // Still served: a step, checked against the oracle.
   StepAndCompare(*s_, *oracle_, Step(0), "a step with 10,000 streams open");
   ASSERT_TRUE((*other)->ServerInfo().ok());
-  for (auto& c : contexts) c->TryCancel();
-  std::vector<grpc::Status> finals(kStreams);
-  for (int i = 0; i < kStreams; ++i) streams[i]->Finish(&finals[i], nullptr);
-  cq.Shutdown();
-  void* tag;
-  bool ok;
-  while (cq.Next(&tag, &ok)) {
-  }
 }
 
 // On the callback edge steps waiting for admission hold at most all but one worker: a control
@@ -451,9 +454,7 @@ TEST_F(SecurityTest, ControlCallsAreAnsweredWhileStepsWaitForAdmission) {
     EXPECT_EQ(
         s_->server->service().StepsWaitingForAdmissionForTesting() + edge->data_tasks_queued(),
         kSteps);
-    client::ClientOptions bounded;
-    bounded.timeout = std::chrono::seconds(20);
-    auto info_client = client::IndexerClient::Connect(s_->server->address(), bounded);
+    auto info_client = ConnectWithDeadline(s_->server->address(), std::chrono::seconds(20));
     ASSERT_TRUE(info_client.ok()) << info_client.status();
     absl::StatusOr<v1::ServerInfo> info = (*info_client)->ServerInfo();
     EXPECT_TRUE(info.ok()) << info.status();

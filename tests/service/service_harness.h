@@ -5,12 +5,14 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -210,6 +212,32 @@ class Gen {
  private:
   std::mt19937_64 rng_;
 };
+
+// `n` sequences for a bit-for-bit comparison of two servers: ids from `base` (distinct, in
+// random hundreds) and lengths below K, around it and above it.
+inline void RandomSequences(Gen& gen, const config::Profile& p, int n, uint64_t base,
+                            std::vector<uint64_t>& ids, std::vector<int64_t>& lengths) {
+  auto& rng = gen.rng();
+  ids.resize(n);
+  lengths.resize(n);
+  for (int i = 0; i < n; ++i) {
+    ids[i] = base + rng() % 1000 * 100 + i;
+    lengths[i] = std::max<int64_t>(3, p.topk / 2 + static_cast<int64_t>(rng() % (2 * p.topk)));
+  }
+}
+
+// The layers such a comparison steps: v32's first layers (each has its own cache); a small
+// profile's every layer in plan order, so a consumer follows its source.
+inline std::vector<int> ComparedLayers(const config::Profile& p) {
+  std::vector<int> layers;
+  if (p.layers.size() > 8) {
+    layers = {0, 1, 2};
+  } else {
+    layers.resize(p.layers.size());
+    std::iota(layers.begin(), layers.end(), 0);
+  }
+  return layers;
+}
 
 // A decode step of `next_n` rows per sequence at `layer`: keys at cache-owning layers.
 inline v1::DecodeStepRequest MakeStep(Gen& gen, const config::Profile& p, int layer,
