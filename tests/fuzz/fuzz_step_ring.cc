@@ -163,6 +163,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const v1::SharedMemoryStep& sm = out.shared_memory();
   const bool ipc = out.has_cuda_ipc();
   Check(ipc == ((d.flags & ring::kAnswerCudaIpc) != 0), "cuda_ipc");
+  // kInputsCudaIpc (only with kAnswerCudaIpc): q, its scales and the weights are the device
+  // buffer's, at the descriptor's offsets, and none of them is read from the region.
+  const bool device_q = (d.flags & ring::kInputsCudaIpc) != 0;
+  Check(!device_q || ipc, "flags");
+  Check(device_q == (ipc && out.cuda_ipc().has_q_offset()), "cuda_ipc.q_offset");
+  if (device_q) {
+    Check(out.cuda_ipc().q_offset() == d.q_offset &&
+              out.cuda_ipc().weights_offset() == d.weights_offset && sm.q_offset() == 0 &&
+              sm.q_scales_offset() == 0 && sm.weights_offset() == 0,
+          "cuda_ipc offsets");
+  }
 
   // Every offset it uses lies past the ring, and what the region's check lets through lies
   // inside the region.
@@ -179,9 +190,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     uint64_t bytes;
   };
   const Used used[] = {
-      {"q_offset", true, sm.q_offset(), Bytes(out.q())},
-      {"q_scales_offset", out.has_q_scales(), sm.q_scales_offset(), Bytes(out.q_scales())},
-      {"weights_offset", true, sm.weights_offset(), Bytes(out.weights())},
+      {"q_offset", !device_q, sm.q_offset(), Bytes(out.q())},
+      {"q_scales_offset", !device_q && out.has_q_scales(), sm.q_scales_offset(),
+       Bytes(out.q_scales())},
+      {"weights_offset", !device_q, sm.weights_offset(), Bytes(out.weights())},
       {"positions_offset", out.has_positions(), sm.positions_offset(), Bytes(out.positions())},
       {"new_keys_offset", out.has_new_keys(), sm.new_keys_offset(), Bytes(out.new_keys())},
       {"new_key_scales_offset", out.has_new_key_scales(), sm.new_key_scales_offset(),

@@ -155,8 +155,8 @@ def sequence_image_corpus():
 
 
 # fuzz_step_ring: common/step_ring.h's StepDescriptor (256 bytes) and its columns.
-RING_RETURN_CANDIDATES, RING_NUM_ROWS, RING_KEY_COUNTS, RING_KEY_POSITIONS, RING_CUDA_IPC = (
-    1, 2, 4, 8, 16)
+(RING_RETURN_CANDIDATES, RING_NUM_ROWS, RING_KEY_COUNTS, RING_KEY_POSITIONS, RING_CUDA_IPC,
+ RING_INPUTS_CUDA_IPC) = (1, 2, 4, 8, 16, 32)
 
 
 def descriptor(n, flags, ids, rows_per_sequence=1, num_rows=None, key_counts=None,
@@ -199,6 +199,8 @@ def step_ring_corpus():
         q_scales_dtype=pb.DTYPE_UE8M0, new_keys=(pb.DTYPE_FP4_E2M1, pb.DTYPE_UE8M0, 0),
         new_keys_rows=2, layer=3))
     write(t, "v32_cuda_ipc_answer", b"\x52\x00" + descriptor(1, RING_CUDA_IPC, [9]))
+    write(t, "v32_cuda_ipc_inputs", b"\x52\x00" + descriptor(
+        1, RING_CUDA_IPC | RING_INPUTS_CUDA_IPC, [9]))
     # Past the region: accepted here, refused by the region's bounds check (1 B of data).
     write(t, "v32_offsets_past_region", b"\x12\x00" + descriptor(1, 0, [11]))
 
