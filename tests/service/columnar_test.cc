@@ -178,8 +178,11 @@ TEST_P(ColumnarTest, AnswersAsSequencesBitForBit) {
   const config::Profile p =
       LoadOrDie(std::string(shape.profile) == "v32" ? std::string("v32") : TinyProfilePath());
   Twin t;
-  t.seq = StartSession(p, CpuOptions(1, 320));
-  t.col = StartSession(p, CpuOptions(1, 320));
+  // Room for the longest draws (some seeds drew past a fixed 320 pages at 5 v32 requests).
+  const int64_t pages = RandomSequencesPages(
+      p, shape.requests, 4, shape.next_n > 0 ? shape.next_n : p.max_rows_per_sequence);
+  t.seq = StartSession(p, CpuOptions(1, pages));
+  t.col = StartSession(p, CpuOptions(1, pages));
   ASSERT_NE(t.seq, nullptr);
   ASSERT_NE(t.col, nullptr);
   Gen gen(TestSeed());

@@ -226,6 +226,13 @@ inline void RandomSequences(Gen& gen, const config::Profile& p, int n, uint64_t 
   }
 }
 
+// Cache pages a pool needs for `n` RandomSequences (each at most topk / 2 + 2 topk keys) and
+// `steps` later steps of up to `rows` keys a request (at least 320).
+inline int64_t RandomSequencesPages(const config::Profile& p, int n, int steps, int rows) {
+  const int64_t longest = p.topk / 2 + 2 * int64_t{p.topk} + int64_t{steps} * std::max(1, rows);
+  return std::max<int64_t>(320, n * (longest / p.page_size + 2) + 16);
+}
+
 // The layers such a comparison steps: v32's first layers (each has its own cache); a small
 // profile's every layer in plan order, so a consumer follows its source.
 inline std::vector<int> ComparedLayers(const config::Profile& p) {
