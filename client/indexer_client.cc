@@ -484,13 +484,17 @@ absl::Status IndexerClient::UnregisterSharedMemory(uint64_t region_id) {
 }
 
 absl::StatusOr<uint64_t> IndexerClient::RegisterCudaIpcMemory(std::string_view handle,
-                                                              uint64_t size, int32_t device) {
+                                                              uint64_t size, int32_t device,
+                                                              std::string_view inputs_event,
+                                                              std::string_view answer_event) {
   grpc::ClientContext context;
   Prepare(context);
   v1::RegisterCudaIpcMemoryRequest request;
   request.set_handle(handle.data(), handle.size());
   request.set_size(size);
   request.set_device(device);
+  request.set_inputs_event(inputs_event.data(), inputs_event.size());
+  request.set_answer_event(answer_event.data(), answer_event.size());
   v1::RegisterCudaIpcMemoryResponse response;
   grpc::Status s = stub_->RegisterCudaIpcMemory(&context, request, &response);
   if (!s.ok()) return FromGrpcStatus(s);

@@ -223,8 +223,13 @@ class IndexerClient {
   // cudaIpcMemHandle_t) on `device` (the server's ordinal of that GPU): answers the region id
   // for DecodeStepRequest.cuda_ipc.region_id. The buffer must stay allocated until
   // UnregisterCudaIpcMemory. The library needs no CUDA: the caller exports the handle.
+  // `inputs_event` / `answer_event` (optional, 64 bytes each: cudaIpcGetEventHandle of events
+  // created with cudaEventInterprocess | cudaEventDisableTiming): the events a step's
+  // cuda_ipc.wait_inputs_event / record_answer_event (the ring's kWaitInputsEvent /
+  // kRecordAnswerEvent) order the GPU work with.
   absl::StatusOr<uint64_t> RegisterCudaIpcMemory(std::string_view handle, uint64_t size,
-                                                 int32_t device);
+                                                 int32_t device, std::string_view inputs_event = {},
+                                                 std::string_view answer_event = {});
   absl::Status UnregisterCudaIpcMemory(uint64_t region_id);
   // The fast path's control calls (client/fast_path.h drives them; FastPathRing is the
   // usual way in).

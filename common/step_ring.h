@@ -86,7 +86,11 @@ enum DescriptorFlags : uint32_t {
   // q / q_scales / weights offsets are in cuda_ipc_region_id's buffer too (read device to
   // device, checked on the device: CudaIpcStep.q_offset); needs kAnswerCudaIpc.
   kInputsCudaIpc = 1u << 5,
-  kKnownFlags = (1u << 6) - 1,
+  // GPU-side ordering with the CUDA IPC events the buffer was registered with
+  // (CudaIpcStep.wait_inputs_event / record_answer_event); both need kAnswerCudaIpc.
+  kWaitInputsEvent = 1u << 6,
+  kRecordAnswerEvent = 1u << 7,
+  kKnownFlags = (1u << 8) - 1,
 };
 
 // One step: the columnar DecodeStepRequest (the same fields, the same checks, the same

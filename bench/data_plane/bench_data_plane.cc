@@ -16,7 +16,9 @@
 // the answer left in a CUDA IPC buffer of this process, q read from it too (cuda_ipc.q_offset),
 // and the same-host step ring (client/fast_path.h: no gRPC per step) with q and the answer in
 // the ring's region or in the CUDA IPC buffer, each at the ring's default spins and with the
-// server's poller and the client spinning (--ring-spin: a worker that owns a core).
+// server's poller and the client spinning (--ring-spin: a worker that owns a core). Last, the
+// worker modes (--worker-copy-mb): a worker whose stream does other GPU work before q, ordered
+// with the server by a host wait or by CUDA IPC events (RunWorkerModes).
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 #ifdef DI_BENCH_CUDA
@@ -479,9 +481,127 @@ ModeResult RunRing(di::client::FastPathRing& ring, di::client::RingStep step, in
   return out;
 }
 
+#ifdef DI_BENCH_CUDA
+// A worker whose q is produced on its GPU: each step its stream does `copy_mb` of other work
+// (a device-to-device copy, standing in for the attention and projections before q) and then
+// writes q and the weights into the buffer (a device-to-device copy from a second copy of
+// them), then the step goes through the ring with q and the answer in the buffer. Two ways
+// of ordering it: the host waits for the worker's stream before the descriptor (no events),
+// or the worker records the inputs event and rings at once, and its stream waits on the
+// answer event (kWaitInputsEvent | kRecordAnswerEvent): the server's host work then overlaps
+// the worker's GPU work. Per step: the mean over the timed steps of the whole loop.
+void RunWorkerModes(di::client::IndexerClient& control, const di::v1::DecodeStepRequest& device_q,
+                    uint64_t ipc_region, void* buffer, cudaEvent_t inputs_event,
+                    cudaEvent_t answer_event, int copy_mb, int warmup, int iters,
+                    uint64_t& step_id) {
+  const auto& ci = device_q.cuda_ipc();
+  const size_t q_bytes = size_t(ci.weights_offset() - ci.q_offset());
+  const size_t w_bytes = size_t(device_q.weights().shape(0)) * device_q.weights().shape(1) * 4;
+  const size_t work_bytes = size_t(copy_mb) << 20;
+  void* work = nullptr;
+  void* q_source = nullptr;  // q and weights as the worker's kernels would leave them
+  cudaStream_t stream = nullptr;
+  if (cudaMalloc(&work, 2 * work_bytes) != cudaSuccess ||
+      cudaMalloc(&q_source, q_bytes + w_bytes) != cudaSuccess ||
+      cudaMemcpy(q_source, static_cast<char*>(buffer) + ci.q_offset(), q_bytes + w_bytes,
+                 cudaMemcpyDeviceToDevice) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+    std::fprintf(stderr, "cuda: cannot set up the worker modes\n");
+    std::exit(1);
+  }
+  for (const bool events : {false, true}) {
+    di::client::FastPathOptions fo;
+    fo.data_bytes = uint64_t{1} << 20;
+    absl::StatusOr<std::unique_ptr<di::client::FastPathRing>> ring =
+        di::client::FastPathRing::Create(control, fo);
+    if (!ring.ok()) {
+      std::fprintf(stderr, "ring: %s\n", ring.status().ToString().c_str());
+      std::exit(1);
+    }
+    std::vector<uint64_t> ids;
+    for (const auto& seq : device_q.sequences()) ids.push_back(seq.sequence_id());
+    di::client::RingStep step;
+    step.descriptor.layer = device_q.layer();
+    step.descriptor.flags = di::ring::kAnswerCudaIpc | di::ring::kInputsCudaIpc;
+    if (events) step.descriptor.flags |= di::ring::kWaitInputsEvent | di::ring::kRecordAnswerEvent;
+    step.descriptor.cuda_ipc_region_id = ipc_region;
+    step.descriptor.rows_per_sequence = 1;
+    step.descriptor.q_dtype = device_q.q().dtype();
+    step.descriptor.weights_dtype = di::v1::DTYPE_FP32;
+    step.descriptor.q_offset = ci.q_offset();
+    step.descriptor.weights_offset = ci.weights_offset();
+    step.descriptor.answer_offset = 0;
+    step.sequence_ids = ids;
+    ModeResult out;
+    std::chrono::steady_clock::time_point timed_start;
+    for (int i = 0; i < warmup + iters; ++i) {
+      if (i == warmup) {
+        cudaStreamSynchronize(stream);
+        timed_start = std::chrono::steady_clock::now();
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      cudaMemcpyAsync(static_cast<char*>(work) + work_bytes, work, work_bytes,
+                      cudaMemcpyDeviceToDevice, stream);
+      cudaMemcpyAsync(static_cast<char*>(buffer) + ci.q_offset(), q_source, q_bytes + w_bytes,
+                      cudaMemcpyDeviceToDevice, stream);
+      if (events) {
+        cudaEventRecord(inputs_event, stream);
+      } else {
+        cudaStreamSynchronize(stream);
+      }
+      step.descriptor.step_id = step_id++;
+      absl::StatusOr<di::client::RingCompletion> done = (*ring)->Step(step);
+      if (!done.ok() || !done->status.ok()) {
+        std::fprintf(stderr, "worker ring step: %s\n",
+                     (done.ok() ? done->status : done.status()).ToString().c_str());
+        std::exit(1);
+      }
+      // The worker's next kernels read the answer: its stream waits for it on the GPU.
+      if (events) cudaStreamWaitEvent(stream, answer_event, 0);
+      const auto t1 = std::chrono::steady_clock::now();
+      if (i < warmup) continue;
+      out.client_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+      out.compute_us.push_back(double(done->compute_us));
+      out.queue_us.push_back(double(done->queue_us));
+      out.handler_mean_us += double(done->server_us) / iters;
+    }
+    cudaStreamSynchronize(stream);
+    const double per_step =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - timed_start)
+            .count() /
+        iters;
+    const std::string name = std::string("worker ") + std::to_string(copy_mb) + " MB + ring " +
+                             (events ? "ipc events" : "host sync");
+    PrintRow(name, out, true);
+    std::printf("%-30s %9.1f us a step (the loop's mean, worker GPU work included)\n", name.c_str(),
+                per_step);
+    std::fflush(stdout);
+    (void)(*ring)->Unregister();
+  }
+  // The same worker work with no indexer call: what the loop costs without it.
+  cudaStreamSynchronize(stream);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) {
+    cudaMemcpyAsync(static_cast<char*>(work) + work_bytes, work, work_bytes,
+                    cudaMemcpyDeviceToDevice, stream);
+    cudaMemcpyAsync(static_cast<char*>(buffer) + ci.q_offset(), q_source, q_bytes + w_bytes,
+                    cudaMemcpyDeviceToDevice, stream);
+    cudaStreamSynchronize(stream);
+  }
+  std::printf(
+      "%-30s %9.1f us a step (worker GPU work alone)\n",
+      (std::string("worker ") + std::to_string(copy_mb) + " MB alone").c_str(),
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() /
+          iters);
+  cudaStreamDestroy(stream);
+  cudaFree(work);
+  cudaFree(q_source);
+}
+#endif
+
 // Server mode: a real server at `target`.
 int RunServer(const std::string& target, int requests, int64_t context, int warmup, int iters,
-              uint64_t first_id, std::mt19937_64& rng) {
+              uint64_t first_id, std::mt19937_64& rng, int worker_copy_mb) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(512 << 20);
   args.SetMaxSendMessageSize(512 << 20);
@@ -713,9 +833,17 @@ int RunServer(const std::string& target, int requests, int64_t context, int warm
                                 (req.q().data().size() + 4095) / 4096 * 4096 +
                                 req.weights().data().size();
     cudaIpcMemHandle_t handle;
+    // The worker's "inputs ready" / "answer ready" events (the event modes below).
+    cudaEvent_t inputs_event = nullptr, answer_event = nullptr;
+    cudaIpcEventHandle_t inputs_handle, answer_handle;
+    constexpr unsigned kIpcEvent = cudaEventInterprocess | cudaEventDisableTiming;
     if (cudaSetDevice(0) != cudaSuccess || cudaMalloc(&buffer, buffer_bytes) != cudaSuccess ||
-        cudaIpcGetMemHandle(&handle, buffer) != cudaSuccess) {
-      std::fprintf(stderr, "cuda: cannot export a buffer\n");
+        cudaIpcGetMemHandle(&handle, buffer) != cudaSuccess ||
+        cudaEventCreateWithFlags(&inputs_event, kIpcEvent) != cudaSuccess ||
+        cudaEventCreateWithFlags(&answer_event, kIpcEvent) != cudaSuccess ||
+        cudaIpcGetEventHandle(&inputs_handle, inputs_event) != cudaSuccess ||
+        cudaIpcGetEventHandle(&answer_handle, answer_event) != cudaSuccess) {
+      std::fprintf(stderr, "cuda: cannot export a buffer and its events\n");
       return 1;
     }
     grpc::ClientContext ictx;
@@ -723,6 +851,8 @@ int RunServer(const std::string& target, int requests, int64_t context, int warm
     ireq.set_handle(&handle, sizeof(handle));
     ireq.set_size(buffer_bytes);
     ireq.set_device(0);
+    ireq.set_inputs_event(&inputs_handle, sizeof(inputs_handle));
+    ireq.set_answer_event(&answer_handle, sizeof(answer_handle));
     di::v1::RegisterCudaIpcMemoryResponse iresp;
     if (grpc::Status is = stub->RegisterCudaIpcMemory(&ictx, ireq, &iresp); !is.ok()) {
       std::fprintf(stderr, "RegisterCudaIpcMemory: %s\n", is.error_message().c_str());
@@ -758,6 +888,12 @@ int RunServer(const std::string& target, int requests, int64_t context, int warm
     mode("unary ipc q + ipc answer", device_q, false);
     mode("stream ipc q + ipc answer", device_q, true);
     ring_modes(&device_q, iresp.region_id());
+    if (worker_copy_mb > 0) {
+      RunWorkerModes(**control, device_q, iresp.region_id(), buffer, inputs_event, answer_event,
+                     worker_copy_mb, warmup, iters, step_id);
+    }
+    cudaEventDestroy(inputs_event);
+    cudaEventDestroy(answer_event);
     cudaFree(buffer);
   } else {
     std::printf("# ipc modes skipped: no GPU here or the server is not on cuda\n");
@@ -779,6 +915,7 @@ int main(int argc, char** argv) {
   bool pieces = true;
   std::string edges = "both";
   int edge_workers = 0;
+  int worker_copy_mb = 128;
   CLI::App app{"decode-indexer-bench-data-plane: per-step transport cost"};
   app.add_option("--profile", profile_name, "built-in profile or file (echo mode)")
       ->capture_default_str();
@@ -791,6 +928,10 @@ int main(int argc, char** argv) {
   app.add_option("--iters", iters, "timed steps per mode")->capture_default_str();
   app.add_option("--warmup", warmup, "untimed steps per mode")->capture_default_str();
   app.add_option("--first-id", first_id, "first sequence id (server mode)")->capture_default_str();
+  app.add_option("--worker-copy-mb", worker_copy_mb,
+                 "server mode on a GPU: the worker modes' GPU work a step (a device-to-device "
+                 "copy of this many MB; 0: no worker modes)")
+      ->capture_default_str();
   app.add_flag("!--no-pieces", pieces, "skip timing the pieces (echo mode)");
   app.add_option("--grpc-edge", edges,
                  "echo mode: the service's gRPC edge, sync, callback or both (in one run)")
@@ -802,7 +943,9 @@ int main(int argc, char** argv) {
   decode_indexer::cli::AddVersion(app);
   DI_CLI_PARSE(app, argc, argv);
   std::mt19937_64 rng(42);
-  if (!target.empty()) return RunServer(target, requests, context, warmup, iters, first_id, rng);
+  if (!target.empty()) {
+    return RunServer(target, requests, context, warmup, iters, first_id, rng, worker_copy_mb);
+  }
 
   absl::StatusOr<di::config::Profile> profile = di::config::LoadProfile(profile_name);
   if (!profile.ok()) {

@@ -474,6 +474,49 @@ class CudaBackend final : public Backend {
     DI_CUDA_RETURN_IF_ERROR(cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle");
     return absl::OkStatus();
   }
+  // A client's CUDA IPC event; the caller names the field in the message.
+  absl::StatusOr<void*> OpenIpcEvent(std::string_view handle, int device) override {
+    if (device != device_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the event is on cuda:", device, ", the answering rank on cuda:", device_));
+    }
+    if (handle.size() != sizeof(cudaIpcEventHandle_t)) {
+      return absl::InvalidArgumentError(absl::StrCat("expected ", sizeof(cudaIpcEventHandle_t),
+                                                     " bytes (a cudaIpcEventHandle_t), got ",
+                                                     handle.size()));
+    }
+    cudaIpcEventHandle_t h;
+    std::memcpy(&h, handle.data(), sizeof(h));
+    DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    cudaEvent_t event = nullptr;
+    if (const cudaError_t err = cudaIpcOpenEventHandle(&event, h); err != cudaSuccess) {
+      cudaGetLastError();  // a bad handle is the caller's error, not a sticky device fault
+      return absl::InvalidArgumentError(
+          absl::StrCat("cudaIpcOpenEventHandle failed: ", cudaGetErrorName(err), " (",
+                       cudaGetErrorString(err), ")"));
+    }
+    return static_cast<void*>(event);
+  }
+  absl::Status CloseIpcEvent(void* event) override {
+    DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    DI_CUDA_RETURN_IF_ERROR(cudaEventDestroy(static_cast<cudaEvent_t>(event)),
+                            "destroy an opened IPC event");
+    return absl::OkStatus();
+  }
+  // The event may belong to another device's backend (rank 0 opened it): a stream may wait on
+  // an event of any device.
+  absl::Status WaitEvent(void* event) override {
+    DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    DI_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, static_cast<cudaEvent_t>(event), 0),
+                            "wait on the client's inputs event");
+    return absl::OkStatus();
+  }
+  absl::Status RecordEvent(void* event) override {
+    DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    DI_CUDA_RETURN_IF_ERROR(cudaEventRecord(static_cast<cudaEvent_t>(event), main_),
+                            "record the client's answer event");
+    return absl::OkStatus();
+  }
   absl::Status RegisterHostMemory(void* ptr, size_t bytes) override {
     DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     // Portable: every rank's context copies q from the region, not only this one.

@@ -44,12 +44,15 @@ class AnswerSink {
     s.page_locked_ = page_locked;
     return s;
   }
-  // Memory of the answering rank's (rank 0's) backend.
-  static AnswerSink Device(int32_t* topk, int32_t* candidates) {
+  // Memory of the answering rank's (rank 0's) backend. `done_event` (or null): a device event
+  // of that backend (Backend::OpenIpcEvent) recorded on its stream after the answer's copies,
+  // so the client's stream can wait for the answer on the GPU.
+  static AnswerSink Device(int32_t* topk, int32_t* candidates, void* done_event = nullptr) {
     AnswerSink s;
     s.kind_ = Kind::kDevice;
     s.topk_ = topk;
     s.candidates_ = candidates;
+    s.done_event_ = done_event;
     return s;
   }
   // The top-k to `encoder`; candidates (if any) to a host span as in Host.
@@ -67,12 +70,14 @@ class AnswerSink {
   int32_t* candidates() const { return candidates_; }  // kHost, kEncoder (host), kDevice
   bool page_locked() const { return page_locked_; }
   const Encoder& encoder() const { return encoder_; }
+  void* done_event() const { return done_event_; }  // kDevice
 
  private:
   Kind kind_ = Kind::kVector;
   int32_t* topk_ = nullptr;
   int32_t* candidates_ = nullptr;
   bool page_locked_ = false;
+  void* done_event_ = nullptr;
   Encoder encoder_;
 };
 

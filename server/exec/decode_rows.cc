@@ -725,6 +725,11 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   if (status.ok() && injected && plan.fault == StepPlan::Fault::kPause && plan.fault_pause) {
     plan.fault_pause();
   }
+  // q in the client's device buffer, written on its stream: this rank's stream waits for the
+  // client's "inputs ready" record on the GPU before anything of the step reads it.
+  if (status.ok() && plan.q.on_device && plan.q.ready_event != nullptr) {
+    status = be.WaitEvent(plan.q.ready_event);
+  }
   if (status.ok()) status = ScoreRows(rank, staging, plan, range);
   rank.last_collective_ns = 0;
   rank.last_collectives = 0;
@@ -824,6 +829,8 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     } else if (plan.candidates_out != nullptr || plan.defer_candidates) {
       DI_RETURN_IF_ERROR(readback.Copy(Readback::Answer::kCandidates, 0, b.candidates, cand_bytes));
     }
+    // "Answer ready" for the client's stream, after every copy into its buffer.
+    if (plan.answer_event != nullptr) DI_RETURN_IF_ERROR(be.RecordEvent(plan.answer_event));
   }
   if (plan.q.on_device) {
     DI_RETURN_IF_ERROR(be.CopyToHost(rank.value_flags_host(), b.value_flags, sizeof(uint32_t)));

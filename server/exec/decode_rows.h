@@ -88,6 +88,8 @@ struct StepPlan {
   // CUDA IPC buffer), written device to device with no host copy.
   int32_t* topk_device_out = nullptr;        // [rows, topk]
   int32_t* candidates_device_out = nullptr;  // [rows, NB] or null
+  // AnswerSink::done_event: recorded on the answering rank's stream after those copies.
+  void* answer_event = nullptr;
 
   // Back to an empty plan, keeping the vectors' capacity: the executor reuses one plan for
   // every step, so the per-step path does not reallocate its host arrays.

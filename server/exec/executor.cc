@@ -984,6 +984,7 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
   switch (sink_kind) {
     case AnswerSink::Kind::kDevice:
       plan.topk_device_out = sink->topk();
+      plan.answer_event = sink->done_event();
       break;
     case AnswerSink::Kind::kHost:
       plan.topk_out = sink->topk();

@@ -108,6 +108,10 @@ struct QInput {
   // device (Backend::CheckValues), and a NaN / Inf fails the step with INVALID_ARGUMENT
   // naming the field, committing nothing.
   bool on_device = false;
+  // With on_device: a device event (Backend::OpenIpcEvent of the answering rank) every rank's
+  // stream waits on before it reads any of q (the client recorded it after writing q), so
+  // the client's host need not wait for its stream. Null: q is ready when the step arrives.
+  void* ready_event = nullptr;
 };
 
 struct StepInput {

@@ -99,6 +99,10 @@ class CudaIpcRegion {
   CudaIpcRegion(void* base, uint64_t size, std::function<void(void*)> close)
       : base_(static_cast<uint8_t*>(base)), size_(size), close_(std::move(close)) {}
   ~CudaIpcRegion() {
+    if (close_event_) {
+      if (inputs_event_ != nullptr) close_event_(inputs_event_);
+      if (answer_event_ != nullptr) close_event_(answer_event_);
+    }
     if (close_) close_(base_);
   }
   CudaIpcRegion(const CudaIpcRegion&) = delete;
@@ -108,11 +112,23 @@ class CudaIpcRegion {
   // "cuda_ipc.<field>"; offsets must keep int32 alignment.
   absl::StatusOr<uint8_t*> Span(const char* field, uint64_t offset, uint64_t bytes) const;
   uint64_t size() const { return size_; }
+  // The CUDA IPC events registered with the buffer (null: none), opened in the same backend;
+  // `close_event` closes each when the region goes.
+  void SetEvents(void* inputs, void* answer, std::function<void(void*)> close_event) {
+    inputs_event_ = inputs;
+    answer_event_ = answer;
+    close_event_ = std::move(close_event);
+  }
+  void* inputs_event() const { return inputs_event_; }
+  void* answer_event() const { return answer_event_; }
 
  private:
   uint8_t* base_;
   uint64_t size_;
   std::function<void(void*)> close_;
+  void* inputs_event_ = nullptr;
+  void* answer_event_ = nullptr;
+  std::function<void(void*)> close_event_;
 };
 
 class CudaIpcRegistry {

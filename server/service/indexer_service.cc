@@ -491,6 +491,33 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
     ipc = *std::move(got);
   }
   const bool q_on_device = ipc != nullptr && request.cuda_ipc().has_q_offset();
+  // GPU-side ordering asks for the events the buffer was registered with.
+  void* inputs_event = nullptr;
+  void* answer_event = nullptr;
+  if (ipc != nullptr) {
+    const v1::CudaIpcStep& ci = request.cuda_ipc();
+    if (ci.wait_inputs_event()) {
+      if (!q_on_device) {
+        return absl::InvalidArgumentError(
+            "cuda_ipc.wait_inputs_event: needs cuda_ipc.q_offset (the event orders the inputs "
+            "read from the device buffer)");
+      }
+      if (ipc->inputs_event() == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "cuda_ipc.wait_inputs_event: region ", ci.region_id(),
+            " was registered without an inputs event (RegisterCudaIpcMemoryRequest.inputs_event)"));
+      }
+      inputs_event = ipc->inputs_event();
+    }
+    if (ci.record_answer_event()) {
+      if (ipc->answer_event() == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "cuda_ipc.record_answer_event: region ", ci.region_id(),
+            " was registered without an answer event (RegisterCudaIpcMemoryRequest.answer_event)"));
+      }
+      answer_event = ipc->answer_event();
+    }
+  }
   if (q_on_device) {
     const v1::CudaIpcStep& ci = request.cuda_ipc();
     auto device_view = [&](const v1::Tensor& t, const char* field, const char* offset_field,
@@ -589,6 +616,7 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
   absl::StatusOr<DecodedStep> decoded = DecodeStepRequest(request, profile, external);
   if (!decoded.ok()) return decoded.status();
   exec::StepInput& step = decoded->step;
+  step.q.ready_event = inputs_event;
 
   // Where the answer goes, resolved once into the sink the executor writes it into: a CUDA IPC
   // buffer (device to device), the shared-memory region (written there by the device-to-host
@@ -611,7 +639,7 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
       if (!c.ok()) return c.status();
       candidates = reinterpret_cast<int32_t*>(*c);
     }
-    sink = exec::AnswerSink::Device(reinterpret_cast<int32_t*>(*at), candidates);
+    sink = exec::AnswerSink::Device(reinterpret_cast<int32_t*>(*at), candidates, answer_event);
   } else if (region != nullptr) {
     const v1::SharedMemoryStep& sm = request.shared_memory();
     absl::StatusOr<uint8_t*> at = region->Span("answer_offset", sm.answer_offset(), answer_bytes);
@@ -935,6 +963,14 @@ absl::Status IndexerService::DoRegisterCudaIpcMemory(
                                                    " bytes (a cudaIpcMemHandle_t), got ",
                                                    request.handle().size()));
   }
+  for (const auto& [field, handle] : {std::pair{"inputs_event", &request.inputs_event()},
+                                      std::pair{"answer_event", &request.answer_event()}}) {
+    if (!handle->empty() && handle->size() != kCudaIpcHandleBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", kCudaIpcHandleBytes,
+                                                     " bytes (a cudaIpcEventHandle_t), got ",
+                                                     handle->size()));
+    }
+  }
   if (request.size() == 0 || request.size() > (uint64_t{1} << 48)) {
     return absl::InvalidArgumentError(
         absl::StrCat("size: must be in [1, 2^48] bytes, got ", request.size()));
@@ -962,6 +998,30 @@ absl::Status IndexerService::DoRegisterCudaIpcMemory(
         executor_.WithAnswerBackend([ptr](kernels::Backend& be) { return be.CloseIpcMemory(ptr); });
     if (!c.ok()) spdlog::warn("cuda ipc: closing a region: {}", c.ToString());
   });
+  // The events, opened in the same backend; on a failure the region (and what was opened)
+  // closes as it goes out of scope, and nothing is registered.
+  void* events[2] = {nullptr, nullptr};
+  const std::string* handles[2] = {&request.inputs_event(), &request.answer_event()};
+  const char* fields[2] = {"inputs_event", "answer_event"};
+  auto close_event = [this](void* event) {
+    absl::Status c = executor_.WithAnswerBackend(
+        [event](kernels::Backend& be) { return be.CloseIpcEvent(event); });
+    if (!c.ok()) spdlog::warn("cuda ipc: closing an event: {}", c.ToString());
+  };
+  for (int i = 0; i < 2; ++i) {
+    if (handles[i]->empty()) continue;
+    absl::Status e = executor_.WithAnswerBackend([&](kernels::Backend& be) -> absl::Status {
+      absl::StatusOr<void*> event = be.OpenIpcEvent(*handles[i], request.device());
+      if (!event.ok()) return event.status();
+      events[i] = *event;
+      return absl::OkStatus();
+    });
+    if (!e.ok()) {
+      region->SetEvents(events[0], events[1], close_event);
+      return absl::Status(e.code(), absl::StrCat(fields[i], ": ", e.message()));
+    }
+  }
+  region->SetEvents(events[0], events[1], close_event);
   absl::StatusOr<uint64_t> id = cuda_ipc_.Add(std::move(region));
   if (!id.ok()) return id.status();
   response.set_region_id(*id);

@@ -86,6 +86,15 @@ absl::Status DescriptorToRequest(const StepDescriptor& d, const uint8_t* columns
   if (ipc_inputs && !ipc) {
     return Invalid("flags", "kInputsCudaIpc (q in the CUDA IPC buffer) needs kAnswerCudaIpc");
   }
+  const bool wait_inputs = (d.flags & ring::kWaitInputsEvent) != 0;
+  const bool record_answer = (d.flags & ring::kRecordAnswerEvent) != 0;
+  if (wait_inputs && !ipc_inputs) {
+    return Invalid("flags",
+                   "kWaitInputsEvent (wait for the inputs on the GPU) needs kInputsCudaIpc");
+  }
+  if (record_answer && !ipc) {
+    return Invalid("flags", "kRecordAnswerEvent (answer ready on the GPU) needs kAnswerCudaIpc");
+  }
   // Step data lies past the ring: the answer must never land on the counters or slots.
   struct Offset {
     const char* field;
@@ -176,6 +185,8 @@ absl::Status DescriptorToRequest(const StepDescriptor& d, const uint8_t* columns
     ci->set_region_id(d.cuda_ipc_region_id);
     ci->set_answer_offset(d.answer_offset);
     ci->set_candidates_offset(d.candidates_offset);
+    ci->set_wait_inputs_event(wait_inputs);
+    ci->set_record_answer_event(record_answer);
   } else {
     sm->set_answer_offset(d.answer_offset);
     sm->set_candidates_offset(d.candidates_offset);

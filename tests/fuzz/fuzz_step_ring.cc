@@ -167,6 +167,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // buffer's, at the descriptor's offsets, and none of them is read from the region.
   const bool device_q = (d.flags & ring::kInputsCudaIpc) != 0;
   Check(!device_q || ipc, "flags");
+  // The events' flags ride on the CUDA IPC step only, the inputs' on device q only.
+  const bool wait_inputs = (d.flags & ring::kWaitInputsEvent) != 0;
+  const bool record_answer = (d.flags & ring::kRecordAnswerEvent) != 0;
+  Check(!wait_inputs || device_q, "flags: kWaitInputsEvent");
+  Check(!record_answer || ipc, "flags: kRecordAnswerEvent");
+  Check(!ipc || (out.cuda_ipc().wait_inputs_event() == wait_inputs &&
+                 out.cuda_ipc().record_answer_event() == record_answer),
+        "cuda_ipc events");
   Check(device_q == (ipc && out.cuda_ipc().has_q_offset()), "cuda_ipc.q_offset");
   if (device_q) {
     Check(out.cuda_ipc().q_offset() == d.q_offset &&

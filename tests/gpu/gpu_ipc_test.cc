@@ -375,5 +375,171 @@ TEST(GpuIpcTest, AnswerInTheExportedBufferEqualsThePlainGrpcAnswer) {
   ASSERT_CUDA(cudaFree(buffer));
 }
 
+// GPU-side ordering with CUDA IPC events (cuda_ipc.wait_inputs_event / record_answer_event,
+// the ring's kWaitInputsEvent / kRecordAnswerEvent). The worker's stream is held 300 ms by a
+// host function and only then copies the step's q and weights into the buffer (stale q lies
+// there meanwhile) and records the inputs event; the step is sent at once, with no host wait.
+// The answer equals the plain gRPC answer only if the server's stream waited for that record.
+// A second worker stream, held 1 s, recorded the answer event before the step: when the call
+// returns the event is complete although that stream is still held, so its latest record is
+// the server's, after the answer's copy.
+void HoldStream(void* ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(*static_cast<int*>(ms)));
+}
+
+TEST(GpuIpcTest, EventsOrderTheStepOnTheGpu) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    GTEST_SKIP() << "no GPU visible: CUDA IPC events need one";
+  }
+  ServerProcess server;
+  const std::string address = server.Start();
+  ASSERT_FALSE(address.empty()) << server.log();
+  absl::StatusOr<std::unique_ptr<client::IndexerClient>> c =
+      client::IndexerClient::Connect(address);
+  ASSERT_TRUE(c.ok()) << c.status();
+  client::IndexerClient& cl = **c;
+  absl::StatusOr<v1::ServerInfo> info = cl.ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  const int H = info->num_heads(), D = info->head_dim();
+  std::mt19937_64 rng(::decode_indexer::testing::TestSeed() + 1);
+  std::normal_distribution<float> normal;
+  const int requests = 4;
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < requests; ++i) {
+    ids.push_back(300 + i);
+    ASSERT_TRUE(cl.CreateSequence(ids.back()).ok());
+    std::vector<float> keys(size_t(3000 + rng() % 3000) * D);
+    for (float& x : keys) x = normal(rng);
+    ASSERT_TRUE(cl.AppendKeys(ids.back(), 0, keys, D).ok());
+  }
+  auto codes = [&] {
+    std::string out(size_t(requests) * H * D, '\0');
+    for (char& ch : out) {
+      uint8_t b = uint8_t(rng());
+      if ((b & 0x7F) == 0x7F) b ^= 0x40;  // no NaN codes
+      ch = static_cast<char>(b);
+    }
+    return out;
+  };
+
+  ASSERT_CUDA(cudaSetDevice(0));
+  const size_t bytes = size_t(4) << 20;
+  void* buffer = nullptr;
+  ASSERT_CUDA(cudaMalloc(&buffer, bytes));
+  cudaIpcMemHandle_t handle;
+  ASSERT_CUDA(cudaIpcGetMemHandle(&handle, buffer));
+  cudaEvent_t inputs = nullptr, answer = nullptr;
+  ASSERT_CUDA(cudaEventCreateWithFlags(&inputs, cudaEventInterprocess | cudaEventDisableTiming));
+  ASSERT_CUDA(cudaEventCreateWithFlags(&answer, cudaEventInterprocess | cudaEventDisableTiming));
+  cudaIpcEventHandle_t inputs_handle, answer_handle;
+  ASSERT_CUDA(cudaIpcGetEventHandle(&inputs_handle, inputs));
+  ASSERT_CUDA(cudaIpcGetEventHandle(&answer_handle, answer));
+  auto as_bytes = [](const auto& h) {
+    return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+  };
+  absl::StatusOr<uint64_t> region = cl.RegisterCudaIpcMemory(
+      as_bytes(handle), bytes, 0, as_bytes(inputs_handle), as_bytes(answer_handle));
+  ASSERT_TRUE(region.ok()) << region.status() << "\n" << server.log();
+
+  cudaStream_t worker = nullptr, other = nullptr;
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&worker, cudaStreamNonBlocking));
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+  void* pinned = nullptr;  // page-locked, so the copies wait in the stream, not in the call
+  ASSERT_CUDA(cudaMallocHost(&pinned, size_t(2) << 20));
+  static int hold_inputs_ms = 300, hold_other_ms = 1000;
+  const uint64_t q_at = 1 << 20, answer_at = 8192;
+  absl::StatusOr<std::unique_ptr<client::FastPathRing>> ring = client::FastPathRing::Create(cl);
+  ASSERT_TRUE(ring.ok()) << ring.status();
+
+  for (int i = 0; i < 4; ++i) {
+    const bool through_ring = i >= 2;
+    v1::DecodeStepRequest plain;
+    plain.set_layer(0);
+    plain.set_step_id(60 + i);
+    for (uint64_t id : ids) plain.add_sequence_ids(id);
+    plain.set_rows_per_sequence(1);
+    std::vector<float> w(size_t(requests) * H);
+    for (float& x : w) x = normal(rng);
+    const std::string q = codes();
+    plain.mutable_q()->set_dtype(v1::DTYPE_FP8_E4M3);
+    for (int64_t d : {int64_t{requests}, int64_t{H}, int64_t{D}}) plain.mutable_q()->add_shape(d);
+    plain.mutable_q()->set_data(q);
+    *plain.mutable_weights() = client::F32Tensor(w, {requests, H});
+    absl::StatusOr<client::StepAnswer> want = cl.DecodeStep(plain);
+    ASSERT_TRUE(want.ok()) << want.status();
+
+    // Stale q in the buffer now; the step's q lands there only after the hold.
+    const std::string stale = codes();
+    const uint64_t w_at = q_at + (q.size() + 255) / 256 * 256;
+    ASSERT_CUDA(cudaMemcpy(static_cast<char*>(buffer) + q_at, stale.data(), stale.size(),
+                           cudaMemcpyHostToDevice));
+    ASSERT_CUDA(cudaMemset(static_cast<char*>(buffer) + answer_at, 0x5A, want->topk.size() * 4));
+    std::memcpy(pinned, q.data(), q.size());
+    std::memcpy(static_cast<char*>(pinned) + q.size(), w.data(), w.size() * 4);
+    ASSERT_CUDA(cudaLaunchHostFunc(worker, HoldStream, &hold_inputs_ms));
+    ASSERT_CUDA(cudaMemcpyAsync(static_cast<char*>(buffer) + q_at, pinned, q.size(),
+                                cudaMemcpyHostToDevice, worker));
+    ASSERT_CUDA(cudaMemcpyAsync(static_cast<char*>(buffer) + w_at,
+                                static_cast<char*>(pinned) + q.size(), w.size() * 4,
+                                cudaMemcpyHostToDevice, worker));
+    ASSERT_CUDA(cudaEventRecord(inputs, worker));
+    ASSERT_CUDA(cudaLaunchHostFunc(other, HoldStream, &hold_other_ms));
+    ASSERT_CUDA(cudaEventRecord(answer, other));
+
+    absl::Status status;
+    if (!through_ring) {
+      v1::DecodeStepRequest req = plain;
+      req.mutable_q()->clear_data();
+      req.mutable_weights()->clear_data();
+      v1::CudaIpcStep* ci = req.mutable_cuda_ipc();
+      ci->set_region_id(*region);
+      ci->set_q_offset(q_at);
+      ci->set_weights_offset(w_at);
+      ci->set_answer_offset(answer_at);
+      ci->set_wait_inputs_event(true);
+      ci->set_record_answer_event(true);
+      absl::StatusOr<client::StepAnswer> got = cl.DecodeStep(req);
+      status = got.status();
+    } else {
+      client::RingStep step;
+      step.descriptor.layer = 0;
+      step.descriptor.step_id = 60 + i;
+      step.descriptor.flags = ring::kAnswerCudaIpc | ring::kInputsCudaIpc | ring::kWaitInputsEvent |
+                              ring::kRecordAnswerEvent;
+      step.descriptor.cuda_ipc_region_id = *region;
+      step.descriptor.rows_per_sequence = 1;
+      step.descriptor.q_dtype = v1::DTYPE_FP8_E4M3;
+      step.descriptor.weights_dtype = v1::DTYPE_FP32;
+      step.descriptor.q_offset = q_at;
+      step.descriptor.weights_offset = w_at;
+      step.descriptor.answer_offset = answer_at;
+      step.sequence_ids = ids;
+      absl::StatusOr<client::RingCompletion> done = (*ring)->Step(step);
+      status = done.ok() ? done->status : done.status();
+    }
+    ASSERT_TRUE(status.ok()) << status;
+    // The answer event's latest record is the server's (complete) while `other` still holds.
+    EXPECT_EQ(cudaStreamQuery(other), cudaErrorNotReady) << "the 1 s hold ended early";
+    EXPECT_EQ(cudaEventQuery(answer), cudaSuccess)
+        << "the server did not record the answer event (step " << i << ")";
+    std::vector<int32_t> got(want->topk.size());
+    ASSERT_CUDA(cudaMemcpy(got.data(), static_cast<char*>(buffer) + answer_at, got.size() * 4,
+                           cudaMemcpyDeviceToHost));
+    EXPECT_EQ(got, want->topk) << (through_ring ? "ring" : "gRPC")
+                               << ": the server read q before the inputs event (step " << i << ")";
+    ASSERT_CUDA(cudaStreamSynchronize(worker));
+    ASSERT_CUDA(cudaStreamSynchronize(other));
+  }
+  ASSERT_TRUE((*ring)->Unregister().ok());
+  ASSERT_TRUE(cl.UnregisterCudaIpcMemory(*region).ok());
+  ASSERT_CUDA(cudaFreeHost(pinned));
+  ASSERT_CUDA(cudaStreamDestroy(worker));
+  ASSERT_CUDA(cudaStreamDestroy(other));
+  ASSERT_CUDA(cudaEventDestroy(inputs));
+  ASSERT_CUDA(cudaEventDestroy(answer));
+  ASSERT_CUDA(cudaFree(buffer));
+}
+
 }  // namespace
 }  // namespace decode_indexer::testing

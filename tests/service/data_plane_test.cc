@@ -251,10 +251,38 @@ TEST_F(DataPlaneTest, StepTimeoutExpiresBeforeTheStepRuns) {
 // A CPU backend playing a GPU for the CUDA IPC plumbing: its "handle" carries the address and
 // size of a host buffer of the test (the "device buffer"), which the backend "opens" by
 // answering that address; CopyDeviceToDevice is a memcpy. Everything else is the CPU backend.
+// What the fake ranks did with the "device buffer" and the "events", in order: (rank, what)
+// with what "read" (a device-to-device copy out of an opened buffer), "write" (into one),
+// "wait:<event>", "record:<event>". An event's "handle" carries its number in its first
+// byte; `events` counts the opened ones.
+struct FakeIpcLog {
+  std::mutex mu;
+  std::vector<std::pair<int, std::string>> entries;
+  std::vector<std::pair<uintptr_t, uintptr_t>> buffers;  // opened [begin, end)
+  std::atomic<int> events{0};
+  void Add(int rank, std::string what) {
+    std::lock_guard lock(mu);
+    entries.emplace_back(rank, std::move(what));
+  }
+  bool InBuffer(const void* p) {
+    std::lock_guard lock(mu);
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    for (const auto& [b, e] : buffers) {
+      if (a >= b && a < e) return true;
+    }
+    return false;
+  }
+  std::vector<std::pair<int, std::string>> Take() {
+    std::lock_guard lock(mu);
+    return std::exchange(entries, {});
+  }
+};
+
 class FakeIpcBackend final : public kernels::Backend {
  public:
-  FakeIpcBackend(std::unique_ptr<kernels::Backend> cpu, std::atomic<int>* open)
-      : cpu_(std::move(cpu)), open_(open) {}
+  FakeIpcBackend(std::unique_ptr<kernels::Backend> cpu, std::atomic<int>* open,
+                 FakeIpcLog* log = nullptr, int rank = 0)
+      : cpu_(std::move(cpu)), open_(open), log_(log), rank_(rank) {}
   std::string_view name() const override { return "fake-ipc"; }
   std::string description() const override { return "cpu playing a device for CUDA IPC"; }
   absl::StatusOr<void*> Allocate(size_t bytes) override { return cpu_->Allocate(bytes); }
@@ -266,6 +294,8 @@ class FakeIpcBackend final : public kernels::Backend {
     return cpu_->CopyToHost(d, s, n);
   }
   absl::Status CopyDeviceToDevice(void* d, const void* s, size_t n) override {
+    if (log_ != nullptr && log_->InBuffer(s)) log_->Add(rank_, "read");
+    if (log_ != nullptr && log_->InBuffer(d)) log_->Add(rank_, "write");
     return cpu_->CopyDeviceToDevice(d, s, n);
   }
   absl::Status Synchronize() override { return cpu_->Synchronize(); }
@@ -285,16 +315,44 @@ class FakeIpcBackend final : public kernels::Backend {
     std::memcpy(&size, handle.data() + 8, 8);
     if (bytes > size) return absl::InvalidArgumentError("size: exceeds the allocation");
     ++*open_;
+    if (log_ != nullptr) {
+      std::lock_guard lock(log_->mu);
+      log_->buffers.emplace_back(address, address + size);
+    }
     return reinterpret_cast<void*>(address);
   }
   absl::Status CloseIpcMemory(void*) override {
     --*open_;
     return absl::OkStatus();
   }
+  // An "event" is its number (the handle's first byte, 1-255), as a pointer.
+  absl::StatusOr<void*> OpenIpcEvent(std::string_view handle, int device) override {
+    if (device != 0) return absl::InvalidArgumentError("the answering rank is on 0");
+    if (handle.size() != 64 || handle[0] == 0) return absl::InvalidArgumentError("a bad event");
+    if (log_ != nullptr) ++log_->events;
+    return reinterpret_cast<void*>(uintptr_t(uint8_t(handle[0])));
+  }
+  absl::Status CloseIpcEvent(void*) override {
+    if (log_ != nullptr) --log_->events;
+    return absl::OkStatus();
+  }
+  absl::Status WaitEvent(void* event) override {
+    if (log_ != nullptr)
+      log_->Add(rank_, absl::StrCat("wait:", reinterpret_cast<uintptr_t>(event)));
+    return absl::OkStatus();
+  }
+  absl::Status RecordEvent(void* event) override {
+    if (log_ != nullptr) {
+      log_->Add(rank_, absl::StrCat("record:", reinterpret_cast<uintptr_t>(event)));
+    }
+    return absl::OkStatus();
+  }
 
  private:
   std::unique_ptr<kernels::Backend> cpu_;
   std::atomic<int>* open_;
+  FakeIpcLog* log_;
+  int rank_;
 };
 
 // A server on FakeIpcBackend ranks (CPU underneath) with a client, for the CUDA IPC tests.
@@ -305,9 +363,10 @@ class FakeIpcTest : public ::testing::TestWithParam<int> {
     exec::ExecutorOptions options = CpuOptions(GetParam(), 64);
     absl::StatusOr<std::unique_ptr<exec::Executor>> executor = exec::CreateExecutorWithBackends(
         profile_, options,
-        [this](int32_t, const kernels::BackendLimits& limits)
+        [this](int32_t rank, const kernels::BackendLimits& limits)
             -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
-          return std::make_unique<FakeIpcBackend>(kernels::MakeCpuBackend(limits, 1), &open_);
+          return std::make_unique<FakeIpcBackend>(kernels::MakeCpuBackend(limits, 1), &open_, &log_,
+                                                  rank);
         });
     ASSERT_TRUE(executor.ok()) << executor.status();
     executor_ = *std::move(executor);
@@ -334,14 +393,20 @@ class FakeIpcTest : public ::testing::TestWithParam<int> {
     if (server_) server_->Shutdown();
     if (executor_) executor_->Shutdown();
   }
-  // Registers `device` (the test's "device buffer") and answers its region id.
-  uint64_t Register(std::vector<int32_t>& device, std::string* handle_out = nullptr) {
+  // Registers `device` (the test's "device buffer") and answers its region id; events
+  // numbered `inputs_event` / `answer_event` (0: none) with it.
+  uint64_t Register(std::vector<int32_t>& device, std::string* handle_out = nullptr,
+                    int inputs_event = 0, int answer_event = 0) {
     const uint64_t bytes = device.size() * 4;
     std::string handle(64, '\0');
     const uint64_t address = reinterpret_cast<uint64_t>(device.data());
     std::memcpy(handle.data(), &address, 8);
     std::memcpy(handle.data() + 8, &bytes, 8);
-    absl::StatusOr<uint64_t> region = s_.client->RegisterCudaIpcMemory(handle, bytes, 0);
+    auto event = [](int number) {
+      return number == 0 ? std::string() : std::string(1, char(number)) + std::string(63, '\0');
+    };
+    absl::StatusOr<uint64_t> region = s_.client->RegisterCudaIpcMemory(
+        handle, bytes, 0, event(inputs_event), event(answer_event));
     EXPECT_TRUE(region.ok()) << region.status();
     if (handle_out != nullptr) *handle_out = handle;
     return region.ok() ? *region : 0;
@@ -349,6 +414,7 @@ class FakeIpcTest : public ::testing::TestWithParam<int> {
 
   config::Profile profile_;
   std::atomic<int> open_{0};
+  FakeIpcLog log_;
   std::unique_ptr<exec::Executor> executor_;
   std::unique_ptr<service::IndexerService> service_;
   std::unique_ptr<service::CallbackEdge> edge_;  // outlives the server
@@ -573,6 +639,131 @@ TEST_P(CudaIpcPlumbingTest, QFromTheRegisteredBufferAnswersAsInline) {
   retry.set_step_id(step_id++);
   StepAndCompare(s_, oracle, retry, "after the rejected device-q steps");
   ASSERT_TRUE(s_.client->UnregisterCudaIpcMemory(region).ok());
+}
+
+// GPU-side ordering (cuda_ipc.wait_inputs_event / record_answer_event): every rank waits on the
+// inputs event before it reads anything of the buffer, the answering rank records the answer
+// event after it wrote the answer there, and neither happens unless asked; the answers stay
+// the oracle's. A step asking for an event the buffer was not registered with, or for the
+// inputs event without device q, is named and changes nothing; a bad event handle registers
+// nothing; the events close with the region.
+TEST_P(CudaIpcPlumbingTest, EventsOrderTheBufferOnTheDevice) {
+  Gen gen(Seed());
+  ServiceOracle oracle(profile_, 64, Seed());
+  const std::vector<uint64_t> ids = {5, 6, 7, 8};
+  std::vector<int64_t> lengths = {40 + int64_t(gen.rng()() % 30), 33, 70, 12};
+  Prefill(s_, oracle, gen, ids, lengths, {0, 1, 2});
+  std::vector<int32_t> device(1 << 18, 0x5A5A5A5A);
+  const uint64_t region = Register(device, nullptr, /*inputs_event=*/7, /*answer_event=*/9);
+  ASSERT_NE(region, 0u);
+  EXPECT_EQ(log_.events.load(), 2);
+  const int ranks = GetParam();
+
+  uint64_t step_id = 1;
+  for (const bool ordered : {true, false, true}) {
+    for (int layer : {0, 1, 2, 3}) {
+      const v1::DecodeStepRequest plain = MakeStep(gen, profile_, layer, ids, lengths, 1,
+                                                   QForm::kQuantized, KeyForm::kF32, step_id++);
+      v1::DecodeStepRequest req = plain;
+      MoveQToDevice(req, device, region, 16 * (gen.rng()() % 64));
+      req.mutable_cuda_ipc()->set_wait_inputs_event(ordered);
+      req.mutable_cuda_ipc()->set_record_answer_event(ordered);
+      log_.Take();
+      absl::StatusOr<client::StepAnswer> got = s_.client->DecodeStep(req);
+      ASSERT_TRUE(got.ok()) << got.status();
+      const std::vector<std::pair<int, std::string>> entries = log_.Take();
+      absl::StatusOr<OracleAnswer> want = oracle.Step(plain);
+      ASSERT_TRUE(want.ok()) << want.status();
+      const int32_t* at = device.data() + req.cuda_ipc().answer_offset() / 4;
+      const std::vector<int32_t> answer(at, at + want->topk.size());
+      if (plain.return_candidates()) {
+        const int32_t* c = device.data() + req.cuda_ipc().candidates_offset() / 4;
+        const std::vector<int32_t> cand(c, c + want->candidates.size());
+        EXPECT_TRUE(want->Matches(answer, cand)) << "layer " << layer;
+        oracle.AdoptCandidates(plain, cand);
+      } else {
+        EXPECT_TRUE(want->Matches(answer)) << "layer " << layer;
+      }
+      for (int r = 0; r < ranks; ++r) {
+        int waits = 0, records = 0, reads = 0, writes = 0;
+        for (const auto& [rank, what] : entries) {
+          if (rank != r) continue;
+          if (what == "wait:7") {
+            EXPECT_EQ(reads, 0) << "rank " << r << " read the buffer before the inputs event";
+            ++waits;
+          } else if (what == "record:9") {
+            ++records;
+          } else if (what == "read") {
+            ++reads;
+          } else if (what == "write") {
+            EXPECT_EQ(records, 0) << "rank " << r << " recorded the answer event too early";
+            ++writes;
+          } else {
+            ADD_FAILURE() << "rank " << r << ": " << what;
+          }
+        }
+        EXPECT_GT(reads, 0) << "rank " << r << " layer " << layer;
+        EXPECT_EQ(waits, ordered ? 1 : 0) << "rank " << r << " layer " << layer;
+        // The answering rank (0) writes the answer and then records the event.
+        EXPECT_EQ(writes > 0, r == 0) << "rank " << r << " layer " << layer;
+        EXPECT_EQ(records, ordered && r == 0 ? 1 : 0) << "rank " << r << " layer " << layer;
+      }
+    }
+  }
+
+  // Named before anything runs, nothing committed.
+  const v1::DecodeStepRequest plain =
+      MakeStep(gen, profile_, 0, ids, lengths, 1, QForm::kQuantized, KeyForm::kF32, step_id++);
+  auto expect_named = [&](v1::DecodeStepRequest req, const std::string& field) {
+    log_.Take();
+    absl::StatusOr<client::StepAnswer> r = s_.client->DecodeStep(req);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << field << ": " << r.status();
+    EXPECT_NE(r.status().message().find(field), std::string::npos) << field << ": " << r.status();
+    EXPECT_TRUE(log_.Take().empty()) << field << ": the rejected step ran";
+  };
+  v1::DecodeStepRequest bad = plain;
+  MoveQToDevice(bad, device, region, 0);
+  bad.mutable_cuda_ipc()->clear_q_offset();
+  bad.mutable_cuda_ipc()->clear_weights_offset();
+  bad.mutable_q()->set_data(plain.q().data());
+  bad.mutable_weights()->set_data(plain.weights().data());
+  bad.mutable_cuda_ipc()->set_wait_inputs_event(true);
+  expect_named(bad, "cuda_ipc.wait_inputs_event");
+  std::vector<int32_t> other(1 << 16, 0);
+  const uint64_t bare = Register(other, nullptr, 0, 0);
+  ASSERT_NE(bare, 0u);
+  for (const bool inputs : {true, false}) {
+    bad = plain;
+    MoveQToDevice(bad, other, bare, 0);
+    if (inputs) {
+      bad.mutable_cuda_ipc()->set_wait_inputs_event(true);
+    } else {
+      bad.mutable_cuda_ipc()->set_record_answer_event(true);
+    }
+    expect_named(bad, inputs ? "cuda_ipc.wait_inputs_event" : "cuda_ipc.record_answer_event");
+  }
+  // A bad event handle: named, nothing registered (the buffer is closed again).
+  const int open_before = open_.load();
+  std::string handle(64, '\0');
+  const uint64_t address = reinterpret_cast<uint64_t>(other.data()), bytes = other.size() * 4;
+  std::memcpy(handle.data(), &address, 8);
+  std::memcpy(handle.data() + 8, &bytes, 8);
+  absl::StatusOr<uint64_t> r = s_.client->RegisterCudaIpcMemory(handle, bytes, 0, "short");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("inputs_event"), std::string::npos) << r.status();
+  r = s_.client->RegisterCudaIpcMemory(handle, bytes, 0, "", std::string(64, '\0'));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("answer_event"), std::string::npos) << r.status();
+  EXPECT_EQ(open_.load(), open_before);
+  EXPECT_EQ(log_.events.load(), 2);
+  v1::DecodeStepRequest retry = plain;
+  retry.set_step_id(step_id++);
+  StepAndCompare(s_, oracle, retry, "after the rejected event steps");
+
+  ASSERT_TRUE(s_.client->UnregisterCudaIpcMemory(bare).ok());
+  ASSERT_TRUE(s_.client->UnregisterCudaIpcMemory(region).ok());
+  EXPECT_EQ(log_.events.load(), 0);  // closed with the region
+  EXPECT_EQ(open_.load(), 0);
 }
 
 }  // namespace

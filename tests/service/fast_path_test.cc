@@ -316,6 +316,13 @@ TEST_F(FastPathBadDescriptorTest, EachBadFieldIsNamedAndChangesNothing) {
          s.descriptor.q_offset = 0;  // an offset into the device buffer, not the region
        },
        absl::StatusCode::kNotFound},
+      // GPU-side ordering needs the inputs / the answer in the CUDA IPC buffer.
+      {"flags",
+       [](Staged&, client::RingStep& s) {
+         s.descriptor.flags |= ring::kWaitInputsEvent | ring::kAnswerCudaIpc;
+       }},
+      {"flags",
+       [](Staged&, client::RingStep& s) { s.descriptor.flags |= ring::kRecordAnswerEvent; }},
   };
   for (const Case& c : cases) {
     std::unique_ptr<Staged> good = Good();

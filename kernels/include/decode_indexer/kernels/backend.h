@@ -306,6 +306,28 @@ class Backend {
     (void)ptr;
     return absl::OkStatus();
   }
+  // A client's CUDA IPC event (the cudaIpcEventHandle_t's bytes) on `device` (must be this
+  // backend's), for GPU-side ordering with the client's stream: WaitEvent makes the main
+  // stream wait on the event's latest record (as of the call), RecordEvent records it on the
+  // main stream. Backends without a device answer FAILED_PRECONDITION (open) and
+  // UNIMPLEMENTED (wait, record).
+  virtual absl::StatusOr<void*> OpenIpcEvent(std::string_view handle, int device) {
+    (void)handle, (void)device;
+    return absl::FailedPreconditionError("the " + std::string(name()) +
+                                         " backend has no device events to share through CUDA IPC");
+  }
+  virtual absl::Status CloseIpcEvent(void* event) {
+    (void)event;
+    return absl::OkStatus();
+  }
+  virtual absl::Status WaitEvent(void* event) {
+    (void)event;
+    return absl::UnimplementedError("this backend has no device events");
+  }
+  virtual absl::Status RecordEvent(void* event) {
+    (void)event;
+    return absl::UnimplementedError("this backend has no device events");
+  }
   // Page-locks host memory the backend copies from/to (a client's shared-memory region), so
   // CopyToDevice/CopyToHost there are direct DMA. No-op where there is nothing to pin.
   virtual absl::Status RegisterHostMemory(void* ptr, size_t bytes) {
