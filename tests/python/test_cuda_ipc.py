@@ -68,13 +68,13 @@ class PlanTest(unittest.TestCase):
                                   kw.get("return_candidates", False))
 
     def test_offsets_from_the_allocation_base(self):
-        q, w, a = self.inputs()
+        q, w, a = self.inputs(q_at=4352, w_at=8192, a_at=12288)
         # The storage starts 4096 bytes into the allocator's block: offsets count from the
         # block's base, which is what the server opened.
-        p = self.plan(q, w, a, [buffer(lo=0)])
+        p = self.plan(q, w, a, [buffer(lo=4096)])
         self.assertEqual(p.region_id, 7)
         self.assertTrue(p.inputs_on_device)
-        self.assertEqual(p.offsets, {"q": 256, "weights": 4096, "answer": 8192})
+        self.assertEqual(p.offsets, {"q": 4352, "weights": 8192, "answer": 12288})
 
     def test_host_only_step_has_no_plan(self):
         q, w = np.zeros((2, H, D), np.float32), np.zeros((2, H), np.float32)
@@ -224,6 +224,69 @@ class RingDescriptorTest(unittest.TestCase):
         self.assertIn("kInputsCudaIpc = 1u << 5", header)
         self.assertEqual((fast_path.F_ANSWER_CUDA_IPC, fast_path.F_INPUTS_CUDA_IPC),
                          (1 << 4, 1 << 5))
+
+
+class RegistrationTest(unittest.TestCase):
+    """Client.register_cuda_tensor with torch's export and the driver replaced: one server
+    registration per allocation block, released with its last buffer."""
+
+    def setUp(self):
+        self.client = di.Client("127.0.0.1:1")
+        self.calls = []
+
+        def call(method, fn, request, timeout, sequence_id=None):
+            self.calls.append((method, request))
+            if method == "RegisterCudaIpcMemory":
+                return pb.RegisterCudaIpcMemoryResponse(region_id=100 + len(self.calls))
+            return pb.UnregisterCudaIpcMemoryResponse()
+
+        class Info:
+            topk, num_candidate_blocks = K, BLOCKS
+
+        self.client._call = call
+        self.client.server_info = lambda timeout=None: Info()
+        self.saved = cuda_ipc.export_tensor
+        cuda_ipc.export_tensor = lambda t: t  # the "tensor" is its Export here
+        self.block_bytes = 20 << 20
+
+    def tearDown(self):
+        cuda_ipc.export_tensor = self.saved
+        self.client.close()
+
+    def export(self, lo, hi, base=BASE):
+        return cuda_ipc.Export(device=0, handle=b"h" * 64, base_ptr=base, lo=lo, hi=hi,
+                               allocation=self.block_bytes)
+
+    def methods(self):
+        return [m for m, _ in self.calls]
+
+    def test_storages_of_one_block_share_a_registration(self):
+        a = self.client.register_cuda_tensor(self.export(0, 4 << 20))
+        b = self.client.register_cuda_tensor(self.export(4 << 20, 8 << 20))
+        c = self.client.register_cuda_tensor(self.export(0, 1 << 20, base=BASE + (64 << 20)))
+        self.assertEqual(self.methods(), ["RegisterCudaIpcMemory"] * 2)
+        first = self.calls[0][1]
+        self.assertEqual((first.size, first.device, first.handle), (20 << 20, 0, b"h" * 64))
+        self.assertEqual(a.region_id, b.region_id)
+        self.assertNotEqual(a.region_id, c.region_id)
+        self.assertEqual((b.lo, b.hi, b.size), (4 << 20, 8 << 20, 20 << 20))
+        a.close()
+        self.assertEqual(self.methods(), ["RegisterCudaIpcMemory"] * 2)  # b still uses it
+        b.close()
+        b.close()  # idempotent
+        self.assertEqual(self.methods()[2:], ["UnregisterCudaIpcMemory"])
+        self.assertEqual(self.calls[2][1].region_id, a.region_id)
+        self.assertEqual(self.client._cuda_buffers, [c])
+
+    def test_without_the_driver_only_the_storage_is_registered(self):
+        self.block_bytes = None
+        a = self.client.register_cuda_tensor(self.export(0, 4 << 20))
+        b = self.client.register_cuda_tensor(self.export(4 << 20, 8 << 20))  # past a's end
+        self.assertEqual([r.size for _, r in self.calls], [4 << 20, 8 << 20])
+        self.assertNotEqual(a.region_id, b.region_id)
+        b.close()
+        a.close()
+        self.assertEqual(self.methods().count("UnregisterCudaIpcMemory"), 2)
 
 
 def di_repo():

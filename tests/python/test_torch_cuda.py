@@ -11,7 +11,6 @@ server when the client's check is bypassed)."""
 
 from __future__ import annotations
 
-import ctypes
 import unittest
 
 import numpy as np
@@ -161,7 +160,7 @@ class TorchCudaTest(ServerTestCase):
                                    "untested (expandable segments on?)")
             buf = inner[0]
             self.assertEqual(buf.base_ptr + buf.lo, buf.tensor.data_ptr())
-            self.check_base_with_the_driver(buf)
+            self.check_segment(buf)
             s = self.host_step(True)
             want = c.decode_step_columnar(0, self.ids, **self.host_args(s))
             kw = self.device_args(buf, s)
@@ -172,18 +171,33 @@ class TorchCudaTest(ServerTestCase):
             for b in bufs:
                 b.close()
 
-    def check_base_with_the_driver(self, buf: di.CudaBuffer) -> None:
-        """torch's base block is the driver's allocation (cuMemGetAddressRange)."""
+    def test_torch_export_agrees_with_the_driver(self):
+        # The fallback where libcuda cannot be loaded (storage._share_cuda_()) finds the same
+        # block and offset: its tuple layout and handle format are read as documented.
+        from decode_indexer import cuda_ipc
+
+        keep = [torch.empty(2 << 20, dtype=torch.uint8, device="cuda")]  # t inside a block
+        t = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")
+        by_driver = cuda_ipc.export_tensor(t)
+        saved = list(cuda_ipc._DRIVER)
+        cuda_ipc._DRIVER[:] = [None]
         try:
-            cuda = ctypes.CDLL("libcuda.so.1")
-        except OSError:
-            return
-        base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        rc = cuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
-                                          ctypes.c_uint64(buf.tensor.data_ptr()))
-        self.assertEqual(rc, 0, "cuMemGetAddressRange_v2")
-        self.assertEqual(base.value, buf.base_ptr)
-        self.assertGreaterEqual(size.value, buf.hi)
+            by_torch = cuda_ipc.export_tensor(t)
+        finally:
+            cuda_ipc._DRIVER[:] = saved
+        self.assertEqual((by_torch.device, by_torch.base_ptr, by_torch.lo, by_torch.hi),
+                         (by_driver.device, by_driver.base_ptr, by_driver.lo, by_driver.hi))
+        self.assertEqual(len(by_torch.handle), 64)
+        keep.clear()
+
+    def check_segment(self, buf: di.CudaBuffer) -> None:
+        """The exported allocation (the driver's) is the caching allocator's segment."""
+        ptr = buf.tensor.data_ptr()
+        segments = [s for s in torch.cuda.memory_snapshot()
+                    if s["address"] <= ptr < s["address"] + s["total_size"]]
+        self.assertEqual(len(segments), 1)
+        self.assertEqual(segments[0]["address"], buf.base_ptr)
+        self.assertEqual(segments[0]["total_size"], buf.size)
 
     # -- refusals ------------------------------------------------------------------------------
 

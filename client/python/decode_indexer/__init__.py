@@ -45,7 +45,8 @@ from .shm import SharedMemoryRegion  # noqa: E402
 __version__ = "0.2.0"
 
 __all__ = [
-    "AsyncClient", "AsyncDecodeStream", "Client", "CudaBuffer", "DecodeResult", "DecodeStream", "DType",
+    "AsyncClient", "AsyncDecodeStream", "Client", "CudaBuffer", "DecodeResult", "DecodeStream",
+    "DType",
     "FastPathRing", "IndexerError", "LayerInfo", "SequenceStep", "ServerInfo",
     "SharedMemoryRegion", "Timing", "TypedArray", "encode_columnar_step", "quant", "typed",
 ]

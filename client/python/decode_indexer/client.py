@@ -675,6 +675,7 @@ class Client:
         # The CUDA IPC buffers registered through this client (register_cuda_tensor): a
         # step's CUDA tensors are looked up in them.
         self._cuda_buffers: list = []
+        self._cuda_registrations: dict = {}  # (device, block base) -> cuda_ipc.Registration
         self._register_step_ring = unary("RegisterStepRing", pb.RegisterStepRingResponse,
                                          pb.RegisterStepRingRequest)
         self._unregister_step_ring = unary("UnregisterStepRing", pb.UnregisterStepRingResponse,
@@ -946,12 +947,21 @@ class Client:
         GPU. The buffer keeps the storage alive until close()."""
         export = _cuda_ipc.export_tensor(tensor)
         info = self.server_info(timeout=timeout)
-        resp = self._call("RegisterCudaIpcMemory", self._register_cuda_ipc,
-                          pb.RegisterCudaIpcMemoryRequest(
-                              handle=export.handle, size=export.hi,
-                              device=export.device if device is None else device), timeout)
-        buf = _cuda_ipc.CudaBuffer(self, tensor, export, resp.region_id, int(info.topk),
-                                   int(info.num_candidate_blocks))
+        # One registration per allocation block (storages of one caching-allocator block
+        # share its handle): the whole block where the driver tells its size.
+        key = (export.device, export.base_ptr)
+        reg = self._cuda_registrations.get(key)
+        if reg is None or export.hi > reg.size:
+            size = max(export.allocation or 0, export.hi)
+            resp = self._call("RegisterCudaIpcMemory", self._register_cuda_ipc,
+                              pb.RegisterCudaIpcMemoryRequest(
+                                  handle=export.handle, size=size,
+                                  device=export.device if device is None else device), timeout)
+            reg = _cuda_ipc.Registration(resp.region_id, export.device, export.base_ptr, size)
+            self._cuda_registrations.setdefault(key, reg)
+        reg.buffers += 1
+        buf = _cuda_ipc.CudaBuffer(self, tensor, export, reg.region_id, int(info.topk),
+                                   int(info.num_candidate_blocks), reg)
         self._cuda_buffers.append(buf)
         return buf
 
@@ -968,6 +978,14 @@ class Client:
     def _unregister_cuda_buffer(self, buf: "CudaBuffer", timeout: float | None) -> None:
         if buf in self._cuda_buffers:
             self._cuda_buffers.remove(buf)
+        reg = buf.registration
+        if reg is not None:
+            reg.buffers -= 1
+            if reg.buffers > 0:
+                return  # another buffer of the block still uses the registration
+            key = (reg.device, reg.base_ptr)
+            if self._cuda_registrations.get(key) is reg:
+                del self._cuda_registrations[key]
         try:
             self._call("UnregisterCudaIpcMemory", self._unregister_cuda_ipc,
                        pb.UnregisterCudaIpcMemoryRequest(region_id=buf.region_id), timeout)

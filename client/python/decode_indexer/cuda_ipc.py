@@ -7,10 +7,14 @@
     r.topk                                             # torch int32 [rows, K] on the GPU (a view
                                                        # of `answer`), written when the call returns
 
-A registered buffer is a torch CUDA tensor's storage, exported once with
-`storage._share_cuda_()` (torch's own CUDA IPC export: the caching allocator's base block's
-64-byte cudaIpcMemHandle and the storage's byte offset in that block) and registered with
-RegisterCudaIpcMemory for the bytes from the block's start to the storage's end. A step whose q,
+A registered buffer is a torch CUDA tensor's storage, exported once through the CUDA driver
+(ctypes on libcuda: cuMemGetAddressRange finds the allocation the storage lies in, i.e. the
+caching allocator's cudaMalloc block, and cuIpcGetMemHandle exports that block's 64-byte
+handle), and registered with RegisterCudaIpcMemory for the whole block; the storage's byte
+offset in the block is remembered. Storages of one block share one registration. (torch's own
+`storage._share_cuda_()` answers the same handle and offset, but it puts the storage under
+torch's IPC reference counting, which keeps it allocated until exit when no torch process
+receives it: it is only the fallback where libcuda cannot be loaded.) A step whose q,
 q_scales and weights are CUDA tensors in it sends a CudaIpcStep (or a ring descriptor with
 kAnswerCudaIpc | kInputsCudaIpc) carrying their byte offsets instead of their bytes: the
 server reads them device to device and checks their values there (a NaN fails the step with
@@ -262,32 +266,132 @@ def answer_view(plan: StepPlan, name: str, rows: int, per_row: int) -> Any:
 
 @dataclass(frozen=True)
 class Export:
-    """A storage's CUDA IPC export: its device, the base block's handle, the block's device
-    address and the storage's [lo, hi) bytes inside it."""
+    """A storage's CUDA IPC export: its device, the allocation block's handle and device
+    address, the storage's [lo, hi) bytes inside it, and the block's bytes (None: unknown,
+    then only [0, hi) is registered)."""
 
     device: int
     handle: bytes
     base_ptr: int
     lo: int
     hi: int
+    allocation: int | None = None
+
+
+class _Driver:
+    """The few CUDA driver calls an export needs, through ctypes (no compiled code)."""
+
+    def __init__(self, lib: Any):
+        import ctypes
+
+        self.c = ctypes
+        self.lib = lib
+        u64, p = ctypes.c_uint64, ctypes.POINTER
+        lib.cuInit.argtypes = [ctypes.c_uint]
+        lib.cuDeviceGet.argtypes = [p(ctypes.c_int), ctypes.c_int]
+        lib.cuDevicePrimaryCtxRetain.argtypes = [p(ctypes.c_void_p), ctypes.c_int]
+        lib.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
+        lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
+        lib.cuCtxPopCurrent_v2.argtypes = [p(ctypes.c_void_p)]
+        lib.cuMemGetAddressRange_v2.argtypes = [p(u64), p(ctypes.c_size_t), u64]
+        lib.cuIpcGetMemHandle.argtypes = [ctypes.c_char_p, u64]
+        lib.cuGetErrorName.argtypes = [ctypes.c_int, p(ctypes.c_char_p)]
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            name = self.c.c_char_p()
+            self.lib.cuGetErrorName(rc, self.c.byref(name))
+            raise RuntimeError(f"{what}: {(name.value or b'CUresult').decode()} ({rc})")
+
+    def export(self, ordinal: int, ptr: int) -> tuple[int, int, bytes]:
+        """(allocation base, allocation bytes, 64-byte IPC handle) of a device pointer, with
+        the device's primary context (torch's) current for the calls."""
+        c, lib = self.c, self.lib
+        self.check(lib.cuInit(0), "cuInit")
+        dev = c.c_int()
+        self.check(lib.cuDeviceGet(c.byref(dev), ordinal), "cuDeviceGet")
+        ctx = c.c_void_p()
+        self.check(lib.cuDevicePrimaryCtxRetain(c.byref(ctx), dev.value),
+                   "cuDevicePrimaryCtxRetain")
+        try:
+            self.check(lib.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
+            try:
+                base, size = c.c_uint64(), c.c_size_t()
+                self.check(lib.cuMemGetAddressRange_v2(c.byref(base), c.byref(size), ptr),
+                           "cuMemGetAddressRange")
+                handle = c.create_string_buffer(CUDA_IPC_HANDLE_BYTES)
+                rc = lib.cuIpcGetMemHandle(handle, base.value)
+                if rc != 0:
+                    try:
+                        self.check(rc, "cuIpcGetMemHandle")
+                    except RuntimeError as e:
+                        raise ValueError(
+                            f"the tensor's allocation cannot be exported through CUDA IPC "
+                            f"({e}); expandable segments (PYTORCH_CUDA_ALLOC_CONF="
+                            "expandable_segments:True) and cudaMallocAsync pools cannot: "
+                            "allocate the buffer with the default caching allocator") from None
+                return int(base.value), int(size.value), handle.raw[:CUDA_IPC_HANDLE_BYTES]
+            finally:
+                lib.cuCtxPopCurrent_v2(c.byref(c.c_void_p()))
+        finally:
+            lib.cuDevicePrimaryCtxRelease_v2(dev.value)
+
+
+_DRIVER: list = []
+
+
+def _driver() -> _Driver | None:
+    if not _DRIVER:
+        import ctypes
+
+        try:
+            _DRIVER.append(_Driver(ctypes.CDLL("libcuda.so.1")))
+        except (OSError, AttributeError):
+            _DRIVER.append(None)
+    return _DRIVER[0]
 
 
 def export_tensor(tensor: Any) -> Export:
-    """Exports a CUDA tensor's storage through torch (storage._share_cuda_(): device, handle,
-    storage bytes, storage offset in the caching allocator's base block, ref counter, ...)."""
+    """Exports a CUDA tensor's storage: the allocation it lies in (base, bytes, IPC handle)
+    from the driver, and the storage's offset in it; torch's storage._share_cuda_() (device,
+    handle, storage bytes, storage offset in the base block, ...) where libcuda is missing."""
     if not (_is_torch(tensor) and tensor.device.type == "cuda"):
         raise TypeError(f"expected a CUDA torch.Tensor, got "
                         f"{getattr(tensor, 'device', type(tensor).__name__)}")
     storage = tensor.untyped_storage()
+    ptr, nbytes = int(storage.data_ptr()), int(storage.nbytes())
+    if ptr == 0 or nbytes == 0:
+        raise ValueError("an empty tensor has no device memory to export")
+    import torch
+
+    device = tensor.device.index if tensor.device.index is not None else \
+        torch.cuda.current_device()
+    drv = _driver()
+    if drv is not None:
+        base, size, handle = drv.export(int(device), ptr)
+        if not (base <= ptr and ptr + nbytes <= base + size):
+            raise RuntimeError(f"cuMemGetAddressRange: [{base:#x}, +{size}) does not hold the "
+                               f"storage [{ptr:#x}, +{nbytes})")
+        return Export(device=int(device), handle=handle, base_ptr=base, lo=ptr - base,
+                      hi=ptr - base + nbytes, allocation=size)
     shared = storage._share_cuda_()
     device, handle, size_bytes, offset_bytes = (int(shared[0]), shared[1], int(shared[2]),
                                                 int(shared[3]))
-    if size_bytes != storage.nbytes():
+    if size_bytes != nbytes:
         raise RuntimeError(f"torch's _share_cuda_() answered {size_bytes} storage bytes, the "
-                           f"storage has {storage.nbytes()}: unexpected tuple layout")
-    return Export(device=device, handle=parse_ipc_handle(handle),
-                  base_ptr=int(storage.data_ptr()) - offset_bytes, lo=offset_bytes,
-                  hi=offset_bytes + size_bytes)
+                           f"storage has {nbytes}: unexpected tuple layout")
+    return Export(device=device, handle=parse_ipc_handle(handle), base_ptr=ptr - offset_bytes,
+                  lo=offset_bytes, hi=offset_bytes + size_bytes)
+
+
+class Registration:
+    """One RegisterCudaIpcMemory of an allocation block, shared by the CudaBuffers of the
+    storages in it: a process opens a block's handle once (the server's cudaIpcOpenMemHandle),
+    and the last buffer closed unregisters it."""
+
+    def __init__(self, region_id: int, device: int, base_ptr: int, size: int):
+        self.region_id, self.device, self.base_ptr, self.size = region_id, device, base_ptr, size
+        self.buffers = 0
 
 
 class CudaBuffer:
@@ -300,13 +404,14 @@ class CudaBuffer:
     """
 
     def __init__(self, client: Any, tensor: Any, export: Export, region_id: int, topk: int,
-                 num_candidate_blocks: int):
+                 num_candidate_blocks: int, registration: Registration | None = None):
         self._client = client
         self.tensor = tensor
         self.device = export.device
         self.base_ptr = export.base_ptr
         self.lo, self.hi = export.lo, export.hi
         self.region_id = region_id
+        self.registration = registration
         self.topk = topk
         self.num_candidate_blocks = num_candidate_blocks
         self._used = export.lo
@@ -314,8 +419,9 @@ class CudaBuffer:
 
     @property
     def size(self) -> int:
-        """Bytes registered: from the allocation base to the storage's end."""
-        return self.hi
+        """Bytes the server may touch: from the allocation base to the registration's end (the
+        block's end, or this storage's where the driver could not say)."""
+        return self.registration.size if self.registration is not None else self.hi
 
     def contains(self, t: DeviceTensor) -> bool:
         return (not self.closed and t.device == self.device

@@ -342,8 +342,9 @@ class FastPathRing:
         Client.register_cuda_tensor): q / q_scales / weights read device to device and
         answer / candidates (int32 CUDA) written there, as decode_step_columnar takes them;
         topk is then a torch view of `answer` (the current torch stream of q's device is
-        synchronised before the descriptor is published). Returns the DecodeResult decode_step_columnar returns, bit
-        for bit; topk / candidate_blocks are views of the ring (copy=True: copies). A failed
+        synchronised before the descriptor is published). Returns the DecodeResult
+        decode_step_columnar returns, bit for bit; topk / candidate_blocks are views of the
+        ring, or of the device answer (copy=True: copies). A failed
         step raises IndexerError with the server's code and message (naming the field), as
         the gRPC call does, and changes nothing. timeout: seconds to wait for the completion.
         """
