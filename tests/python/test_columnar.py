@@ -399,7 +399,7 @@ class TorchColumnarTest(ServerTestCase):
         np.testing.assert_array_equal(got.topk, want.topk)
 
     @unittest.skipIf(torch is None or not torch.cuda.is_available(), "no CUDA device")
-    def test_an_unregistered_cuda_tensor_is_refused_before_sending(self):
+    def test_an_unregistered_torch_cuda_tensor_is_refused_before_sending(self):
         # A CUDA tensor goes through a registered CUDA IPC buffer (tests/python/
         # test_torch_cuda.py); one in no buffer is refused here, naming the argument, never
         # silently copied through the host.
