@@ -120,6 +120,9 @@ class PlanTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "^candidates: with return_candidates"):
             self.plan(q, w, a, return_candidates=True)
         c = dev(12288, DType.INT32, (2, BLOCKS))
+        with self.assertRaisesRegex(ValueError, "^candidates: given without return_candidates"):
+            self.plan(np.zeros((2, H, D), np.float32), np.zeros((2, H), np.float32), None,
+                      candidates=c)
         p = self.plan(q, w, a, candidates=c, return_candidates=True)
         self.assertEqual(p.offsets["candidates"], 12288)
 

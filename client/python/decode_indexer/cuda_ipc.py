@@ -41,10 +41,12 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import grpc
+import numpy as np
 
 from ._wire import DType, TypedArray, _is_torch
 from .errors import IndexerError
 
+_NDARRAY = np.ndarray
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 # c10/cuda/CUDACachingAllocator.cpp, shareIpcHandle(): newer torch writes a version byte, a type
 # byte ('c': a cudaMalloc block, then its raw handle; 'e': an expandable segment, whose handle
@@ -118,10 +120,15 @@ def _torch_dtypes() -> dict:
 def is_device(x: Any) -> bool:
     """Whether a step argument is a device tensor (a CUDA torch tensor, a TypedArray of one, or
     a DeviceTensor)."""
-    if type(x) is DeviceTensor:
+    t = type(x)
+    if t is _NDARRAY or x is None:  # the host steps' case, first
+        return False
+    if t is DeviceTensor:
         return True
-    if type(x) is TypedArray:
+    if t is TypedArray:
         x = x.array
+        if type(x) is _NDARRAY:
+            return False
     return _is_torch(x) and x.device.type == "cuda"
 
 
@@ -180,13 +187,14 @@ def plan_step(buffers: Sequence[Any], rows: int, q: Any, q_scales: Any, weights:
     lie in one buffer, be C-contiguous and at the server's alignment (q / q_scales 16 bytes,
     weights and answers 4); q, q_scales and weights are on the device together; a device q
     needs a device answer; the answers are int32 with room for [rows, K] ([rows, blocks])."""
+    if not (is_device(q) or is_device(weights) or is_device(answer) or is_device(q_scales)
+            or is_device(candidates)):
+        return None  # a host step: the common case, decided in a few type checks
     given = {"q": q, "q_scales": q_scales, "weights": weights, "answer": answer,
              "candidates": candidates if return_candidates else None}
     on = {k: is_device(v) for k, v in given.items() if v is not None}
     if not any(on.values()):
-        if candidates is not None and is_device(candidates):
-            raise ValueError("candidates: given without return_candidates")
-        return None
+        raise ValueError("candidates: given without return_candidates")
     tensors = {k: describe(given[k], k) for k, dev in on.items() if dev}
     found = {k: _find(buffers, t, k) for k, t in tensors.items()}
     inputs = [k for k in INPUTS if k in on]
