@@ -42,8 +42,10 @@ class ServerProcess:
     """A decode-indexer-server on a free local port, stopped by stop()."""
 
     def __init__(self, binary: str, profile: str, cache_pages: int, extra: list[str] = (),
-                 env: dict | None = None, client_kwargs: dict | None = None):
+                 env: dict | None = None, client_kwargs: dict | None = None,
+                 backend: str = "cpu"):
         # client_kwargs: how a client reaches it (TLS, a token), for the readiness probe.
+        # backend: "cpu", or "cuda" on a GPU machine (tests/python/test_torch_cuda.py).
         self.log = tempfile.NamedTemporaryFile(prefix="di_server_", suffix=".log", delete=False)
         for _ in range(3):  # the free port can be taken between probe and bind: retry
             self.port = _free_port()
@@ -51,7 +53,7 @@ class ServerProcess:
             # The shared-memory registration socket: private to this server.
             self.shm_socket = os.path.join(tempfile.gettempdir(),
                                            f"di-test-{os.getpid()}-{self.port}.sock")
-            cmd = [binary, "--listen", self.target, "--backend", "cpu", "--profile", profile,
+            cmd = [binary, "--listen", self.target, "--backend", backend, "--profile", profile,
                    "--cache-pages", str(cache_pages), "--shm-socket", self.shm_socket, *extra]
             self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
             client = di.Client(self.target, **(client_kwargs or {}))
@@ -94,6 +96,7 @@ class ServerTestCase(unittest.TestCase):
     # setUpClass may be given them by a subclass that must make files (certificates) first.
     SERVER_ARGS: tuple = ()
     CLIENT_KWARGS: dict = {}
+    BACKEND = "cpu"
 
     @classmethod
     def setUpClass(cls) -> None:
@@ -103,7 +106,7 @@ class ServerTestCase(unittest.TestCase):
         if not os.access(binary, os.X_OK):
             raise FileNotFoundError(f"DI_SERVER_BIN={binary} is not an executable")
         cls.server = ServerProcess(binary, cls.PROFILE, cls.CACHE_PAGES, list(cls.SERVER_ARGS),
-                                   client_kwargs=cls.CLIENT_KWARGS)
+                                   client_kwargs=cls.CLIENT_KWARGS, backend=cls.BACKEND)
         cls.client = di.Client(cls.server.target, timeout=60, **cls.CLIENT_KWARGS)
         cls.info = cls.client.server_info()
         seed = int.from_bytes(os.urandom(8), "little")

@@ -399,11 +399,17 @@ class TorchColumnarTest(ServerTestCase):
         np.testing.assert_array_equal(got.topk, want.topk)
 
     @unittest.skipIf(torch is None or not torch.cuda.is_available(), "no CUDA device")
-    def test_torch_cuda_tensors_are_not_implemented_yet(self):
+    def test_an_unregistered_torch_cuda_tensor_is_refused_before_sending(self):
+        # A CUDA tensor goes through a registered CUDA IPC buffer (tests/python/
+        # test_torch_cuda.py); one in no buffer is refused here, naming the argument, never
+        # silently copied through the host.
         q = torch.zeros((1, self.info.num_heads, self.info.head_dim), device="cuda")
-        with self.assertRaisesRegex(NotImplementedError, "CUDA IPC"):
-            self.client.decode_step_columnar(0, [1], q, torch.zeros((1, self.info.num_heads)))
-
+        with self.assertRaisesRegex(ValueError, "q: .*register_cuda_tensor"):
+            self.client.decode_step_columnar(0, [1], q, torch.zeros((1, self.info.num_heads),
+                                                                    device="cuda"))
+        with self.assertRaisesRegex(TypeError, "positions: .*register_cuda_tensor"):
+            self.client.decode_step_columnar(0, [1], self.q(1), self.weights(1),
+                                             positions=torch.zeros(1, device="cuda"))
 
 if __name__ == "__main__":
     unittest.main()

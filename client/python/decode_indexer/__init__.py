@@ -11,6 +11,12 @@
     # on the server's host, the same step with no gRPC call (a step ring, docs/fast-path.md)
     with client.fast_path() as ring:
         result = ring.step(0, ids, q, weights, new_keys=keys, positions=pos)
+    # torch CUDA tensors (CUDA IPC, same host, CUDA server): q / weights / answer in a buffer
+    buf = client.cuda_buffer(64 << 20)                   # or client.register_cuda_tensor(t)
+    qd, wd = buf.alloc(q.shape, torch.float32), buf.alloc(weights.shape, torch.float32)
+    answer = buf.alloc((rows, K), torch.int32)
+    result = client.decode_step_columnar(0, ids, qd, wd, positions=pos, answer=answer)
+    result.topk                                          # torch int32 [rows, K] on the GPU
 """
 
 from ._generate import ensure_generated as _ensure_generated
@@ -31,6 +37,7 @@ from .client import (  # noqa: E402
     Timing,
     encode_columnar_step,
 )
+from .cuda_ipc import CudaBuffer  # noqa: E402
 from .errors import IndexerError  # noqa: E402
 from .fast_path import FastPathRing  # noqa: E402
 from .shm import SharedMemoryRegion  # noqa: E402
@@ -38,7 +45,8 @@ from .shm import SharedMemoryRegion  # noqa: E402
 __version__ = "0.2.0"
 
 __all__ = [
-    "AsyncClient", "AsyncDecodeStream", "Client", "DecodeResult", "DecodeStream", "DType",
+    "AsyncClient", "AsyncDecodeStream", "Client", "CudaBuffer", "DecodeResult", "DecodeStream",
+    "DType",
     "FastPathRing", "IndexerError", "LayerInfo", "SequenceStep", "ServerInfo",
     "SharedMemoryRegion", "Timing", "TypedArray", "encode_columnar_step", "quant", "typed",
 ]

@@ -65,6 +65,8 @@ def typed(array: Any, dtype: DType, shape: Sequence[int] | None = None) -> Typed
             return TypedArray(array, DType.FP4_E2M1, (*array.shape[:-1], array.shape[-1] * 2))
         return TypedArray(array, _BYTE_CODES[dtype], array.shape)
     dtype = DType(dtype)
+    if _is_torch(array) and array.device.type != "cpu":
+        return _typed_device(array, dtype, shape)
     arr = _as_numpy(array, "array")
     if dtype == DType.BF16:
         if arr.dtype.itemsize != 2:
@@ -81,6 +83,25 @@ def typed(array: Any, dtype: DType, shape: Sequence[int] | None = None) -> Typed
                 raise ValueError("FP4 codes need at least one axis")
             shape = (*arr.shape[:-1], arr.shape[-1] * 2)
     return TypedArray(arr, dtype, tuple(int(s) for s in shape))
+
+
+def _typed_device(t: Any, dtype: DType, shape: Sequence[int] | None) -> TypedArray:
+    """typed() of a CUDA tensor: kept on the device (decode_indexer.cuda_ipc sends its offset
+    in a registered buffer), checked as a host array is."""
+    size = t.element_size()
+    if dtype == DType.BF16 and size != 2:
+        raise TypeError(f"BF16 codes must be 2-byte elements (int16/bfloat16), got {t.dtype}")
+    if dtype in (DType.FP8_E4M3, DType.FP4_E2M1, DType.UE8M0) and size != 1:
+        raise TypeError(f"{dtype.name} codes must be uint8, got {t.dtype}")
+    if dtype in (DType.FP32, DType.INT32, DType.INT64) and size != _ITEMSIZE[dtype]:
+        raise TypeError(f"{dtype.name} needs {_ITEMSIZE[dtype]}-byte elements, got {t.dtype}")
+    if shape is None:
+        shape = tuple(t.shape)
+        if dtype == DType.FP4_E2M1:
+            if t.dim() == 0:
+                raise ValueError("FP4 codes need at least one axis")
+            shape = (*shape[:-1], shape[-1] * 2)
+    return TypedArray(t, dtype, tuple(int(s) for s in shape))
 
 
 _BYTE_CODES = {DType.FP8_E4M3: DType.FP8_E4M3, DType.FP4_E2M1: DType.FP4_E2M1,
@@ -102,13 +123,14 @@ def _torch_to_numpy(t: Any, what: str) -> tuple[np.ndarray, DType | None]:
     import torch  # only reached when the caller passed a tensor
 
     if t.device.type != "cpu":
-        # A CUDA tensor would go to the server through CUDA IPC (exported once per buffer,
-        # issue 18's fast path), which this client does not implement yet; silently staging
-        # it through the host would hide a device-to-host copy and a synchronisation.
-        raise NotImplementedError(
-            f"{what}: {t.device} tensors are not accepted yet (the CUDA IPC path is not "
-            "implemented); move it to the host with .cpu() first, which is the device-to-host "
-            "copy (and its stream synchronisation), placed where you choose")
+        # A CUDA tensor reaches the server only through a registered CUDA IPC buffer, as q,
+        # q_scales, weights or an answer (decode_indexer.cuda_ipc); staging it through the host
+        # here would hide a device-to-host copy and a synchronisation.
+        raise TypeError(
+            f"{what}: a {t.device} tensor is accepted only as q, q_scales, weights, answer or "
+            "candidates lying in a buffer registered with Client.register_cuda_tensor (CUDA "
+            "IPC); move it to the host with .cpu() first, which is the device-to-host copy "
+            "(and its stream synchronisation), placed where you choose")
     t = t.detach()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16), DType.BF16

@@ -24,11 +24,13 @@ import grpc
 import numpy as np
 
 from . import _wire
+from . import cuda_ipc as _cuda_ipc
 from ._gen import indexer_pb2 as pb
 from .errors import IndexerError
 from .shm import SharedMemoryRegion, register_memfd
 
 if TYPE_CHECKING:
+    from .cuda_ipc import CudaBuffer
     from .fast_path import FastPathRing
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["DecodeIndexer"].full_name
@@ -156,10 +158,16 @@ class _InRegion:
     candidates: np.ndarray | None
 
 
+def _numel(flat: Any) -> int:
+    """Elements of a flat answer view: a NumPy view of a region, or a torch CUDA tensor."""
+    return flat.size if isinstance(flat, np.ndarray) else flat.numel()
+
+
 def _region_array(t: pb.Tensor, flat: np.ndarray | None, rows: int, what: str) -> np.ndarray:
     """The [rows, n] answer the server wrote into the region (the response has the shape)."""
     shape = tuple(t.shape)
-    if len(shape) != 2 or shape[0] != rows or t.data or flat is None or flat.size < rows * shape[1]:
+    if (len(shape) != 2 or shape[0] != rows or t.data or flat is None
+            or _numel(flat) < rows * shape[1]):
         raise IndexerError(grpc.StatusCode.INTERNAL,
                            f"{what}: expected a shape-only [{rows}, n] answer in shared memory, "
                            f"got shape {list(shape)} with {len(t.data)} bytes")
@@ -243,7 +251,8 @@ def _array_in(buf: bytes, info: tuple, what: str) -> np.ndarray:
 def _region_in(info: tuple, flat: np.ndarray | None, rows: int, what: str) -> np.ndarray:
     """The [rows, n] answer the server wrote into the region (the response has the shape)."""
     _, shape, _, length = info
-    if len(shape) != 2 or shape[0] != rows or length or flat is None or flat.size < rows * shape[1]:
+    if (len(shape) != 2 or shape[0] != rows or length or flat is None
+            or _numel(flat) < rows * shape[1]):
         raise IndexerError(grpc.StatusCode.INTERNAL,
                            f"{what}: expected a shape-only [{rows}, n] answer in shared memory, "
                            f"got shape {list(shape)} with {length} bytes")
@@ -349,18 +358,66 @@ def _place_in_region(region: SharedMemoryRegion, rows: int, q: Any,
     return sm, _InRegion(rows, flat_answer, flat_candidates)
 
 
+def _plan_cuda(buffers: Sequence[Any], rows: int, q: Any, q_scales: Any, weights: Any,
+               answer: Any, candidates: Any, return_candidates: bool, shared_memory: Any,
+               answer_encoding: str) -> tuple[Any, _InRegion | None, Any]:
+    """(CudaIpcStep, answer placement, plan) of a step with CUDA tensors (decode_indexer.
+    cuda_ipc), or (None, None, None). Waits for the current torch stream of q's device."""
+    plan = _cuda_ipc.plan_step(buffers, rows, q, q_scales, weights, answer, candidates,
+                               return_candidates)
+    if plan is None:
+        return None, None, None
+    if shared_memory is not None:
+        raise ValueError("shared_memory cannot combine with CUDA tensors in this client: give "
+                         "q / weights / answer all on the device or all in the region")
+    if answer_encoding != "raw":
+        raise ValueError("answer_encoding='delta' cannot combine with a CUDA answer: the server "
+                         "writes the int32 answer into the device buffer (use 'raw')")
+    o = plan.offsets
+    ci = pb.CudaIpcStep(region_id=plan.region_id, answer_offset=o["answer"],
+                        candidates_offset=o.get("candidates", 0))
+    if plan.inputs_on_device:
+        ci.q_offset = o["q"]
+        ci.weights_offset = o["weights"]
+        if "q_scales" in o:
+            ci.q_scales_offset = o["q_scales"]
+
+    def flat(name: str) -> Any:
+        t = plan.tensors.get(name)
+        return None if t is None or t.tensor is None else t.tensor.reshape(-1)
+
+    _cuda_ipc.synchronize(plan)
+    return ci, _InRegion(rows, flat("answer"), flat("candidates")), plan
+
+
+def _device_heads(plan: Any) -> list:
+    """The q / q_scales / weights Tensor fields of a step reading them on the device: dtype
+    and shape only."""
+    out = []
+    for field, name in ((3, "q"), (4, "q_scales"), (5, "weights")):
+        t = plan.tensors.get(name)
+        if t is not None:
+            out.append(_wire._tensor_head(field, int(t.dtype), t.shape, None))
+    return out
+
+
 def _encode_step(layer: int, steps: Sequence[SequenceStep], q: Any, weights: Any,
                  q_scales: Any = None, positions: Any = None, step_id: int = 0,
                  return_candidates: bool = False,
                  shared_memory: SharedMemoryRegion | None = None, answer: Any = None,
                  candidates: Any = None, answer_encoding: str = "raw",
-                 timeout_us: int | None = None) -> tuple[bytes, _InRegion | None]:
+                 timeout_us: int | None = None,
+                 cuda_buffers: Sequence[Any] = ()) -> tuple[bytes, _InRegion | None]:
     if isinstance(steps, SequenceStep):
         steps = [steps]
     head = dict(layer=layer, step_id=step_id, return_candidates=return_candidates,
                 answer_encoding=_answer_encoding(answer_encoding),
                 timeout_us=_timeout_us(timeout_us))
-    placed = None
+    ci, placed, plan = _plan_cuda(cuda_buffers, _rows_of(steps), q, q_scales, weights, answer,
+                                  candidates, return_candidates, shared_memory, answer_encoding)
+    if ci is not None:
+        head["cuda_ipc"] = ci
+        answer = candidates = None  # placed on the device
     if shared_memory is not None and answer_encoding != "raw":
         # The server writes int32 straight into the region's answer view; it has no delta form.
         raise ValueError("answer_encoding='delta' cannot combine with shared_memory: the server "
@@ -369,7 +426,7 @@ def _encode_step(layer: int, steps: Sequence[SequenceStep], q: Any, weights: Any
         head["shared_memory"], placed = _place_in_region(
             shared_memory, _rows_of(steps), q, q_scales, weights, answer, candidates,
             return_candidates)
-    elif answer is not None or candidates is not None:
+    elif (answer is not None or candidates is not None) and ci is None:
         raise ValueError("answer / candidates views are for shared-memory steps: pass "
                          "shared_memory=region too")
     # Through shared memory the tensors carry dtype and shape only.
@@ -390,10 +447,13 @@ def _encode_step(layer: int, steps: Sequence[SequenceStep], q: Any, weights: Any
             sub += _wire.encode_tensor_field(
                 4, _wire.to_wire(s.new_key_scales, f"sequences[{i}].new_key_scales"))
         parts += _wire.encode_message_field(2, sub)
-    parts += _wire.encode_tensor_field(3, _wire.to_wire(q, "q"), inline)
-    if q_scales is not None:
-        parts += _wire.encode_tensor_field(4, _wire.to_wire(q_scales, "q_scales"), inline)
-    parts += _wire.encode_tensor_field(5, _wire.to_wire(weights, "weights"), inline)
+    if plan is not None and plan.inputs_on_device:  # dtype and shape only: read on the device
+        parts += _device_heads(plan)
+    else:
+        parts += _wire.encode_tensor_field(3, _wire.to_wire(q, "q"), inline)
+        if q_scales is not None:
+            parts += _wire.encode_tensor_field(4, _wire.to_wire(q_scales, "q_scales"), inline)
+        parts += _wire.encode_tensor_field(5, _wire.to_wire(weights, "weights"), inline)
     if positions is not None:
         parts += _wire.encode_tensor_field(6, _wire.to_wire(positions, "positions"))
     return _wire.join(parts), placed
@@ -404,11 +464,11 @@ def encode_decode_step(layer: int, steps: Sequence[SequenceStep], q: Any, weight
                        return_candidates: bool = False,
                        shared_memory: SharedMemoryRegion | None = None, answer: Any = None,
                        candidates: Any = None, answer_encoding: str = "raw",
-                       timeout_us: int | None = None) -> bytes:
+                       timeout_us: int | None = None, cuda_buffers: Sequence[Any] = ()) -> bytes:
     """The serialized DecodeStepRequest (a valid message of the generated class)."""
     return _encode_step(layer, steps, q, weights, q_scales, positions, step_id,
                         return_candidates, shared_memory, answer, candidates, answer_encoding,
-                        timeout_us)[0]
+                        timeout_us, cuda_buffers)[0]
 
 
 def _column(values: Any, what: str, kind: str) -> list[int]:
@@ -429,7 +489,8 @@ def _encode_columnar(layer: int, sequence_ids: Any, q: Any, weights: Any, *, num
                      step_id: int = 0, return_candidates: bool = False,
                      shared_memory: SharedMemoryRegion | None = None, answer: Any = None,
                      candidates: Any = None, answer_encoding: str = "raw",
-                     timeout_us: int | None = None) -> tuple[bytes, _InRegion | None]:
+                     timeout_us: int | None = None,
+                     cuda_buffers: Sequence[Any] = ()) -> tuple[bytes, _InRegion | None]:
     """The serialized columnar DecodeStepRequest: the scalars and small columns through the
     generated class, the ids as one packed fixed64 field and each tensor as a header and a
     view of its bytes, joined once (the payload's one copy). No loop over requests."""
@@ -453,24 +514,30 @@ def _encode_columnar(layer: int, sequence_ids: Any, q: Any, weights: Any, *, num
         head["new_keys_positions"] = _column(new_keys_positions, "new_keys_positions", "int64")
     if row_lengths is not None:
         head["row_lengths"] = _column(row_lengths, "row_lengths", "int32")
-    placed = None
+    ci, placed, plan = _plan_cuda(cuda_buffers, rows, q, q_scales, weights, answer, candidates,
+                                  return_candidates, shared_memory, answer_encoding)
+    if ci is not None:
+        head["cuda_ipc"] = ci
     if shared_memory is not None and answer_encoding != "raw":
         raise ValueError("answer_encoding='delta' cannot combine with shared_memory: the server "
                          "writes the int32 answer into the region (use 'raw')")
     if shared_memory is not None:
         head["shared_memory"], placed = _place_in_region(
             shared_memory, rows, q, q_scales, weights, answer, candidates, return_candidates)
-    elif answer is not None or candidates is not None:
+    elif (answer is not None or candidates is not None) and ci is None:
         raise ValueError("answer / candidates views are for shared-memory steps: pass "
                          "shared_memory=region too")
     inline = shared_memory is None
     parts: list = [_wire.scalar_fields(scalars), *ids]
     if head:
         parts.append(pb.DecodeStepRequest(**head).SerializeToString())
-    parts += _wire.tensor_parts(3, q, "q", inline)
-    if q_scales is not None:
-        parts += _wire.tensor_parts(4, q_scales, "q_scales", inline)
-    parts += _wire.tensor_parts(5, weights, "weights", inline)
+    if plan is not None and plan.inputs_on_device:  # dtype and shape only: read on the device
+        parts += _device_heads(plan)
+    else:
+        parts += _wire.tensor_parts(3, q, "q", inline)
+        if q_scales is not None:
+            parts += _wire.tensor_parts(4, q_scales, "q_scales", inline)
+        parts += _wire.tensor_parts(5, weights, "weights", inline)
     if positions is not None:
         parts += _wire.tensor_parts(6, positions, "positions")
     if new_keys is not None:
@@ -600,6 +667,15 @@ class Client:
                                    pb.RegisterSharedMemoryRequest)
         self._unregister_shm = unary("UnregisterSharedMemory", pb.UnregisterSharedMemoryResponse,
                                      pb.UnregisterSharedMemoryRequest)
+        self._register_cuda_ipc = unary("RegisterCudaIpcMemory", pb.RegisterCudaIpcMemoryResponse,
+                                        pb.RegisterCudaIpcMemoryRequest)
+        self._unregister_cuda_ipc = unary("UnregisterCudaIpcMemory",
+                                          pb.UnregisterCudaIpcMemoryResponse,
+                                          pb.UnregisterCudaIpcMemoryRequest)
+        # The CUDA IPC buffers registered through this client (register_cuda_tensor): a
+        # step's CUDA tensors are looked up in them.
+        self._cuda_buffers: list = []
+        self._cuda_registrations: dict = {}  # (device, block base) -> cuda_ipc.Registration
         self._register_step_ring = unary("RegisterStepRing", pb.RegisterStepRingResponse,
                                          pb.RegisterStepRingRequest)
         self._unregister_step_ring = unary("UnregisterStepRing", pb.UnregisterStepRingResponse,
@@ -782,10 +858,16 @@ class Client:
           server reads the request (None/0: none); a step not started by then fails with
           DEADLINE_EXCEEDED and changes nothing. `timeout` stays the whole call's gRPC
           deadline in seconds.
+        CUDA tensors (torch, in a buffer registered with register_cuda_tensor): q, q_scales
+          and weights (FP32) on the device are read there by the server (only their dtype and
+          shape cross gRPC); `answer` (and `candidates`), int32 CUDA tensors in the same
+          buffer, then receive the answer device to device and result.topk is a torch
+          [rows, K] view of `answer`, written when the call returns. The current torch stream
+          of q's device is synchronised before sending (see decode_indexer.cuda_ipc).
         """
         request, placed = _encode_step(layer, steps, q, weights, q_scales, positions, step_id,
                                        return_candidates, shared_memory, answer, candidates,
-                                       answer_encoding, timeout_us)
+                                       answer_encoding, timeout_us, self._cuda_buffers)
         start = time.perf_counter()
         # A batch is replica-affine (all its sequences on one replica): routed by the first.
         if route is None and steps:
@@ -825,7 +907,8 @@ class Client:
             new_keys_positions=new_keys_positions, row_lengths=row_lengths, q_scales=q_scales,
             positions=positions, step_id=step_id, return_candidates=return_candidates,
             shared_memory=shared_memory, answer=answer, candidates=candidates,
-            answer_encoding=answer_encoding, timeout_us=timeout_us)
+            answer_encoding=answer_encoding, timeout_us=timeout_us,
+            cuda_buffers=self._cuda_buffers)
         start = time.perf_counter()
         resp = self._call("DecodeStep", self._decode, request, timeout,
                           _first_id(sequence_ids) if route is None else route)
@@ -853,6 +936,61 @@ class Client:
         (which must run on this host, with --shm-socket); see decode_indexer.shm. Close it (or
         use it as a context manager) to unregister and unmap it. `name` labels the memfd."""
         return SharedMemoryRegion(self, size, name, timeout=timeout, socket_path=socket_path)
+
+    def register_cuda_tensor(self, tensor: Any, *, device: int | None = None,
+                             timeout: float | None = None) -> "CudaBuffer":
+        """Exports a torch CUDA tensor's storage through CUDA IPC (once) and registers it with
+        the server (RegisterCudaIpcMemory; the server must run on this host, CUDA backend).
+        Tensors lying in that storage may then be a step's q / q_scales / weights / answer /
+        candidates (decode_indexer.cuda_ipc). device: the ordinal as the server numbers its
+        GPUs (default: the tensor's, i.e. the same CUDA_VISIBLE_DEVICES); it must be rank 0's
+        GPU. The buffer keeps the storage alive until close()."""
+        export = _cuda_ipc.export_tensor(tensor)
+        info = self.server_info(timeout=timeout)
+        # One registration per allocation block (storages of one caching-allocator block
+        # share its handle): the whole block where the driver tells its size.
+        key = (export.device, export.base_ptr)
+        reg = self._cuda_registrations.get(key)
+        if reg is None or export.hi > reg.size:
+            size = max(export.allocation or 0, export.hi)
+            resp = self._call("RegisterCudaIpcMemory", self._register_cuda_ipc,
+                              pb.RegisterCudaIpcMemoryRequest(
+                                  handle=export.handle, size=size,
+                                  device=export.device if device is None else device), timeout)
+            reg = _cuda_ipc.Registration(resp.region_id, export.device, export.base_ptr, size)
+            self._cuda_registrations.setdefault(key, reg)
+        reg.buffers += 1
+        buf = _cuda_ipc.CudaBuffer(self, tensor, export, reg.region_id, int(info.topk),
+                                   int(info.num_candidate_blocks), reg)
+        self._cuda_buffers.append(buf)
+        return buf
+
+    def cuda_buffer(self, nbytes: int, *, device: Any = None,
+                    timeout: float | None = None) -> "CudaBuffer":
+        """A new torch CUDA byte buffer of `nbytes`, registered (register_cuda_tensor); lay
+        the step's tensors out in it with buffer.alloc(shape, dtype)."""
+        import torch
+
+        t = torch.empty(int(nbytes), dtype=torch.uint8,
+                        device=torch.device("cuda") if device is None else device)
+        return self.register_cuda_tensor(t, timeout=timeout)
+
+    def _unregister_cuda_buffer(self, buf: "CudaBuffer", timeout: float | None) -> None:
+        if buf in self._cuda_buffers:
+            self._cuda_buffers.remove(buf)
+        reg = buf.registration
+        if reg is not None:
+            reg.buffers -= 1
+            if reg.buffers > 0:
+                return  # another buffer of the block still uses the registration
+            key = (reg.device, reg.base_ptr)
+            if self._cuda_registrations.get(key) is reg:
+                del self._cuda_registrations[key]
+        try:
+            self._call("UnregisterCudaIpcMemory", self._unregister_cuda_ipc,
+                       pb.UnregisterCudaIpcMemoryRequest(region_id=buf.region_id), timeout)
+        except IndexerError:
+            pass  # best effort: the server may be gone
 
     def fast_path(self, **kwargs: Any) -> "FastPathRing":
         """A step ring registered with the server (same host, --shm-socket): steps with no
@@ -893,6 +1031,7 @@ class DecodeStream:
     def __init__(self, client: Client, timeout: float | None,
                  route_sequence_id: int | None = None):
         self._requests: queue.Queue = queue.Queue()
+        self._cuda_buffers = client._cuda_buffers
         self._call = client._decode_stream(iter(self._requests.get, _END), timeout=timeout,
                                            metadata=client._how.metadata_for(route_sequence_id))
         # (step_id, send time, shared-memory placement, delta-encoded answer)
@@ -917,7 +1056,7 @@ class DecodeStream:
         sid = next(self._ids) if step_id is None else step_id
         request, placed = _encode_step(layer, steps, q, weights, q_scales, positions, sid,
                                        return_candidates, shared_memory, answer, candidates,
-                                       answer_encoding, timeout_us)
+                                       answer_encoding, timeout_us, self._cuda_buffers)
         return self._put(sid, request, placed, answer_encoding == "delta")
 
     def send_columnar(self, layer: int, sequence_ids: Any, q: Any, weights: Any, *,
@@ -925,7 +1064,7 @@ class DecodeStream:
         """send() in the columnar form (arguments as Client.decode_step_columnar)."""
         sid = next(self._ids) if step_id is None else step_id
         request, placed = _encode_columnar(layer, sequence_ids, q, weights, step_id=sid,
-                                           **kwargs)
+                                           cuda_buffers=self._cuda_buffers, **kwargs)
         return self._put(sid, request, placed, kwargs.get("answer_encoding", "raw") == "delta")
 
     def _put(self, sid: int, request: bytes, placed: _InRegion | None, delta: bool) -> int:

@@ -45,6 +45,7 @@ import grpc
 import numpy as np
 
 from . import _wire
+from . import cuda_ipc as _cuda_ipc
 from ._gen import indexer_pb2 as pb
 from .client import Client, DecodeResult, Timing, _column, _timeout_us
 from .errors import IndexerError
@@ -63,6 +64,8 @@ F_RETURN_CANDIDATES = 1 << 0
 F_NUM_ROWS = 1 << 1
 F_NEW_KEY_COUNTS = 1 << 2
 F_NEW_KEYS_POSITIONS = 1 << 3
+F_ANSWER_CUDA_IPC = 1 << 4  # answer / candidates offsets are in cuda_ipc_region_id's buffer
+F_INPUTS_CUDA_IPC = 1 << 5  # q / q_scales / weights offsets too (read device to device)
 
 # RingHeader offsets.
 _H_MAGIC, _H_VERSION, _H_SLOTS, _H_SLOT_BYTES = 0, 8, 12, 16
@@ -191,6 +194,24 @@ _TENSORS = (("q", "q_dtype", "q_offset"), ("q_scales", "q_scales_dtype", "q_scal
             ("new_key_scales", "new_key_scales_dtype", "new_key_scales_offset"))
 
 
+def apply_cuda_plan(d: dict, plan: Any) -> None:
+    """Sets a descriptor's CUDA IPC fields (flags, region, offsets, input dtypes) from a
+    cuda_ipc.StepPlan: the answer (and candidates) in the device buffer, and with the inputs
+    on the device their offsets there too."""
+    d["flags"] |= F_ANSWER_CUDA_IPC
+    d["cuda_ipc_region_id"] = plan.region_id
+    d["answer_offset"] = plan.offsets["answer"]
+    if "candidates" in plan.offsets:
+        d["candidates_offset"] = plan.offsets["candidates"]
+    if plan.inputs_on_device:
+        d["flags"] |= F_INPUTS_CUDA_IPC
+        for name, dtype_field, offset_field in _TENSORS[:3]:
+            t = plan.tensors.get(name)
+            if t is not None:
+                d[dtype_field] = int(t.dtype)
+                d[offset_field] = plan.offsets[name]
+
+
 def _invalid(field: str, what: str) -> IndexerError:
     return IndexerError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {what}", "FastPath")
 
@@ -317,8 +338,13 @@ class FastPathRing:
         """One columnar step through the ring (arguments as Client.decode_step_columnar).
 
         answer / candidates: int32 views of the ring (alloc) to write the answer into; None:
-        after the staged tensors. Returns the DecodeResult decode_step_columnar returns, bit
-        for bit; topk / candidate_blocks are views of the ring (copy=True: copies). A failed
+        after the staged tensors. CUDA tensors (torch, in a buffer registered with
+        Client.register_cuda_tensor): q / q_scales / weights read device to device and
+        answer / candidates (int32 CUDA) written there, as decode_step_columnar takes them;
+        topk is then a torch view of `answer` (the current torch stream of q's device is
+        synchronised before the descriptor is published). Returns the DecodeResult
+        decode_step_columnar returns, bit for bit; topk / candidate_blocks are views of the
+        ring, or of the device answer (copy=True: copies). A failed
         step raises IndexerError with the server's code and message (naming the field), as
         the gRPC call does, and changes nothing. timeout: seconds to wait for the completion.
         """
@@ -381,6 +407,8 @@ class FastPathRing:
         # The tensors: checked against the shapes the descriptor implies (the server sees no
         # shape but these), placed (in place, or one copy after the allocated views).
         h, dim = self.num_heads, self.head_dim
+        plan = _cuda_ipc.plan_step(self._client._cuda_buffers, rows, q, q_scales, weights,
+                                   answer, candidates, return_candidates)
         given = {"q": q, "q_scales": q_scales, "weights": weights, "positions": positions,
                  "new_keys": new_keys, "new_key_scales": new_key_scales}
         at = -(-self.region.used // 64) * 64
@@ -389,7 +417,11 @@ class FastPathRing:
             x = given[name]
             if x is None:
                 continue
-            dtype, shape, data = _wire.wire_parts(x, name)
+            on_device = plan is not None and plan.inputs_on_device and name in plan.offsets
+            if on_device:
+                dtype, shape = int(plan.tensors[name].dtype), plan.tensors[name].shape
+            else:
+                dtype, shape, data = _wire.wire_parts(x, name)
             if name == "new_keys":
                 d["new_keys_rows"] = shape[0] if len(shape) >= 1 else 0
                 keys_rows = int(d["new_keys_rows"])
@@ -404,8 +436,10 @@ class FastPathRing:
             if tuple(shape) != want and (counts_ok or name.startswith("new_key")):
                 raise _invalid(f"{name}.shape", f"expected {_shape_str(want)}, got "
                                f"{_shape_str(shape)}")
-            off = self._in_region(x)
-            if off is None:
+            off = None if on_device else self._in_region(x)
+            if on_device:
+                off = 0  # apply_cuda_plan sets it (in the device buffer)
+            elif off is None:
                 nbytes = len(data)
                 if at + nbytes > self.region.size:
                     raise MemoryError(f"the step needs {at + nbytes - self.ring_bytes} bytes "
@@ -418,17 +452,25 @@ class FastPathRing:
             d[offset_field] = off
         if new_key_scales is not None and new_keys is None:
             d["new_keys_rows"] = 0
-        answer_at, flat_answer = self._answer_place(answer, rows * self.topk, "answer", at)
-        if answer is None:
-            at = -(-(answer_at + rows * self.topk * 4) // 64) * 64
-        d["answer_offset"] = answer_at
         flat_candidates = None
-        if return_candidates:
-            cand_at, flat_candidates = self._answer_place(
-                candidates, rows * self.num_candidate_blocks, "candidates", at)
-            d["candidates_offset"] = cand_at
+        if plan is not None:
+            apply_cuda_plan(d, plan)
+            flat_answer = plan.tensors["answer"].tensor.reshape(-1)
+            if return_candidates:
+                flat_candidates = plan.tensors["candidates"].tensor.reshape(-1)
+        else:
+            answer_at, flat_answer = self._answer_place(answer, rows * self.topk, "answer", at)
+            if answer is None:
+                at = -(-(answer_at + rows * self.topk * 4) // 64) * 64
+            d["answer_offset"] = answer_at
+            if return_candidates:
+                cand_at, flat_candidates = self._answer_place(
+                    candidates, rows * self.num_candidate_blocks, "candidates", at)
+                d["candidates_offset"] = cand_at
         seq = self._produced + 1
         self._check_free(seq)
+        if plan is not None:
+            _cuda_ipc.synchronize(plan)
         for off, data in staged:  # the one copy of a tensor not already in the ring
             self._u8[off:off + len(data)] = np.frombuffer(data, dtype=np.uint8)
         self.staged_bytes = sum(len(data) for _, data in staged)
@@ -546,9 +588,10 @@ class FastPathRing:
         if return_candidates:
             cand = flat_candidates[:rows * self.num_candidate_blocks].reshape(
                 rows, self.num_candidate_blocks)
-        if copy:
-            topk = topk.copy()
-            cand = None if cand is None else cand.copy()
+        if copy:  # NumPy views of the ring, or torch views of a device answer
+            topk = topk.copy() if isinstance(topk, np.ndarray) else topk.clone()
+            cand = (None if cand is None else
+                    cand.copy() if isinstance(cand, np.ndarray) else cand.clone())
         self.last_server_us = server_us
         return DecodeResult(step_id=step_id, topk=topk, candidate_blocks=cand,
                             timing=Timing(queue_us, compute_us, client_us),

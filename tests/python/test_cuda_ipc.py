@@ -1,0 +1,315 @@
+"""The CUDA IPC path's pure logic, without torch or a GPU (decode_indexer.cuda_ipc): torch's
+handle formats, where a step's device tensors lie in a registered buffer and the alignment the
+server demands, the CudaIpcStep a request carries, and the ring descriptor's CUDA IPC fields.
+Device tensors are DeviceTensor records in a CudaBuffer made from a fake export; the GPU run
+(test_torch_cuda.py) drives the same code with torch CUDA tensors and a CUDA server."""
+
+from __future__ import annotations
+
+import unittest
+
+import numpy as np
+
+from _support import di  # noqa: F401  (puts the package on sys.path)
+from decode_indexer import cuda_ipc, fast_path
+from decode_indexer._gen import indexer_pb2 as pb
+from decode_indexer._wire import DType
+from decode_indexer.client import encode_columnar_step, encode_decode_step
+
+H, D, K, BLOCKS = 4, 32, 8, 3
+BASE = 0x7F00_0000_0000
+
+
+class _NoClient:
+    def __init__(self):
+        self.unregistered = []
+
+    def _unregister_cuda_buffer(self, buf, timeout):
+        self.unregistered.append(buf.region_id)
+
+
+def buffer(region_id=7, device=0, lo=0, hi=1 << 20, base=BASE, client=None):
+    export = cuda_ipc.Export(device=device, handle=b"\0" * 64, base_ptr=base, lo=lo, hi=hi)
+    return cuda_ipc.CudaBuffer(client or _NoClient(), None, export, region_id, K, BLOCKS)
+
+
+def dev(offset, dtype, shape, device=0, base=BASE, contiguous=True):
+    n = int(np.prod(shape))
+    size = {DType.FP32: 4, DType.INT32: 4, DType.BF16: 2, DType.FP8_E4M3: 1}[dtype]
+    return cuda_ipc.DeviceTensor(ptr=base + offset, nbytes=n * size, device=device,
+                                 dtype=dtype, shape=tuple(shape), contiguous=contiguous)
+
+
+class HandleTest(unittest.TestCase):
+    def test_raw_and_versioned_handles(self):
+        raw = bytes(range(64))
+        self.assertEqual(cuda_ipc.parse_ipc_handle(raw), raw)
+        for version in (2, 3):  # torch <= 2.12 writes 2, later 3, same 'c' payload
+            self.assertEqual(cuda_ipc.parse_ipc_handle(bytes([version]) + b"c" + raw), raw)
+
+    def test_expandable_segments_and_junk_are_refused(self):
+        with self.assertRaisesRegex(ValueError, "expandable"):
+            cuda_ipc.parse_ipc_handle(b"\x02e" + b"\0" * 80)
+        with self.assertRaisesRegex(ValueError, "unrecognised"):
+            cuda_ipc.parse_ipc_handle(b"\x02c" + b"\0" * 10)
+
+
+class PlanTest(unittest.TestCase):
+    rows = 2
+
+    def inputs(self, q_at=256, w_at=4096, a_at=8192):
+        return (dev(q_at, DType.FP8_E4M3, (self.rows, H, D)),
+                dev(w_at, DType.FP32, (self.rows, H)),
+                dev(a_at, DType.INT32, (self.rows, K)))
+
+    def plan(self, q, w, a, bufs=None, **kw):
+        return cuda_ipc.plan_step([buffer()] if bufs is None else bufs, self.rows, q,
+                                  kw.get("q_scales"), w, a, kw.get("candidates"),
+                                  kw.get("return_candidates", False))
+
+    def test_offsets_from_the_allocation_base(self):
+        q, w, a = self.inputs(q_at=4352, w_at=8192, a_at=12288)
+        # The storage starts 4096 bytes into the allocator's block: offsets count from the
+        # block's base, which is what the server opened.
+        p = self.plan(q, w, a, [buffer(lo=4096)])
+        self.assertEqual(p.region_id, 7)
+        self.assertTrue(p.inputs_on_device)
+        self.assertEqual(p.offsets, {"q": 4352, "weights": 8192, "answer": 12288})
+
+    def test_host_only_step_has_no_plan(self):
+        q, w = np.zeros((2, H, D), np.float32), np.zeros((2, H), np.float32)
+        self.assertIsNone(self.plan(q, w, None))
+
+    def test_host_inputs_with_a_device_answer(self):
+        _, _, a = self.inputs()
+        p = self.plan(np.zeros((2, H, D), np.float32), np.zeros((2, H), np.float32), a)
+        self.assertFalse(p.inputs_on_device)
+        self.assertEqual(p.offsets, {"answer": 8192})
+
+    def test_alignment_names_the_field(self):
+        q, w, a = self.inputs(q_at=264)
+        with self.assertRaisesRegex(di.IndexerError, r"cuda_ipc.q_offset: 264 is not a multiple "
+                                                     r"of 16") as e:
+            self.plan(q, w, a)
+        self.assertEqual(e.exception.code.name, "INVALID_ARGUMENT")
+        q, w, a = self.inputs(w_at=4098)
+        with self.assertRaisesRegex(di.IndexerError, "cuda_ipc.weights_offset: 4098"):
+            self.plan(q, w, a)
+        q, w, a = self.inputs(a_at=8194)
+        with self.assertRaisesRegex(di.IndexerError, "cuda_ipc.answer_offset: 8194"):
+            self.plan(q, w, a)
+
+    def test_inputs_go_together_and_need_a_device_answer(self):
+        q, w, a = self.inputs()
+        with self.assertRaisesRegex(ValueError, "^weights: on the host while q"):
+            self.plan(q, np.zeros((2, H), np.float32), a)
+        with self.assertRaisesRegex(ValueError, "^answer: .*int32 CUDA tensor"):
+            self.plan(q, w, None)
+        with self.assertRaisesRegex(ValueError, "^answer: "):
+            self.plan(q, w, np.zeros((2, K), np.int32))
+
+    def test_answer_type_and_room(self):
+        q, w, _ = self.inputs()
+        with self.assertRaisesRegex(TypeError, "answer: expected an int32"):
+            self.plan(q, w, dev(8192, DType.FP32, (2, K)))
+        with self.assertRaisesRegex(ValueError, r"answer: 15 elements cannot hold .* 2 x 8"):
+            self.plan(q, w, dev(8192, DType.INT32, (15,)))
+
+    def test_candidates(self):
+        q, w, a = self.inputs()
+        with self.assertRaisesRegex(ValueError, "^candidates: with return_candidates"):
+            self.plan(q, w, a, return_candidates=True)
+        c = dev(12288, DType.INT32, (2, BLOCKS))
+        with self.assertRaisesRegex(ValueError, "^candidates: given without return_candidates"):
+            self.plan(np.zeros((2, H, D), np.float32), np.zeros((2, H), np.float32), None,
+                      candidates=c)
+        p = self.plan(q, w, a, candidates=c, return_candidates=True)
+        self.assertEqual(p.offsets["candidates"], 12288)
+
+    def test_tensors_outside_every_buffer_are_refused(self):
+        q, w, a = self.inputs()
+        with self.assertRaisesRegex(ValueError, "^q: .*lies in no buffer.*register_cuda_tensor"):
+            self.plan(q, w, a, bufs=[])
+        # past the registered end, before the storage's start, another device, a closed buffer
+        with self.assertRaisesRegex(ValueError, "^answer: .*lies in no buffer"):
+            self.plan(q, w, dev((1 << 20) - 16, DType.INT32, (2, K)))
+        with self.assertRaisesRegex(ValueError, "^q: .*lies in no buffer"):
+            self.plan(q, w, a, bufs=[buffer(lo=1024)])
+        with self.assertRaisesRegex(ValueError, "^q: .*lies in no buffer"):
+            self.plan(q, w, a, bufs=[buffer(device=1)])
+        b = buffer()
+        b.close()
+        with self.assertRaisesRegex(ValueError, "^q: .*lies in no buffer"):
+            self.plan(q, w, a, bufs=[b])
+        self.assertEqual(b._client.unregistered, [7])
+
+    def test_one_buffer_per_step_and_contiguity(self):
+        q, w, _ = self.inputs()
+        other = BASE + (16 << 20)
+        a = dev(0, DType.INT32, (2, K), base=other)
+        with self.assertRaisesRegex(ValueError, "^answer: lies in CUDA IPC region 8, q in "
+                                                "region 7"):
+            self.plan(q, w, a, bufs=[buffer(), buffer(region_id=8, base=other)])
+        q2 = dev(256, DType.FP8_E4M3, (2, H, D), contiguous=False)
+        with self.assertRaisesRegex(ValueError, "^q: .*C-contiguous"):
+            self.plan(q2, w, self.inputs()[2])
+
+
+class EncodeTest(unittest.TestCase):
+    def test_columnar_request_carries_offsets_not_bytes(self):
+        q, w, a = PlanTest().inputs()
+        raw = encode_columnar_step(3, [11, 12], q, w, answer=a, step_id=5,
+                                   positions=np.array([1, 2], np.int32),
+                                   cuda_buffers=[buffer()])
+        r = pb.DecodeStepRequest.FromString(raw)
+        self.assertEqual(list(r.sequence_ids), [11, 12])
+        self.assertTrue(r.HasField("cuda_ipc"))
+        ci = r.cuda_ipc
+        self.assertEqual((ci.region_id, ci.q_offset, ci.weights_offset, ci.answer_offset),
+                         (7, 256, 4096, 8192))
+        self.assertFalse(ci.HasField("q_scales_offset"))
+        self.assertEqual((r.q.dtype, list(r.q.shape), r.q.data), (pb.DTYPE_FP8_E4M3,
+                                                                  [2, H, D], b""))
+        self.assertEqual((r.weights.dtype, list(r.weights.shape), r.weights.data),
+                         (pb.DTYPE_FP32, [2, H], b""))
+        self.assertEqual(r.positions.data, np.array([1, 2], np.int32).tobytes())
+        self.assertFalse(r.HasField("shared_memory"))
+
+    def test_sequence_form_and_a_host_q_with_a_device_answer(self):
+        _, _, a = PlanTest().inputs()
+        q = np.ones((2, H, D), np.float32)
+        w = np.ones((2, H), np.float32)
+        raw = encode_decode_step(0, [di.SequenceStep(1), di.SequenceStep(2)], q, w, answer=a,
+                                 cuda_buffers=[buffer()])
+        r = pb.DecodeStepRequest.FromString(raw)
+        self.assertEqual(r.cuda_ipc.answer_offset, 8192)
+        self.assertFalse(r.cuda_ipc.HasField("q_offset"))
+        self.assertFalse(r.cuda_ipc.HasField("weights_offset"))
+        self.assertEqual(r.q.data, q.tobytes())  # the host q travels inline
+
+    def test_without_buffers_a_host_answer_is_still_refused(self):
+        with self.assertRaisesRegex(ValueError, "shared-memory steps"):
+            encode_columnar_step(0, [1], np.ones((1, H, D), np.float32),
+                                 np.ones((1, H), np.float32), answer=np.zeros((1, K), np.int32))
+
+    def test_delta_and_shared_memory_do_not_combine_with_a_device_answer(self):
+        q, w, a = PlanTest().inputs()
+        with self.assertRaisesRegex(ValueError, "delta"):
+            encode_columnar_step(0, [1, 2], q, w, answer=a, answer_encoding="delta",
+                                 cuda_buffers=[buffer()])
+
+
+class RingDescriptorTest(unittest.TestCase):
+    def test_flags_region_offsets_and_dtypes(self):
+        q, w, a = PlanTest().inputs()
+        plan = cuda_ipc.plan_step([buffer()], 2, q, None, w, a, None, False)
+        d = dict.fromkeys(fast_path._DESCRIPTOR_FIELDS, 0)
+        d["flags"] = fast_path.F_NUM_ROWS
+        fast_path.apply_cuda_plan(d, plan)
+        self.assertEqual(d["flags"], fast_path.F_NUM_ROWS | 0x10 | 0x20)
+        self.assertEqual((d["cuda_ipc_region_id"], d["q_offset"], d["weights_offset"],
+                          d["answer_offset"]), (7, 256, 4096, 8192))
+        self.assertEqual((d["q_dtype"], d["weights_dtype"]), (pb.DTYPE_FP8_E4M3, pb.DTYPE_FP32))
+
+    def test_a_device_answer_alone(self):
+        _, _, a = PlanTest().inputs()
+        plan = cuda_ipc.plan_step([buffer()], 2, np.ones((2, H, D), np.float32), None,
+                                  np.ones((2, H), np.float32), a, None, False)
+        d = dict.fromkeys(fast_path._DESCRIPTOR_FIELDS, 0)
+        d["q_offset"] = 12345  # staged in the ring: left alone
+        fast_path.apply_cuda_plan(d, plan)
+        self.assertEqual(d["flags"], 0x10)
+        self.assertEqual((d["q_offset"], d["answer_offset"]), (12345, 8192))
+
+    def test_flag_values_match_the_header(self):
+        header = (di_repo() / "common" / "step_ring.h").read_text()
+        self.assertIn("kAnswerCudaIpc = 1u << 4", header)
+        self.assertIn("kInputsCudaIpc = 1u << 5", header)
+        self.assertEqual((fast_path.F_ANSWER_CUDA_IPC, fast_path.F_INPUTS_CUDA_IPC),
+                         (1 << 4, 1 << 5))
+
+
+class RegistrationTest(unittest.TestCase):
+    """Client.register_cuda_tensor with torch's export and the driver replaced: one server
+    registration per allocation block, released with its last buffer."""
+
+    def setUp(self):
+        self.client = di.Client("127.0.0.1:1")
+        self.calls = []
+
+        def call(method, fn, request, timeout, sequence_id=None):
+            self.calls.append((method, request))
+            if method == "RegisterCudaIpcMemory":
+                return pb.RegisterCudaIpcMemoryResponse(region_id=100 + len(self.calls))
+            return pb.UnregisterCudaIpcMemoryResponse()
+
+        class Info:
+            topk, num_candidate_blocks = K, BLOCKS
+
+        self.client._call = call
+        self.client.server_info = lambda timeout=None: Info()
+        self.saved = cuda_ipc.export_tensor
+        cuda_ipc.export_tensor = lambda t: t  # the "tensor" is its Export here
+        self.block_bytes = 20 << 20
+
+    def tearDown(self):
+        cuda_ipc.export_tensor = self.saved
+        self.client.close()
+
+    def export(self, lo, hi, base=BASE):
+        return cuda_ipc.Export(device=0, handle=b"h" * 64, base_ptr=base, lo=lo, hi=hi,
+                               allocation=self.block_bytes)
+
+    def methods(self):
+        return [m for m, _ in self.calls]
+
+    def test_storages_of_one_block_share_a_registration(self):
+        a = self.client.register_cuda_tensor(self.export(0, 4 << 20))
+        b = self.client.register_cuda_tensor(self.export(4 << 20, 8 << 20))
+        c = self.client.register_cuda_tensor(self.export(0, 1 << 20, base=BASE + (64 << 20)))
+        self.assertEqual(self.methods(), ["RegisterCudaIpcMemory"] * 2)
+        first = self.calls[0][1]
+        self.assertEqual((first.size, first.device, first.handle), (20 << 20, 0, b"h" * 64))
+        self.assertEqual(a.region_id, b.region_id)
+        self.assertNotEqual(a.region_id, c.region_id)
+        self.assertEqual((b.lo, b.hi, b.size), (4 << 20, 8 << 20, 20 << 20))
+        a.close()
+        self.assertEqual(self.methods(), ["RegisterCudaIpcMemory"] * 2)  # b still uses it
+        b.close()
+        b.close()  # idempotent
+        self.assertEqual(self.methods()[2:], ["UnregisterCudaIpcMemory"])
+        self.assertEqual(self.calls[2][1].region_id, a.region_id)
+        self.assertEqual(self.client._cuda_buffers, [c])
+
+    def test_without_the_driver_only_the_storage_is_registered(self):
+        self.block_bytes = None
+        a = self.client.register_cuda_tensor(self.export(0, 4 << 20))
+        b = self.client.register_cuda_tensor(self.export(4 << 20, 8 << 20))  # past a's end
+        self.assertEqual([r.size for _, r in self.calls], [4 << 20, 8 << 20])
+        self.assertNotEqual(a.region_id, b.region_id)
+        b.close()
+        a.close()
+        self.assertEqual(self.methods().count("UnregisterCudaIpcMemory"), 2)
+
+
+def di_repo():
+    from _support import REPO
+
+    return REPO
+
+
+class LazyImportTest(unittest.TestCase):
+    def test_the_package_imports_without_its_optional_tensor_library(self):
+        import subprocess
+        import sys
+
+        code = ("import sys; sys.path.insert(0, %r); import decode_indexer, "
+                "decode_indexer.cuda_ipc; print('torch' in sys.modules)"
+                % str(di_repo() / "client" / "python"))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True).stdout.strip()
+        self.assertEqual(out, "False")
+
+
+if __name__ == "__main__":
+    unittest.main()
