@@ -23,8 +23,13 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import numpy as np
+
+# A raw answer is a read-only view of the response: torch.from_numpy copies it to the device
+# at once, so its warning about writes says nothing here.
+warnings.filterwarnings('ignore', message='The given NumPy array is not writable')
 
 
 def pct(v, p):

@@ -43,6 +43,7 @@
 #include <map>
 #include <memory>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -69,10 +70,12 @@ double Us(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::micro>(b - a).count();
 }
 
-[[noreturn]] void Die(const std::string& what) {
-  std::fprintf(stderr, "bench-worker: %s\n", what.c_str());
-  std::exit(1);
-}
+// A failure: thrown, so that one path's failure is reported (in the table and the JSON) and the
+// other paths still run; main exits 1 when any failed.
+struct Failure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+[[noreturn]] void Die(const std::string& what) { throw Failure(what); }
 void Check(const absl::Status& s, const std::string& what) {
   if (!s.ok()) Die(what + ": " + s.ToString());
 }
@@ -364,6 +367,18 @@ struct Run {
   std::vector<PathResult> results;
   double server_fill_s = -1, inproc_fill_s = -1;
   uint64_t step_id = 1;
+  bool failed = false;
+  // Records a path that failed (after the worker's stream drained).
+  void Failed(const std::string& path, const std::string& what) {
+    std::fprintf(stderr, "bench-worker: %s\n", what.c_str());
+    cudaError_t e = w.gpu() ? cudaStreamSynchronize(w.stream()) : cudaSuccess;
+    (void)e;
+    PathResult r;
+    r.name = path;
+    r.note = "FAILED: " + what;
+    results.push_back(std::move(r));
+    failed = true;
+  }
 };
 
 // The server's paths. Fills the server first (one ring step a layer and chunk).
@@ -473,184 +488,188 @@ void ServerPaths(Run& run, const std::vector<std::string>& paths) {
   };
 
   for (const std::string& path : paths) {
-    if (path == "unary" || path == "stream") {
-      const bool stream = path == "stream";
-      std::unique_ptr<di::client::StepStream> st;
-      if (stream) {
-        absl::StatusOr<std::unique_ptr<di::client::StepStream>> opened = c.OpenStream();
-        Check(opened.status(), "OpenStream");
-        st = *std::move(opened);
-      }
-      run.results.push_back(RunPath(path, o, w, &run.check, [&](int32_t tok, int32_t l) {
-        w.Produce(tok, l, w.inputs());
-        w.CopyToHost(w.host_inputs(), w.inputs(), L.bytes, true);
-        const auto t0 = Clock::now();
-        const di::client::ColumnarStep cs = columnar(tok, l);
-        absl::StatusOr<di::client::StepAnswer> a;
+    try {
+      if (path == "unary" || path == "stream") {
+        const bool stream = path == "stream";
+        std::unique_ptr<di::client::StepStream> st;
         if (stream) {
-          Check(st->WriteColumnar(cs), "stream write");
-          a = st->Read();
-        } else {
-          a = c.DecodeStepColumnar(cs);
+          absl::StatusOr<std::unique_ptr<di::client::StepStream>> opened = c.OpenStream();
+          Check(opened.status(), "OpenStream");
+          st = *std::move(opened);
         }
-        check_answer(a, path.c_str(), false);
-        const auto t1 = Clock::now();
-        w.CopyToDevice(w.answer(), a->topk.data(), w.answer_bytes());
-        w.Attention(tok, l, w.answer());
-        return Us(t0, t1);
-      }));
-      if (stream) Check(st->Finish(), "stream finish");
-    } else if (path == "shm") {
-      const uint64_t a_at = L.bytes;
-      const uint64_t bytes = (a_at + w.answer_bytes() + 4095) / 4096 * 4096;
-      absl::StatusOr<std::unique_ptr<di::client::SharedMemory>> shm =
-          di::client::SharedMemory::Create("di-bench-worker", bytes);
-      Check(shm.status(), "shm");
-      absl::StatusOr<uint64_t> region = c.RegisterSharedMemory(**shm);
-      Check(region.status(), "RegisterSharedMemory (start the server with --shm-socket)");
-      uint8_t* base = (*shm)->data();
-      const bool pinned = w.gpu() && PageLock(base, bytes);
-      Request req;
-      for (uint64_t id : run.ids) req.add_sequence_ids(id);
-      req.set_rows_per_sequence(1);
-      for (int i = 0; i < R; ++i) req.add_new_keys_positions(0);
-      ShapeOnly(req.mutable_q(), di::v1::DTYPE_FP8_E4M3, {R, H, D});
-      ShapeOnly(req.mutable_weights(), di::v1::DTYPE_FP32, {R, H});
-      ShapeOnly(req.mutable_new_keys(), di::v1::DTYPE_FP8_E4M3, {R, D});
-      ShapeOnly(req.mutable_new_key_scales(), di::v1::DTYPE_FP32, {R});
-      auto* sm = req.mutable_shared_memory();
-      sm->set_region_id(*region);
-      sm->set_q_offset(L.q);
-      sm->set_weights_offset(L.weights);
-      sm->set_new_keys_offset(L.keys);
-      sm->set_new_key_scales_offset(L.key_scales);
-      sm->set_answer_offset(a_at);
-      PathResult r = RunPath(path, o, w, &run.check, [&](int32_t tok, int32_t l) {
-        if (w.gpu()) {
+        run.results.push_back(RunPath(path, o, w, &run.check, [&](int32_t tok, int32_t l) {
           w.Produce(tok, l, w.inputs());
-          w.CopyToHost(base, w.inputs(), L.bytes, true);
-        } else {
-          w.Produce(tok, l, base);
-        }
-        const auto t0 = Clock::now();
-        req.set_layer(l);
-        req.set_step_id(run.step_id++);
-        for (int i = 0; i < R; ++i) req.set_new_keys_positions(i, o.context + tok);
-        absl::StatusOr<di::client::StepAnswer> a = c.DecodeStep(req);
-        check_answer(a, "shm", true);
-        const auto t1 = Clock::now();
-        w.CopyToDevice(w.answer(), base + a_at, w.answer_bytes());
-        w.Attention(tok, l, w.gpu() ? w.answer() : reinterpret_cast<int32_t*>(base + a_at));
-        return Us(t0, t1);
-      });
-      r.note = pinned ? "region page-locked by the worker" : "";
-      run.results.push_back(std::move(r));
-      w.Sync();
-      if (pinned) cudaHostUnregister(base);
-      Check(c.UnregisterSharedMemory(*region), "UnregisterSharedMemory");
-    } else if (path.rfind("ring", 0) == 0) {
-      const bool ipc = path.rfind("ring-ipc", 0) == 0;
-      const bool spin = path.size() > 5 && path.substr(path.size() - 5) == "-spin";
-      if (ipc && !w.gpu()) {
-        PathResult r;
-        r.name = path;
-        r.note = "skipped: needs a GPU (q and the answer in the worker's CUDA IPC buffer)";
-        std::printf("# %-14s %s\n", path.c_str(), r.note.c_str());
+          w.CopyToHost(w.host_inputs(), w.inputs(), L.bytes, true);
+          const auto t0 = Clock::now();
+          const di::client::ColumnarStep cs = columnar(tok, l);
+          absl::StatusOr<di::client::StepAnswer> a;
+          if (stream) {
+            Check(st->WriteColumnar(cs), "stream write");
+            a = st->Read();
+          } else {
+            a = c.DecodeStepColumnar(cs);
+          }
+          check_answer(a, path.c_str(), false);
+          const auto t1 = Clock::now();
+          w.CopyToDevice(w.answer(), a->topk.data(), w.answer_bytes());
+          w.Attention(tok, l, w.answer());
+          return Us(t0, t1);
+        }));
+        if (stream) Check(st->Finish(), "stream finish");
+      } else if (path == "shm") {
+        const uint64_t a_at = L.bytes;
+        const uint64_t bytes = (a_at + w.answer_bytes() + 4095) / 4096 * 4096;
+        absl::StatusOr<std::unique_ptr<di::client::SharedMemory>> shm =
+            di::client::SharedMemory::Create("di-bench-worker", bytes);
+        Check(shm.status(), "shm");
+        absl::StatusOr<uint64_t> region = c.RegisterSharedMemory(**shm);
+        Check(region.status(), "RegisterSharedMemory (start the server with --shm-socket)");
+        uint8_t* base = (*shm)->data();
+        const bool pinned = w.gpu() && PageLock(base, bytes);
+        Request req;
+        for (uint64_t id : run.ids) req.add_sequence_ids(id);
+        req.set_rows_per_sequence(1);
+        for (int i = 0; i < R; ++i) req.add_new_keys_positions(0);
+        ShapeOnly(req.mutable_q(), di::v1::DTYPE_FP8_E4M3, {R, H, D});
+        ShapeOnly(req.mutable_weights(), di::v1::DTYPE_FP32, {R, H});
+        ShapeOnly(req.mutable_new_keys(), di::v1::DTYPE_FP8_E4M3, {R, D});
+        ShapeOnly(req.mutable_new_key_scales(), di::v1::DTYPE_FP32, {R});
+        auto* sm = req.mutable_shared_memory();
+        sm->set_region_id(*region);
+        sm->set_q_offset(L.q);
+        sm->set_weights_offset(L.weights);
+        sm->set_new_keys_offset(L.keys);
+        sm->set_new_key_scales_offset(L.key_scales);
+        sm->set_answer_offset(a_at);
+        PathResult r = RunPath(path, o, w, &run.check, [&](int32_t tok, int32_t l) {
+          if (w.gpu()) {
+            w.Produce(tok, l, w.inputs());
+            w.CopyToHost(base, w.inputs(), L.bytes, true);
+          } else {
+            w.Produce(tok, l, base);
+          }
+          const auto t0 = Clock::now();
+          req.set_layer(l);
+          req.set_step_id(run.step_id++);
+          for (int i = 0; i < R; ++i) req.set_new_keys_positions(i, o.context + tok);
+          absl::StatusOr<di::client::StepAnswer> a = c.DecodeStep(req);
+          check_answer(a, "shm", true);
+          const auto t1 = Clock::now();
+          w.CopyToDevice(w.answer(), base + a_at, w.answer_bytes());
+          w.Attention(tok, l, w.gpu() ? w.answer() : reinterpret_cast<int32_t*>(base + a_at));
+          return Us(t0, t1);
+        });
+        r.note = pinned ? "region page-locked by the worker" : "";
         run.results.push_back(std::move(r));
-        continue;
-      }
-      di::client::FastPathOptions fo;
-      fo.data_bytes = L.bytes + w.answer_bytes() + 4096;
-      fo.slot_bytes = std::max<uint32_t>(16384, 256 + 24 * R + 64);
-      if (spin) {
-        fo.server_spin_us = 1000;
-        fo.client_spin_us = 5000;
-      }
-      absl::StatusOr<std::unique_ptr<di::client::FastPathRing>> ring =
-          di::client::FastPathRing::Create(c, fo);
-      Check(ring.status(), "ring");
-      uint8_t* region = (*ring)->region();
-      const uint64_t base = (*ring)->data_offset();
-      const uint64_t a_at = base + L.bytes;
-      const bool pinned = w.gpu() && PageLock(region, (*ring)->region_bytes());
-      // ring-ipc: [inputs | answer] in a device buffer of the worker, exported once.
-      uint8_t* dev = nullptr;
-      uint64_t ipc_region = 0;
-      if (ipc) {
-        const size_t bytes = L.bytes + w.answer_bytes();
-        CudaCheck(cudaMalloc(&dev, bytes), "malloc ipc buffer");
-        cudaIpcMemHandle_t handle;
-        CudaCheck(cudaIpcGetMemHandle(&handle, dev), "cudaIpcGetMemHandle");
-        absl::StatusOr<uint64_t> id = c.RegisterCudaIpcMemory(
-            std::string_view(reinterpret_cast<const char*>(&handle), sizeof(handle)), bytes, 0);
-        Check(id.status(), "RegisterCudaIpcMemory");
-        ipc_region = *id;
-      }
-      di::client::RingStep st;
-      auto& d = st.descriptor;
-      d.rows_per_sequence = 1;
-      d.q_dtype = di::v1::DTYPE_FP8_E4M3;
-      d.weights_dtype = di::v1::DTYPE_FP32;
-      d.new_keys_dtype = di::v1::DTYPE_FP8_E4M3;
-      d.new_key_scales_dtype = di::v1::DTYPE_FP32;
-      d.new_keys_rows = R;
-      d.new_keys_offset = base + L.keys;
-      d.new_key_scales_offset = base + L.key_scales;
-      if (ipc) {
-        d.flags = di::ring::kAnswerCudaIpc | di::ring::kInputsCudaIpc;
-        d.cuda_ipc_region_id = ipc_region;
-        d.q_offset = L.q;
-        d.weights_offset = L.weights;
-        d.answer_offset = L.bytes;
+        w.Sync();
+        if (pinned) cudaHostUnregister(base);
+        Check(c.UnregisterSharedMemory(*region), "UnregisterSharedMemory");
+      } else if (path.rfind("ring", 0) == 0) {
+        const bool ipc = path.rfind("ring-ipc", 0) == 0;
+        const bool spin = path.size() > 5 && path.substr(path.size() - 5) == "-spin";
+        if (ipc && !w.gpu()) {
+          PathResult r;
+          r.name = path;
+          r.note = "skipped: needs a GPU (q and the answer in the worker's CUDA IPC buffer)";
+          std::printf("# %-14s %s\n", path.c_str(), r.note.c_str());
+          run.results.push_back(std::move(r));
+          continue;
+        }
+        di::client::FastPathOptions fo;
+        fo.data_bytes = L.bytes + w.answer_bytes() + 4096;
+        fo.slot_bytes = std::max<uint32_t>(16384, 256 + 24 * R + 64);
+        if (spin) {
+          fo.server_spin_us = 1000;
+          fo.client_spin_us = 5000;
+        }
+        absl::StatusOr<std::unique_ptr<di::client::FastPathRing>> ring =
+            di::client::FastPathRing::Create(c, fo);
+        Check(ring.status(), "ring");
+        uint8_t* region = (*ring)->region();
+        const uint64_t base = (*ring)->data_offset();
+        const uint64_t a_at = base + L.bytes;
+        const bool pinned = w.gpu() && PageLock(region, (*ring)->region_bytes());
+        // ring-ipc: [inputs | answer] in a device buffer of the worker, exported once.
+        uint8_t* dev = nullptr;
+        uint64_t ipc_region = 0;
+        if (ipc) {
+          const size_t bytes = L.bytes + w.answer_bytes();
+          CudaCheck(cudaMalloc(&dev, bytes), "malloc ipc buffer");
+          cudaIpcMemHandle_t handle;
+          CudaCheck(cudaIpcGetMemHandle(&handle, dev), "cudaIpcGetMemHandle");
+          absl::StatusOr<uint64_t> id = c.RegisterCudaIpcMemory(
+              std::string_view(reinterpret_cast<const char*>(&handle), sizeof(handle)), bytes, 0);
+          Check(id.status(), "RegisterCudaIpcMemory");
+          ipc_region = *id;
+        }
+        di::client::RingStep st;
+        auto& d = st.descriptor;
+        d.rows_per_sequence = 1;
+        d.q_dtype = di::v1::DTYPE_FP8_E4M3;
+        d.weights_dtype = di::v1::DTYPE_FP32;
+        d.new_keys_dtype = di::v1::DTYPE_FP8_E4M3;
+        d.new_key_scales_dtype = di::v1::DTYPE_FP32;
+        d.new_keys_rows = R;
+        d.new_keys_offset = base + L.keys;
+        d.new_key_scales_offset = base + L.key_scales;
+        if (ipc) {
+          d.flags = di::ring::kAnswerCudaIpc | di::ring::kInputsCudaIpc;
+          d.cuda_ipc_region_id = ipc_region;
+          d.q_offset = L.q;
+          d.weights_offset = L.weights;
+          d.answer_offset = L.bytes;
+        } else {
+          d.q_offset = base + L.q;
+          d.weights_offset = base + L.weights;
+          d.answer_offset = a_at;
+        }
+        st.sequence_ids = run.ids;
+        st.new_keys_positions = positions;
+        PathResult r = RunPath(path, o, w, &run.check, [&](int32_t tok, int32_t l) {
+          if (ipc) {
+            // q and weights stay on the device; the new keys go through the ring's region.
+            w.Produce(tok, l, dev);
+            w.CopyToHost(region + base + L.keys, dev + L.keys, L.bytes - L.keys, true);
+          } else if (w.gpu()) {
+            w.Produce(tok, l, w.inputs());
+            w.CopyToHost(region + base, w.inputs(), L.bytes, true);
+          } else {
+            w.Produce(tok, l, region + base);
+          }
+          const auto t0 = Clock::now();
+          set_positions(tok);
+          d.layer = l;
+          d.step_id = run.step_id++;
+          absl::StatusOr<di::client::RingCompletion> done = (*ring)->Step(st);
+          Check(done.status(), path + " step");
+          Check(done->status, path + " step");
+          if (done->lengths.size() != size_t(R)) Die(path + ": completion without every length");
+          const auto t1 = Clock::now();
+          if (ipc) {
+            w.Attention(tok, l, reinterpret_cast<const int32_t*>(dev + L.bytes));
+          } else {
+            w.CopyToDevice(w.answer(), region + a_at, w.answer_bytes());
+            w.Attention(tok, l, w.gpu() ? w.answer() : reinterpret_cast<int32_t*>(region + a_at));
+          }
+          return Us(t0, t1);
+        });
+        r.note = std::string(spin ? "poller and worker spinning" : "") +
+                 (spin && pinned ? "; " : "") + (pinned ? "region page-locked by the worker" : "");
+        run.results.push_back(std::move(r));
+        w.Sync();
+        Check((*ring)->Unregister(), "UnregisterStepRing");
+        if (pinned) cudaHostUnregister(region);
+        if (ipc) {
+          Check(c.UnregisterCudaIpcMemory(ipc_region), "UnregisterCudaIpcMemory");
+          cudaFree(dev);
+        }
       } else {
-        d.q_offset = base + L.q;
-        d.weights_offset = base + L.weights;
-        d.answer_offset = a_at;
+        Die("unknown path " + path +
+            " (unary, stream, shm, ring, ring-ipc, ring-spin, "
+            "ring-ipc-spin, inproc)");
       }
-      st.sequence_ids = run.ids;
-      st.new_keys_positions = positions;
-      PathResult r = RunPath(path, o, w, &run.check, [&](int32_t tok, int32_t l) {
-        if (ipc) {
-          // q and weights stay on the device; the new keys go through the ring's region.
-          w.Produce(tok, l, dev);
-          w.CopyToHost(region + base + L.keys, dev + L.keys, L.bytes - L.keys, true);
-        } else if (w.gpu()) {
-          w.Produce(tok, l, w.inputs());
-          w.CopyToHost(region + base, w.inputs(), L.bytes, true);
-        } else {
-          w.Produce(tok, l, region + base);
-        }
-        const auto t0 = Clock::now();
-        set_positions(tok);
-        d.layer = l;
-        d.step_id = run.step_id++;
-        absl::StatusOr<di::client::RingCompletion> done = (*ring)->Step(st);
-        Check(done.status(), path + " step");
-        Check(done->status, path + " step");
-        if (done->lengths.size() != size_t(R)) Die(path + ": completion without every length");
-        const auto t1 = Clock::now();
-        if (ipc) {
-          w.Attention(tok, l, reinterpret_cast<const int32_t*>(dev + L.bytes));
-        } else {
-          w.CopyToDevice(w.answer(), region + a_at, w.answer_bytes());
-          w.Attention(tok, l, w.gpu() ? w.answer() : reinterpret_cast<int32_t*>(region + a_at));
-        }
-        return Us(t0, t1);
-      });
-      r.note = std::string(spin ? "poller and worker spinning" : "") +
-               (spin && pinned ? "; " : "") + (pinned ? "region page-locked by the worker" : "");
-      run.results.push_back(std::move(r));
-      w.Sync();
-      Check((*ring)->Unregister(), "UnregisterStepRing");
-      if (pinned) cudaHostUnregister(region);
-      if (ipc) {
-        Check(c.UnregisterCudaIpcMemory(ipc_region), "UnregisterCudaIpcMemory");
-        cudaFree(dev);
-      }
-    } else {
-      Die("unknown path " + path +
-          " (unary, stream, shm, ring, ring-ipc, ring-spin, "
-          "ring-ipc-spin, inproc)");
+    } catch (const Failure& f) {
+      run.Failed(path, f.what());
     }
   }
 }
@@ -736,9 +755,7 @@ void InProcess(Run& run) {
   e.Shutdown();
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int Main(int argc, char** argv) {
   Options o;
   CLI::App app{"decode-indexer-bench-worker: an attention worker's decode token through each path"};
   app.add_option("--target", o.target, "host:port of a decode-indexer-server (the server paths)");
@@ -839,7 +856,13 @@ int main(int argc, char** argv) {
   }));
   run.results.back().note = "q production + stand-in attention, no indexer call";
   if (!server_paths.empty()) ServerPaths(run, server_paths);
-  if (inproc) InProcess(run);
+  if (inproc) {
+    try {
+      InProcess(run);
+    } catch (const Failure& f) {
+      run.Failed("inproc", f.what());
+    }
+  }
 
   // The table and the JSON.
   const double base = Percentile(run.results[0].token_us, 0.5);
@@ -888,5 +911,16 @@ int main(int argc, char** argv) {
     std::fputs(json.c_str(), f);
     std::fclose(f);
   }
-  return 0;
+  return run.failed ? 1 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return Main(argc, argv);
+  } catch (const Failure& f) {
+    std::fprintf(stderr, "bench-worker: %s\n", f.what());
+    return 1;
+  }
 }
