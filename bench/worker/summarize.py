@@ -30,7 +30,8 @@ if w:
     lines.append(f"Shape: {w['profile']}, {w['layers']} layers x {w['requests']} requests x {w['context']} "
                  f"context, next_n 1; {w['tokens']} timed tokens after {w['warmup']} a path; worker on the "
                  f"{w['worker']}. Server fill {w['server_fill_s']:.2f} s, in-process fill {w['inproc_fill_s']:.2f} s; "
-                 f"answers checked valid and equal across the C++ paths: {w['answers_checked_tokens']} path-tokens.")
+                 f"answers checked valid and equal across the C++ paths: {w['answers_checked_tokens']} path-tokens; "
+                 f"GPU kernels against their host twins: {w.get('self_check', '?')}.")
 if 'dg_worker' in parts:
     d = parts['dg_worker']
     lines.append(f"DeepGEMM {d.get('deepgemm_commit', '')[:12]} on {d.get('device')}, torch {d.get('torch')}: "

@@ -148,6 +148,7 @@ class Worker {
       CudaCheck(cudaMallocHost(&host_out_, out_bytes), "malloc host out");
       CudaCheck(cudaMemcpy(fixed_answer_, fixed.data(), answer_bytes, cudaMemcpyHostToDevice),
                 "copy fixed answer");
+      fixed_host_ = fixed;
       CudaCheck(bw::LaunchFillKv(static_cast<uint32_t*>(kv_), s.rows, kv_len_, stream_), "fill kv");
       CudaCheck(cudaStreamSynchronize(stream_), "fill kv");
     } else {
@@ -242,6 +243,8 @@ class Worker {
     corrupt_ = spec.substr(colon + 1);
   }
   const int32_t* fixed_answer() const { return static_cast<const int32_t*>(fixed_answer_); }
+  const std::vector<int32_t>& fixed_answer_host() const { return fixed_host_; }
+  int64_t kv_len() const { return kv_len_; }
   // The token's attention results to the host (ends the token: waits for the stream).
   const bw::AttnOut* FinishToken() {
     const size_t bytes = size_t(o_.layers) * s_.rows * sizeof(bw::AttnOut);
@@ -266,6 +269,43 @@ class Worker {
   std::vector<int32_t> fixed_host_;
   std::string path_, corrupt_path_, corrupt_;
 };
+
+// GPU mode: the kernels against their host twins (worker_host.cc) on one (token, layer), so
+// the CPU smoke run plays the values the GPU run sends. Answers what differs (empty: none); the
+// run goes on (its figures stand) and exits 1 at the end.
+std::string SelfCheck(Worker& w, const Options& o) {
+  const bw::Shape& s = w.shape();
+  const bw::InputLayout& L = w.layout();
+  const int32_t token = 3, layer = std::min(5, o.layers - 1);
+  std::vector<uint8_t> host(L.bytes), dev(L.bytes);
+  bw::ProduceHost(s, token, layer, host.data() + L.q,
+                  reinterpret_cast<float*>(host.data() + L.weights), host.data() + L.keys,
+                  reinterpret_cast<float*>(host.data() + L.key_scales));
+  w.Produce(token, layer, w.inputs());
+  w.CopyToHost(dev.data(), w.inputs(), L.bytes, true);
+  const std::pair<uint64_t, uint64_t> parts[] = {{L.q, uint64_t(s.rows) * s.heads * s.dim},
+                                                 {L.weights, uint64_t(s.rows) * s.heads * 4},
+                                                 {L.keys, uint64_t(s.rows) * s.dim},
+                                                 {L.key_scales, uint64_t(s.rows) * 4}};
+  for (const auto& [at, bytes] : parts) {
+    if (std::memcmp(host.data() + at, dev.data() + at, bytes) != 0) {
+      return absl::StrCat("the produce kernel differs from its host twin at offset ", at);
+    }
+  }
+  std::vector<uint32_t> kv(size_t(s.rows) * w.kv_len() * 4);
+  bw::FillKvHost(kv.data(), s.rows, w.kv_len());
+  std::vector<bw::AttnOut> want(s.rows);
+  bw::AttentionHost(s, w.fixed_answer_host().data(), kv.data(), w.kv_len(), o.context + 1,
+                    want.data());
+  w.Attention(0, 0, w.fixed_answer());
+  const bw::AttnOut* got = w.FinishToken();
+  for (int r = 0; r < s.rows; ++r) {
+    if (std::memcmp(&got[r], &want[r], sizeof(bw::AttnOut)) != 0) {
+      return absl::StrCat("the attention kernel differs from its host twin at row ", r);
+    }
+  }
+  return "";
+}
 
 // The prefill's keys, one sequence block after another: block b holds `context` keys. Layer l's
 // sequence i takes block (i + l) % requests, so layers differ while the bytes are made once.
@@ -829,6 +869,9 @@ int Main(int argc, char** argv) {
 
   Worker w(o, s, gpu);
   w.CorruptForTesting(o.corrupt);
+  const std::string self_check = gpu ? SelfCheck(w, o) : "host mode";
+  std::printf("# self-check (GPU kernels against their host twins): %s\n",
+              self_check.empty() ? "equal" : self_check.c_str());
   AnswerCheck check(o, s);
   Prefill prefill;
   PrefillLayout pl;
@@ -875,8 +918,9 @@ int Main(int argc, char** argv) {
       "\", \"layers\": ", o.layers, ", \"requests\": ", o.requests, ", \"context\": ", o.context,
       ", \"next_n\": 1, \"tokens\": ", o.tokens, ", \"warmup\": ", o.warmup, ", \"worker\": \"",
       gpu ? "gpu" : "host", "\", \"server_fill_s\": ", run.server_fill_s,
-      ", \"inproc_fill_s\": ", run.inproc_fill_s, ", \"answers_checked_tokens\": ", check.checked(),
-      ", \"paths\": [");
+      ", \"inproc_fill_s\": ", run.inproc_fill_s, ", \"self_check\": \"",
+      self_check.empty() ? "equal" : self_check, "\"",
+      ", \"answers_checked_tokens\": ", check.checked(), ", \"paths\": [");
   bool first = true;
   for (const PathResult& r : run.results) {
     if (!first) json += ", ";
@@ -911,7 +955,8 @@ int Main(int argc, char** argv) {
     std::fputs(json.c_str(), f);
     std::fclose(f);
   }
-  return run.failed ? 1 : 0;
+  const bool self_check_failed = !self_check.empty() && self_check != "host mode";
+  return run.failed || self_check_failed ? 1 : 0;
 }
 
 }  // namespace
