@@ -10,6 +10,11 @@ void ProduceHost(const Shape& s, int32_t token, int32_t layer, uint8_t* q, float
   for (int64_t j = 0; j < int64_t(s.rows) * s.heads; ++j) {
     weights[j] = WeightValue(ValueHash(2, token, layer, j));
   }
+  ProduceKeysHost(s, token, layer, keys, key_scales);
+}
+
+void ProduceKeysHost(const Shape& s, int32_t token, int32_t layer, uint8_t* keys,
+                     float* key_scales) {
   for (int64_t j = 0; j < int64_t(s.rows) * s.dim; ++j) {
     keys[j] = Fp8Code(ValueHash(3, token, layer, j));
   }

@@ -86,6 +86,10 @@ DI_WORKER_HD inline uint32_t IndexHash(int32_t idx) {
 // Host twins.
 void ProduceHost(const Shape& s, int32_t token, int32_t layer, uint8_t* q, float* weights,
                  uint8_t* keys, float* key_scales);
+// The keys and their scales only (what ProduceHost writes there): the ring-ipc-events path,
+// whose new keys still go through the ring's host region.
+void ProduceKeysHost(const Shape& s, int32_t token, int32_t layer, uint8_t* keys,
+                     float* key_scales);
 void FillKvHost(uint32_t* kv, int32_t rows, int64_t kv_len);
 void AttentionHost(const Shape& s, const int32_t* answer, const uint32_t* kv, int64_t kv_len,
                    int64_t length, AttnOut* out);

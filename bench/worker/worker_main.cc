@@ -14,6 +14,11 @@
 //             the ring's region (page-locked by the worker for its copies)
 //   ring-ipc  the ring with q, weights and the answer in the worker's CUDA IPC buffer
 //             (kInputsCudaIpc | kAnswerCudaIpc): q never leaves the device
+//   ring-ipc-events  ring-ipc with CUDA IPC events (kWaitInputsEvent | kRecordAnswerEvent): the
+//             worker records "inputs ready" after the kernel that makes q and rings at once,
+//             its stream waits on "answer ready" before the attention: no host wait in the
+//             layer loop but the completion (the new keys, made on the host, go through the
+//             ring's region)
 //   inproc    the project's executor linked in, q and answer in device memory (QInput::on_device,
 //             a device AnswerSink), the same loop: what the service costs over its kernels
 //   (ring-spin, ring-ipc-spin: the ring with the server's poller and the worker spinning.)
@@ -98,7 +103,7 @@ struct Options {
   int64_t context = 32768;
   int fill_chunk = 0;  // keys a sequence per fill step; 0: the whole context in one
   uint64_t first_id = 7000000;
-  std::string paths = "unary,stream,shm,ring,ring-ipc,inproc";
+  std::string paths = "unary,stream,shm,ring,ring-ipc,ring-ipc-events,inproc";
   std::string json;
   bool host = false;
   // Tests: PATH:range (an index past the length) or PATH:differ (another valid index) in that
@@ -606,6 +611,8 @@ void ServerPaths(Run& run, const std::vector<std::string>& paths) {
         Check(c.UnregisterSharedMemory(*region), "UnregisterSharedMemory");
       } else if (path.rfind("ring", 0) == 0) {
         const bool ipc = path.rfind("ring-ipc", 0) == 0;
+        // ring-ipc-events: no host wait in the layer loop (CUDA IPC events order the streams).
+        const bool events = path.find("-events") != std::string::npos;
         const bool spin = path.size() > 5 && path.substr(path.size() - 5) == "-spin";
         if (ipc && !w.gpu()) {
           PathResult r;
@@ -632,13 +639,26 @@ void ServerPaths(Run& run, const std::vector<std::string>& paths) {
         // ring-ipc: [inputs | answer] in a device buffer of the worker, exported once.
         uint8_t* dev = nullptr;
         uint64_t ipc_region = 0;
+        cudaEvent_t inputs_event = nullptr, answer_event = nullptr;
         if (ipc) {
           const size_t bytes = L.bytes + w.answer_bytes();
           CudaCheck(cudaMalloc(&dev, bytes), "malloc ipc buffer");
           cudaIpcMemHandle_t handle;
           CudaCheck(cudaIpcGetMemHandle(&handle, dev), "cudaIpcGetMemHandle");
+          std::string inputs_handle, answer_handle;
+          if (events) {
+            constexpr unsigned kFlags = cudaEventInterprocess | cudaEventDisableTiming;
+            CudaCheck(cudaEventCreateWithFlags(&inputs_event, kFlags), "inputs event");
+            CudaCheck(cudaEventCreateWithFlags(&answer_event, kFlags), "answer event");
+            cudaIpcEventHandle_t h;
+            CudaCheck(cudaIpcGetEventHandle(&h, inputs_event), "cudaIpcGetEventHandle");
+            inputs_handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+            CudaCheck(cudaIpcGetEventHandle(&h, answer_event), "cudaIpcGetEventHandle");
+            answer_handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+          }
           absl::StatusOr<uint64_t> id = c.RegisterCudaIpcMemory(
-              std::string_view(reinterpret_cast<const char*>(&handle), sizeof(handle)), bytes, 0);
+              std::string_view(reinterpret_cast<const char*>(&handle), sizeof(handle)), bytes, 0,
+              inputs_handle, answer_handle);
           Check(id.status(), "RegisterCudaIpcMemory");
           ipc_region = *id;
         }
@@ -654,6 +674,7 @@ void ServerPaths(Run& run, const std::vector<std::string>& paths) {
         d.new_key_scales_offset = base + L.key_scales;
         if (ipc) {
           d.flags = di::ring::kAnswerCudaIpc | di::ring::kInputsCudaIpc;
+          if (events) d.flags |= di::ring::kWaitInputsEvent | di::ring::kRecordAnswerEvent;
           d.cuda_ipc_region_id = ipc_region;
           d.q_offset = L.q;
           d.weights_offset = L.weights;
@@ -666,7 +687,14 @@ void ServerPaths(Run& run, const std::vector<std::string>& paths) {
         st.sequence_ids = run.ids;
         st.new_keys_positions = positions;
         PathResult r = RunPath(path, o, w, &run.check, [&](int32_t tok, int32_t l) {
-          if (ipc) {
+          if (events) {
+            // q and weights made on the device, the keys on the host into the ring's region;
+            // "inputs ready" recorded on the worker's stream, and the step sent at once.
+            w.Produce(tok, l, dev);
+            bw::ProduceKeysHost(s, tok, l, region + base + L.keys,
+                                reinterpret_cast<float*>(region + base + L.key_scales));
+            CudaCheck(cudaEventRecord(inputs_event, w.stream()), "record inputs event");
+          } else if (ipc) {
             // q and weights stay on the device; the new keys go through the ring's region.
             w.Produce(tok, l, dev);
             w.CopyToHost(region + base + L.keys, dev + L.keys, L.bytes - L.keys, true);
@@ -685,6 +713,10 @@ void ServerPaths(Run& run, const std::vector<std::string>& paths) {
           Check(done->status, path + " step");
           if (done->lengths.size() != size_t(R)) Die(path + ": completion without every length");
           const auto t1 = Clock::now();
+          // The attention's stream waits for the server's "answer ready" on the GPU.
+          if (events) {
+            CudaCheck(cudaStreamWaitEvent(w.stream(), answer_event, 0), "wait answer event");
+          }
           if (ipc) {
             w.Attention(tok, l, reinterpret_cast<const int32_t*>(dev + L.bytes));
           } else {
@@ -702,10 +734,14 @@ void ServerPaths(Run& run, const std::vector<std::string>& paths) {
         if (ipc) {
           Check(c.UnregisterCudaIpcMemory(ipc_region), "UnregisterCudaIpcMemory");
           cudaFree(dev);
+          if (events) {
+            cudaEventDestroy(inputs_event);
+            cudaEventDestroy(answer_event);
+          }
         }
       } else {
         Die("unknown path " + path +
-            " (unary, stream, shm, ring, ring-ipc, ring-spin, "
+            " (unary, stream, shm, ring, ring-ipc, ring-ipc-events, ring-spin, "
             "ring-ipc-spin, inproc)");
       }
     } catch (const Failure& f) {
@@ -813,8 +849,10 @@ int Main(int argc, char** argv) {
   app.add_option("--fill-chunk", o.fill_chunk, "prefill keys a sequence a step (0: all)")
       ->capture_default_str();
   app.add_option("--first-id", o.first_id, "first sequence id")->capture_default_str();
-  app.add_option("--paths", o.paths,
-                 "unary,stream,shm,ring,ring-ipc,ring-spin,ring-ipc-spin,inproc (comma list)")
+  app.add_option(
+         "--paths", o.paths,
+         "unary,stream,shm,ring,ring-ipc,ring-ipc-events,ring-spin,ring-ipc-spin,inproc (comma "
+         "list)")
       ->capture_default_str();
   app.add_option("--json", o.json, "write the figures here");
   app.add_option("--corrupt-for-testing", o.corrupt,

@@ -380,9 +380,10 @@ TEST(GpuIpcTest, AnswerInTheExportedBufferEqualsThePlainGrpcAnswer) {
 // host function and only then copies the step's q and weights into the buffer (stale q lies
 // there meanwhile) and records the inputs event; the step is sent at once, with no host wait.
 // The answer equals the plain gRPC answer only if the server's stream waited for that record.
-// A second worker stream, held 1 s, recorded the answer event before the step: when the call
-// returns the event is complete although that stream is still held, so its latest record is
-// the server's, after the answer's copy.
+// Then the same stream is held 1 s more and records the answer event, before the step is
+// sent: when the call returns the event is complete although the stream is still held, so
+// its latest record is the server's, after the answer's copy. (One stream: host functions of
+// different streams may run in any order, one after the other.)
 void HoldStream(void* ms) {
   std::this_thread::sleep_for(std::chrono::milliseconds(*static_cast<int*>(ms)));
 }
@@ -442,12 +443,11 @@ TEST(GpuIpcTest, EventsOrderTheStepOnTheGpu) {
       as_bytes(handle), bytes, 0, as_bytes(inputs_handle), as_bytes(answer_handle));
   ASSERT_TRUE(region.ok()) << region.status() << "\n" << server.log();
 
-  cudaStream_t worker = nullptr, other = nullptr;
+  cudaStream_t worker = nullptr;
   ASSERT_CUDA(cudaStreamCreateWithFlags(&worker, cudaStreamNonBlocking));
-  ASSERT_CUDA(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
   void* pinned = nullptr;  // page-locked, so the copies wait in the stream, not in the call
   ASSERT_CUDA(cudaMallocHost(&pinned, size_t(2) << 20));
-  static int hold_inputs_ms = 300, hold_other_ms = 1000;
+  static int hold_inputs_ms = 300, hold_answer_ms = 1000;
   const uint64_t q_at = 1 << 20, answer_at = 8192;
   absl::StatusOr<std::unique_ptr<client::FastPathRing>> ring = client::FastPathRing::Create(cl);
   ASSERT_TRUE(ring.ok()) << ring.status();
@@ -484,8 +484,8 @@ TEST(GpuIpcTest, EventsOrderTheStepOnTheGpu) {
                                 static_cast<char*>(pinned) + q.size(), w.size() * 4,
                                 cudaMemcpyHostToDevice, worker));
     ASSERT_CUDA(cudaEventRecord(inputs, worker));
-    ASSERT_CUDA(cudaLaunchHostFunc(other, HoldStream, &hold_other_ms));
-    ASSERT_CUDA(cudaEventRecord(answer, other));
+    ASSERT_CUDA(cudaLaunchHostFunc(worker, HoldStream, &hold_answer_ms));
+    ASSERT_CUDA(cudaEventRecord(answer, worker));
 
     absl::Status status;
     if (!through_ring) {
@@ -519,8 +519,9 @@ TEST(GpuIpcTest, EventsOrderTheStepOnTheGpu) {
       status = done.ok() ? done->status : done.status();
     }
     ASSERT_TRUE(status.ok()) << status;
-    // The answer event's latest record is the server's (complete) while `other` still holds.
-    EXPECT_EQ(cudaStreamQuery(other), cudaErrorNotReady) << "the 1 s hold ended early";
+    // The answer event's latest record is the server's (complete) while the worker's stream
+    // still holds before its own record.
+    EXPECT_EQ(cudaStreamQuery(worker), cudaErrorNotReady) << "the 1 s hold ended early";
     EXPECT_EQ(cudaEventQuery(answer), cudaSuccess)
         << "the server did not record the answer event (step " << i << ")";
     std::vector<int32_t> got(want->topk.size());
@@ -529,13 +530,11 @@ TEST(GpuIpcTest, EventsOrderTheStepOnTheGpu) {
     EXPECT_EQ(got, want->topk) << (through_ring ? "ring" : "gRPC")
                                << ": the server read q before the inputs event (step " << i << ")";
     ASSERT_CUDA(cudaStreamSynchronize(worker));
-    ASSERT_CUDA(cudaStreamSynchronize(other));
   }
   ASSERT_TRUE((*ring)->Unregister().ok());
   ASSERT_TRUE(cl.UnregisterCudaIpcMemory(*region).ok());
   ASSERT_CUDA(cudaFreeHost(pinned));
   ASSERT_CUDA(cudaStreamDestroy(worker));
-  ASSERT_CUDA(cudaStreamDestroy(other));
   ASSERT_CUDA(cudaEventDestroy(inputs));
   ASSERT_CUDA(cudaEventDestroy(answer));
   ASSERT_CUDA(cudaFree(buffer));
