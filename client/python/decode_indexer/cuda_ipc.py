@@ -440,8 +440,15 @@ class CudaBuffer:
         return t.ptr - self.base_ptr
 
     def offset_of(self, x: Any) -> int:
-        """The byte offset (from the registered base) of a tensor lying in this buffer."""
-        t = describe(x, "tensor")
+        """The byte offset (from the registered base) of a tensor lying in this buffer (any
+        dtype: only its address and size count here)."""
+        if type(x) is not DeviceTensor and type(x) is not TypedArray and _is_torch(x):
+            t = DeviceTensor(ptr=int(x.data_ptr()), nbytes=int(x.numel() * x.element_size()),
+                             device=int(x.device.index or 0), dtype=None,
+                             shape=tuple(int(n) for n in x.shape),
+                             contiguous=bool(x.is_contiguous()), tensor=x)
+        else:
+            t = describe(x, "tensor")
         if not self.contains(t):
             raise ValueError("the tensor does not lie in this buffer")
         return self.offset(t)
