@@ -550,31 +550,6 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
 
 }  // namespace
 
-void StepPlan::Reset() {
-  request_slot.clear();
-  table_edits.clear();
-  std::vector<int32_t> keep_slot = std::move(request_slot);
-  TableEdits keep_edits = std::move(table_edits);
-  row_request.clear();
-  row_length.clear();
-  key_writes.clear();
-  store_rows.clear();
-  page_copies.clear();
-  std::vector<int32_t> keep_request = std::move(row_request);
-  std::vector<int32_t> keep_length = std::move(row_length);
-  std::vector<KeyWrite> keep_writes = std::move(key_writes);
-  std::vector<int32_t> keep_store = std::move(store_rows);
-  std::vector<std::pair<int32_t, int32_t>> keep_copies = std::move(page_copies);
-  *this = StepPlan{};
-  request_slot = std::move(keep_slot);
-  table_edits = std::move(keep_edits);
-  page_copies = std::move(keep_copies);
-  row_request = std::move(keep_request);
-  row_length = std::move(keep_length);
-  key_writes = std::move(keep_writes);
-  store_rows = std::move(keep_store);
-}
-
 absl::Status CopyPagesOnRank(Rank& rank, int32_t pool,
                              std::span<const std::pair<int32_t, int32_t>> copies) {
   const kernels::CacheView& cache = rank.buffers().caches[pool];
@@ -697,20 +672,9 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
                                                                 t)
         .count();
   };
-  RowRange range{0, plan.num_rows};
+  const RowRange range = plan.RowsOf(rank.index());
   rank.last_phases = Rank::Phases{};
   absl::Status status = JoinExpansion(rank);
-  if (plan.sharded) {
-    std::optional<RowRange> bounds = RowShardBounds(plan.num_rows, plan.num_requests, world,
-                                                    rank.index(), plan.row_shard_min_requests);
-    // Cannot happen (the executor asked the same gate), but a rank must still reach the
-    // collectives below, so this is a status rather than an early return.
-    if (bounds) {
-      range = *bounds;
-    } else if (status.ok()) {
-      status = absl::InternalError("a sharded plan failed the row_shard_bounds gate");
-    }
-  }
   const bool source = plan.role == config::LayerRole::kCandidateSource;
   const int32_t NB = s.num_candidate_blocks;
 
