@@ -27,6 +27,7 @@
 #include "server/exec/collective.h"
 #include "server/exec/decode_rows.h"
 #include "server/exec/executor_internal.h"
+#include "server/exec/insert_keys.h"
 #include "server/exec/page_table_mirror.h"
 #include "server/exec/planner.h"
 #ifdef DI_HAVE_NCCL

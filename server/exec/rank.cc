@@ -45,30 +45,6 @@ Rank::~Rank() {
   if (readback_.base != nullptr) backend_->FreeHost(readback_.base);
 }
 
-int32_t BucketRowLength(int32_t length, int64_t cap) {
-  int64_t bucket = 4096;
-  // Four buckets per power of two: 2^k * {5, 6, 7, 8} / 4.
-  for (int64_t pow2 = 4096; bucket < length; pow2 *= 2) {
-    for (int64_t m = 5; m <= 8 && bucket < length; ++m) bucket = pow2 * m / 4;
-  }
-  return static_cast<int32_t>(std::max<int64_t>(length, std::min<int64_t>(bucket, cap)));
-}
-
-StepGraphs::Use StepGraphs::Next(const StepShape& shape, Entry** entry) {
-  auto it = entries_.find(shape);
-  if (it == entries_.end()) {
-    if (entries_.size() >= kMaxShapes) return Use::kEager;
-    it = entries_.emplace(shape, Entry{}).first;
-    it->second.key = next_key_++;
-  }
-  Entry& e = it->second;
-  *entry = &e;
-  ++e.sightings;
-  if (e.captured) return Use::kReplay;
-  if (e.failed || e.sightings < 2) return Use::kEager;
-  return Use::kCapture;
-}
-
 template <typename T>
 absl::Status Rank::Alloc(T** out, int64_t count) {
   // Zero-sized buffers still get a distinct allocation so every pointer is valid.
