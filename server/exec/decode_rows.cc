@@ -113,7 +113,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   };
   const RowRange range = plan.RowsOf(rank.index());
   rank.last_phases = Rank::Phases{};
-  absl::Status status = JoinExpansion(rank);
+  absl::Status status = rank.overlap().Join();
   const bool source = plan.role == config::LayerRole::kCandidateSource;
   const int32_t NB = s.num_candidate_blocks;
 
@@ -196,7 +196,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     // Into fresh store rows; the executor retires the old ones only on commit, so a failed
     // step leaves the sequence's published candidates intact.
     DI_RETURN_IF_ERROR(CopyStoreRows(rank, staging, plan, /*into_store=*/true));
-    if (plan.fork_expansion) DI_RETURN_IF_ERROR(ForkExpansion(rank, plan.num_rows));
+    if (plan.fork_expansion) DI_RETURN_IF_ERROR(rank.overlap().Fork(plan.num_rows));
   }
   DI_RETURN_IF_ERROR(CopyAnswer(rank, plan, range, direct, readback));
   if (plan.q.on_device) {

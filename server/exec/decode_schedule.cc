@@ -38,7 +38,7 @@ absl::Status DecodeSchedule(Rank& rank, Staging& staging, const StepPlan& plan) 
   }
   // Fork and join (the side stream): outside any graph.
   if (!plan.masked_consumer && !plan.reuse_expansion) {
-    DI_RETURN_IF_ERROR(BuildExpansionInline(rank, plan.num_rows));
+    DI_RETURN_IF_ERROR(rank.overlap().BuildInline(plan.num_rows));
   }
   return absl::OkStatus();
 }

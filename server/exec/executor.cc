@@ -146,10 +146,10 @@ class ExecutorImpl final : public Executor {
       : profile_(profile),
         options_(options),
         table_(static_cast<int32_t>(profile.CacheLayers().size()), options.max_sequences),
-        overlap_(options.candidate_overlap),
+        expansions_(options.candidate_overlap),
         planner_(StepPlanner::HostState{
             profile_, options_, pool_of_layer_, pool_geometry_, table_, pools_, store_blocks_,
-            mirror_, overlap_, next_candidate_version_,
+            mirror_, expansions_, next_candidate_version_,
             [this](const std::string& field, uint64_t id) { return NoSequence(field, id); }}) {}
 
   ~ExecutorImpl() override { Shutdown(); }
@@ -361,7 +361,7 @@ class ExecutorImpl final : public Executor {
   std::vector<state::PageAllocator> pools_;
   std::optional<state::PageAllocator> store_blocks_;
   state::SequenceTable table_;
-  CandidateOverlap overlap_;
+  ExpansionLedger expansions_;
   uint64_t next_candidate_version_ = 1;
   ExecutorStatus stats_;
   bool healthy_ = true;
@@ -616,7 +616,7 @@ absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(uint64_t sequence_id, int32_t l
   for (const state::PageCopy& c : w.copies) copies.emplace_back(c.src, c.dst);
   lock.unlock();
   absl::Status status = FirstError(RunOnAllRanks([&](Rank& rank) -> absl::Status {
-    if (absl::Status s = JoinExpansion(rank); !s.ok()) return s;
+    if (absl::Status s = rank.overlap().Join(); !s.ok()) return s;
     if (absl::Status s = CopyPagesOnRank(rank, pool, copies); !s.ok()) return s;
     if (writes.empty()) return rank.backend().Synchronize();
     // Bulk prefill crosses NVLink once per rank (broadcast from rank 0) where the collective
@@ -767,7 +767,7 @@ void ExecutorImpl::AbandonStep(PlannedStep& planned) {
   }
   planner_.Abandon(planned);
   // The ranks may have rewritten their expansion buffers.
-  if (planned.source || planned.consumer) overlap_.Invalidate();
+  if (planned.source || planned.consumer) expansions_.Invalidate();
 }
 
 // Every rank succeeded (and applied the pool's pending and own table edits): the lengths move.
@@ -795,9 +795,9 @@ void ExecutorImpl::CommitStep(const StepInput& step, const StepPlan& plan, Plann
       rec.store_block = planned.new_blocks[i];
       row += n;
     }
-    if (plan.fork_expansion) overlap_.Commit(std::move(planned.expansion));
+    if (plan.fork_expansion) expansions_.Commit(std::move(planned.expansion));
   } else if (planned.consumer && !options_.masked_consumer && !plan.reuse_expansion) {
-    overlap_.Commit(std::move(planned.expansion));
+    expansions_.Commit(std::move(planned.expansion));
   }
   planned.result.lengths = planned.lengths;
   ++stats_.steps;
@@ -962,7 +962,7 @@ absl::StatusOr<SequenceImage> ExecutorImpl::ExportSequence(uint64_t sequence_id)
   lock.unlock();
   absl::Status status = FirstError(RunOnAllRanks([&](Rank& rank) -> absl::Status {
     if (rank.index() != 0) return absl::OkStatus();
-    if (absl::Status st = JoinExpansion(rank); !st.ok()) return st;
+    if (absl::Status st = rank.overlap().Join(); !st.ok()) return st;
     for (size_t pool = 0; pool < s.caches.size(); ++pool) {
       const kernels::CacheView& cache = rank.buffers().caches[pool];
       const int64_t bytes = cache.geometry.page_bytes();
@@ -1114,7 +1114,7 @@ absl::Status ExecutorImpl::ImportSequence(uint64_t sequence_id, const SequenceIm
   }
   lock.unlock();
   absl::Status status = FirstError(RunOnAllRanks([&](Rank& rank) -> absl::Status {
-    if (absl::Status st = JoinExpansion(rank); !st.ok()) return st;
+    if (absl::Status st = rank.overlap().Join(); !st.ok()) return st;
     for (size_t pool = 0; pool < pages.size(); ++pool) {
       const kernels::CacheView& cache = rank.buffers().caches[pool];
       const int64_t bytes = cache.geometry.page_bytes();

@@ -352,8 +352,8 @@ absl::Status StepPlanner::Plan(const StepInput& step, StepPlan& plan, PlannedSte
   }
   plan.sharded = !plan.rank_rows.empty();
   plan.reuse_expansion =
-      consumer && !host_.options.masked_consumer && host_.overlap.Holds(expansion);
-  plan.fork_expansion = source && host_.overlap.enabled() && !host_.options.masked_consumer;
+      consumer && !host_.options.masked_consumer && host_.expansions.Holds(expansion);
+  plan.fork_expansion = source && host_.expansions.enabled() && !host_.options.masked_consumer;
 
   StepResult& result = out.result;
   result = StepResult{};

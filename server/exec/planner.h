@@ -66,7 +66,7 @@ class StepPlanner {
     std::vector<state::PageAllocator>& pools;
     std::optional<state::PageAllocator>& store_blocks;
     PageTableMirror& mirror;
-    const CandidateOverlap& overlap;  // the host side: which rows the expansions hold
+    const ExpansionLedger& expansions;  // which rows the ranks' expansions hold
     uint64_t& next_candidate_version;
     // NOT_FOUND for an unknown sequence id (the executor knows which were released idle).
     std::function<absl::Status(const std::string& field, uint64_t id)> no_sequence;

@@ -32,7 +32,7 @@ Rank::~Rank() {
     cv_.notify_all();
     thread_.join();
   }
-  if (fork_pending) (void)backend_->JoinExpand();
+  if (overlap_.has_value()) (void)overlap_->Join();
   (void)backend_->Synchronize();
   for (void* p : allocations_) backend_->Free(p);
   if (arena_.base != nullptr) {
@@ -139,6 +139,22 @@ absl::Status Rank::Allocate() {
   if (!s.inv_freq.empty()) {
     absl::Status st =
         backend_->CopyToDevice(b.inv_freq, s.inv_freq.data(), s.inv_freq.size() * sizeof(double));
+    if (st.ok()) st = backend_->Synchronize();
+    if (!st.ok()) return st;
+  }
+  kernels::ExpandArgs expand;
+  expand.candidates = b.candidates;
+  expand.row_length = b.row_length;
+  expand.num_candidate_blocks = s.num_candidate_blocks;
+  expand.candidate_block_size = s.candidate_block_size;
+  expand.out.positions = b.expansion_positions;
+  expand.out.counts = b.expansion_counts;
+  expand.out.max_positions = s.num_candidate_blocks * s.candidate_block_size;
+  overlap_.emplace(*backend_, expand);
+  // The side stream's first fork and join from here, an eager point before any step (and any
+  // graph capture), where the profile has candidate layers.
+  if (s.num_candidate_blocks > 0) {
+    absl::Status st = overlap_->Warm();
     if (st.ok()) st = backend_->Synchronize();
     if (!st.ok()) return st;
   }

@@ -9,12 +9,14 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "decode_indexer/kernels/backend.h"
+#include "server/exec/candidate_overlap.h"
 #include "server/exec/step_graphs.h"
 
 namespace decode_indexer::exec {
@@ -104,8 +106,8 @@ class Rank {
   kernels::Backend& backend() { return *backend_; }
   const RankSizes& sizes() const { return sizes_; }
   RankBuffers& buffers() { return buffers_; }
-  // Whether a ForkExpand is in flight on the side stream (JoinExpand not yet called).
-  bool fork_pending = false;
+  // The rank's side of CandidateOverlap: the expansion's fork and join on the side stream.
+  CandidateOverlap& overlap() { return *overlap_; }
   // Time the last decode step spent in its collectives (agreement and all-gathers, after the
   // rank's own work had finished): the all-gather's share of a step.
   int64_t last_collective_ns = 0;
@@ -168,6 +170,7 @@ class Rank {
   RankSizes sizes_;
   RankBuffers buffers_;
   std::vector<void*> allocations_;
+  std::optional<CandidateOverlap> overlap_;  // made once the buffers exist
   bool graphs_enabled_ = false;
   StepGraphs graphs_;
   HostArena arena_;
