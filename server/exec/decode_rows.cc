@@ -27,8 +27,9 @@ int64_t NanosBetween(std::chrono::steady_clock::time_point a,
 // captured graph when the step's shape was seen before (step_graphs.h).
 absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range) {
   kernels::Backend& be = rank.backend();
-  rank.last_graph_captured = false;
-  rank.last_graph_replayed = false;
+  Rank::StepRecord& record = rank.step_record();
+  record.graph_captured = false;
+  record.graph_replayed = false;
   const auto entered = std::chrono::steady_clock::now();
 
   DI_RETURN_IF_ERROR(UploadStepRows(rank, staging, plan));
@@ -46,10 +47,10 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   };
 
   const auto launched = std::chrono::steady_clock::now();
-  rank.last_phases.uploads_ns = NanosBetween(entered, launched);
+  record.phases.uploads_ns = NanosBetween(entered, launched);
   absl::Status status = RunKernelSection(rank, scoring.shape(), kernel_section);
   // The kernel section's issue time (eager launches or a graph replay).
-  rank.last_phases.launch_ns = NanosBetween(launched, std::chrono::steady_clock::now());
+  record.phases.launch_ns = NanosBetween(launched, std::chrono::steady_clock::now());
   return status;
 }
 
@@ -112,7 +113,8 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
         .count();
   };
   const RowRange range = plan.RowsOf(rank.index());
-  rank.last_phases = Rank::Phases{};
+  Rank::StepRecord& record = rank.step_record();
+  record.phases = Rank::Phases{};
   absl::Status status = rank.overlap().Join();
   const bool source = plan.role == config::LayerRole::kCandidateSource;
   const int32_t NB = s.num_candidate_blocks;
@@ -129,8 +131,8 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     plan.fault_pause();
   }
   if (status.ok()) status = ScoreRows(rank, staging, plan, range);
-  rank.last_collective_ns = 0;
-  rank.last_collectives = 0;
+  record.collective_ns = 0;
+  record.collectives = 0;
   // Which sharded steps still need a collective. An answer bound for host memory does not:
   // each rank copies its own rows straight from its device to their place in the host answer
   // (direct_answers), so a sharded dense or consumer step runs with no all-gather and no host
@@ -149,7 +151,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     // agreement is on what the host knows (every launch went in) and runs while the kernels
     // do: its hand-off costs nothing then.
     status = collective.Agree(rank.index(), status);
-    ++rank.last_collectives;
+    ++record.collectives;
     if (status.ok() && injected && plan.fault == StepPlan::Fault::kHang) {
       return absl::InternalError(
           absl::StrCat("injected hang: rank ", rank.index(), " skipped the all-gather"));
@@ -165,19 +167,19 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
       if (!status.ok()) collective.Abort(status);
     }
     const auto gather_start = std::chrono::steady_clock::now();
-    rank.last_score_ns = since(step_start);
+    record.score_ns = since(step_start);
     const int32_t rows_per_rank = plan.num_rows / world;
     if (status.ok() && gather_topk) {
       status = collective.AllGather(rank.index(), b.topk + int64_t{range.start} * s.topk, b.topk,
                                     size_t(rows_per_rank) * s.topk * sizeof(int32_t));
-      ++rank.last_collectives;
+      ++record.collectives;
     }
     if (status.ok() && source) {
       status = collective.AllGather(rank.index(), b.candidates + int64_t{range.start} * NB,
                                     b.candidates, size_t(rows_per_rank) * NB * sizeof(int32_t));
-      ++rank.last_collectives;
+      ++record.collectives;
     }
-    rank.last_collective_ns = since(gather_start);
+    record.collective_ns = since(gather_start);
   }
   if (status.ok() && injected &&
       (plan.fault == StepPlan::Fault::kHang || plan.fault == StepPlan::Fault::kDevice)) {
@@ -203,12 +205,12 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     DI_RETURN_IF_ERROR(be.CopyToHost(rank.value_flags_host(), b.value_flags, sizeof(uint32_t)));
   }
   const auto wait_start = std::chrono::steady_clock::now();
-  rank.last_phases.copies_ns = NanosBetween(copies_start, wait_start);
+  record.phases.copies_ns = NanosBetween(copies_start, wait_start);
   absl::Status done = be.Synchronize();
-  rank.last_phases.wait_ns = since(wait_start);
+  record.phases.wait_ns = since(wait_start);
   if (done.ok() && plan.q.on_device) done = DeviceInputsStatus(*rank.value_flags_host());
   if (done.ok()) readback.Finish();
-  if (!plan.sharded || direct) rank.last_score_ns = since(step_start);
+  if (!plan.sharded || direct) record.score_ns = since(step_start);
   return done;
 }
 

@@ -273,7 +273,7 @@ class ExecutorImpl final : public Executor {
                                std::vector<const Rank::ReadbackPiece*>& pieces) const {
     pieces.clear();
     for (const auto& r : ranks_) {
-      for (const Rank::ReadbackPiece& piece : r->last_readback) {
+      for (const Rank::ReadbackPiece& piece : r->last_step().readback) {
         if (piece.candidates == candidates) pieces.push_back(&piece);
       }
     }
@@ -701,8 +701,8 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
   last_phases_.plan_ns = Nanos(fan_out - plan_start);
   last_phases_.ranks_ns = Nanos(joined - fan_out);
   for (const auto& r : ranks_) {
-    stats_.graph_captures += r->last_graph_captured;
-    stats_.graph_replays += r->last_graph_replayed;
+    stats_.graph_captures += r->last_step().graph_captured;
+    stats_.graph_replays += r->last_step().graph_replayed;
   }
   if (status.ok()) status = CollectAnswer(plan);
   // A caller whose deadline passed (or who went away) while the ranks ran gets nothing
@@ -802,8 +802,8 @@ void ExecutorImpl::CommitStep(const StepInput& step, const StepPlan& plan, Plann
   planned.result.lengths = planned.lengths;
   ++stats_.steps;
   ++(plan.sharded ? stats_.steps_sharded : stats_.steps_unsharded);
-  stats_.collective_us_total += double(ranks_[0]->last_collective_ns) / 1000.0;
-  stats_.collectives_total += uint64_t(ranks_[0]->last_collectives);
+  stats_.collective_us_total += double(ranks_[0]->last_step().collective_ns) / 1000.0;
+  stats_.collectives_total += uint64_t(ranks_[0]->last_step().collectives);
   stats_.rows_scored += uint64_t(plan.num_rows);
   SampleDeviceMemory();
 }
@@ -1314,11 +1314,11 @@ std::vector<RankStepTimes> LastRankStepTimes(const Executor& executor) {
   std::vector<RankStepTimes> out;
   // Written by the rank threads inside a step; read between steps.
   for (const auto& r : e.ranks_) {
-    const Rank::Phases& ph = r->last_phases;
+    const Rank::Phases& ph = r->last_step().phases;
     const absl::StatusOr<double> scoring =
-        r->last_graph_replayed ? absl::StatusOr<double>(-1.0) : r->backend().LastScoringUs();
-    out.push_back({r->last_score_ns, r->last_collective_ns, ph.uploads_ns, ph.launch_ns,
-                   ph.copies_ns, ph.wait_ns, scoring.ok() ? *scoring : -1.0});
+        r->last_step().graph_replayed ? absl::StatusOr<double>(-1.0) : r->backend().LastScoringUs();
+    out.push_back({r->last_step().score_ns, r->last_step().collective_ns, ph.uploads_ns,
+                   ph.launch_ns, ph.copies_ns, ph.wait_ns, scoring.ok() ? *scoring : -1.0});
   }
   return out;
 }

@@ -108,15 +108,6 @@ class Rank {
   RankBuffers& buffers() { return buffers_; }
   // The rank's side of CandidateOverlap: the expansion's fork and join on the side stream.
   CandidateOverlap& overlap() { return *overlap_; }
-  // Time the last decode step spent in its collectives (agreement and all-gathers, after the
-  // rank's own work had finished): the all-gather's share of a step.
-  int64_t last_collective_ns = 0;
-  // Collective calls (agreements and all-gathers) the last decode step made on this rank: a
-  // count, so tests can tell whether a step ran a collective without reading a clock.
-  int64_t last_collectives = 0;
-  // Time the last decode step spent before its collectives: uploads, keys, q prep and scoring,
-  // up to the rank's own work finishing (the whole step when unsharded).
-  int64_t last_score_ns = 0;
   // Where the last decode step's time went on this rank's thread (ns, host clock), in order:
   // the uploads and key inserts issued, the kernel section issued (eager or a graph replay),
   // the answer copies issued (after any collective), and the final wait for the device.
@@ -126,10 +117,36 @@ class Rank {
     int64_t copies_ns = 0;
     int64_t wait_ns = 0;
   };
-  Phases last_phases;
-  // What the last decode step's kernel section did: captured a graph, replayed one.
-  bool last_graph_captured = false;
-  bool last_graph_replayed = false;
+  // The last step's deferred answer rows (StepPlan::defer_topk / defer_candidates), in this
+  // rank's readback space until its next step: `elems` int32 of the top-k (or candidates)
+  // answer starting at element `elem_offset`.
+  struct ReadbackPiece {
+    bool candidates = false;
+    int64_t elem_offset = 0;
+    const int32_t* data = nullptr;
+    size_t elems = 0;
+  };
+  // What the rank's last decode step did: written by the step's code on this rank
+  // (decode_rows.cc, step_graphs.cc, step_io.h) through step_record(), read by the executor
+  // after the join through last_step().
+  struct StepRecord {
+    // Time spent in its collectives (agreement and all-gathers, after the rank's own work had
+    // finished): the all-gather's share of a step.
+    int64_t collective_ns = 0;
+    // Collective calls (agreements and all-gathers) it made: a count, so tests can tell
+    // whether a step ran a collective without reading a clock.
+    int64_t collectives = 0;
+    // Time spent before its collectives: uploads, keys, q prep and scoring, up to the rank's
+    // own work finishing (the whole step when unsharded).
+    int64_t score_ns = 0;
+    Phases phases;
+    // What its kernel section did: captured a graph, replayed one.
+    bool graph_captured = false;
+    bool graph_replayed = false;
+    std::vector<ReadbackPiece> readback;
+  };
+  const StepRecord& last_step() const { return last_step_; }
+  StepRecord& step_record() { return last_step_; }
 
   // Whether this rank replays step graphs (the option and a backend that has them).
   bool graphs_enabled() const { return graphs_enabled_; }
@@ -142,17 +159,6 @@ class Rank {
   // Host landing word of RankBuffers::value_flags (in the readback space where it is
   // page-locked).
   uint32_t* value_flags_host() { return value_flags_host_; }
-  // The last step's deferred answer rows (StepPlan::defer_topk / defer_candidates), in this
-  // rank's readback space until its next step: `elems` int32 of the top-k (or candidates)
-  // answer starting at element `elem_offset`.
-  struct ReadbackPiece {
-    bool candidates = false;
-    int64_t elem_offset = 0;
-    const int32_t* data = nullptr;
-    size_t elems = 0;
-  };
-  std::vector<ReadbackPiece> last_readback;
-
   // Job handoff: Start hands the job to the rank's thread (rank 0, which has none, runs it
   // before returning); Wait returns its status.
   void Start(const Job* job);
@@ -177,6 +183,7 @@ class Rank {
   HostArena readback_;
   uint32_t* value_flags_host_ = nullptr;
   uint32_t value_flags_plain_ = 0;
+  StepRecord last_step_;
 
   // The hand-off: job_, done_ and stop_ change under mu_ (with a notify), so a waiter that
   // sleeps on cv_ never misses one; they are atomics so that a waiter may first spin on them

@@ -43,7 +43,7 @@ absl::Status RunKernelSection(Rank& rank, const StepShape& shape,
       absl::StatusOr<bool> replayed = be.Replay(entry->key);
       if (!replayed.ok()) return replayed.status();
       if (*replayed) {
-        rank.last_graph_replayed = true;
+        rank.step_record().graph_replayed = true;
         return absl::OkStatus();
       }
       entry->captured = false;  // the backend lost it: run eager, capture again next time
@@ -69,7 +69,7 @@ absl::Status RunKernelSection(Rank& rank, const StepShape& shape,
     return launch();
   }
   entry->captured = true;
-  rank.last_graph_captured = true;
+  rank.step_record().graph_captured = true;
   absl::StatusOr<bool> replayed = be.Replay(entry->key);
   if (!replayed.ok()) return replayed.status();
   if (!*replayed) return absl::InternalError("a step graph just captured was not found");

@@ -81,7 +81,7 @@ class Staging {
 // Synchronize, moves it on with a memcpy (each rank its own rows, in parallel). Page-locked
 // destinations, and ranks without readback space, copy directly. Deferred answers (the
 // executor's own vectors: StepPlan::defer_topk / defer_candidates) stay in the readback space
-// and Finish hands them to the executor (Rank::last_readback).
+// and Finish hands them to the executor (Rank::StepRecord::readback).
 class Readback {
  public:
   enum class Answer { kTopK, kCandidates };
@@ -89,7 +89,7 @@ class Readback {
   Readback(Rank& rank, const StepPlan& plan)
       : rank_(rank), be_(rank.backend()), space_(rank.readback()), plan_(plan) {
     space_.used = 0;
-    rank_.last_readback.clear();
+    rank_.step_record().readback.clear();
   }
 
   // `bytes` of answer `which` from element `elem_offset` on.
@@ -121,7 +121,7 @@ class Readback {
       if (p.dst != nullptr) {
         BulkCopy(p.dst, p.landing, p.bytes);
       } else {
-        rank_.last_readback.push_back(
+        rank_.step_record().readback.push_back(
             {p.candidates, p.elem_offset, p.landing, p.bytes / sizeof(int32_t)});
       }
     }

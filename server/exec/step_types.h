@@ -80,7 +80,7 @@ struct StepPlan {
   bool candidates_page_locked = false;
   // Deferred answers (StepResult's vectors or an AnswerSink's encoder, every rank with
   // page-locked readback space): topk_out / candidates_out stay null, each rank leaves its
-  // rows in its readback space (Rank::last_readback) and the executor takes them from there
+  // rows in its readback space (Rank::StepRecord::readback) and the executor takes them from there
   // after the join: no zero-filled vector, no second host copy.
   bool defer_topk = false;
   bool defer_candidates = false;
