@@ -1,21 +1,63 @@
-// CandidateOverlap (seed): the consumers' expansion of candidate blocks into positions depends
-// only on the candidates and the row lengths, so it is built once per source publication and
-// reused by every consumer step over the same rows. With overlap on, the source forks the
-// expansion (Backend::ForkExpand, a side stream on a GPU) right after it has written its
-// candidates; the next step on the rank joins it before touching any buffer the expansion
-// reads. With overlap off, or when the rows differ, the first consumer builds it inline.
+// CandidateOverlap (seed): the candidate consumers' expansion on a side stream.
 //
-// The host side (this class) remembers which rows every rank's expansion buffer holds; the
-// rank side (the free functions) issues the backend calls.
+// A consumer scores sparse over the expansion of its source's candidate blocks into positions
+// (Backend::ForkExpand's ExpandArgs). The expansion reads only the candidates and the row
+// lengths, not q or the caches, so the candidate source forks it onto the side stream once it
+// has written the candidates (Fork) and the rank's next step joins it (Join) before touching
+// any buffer the expansion reads or writes; every consumer step over the same rows reuses it.
+// With overlap off, or when the rows differ, the first consumer builds it inline (fork and
+// join at once, the same kernels and inputs), so the outputs match.
+//
+// The side stream issues no collectives, and the fork orders it after the main stream's work
+// so far (the previous step's reads of the expansion it overwrites). Nothing of it runs
+// inside a captured step graph (step_graphs.h): Warm issues the side stream's first fork and
+// join at start-up, from an eager point, so whatever a backend creates on that stream's first
+// use exists before the first step.
+//
+// Two halves: CandidateOverlap is one rank's (the stream calls, owned by the Rank);
+// ExpansionLedger is the executor's host record of which rows every rank's expansion holds.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "server/exec/rank.h"
+#include "decode_indexer/kernels/backend.h"
 
 namespace decode_indexer::exec {
+
+class CandidateOverlap {
+ public:
+  // `expand`: the rank's expansion buffers (candidates and row lengths in, positions and
+  // counts out); each call sets the number of rows.
+  CandidateOverlap(kernels::Backend& backend, const kernels::ExpandArgs& expand)
+      : backend_(backend), expand_(expand) {}
+  CandidateOverlap(const CandidateOverlap&) = delete;
+  CandidateOverlap& operator=(const CandidateOverlap&) = delete;
+
+  // Start the expansion of the first `num_rows` rows on the side stream; the candidate source
+  // calls this right after its kernels have written the candidates. Joins a pending fork
+  // first. Even a failed fork may have queued work: the next Join settles it.
+  absl::Status Fork(int32_t num_rows);
+  // Make the main stream wait for a pending fork, if any. Every job on the rank calls it
+  // first, since the next step rewrites the row lengths and candidates the side stream may
+  // still be reading.
+  absl::Status Join();
+  // Create the side stream's state from an eager point (start-up): one fork and join of zero
+  // rows, once. Later calls do nothing.
+  absl::Status Warm();
+  // Fork and join at once: the inline path, with the same kernels and inputs.
+  absl::Status BuildInline(int32_t num_rows);
+
+  bool pending() const { return forked_; }
+  bool warmed() const { return warmed_; }
+
+ private:
+  kernels::Backend& backend_;
+  kernels::ExpandArgs expand_;
+  bool forked_ = false;
+  bool warmed_ = false;
+};
 
 // One row of an expansion, identified by what it depends on.
 struct ExpansionRow {
@@ -26,11 +68,15 @@ struct ExpansionRow {
   bool operator==(const ExpansionRow&) const = default;
 };
 
-class CandidateOverlap {
+// The host side: which rows every rank's expansion buffer holds, so a consumer step over the
+// same rows reuses it (StepPlan::reuse_expansion) and a source forks it for its rows
+// (StepPlan::fork_expansion) where the overlap is on.
+class ExpansionLedger {
  public:
-  explicit CandidateOverlap(bool enabled) : enabled_(enabled) {}
+  explicit ExpansionLedger(bool overlap_enabled) : enabled_(overlap_enabled) {}
 
-  // Whether a source step forks the expansion for its rows.
+  // Whether a source step forks the expansion for its rows (ExecutorOptions::
+  // candidate_overlap).
   bool enabled() const { return enabled_; }
   // Whether every rank's expansion buffer holds exactly these rows, in this order.
   bool Holds(const std::vector<ExpansionRow>& rows) const { return valid_ && rows == rows_; }
@@ -50,14 +96,5 @@ class CandidateOverlap {
   bool valid_ = false;
   std::vector<ExpansionRow> rows_;
 };
-
-// Rank side. The expansion reads buffers().candidates and buffers().row_length of the first
-// num_rows rows and writes buffers().expansion_*.
-absl::Status ForkExpansion(Rank& rank, int32_t num_rows);
-// Waits for a pending fork, if any. Every job calls it first, since the next step rewrites
-// the row lengths and candidates the side stream may still be reading.
-absl::Status JoinExpansion(Rank& rank);
-// Fork and join at once: the inline path, with the same kernels and inputs.
-absl::Status BuildExpansionInline(Rank& rank, int32_t num_rows);
 
 }  // namespace decode_indexer::exec

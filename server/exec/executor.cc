@@ -19,6 +19,7 @@
 
 #include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "decode_indexer/kernels/backend.h"
 #include "decode_indexer/kernels/rope.h"
 #include "server/exec/bulk_copy.h"
@@ -26,7 +27,9 @@
 #include "server/exec/collective.h"
 #include "server/exec/decode_rows.h"
 #include "server/exec/executor_internal.h"
+#include "server/exec/insert_keys.h"
 #include "server/exec/page_table_mirror.h"
+#include "server/exec/planner.h"
 #ifdef DI_HAVE_NCCL
 #include "server/exec/nccl_collective.h"
 #endif
@@ -86,54 +89,6 @@ class FifoTurns {
   uint64_t serving_ = 0;
 };
 
-// A request field's name, made only when a check fails (a step checks every sequence: building
-// names up front cost ~3 strings a sequence a step).
-using FieldName = absl::FunctionRef<std::string()>;
-
-// Checks a key input against the cache it goes to.
-absl::Status CheckKeys(const KeysInput& keys, CacheFormat format, FieldName field) {
-  if (keys.count < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field(), ": negative key count ", keys.count));
-  }
-  if (keys.count == 0) return absl::OkStatus();
-  if (keys.keys == nullptr) return absl::InvalidArgumentError(absl::StrCat(field(), ": no data"));
-  switch (keys.type) {
-    case ElemType::kF32:
-    case ElemType::kBF16:
-      return absl::OkStatus();
-    case ElemType::kFp8E4M3:
-    case ElemType::kFp4E2M1: {
-      const bool fp8 = keys.type == ElemType::kFp8E4M3;
-      if (fp8 != (format == CacheFormat::kFp8)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(field(), ": pre-quantized keys must be in the cache's format (",
-                         format == CacheFormat::kFp8 ? "FP8" : "FP4", ")"));
-      }
-      if (keys.scales == nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat(field(), ": quantized keys need scales"));
-      }
-      return absl::OkStatus();
-    }
-    default:
-      return absl::InvalidArgumentError(absl::StrCat(field(), ": unsupported key type"));
-  }
-}
-
-// A position for keys (KeysInput::position): at most the cache's committed length.
-absl::Status CheckPosition(const std::optional<int64_t>& position, int64_t length,
-                           int32_t cache_layer, FieldName field) {
-  if (!position.has_value()) return absl::OkStatus();
-  if (*position < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field(), ": must be >= 0, got ", *position));
-  }
-  if (*position > length) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field(), ": ", *position, " is past the sequence's length ", length, " in layer ",
-        cache_layer, "'s cache (it would leave a hole); positions must be <= the length"));
-  }
-  return absl::OkStatus();
-}
-
 // An imported cache's entries [0, length): FP8 codes other than the NaN S.1111.111, fp32
 // scales positive and finite; FP4 ue8m0 scales other than the NaN 0xFF.
 absl::Status CheckCacheImage(const CacheImage& c, const kernels::CacheGeometry& g,
@@ -191,7 +146,11 @@ class ExecutorImpl final : public Executor {
       : profile_(profile),
         options_(options),
         table_(static_cast<int32_t>(profile.CacheLayers().size()), options.max_sequences),
-        overlap_(options.candidate_overlap) {}
+        expansions_(options.candidate_overlap),
+        planner_(StepPlanner::HostState{
+            profile_, options_, pool_of_layer_, pool_geometry_, table_, pools_, store_blocks_,
+            mirror_, expansions_, next_candidate_version_,
+            [this](const std::string& field, uint64_t id) { return NoSequence(field, id); }}) {}
 
   ~ExecutorImpl() override { Shutdown(); }
 
@@ -314,7 +273,7 @@ class ExecutorImpl final : public Executor {
                                std::vector<const Rank::ReadbackPiece*>& pieces) const {
     pieces.clear();
     for (const auto& r : ranks_) {
-      for (const Rank::ReadbackPiece& piece : r->last_readback) {
+      for (const Rank::ReadbackPiece& piece : r->last_step().readback) {
         if (piece.candidates == candidates) pieces.push_back(&piece);
       }
     }
@@ -344,9 +303,12 @@ class ExecutorImpl final : public Executor {
       out.insert(out.end(), piece->data, piece->data + piece->elems);
     }
   }
-  absl::StatusOr<StepResult> DecodeStepLocked(const StepInput& step, StepPlan& plan,
-                                              std::vector<state::CacheWrite>& writes,
-                                              std::vector<int32_t>& new_blocks);
+  absl::StatusOr<StepResult> DecodeStepLocked(const StepInput& step, StepPlan& plan);
+  absl::Status CollectAnswer(const StepPlan& plan);
+  void DeliverAnswer(const StepInput& step, const StepPlan& plan, PlannedStep& planned);
+  void AbandonStep(PlannedStep& planned);
+  void CommitStep(const StepInput& step, const StepPlan& plan, PlannedStep& planned);
+  void TakeInjectedFault(StepPlan& plan);
 
   friend void ::decode_indexer::exec::InjectFault(Executor& executor, const FaultInjection& fault);
   friend std::vector<RankStepTimes>(::decode_indexer::exec::LastRankStepTimes)(
@@ -373,11 +335,6 @@ class ExecutorImpl final : public Executor {
   // The host side of the ranks' resident page tables (page_table_mirror.h): every change of
   // a sequence's page list is recorded here and applied by the next job on that pool.
   PageTableMirror mirror_;
-  // Per sequence slot, the mark of the last step that named it (duplicate check), and the
-  // marks handed out; the step's key slots. Turn holder only.
-  std::vector<uint64_t> slot_mark_;
-  uint64_t step_marks_ = 0;
-  std::vector<int64_t> step_slots_;
   // A failed step's table edits may have reached some ranks: record the committed pages over
   // the entries it touched.
   void RestoreTable(int32_t pool, const state::SequenceState& seq, const state::CacheWrite& w) {
@@ -396,21 +353,15 @@ class ExecutorImpl final : public Executor {
                      std::span<const int32_t>(pages.data() + from, pages.size() - from));
     }
   }
-  // The result's own answer vectors are built after the join from the ranks' readback space
-  // (StepPlan::defer_topk / defer_candidates): where every rank has one (a device backend
-  // with page-locked staging). Fixed at start-up.
-  bool defer_answers_ = false;
-  // Reused by every step (under the turn): the deferred answer's pieces, and the top-k of an
-  // encoder sink where the ranks have no readback space.
+  // Reused by every step (under the turn): the deferred answer's pieces.
   std::vector<const Rank::ReadbackPiece*> topk_pieces_, cand_pieces_;
-  std::vector<int32_t> encode_scratch_;
 
   // Host truth. Changed only by the call holding the turn, under mu_ so Status() can read.
   mutable std::mutex mu_;
   std::vector<state::PageAllocator> pools_;
   std::optional<state::PageAllocator> store_blocks_;
   state::SequenceTable table_;
-  CandidateOverlap overlap_;
+  ExpansionLedger expansions_;
   uint64_t next_candidate_version_ = 1;
   ExecutorStatus stats_;
   bool healthy_ = true;
@@ -441,6 +392,8 @@ class ExecutorImpl final : public Executor {
       stats_.device_memory_bytes[r] = ranks_[r]->backend().DeviceMemoryBytes();
     }
   }
+  // The step's plan (planner.h): reads and reserves from the host truth above, under mu_.
+  StepPlanner planner_;
 };
 
 // DI_INJECT_FAULT=RANK:KIND[:STEP], KIND error|hang, STEP the 0-based index of the decode step
@@ -498,7 +451,6 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
   }
   // A decode step edits at most a few entries a request; a prefill or a fork, more (chunked).
   sizes.table_edit_chunk = std::max(4 * options_.max_requests_per_step, 16384);
-  slot_mark_.assign(size_t(options_.max_sequences), 0);
   mirror_ =
       PageTableMirror(static_cast<int32_t>(pool_geometry_.size()), sizes.max_pages_per_sequence);
   sizes.num_heads = p.num_heads;
@@ -560,8 +512,11 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
   if (collective_ == nullptr) {
     collective_ = MakeInProcessCollective(backends, gather_bytes, timeout);
   }
-  defer_answers_ = std::all_of(ranks_.begin(), ranks_.end(),
-                               [](const std::unique_ptr<Rank>& r) { return r->readback().pinned; });
+  // The result's own answer vectors are built after the join from the ranks' readback space
+  // (StepPlan::defer_topk / defer_candidates): where every rank has one (a device backend
+  // with page-locked staging).
+  planner_.Init(num_ranks, std::all_of(ranks_.begin(), ranks_.end(),
+                                       [](const auto& r) { return r->readback().pinned; }));
   fault_ = FaultFromEnv();
 
   stats_.backend = backend_name_;
@@ -661,7 +616,7 @@ absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(uint64_t sequence_id, int32_t l
   for (const state::PageCopy& c : w.copies) copies.emplace_back(c.src, c.dst);
   lock.unlock();
   absl::Status status = FirstError(RunOnAllRanks([&](Rank& rank) -> absl::Status {
-    if (absl::Status s = JoinExpansion(rank); !s.ok()) return s;
+    if (absl::Status s = rank.overlap().Join(); !s.ok()) return s;
     if (absl::Status s = CopyPagesOnRank(rank, pool, copies); !s.ok()) return s;
     if (writes.empty()) return rank.backend().Synchronize();
     // Bulk prefill crosses NVLink once per rank (broadcast from rank 0) where the collective
@@ -713,9 +668,7 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStep(const StepInput& step) {
   // Only the turn holder touches the reused plan.
   StepPlan& plan = plan_;
   plan.Reset();
-  std::vector<state::CacheWrite> writes;
-  std::vector<int32_t> new_blocks;
-  absl::StatusOr<StepResult> result = DecodeStepLocked(step, plan, writes, new_blocks);
+  absl::StatusOr<StepResult> result = DecodeStepLocked(step, plan);
   if (result.ok()) {
     result->queue_us = Micros(started - arrived);
     result->compute_us = Micros(Clock::now() - started);
@@ -729,309 +682,14 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStep(const StepInput& step) {
   return result;
 }
 
-absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step, StepPlan& plan,
-                                                          std::vector<state::CacheWrite>& writes,
-                                                          std::vector<int32_t>& new_blocks) {
+// A decode step: plan (checks, reservation, the StepPlan) -> run on every rank -> commit, or
+// abandon what the plan reserved.
+absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step, StepPlan& plan) {
   const Clock::time_point plan_start = Clock::now();
   std::unique_lock lock(mu_);
-  const config::Profile& p = profile_;
-  const LayerSpec* spec = p.FindLayer(step.layer);
-  if (spec == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer: no layer ", step.layer, " (the profile has ", p.layers.size(), ")"));
-  }
-  const bool source = spec->role == LayerRole::kCandidateSource;
-  const bool consumer = spec->role == LayerRole::kCandidateConsumer;
-  const int32_t pool = pool_of_layer_[spec->cache_layer];
-  const CacheFormat format = pool_geometry_[pool].format;
-  const int32_t num_requests = static_cast<int32_t>(step.sequences.size());
-  if (const AnswerSink* sink = step.answer;
-      sink != nullptr && sink->topk() == nullptr &&
-      (sink->kind() == AnswerSink::Kind::kHost || sink->kind() == AnswerSink::Kind::kDevice)) {
-    return absl::InternalError("the answer sink has no top-k span");
-  }
-  if (step.answer != nullptr && step.answer->kind() == AnswerSink::Kind::kEncoder &&
-      !step.answer->encoder()) {
-    return absl::InternalError("the answer sink has no encoder");
-  }
-  if (num_requests == 0) {
-    return absl::InvalidArgumentError("sequences: a step needs at least one sequence");
-  }
-  if (num_requests > options_.max_requests_per_step) {
-    return absl::InvalidArgumentError(absl::StrCat("sequences: at most ",
-                                                   options_.max_requests_per_step,
-                                                   " sequences a step, got ", num_requests));
-  }
-  if (step.return_candidates && !source) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("return_candidates: layer ", step.layer, " is not a candidate source"));
-  }
-  const QInput& q = step.q;
-  if (q.q == nullptr || q.weights == nullptr) {
-    return absl::InvalidArgumentError("q: q and weights are required");
-  }
-  if (q.type == ElemType::kFp8E4M3 || q.type == ElemType::kFp4E2M1) {
-    if ((q.type == ElemType::kFp8E4M3) != (format == CacheFormat::kFp8)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("q: quantized q must be in layer ", step.layer, "'s cache format (",
-                       format == CacheFormat::kFp8 ? "FP8" : "FP4", ")"));
-    }
-    if (format == CacheFormat::kFp4 && q.scales == nullptr) {
-      return absl::InvalidArgumentError("q_scales: FP4 q needs its scales");
-    }
-  } else if (q.type != ElemType::kF32 && q.type != ElemType::kBF16) {
-    return absl::InvalidArgumentError("q: unsupported dtype");
-  }
-
-  const int32_t P = p.page_size;
-  const int32_t M = p.max_rows_per_sequence;
-  int32_t num_rows = 0;
-  std::vector<state::SequenceState*> seqs(num_requests);
-  std::vector<int64_t> lengths(num_requests);
-  const uint64_t step_mark = ++step_marks_;
-  plan.row_length.clear();
-  std::vector<ExpansionRow> expansion;
-  for (int32_t i = 0; i < num_requests; ++i) {
-    const SequenceStepInput& in = step.sequences[i];
-    auto field = [i](const char* suffix = "") {
-      return absl::StrCat("sequences[", i, "]", suffix);
-    };
-    if (in.num_rows < 1 || in.num_rows > M) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field(), ".num_rows: must be in [1, ", M, "], got ", in.num_rows));
-    }
-    if (!in.row_lengths.empty() && static_cast<int32_t>(in.row_lengths.size()) != in.num_rows) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field(), ".row_lengths: ", in.row_lengths.size(), " entries for ", in.num_rows, " rows"));
-    }
-    state::SequenceState* seq = table_.Find(in.sequence_id);
-    if (seq == nullptr) return NoSequence(field(".sequence_id"), in.sequence_id);
-    // A sequence twice in one step: its slot was marked by this step already.
-    if (slot_mark_[seq->slot] == step_mark) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field(), ".sequence_id: sequence ", in.sequence_id, " appears twice"));
-    }
-    slot_mark_[seq->slot] = step_mark;
-    seqs[i] = seq;
-    if (consumer && in.new_keys.count > 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field(), ".new_keys: layer ", step.layer, " reads layer ", spec->cache_layer,
-                       "'s cache; send keys to layer ", spec->cache_layer));
-    }
-    if (absl::Status s = CheckKeys(in.new_keys, format, [&] { return field(".new_keys"); });
-        !s.ok())
-      return s;
-    const state::CachePages& cp = seq->caches[pool];
-    if (consumer && in.new_keys.position.has_value()) {
-      return absl::InvalidArgumentError(absl::StrCat(field(), ".new_keys_position: layer ",
-                                                     step.layer, " reads layer ", spec->cache_layer,
-                                                     "'s cache and takes no keys"));
-    }
-    if (absl::Status s = CheckPosition(in.new_keys.position, cp.length, spec->cache_layer,
-                                       [&] { return field(".new_keys_position"); });
-        !s.ok()) {
-      return s;
-    }
-    const int64_t L = in.new_keys.position.value_or(cp.length) + in.new_keys.count;
-    if (L > p.max_context) {
-      return absl::OutOfRangeError(absl::StrCat(field(), ".new_keys: length ", L,
-                                                " would exceed max_context ", p.max_context));
-    }
-    lengths[i] = L;
-    const size_t first_row = plan.row_length.size();
-    if (in.row_lengths.empty()) {
-      if (in.num_rows > L) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            field(), ".num_rows: more rows than context (", in.num_rows, " rows, length ", L, ")"));
-      }
-      for (int32_t j = 0; j < in.num_rows; ++j) {
-        plan.row_length.push_back(static_cast<int32_t>(L - in.num_rows + j + 1));
-      }
-    } else {
-      for (int32_t j = 0; j < in.num_rows; ++j) {
-        const int32_t rl = in.row_lengths[j];
-        if (rl < 1 || rl > L) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(field(), ".row_lengths[", j, "]: must be in [1, ", L, "], got ", rl));
-        }
-        plan.row_length.push_back(rl);
-      }
-    }
-    if (consumer) {
-      // A view of the rows just planned (no per-sequence copy: this runs for every sequence
-      // of every consumer step).
-      const int32_t* row_lengths = plan.row_length.data() + first_row;
-      const int32_t src_layer = spec->cache_layer;
-      auto it = seq->candidates.find(src_layer);
-      if (it == seq->candidates.end() || it->second.length != L ||
-          !std::equal(it->second.row_lengths.begin(), it->second.row_lengths.end(), row_lengths,
-                      row_lengths + in.num_rows)) {
-        return absl::FailedPreconditionError(
-            absl::StrCat(field(), ": no candidates for sequence ", in.sequence_id, " at length ", L,
-                         "; run the source layer ", src_layer, " first"));
-      }
-      for (int32_t j = 0; j < in.num_rows; ++j) {
-        plan.store_rows.push_back(it->second.store_block * M + j);
-        expansion.push_back({in.sequence_id, j, it->second.version, row_lengths[j]});
-      }
-    }
-    for (int32_t j = 0; j < in.num_rows; ++j) plan.row_request.push_back(i);
-    num_rows += in.num_rows;
-  }
-  if (num_rows != step.num_rows) {
-    return absl::InvalidArgumentError(absl::StrCat("num_rows: the sequences bring ", num_rows,
-                                                   " rows, the step says ", step.num_rows));
-  }
-
-  // Reserve all-or-nothing: a step that does not fit leaves no trace. Each sequence's write
-  // (a cut back to its position, then its keys) lands in fresh pages wherever it would touch a
-  // shared page or committed entries, so a failed step leaves the committed state intact.
-  auto abort_writes = [&] {
-    for (state::CacheWrite& w : writes) AbortCacheWrite(w, pools_[pool]);
-    writes.clear();
-  };
-  writes.reserve(num_requests);
-  for (int32_t i = 0; i < num_requests; ++i) {
-    const state::CachePages& cp = seqs[i]->caches[pool];
-    const KeysInput& keys = step.sequences[i].new_keys;
-    absl::StatusOr<state::CacheWrite> w =
-        state::PlanCacheWrite(cp, keys.position.value_or(cp.length), keys.count, P, pools_[pool]);
-    if (!w.ok()) {
-      abort_writes();
-      return w.status();
-    }
-    writes.push_back(*std::move(w));
-  }
-  if (source) {
-    absl::StatusOr<std::vector<int32_t>> blocks = store_blocks_->Reserve(num_requests);
-    if (!blocks.ok()) {
-      abort_writes();
-      return blocks.status();
-    }
-    new_blocks = *std::move(blocks);
-  }
-
-  // The plan: page tables with the fresh pages, key slots, store rows.
-  plan.role = spec->role;
-  plan.pool = pool;
-  plan.num_rows = num_rows;
-  plan.num_requests = num_requests;
-  plan.max_row_length = *std::max_element(plan.row_length.begin(), plan.row_length.end());
-  // The pages every rank's resident table lacks: edits recorded since a job last applied the
-  // pool's (a prefill, a fork, a failed step's restore), then below the pages this step's
-  // writes add or replace.
-  plan.pending_edits = &mirror_.Pending(pool);
-  plan.hadamard = p.hadamard;
-  plan.q = q;
-  plan.rope.style = p.rope.style;
-  plan.rope.dim_offset = p.rope.dim_offset;
-  plan.rope.rope_dim = p.rope.rope_dim;
-  plan.row_shard_min_requests = options_.row_shard_min_requests;
-  plan.direct_answers = options_.direct_answers;
-  plan.masked_consumer = options_.masked_consumer;
-  // Every request's key slots in one buffer, sized before any KeyWrite points into it.
-  int64_t total_keys = 0;
-  for (const SequenceStepInput& in : step.sequences) total_keys += in.new_keys.count;
-  step_slots_.resize(size_t(total_keys));
-  int64_t* slots = step_slots_.data();
-  std::vector<uint64_t> versions(num_requests, 0);
-  int32_t row = 0;
-  for (int32_t i = 0; i < num_requests; ++i) {
-    const SequenceStepInput& in = step.sequences[i];
-    const state::CachePages& cp = seqs[i]->caches[pool];
-    const state::CacheWrite& w = writes[i];
-    // The write's tail (pages written in place, copies, fresh ones): only the entries that
-    // differ from the committed pages are edits (a decode step adds one every page_size
-    // tokens).
-    plan.request_slot.push_back(seqs[i]->slot);
-    for (size_t j = 0; j < w.tail.size(); ++j) {
-      const size_t at = w.keep + j;
-      if (at >= cp.pages.size() || cp.pages[at] != w.tail[j]) {
-        plan.table_edits.push_back(mirror_.Index(seqs[i]->slot, int64_t(at)), w.tail[j]);
-      }
-    }
-    for (const state::PageCopy& c : w.copies) plan.page_copies.push_back({c.src, c.dst});
-    if (in.new_keys.count > 0) {
-      for (int32_t k = 0; k < in.new_keys.count; ++k) slots[k] = w.Slot(cp, w.position + k, P);
-      plan.key_writes.push_back(
-          {in.new_keys.type, in.new_keys.count, in.new_keys.keys, in.new_keys.scales, slots});
-      slots += in.new_keys.count;
-    }
-    if (source) {
-      versions[i] = next_candidate_version_++;
-      for (int32_t j = 0; j < in.num_rows; ++j) {
-        plan.store_rows.push_back(new_blocks[i] * M + j);
-        expansion.push_back({in.sequence_id, j, versions[i], plan.row_length[row + j]});
-      }
-    }
-    row += in.num_rows;
-  }
-  const int32_t world = static_cast<int32_t>(ranks_.size());
-  plan.sharded =
-      RowShardBounds(num_rows, num_requests, world, 0, options_.row_shard_min_requests).has_value();
-  plan.reuse_expansion = consumer && !options_.masked_consumer && overlap_.Holds(expansion);
-  plan.fork_expansion = source && overlap_.enabled() && !options_.masked_consumer;
-
-  StepResult result;
-  result.step_id = step.step_id;
-  result.num_rows = num_rows;
-  result.topk = p.topk;
-  result.sharded = plan.sharded;
-  // Where the answer goes: the caller's sink (resolved at the edge), else the result's vectors.
-  const AnswerSink* sink = step.answer;
-  const AnswerSink::Kind sink_kind = sink != nullptr ? sink->kind() : AnswerSink::Kind::kVector;
-  plan.q_page_locked = step.host_memory_page_locked;
-  switch (sink_kind) {
-    case AnswerSink::Kind::kDevice:
-      plan.topk_device_out = sink->topk();
-      plan.answer_event = sink->done_event();
-      break;
-    case AnswerSink::Kind::kHost:
-      plan.topk_out = sink->topk();
-      plan.topk_page_locked = sink->page_locked();
-      break;
-    case AnswerSink::Kind::kEncoder:
-      if (defer_answers_) {
-        plan.defer_topk = true;
-      } else {  // no readback space: the rows land in the executor's own scratch
-        encode_scratch_.resize(size_t(num_rows) * p.topk);
-        plan.topk_out = encode_scratch_.data();
-      }
-      break;
-    case AnswerSink::Kind::kVector:
-      if (defer_answers_) {
-        plan.defer_topk = true;
-      } else {
-        result.topk_indices.resize(size_t(num_rows) * p.topk);
-        plan.topk_out = result.topk_indices.data();
-      }
-      break;
-  }
-  if (step.return_candidates) {
-    result.num_candidate_blocks = p.num_candidate_blocks;
-    int32_t* span = sink != nullptr ? sink->candidates() : nullptr;
-    if (span != nullptr && sink_kind == AnswerSink::Kind::kDevice) {
-      plan.candidates_device_out = span;
-    } else if (span != nullptr) {
-      plan.candidates_out = span;
-      plan.candidates_page_locked = sink->page_locked();
-    } else if (defer_answers_) {
-      plan.defer_candidates = true;
-    } else {
-      result.candidate_blocks.resize(size_t(num_rows) * p.num_candidate_blocks);
-      plan.candidates_out = result.candidate_blocks.data();
-    }
-  }
-
-  if (fault_.rank >= 0 && steps_to_ranks_ == fault_.step) {
-    plan.fault_rank = fault_.rank;
-    plan.fault = fault_.pause    ? StepPlan::Fault::kPause
-                 : fault_.hang   ? StepPlan::Fault::kHang
-                 : fault_.device ? StepPlan::Fault::kDevice
-                                 : StepPlan::Fault::kError;
-    plan.fault_pause = std::move(fault_.pause);
-    fault_ = FaultInjection{};  // once
-  }
+  PlannedStep planned;
+  if (absl::Status s = planner_.Plan(step, plan, planned); !s.ok()) return s;
+  TakeInjectedFault(plan);
   ++steps_to_ranks_;
 
   lock.unlock();
@@ -1043,85 +701,123 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
   last_phases_.plan_ns = Nanos(fan_out - plan_start);
   last_phases_.ranks_ns = Nanos(joined - fan_out);
   for (const auto& r : ranks_) {
-    stats_.graph_captures += r->last_graph_captured;
-    stats_.graph_replays += r->last_graph_replayed;
+    stats_.graph_captures += r->last_step().graph_captured;
+    stats_.graph_replays += r->last_step().graph_replayed;
   }
-  const size_t topk_total = size_t(num_rows) * p.topk;
-  const size_t cand_total = size_t(num_rows) * p.num_candidate_blocks;
-  if (status.ok() && plan.defer_topk) {
-    status = CollectDeferred(/*candidates=*/false, topk_total, topk_pieces_);
-  }
-  if (status.ok() && plan.defer_candidates) {
-    status = CollectDeferred(/*candidates=*/true, cand_total, cand_pieces_);
-  }
+  if (status.ok()) status = CollectAnswer(plan);
   // A caller whose deadline passed (or who went away) while the ranks ran gets nothing
   // committed: the step fails as if a rank had.
   if (status.ok()) status = AskCaller(step.call_check);
-  if (status.ok()) {
-    // The answer's last move, now that the step stands: into the result's vectors, or row
-    // blocks to the sink's encoder.
-    if (plan.defer_topk && sink_kind == AnswerSink::Kind::kVector) {
-      AssembleDeferred(topk_pieces_, topk_total, result.topk_indices);
-    } else if (sink_kind == AnswerSink::Kind::kEncoder) {
-      const AnswerSink::Encoder& encode = sink->encoder();
-      if (plan.defer_topk) {
-        for (const Rank::ReadbackPiece* piece : topk_pieces_) {
-          encode(std::span<const int32_t>(piece->data, piece->elems),
-                 int32_t(piece->elems / size_t(p.topk)));
-        }
-      } else {
-        encode(std::span<const int32_t>(encode_scratch_.data(), topk_total), num_rows);
-      }
-    }
-    if (plan.defer_candidates) AssembleDeferred(cand_pieces_, cand_total, result.candidate_blocks);
-  }
-
   if (!status.ok()) {
-    // Some ranks may have applied the step's table edits: put the committed pages back (the
-    // pending edits stay pending: a rank may have failed before applying them).
-    for (int32_t i = 0; i < num_requests; ++i) RestoreTable(pool, *seqs[i], writes[i]);
-    abort_writes();
-    if (source) store_blocks_->Release(new_blocks);
-    // The ranks may have rewritten their expansion buffers.
-    if (source || consumer) overlap_.Invalidate();
+    AbandonStep(planned);
     spdlog::debug("step {}: layer {} failed: {}", step.step_id, step.layer, status.ToString());
     return status;
   }
+  DeliverAnswer(step, plan, planned);
+  CommitStep(step, plan, planned);
+  last_phases_.commit_ns = Nanos(Clock::now() - joined);
+  return std::move(planned.result);
+}
 
-  // Commit: every rank succeeded (and applied the pool's pending and own table edits).
+// The deferred answers (StepPlan::defer_topk / defer_candidates): every rank's pieces, which
+// must tile the answer.
+absl::Status ExecutorImpl::CollectAnswer(const StepPlan& plan) {
+  const config::Profile& p = profile_;
+  if (plan.defer_topk) {
+    DI_RETURN_IF_ERROR(
+        CollectDeferred(/*candidates=*/false, size_t(plan.num_rows) * p.topk, topk_pieces_));
+  }
+  if (plan.defer_candidates) {
+    DI_RETURN_IF_ERROR(CollectDeferred(
+        /*candidates=*/true, size_t(plan.num_rows) * p.num_candidate_blocks, cand_pieces_));
+  }
+  return absl::OkStatus();
+}
+
+// The answer's last move, now that the step stands: into the result's vectors, or row blocks
+// to the sink's encoder.
+void ExecutorImpl::DeliverAnswer(const StepInput& step, const StepPlan& plan,
+                                 PlannedStep& planned) {
+  const config::Profile& p = profile_;
+  const size_t topk_total = size_t(plan.num_rows) * p.topk;
+  const size_t cand_total = size_t(plan.num_rows) * p.num_candidate_blocks;
+  StepResult& result = planned.result;
+  if (plan.defer_topk && planned.sink_kind == AnswerSink::Kind::kVector) {
+    AssembleDeferred(topk_pieces_, topk_total, result.topk_indices);
+  } else if (planned.sink_kind == AnswerSink::Kind::kEncoder) {
+    const AnswerSink::Encoder& encode = step.answer->encoder();
+    if (plan.defer_topk) {
+      for (const Rank::ReadbackPiece* piece : topk_pieces_) {
+        encode(std::span<const int32_t>(piece->data, piece->elems),
+               int32_t(piece->elems / size_t(p.topk)));
+      }
+    } else {
+      encode(planner_.encode_scratch().first(topk_total), plan.num_rows);
+    }
+  }
+  if (plan.defer_candidates) AssembleDeferred(cand_pieces_, cand_total, result.candidate_blocks);
+}
+
+// A failed step: nothing of it is committed.
+void ExecutorImpl::AbandonStep(PlannedStep& planned) {
+  // Some ranks may have applied the step's table edits: put the committed pages back (the
+  // pending edits stay pending: a rank may have failed before applying them).
+  for (size_t i = 0; i < planned.seqs.size(); ++i) {
+    RestoreTable(planned.pool, *planned.seqs[i], planned.writes[i]);
+  }
+  planner_.Abandon(planned);
+  // The ranks may have rewritten their expansion buffers.
+  if (planned.source || planned.consumer) expansions_.Invalidate();
+}
+
+// Every rank succeeded (and applied the pool's pending and own table edits): the lengths move.
+void ExecutorImpl::CommitStep(const StepInput& step, const StepPlan& plan, PlannedStep& planned) {
+  const int32_t pool = planned.pool;
+  const int32_t num_requests = static_cast<int32_t>(planned.seqs.size());
+  std::vector<state::SequenceState*>& seqs = planned.seqs;
   mirror_.Applied(pool);
   const int64_t now_ms = NowMs();
   for (int32_t i = 0; i < num_requests; ++i) {
-    CommitCacheWrite(seqs[i]->caches[pool], writes[i], pools_[pool]);
+    CommitCacheWrite(seqs[i]->caches[pool], planned.writes[i], pools_[pool]);
     seqs[i]->last_used_ms = now_ms;
   }
-  writes.clear();
-  if (source) {
-    row = 0;
+  planned.writes.clear();
+  if (planned.source) {
+    int32_t row = 0;
     for (int32_t i = 0; i < num_requests; ++i) {
       const int32_t n = step.sequences[i].num_rows;
       state::CandidateRecord& rec = seqs[i]->candidates[step.layer];
       if (rec.store_block >= 0) store_blocks_->Release({&rec.store_block, 1});
-      rec.version = versions[i];
-      rec.length = lengths[i];
+      rec.version = planned.versions[i];
+      rec.length = planned.lengths[i];
       rec.rows = n;
       rec.row_lengths.assign(plan.row_length.begin() + row, plan.row_length.begin() + row + n);
-      rec.store_block = new_blocks[i];
+      rec.store_block = planned.new_blocks[i];
       row += n;
     }
-    if (plan.fork_expansion) overlap_.Commit(std::move(expansion));
-  } else if (consumer && !options_.masked_consumer && !plan.reuse_expansion) {
-    overlap_.Commit(std::move(expansion));
+    if (plan.fork_expansion) expansions_.Commit(std::move(planned.expansion));
+  } else if (planned.consumer && !options_.masked_consumer && !plan.reuse_expansion) {
+    expansions_.Commit(std::move(planned.expansion));
   }
-  result.lengths = lengths;
+  planned.result.lengths = planned.lengths;
   ++stats_.steps;
   ++(plan.sharded ? stats_.steps_sharded : stats_.steps_unsharded);
-  stats_.collective_us_total += double(ranks_[0]->last_collective_ns) / 1000.0;
-  stats_.collectives_total += uint64_t(ranks_[0]->last_collectives);
-  stats_.rows_scored += uint64_t(num_rows);
+  stats_.collective_us_total += double(ranks_[0]->last_step().collective_ns) / 1000.0;
+  stats_.collectives_total += uint64_t(ranks_[0]->last_step().collectives);
+  stats_.rows_scored += uint64_t(plan.num_rows);
   SampleDeviceMemory();
-  last_phases_.commit_ns = Nanos(Clock::now() - joined);
-  return result;
+}
+
+// The test hook (InjectFault, DI_INJECT_FAULT) into the plan of the step it names.
+void ExecutorImpl::TakeInjectedFault(StepPlan& plan) {
+  if (fault_.rank < 0 || steps_to_ranks_ != fault_.step) return;
+  plan.fault_rank = fault_.rank;
+  plan.fault = fault_.pause    ? StepPlan::Fault::kPause
+               : fault_.hang   ? StepPlan::Fault::kHang
+               : fault_.device ? StepPlan::Fault::kDevice
+                               : StepPlan::Fault::kError;
+  plan.fault_pause = std::move(fault_.pause);
+  fault_ = FaultInjection{};  // once
 }
 
 absl::StatusOr<int64_t> ExecutorImpl::TruncateSequence(uint64_t sequence_id, int64_t length,
@@ -1266,7 +962,7 @@ absl::StatusOr<SequenceImage> ExecutorImpl::ExportSequence(uint64_t sequence_id)
   lock.unlock();
   absl::Status status = FirstError(RunOnAllRanks([&](Rank& rank) -> absl::Status {
     if (rank.index() != 0) return absl::OkStatus();
-    if (absl::Status st = JoinExpansion(rank); !st.ok()) return st;
+    if (absl::Status st = rank.overlap().Join(); !st.ok()) return st;
     for (size_t pool = 0; pool < s.caches.size(); ++pool) {
       const kernels::CacheView& cache = rank.buffers().caches[pool];
       const int64_t bytes = cache.geometry.page_bytes();
@@ -1418,7 +1114,7 @@ absl::Status ExecutorImpl::ImportSequence(uint64_t sequence_id, const SequenceIm
   }
   lock.unlock();
   absl::Status status = FirstError(RunOnAllRanks([&](Rank& rank) -> absl::Status {
-    if (absl::Status st = JoinExpansion(rank); !st.ok()) return st;
+    if (absl::Status st = rank.overlap().Join(); !st.ok()) return st;
     for (size_t pool = 0; pool < pages.size(); ++pool) {
       const kernels::CacheView& cache = rank.buffers().caches[pool];
       const int64_t bytes = cache.geometry.page_bytes();
@@ -1618,11 +1314,11 @@ std::vector<RankStepTimes> LastRankStepTimes(const Executor& executor) {
   std::vector<RankStepTimes> out;
   // Written by the rank threads inside a step; read between steps.
   for (const auto& r : e.ranks_) {
-    const Rank::Phases& ph = r->last_phases;
+    const Rank::Phases& ph = r->last_step().phases;
     const absl::StatusOr<double> scoring =
-        r->last_graph_replayed ? absl::StatusOr<double>(-1.0) : r->backend().LastScoringUs();
-    out.push_back({r->last_score_ns, r->last_collective_ns, ph.uploads_ns, ph.launch_ns,
-                   ph.copies_ns, ph.wait_ns, scoring.ok() ? *scoring : -1.0});
+        r->last_step().graph_replayed ? absl::StatusOr<double>(-1.0) : r->backend().LastScoringUs();
+    out.push_back({r->last_step().score_ns, r->last_step().collective_ns, ph.uploads_ns,
+                   ph.launch_ns, ph.copies_ns, ph.wait_ns, scoring.ok() ? *scoring : -1.0});
   }
   return out;
 }

@@ -32,7 +32,7 @@ Rank::~Rank() {
     cv_.notify_all();
     thread_.join();
   }
-  if (fork_pending) (void)backend_->JoinExpand();
+  if (overlap_.has_value()) (void)overlap_->Join();
   (void)backend_->Synchronize();
   for (void* p : allocations_) backend_->Free(p);
   if (arena_.base != nullptr) {
@@ -43,30 +43,6 @@ Rank::~Rank() {
     }
   }
   if (readback_.base != nullptr) backend_->FreeHost(readback_.base);
-}
-
-int32_t BucketRowLength(int32_t length, int64_t cap) {
-  int64_t bucket = 4096;
-  // Four buckets per power of two: 2^k * {5, 6, 7, 8} / 4.
-  for (int64_t pow2 = 4096; bucket < length; pow2 *= 2) {
-    for (int64_t m = 5; m <= 8 && bucket < length; ++m) bucket = pow2 * m / 4;
-  }
-  return static_cast<int32_t>(std::max<int64_t>(length, std::min<int64_t>(bucket, cap)));
-}
-
-StepGraphs::Use StepGraphs::Next(const StepShape& shape, Entry** entry) {
-  auto it = entries_.find(shape);
-  if (it == entries_.end()) {
-    if (entries_.size() >= kMaxShapes) return Use::kEager;
-    it = entries_.emplace(shape, Entry{}).first;
-    it->second.key = next_key_++;
-  }
-  Entry& e = it->second;
-  *entry = &e;
-  ++e.sightings;
-  if (e.captured) return Use::kReplay;
-  if (e.failed || e.sightings < 2) return Use::kEager;
-  return Use::kCapture;
 }
 
 template <typename T>
@@ -163,6 +139,22 @@ absl::Status Rank::Allocate() {
   if (!s.inv_freq.empty()) {
     absl::Status st =
         backend_->CopyToDevice(b.inv_freq, s.inv_freq.data(), s.inv_freq.size() * sizeof(double));
+    if (st.ok()) st = backend_->Synchronize();
+    if (!st.ok()) return st;
+  }
+  kernels::ExpandArgs expand;
+  expand.candidates = b.candidates;
+  expand.row_length = b.row_length;
+  expand.num_candidate_blocks = s.num_candidate_blocks;
+  expand.candidate_block_size = s.candidate_block_size;
+  expand.out.positions = b.expansion_positions;
+  expand.out.counts = b.expansion_counts;
+  expand.out.max_positions = s.num_candidate_blocks * s.candidate_block_size;
+  overlap_.emplace(*backend_, expand);
+  // The side stream's first fork and join from here, an eager point before any step (and any
+  // graph capture), where the profile has candidate layers.
+  if (s.num_candidate_blocks > 0) {
+    absl::Status st = overlap_->Warm();
     if (st.ok()) st = backend_->Synchronize();
     if (!st.ok()) return st;
   }

@@ -7,16 +7,17 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
-#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "decode_indexer/kernels/backend.h"
+#include "server/exec/candidate_overlap.h"
+#include "server/exec/step_graphs.h"
 
 namespace decode_indexer::exec {
 
@@ -43,58 +44,6 @@ struct RankSizes {
   bool step_graphs = false;
   // ExecutorOptions::pinned_staging: stage uploads in page-locked memory on a GPU backend.
   bool pinned_staging = false;
-};
-
-// What changes the launches of a step's kernel section (rope_quant_q and the scoring call):
-// two steps with equal shapes make the same launches with the same pointers and sizes, so
-// the second may capture them and later ones replay the graph (seed: warm). Pointers are a
-// function of these fields, since every staging buffer is fixed at start-up.
-struct StepShape {
-  int32_t pool = 0;
-  int32_t role = 0;
-  bool masked = false;
-  bool candidates = false;  // a source writing candidates
-  int32_t range_start = 0;  // this rank's rows
-  int32_t rows = 0;
-  int32_t requests = 0;
-  int32_t q_type = 0;
-  bool positions = false;
-  bool hadamard = false;
-  int32_t max_row_length = 0;    // bucketed (BucketRowLength)
-  int32_t rows_per_request = 0;  // RowBatch::rows_per_request: picks the kernels' pass width
-  auto Tie() const {
-    return std::tie(pool, role, masked, candidates, range_start, rows, requests, q_type, positions,
-                    hadamard, max_row_length, rows_per_request);
-  }
-  bool operator<(const StepShape& o) const { return Tie() < o.Tie(); }
-};
-
-// The host bound on a step's row lengths as the kernels see it when graphs are on: rounded up
-// to a bucket, so that a step whose longest row grew by a few tokens replays the same graph.
-// Buckets: 4096, then four per power of two (5120, 6144, 7168, 8192, 10240, ...), capped at
-// `cap` (the backend's limit). The kernels read each row's own length; the bound only sizes
-// grids and workspaces, so the answer does not depend on it.
-int32_t BucketRowLength(int32_t length, int64_t cap);
-
-// The rank's step graphs: per shape, how often it was seen and the graph's key once captured.
-class StepGraphs {
- public:
-  enum class Use { kEager, kCapture, kReplay };
-  struct Entry {
-    uint64_t key = 0;
-    int32_t sightings = 0;
-    bool captured = false;
-    bool failed = false;  // capture failed once: this shape stays eager
-  };
-  // Notes a sighting and says what to do: the first sighting runs eager (and creates every
-  // workspace and per-device kernel attribute), the second captures, later ones replay.
-  Use Next(const StepShape& shape, Entry** entry);
-
- private:
-  // A bound on distinct shapes kept (each holds an instantiated graph on the device).
-  static constexpr size_t kMaxShapes = 1024;
-  std::map<StepShape, Entry> entries_;
-  uint64_t next_key_ = 1;
 };
 
 // Page-locked host staging (Backend::AllocateHost) for one step's uploads, used front to back
@@ -157,17 +106,8 @@ class Rank {
   kernels::Backend& backend() { return *backend_; }
   const RankSizes& sizes() const { return sizes_; }
   RankBuffers& buffers() { return buffers_; }
-  // Whether a ForkExpand is in flight on the side stream (JoinExpand not yet called).
-  bool fork_pending = false;
-  // Time the last decode step spent in its collectives (agreement and all-gathers, after the
-  // rank's own work had finished): the all-gather's share of a step.
-  int64_t last_collective_ns = 0;
-  // Collective calls (agreements and all-gathers) the last decode step made on this rank: a
-  // count, so tests can tell whether a step ran a collective without reading a clock.
-  int64_t last_collectives = 0;
-  // Time the last decode step spent before its collectives: uploads, keys, q prep and scoring,
-  // up to the rank's own work finishing (the whole step when unsharded).
-  int64_t last_score_ns = 0;
+  // The rank's side of CandidateOverlap: the expansion's fork and join on the side stream.
+  CandidateOverlap& overlap() { return *overlap_; }
   // Where the last decode step's time went on this rank's thread (ns, host clock), in order:
   // the uploads and key inserts issued, the kernel section issued (eager or a graph replay),
   // the answer copies issued (after any collective), and the final wait for the device.
@@ -177,10 +117,36 @@ class Rank {
     int64_t copies_ns = 0;
     int64_t wait_ns = 0;
   };
-  Phases last_phases;
-  // What the last decode step's kernel section did: captured a graph, replayed one.
-  bool last_graph_captured = false;
-  bool last_graph_replayed = false;
+  // The last step's deferred answer rows (StepPlan::defer_topk / defer_candidates), in this
+  // rank's readback space until its next step: `elems` int32 of the top-k (or candidates)
+  // answer starting at element `elem_offset`.
+  struct ReadbackPiece {
+    bool candidates = false;
+    int64_t elem_offset = 0;
+    const int32_t* data = nullptr;
+    size_t elems = 0;
+  };
+  // What the rank's last decode step did: written by the step's code on this rank
+  // (decode_rows.cc, step_graphs.cc, step_io.h) through step_record(), read by the executor
+  // after the join through last_step().
+  struct StepRecord {
+    // Time spent in its collectives (agreement and all-gathers, after the rank's own work had
+    // finished): the all-gather's share of a step.
+    int64_t collective_ns = 0;
+    // Collective calls (agreements and all-gathers) it made: a count, so tests can tell
+    // whether a step ran a collective without reading a clock.
+    int64_t collectives = 0;
+    // Time spent before its collectives: uploads, keys, q prep and scoring, up to the rank's
+    // own work finishing (the whole step when unsharded).
+    int64_t score_ns = 0;
+    Phases phases;
+    // What its kernel section did: captured a graph, replayed one.
+    bool graph_captured = false;
+    bool graph_replayed = false;
+    std::vector<ReadbackPiece> readback;
+  };
+  const StepRecord& last_step() const { return last_step_; }
+  StepRecord& step_record() { return last_step_; }
 
   // Whether this rank replays step graphs (the option and a backend that has them).
   bool graphs_enabled() const { return graphs_enabled_; }
@@ -193,17 +159,6 @@ class Rank {
   // Host landing word of RankBuffers::value_flags (in the readback space where it is
   // page-locked).
   uint32_t* value_flags_host() { return value_flags_host_; }
-  // The last step's deferred answer rows (StepPlan::defer_topk / defer_candidates), in this
-  // rank's readback space until its next step: `elems` int32 of the top-k (or candidates)
-  // answer starting at element `elem_offset`.
-  struct ReadbackPiece {
-    bool candidates = false;
-    int64_t elem_offset = 0;
-    const int32_t* data = nullptr;
-    size_t elems = 0;
-  };
-  std::vector<ReadbackPiece> last_readback;
-
   // Job handoff: Start hands the job to the rank's thread (rank 0, which has none, runs it
   // before returning); Wait returns its status.
   void Start(const Job* job);
@@ -221,12 +176,14 @@ class Rank {
   RankSizes sizes_;
   RankBuffers buffers_;
   std::vector<void*> allocations_;
+  std::optional<CandidateOverlap> overlap_;  // made once the buffers exist
   bool graphs_enabled_ = false;
   StepGraphs graphs_;
   HostArena arena_;
   HostArena readback_;
   uint32_t* value_flags_host_ = nullptr;
   uint32_t value_flags_plain_ = 0;
+  StepRecord last_step_;
 
   // The hand-off: job_, done_ and stop_ change under mu_ (with a notify), so a waiter that
   // sleeps on cv_ never misses one; they are atomics so that a waiter may first spin on them

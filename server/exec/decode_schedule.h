@@ -1,0 +1,49 @@
+// decode_schedule: what a rank scores in a step and in which order. A dense layer and a
+// candidate source score dense logits + top-k (a source also selects its candidate blocks);
+// a consumer first gathers its source's candidates from the store and has CandidateOverlap's
+// expansion of them (forked by the source, or built inline here: the seed's decode_schedule),
+// then scores sparse over the expansion (or, masked, dense logits with the candidate mask).
+// The eager part (DecodeSchedule) runs before the kernel section; the scoring call
+// (ScoringCall) is the kernel section's last launch, replayed from a graph with it.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "decode_indexer/kernels/backend.h"
+#include "server/exec/rank.h"
+#include "server/exec/row_shard.h"
+#include "server/exec/step_graphs.h"
+#include "server/exec/step_io.h"
+#include "server/exec/step_types.h"
+
+namespace decode_indexer::exec {
+
+// The step's rows between the rank's candidate buffer and the per-sequence candidate store
+// (rows plan.store_rows): a source scatters its new candidates into the store, a consumer
+// gathers its source's from it.
+absl::Status CopyStoreRows(Rank& rank, Staging& staging, const StepPlan& plan, bool into_store);
+
+// A consumer's eager schedule before its kernel section: the source's candidates for the
+// step's rows (unless the expansion already holds them and the consumer is sparse) and their
+// expansion inline (fork and join: outside any graph). Nothing for the other roles.
+absl::Status DecodeSchedule(Rank& rank, Staging& staging, const StepPlan& plan);
+
+// The scoring call of the rank's rows [range): the kernel for the layer's role with its
+// arguments, and the shape that keys the kernel section's graph (step_graphs.h).
+class ScoringCall {
+ public:
+  ScoringCall(Rank& rank, const StepPlan& plan, RowRange range, const QRows& q);
+  // DenseTopK, SparseTopK or MaskedTopK on the rank's backend.
+  absl::Status Launch(kernels::Backend& backend) const;
+  const StepShape& shape() const { return shape_; }
+
+ private:
+  enum class Kernel { kDense, kSparse, kMasked } kernel_ = Kernel::kDense;
+  kernels::DenseArgs dense_;
+  kernels::SparseArgs sparse_;
+  kernels::MaskedArgs masked_;
+  StepShape shape_;
+};
+
+}  // namespace decode_indexer::exec

@@ -1,0 +1,78 @@
+// step_graphs: a rank's kernel section (rope_quant_q and the scoring call) replayed from a
+// captured graph per step shape (seed: warm, then capture). Two steps with equal shapes make
+// the same launches with the same pointers and sizes, since every staging buffer is fixed at
+// start-up: the first sighting of a shape runs eagerly (and creates every workspace), the
+// second captures, later ones replay. Only where the backend has graphs (CUDA).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <tuple>
+
+#include "absl/status/status.h"
+
+namespace decode_indexer::exec {
+
+class Rank;
+
+// What changes the launches of a step's kernel section (rope_quant_q and the scoring call):
+// two steps with equal shapes make the same launches with the same pointers and sizes, so
+// the second may capture them and later ones replay the graph (seed: warm). Pointers are a
+// function of these fields, since every staging buffer is fixed at start-up.
+struct StepShape {
+  int32_t pool = 0;
+  int32_t role = 0;
+  bool masked = false;
+  bool candidates = false;  // a source writing candidates
+  int32_t range_start = 0;  // this rank's rows
+  int32_t rows = 0;
+  int32_t requests = 0;
+  int32_t q_type = 0;
+  bool positions = false;
+  bool hadamard = false;
+  int32_t max_row_length = 0;    // bucketed (BucketRowLength)
+  int32_t rows_per_request = 0;  // RowBatch::rows_per_request: picks the kernels' pass width
+  auto Tie() const {
+    return std::tie(pool, role, masked, candidates, range_start, rows, requests, q_type, positions,
+                    hadamard, max_row_length, rows_per_request);
+  }
+  bool operator<(const StepShape& o) const { return Tie() < o.Tie(); }
+};
+
+// The host bound on a step's row lengths as the kernels see it when graphs are on: rounded up
+// to a bucket, so that a step whose longest row grew by a few tokens replays the same graph.
+// Buckets: 4096, then four per power of two (5120, 6144, 7168, 8192, 10240, ...), capped at
+// `cap` (the backend's limit). The kernels read each row's own length; the bound only sizes
+// grids and workspaces, so the answer does not depend on it.
+int32_t BucketRowLength(int32_t length, int64_t cap);
+
+// The rank's step graphs: per shape, how often it was seen and the graph's key once captured.
+class StepGraphs {
+ public:
+  enum class Use { kEager, kCapture, kReplay };
+  struct Entry {
+    uint64_t key = 0;
+    int32_t sightings = 0;
+    bool captured = false;
+    bool failed = false;  // capture failed once: this shape stays eager
+  };
+  // Notes a sighting and says what to do: the first sighting runs eager (and creates every
+  // workspace and per-device kernel attribute), the second captures, later ones replay.
+  Use Next(const StepShape& shape, Entry** entry);
+
+ private:
+  // A bound on distinct shapes kept (each holds an instantiated graph on the device).
+  static constexpr size_t kMaxShapes = 1024;
+  std::map<StepShape, Entry> entries_;
+  uint64_t next_key_ = 1;
+};
+
+// Runs the step's kernel section `launch` through the rank's step graphs: eager at a shape's
+// first sighting (or where the rank has no graphs), captured at its second, replayed after.
+// A capture that fails (an unsupported call while capturing) leaves the stream as it was: the
+// shape stays eager and the section runs eagerly now.
+absl::Status RunKernelSection(Rank& rank, const StepShape& shape,
+                              const std::function<absl::Status()>& launch);
+
+}  // namespace decode_indexer::exec

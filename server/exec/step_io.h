@@ -1,0 +1,166 @@
+// A rank's step I/O: the host staging its uploads go through (Staging), the device-to-host
+// copies of its answer rows (Readback), and the uploads of a step's inputs: the row tables,
+// the resident page tables' edits, the requests' slots (UploadStepRows) and q of the rank's
+// rows (UploadQ, with the device-side value check of a device-resident q).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "decode_indexer/kernels/backend.h"
+#include "server/exec/bulk_copy.h"
+#include "server/exec/page_table_mirror.h"
+#include "server/exec/rank.h"
+#include "server/exec/row_shard.h"
+#include "server/exec/step_types.h"
+
+namespace decode_indexer::exec {
+
+// Host staging for one step's uploads (the rank's HostArena, page-locked on a GPU backend
+// unless pinned staging is off). Upload copies the bytes into the arena first, so the device
+// copy is a true asynchronous DMA that never waits for the stream; with a plain arena it
+// copies straight from the source, as before. Reserve hands out arena space; when a step has
+// used it all (only a step with more keys than one staging chunk) it waits for the copies
+// queued so far, which read the arena, before reusing it. Every step starts with an empty
+// arena: the previous one ended in a Synchronize.
+class Staging {
+ public:
+  explicit Staging(Rank& rank) : be_(rank.backend()), arena_(rank.host_arena()) { arena_.used = 0; }
+
+  absl::StatusOr<uint8_t*> Reserve(size_t bytes) {
+    const size_t aligned = (bytes + 63) / 64 * 64;
+    if (aligned > arena_.capacity) {
+      return absl::InternalError(absl::StrCat("host staging of ", bytes, " bytes exceeds the ",
+                                              arena_.capacity, "-byte arena"));
+    }
+    if (arena_.used + aligned > arena_.capacity) {
+      if (absl::Status s = be_.Synchronize(); !s.ok()) return s;
+      arena_.used = 0;
+    }
+    uint8_t* p = arena_.base + arena_.used;
+    arena_.used += aligned;
+    return p;
+  }
+
+  absl::Status Upload(void* dst, const void* src, size_t bytes) {
+    if (bytes == 0) return absl::OkStatus();
+    if (!arena_.pinned) return be_.CopyToDevice(dst, src, bytes);
+    return UploadStaged(dst, src, bytes);
+  }
+  // From device memory (QInput::on_device): a copy on the device.
+  absl::Status UploadFromDevice(void* dst, const void* src, size_t bytes) {
+    if (bytes == 0) return absl::OkStatus();
+    return be_.CopyDeviceToDevice(dst, src, bytes);
+  }
+  // Upload from memory that is page-locked already (StepInput::host_memory_page_locked):
+  // a direct DMA, no staging copy.
+  absl::Status UploadPageLocked(void* dst, const void* src, size_t bytes) {
+    if (bytes == 0) return absl::OkStatus();
+    return be_.CopyToDevice(dst, src, bytes);
+  }
+
+ private:
+  absl::Status UploadStaged(void* dst, const void* src, size_t bytes) {
+    absl::StatusOr<uint8_t*> host = Reserve(bytes);
+    if (!host.ok()) return host.status();
+    BulkCopy(*host, src, bytes);
+    return be_.CopyToDevice(dst, *host, bytes);
+  }
+
+  kernels::Backend& be_;
+  HostArena& arena_;
+};
+
+// The step's device-to-host answer copies. To pageable memory (a gRPC response) the driver
+// bounces a copy through its own buffer in pieces, each waiting for the stream; so the copy
+// lands in the rank's page-locked readback space (one DMA) and Finish, after the step's
+// Synchronize, moves it on with a memcpy (each rank its own rows, in parallel). Page-locked
+// destinations, and ranks without readback space, copy directly. Deferred answers (the
+// executor's own vectors: StepPlan::defer_topk / defer_candidates) stay in the readback space
+// and Finish hands them to the executor (Rank::StepRecord::readback).
+class Readback {
+ public:
+  enum class Answer { kTopK, kCandidates };
+
+  Readback(Rank& rank, const StepPlan& plan)
+      : rank_(rank), be_(rank.backend()), space_(rank.readback()), plan_(plan) {
+    space_.used = 0;
+    rank_.step_record().readback.clear();
+  }
+
+  // `bytes` of answer `which` from element `elem_offset` on.
+  absl::Status Copy(Answer which, int64_t elem_offset, const int32_t* src, size_t bytes) {
+    if (bytes == 0) return absl::OkStatus();
+    const bool candidates = which == Answer::kCandidates;
+    const bool defer = candidates ? plan_.defer_candidates : plan_.defer_topk;
+    int32_t* dst = defer ? nullptr : (candidates ? plan_.candidates_out : plan_.topk_out);
+    const size_t aligned = (bytes + 63) / 64 * 64;
+    const bool fits = space_.pinned && space_.used + aligned <= space_.capacity;
+    const bool page_locked = candidates ? plan_.candidates_page_locked : plan_.topk_page_locked;
+    if (!defer && (page_locked || !fits)) {
+      return be_.CopyToHost(dst + elem_offset, src, bytes);
+    }
+    if (!fits) {  // the executor defers only where every rank has room for every row
+      return absl::InternalError("a deferred answer does not fit the readback space");
+    }
+    uint8_t* landing = space_.base + space_.used;
+    space_.used += aligned;
+    if (absl::Status s = be_.CopyToHost(landing, src, bytes); !s.ok()) return s;
+    pending_.push_back({candidates, elem_offset, dst == nullptr ? nullptr : dst + elem_offset,
+                        reinterpret_cast<const int32_t*>(landing), bytes});
+    return absl::OkStatus();
+  }
+
+  // After the Synchronize that completed the copies.
+  void Finish() {
+    for (const Pending& p : pending_) {
+      if (p.dst != nullptr) {
+        BulkCopy(p.dst, p.landing, p.bytes);
+      } else {
+        rank_.step_record().readback.push_back(
+            {p.candidates, p.elem_offset, p.landing, p.bytes / sizeof(int32_t)});
+      }
+    }
+    pending_.clear();
+  }
+
+ private:
+  struct Pending {
+    bool candidates;
+    int64_t elem_offset;
+    int32_t* dst;  // null: deferred
+    const int32_t* landing;
+    size_t bytes;
+  };
+  Rank& rank_;
+  kernels::Backend& be_;
+  HostArena& space_;
+  const StepPlan& plan_;
+  std::vector<Pending> pending_;
+};
+
+// The step's row tables (row_request, row_length), the pool's resident page-table edits (those
+// recorded since a job last applied them, then the step's own) and the requests' sequence
+// slots. Every rank keeps every pool's resident table in step, whatever rows it scores.
+absl::Status UploadStepRows(Rank& rank, Staging& staging, const StepPlan& plan);
+
+// q of the rank's rows [range), uploaded at the rows' own offsets in the rank's buffers: what
+// the kernel section reads (view), and for unquantized q (f32 / bf16) the rope_quant_q call
+// that RoPEs, quantizes and folds it there (prep). Device-resident q (QInput::on_device) is
+// checked on the device; DeviceInputsStatus reads the flag word after the step's Synchronize.
+struct QRows {
+  bool unquantized = false;  // rope_quant_q runs first
+  kernels::QPrepArgs prep;
+  kernels::QView view;
+};
+absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range);
+
+// The device check's flag word (QInput::on_device) as the step's status: INVALID_ARGUMENT
+// naming the field at fault, or OK.
+absl::Status DeviceInputsStatus(uint32_t flags);
+
+}  // namespace decode_indexer::exec
