@@ -6,7 +6,9 @@ layer's new key made by torch on the GPU (torch.randn, seeded by token and layer
 e4m3) and copied to the host (into the shared-memory / ring views where the path has them), one
 indexer call, the answer copied back to the GPU, a stand-in attention in torch (a gather of 16
 bytes of a device buffer at each top-k index and a sum). Paths: unary, stream, shm, fast_path
-(the step ring); the baseline is the loop without the indexer call (q production and the
+(the step ring), and unary_cuda / fast_path_cuda (q, weights and the answer as torch CUDA
+tensors in a registered CUDA IPC buffer, Client.cuda_buffer: only offsets cross; GPU only);
+the baseline is the loop without the indexer call (q production and the
 stand-in attention over a fixed index tensor). Without a GPU torch runs on the CPU (the smoke
 form), and without torch NumPy makes the inputs.
 
@@ -46,7 +48,7 @@ def main():
     ap.add_argument('--tokens', type=int, default=20)
     ap.add_argument('--warmup', type=int, default=3)
     ap.add_argument('--first-id', type=int, default=7000000)
-    ap.add_argument('--paths', default='unary,stream,shm,fast_path')
+    ap.add_argument('--paths', default='unary,stream,shm,fast_path,unary_cuda,fast_path_cuda')
     ap.add_argument('--json', default='')
     ap.add_argument('--client-path', default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                           '..', '..', 'client', 'python'))
@@ -159,10 +161,18 @@ def main():
             region = client.shared_memory(R * H * D + R * H * 4 + R * K * 4 + (1 << 16))
             views = (region.alloc((R, H, D), np.uint8), region.alloc((R, H), np.float32),
                      region.alloc((R, K), np.int32))
-        if path == 'fast_path':
+        if path in ('fast_path', 'fast_path_cuda'):
             ring = client.fast_path(data_bytes=R * H * D + R * H * 4 + R * D + R * 4 + R * K * 4 + (1 << 16))
             views = (ring.alloc((R, H, D), np.uint8), ring.alloc((R, H), np.float32), ring.alloc((R, K), np.int32),
                      ring.alloc((R, D), np.uint8), ring.alloc(R, np.float32))
+        cuda = None  # *_cuda: q, weights and the answer in a registered torch CUDA buffer
+        if path.endswith('_cuda'):
+            if not gpu:
+                print(f'# {path:12} skipped: needs torch with CUDA', flush=True)
+                return None
+            cuda = client.cuda_buffer(R * H * D + R * H * 4 + R * K * 4 + (1 << 12))
+            cviews = (cuda.alloc((R, H, D), torch.uint8), cuda.alloc((R, H), torch.float32),
+                      cuda.alloc((R, K), torch.int32))
         times = []
         for tok in range(a.warmup + a.tokens):
             untimed = 0.0
@@ -172,6 +182,26 @@ def main():
                 q, w, k, ks = produce(tok, layer)
                 if path == 'baseline':
                     attention(layer, fixed)
+                    continue
+                if cuda is not None:
+                    # q and weights stay on the GPU (only offsets cross); the keys go through
+                    # the host (the ring's region, or the request); the answer lands on the GPU.
+                    cviews[0].copy_(q)
+                    cviews[1].copy_(w)
+                    qd, wd = di.typed(cviews[0], fp8), cviews[1]
+                    if path == 'fast_path_cuda':
+                        kh, ksh = to_host(k, views[3]), to_host(ks, views[4])
+                        r = ring.step(layer, ids, qd, wd, new_keys=di.typed(kh, fp8), new_key_scales=ksh,
+                                      new_keys_positions=positions, answer=cviews[2])
+                    else:
+                        kh, ksh = to_host(k), to_host(ks)
+                        r = client.decode_step_columnar(layer, ids, qd, wd, new_keys=di.typed(kh, fp8),
+                                                        new_key_scales=ksh, new_keys_positions=positions,
+                                                        answer=cviews[2])
+                    t_check = time.perf_counter()
+                    host_topk = r.topk.cpu().numpy()
+                    untimed += time.perf_counter() - t_check + check(path, tok, layer, host_topk)
+                    attention(layer, r.topk.long())
                     continue
                 if path == 'shm':
                     qh, wh = to_host(q, views[0]), to_host(w, views[1])
@@ -205,12 +235,16 @@ def main():
             region.close()
         if ring is not None:
             ring.close()
+        if cuda is not None:
+            cuda.close()
         print(f'# {path:12} token p50 {pct(times, 0.5):10.1f} us', flush=True)
         return times
 
     results = [('baseline', run('baseline'))]
     for p in [p for p in a.paths.split(',') if p]:
-        results.append((p, run(p)))
+        t = run(p)
+        if t is not None:
+            results.append((p, t))
     base = pct(results[0][1], 0.5)
     print('\n| path | token p50 us | token p90 us | tokens/s | overhead p50 us | overhead p90 us | overhead / layer us |')
     print('|---|---|---|---|---|---|---|')
