@@ -9,6 +9,25 @@ namespace decode_indexer::exec {
 
 using kernels::ElemType;
 
+namespace {
+
+// The insert of `count` keys of `type` staged in the rank's key / scale / slot buffers.
+absl::Status InsertStagedKeys(Rank& rank, int32_t pool, ElemType type, int32_t count,
+                              bool has_scales, bool hadamard) {
+  RankBuffers& b = rank.buffers();
+  kernels::KeyInsertArgs args;
+  args.cache = b.caches[pool];
+  args.num_keys = count;
+  args.key_type = type;
+  args.keys = b.keys;
+  args.key_scales = has_scales ? b.key_scales : nullptr;
+  args.slots = b.slots;
+  args.hadamard = hadamard;
+  return rank.backend().InsertKeys(args);
+}
+
+}  // namespace
+
 // The step's new keys (a few per sequence), gathered into one staging chunk per run of writes
 // of one key type: three copies and one InsertKeys call per chunk instead of per sequence.
 absl::Status InsertStepKeys(Rank& rank, Staging& staging, int32_t pool,
@@ -62,15 +81,7 @@ absl::Status InsertStepKeys(Rank& rank, Staging& staging, int32_t pool,
     DI_RETURN_IF_ERROR(be.CopyToDevice(b.keys, keys, size_t(total) * vb));
     if (sb > 0) DI_RETURN_IF_ERROR(be.CopyToDevice(b.key_scales, scales, size_t(total) * sb));
     DI_RETURN_IF_ERROR(be.CopyToDevice(b.slots, *slots, size_t(total) * sizeof(int64_t)));
-    kernels::KeyInsertArgs args;
-    args.cache = b.caches[pool];
-    args.num_keys = total;
-    args.key_type = type;
-    args.keys = b.keys;
-    args.key_scales = sb > 0 ? b.key_scales : nullptr;
-    args.slots = b.slots;
-    args.hadamard = hadamard;
-    DI_RETURN_IF_ERROR(be.InsertKeys(args));
+    DI_RETURN_IF_ERROR(InsertStagedKeys(rank, pool, type, total, sb > 0, hadamard));
   }
   return absl::OkStatus();
 }
@@ -125,15 +136,7 @@ absl::Status InsertKeysOnRank(Rank& rank, int32_t pool, const std::vector<KeyWri
             b.key_scales, static_cast<const uint8_t*>(w.scales) + done * sb, c * sb));
       }
       DI_RETURN_IF_ERROR(be.CopyToDevice(b.slots, w.slots + done, c * sizeof(int64_t)));
-      kernels::KeyInsertArgs args;
-      args.cache = b.caches[pool];
-      args.num_keys = c;
-      args.key_type = w.type;
-      args.keys = b.keys;
-      args.key_scales = sb > 0 ? b.key_scales : nullptr;
-      args.slots = b.slots;
-      args.hadamard = hadamard;
-      DI_RETURN_IF_ERROR(be.InsertKeys(args));
+      DI_RETURN_IF_ERROR(InsertStagedKeys(rank, pool, w.type, c, sb > 0, hadamard));
     }
   }
   return absl::OkStatus();
@@ -169,15 +172,7 @@ absl::Status BroadcastInsertKeysOnRank(Rank& rank, int32_t pool,
       if (sb > 0) {
         DI_RETURN_IF_ERROR(collective.Broadcast(rank.index(), b.key_scales, size_t(c) * sb));
       }
-      kernels::KeyInsertArgs args;
-      args.cache = b.caches[pool];
-      args.num_keys = c;
-      args.key_type = w.type;
-      args.keys = b.keys;
-      args.key_scales = sb > 0 ? b.key_scales : nullptr;
-      args.slots = b.slots;
-      args.hadamard = hadamard;
-      DI_RETURN_IF_ERROR(be.InsertKeys(args));
+      DI_RETURN_IF_ERROR(InsertStagedKeys(rank, pool, w.type, c, sb > 0, hadamard));
     }
   }
   return absl::OkStatus();

@@ -521,6 +521,23 @@ void MoveQToDevice(v1::DecodeStepRequest& req, std::vector<int32_t>& device, uin
   ci->set_candidates_offset((at + 4 * uint64_t(req.q().shape(0)) * 4096 + 15) / 16 * 16);
 }
 
+// The answer `req` left in `device` (and its candidate blocks, adopted by the oracle) against
+// the oracle's answer to `plain`, the same step with q inline.
+void ExpectBufferAnswer(const std::vector<int32_t>& device, const v1::DecodeStepRequest& req,
+                        const v1::DecodeStepRequest& plain, const OracleAnswer& want,
+                        ServiceOracle& oracle, const std::string& what) {
+  const int32_t* at = device.data() + req.cuda_ipc().answer_offset() / 4;
+  const std::vector<int32_t> answer(at, at + want.topk.size());
+  if (plain.return_candidates()) {
+    const int32_t* c = device.data() + req.cuda_ipc().candidates_offset() / 4;
+    const std::vector<int32_t> cand(c, c + want.candidates.size());
+    EXPECT_TRUE(want.Matches(answer, cand)) << what;
+    oracle.AdoptCandidates(plain, cand);
+  } else {
+    EXPECT_TRUE(want.Matches(answer)) << what;
+  }
+}
+
 // q read from the client's device buffer (cuda_ipc.q_offset): the answers the same step gets
 // with q inline; a NaN / Inf there (checked on the device) fails the step naming the field and
 // commits nothing; wrong offsets and forms are named before anything runs.
@@ -535,10 +552,6 @@ TEST_P(CudaIpcPlumbingTest, QFromTheRegisteredBufferAnswersAsInline) {
   ASSERT_NE(region, 0u);
 
   uint64_t step_id = 1;
-  auto answer_at = [&](const v1::DecodeStepRequest& req, size_t n) {
-    const int32_t* at = device.data() + req.cuda_ipc().answer_offset() / 4;
-    return std::vector<int32_t>(at, at + n);
-  };
   // Every layer (FP8 and FP4 caches, dense, source, consumer), quantized and fp32 q, 1-2 rows.
   // A consumer reads its source's rows of the same step shape: one next_n per pass.
   int pass = 0;
@@ -554,15 +567,8 @@ TEST_P(CudaIpcPlumbingTest, QFromTheRegisteredBufferAnswersAsInline) {
       absl::StatusOr<OracleAnswer> want = oracle.Step(plain);
       ASSERT_TRUE(want.ok()) << want.status();
       EXPECT_EQ(got->lengths, want->lengths);
-      const std::vector<int32_t> answer = answer_at(req, want->topk.size());
-      if (plain.return_candidates()) {
-        const int32_t* c = device.data() + req.cuda_ipc().candidates_offset() / 4;
-        const std::vector<int32_t> cand(c, c + want->candidates.size());
-        EXPECT_TRUE(want->Matches(answer, cand)) << "layer " << layer;
-        oracle.AdoptCandidates(plain, cand);
-      } else {
-        EXPECT_TRUE(want->Matches(answer)) << "layer " << layer << " form " << int(form);
-      }
+      ExpectBufferAnswer(device, req, plain, *want, oracle,
+                         absl::StrCat("layer ", layer, " form ", int(form)));
     }
   }
 
@@ -674,16 +680,7 @@ TEST_P(CudaIpcPlumbingTest, EventsOrderTheBufferOnTheDevice) {
       const std::vector<std::pair<int, std::string>> entries = log_.Take();
       absl::StatusOr<OracleAnswer> want = oracle.Step(plain);
       ASSERT_TRUE(want.ok()) << want.status();
-      const int32_t* at = device.data() + req.cuda_ipc().answer_offset() / 4;
-      const std::vector<int32_t> answer(at, at + want->topk.size());
-      if (plain.return_candidates()) {
-        const int32_t* c = device.data() + req.cuda_ipc().candidates_offset() / 4;
-        const std::vector<int32_t> cand(c, c + want->candidates.size());
-        EXPECT_TRUE(want->Matches(answer, cand)) << "layer " << layer;
-        oracle.AdoptCandidates(plain, cand);
-      } else {
-        EXPECT_TRUE(want->Matches(answer)) << "layer " << layer;
-      }
+      ExpectBufferAnswer(device, req, plain, *want, oracle, absl::StrCat("layer ", layer));
       for (int r = 0; r < ranks; ++r) {
         int waits = 0, records = 0, reads = 0, writes = 0;
         for (const auto& [rank, what] : entries) {
