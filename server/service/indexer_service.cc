@@ -963,8 +963,10 @@ absl::Status IndexerService::DoRegisterCudaIpcMemory(
                                                    " bytes (a cudaIpcMemHandle_t), got ",
                                                    request.handle().size()));
   }
-  for (const auto& [field, handle] : {std::pair{"inputs_event", &request.inputs_event()},
-                                      std::pair{"answer_event", &request.answer_event()}}) {
+  // The optional events (cuda_ipc.wait_inputs_event / record_answer_event use them).
+  const std::pair<const char*, const std::string*> event_handles[2] = {
+      {"inputs_event", &request.inputs_event()}, {"answer_event", &request.answer_event()}};
+  for (const auto& [field, handle] : event_handles) {
     if (!handle->empty() && handle->size() != kCudaIpcHandleBytes) {
       return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", kCudaIpcHandleBytes,
                                                      " bytes (a cudaIpcEventHandle_t), got ",
@@ -998,30 +1000,26 @@ absl::Status IndexerService::DoRegisterCudaIpcMemory(
         executor_.WithAnswerBackend([ptr](kernels::Backend& be) { return be.CloseIpcMemory(ptr); });
     if (!c.ok()) spdlog::warn("cuda ipc: closing a region: {}", c.ToString());
   });
-  // The events, opened in the same backend; on a failure the region (and what was opened)
-  // closes as it goes out of scope, and nothing is registered.
+  // The events, opened in the same backend and handed to the region as each opens: on a
+  // failure the region (and what it holds) closes as it goes out of scope, nothing registered.
   void* events[2] = {nullptr, nullptr};
-  const std::string* handles[2] = {&request.inputs_event(), &request.answer_event()};
-  const char* fields[2] = {"inputs_event", "answer_event"};
   auto close_event = [this](void* event) {
     absl::Status c = executor_.WithAnswerBackend(
         [event](kernels::Backend& be) { return be.CloseIpcEvent(event); });
     if (!c.ok()) spdlog::warn("cuda ipc: closing an event: {}", c.ToString());
   };
   for (int i = 0; i < 2; ++i) {
-    if (handles[i]->empty()) continue;
+    const auto& [field, handle] = event_handles[i];
+    if (handle->empty()) continue;
     absl::Status e = executor_.WithAnswerBackend([&](kernels::Backend& be) -> absl::Status {
-      absl::StatusOr<void*> event = be.OpenIpcEvent(*handles[i], request.device());
+      absl::StatusOr<void*> event = be.OpenIpcEvent(*handle, request.device());
       if (!event.ok()) return event.status();
       events[i] = *event;
       return absl::OkStatus();
     });
-    if (!e.ok()) {
-      region->SetEvents(events[0], events[1], close_event);
-      return absl::Status(e.code(), absl::StrCat(fields[i], ": ", e.message()));
-    }
+    if (!e.ok()) return absl::Status(e.code(), absl::StrCat(field, ": ", e.message()));
+    region->SetEvents(events[0], events[1], close_event);
   }
-  region->SetEvents(events[0], events[1], close_event);
   absl::StatusOr<uint64_t> id = cuda_ipc_.Add(std::move(region));
   if (!id.ok()) return id.status();
   response.set_region_id(*id);
