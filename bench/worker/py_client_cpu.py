@@ -126,6 +126,8 @@ def main() -> int:
                     help="comma-separated, of: ring, ring staged, unary, stream")
     ap.add_argument("--cprofile", type=int, default=0,
                     help="calls of each path to run under cProfile (0: none)")
+    ap.add_argument("--grpc-option", action="append", default=[], metavar="NAME=INT",
+                    help="a channel option for the client (repeatable)")
     ap.add_argument("--client-path", help="the client package's directory (default: this "
                     "checkout's client/python)")
     ap.add_argument("--json", help="also write the figures as JSON here (- for stdout)")
@@ -146,7 +148,8 @@ def main() -> int:
 
 
 def run(target: str, sock: str | None, args: argparse.Namespace) -> int:
-    c = di.Client(target, timeout=60)
+    options = [(o.split("=", 1)[0], int(o.split("=", 1)[1])) for o in args.grpc_option]
+    c = di.Client(target, timeout=60, options=options or None)
     info = c.server_info()
     layer = next(l.layer for l in info.layers if l.owns_cache and l.role == "dense")
     R, H, D, K, C = args.requests, info.num_heads, info.head_dim, info.topk, args.context
