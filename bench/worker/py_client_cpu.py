@@ -121,6 +121,8 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=1000, help="per path")
     ap.add_argument("--server-threads", type=int, default=1, help="with --server")
     ap.add_argument("--client-spin-us", type=int, default=50)
+    ap.add_argument("--client-yield-us", type=int, default=None,
+                    help="the ring's sched_yield polling after the spin (default: the ring's)")
     ap.add_argument("--server-spin-us", type=int, default=0, help="the poller's (0: default)")
     ap.add_argument("--paths", default="ring,ring staged,unary,stream",
                     help="comma-separated, of: ring, ring staged, unary, stream")
@@ -167,8 +169,9 @@ def run(target: str, sock: str | None, args: argparse.Namespace) -> int:
     fp8 = di.DType.FP8_E4M3
     kw = dict(new_keys=di.typed(k, fp8), new_key_scales=ks, new_keys_positions=positions)
 
+    knobs = {} if args.client_yield_us is None else {"client_yield_us": args.client_yield_us}
     ring = c.fast_path(client_spin_us=args.client_spin_us, server_spin_us=args.server_spin_us,
-                       socket_path=sock,
+                       socket_path=sock, **knobs,
                        data_bytes=2 * (R * H * D + R * H * 4 + R * D + R * 4 + R * K * 4) + (1 << 16))
     rq, rw, ra = ring.alloc((R, H, D), np.uint8), ring.alloc((R, H), np.float32), ring.alloc(
         (R, K), np.int32)
@@ -251,7 +254,8 @@ def run(target: str, sock: str | None, args: argparse.Namespace) -> int:
 
     print(f"# py_client_cpu: server {target} ({info.backend}, {info.profile}), layer {layer}, "
           f"{R} requests x 1 row, context {C + 1}, H {H} D {D} K {K}; {args.calls} calls a "
-          f"path, interleaved; client spin {args.client_spin_us} us, server spin "
+          f"path, interleaved; client spin {args.client_spin_us} us, yield "
+          f"{'default' if args.client_yield_us is None else args.client_yield_us} us, server spin "
           f"{args.server_spin_us or 'default'} us")
     print(f"# client {Path(di.__file__).resolve().parent}")
     print(f"# python {platform.python_version()}, numpy {np.__version__}, "
