@@ -171,8 +171,8 @@ def run(target: str, sock: str | None, args: argparse.Namespace) -> int:
 
     knobs = {} if args.client_yield_us is None else {"client_yield_us": args.client_yield_us}
     ring = c.fast_path(client_spin_us=args.client_spin_us, server_spin_us=args.server_spin_us,
-                       socket_path=sock, **knobs,
-                       data_bytes=2 * (R * H * D + R * H * 4 + R * D + R * 4 + R * K * 4) + (1 << 16))
+                       socket_path=sock, **knobs, data_bytes=2 * (
+                           R * H * D + R * H * 4 + R * D + R * 4 + R * K * 4) + (1 << 16))
     rq, rw, ra = ring.alloc((R, H, D), np.uint8), ring.alloc((R, H), np.float32), ring.alloc(
         (R, K), np.int32)
     rk, rks = ring.alloc((R, D), np.uint8), ring.alloc(R, np.float32)

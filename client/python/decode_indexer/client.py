@@ -511,13 +511,15 @@ _COLUMN_FIELDS = (("new_key_counts", "int32"), ("new_keys_positions", "int64"),
 
 def _columns_key(*values: Any) -> tuple | None:
     """The cache key of new_key_counts / new_keys_positions / row_lengths (() when all are
-    None), or None when one is not a 1-D NumPy integer array (the caller's general path)."""
+    None), or None when one is not a 1-D NumPy integer array of at most 4 KiB (the caller's
+    general path)."""
     key = []
     for (name, _), x in zip(_COLUMN_FIELDS, values):
         if x is None:
             continue
-        if type(x) is not np.ndarray or x.ndim != 1 or (x.size and x.dtype.kind not in "iu"):
-            return None
+        if (type(x) is not np.ndarray or x.ndim != 1 or x.nbytes > 4096
+                or (x.size and x.dtype.kind not in "iu")):
+            return None  # (a long column is not kept: it is not a decode step's)
         key.append((name, x.dtype.str, x.tobytes()))
     return tuple(key)
 
