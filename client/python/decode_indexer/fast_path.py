@@ -213,23 +213,15 @@ _TENSORS = (("q", "q_dtype", "q_offset"), ("q_scales", "q_scales_dtype", "q_scal
 def apply_cuda_plan(d: dict, plan: Any) -> None:
     """Sets a descriptor's CUDA IPC fields (flags, region, offsets, input dtypes) from a
     cuda_ipc.StepPlan: the answer (and candidates) in the device buffer, and with the inputs
-    on the device their offsets there too."""
-    d["flags"] |= F_ANSWER_CUDA_IPC
-    d["cuda_ipc_region_id"] = plan.region_id
-    d["answer_offset"] = plan.offsets["answer"]
-    if "candidates" in plan.offsets:
-        d["candidates_offset"] = plan.offsets["candidates"]
-    if plan.inputs_on_device:
-        d["flags"] |= F_INPUTS_CUDA_IPC
-        for name, dtype_field, offset_field in _TENSORS[:3]:
-            t = plan.tensors.get(name)
-            if t is not None:
-                d[dtype_field] = int(t.dtype)
-                d[offset_field] = plan.offsets[name]
+    on the device their offsets there too. (A dict of the descriptor's fields; step() runs
+    _apply_cuda_plan_values, the one implementation, on its list.)"""
+    v = [d[f] for f in _DESCRIPTOR_FIELDS]
+    _apply_cuda_plan_values(v, plan)
+    d.update(zip(_DESCRIPTOR_FIELDS, v))
 
 
 def _apply_cuda_plan_values(v: list, plan: Any) -> None:
-    """apply_cuda_plan on step()'s list of descriptor values."""
+    """apply_cuda_plan on step()'s list of descriptor values, in _DESCRIPTOR_FIELDS order."""
     v[_D_FLAGS] |= F_ANSWER_CUDA_IPC
     v[_D_CUDA_IPC_REGION_ID] = int(plan.region_id)
     v[_D_ANSWER_OFFSET] = int(plan.offsets["answer"])
