@@ -50,6 +50,12 @@ def main():
     ap.add_argument('--first-id', type=int, default=7000000)
     ap.add_argument('--paths', default='unary,stream,shm,fast_path,unary_cuda,fast_path_cuda')
     ap.add_argument('--json', default='')
+    ap.add_argument('--ring-server-spin-us', type=int, default=None,
+                    help="fast_path*: the poller's spin before it sleeps (default: the ring's)")
+    ap.add_argument('--ring-client-spin-us', type=int, default=None,
+                    help='fast_path*: the client spin on the completion (default: the ring\'s)')
+    ap.add_argument('--ring-client-yield-us', type=int, default=None,
+                    help='fast_path*: the sched_yield polling after it (default: the ring\'s)')
     ap.add_argument('--client-path', default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                           '..', '..', 'client', 'python'))
     a = ap.parse_args()
@@ -162,7 +168,11 @@ def main():
             views = (region.alloc((R, H, D), np.uint8), region.alloc((R, H), np.float32),
                      region.alloc((R, K), np.int32))
         if path in ('fast_path', 'fast_path_cuda'):
-            ring = client.fast_path(data_bytes=R * H * D + R * H * 4 + R * D + R * 4 + R * K * 4 + (1 << 16))
+            knobs = {k: v for k, v in (('server_spin_us', a.ring_server_spin_us),
+                                       ('client_spin_us', a.ring_client_spin_us),
+                                       ('client_yield_us', a.ring_client_yield_us)) if v is not None}
+            ring = client.fast_path(data_bytes=R * H * D + R * H * 4 + R * D + R * 4 + R * K * 4 + (1 << 16),
+                                    **knobs)
             views = (ring.alloc((R, H, D), np.uint8), ring.alloc((R, H), np.float32), ring.alloc((R, K), np.int32),
                      ring.alloc((R, D), np.uint8), ring.alloc(R, np.float32))
         cuda = None  # *_cuda: q, weights and the answer in a registered torch CUDA buffer

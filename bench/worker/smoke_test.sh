@@ -62,6 +62,11 @@ if "$py" -c "import grpc, google.protobuf, numpy" 2>/dev/null; then
   want=$(( 4 * (tokens + warmup) * layers ))
   grep -q "answers checked: $want layer answers" "$dir/py.log" ||
     { echo "FAIL: expected $want checked layer answers from py_worker"; exit 1; }
+  # The Python client's overhead bench: it exits non-zero when its paths answer differently.
+  echo "== Python client overhead bench (py_client_cpu.py, answers only)"
+  "$py" "$(dirname "$0")/py_client_cpu.py" --target "127.0.0.1:$port" --socket "$sock" \
+    --requests "$requests" --calls 20 --json "$dir/py_cpu.json" | tail -n 4
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "FAIL: py_client_cpu"; exit 1; }
 else
   echo "== Python worker skipped: $py lacks grpc / protobuf / numpy"
 fi

@@ -146,6 +146,59 @@ class ColumnarEncodingTest(unittest.TestCase):
             self.assertEqual((got.step_id, got.sharded, got.timing),
                              (want.step_id, want.sharded, want.timing))
 
+    def test_numpy_columns_encode_as_lists_do_whatever_was_sent_before(self):
+        """new_key_counts / new_keys_positions / row_lengths as NumPy arrays (whose serialized
+        bytes the encoder keeps by content) encode byte for byte as the same columns given as
+        lists (the generated class, every time): across dtypes, negative and empty columns,
+        per-request num_rows before them, and an array changed in place between steps."""
+        q, w = di.typed(np.zeros((3, 2, 4), np.uint8), FP8), np.zeros((3, 2), np.float32)
+
+        def both(**cols):
+            lists = {k: v.tolist() for k, v in cols.items()}
+            for num_rows in (1, [1, 1, 1]):
+                got = di.encode_columnar_step(2, [4, 5, 6], q, w, num_rows=num_rows, **cols)
+                want = di.encode_columnar_step(2, [4, 5, 6], q, w, num_rows=num_rows, **lists)
+                self.assertEqual(got, want, cols)
+                parsed = pb.DecodeStepRequest.FromString(got)
+                for k, v in lists.items():
+                    self.assertEqual(list(getattr(parsed, k)), v, k)
+
+        positions = np.array([100, 200, 300], np.int64)
+        both(new_keys_positions=positions)
+        positions += 1  # the same array object, new values: the new values are sent
+        both(new_keys_positions=positions)
+        positions[1] = -1
+        both(new_keys_positions=positions)
+        both(new_keys_positions=positions.astype(np.int32))  # same values, other dtype
+        both(new_keys_positions=np.array([1 << 40, 0, 7], np.uint64))
+        both(new_key_counts=np.array([1, 0, 2], np.int32),
+             new_keys_positions=np.array([5, -1, 9], np.int64),
+             row_lengths=np.array([3, 0, 0], np.int16))
+        both(row_lengths=np.array([], np.int32))
+        both(new_keys_positions=np.arange(12, dtype=np.int64)[::4])  # not contiguous
+        for bad in (np.array([1.5, 2, 3]), np.array([[1, 2, 3]])):  # refused as lists are
+            with self.assertRaises((TypeError, ValueError)):
+                di.encode_columnar_step(2, [4, 5, 6], q, w, new_keys_positions=bad)
+
+    def test_each_result_has_its_own_lengths(self):
+        """The decoder reads a packed lengths run once per distinct run: every result still
+        gets its own array (a caller's write to one never shows in another), and responses
+        that differ only in their lengths decode to their own."""
+        topk = np.arange(8, dtype=np.int32).reshape(2, 4)
+
+        def raw(lengths):
+            return pb.DecodeStepResponse(step_id=1, topk=_tensor(6, (2, 4), topk.tobytes()),
+                                         lengths=lengths).SerializeToString()
+
+        first = _client._result_bytes(raw([40, 50]), 0.0)
+        first.lengths[0] = -5
+        again = _client._result_bytes(raw([40, 50]), 0.0)
+        self.assertEqual(again.lengths.tolist(), [40, 50])
+        self.assertFalse(np.shares_memory(first.lengths, again.lengths))
+        self.assertEqual(_client._result_bytes(raw([40, 51]), 0.0).lengths.tolist(), [40, 51])
+        self.assertEqual(_client._result_bytes(raw([]), 0.0).lengths.tolist(), [])
+        self.assertEqual(_client._result_bytes(raw([40, 50]), 0.0).lengths.dtype, np.int64)
+
     def test_unusual_encodings_fall_back_or_are_read_alike(self):
         topk = np.arange(12, dtype=np.int32).reshape(3, 4)
         # An unpacked shape (a valid encoding no server of ours writes), and fields reversed.

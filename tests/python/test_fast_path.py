@@ -189,6 +189,94 @@ class _RingTests:
         np.testing.assert_array_equal(
             copied.topk, self.client.decode_step_columnar(layer.layer, a, **kw).topk)
 
+    def test_descriptor_as_written(self):
+        """The descriptor step() writes, field by field (step() fills it by index): what the
+        step's arguments say, the in-place views' own offsets, the staged keys past the
+        allocated views; its columns after it. And the answer is the columnar call's."""
+        c, ring = self.client, self.ring
+        layer = self.dense_layers()[0]
+        a, b = self.twins(2, [layer.layer], (self.k + 8, 2 * self.k))
+        qv = ring.alloc((2, self.h, self.d), np.float32)
+        wv = ring.alloc((2, self.h), np.float32)
+        answer = ring.alloc((2, self.k), np.int32)
+        qv[...], wv[...] = self.q(2), self.weights(2)
+        keys, positions = self.keys(2), np.full(2, -1, np.int64)
+        want = c.decode_step_columnar(layer.layer, a, qv.copy(), wv.copy(), new_keys=keys,
+                                      new_keys_positions=positions, step_id=77,
+                                      timeout_us=5_000_000)
+        got = ring.step(layer.layer, np.asarray(b, np.uint64), qv, wv, new_keys=keys,
+                        new_keys_positions=positions, step_id=77, timeout_us=5_000_000,
+                        answer=answer)
+        self.assert_same(got, want, "descriptor")
+        seq = ring.steps
+        slot = fast_path.HEADER_BYTES + ((seq - 1) % ring.slots) * ring.slot_bytes
+        raw = bytes(ring.region._map[slot:slot + ring.slot_bytes])
+        rec = np.frombuffer(raw, fast_path.DESCRIPTOR, 1)[0]
+        offset = lambda v: v.__array_interface__["data"][0] - ring._base  # noqa: E731
+        fp32 = int(di.DType.FP32)
+        expect = dict(sequence=seq, step_id=77, layer=layer.layer,
+                      flags=fast_path.F_NEW_KEYS_POSITIONS, sequence_count=2,
+                      rows_per_sequence=1, row_lengths_count=0, answer_encoding=0,
+                      q_dtype=fp32, q_scales_dtype=0, weights_dtype=fp32, positions_dtype=0,
+                      new_keys_dtype=fp32, new_key_scales_dtype=0, new_keys_rows=2,
+                      timeout_us=5_000_000, q_offset=offset(qv), q_scales_offset=0,
+                      weights_offset=offset(wv), positions_offset=0,
+                      new_key_scales_offset=0, answer_offset=offset(answer),
+                      candidates_offset=0, cuda_ipc_region_id=0)
+        self.assertEqual({f: int(rec[f]) for f in expect}, expect)
+        self.assertGreaterEqual(int(rec["new_keys_offset"]), ring.region.used)
+        self.assertEqual(ring.staged_bytes, keys.nbytes)
+        cols = fast_path.columns_of(fast_path.F_NEW_KEYS_POSITIONS, 2, 0)
+        at = cols["sequence_ids"]
+        self.assertEqual(np.frombuffer(raw, "<u8", 2, at).tolist(), list(b))
+        at = cols["new_keys_positions"]
+        self.assertEqual(np.frombuffer(raw, "<i8", 2, at).tolist(), [-1, -1])
+
+    def test_a_dropped_view_is_not_taken_for_a_new_array(self):
+        """The ring remembers its views' offsets by identity: an array made after a view was
+        dropped (in CPython, often at the dropped object's address, so with its id) is
+        still a host array, staged and read as such."""
+        c, ring = self.client, self.ring
+        layer = self.dense_layers()[0]
+        a, b = self.twins(1, [layer.layer], (self.k + 8, 2 * self.k))
+        for i in range(4):
+            data, w = self.q(1), self.weights(1)
+            view = ring.alloc((1, self.h, self.d), np.float32)
+            view[...] = data
+            want = c.decode_step_columnar(layer.layer, a, data, w, step_id=2 * i + 1)
+            got = ring.step(layer.layer, b, view, w, step_id=2 * i + 1, copy=True)
+            self.assertEqual(ring.staged_bytes, w.nbytes)  # q read in place
+            self.assert_same(got, want, f"view {i}")
+            data = self.q(1)
+            del view
+            host = np.empty((1, self.h, self.d), np.float32)
+            host[...] = data
+            want = c.decode_step_columnar(layer.layer, a, host, w, step_id=2 * i + 2)
+            got = ring.step(layer.layer, b, host, w, step_id=2 * i + 2, copy=True)
+            self.assertEqual(ring.staged_bytes, host.nbytes + w.nbytes)
+            self.assert_same(got, want, f"host array {i}")
+            del host
+
+    def test_a_wait_within_the_yield_budget_needs_no_futex(self):
+        """client_yield_us: after its spin, step() polls between sched_yield calls; a step
+        that completes within that budget is seen without sleeping on the futex (with a
+        budget of a minute, every step here). Answers as the columnar call."""
+        c = self.client
+        layer = self.dense_layers()[0]
+        a, b = self.twins(2, [layer.layer], (self.k + 8, 2 * self.k))
+        sleeps = []
+        real = fast_path._futex_wait
+        fast_path._futex_wait = lambda *args: (sleeps.append(args), real(*args))
+        self.addCleanup(setattr, fast_path, "_futex_wait", real)
+        with c.fast_path(slots=2, slot_bytes=4096, data_bytes=1 << 20, client_spin_us=0,
+                         client_yield_us=60_000_000) as ring:
+            for i in range(4):
+                kw = dict(q=self.q(2), weights=self.weights(2), new_keys=self.keys(2))
+                want = c.decode_step_columnar(layer.layer, a, step_id=i + 1, **kw)
+                got = ring.step(layer.layer, b, step_id=i + 1, **kw)
+                self.assert_same(got, want, f"step {i}")
+        self.assertEqual(sleeps, [])
+
     def test_across_the_pollers_sleep(self):
         """With no spinning on either side, every step goes through the futexes: the poller
         sleeping on the doorbell, this client on the completion bell."""
@@ -196,7 +284,7 @@ class _RingTests:
         layer = self.dense_layers()[0]
         a, b = self.twins(2, [layer.layer], (self.k + 8, 2 * self.k))
         with c.fast_path(slots=1, slot_bytes=4096, data_bytes=1 << 20, server_spin_us=1,
-                         client_spin_us=0) as ring:
+                         client_spin_us=0, client_yield_us=0) as ring:
             for i in range(5):
                 time.sleep(0.02)  # the poller is asleep on the doorbell by now
                 kw = dict(q=self.q(2), weights=self.weights(2), new_keys=self.keys(2))

@@ -428,13 +428,18 @@ def _tensor_in_place(buf: bytes, i: int, end: int) -> tuple[int, tuple[int, ...]
     return dtype, tuple(shape), offset, length
 
 
-def split_step_response(buf: bytes) -> tuple[bytes, dict, tuple[int, int] | None]:
+def split_step_response(buf: bytes) -> tuple[bytes, dict, tuple[int, int] | None,
+                                             tuple[int, int] | None]:
     """A serialized DecodeStepResponse split without copying its large fields: (the other
     fields' bytes, for the generated class to parse; {2: topk, 3: candidate_blocks} as
-    (dtype, shape, data offset, data length) into `buf`; topk_delta as (offset, length)).
+    (dtype, shape, data offset, data length) into `buf`; topk_delta as (offset, length); the
+    packed `lengths` as (offset, length) when they are one packed run, else None: the
+    generated class reads them from the other fields' bytes, which keep them either way).
     Raises ValueError on anything it does not expect (the caller then parses the classic way)."""
     tensors = {}
     delta = None
+    lengths = None
+    lengths_runs = 0  # occurrences of field 6 (packed or not)
     cuts = []  # [start, end) of the large fields
     i, n = 0, len(buf)
     while i < n:
@@ -457,19 +462,26 @@ def split_step_response(buf: bytes) -> tuple[bytes, dict, tuple[int, int] | None
                 else:
                     tensors[field] = _tensor_in_place(buf, i, end)
                 cuts.append((start, end))
+            elif field == 6:
+                lengths = (i, length)
+                lengths_runs += 1
             i = end
         else:
+            if key >> 3 == 6:
+                lengths_runs += 1
             i = _skip(buf, i, wire_type)
     if i != n:
         raise ValueError("the message ends inside a field")
+    if lengths_runs != 1:
+        lengths = None
     if not cuts:
-        return buf, tensors, delta
+        return buf, tensors, delta, lengths
     small, at = [], 0
     for start, end in cuts:
         small.append(buf[at:start])
         at = end
     small.append(buf[at:])
-    return b"".join(small), tensors, delta
+    return b"".join(small), tensors, delta, lengths
 
 
 # --- Answers in ANSWER_ENCODING_DELTA_VARINT ---------------------------------------------------

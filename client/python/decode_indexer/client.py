@@ -265,11 +265,10 @@ def _result_bytes(buf: bytes, client_us: float, placed: _InRegion | None = None,
     candidate blocks are read-only views of `buf`. Anything unexpected in the bytes falls back
     to the generated class (same answer, a few copies slower)."""
     try:
-        small, tensors, delta_at = _wire.split_step_response(buf)
+        small, tensors, delta_at, lengths_at = _wire.split_step_response(buf)
     except (ValueError, IndexError):
         return _result(pb.DecodeStepResponse.FromString(buf), client_us, placed, delta)
     head = pb.DecodeStepResponse.FromString(small)
-    lengths = head.lengths
     topk_info = tensors.get(2, (0, (), 0, 0))
     cand_info = tensors.get(3)
     if placed is not None:
@@ -296,9 +295,28 @@ def _result_bytes(buf: bytes, client_us: float, placed: _InRegion | None = None,
         topk=topk,
         candidate_blocks=candidates,
         timing=Timing(head.timing.queue_us, head.timing.compute_us, client_us),
-        lengths=np.fromiter(lengths, dtype=np.int64, count=len(lengths)),
+        lengths=_lengths_of(buf, lengths_at, head),
         sharded=head.sharded,
     )
+
+
+# Packed `lengths` bytes -> their int64 array. Every layer of a decode token answers the same
+# lengths (one cache length a sequence), so the generated class's per-element read (~10 us for
+# 64 sequences) is paid once a token; each result gets its own copy.
+_LENGTHS: dict = {}
+
+
+def _lengths_of(buf: bytes, at: tuple[int, int] | None, head: pb.DecodeStepResponse) -> np.ndarray:
+    if at is None or at[1] > 4096:
+        return np.fromiter(head.lengths, dtype=np.int64, count=len(head.lengths))
+    key = bytes(buf[at[0]:at[0] + at[1]])
+    hit = _LENGTHS.get(key)
+    if hit is None:
+        hit = np.fromiter(head.lengths, dtype=np.int64, count=len(head.lengths))
+        if len(_LENGTHS) >= 256:
+            _LENGTHS.clear()
+        _LENGTHS[key] = hit
+    return hit.copy()
 
 
 def _encode_append(sequence_id: int, layer: int, keys: Any, key_scales: Any,
@@ -482,6 +500,45 @@ def _column(values: Any, what: str, kind: str) -> list[int]:
     return arr.tolist()
 
 
+# The small columns' serialized bytes, by their arrays' dtype and bytes: a frontend sends the
+# same new_keys_positions (and counts, lengths) at every layer of a token, and the generated
+# class costs ~15 us to build and serialize 64 of them. The bytes are the generated class's
+# own (a miss builds them so), hence the same message.
+_COLUMNS: dict = {}
+_COLUMN_FIELDS = (("new_key_counts", "int32"), ("new_keys_positions", "int64"),
+                  ("row_lengths", "int32"))
+
+
+def _columns_key(*values: Any) -> tuple | None:
+    """The cache key of new_key_counts / new_keys_positions / row_lengths (() when all are
+    None), or None when one is not a 1-D NumPy integer array of at most 4 KiB (the caller's
+    general path)."""
+    key = []
+    for (name, _), x in zip(_COLUMN_FIELDS, values):
+        if x is None:
+            continue
+        if (type(x) is not np.ndarray or x.ndim != 1 or x.nbytes > 4096
+                or (x.size and x.dtype.kind not in "iu")):
+            return None  # (a long column is not kept: it is not a decode step's)
+        key.append((name, x.dtype.str, x.tobytes()))
+    return tuple(key)
+
+
+def _columns_bytes(key: tuple, values: tuple) -> bytes:
+    """The serialized fields of _columns_key's columns: the generated class's bytes, once."""
+    if not key:
+        return b""
+    hit = _COLUMNS.get(key)
+    if hit is None:
+        hit = pb.DecodeStepRequest(**{name: _column(x, name, kind) for (name, kind), x in
+                                      zip(_COLUMN_FIELDS, values) if x is not None}
+                                   ).SerializeToString()
+        if len(_COLUMNS) >= 256:
+            _COLUMNS.clear()
+        _COLUMNS[key] = hit
+    return hit
+
+
 def _encode_columnar(layer: int, sequence_ids: Any, q: Any, weights: Any, *, num_rows: Any = 1,
                      new_keys: Any = None, new_key_scales: Any = None,
                      new_key_counts: Any = None, new_keys_positions: Any = None,
@@ -508,12 +565,16 @@ def _encode_columnar(layer: int, sequence_ids: Any, q: Any, weights: Any, *, num
         rows = sum(head["num_rows"])
     if not 0 <= step_id < 1 << 64 or not -(1 << 31) <= layer < 1 << 31:
         raise ValueError(f"layer (int32) or step_id (uint64) out of range: {layer}, {step_id}")
-    if new_key_counts is not None:
-        head["new_key_counts"] = _column(new_key_counts, "new_key_counts", "int32")
-    if new_keys_positions is not None:
-        head["new_keys_positions"] = _column(new_keys_positions, "new_keys_positions", "int64")
-    if row_lengths is not None:
-        head["row_lengths"] = _column(row_lengths, "row_lengths", "int32")
+    column_values = (new_key_counts, new_keys_positions, row_lengths)
+    columns = _columns_key(*column_values)
+    if columns is None:  # not all NumPy arrays: through the generated class
+        if new_key_counts is not None:
+            head["new_key_counts"] = _column(new_key_counts, "new_key_counts", "int32")
+        if new_keys_positions is not None:
+            head["new_keys_positions"] = _column(new_keys_positions, "new_keys_positions",
+                                                 "int64")
+        if row_lengths is not None:
+            head["row_lengths"] = _column(row_lengths, "row_lengths", "int32")
     ci, placed, plan = _plan_cuda(cuda_buffers, rows, q, q_scales, weights, answer, candidates,
                                   return_candidates, shared_memory, answer_encoding)
     if ci is not None:
@@ -531,6 +592,8 @@ def _encode_columnar(layer: int, sequence_ids: Any, q: Any, weights: Any, *, num
     parts: list = [_wire.scalar_fields(scalars), *ids]
     if head:
         parts.append(pb.DecodeStepRequest(**head).SerializeToString())
+    if columns:  # after the head's fields (10, 13, 15): the generated class's field order
+        parts.append(_columns_bytes(columns, column_values))
     if plan is not None and plan.inputs_on_device:  # dtype and shape only: read on the device
         parts += _device_heads(plan)
     else:

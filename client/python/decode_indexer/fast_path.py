@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import platform
 import struct
 import time
@@ -105,6 +106,18 @@ _DESCRIPTOR_STRUCT = struct.Struct("<" + "".join(
 assert _DESCRIPTOR_STRUCT.size == DESCRIPTOR.fields["reserved"][1]
 _COMPLETION_STRUCT = struct.Struct("<QiIQqqIIq")  # sequence .. server_us
 assert _COMPLETION_STRUCT.size == COMPLETION.fields["reserved"][1]
+# step() fills a list of the descriptor's values (a dict costs a hash a field): their indices.
+_NFIELDS = len(_DESCRIPTOR_FIELDS)
+(_D_SEQUENCE, _D_STEP_ID, _D_LAYER, _D_FLAGS, _D_SEQUENCE_COUNT, _D_ROWS_PER_SEQUENCE,
+ _D_ROW_LENGTHS_COUNT, _D_ANSWER_ENCODING, _D_Q_DTYPE, _D_Q_SCALES_DTYPE, _D_WEIGHTS_DTYPE,
+ _D_POSITIONS_DTYPE, _D_NEW_KEYS_DTYPE, _D_NEW_KEY_SCALES_DTYPE, _D_NEW_KEYS_ROWS,
+ _D_TIMEOUT_US, _D_Q_OFFSET, _D_Q_SCALES_OFFSET, _D_WEIGHTS_OFFSET, _D_POSITIONS_OFFSET,
+ _D_NEW_KEYS_OFFSET, _D_NEW_KEY_SCALES_OFFSET, _D_ANSWER_OFFSET, _D_CANDIDATES_OFFSET,
+ _D_CUDA_IPC_REGION_ID) = range(_NFIELDS)
+assert _DESCRIPTOR_FIELDS[_D_CUDA_IPC_REGION_ID] == "cuda_ipc_region_id"
+assert _DESCRIPTOR_FIELDS[_D_NEW_KEYS_ROWS] == "new_keys_rows"
+_INDEX = {f: i for i, f in enumerate(_DESCRIPTOR_FIELDS)}
+_U64, _I64 = np.dtype("<u8"), np.dtype("<i8")
 
 
 def _align8(v: int) -> int:
@@ -174,6 +187,9 @@ _fetch_add_4 = getattr(_atomic, "__atomic_fetch_add_4", None)
 _exchange_4 = getattr(_atomic, "__atomic_exchange_4", None)
 
 
+_sched_yield = getattr(os, "sched_yield", lambda: time.sleep(0))  # releases the GIL
+
+
 def _futex_wait(addr: int, expected: int, timeout_us: int) -> None:
     ts = _Timespec(timeout_us // 1_000_000, (timeout_us % 1_000_000) * 1000)
     _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_uint32(expected),
@@ -197,19 +213,27 @@ _TENSORS = (("q", "q_dtype", "q_offset"), ("q_scales", "q_scales_dtype", "q_scal
 def apply_cuda_plan(d: dict, plan: Any) -> None:
     """Sets a descriptor's CUDA IPC fields (flags, region, offsets, input dtypes) from a
     cuda_ipc.StepPlan: the answer (and candidates) in the device buffer, and with the inputs
-    on the device their offsets there too."""
-    d["flags"] |= F_ANSWER_CUDA_IPC
-    d["cuda_ipc_region_id"] = plan.region_id
-    d["answer_offset"] = plan.offsets["answer"]
+    on the device their offsets there too. (A dict of the descriptor's fields; step() runs
+    _apply_cuda_plan_values, the one implementation, on its list.)"""
+    v = [d[f] for f in _DESCRIPTOR_FIELDS]
+    _apply_cuda_plan_values(v, plan)
+    d.update(zip(_DESCRIPTOR_FIELDS, v))
+
+
+def _apply_cuda_plan_values(v: list, plan: Any) -> None:
+    """apply_cuda_plan on step()'s list of descriptor values, in _DESCRIPTOR_FIELDS order."""
+    v[_D_FLAGS] |= F_ANSWER_CUDA_IPC
+    v[_D_CUDA_IPC_REGION_ID] = int(plan.region_id)
+    v[_D_ANSWER_OFFSET] = int(plan.offsets["answer"])
     if "candidates" in plan.offsets:
-        d["candidates_offset"] = plan.offsets["candidates"]
+        v[_D_CANDIDATES_OFFSET] = int(plan.offsets["candidates"])
     if plan.inputs_on_device:
-        d["flags"] |= F_INPUTS_CUDA_IPC
+        v[_D_FLAGS] |= F_INPUTS_CUDA_IPC
         for name, dtype_field, offset_field in _TENSORS[:3]:
             t = plan.tensors.get(name)
             if t is not None:
-                d[dtype_field] = int(t.dtype)
-                d[offset_field] = plan.offsets[name]
+                v[_INDEX[dtype_field]] = int(t.dtype)
+                v[_INDEX[offset_field]] = int(plan.offsets[name])
 
 
 def _invalid(field: str, what: str) -> IndexerError:
@@ -227,13 +251,17 @@ class FastPathRing:
     [1 KiB, 1 MiB], enough for a step's columns (max_sequences says how many requests fit).
     data_bytes: the step data after the ring (views from alloc(), then staged copies and the
     answer). server_spin_us: how long the poller spins before sleeping (0: its default);
-    client_spin_us: how long step() spins on the completion before sleeping on its futex.
+    client_spin_us: how long step() spins on the completion; client_yield_us: how long it then
+    polls between sched_yield() calls (the core and the GIL go to whatever else is ready, and a
+    completion in that time is seen within a yield, not a futex wake-up later) before sleeping
+    on its futex.
     Close it (or leave the `with` block) to release the ring and its region on the server.
     """
 
     def __init__(self, client: Client, *, slots: int = 4, slot_bytes: int = 16384,
                  data_bytes: int = 16 << 20, server_spin_us: int = 0,
-                 client_spin_us: int = 50, socket_path: str | None = None,
+                 client_spin_us: int = 50, client_yield_us: int = 250,
+                 socket_path: str | None = None,
                  timeout: float | None = None):
         if _SYS_FUTEX is None:
             raise OSError(f"the Python fast path relies on x86-64 ordering (TSO); this is "
@@ -244,6 +272,7 @@ class FastPathRing:
         self.slots = int(slots)
         self.slot_bytes = int(slot_bytes)
         self.client_spin_us = int(client_spin_us)
+        self.client_yield_us = int(client_yield_us)
         self.ring_bytes = ring_bytes(self.slots, self.slot_bytes)
         info = client.server_info(timeout=timeout)
         self.topk = int(info.topk)
@@ -253,6 +282,8 @@ class FastPathRing:
         self.max_rows_per_sequence = int(info.max_rows_per_sequence)
         self.ring_id = 0
         self._registered = False
+        self._offsets: dict = {}  # id(view of the ring) -> (view, offset): see _in_region
+        self._columns: dict = {}  # (flags, sequences, row lengths) -> columns_of()
         # The region (memfd, sealed, registered over the shm socket): the ring at its start.
         self.region = SharedMemoryRegion(client, self.ring_bytes + max(int(data_bytes), 64),
                                          "di-py-step-ring", timeout=timeout,
@@ -318,6 +349,13 @@ class FastPathRing:
     def _in_region(self, x: Any) -> int | None:
         """The offset of a C-contiguous array (or TypedArray of one) lying in the step data."""
         arr = x.array if type(x) is _wire.TypedArray else x
+        hit = self._offsets.get(id(arr))
+        if hit is not None and hit[0] is arr:
+            # A view of the ring seen before: an array's data address never changes (its
+            # shape and strides can, so those are checked again).
+            if arr.flags.c_contiguous and hit[1] + arr.nbytes <= self.region.size:
+                return hit[1]
+            return None
         if type(arr) is not np.ndarray and _wire._is_torch(arr):  # from_numpy(ring view)
             if arr.device.type != "cpu":
                 return None
@@ -326,6 +364,12 @@ class FastPathRing:
             return None
         off = arr.__array_interface__["data"][0] - self._base
         if self.ring_bytes <= off and off + arr.nbytes <= self.region.size:
+            if type(x) is np.ndarray or (type(x) is _wire.TypedArray and arr is x.array):
+                # Kept (the reference keeps its id from being reused) only for views of the
+                # ring itself, which pin nothing but the ring; dropped with it.
+                if len(self._offsets) >= 256:
+                    self._offsets.clear()
+                self._offsets[id(arr)] = (arr, off)
             return off
         return None
 
@@ -351,12 +395,15 @@ class FastPathRing:
         start = time.perf_counter()
         if self._u8 is None:
             raise ValueError("FastPathRing: closed")
-        d = dict.fromkeys(_DESCRIPTOR_FIELDS, 0)
-        d["layer"] = layer
-        d["step_id"] = step_id
-        d["timeout_us"] = _timeout_us(timeout_us)
-        ids = np.asarray(_wire._as_numpy(sequence_ids, "sequence_ids")
-                         if _wire._is_torch(sequence_ids) else sequence_ids)
+        v = [0] * _NFIELDS  # the descriptor's values, in _DESCRIPTOR_FIELDS order
+        v[_D_LAYER] = int(layer)
+        v[_D_STEP_ID] = int(step_id)
+        v[_D_TIMEOUT_US] = _timeout_us(timeout_us)
+        if type(sequence_ids) is np.ndarray and sequence_ids.dtype == _U64:
+            ids = sequence_ids  # the per-step case: no conversion, no sign check to make
+        else:
+            ids = np.asarray(_wire._as_numpy(sequence_ids, "sequence_ids")
+                             if _wire._is_torch(sequence_ids) else sequence_ids)
         if ids.ndim != 1 or ids.size == 0:
             raise ValueError("sequence_ids: expected a 1-D array of at least one id")
         if ids.dtype.kind not in "iu" or (ids.dtype.kind == "i" and ids.min() < 0):
@@ -366,7 +413,7 @@ class FastPathRing:
         flags = F_RETURN_CANDIDATES if return_candidates else 0
         max_rows = max(1, self.max_rows_per_sequence)
         if isinstance(num_rows, (int, np.integer)) and not isinstance(num_rows, bool):
-            d["rows_per_sequence"] = int(num_rows)
+            v[_D_ROWS_PER_SEQUENCE] = int(num_rows)
             counts = None
             rows = n * min(max(int(num_rows), 1), max_rows)
             counts_ok = 1 <= num_rows <= max_rows
@@ -387,8 +434,13 @@ class FastPathRing:
                 _column(new_key_counts, "new_key_counts", "int32"), "<i4")
             flags |= F_NEW_KEY_COUNTS
         if new_keys_positions is not None:
-            cols["new_keys_positions"] = np.asarray(
-                _column(new_keys_positions, "new_keys_positions", "int64"), "<i8")
+            if (type(new_keys_positions) is np.ndarray and new_keys_positions.dtype == _I64
+                    and new_keys_positions.ndim == 1 and new_keys_positions.flags.c_contiguous):
+                # What _column then np.asarray(.., "<i8") make of it, without the list.
+                cols["new_keys_positions"] = new_keys_positions
+            else:
+                cols["new_keys_positions"] = np.asarray(
+                    _column(new_keys_positions, "new_keys_positions", "int64"), "<i8")
             flags |= F_NEW_KEYS_POSITIONS
         for name in ("new_key_counts", "new_keys_positions"):
             if name in cols and cols[name].size != n:  # the server's check and message
@@ -396,10 +448,16 @@ class FastPathRing:
                                "per request, or none)")
         if row_lengths is not None:
             cols["row_lengths"] = np.asarray(_column(row_lengths, "row_lengths", "int32"), "<i4")
-        d["flags"] = flags
-        d["sequence_count"] = n
-        d["row_lengths_count"] = cols["row_lengths"].size if "row_lengths" in cols else 0
-        c = columns_of(flags, n, int(d["row_lengths_count"]))
+        v[_D_FLAGS] = flags
+        v[_D_SEQUENCE_COUNT] = n
+        rlc = cols["row_lengths"].size if "row_lengths" in cols else 0
+        v[_D_ROW_LENGTHS_COUNT] = rlc
+        c = self._columns.get((flags, n, rlc))
+        if c is None:
+            c = columns_of(flags, n, rlc)
+            if len(self._columns) >= 64:
+                self._columns.clear()
+            self._columns[(flags, n, rlc)] = c
         if c["end"] > self.slot_bytes:
             raise ValueError(f"the step's columns take {c['end']} bytes, past the slot's "
                              f"{self.slot_bytes} (make the ring with a larger slot_bytes)")
@@ -409,52 +467,63 @@ class FastPathRing:
         h, dim = self.num_heads, self.head_dim
         plan = _cuda_ipc.plan_step(self._client._cuda_buffers, rows, q, q_scales, weights,
                                    answer, candidates, return_candidates)
-        given = {"q": q, "q_scales": q_scales, "weights": weights, "positions": positions,
-                 "new_keys": new_keys, "new_key_scales": new_key_scales}
+        on_device_inputs = plan is not None and plan.inputs_on_device
         at = -(-self.region.used // 64) * 64
         staged = []
-        for name, dtype_field, offset_field in _TENSORS:
-            x = given[name]
+        for name, x, dtype_at, offset_at in ((
+                "q", q, _D_Q_DTYPE, _D_Q_OFFSET), (
+                "q_scales", q_scales, _D_Q_SCALES_DTYPE, _D_Q_SCALES_OFFSET), (
+                "weights", weights, _D_WEIGHTS_DTYPE, _D_WEIGHTS_OFFSET), (
+                "positions", positions, _D_POSITIONS_DTYPE, _D_POSITIONS_OFFSET), (
+                "new_keys", new_keys, _D_NEW_KEYS_DTYPE, _D_NEW_KEYS_OFFSET), (
+                "new_key_scales", new_key_scales, _D_NEW_KEY_SCALES_DTYPE,
+                _D_NEW_KEY_SCALES_OFFSET)):
             if x is None:
                 continue
-            on_device = plan is not None and plan.inputs_on_device and name in plan.offsets
+            on_device = on_device_inputs and name in plan.offsets
             if on_device:
                 dtype, shape = int(plan.tensors[name].dtype), plan.tensors[name].shape
             else:
                 dtype, shape, data = _wire.wire_parts(x, name)
             if name == "new_keys":
-                d["new_keys_rows"] = shape[0] if len(shape) >= 1 else 0
-                keys_rows = int(d["new_keys_rows"])
+                v[_D_NEW_KEYS_ROWS] = shape[0] if len(shape) >= 1 else 0
+                keys_rows = int(v[_D_NEW_KEYS_ROWS])
                 want = (keys_rows, dim)
             elif name == "new_key_scales":
-                keys_rows = int(d["new_keys_rows"]) if new_keys is not None else (
+                keys_rows = int(v[_D_NEW_KEYS_ROWS]) if new_keys is not None else (
                     shape[0] if shape else 0)
                 want = ((keys_rows, dim // 32) if dtype == _wire.DType.UE8M0 else (keys_rows,))
+            elif name == "q":
+                want = (rows, h, dim)
+            elif name == "weights":
+                want = (rows, h)
+            elif name == "q_scales":
+                want = (rows, h, dim // 32)
             else:
-                want = {"q": (rows, h, dim), "q_scales": (rows, h, dim // 32),
-                        "weights": (rows, h), "positions": (rows,)}[name]
+                want = (rows,)
             if tuple(shape) != want and (counts_ok or name.startswith("new_key")):
                 raise _invalid(f"{name}.shape", f"expected {_shape_str(want)}, got "
                                f"{_shape_str(shape)}")
-            off = None if on_device else self._in_region(x)
             if on_device:
                 off = 0  # apply_cuda_plan sets it (in the device buffer)
-            elif off is None:
-                nbytes = len(data)
-                if at + nbytes > self.region.size:
-                    raise MemoryError(f"the step needs {at + nbytes - self.ring_bytes} bytes "
-                                      f"of step data, the ring has "
-                                      f"{self.region.size - self.ring_bytes} (data_bytes)")
-                staged.append((at, data))
-                off = at
-                at = -(-(at + nbytes) // 64) * 64
-            d[dtype_field] = dtype
-            d[offset_field] = off
+            else:
+                off = self._in_region(x)
+                if off is None:
+                    nbytes = len(data)
+                    if at + nbytes > self.region.size:
+                        raise MemoryError(f"the step needs {at + nbytes - self.ring_bytes} "
+                                          f"bytes of step data, the ring has "
+                                          f"{self.region.size - self.ring_bytes} (data_bytes)")
+                    staged.append((at, data))
+                    off = at
+                    at = -(-(at + nbytes) // 64) * 64
+            v[dtype_at] = dtype
+            v[offset_at] = off
         if new_key_scales is not None and new_keys is None:
-            d["new_keys_rows"] = 0
+            v[_D_NEW_KEYS_ROWS] = 0
         flat_candidates = None
         if plan is not None:
-            apply_cuda_plan(d, plan)
+            _apply_cuda_plan_values(v, plan)
             flat_answer = plan.tensors["answer"].tensor.reshape(-1)
             if return_candidates:
                 flat_candidates = plan.tensors["candidates"].tensor.reshape(-1)
@@ -462,28 +531,30 @@ class FastPathRing:
             answer_at, flat_answer = self._answer_place(answer, rows * self.topk, "answer", at)
             if answer is None:
                 at = -(-(answer_at + rows * self.topk * 4) // 64) * 64
-            d["answer_offset"] = answer_at
+            v[_D_ANSWER_OFFSET] = answer_at
             if return_candidates:
                 cand_at, flat_candidates = self._answer_place(
                     candidates, rows * self.num_candidate_blocks, "candidates", at)
-                d["candidates_offset"] = cand_at
+                v[_D_CANDIDATES_OFFSET] = cand_at
         seq = self._produced + 1
         self._check_free(seq)
         if plan is not None:
             _cuda_ipc.synchronize(plan)
+        m = self.region._map
+        staged_bytes = 0
         for off, data in staged:  # the one copy of a tensor not already in the ring
-            self._u8[off:off + len(data)] = np.frombuffer(data, dtype=np.uint8)
-        self.staged_bytes = sum(len(data) for _, data in staged)
+            m[off:off + len(data)] = data
+            staged_bytes += len(data)
+        self.staged_bytes = staged_bytes
 
         # Descriptor n into slot (n - 1) % slots, its columns after it; then publish.
-        d["sequence"] = seq
+        v[_D_SEQUENCE] = seq
         slot = HEADER_BYTES + ((seq - 1) % self.slots) * self.slot_bytes
-        _DESCRIPTOR_STRUCT.pack_into(self.region._map, slot,
-                                     *[int(d[f]) for f in _DESCRIPTOR_FIELDS])
-        for name, arr in cols.items():
+        _DESCRIPTOR_STRUCT.pack_into(m, slot, *v)
+        for name, arr in cols.items():  # each C-contiguous little-endian (made so above)
             if arr.size:
                 b = slot + c[name]
-                self._u8[b:b + arr.nbytes] = arr.view(np.uint8)
+                m[b:b + arr.nbytes] = memoryview(arr).cast("B")
         self._publish(seq)
         done = self._wait(seq, timeout)
         client_us = (time.perf_counter() - start) * 1e6
@@ -538,6 +609,7 @@ class FastPathRing:
             now = time.perf_counter()
             deadline = now + timeout
             spin_until = now + self.client_spin_us * 1e-6
+            yield_until = spin_until + self.client_yield_us * 1e-6
             while completed.value < seq:
                 now = time.perf_counter()
                 if self._state_w.value == STATE_STOPPED and completed.value < seq:
@@ -547,6 +619,9 @@ class FastPathRing:
                     raise IndexerError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                        f"step {seq} not completed in {timeout} s", "FastPath")
                 if now < spin_until:
+                    continue
+                if now < yield_until:
+                    _sched_yield()
                     continue
                 # Read the bell, publish the flag, re-check: a completion after the check
                 # changes the bell and the futex wait returns at once.
@@ -610,6 +685,7 @@ class FastPathRing:
                      "_bell_w", "_sleeping_w", "_state_w"):
             setattr(self, name, None)
         self._u8 = None
+        self._offsets = {}
 
     def close(self, *, timeout: float | None = None) -> int:
         """Releases the ring and its region on the server (best effort: the server may be
