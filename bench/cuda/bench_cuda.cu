@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -702,20 +703,25 @@ int main(int argc, char** argv) {
   // paths): multi-pass vs compact, cluster sizes, the fused threshold-filter histogram.
   bool topk_only = false;
   bool coop_topk = false;  // --coop-topk: the cooperative top-k vs the general kernels
+  // --skip-variants: not the exact kernel's comparison variants (their columns read 0): the
+  // production kernels, the fp8 v1 variant and the top-k only (shorter device calls).
+  bool skip_variants = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--help" || a == "-h") {
       std::printf(
           "decode-indexer-bench-cuda [--out PATH] [--batches N] [--subset] [--consumer] "
-          "[--candidates] [--topk] [--coop-topk] [--only REQUESTS NEXT_N AVG_CONTEXT]\n");
+          "[--candidates] [--topk] [--coop-topk] [--skip-variants] "
+          "[--only REQUESTS NEXT_N AVG_CONTEXT]\n");
       return 0;
     }
     if (a == "--version") {
       std::printf("%s\n", decode_indexer::cli::VersionLine().c_str());
       return 0;
     }
-    static const char* const kKnown[] = {"--out",        "--batches", "--subset",    "--consumer",
-                                         "--candidates", "--topk",    "--coop-topk", "--only"};
+    static const char* const kKnown[] = {"--out",       "--batches",    "--subset",
+                                         "--consumer",  "--candidates", "--topk",
+                                         "--coop-topk", "--only",       "--skip-variants"};
     bool known = false;
     for (const char* k : kKnown) known = known || a == k;
     if (!known) {
@@ -729,6 +735,7 @@ int main(int argc, char** argv) {
     if (a == "--candidates") candidates = true;
     if (a == "--topk") topk_only = true;
     if (a == "--coop-topk") coop_topk = true;
+    if (a == "--skip-variants") skip_variants = true;
     if (a == "--only" && i + 3 < argc) {
       only_requests = std::atoi(argv[++i]);
       only_next_n = std::atoi(argv[++i]);
@@ -954,7 +961,7 @@ int main(int argc, char** argv) {
         // then the production kernels and the default.
         float t_mma = 0, t_split = 0, t_keysm = 0, t_bitmove = 0, t_pipe = 0, t_fused = 0;
         float t_ws2 = 0, t_ws4 = 0;  // v7: producer warpgroup + 2 / 4 consumer warpgroups
-        if (!topk_only) {
+        if (!topk_only && !skip_variants) {
           auto time_math = [&](dc::MqaMath m) {
             math = m;
             return time_batches([&](int i) { run_logits(i); });
@@ -991,6 +998,20 @@ int main(int argc, char** argv) {
           t_exact_graph = graph(dc::kExactDenseMqaMath);
           t_f8 = eager(dc::kFp8DenseMqaMath);
           t_f8_graph = graph(dc::kFp8DenseMqaMath);
+        }
+        // The fp8 variants (bench/cuda/variants/: the fp8 kernel before the TMA producer and the
+        // four-chain epilogue, and the production kernel at other shape choices), eager and
+        // graph: the same-run alternatives of the production fp8 kernel.
+        constexpr int kFp8Variants = std::size(dc::kFp8MqaVariants);
+        float t_fv[kFp8Variants] = {}, t_fv_graph[kFp8Variants] = {};
+        if (!topk_only) {
+          for (int k = 0; k < kFp8Variants; ++k) {
+            variant = dc::kFp8MqaVariants[k];
+            t_fv[k] = time_batches([&](int i) { run_logits(i); });
+            int i = 0;
+            t_fv_graph[k] = TimeGraph(st, e0, e1, batches, per_batch, [&] { run_logits(i++); });
+            variant.reset();
+          }
         }
         // The default: what DenseTopK runs (DI_LOGITS_PRECISION=exact / fp8 overrides it).
         math = dc::DenseMqaMath(di::LogitsPrecision::kDefault);
@@ -1079,12 +1100,22 @@ int main(int argc, char** argv) {
             "%.1f%%) | fp8 %.1f / %.1f (%.1f%% / %.1f%%)\n",
             t_exact, t_exact_graph, pct(t_exact), pct(t_exact_graph), t_f8, t_f8_graph, pct(t_f8),
             pct(t_f8_graph));
+        for (int k = 0; k < kFp8Variants; ++k) {
+          std::printf("      fp8 variant %s: eager / graph %.1f / %.1f us\n",
+                      dc::MqaVariantName(dc::kFp8MqaVariants[k]), t_fv[k], t_fv_graph[k]);
+        }
         std::fprintf(out,
                      "{\"logits_exact_us\": %.2f, \"logits_exact_graph_us\": %.2f, "
                      "\"logits_fp8_us\": %.2f, \"logits_fp8_graph_us\": %.2f, "
                      "\"default_fp8\": %s, ",
                      t_exact, t_exact_graph, t_f8, t_f8_graph,
                      math == dc::kFp8DenseMqaMath ? "true" : "false");
+        std::fprintf(out, "\"fp8_variants\": {");
+        for (int k = 0; k < kFp8Variants; ++k) {
+          std::fprintf(out, "%s\"%s\": [%.2f, %.2f]", k > 0 ? ", " : "",
+                       dc::MqaVariantName(dc::kFp8MqaVariants[k]), t_fv[k], t_fv_graph[k]);
+        }
+        std::fprintf(out, "}, ");
         std::fprintf(out, "\"logits_keys_m_ws2_us\": %.2f, \"logits_keys_m_ws4_us\": %.2f, ", t_ws2,
                      t_ws4);
         std::fprintf(out,

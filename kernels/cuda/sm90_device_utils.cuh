@@ -54,6 +54,17 @@ __device__ __forceinline__ void MmaE4M3(float (&d)[4], const uint32_t (&a)[4], u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The first 1024-byte aligned byte of the dynamic shared memory `raw` (the kernel reserves 1 KB
+// extra). Pointer arithmetic on the __shared__ array itself, not a round trip through an integer:
+// the compiler then still knows the result points into shared memory and emits LDS / STS for
+// every access through it. (Rounding the generic address as an integer made every access a
+// generic LD / ST: measured on the fp8 logits kernel's SASS, where the weights, key scales, row
+// lengths and the in-block schedule were all read with generic loads.)
+__device__ __forceinline__ uint8_t* AlignSmem1024(uint8_t* raw) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(raw));
+  return raw + ((1024u - (addr & 1023u)) & 1023u);
+}
+
 // ---- wgmma (sm_90a) -------------------------------------------------------------------------
 
 // Shared-memory matrix descriptor of a K-major tile with 128-byte rows in the 128B swizzle

@@ -109,14 +109,17 @@ inline constexpr PipelinedShape PipelinedShapeFor(int rows_per_pass) {
 
 // ---- The fp8 kernel (sm90_paged_mqa_logits_fp8.cu) ------------------------------------------
 
-// Per rows per pass: the ring depth, and the blocks per SM the register cap is sized for (160
-// threads a block; ptxas -v). One row: 4 slots, 96 registers at 4 blocks per SM (48 KB of shared
-// memory each; 24 B of stack). Two rows (next_n 2): also 4 blocks at 96 registers (no spills:
-// ptxas takes 122 when 3 blocks allow it, but the two rows' 64 accumulators fit in 96), with 3
-// slots so that 4 blocks fit in shared memory (46 KB each; 4 slots need 57 KB, 1 KB over), the
-// same 12 pages in flight per SM as 3 blocks x 4 slots. Three or four rows: q takes 32 KB, so 3
-// blocks (4 slots, 65-73 KB each) at 122 registers (4 blocks' 96 spill 24-32 B).
-inline constexpr int PipeFp8Stages(int rows_per_pass) { return rows_per_pass == 2 ? 3 : 4; }
-inline constexpr int PipeFp8MinBlocks(int rows_per_pass) { return rows_per_pass <= 2 ? 4 : 3; }
+// Per rows per pass: the ring depth, the blocks per SM the register cap is sized for (160
+// threads a block; ptxas -v) and where a thread's head weights live. One row: 4 slots, 96
+// registers at 4 blocks per SM (48 KB of shared memory each), weights in registers. Two rows
+// (next_n 2): 3 blocks at up to 136 registers with both rows' weights in registers and 4 slots:
+// measured 11% faster at 64 x 32K than 4 blocks at 96 registers with the weights read from
+// shared memory per page (3 slots), and 2.8x faster than 4 blocks with the weights in registers
+// (spills) - docs/results/cuda-bench.md, the bench's fp8 variants. Three or four rows: q takes
+// 32 KB, so 3 blocks (4 slots, 65-73 KB each) at 122 registers, weights from shared memory
+// (64 accumulators plus four rows' weights do not fit).
+inline constexpr int PipeFp8Stages(int /*rows_per_pass*/) { return 4; }
+inline constexpr int PipeFp8MinBlocks(int rows_per_pass) { return rows_per_pass == 1 ? 4 : 3; }
+inline constexpr bool PipeFp8WeightRegs(int rows_per_pass) { return rows_per_pass <= 2; }
 
 }  // namespace decode_indexer::kernels::cuda

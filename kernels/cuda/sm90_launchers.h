@@ -54,11 +54,11 @@ enum class MqaMath {
   // warpgroup never waits on a block barrier (sm90_paged_mqa_logits_pipelined.cu); derives its
   // own schedule for up to kOwnScheduleMaxRequests requests.
   kWgmmaKeysMPipelined,
-  // FP8 / 64 heads, not exact (spec section 6, the fp8-accumulation tolerance): the same
-  // producer warp and page ring, the consumer's wgmma m64nNk32 e4m3 reading the page slot and q
+  // FP8 / 64 heads, not exact (spec section 6, the fp8-accumulation tolerance): the same page
+  // ring filled by the TMA unit, the consumer's wgmma m64nNk32 e4m3 reading the page slot and q
   // (e4m3) straight from shared memory, N = 64 per row or 128 per row pair: every key read once
-  // per request for next_n 1-4 (sm90_paged_mqa_logits_fp8.cu). Bit-identical across runs, grids
-  // and batch compositions.
+  // per request for next_n 1-4 (sm90_paged_mqa_logits_fp8.cuh / .cu). Bit-identical across runs,
+  // grids and batch compositions.
   kWgmmaKeysMPipelinedFp8,
 };
 struct PagedLogitsArgs {

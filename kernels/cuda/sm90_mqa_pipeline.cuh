@@ -83,6 +83,43 @@ __device__ __forceinline__ void SetMaxNRegInc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
+// ---- TMA (the bulk copy engine) -------------------------------------------------------------
+
+// One arrival on `bar` that also raises the phase's expected transaction count by `bytes`: the
+// phase completes once the arrival count is reached and that many bytes of bulk copies naming
+// `bar` have landed.
+__device__ __forceinline__ void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemAddr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+// A 3-D tile of the tensor map `map` (a __grid_constant__ kernel parameter) at coordinates
+// (c0, c1, c2) into shared memory at `dst`, completing `bytes` of `bar`'s transaction count.
+__device__ __forceinline__ void TmaLoadTile3d(void* dst, const void* map, int c0, int c1, int c2,
+                                              uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(SmemAddr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(SmemAddr(bar))
+      : "memory");
+}
+
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) contiguous bytes from global
+// memory into shared memory, completing them on `bar`.
+__device__ __forceinline__ void BulkLoad(void* dst, const void* src, uint32_t bytes,
+                                         uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(SmemAddr(dst)),
+      "l"(src), "r"(bytes), "r"(SmemAddr(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void PrefetchTensorMap(const void* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
 // ---- The page ring and its producer warp ----------------------------------------------------
 
 // One ring slot's bytes: a page's 64 x 128 e4m3 codes (128B-swizzled, 1024-byte aligned: the
@@ -109,12 +146,19 @@ struct PageRing {
   // Shared-memory bytes of the barriers (the slots are counted by the kernel's layout).
   static constexpr int kBarrierBytes = 2 * kStages * 8;
 
-  // Thread 0 only; the block synchronises before anyone waits on them.
-  __device__ __forceinline__ void InitBarriers() const {
+  // Thread 0 only; the block synchronises before anyone waits on them. full_arrivals: 32 for
+  // ProducePages (one cp.async arrival per producer lane), 1 for ProducePagesTma (one
+  // arrive.expect_tx; the copies' bytes complete the phase). empty_arrivals: one per consumer
+  // warp (lane 0 arrives after __syncwarp) or one per consumer thread.
+  __device__ __forceinline__ void InitBarriers(uint32_t full_arrivals = 32,
+                                               uint32_t empty_arrivals = kPipeConsumerWarps) const {
     for (int s = 0; s < kStages; ++s) {
-      MbarInit(&full[s], 32);                   // one cp.async arrival per producer lane
-      MbarInit(&empty[s], kPipeConsumerWarps);  // one arrival per consumer warp
+      MbarInit(&full[s], full_arrivals);
+      MbarInit(&empty[s], empty_arrivals);
     }
+    // The TMA unit (async proxy) completes these barriers' transactions: make the
+    // initialisation visible to it before the block barrier that publishes them.
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __device__ __forceinline__ const uint8_t* Values(int slot) const {
     return values + slot * kPipeSlotValues;
@@ -193,6 +237,44 @@ __device__ __forceinline__ void ProducePages(const PagedLogitsArgs& p,
     CpAsyncMbarArrive(&ring.full[st]);
   }
   CpAsyncWait<0>();
+}
+
+// ProducePages through the TMA unit, by one thread (the producer warp's lane 0): per tile one
+// arrive.expect_tx on the slot's `full` barrier (InitBarriers(1)), one tensor copy of the
+// page's 64 x 128 codes through `values_map` (PageValuesTensorMap: the map writes the 128B
+// swizzle that CopyPageToStage writes by hand) and one bulk copy of its 64 scales. Keys at or
+// past the tile's valid count are copied as they are (stale cache bytes, not zeros): every
+// key's logit depends only on its own row of codes and its own scale, and the consumers store
+// no logit at or past a row's length, so those keys cannot reach an answer.
+template <int kStages, bool kOwnSchedule>
+__device__ __forceinline__ void ProducePagesTma(const PagedLogitsArgs& p,
+                                                const BlockSchedule<kOwnSchedule>& sched,
+                                                const PageRing<kStages>& ring,
+                                                const void* values_map) {
+  const uint8_t* __restrict__ cache = p.cache.base;
+  PrefetchTensorMap(values_map);
+  ScheduleCursor<kOwnSchedule> load;
+  load.Seek(sched.prefix, sched.num_requests, sched.begin);
+  auto locate = [&]() {
+    const int b = load.request;
+    const int j = load.tile - Ld<kOwnSchedule>(&sched.prefix[b]);
+    return __ldg(&p.rows.page_table[PageRowBase(p.rows, b) + j]);
+  };
+  int next_page = locate();
+  for (int i = 0; i < sched.num_tiles; ++i) {
+    const int page = next_page;
+    if (i + 1 < sched.num_tiles) {
+      load.Next(sched.prefix);
+      next_page = locate();
+    }
+    const int st = i % kStages;
+    if (i >= kStages) MbarWait(&ring.empty[st], ((i / kStages) + 1) & 1);
+    MbarArriveExpectTx(&ring.full[st], kPipePageBytes);
+    TmaLoadTile3d(ring.values + st * kPipeSlotValues, values_map, 0, 0, page, &ring.full[st]);
+    BulkLoad(ring.scales + st * kPipeSlotScales,
+             cache + int64_t{page} * kPipePageBytes + kPipeSlotValues, kPipeSlotScales,
+             &ring.full[st]);
+  }
 }
 
 }  // namespace decode_indexer::kernels::cuda

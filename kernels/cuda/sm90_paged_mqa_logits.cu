@@ -66,8 +66,7 @@ __global__ void __launch_bounds__(kRowsPerPass* kHeads / 16 * 32, (kRowsPerPass 
   constexpr int kScaleChunks = TB::kScales / 16;
 
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem =
-      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* smem = AlignSmem1024(smem_raw);
   uint8_t* stage_values = smem;                             // [kMqaStages][kValues]
   uint8_t* stage_scales = smem + kMqaStages * TB::kValues;  // [kMqaStages][kScales]
   float* red = reinterpret_cast<float*>(stage_scales + kMqaStages * TB::kScales);  // [warps][64]

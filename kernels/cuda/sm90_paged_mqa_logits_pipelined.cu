@@ -67,8 +67,7 @@ template <int kRowsPerPass, int kWiden, bool kOwnSchedule, int kMinBlocks, bool 
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     PagedMqaLogitsPipelinedKernel(const PagedLogitsArgs p) {
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem =
-      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* smem = AlignSmem1024(smem_raw);
   uint8_t* stage_values = smem;                             // [stages][8192], swizzled
   uint8_t* q_tile = smem + kStages * kValues;               // [rows][2][64][128 B]
   uint8_t* stage_scales = q_tile + kRowsPerPass * kQBytes;  // [stages][64] fp32

@@ -67,6 +67,78 @@ Scene RankSlice(int32_t next_n, int32_t* most) {
   return s;
 }
 
+// The fp8 variants against the production fp8 kernel: kFp8V1 (its earlier consumer and
+// producer: the same wgmmas) equals it up to the epilogue's fp32 summation order (a few ulps of
+// the entry's head sum; a wrong swizzle, scale or weight slot would be off by the entry's own
+// size), the shape-choice variants bit for bit; nothing written past a row's length, each
+// variant's bits the same on every grid.
+TEST_F(GpuTest, Fp8VariantsMatchTheProductionFp8Kernel) {
+  struct Case {
+    std::vector<int32_t> lengths;
+    int32_t next_n;
+    bool uneven;
+  };
+  const std::vector<Case> cases = {
+      {Lengths(5, 20000), 1, false}, {{7000, 64, 65, 2, 13000}, 2, false},
+      {Lengths(3, 9000), 3, false},  {Lengths(2, 7000), 4, false},
+      {Lengths(4, 6000), 2, true},   {{100, 2047, 2048, 2049, 5000}, 1, false},
+      {Lengths(300, 150), 2, false},
+  };
+  for (const Case& c : cases) {
+    Scene s = MakeScene(Spec(CacheFormat::kFp8, 64, c.lengths, c.next_n));
+    if (c.uneven) MakeUneven(s);
+    auto ds = UploadScene(this, s);
+    const int32_t rows = s.num_rows();
+    const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
+    const std::vector<float> ref =
+        GpuLogits(this, *ds, stride, NumSms(), MqaMath::kWgmmaKeysMPipelinedFp8);
+    for (const MqaVariant v : kernels::cuda::kFp8MqaVariants) {
+      std::vector<float> first;
+      for (const int num_sms : {1, 3, NumSms()}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "requests " << s.num_requests() << " rows " << rows << " next_n "
+                     << c.next_n << " uneven " << c.uneven << " variant "
+                     << kernels::cuda::MqaVariantName(v) << " sms " << num_sms);
+        const std::vector<float> got = VariantLogits(this, *ds, stride, num_sms, v);
+        int64_t off = 0, past = 0, checked = 0;
+        for (int32_t r = 0; r < rows; ++r) {
+          float row_max = 0.f;
+          for (int32_t t = 0; t < s.row_length[r]; ++t) {
+            row_max = std::max(row_max, std::fabs(ref[r * stride + t]));
+          }
+          for (int32_t t = 0; t < s.row_length[r]; ++t) {
+            const int64_t i = r * stride + t;
+            ++checked;
+            off += !(std::fabs(got[i] - ref[i]) <= 1e-5f * row_max);
+          }
+          for (int64_t t = s.row_length[r]; t < stride; ++t) {
+            past += !std::isnan(got[r * stride + t]);
+          }
+        }
+        EXPECT_GT(checked, 0);
+        EXPECT_EQ(off, 0) << "entries off the production fp8 kernel's by more than 1e-5 of the "
+                             "row's largest";
+        if (kernels::cuda::MqaVariantSameBitsAsFp8(v)) {
+          int64_t diff = 0;
+          for (int32_t r = 0; r < rows; ++r) {
+            for (int32_t t = 0; t < s.row_length[r]; ++t) {
+              diff += std::memcmp(&got[r * stride + t], &ref[r * stride + t], sizeof(float)) != 0;
+            }
+          }
+          EXPECT_EQ(diff, 0) << "a shape choice changed a logit bit";
+        }
+        EXPECT_EQ(past, 0) << "entries written past the row's length";
+        if (first.empty()) {
+          first = got;
+        } else {
+          EXPECT_EQ(std::memcmp(first.data(), got.data(), sizeof(float) * got.size()), 0)
+              << "the variant's bits depend on the grid";
+        }
+      }
+    }
+  }
+}
+
 // Every variant gives the exact kernel's logits bit for bit: next_n 1-4, uneven row counts
 // (several passes, empty second rows of a pair), a long row, more requests than the in-block
 // schedule takes, a rank slice with and without the rows-per-request hint.

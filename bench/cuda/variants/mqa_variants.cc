@@ -21,6 +21,10 @@ const char* MqaVariantName(MqaVariant v) {
       return "ws2";
     case MqaVariant::kWgmmaKeysMPipelinedWs4:
       return "ws4";
+    case MqaVariant::kFp8V1:
+      return "fp8 v1";
+    case MqaVariant::kFp8N2SmemWeights4:
+      return "fp8 n2 smem weights 4 blocks";
   }
   return "?";
 }
@@ -38,18 +42,24 @@ absl::Status LaunchMqaVariant(MqaVariant v, const PagedLogitsArgs& args, int num
   if (v == MqaVariant::kWgmmaKeysMPipelinedWs2 || v == MqaVariant::kWgmmaKeysMPipelinedWs4) {
     return LaunchPagedMqaLogitsWs(v, args, num_sms, stream);
   }
+  if (v == MqaVariant::kFp8V1) return LaunchPagedMqaLogitsFp8V1(args, num_sms, stream);
+  if (MqaVariantSameBitsAsFp8(v)) return LaunchPagedMqaLogitsFp8Config(v, args, num_sms, stream);
   return LaunchPagedMqaLogitsKeysM(v, args, num_sms, stream);
 }
 
 bool MqaVariantNeedsSchedule(MqaVariant v, const PagedLogitsArgs& args) {
-  if (v == MqaVariant::kWgmmaKeysMPipelinedWs2 || v == MqaVariant::kWgmmaKeysMPipelinedWs4) {
+  if (v == MqaVariant::kWgmmaKeysMPipelinedWs2 || v == MqaVariant::kWgmmaKeysMPipelinedWs4 ||
+      v == MqaVariant::kFp8V1 || MqaVariantSameBitsAsFp8(v)) {
     return !DenseComputesOwnSchedule(args.rows);
   }
   return !KeysMComputesOwnSchedule(v, args);
 }
 
 bool MqaVariantFillsHistogram(MqaVariant v) {
-  return v != MqaVariant::kWgmmaKeysMPipelinedWs2 && v != MqaVariant::kWgmmaKeysMPipelinedWs4;
+  return v != MqaVariant::kWgmmaKeysMPipelinedWs2 && v != MqaVariant::kWgmmaKeysMPipelinedWs4 &&
+         v != MqaVariant::kFp8V1 && !MqaVariantSameBitsAsFp8(v);
 }
+
+bool MqaVariantSameBitsAsFp8(MqaVariant v) { return v == MqaVariant::kFp8N2SmemWeights4; }
 
 }  // namespace decode_indexer::kernels::cuda

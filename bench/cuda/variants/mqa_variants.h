@@ -10,6 +10,13 @@
 //   widening at one row per pass; the only kernel that fills PagedLogitsArgs::row_histogram;
 // - kWgmmaKeysMPipelinedWs2 / Ws4 (v7): a producer warpgroup and 2 / 4 consumer warpgroups
 //   (setmaxnreg), one row per pass (several rows run the production exact kernel).
+// And fp8 variants (not exact; outside kAllMqaVariants, which hold to the exact kernel):
+// - kFp8V1: the fp8 production kernel before the TMA producer and the four-chain epilogue
+//   (its logits equal the production fp8 kernel's up to the epilogue's fp32 summation order);
+// - kFp8N2SmemWeights4: the production fp8 kernel at two rows per pass with sm90_heuristics.h's
+//   earlier choice (4 blocks per SM, 3 ring slots, the weights read from shared memory per
+//   page), bit for bit its logits. (Measured and dropped: one row with 5 slots, no faster; two
+//   rows with the weights in registers at 4 blocks, 2.8x slower for spills.)
 // Removed, their measurements recorded in docs/results/cuda-bench.md and its raw/ logs:
 // the heads-as-M wgmma f16 / fp8 kernels, the exact kernel's page pairs, the fp8 kernel's
 // per-row m64n64 chains.
@@ -29,6 +36,8 @@ enum class MqaVariant {
   kWgmmaKeysMBitMove,
   kWgmmaKeysMPipelinedWs2,
   kWgmmaKeysMPipelinedWs4,
+  kFp8V1,
+  kFp8N2SmemWeights4,
 };
 inline constexpr MqaVariant kAllMqaVariants[] = {MqaVariant::kWgmmaKeysM,
                                                  MqaVariant::kWgmmaKeysMSplit,
@@ -37,6 +46,12 @@ inline constexpr MqaVariant kAllMqaVariants[] = {MqaVariant::kWgmmaKeysM,
                                                  MqaVariant::kWgmmaKeysMPipelinedWs2,
                                                  MqaVariant::kWgmmaKeysMPipelinedWs4};
 const char* MqaVariantName(MqaVariant v);
+// The fp8 tensor-core variants (their logits are not the exact kernel's).
+inline constexpr MqaVariant kFp8MqaVariants[] = {MqaVariant::kFp8V1,
+                                                 MqaVariant::kFp8N2SmemWeights4};
+// True for the fp8 variants whose logits are the production fp8 kernel's bit for bit (its shape
+// choices moved); false for kFp8V1 (another summation order) and the exact-kernel variants.
+bool MqaVariantSameBitsAsFp8(MqaVariant v);
 
 // As LaunchPagedMqaLogits (args.math is not read); FP8 caches with 64 heads, page size 64 and
 // head dim 128 only (InvalidArgument otherwise).
@@ -47,11 +62,15 @@ bool MqaVariantNeedsSchedule(MqaVariant v, const PagedLogitsArgs& args);
 // True when the variant fills args.row_histogram (kWgmmaKeysM / Split / Fused / BitMove).
 bool MqaVariantFillsHistogram(MqaVariant v);
 
-// The two kernel files' launchers (reached through LaunchMqaVariant).
+// The kernel files' launchers (reached through LaunchMqaVariant).
 absl::Status LaunchPagedMqaLogitsKeysM(MqaVariant v, const PagedLogitsArgs& args, int num_sms,
                                        cudaStream_t stream);
 bool KeysMComputesOwnSchedule(MqaVariant v, const PagedLogitsArgs& args);
 absl::Status LaunchPagedMqaLogitsWs(MqaVariant v, const PagedLogitsArgs& args, int num_sms,
                                     cudaStream_t stream);
+absl::Status LaunchPagedMqaLogitsFp8V1(const PagedLogitsArgs& args, int num_sms,
+                                       cudaStream_t stream);
+absl::Status LaunchPagedMqaLogitsFp8Config(MqaVariant v, const PagedLogitsArgs& args, int num_sms,
+                                           cudaStream_t stream);
 
 }  // namespace decode_indexer::kernels::cuda

@@ -1,0 +1,364 @@
+// The FP8 tensor-core paged MQA logits kernel (MqaMath::kWgmmaKeysMPipelinedFp8), as a template
+// of its shape choices (rows per pass, blocks per SM, ring slots, weights in registers), and its
+// launcher: sm90_paged_mqa_logits_fp8.cu instantiates the production choices
+// (sm90_heuristics.h); the bench's fp8 variants (bench/cuda/variants/) instantiate others to
+// time them beside it. Every instantiation computes the same logits bit for bit: the choices
+// move no arithmetic (gpu_variants_test checks).
+//
+// Paged MQA logits for FP8 caches with 64 heads on the fp8 tensor cores, keys as M
+// (MqaMath::kWgmmaKeysMPipelinedFp8: the product's default dense kernel, sm90_heuristics.h): the
+// exact kernel's page ring (PageRing, sm90_mqa_pipeline.cuh) filled by the TMA unit
+// (ProducePagesTma: one thread, one tensor copy and one bulk copy a page, instead of the
+// producer warp's 17 cp.async a lane), with the e4m3 -> f16 widening gone.
+//
+// Why: v6 spends ~100 of its ~300 instructions per consumer warp and page widening e4m3 to f16
+// (ldmatrix + cvt / bit moves), and f16 wgmma has half fp8's rate, so next_n >= 2 is compute
+// bound (docs/notes/cuda.md). Here the consumer warpgroup's wgmmas read both operands straight
+// from shared memory:
+// - A = the ring slot: 64 keys x 128 e4m3 dims, K-major, 128-byte rows in the 128B swizzle the
+//   TMA unit writes (PageValuesTensorMap; the same layout CopyPageToStage writes by hand), which
+//   is wgmma's SW128 layout because every slot is 1024-byte aligned. k-step ks (32 dims) starts
+//   ks * 32 bytes into the rows.
+// - B = q in e4m3: row rr's 64 heads at rows 64 rr .. 64 rr + 63 of a [64 x rows][128 B] SW128
+//   K-major tile, so one m64nNk32 instruction with N = 64 (one row) or 128 (a row pair) covers
+//   two of a pass's rows: every key is read from DRAM once per request and from shared memory
+//   once per k-step and row pair for next_n 1-4. (One m64n64 chain per row instead, once kept
+//   as kWgmmaKeysMPipelinedFp8PerRow, gave the same bits and was slower from next_n 2 on: 64 x
+//   32K next_n 2 136.6 against 117.2 us, docs/results/raw/steps_and_dg_1428.log.)
+// - 4 wgmma per page and row pair (descriptors as 32-bit low words added to, Sw128Desc), then
+//   the epilogue (relu * weight over this thread's 16 heads in four independent fp32 chains,
+//   Fp8HeadSums; the 4 lanes of a group complete the 64-head sum) times the key scale. Weights
+//   sit in shared memory permuted so that a thread's 16 are contiguous: loaded into registers
+//   once per request at one or two rows per pass, four 16-byte loads a row and page beyond. The
+//   slot goes back to the producer once the last pass's wgmmas have completed (every consumer
+//   thread arrives on its empty barrier).
+// - What this layout cost before (measured, docs/results/cuda-bench.md): every shared-memory
+//   access compiled to a generic load while the aligned base went through an integer
+//   (AlignSmem1024 keeps the address space), the descriptors were rebuilt per k-step, and at two
+//   rows the weights came from shared memory 16 floats at a time at 4 blocks per SM. The kernel
+//   as it was then is the bench variant kFp8V1 (bench/cuda/variants/), kept to time against.
+//
+// Numerics: NOT exact. Each wgmma k=32 slice aligns its products to the largest exponent and
+// keeps ~13 fraction bits (docs/spec.md section 6 gives the bound, reference/ computes it). The
+// order is fixed: the same 4 instructions per row in the same order, the same epilogue, no
+// dependence on the schedule, the grid or the batch, so the logits are bit-identical across runs
+// and batch compositions (gpu_test checks).
+#pragma once
+
+#include <cuda.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/cuda/sm90_device_utils.cuh"
+#include "kernels/cuda/sm90_launch_setup.cuh"
+#include "kernels/cuda/sm90_launchers.h"
+#include "kernels/cuda/sm90_mqa_keys_m.cuh"
+#include "kernels/cuda/sm90_mqa_pipeline.cuh"
+#include "kernels/cuda/sm90_tile_config.h"
+#include "kernels/cuda/sm90_wgmma_fp8.cuh"
+
+namespace decode_indexer::kernels::cuda {
+
+// The cache's page codes as a 3-D tensor for the TMA unit (sm90_paged_mqa_logits_fp8.cu).
+absl::StatusOr<CUtensorMap> PageValuesTensorMap(const CacheView& cache);
+
+namespace fp8_logits {
+
+constexpr int kHeads = 64;
+constexpr int kConsumerThreads = kPipeConsumerThreads;  // one warpgroup: warps 0-3
+constexpr int kThreads = kPipeThreads;                  // and the producer, warp 4
+constexpr int kConsumerWarps = kPipeConsumerWarps;
+constexpr int kValues = kPipeSlotValues;          // 8192: a page's e4m3 codes
+constexpr int kScales = kPipeSlotScales;          // 256: its fp32 scales
+constexpr int kQRowBytes = kHeads * kMqaHeadDim;  // one row's q in e4m3: 8 KB
+constexpr int kQBarrier = kPipeQBarrier;          // named barrier of the consumer warpgroup
+
+static_assert(kValues % 1024 == 0 && kQRowBytes % 1024 == 0, "SW128 tiles stay 1024-aligned");
+
+// Rows of q in shared memory: whole row pairs beyond one row (a third row's MMA runs as
+// m64n128 against a zero fourth row: m64n64 into half of the pair's accumulators made ptxas
+// serialize the wgmmas for lack of registers, C7511).
+constexpr int QRows(int rows) { return rows == 1 ? 1 : (rows + 1) / 2 * 2; }
+
+template <int kRows, bool kOwnSchedule, int kStages>
+constexpr int SmemBytes() {
+  return kStages * kValues + QRows(kRows) * kQRowBytes + kStages * kScales +
+         QRows(kRows) * kHeads * 4 + PageRing<kStages>::kBarrierBytes +
+         (kOwnSchedule ? kOwnScheduleBytes : 0) + 1024;
+}
+
+// Where head h's weight sits in a row's 64 weights in shared memory: thread c of a group reads
+// heads 8 j + 2 c + e (j < 8, e < 2) as 16 contiguous floats, k = 2 j + e.
+__device__ __forceinline__ int WeightSlot(int head) {
+  return ((head & 7) >> 1) * 16 + (head >> 3) * 2 + (head & 1);
+}
+
+// Keys g and g + 8 of an m64nN accumulator's 32 entries of one row (acc[4 j + e]: key g,
+// acc[4 j + 2 + e]: key g + 8, head 8 j + 2 c + e) through relu, times the head's weight w[2 j +
+// e], summed in four independent chains (key, e) so that the FFMAs do not wait on each other;
+// then the 4 lanes of the group complete the 64-head sum. A fixed order: the same bits on every
+// run and grid.
+__device__ __forceinline__ void Fp8HeadSums(const float* acc, const float (&w)[16], float& s0,
+                                            float& s1) {
+  float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    a0 = fmaf(w[2 * j], fmaxf(acc[4 * j], 0.f), a0);
+    a1 = fmaf(w[2 * j + 1], fmaxf(acc[4 * j + 1], 0.f), a1);
+    b0 = fmaf(w[2 * j], fmaxf(acc[4 * j + 2], 0.f), b0);
+    b1 = fmaf(w[2 * j + 1], fmaxf(acc[4 * j + 3], 0.f), b1);
+  }
+  s0 = a0 + a1;
+  s1 = b0 + b1;
+  s0 += __shfl_xor_sync(kFullMask, s0, 1);
+  s1 += __shfl_xor_sync(kFullMask, s1, 1);
+  s0 += __shfl_xor_sync(kFullMask, s0, 2);
+  s1 += __shfl_xor_sync(kFullMask, s1, 2);
+}
+
+// This thread's 16 weights of one row (w_row: the row's 64 in WeightSlot order): four 16-byte
+// loads.
+__device__ __forceinline__ void LoadWeights(const float* w_row, int c, float (&w)[16]) {
+  const float4* src = reinterpret_cast<const float4*>(w_row + 16 * c);
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    const float4 x = src[v];
+    w[4 * v] = x.x;
+    w[4 * v + 1] = x.y;
+    w[4 * v + 2] = x.z;
+    w[4 * v + 3] = x.w;
+  }
+}
+
+// An SW128 K-major descriptor (SmemDescSw128) from its low word: the 14-bit start address / 16
+// and the leading byte offset; the high word (stride 1024 B between 8-row groups, the 128B
+// swizzle mode) is the same for every tile here. Offsets inside shared memory (a slot, a k-step,
+// a q row pair) are then 32-bit additions to the low word.
+__device__ __forceinline__ uint32_t Sw128DescLo(const void* smem) {
+  return static_cast<uint32_t>(SmemDescSw128(smem));
+}
+inline constexpr uint32_t kSw128DescHi = (1024 >> 4) | (1u << 30);  // SmemDescSw128's high word
+__device__ __forceinline__ uint64_t Sw128Desc(uint32_t lo) {
+  return (uint64_t{kSw128DescHi} << 32) | lo;
+}
+
+// The 4 k-steps of one page against q rows (kN / 64 of them): k-step ks reads 32 dims, ks * 32
+// bytes into both operands' 128-byte swizzled rows (2 added to the descriptors' low words).
+template <int kN>
+__device__ __forceinline__ void IssuePage(float* acc, uint32_t desc_kv, uint32_t desc_q) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    WgmmaM64NK32E4M3SS<kN>(acc, Sw128Desc(desc_kv + 2 * ks), Sw128Desc(desc_q + 2 * ks), ks);
+  }
+}
+
+// kRows: rows of a request scored per pass over a page (RowsPerPass): one m64n128 instruction
+// per k-step for each two of them (m64n64 for one). kMinBlocks, kStages: PipeFp8MinBlocks,
+// PipeFp8Stages (sm90_heuristics.h).
+// kWeightRegs: this thread's weights of the pass's rows in registers (loaded once per pass)
+// instead of four 16-byte shared-memory loads per row and page; one or two rows per pass.
+template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, bool kWeightRegs>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    PagedMqaLogitsFp8Kernel(const PagedLogitsArgs p,
+                            const __grid_constant__ CUtensorMap values_map) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = AlignSmem1024(smem_raw);
+  uint8_t* stage_values = smem;                // [stages][64 keys][128 B], SW128
+  uint8_t* q_tile = smem + kStages * kValues;  // [rows][64 heads][128 B], SW128
+  constexpr int kQRows = QRows(kRows);
+  uint8_t* stage_scales = q_tile + kQRows * kQRowBytes;                        // [stages][64] fp32
+  float* w_smem = reinterpret_cast<float*>(stage_scales + kStages * kScales);  // [q rows][64]
+  uint64_t* full = reinterpret_cast<uint64_t*>(w_smem + kQRows * kHeads);      // 16-byte aligned
+  const PageRing<kStages> ring{stage_values, stage_scales, full, full + kStages};
+  int32_t* own = reinterpret_cast<int32_t*>(full + 2 * kStages);
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+
+  if (tid == 0) ring.InitBarriers(1, kConsumerThreads);
+  BlockSchedule<kOwnSchedule> sched;
+  sched.template SetUp<kThreads>(p, own, tid);
+  if (sched.num_tiles == 0) return;
+  const int num_tiles = sched.num_tiles;
+  const int32_t* prefix = sched.prefix;
+  const int32_t* req_first_row = sched.first_row;
+  const int32_t* req_num_rows = sched.num_rows;
+  uint64_t* empty = ring.empty;
+
+  if (warp == kConsumerWarps) {
+    if (lane == 0) ProducePagesTma(p, sched, ring, &values_map);
+    return;
+  }
+
+  // ---- Consumer warpgroup. ----
+  const int g = lane >> 2;
+  const int c = lane & 3;
+  const int key0 = warp * 16 + g;  // this thread's keys key0 and key0 + 8 of the page
+  const int64_t stride = p.logits_stride;
+  // Per request pass (load_q): this thread's weights at one row per pass (LoadWeights; more rows
+  // read theirs from shared memory per page), each row's length, and where the pass's first
+  // row's logits of this thread's key (key0 + 8 c; lanes c >= 2 store nothing) go.
+  static_assert(!kWeightRegs || kRows <= 2, "weights in registers: one or two rows per pass");
+  float w_reg[kWeightRegs ? 16 * kRows : 1];
+#pragma unroll
+  for (float& w : w_reg) w = 0.f;
+  int len_r[kRows];
+#pragma unroll
+  for (int rr = 0; rr < kRows; ++rr) len_r[rr] = 0;
+  float* out_pass = p.logits;
+  int loaded_request = -1, loaded_pass = -1;
+  // q codes (as they are: e4m3 is the MMA's type), weights and row lengths of pass `pass` of
+  // request b. Rows past the request's last are zero (their columns are computed, never stored).
+  auto load_q = [&](int b, int pass, int first_row, int nrows) {
+    NamedBarrierSync(kQBarrier, kConsumerThreads);  // every warp's wgmmas on the old q are done
+    loaded_request = b;
+    loaded_pass = pass;
+    constexpr int kItems = kQRows * kHeads * 8;  // 16 codes each
+    static_assert(kItems % (4 * kConsumerThreads) == 0, "whole rounds of q loads");
+    // Not unrolled: with 3-4 rows, all rounds' loads hoisted together spilled (ptxas -v).
+#pragma unroll 1
+    for (int it0 = 0; it0 < kItems; it0 += 4 * kConsumerThreads) {
+      uint4 codes[4];
+      float wv[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int it = it0 + u * kConsumerThreads + tid;
+        const int rr = it / (kHeads * 8), head = (it / 8) % kHeads, oct = it % 8;
+        const int rin = pass * kRows + rr;
+        codes[u] = make_uint4(0u, 0u, 0u, 0u);
+        wv[u] = 0.f;
+        if (rin < nrows) {
+          const int64_t row = first_row + rin;
+          codes[u] = __ldg(
+              reinterpret_cast<const uint4*>(p.q.codes + (row * kHeads + head) * kMqaHeadDim) +
+              oct);
+          if (oct == 0) wv[u] = __ldg(&p.q.weights[row * kHeads + head]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int it = it0 + u * kConsumerThreads + tid;
+        const int n = it / 8, oct = it % 8;  // B row n = 64 rr + head
+        *reinterpret_cast<uint4*>(q_tile + n * 128 + ((oct ^ (n & 7)) << 4)) = codes[u];
+        if (oct == 0) w_smem[(n >> 6) * kHeads + WeightSlot(n & 63)] = wv[u];
+      }
+    }
+#pragma unroll
+    for (int rr = 0; rr < kRows; ++rr) {
+      const int rin = pass * kRows + rr;
+      len_r[rr] = rin < nrows ? __ldg(&p.rows.row_length[first_row + rin]) : 0;
+    }
+    out_pass = p.logits + int64_t{first_row + pass * kRows} * stride + key0 + 8 * c;
+    FenceProxyAsyncShared();  // st.shared before the wgmmas' (async proxy) reads of q
+    NamedBarrierSync(kQBarrier, kConsumerThreads);
+    if constexpr (kWeightRegs) {
+#pragma unroll
+      for (int rr = 0; rr < kRows; ++rr) {
+        LoadWeights(w_smem + rr * kHeads, c, *reinterpret_cast<float(*)[16]>(w_reg + 16 * rr));
+      }
+    }
+  };
+
+  // The wgmma descriptors' low words (the high word is the same for every SW128 tile here):
+  // slot st's is desc_slot0 + st * kValues / 16, k-step ks adds 2, q row pair 1 adds
+  // 2 * kQRowBytes / 16 (Sw128Desc).
+  // (Through a shuffle: warp-uniform in the compiler's eyes, so they stay in uniform registers
+  // instead of being rebuilt from the shared-memory base every page.)
+  const uint32_t desc_slot0 = __shfl_sync(kFullMask, Sw128DescLo(stage_values), 0);
+  const uint32_t desc_q = __shfl_sync(kFullMask, Sw128DescLo(q_tile), 0);
+  ScheduleCursor<kOwnSchedule> cur;
+  cur.Seek(prefix, sched.num_requests, sched.begin);
+  // The current request's schedule entries, read when the cursor enters it.
+  int b = -1, tile0 = 0, first_row = 0, nrows = 0, passes = 0;
+  int st = 0;
+  uint32_t phase = 0;
+  for (int i = 0; i < num_tiles; ++i) {
+    if (cur.request != b) {  // block-uniform
+      b = cur.request;
+      tile0 = Ld<kOwnSchedule>(&prefix[b]);
+      first_row = Ld<kOwnSchedule>(&req_first_row[b]);
+      nrows = Ld<kOwnSchedule>(&req_num_rows[b]);
+      passes = (nrows + kRows - 1) / kRows;
+    }
+    const int base_pos = (cur.tile - tile0) * kMqaTileKeys;
+    if (b != loaded_request || loaded_pass != 0) load_q(b, 0, first_row, nrows);
+
+    // The TMA unit wrote the slot through the async proxy, which the wgmmas read it through:
+    // the barrier's phase is all the ordering they need (no proxy fence).
+    MbarWait(&full[st], phase);
+    const uint32_t desc_kv = desc_slot0 + uint32_t(st * (kValues / 16));
+    const float* ksc = reinterpret_cast<const float*>(stage_scales + st * kScales);
+    const float ks0 = ksc[key0];
+    const float ks1 = ksc[key0 + 8];
+    const float ks = c == 0 ? ks0 : ks1;  // the scale of the key this lane stores (c < 2)
+
+    // Row rr of the pass: keys key0, key0 + 8 against heads 8 j + 2 c + e (acc[32 rr ...], the
+    // m64nN accumulator layout), relu * w, the group's 4 lanes complete the 64-head sum; lane
+    // c < 2 stores key key0 + 8 c.
+    auto epilogue = [&](const float* acc, int pass, int rr) {
+      if (pass * kRows + rr >= nrows) return;
+      float s0, s1;
+      if constexpr (kWeightRegs) {
+        Fp8HeadSums(acc, *reinterpret_cast<const float(*)[16]>(w_reg + 16 * rr), s0, s1);
+      } else {
+        float w[16];
+        LoadWeights(w_smem + rr * kHeads, c, w);
+        Fp8HeadSums(acc, w, s0, s1);
+      }
+      const int pos = base_pos + key0 + 8 * c;
+      if (c < 2 && pos < len_r[rr]) out_pass[rr * stride + base_pos] = (c == 0 ? s0 : s1) * ks;
+    };
+    // The slot's codes and scales are no longer read: every consumer thread arrives (the empty
+    // barrier counts kConsumerThreads).
+    auto release = [&]() { MbarArrive(&empty[st]); };
+
+    // Rows two at a time (at most 64 accumulators live: 3-4 rows' 96-128 spilled at 2 blocks
+    // per SM). Every group is issued even past the request's last row (nothing is stored then):
+    // a branch around a wgmma makes ptxas serialize every wgmma in the kernel (C7520).
+    for (int pass = 0; pass < passes; ++pass) {
+      if (pass != loaded_pass) load_q(b, pass, first_row, nrows);  // warpgroup-uniform
+      const bool last_pass = pass + 1 == passes;
+      // Rows 0-1 in one m64n128k32 per k-step (m64n64 for one row per pass), then rows 2-3.
+      float acc[64];
+      constexpr int kFirst = kRows < 2 ? kRows : 2;
+      WgmmaFence();
+      IssuePage<64 * kFirst>(acc, desc_kv, desc_q);
+      WgmmaCommit();
+      WgmmaWait<0>();
+      if (kRows <= 2 && last_pass) release();
+      epilogue(acc, pass, 0);
+      if constexpr (kRows >= 2) epilogue(acc + 32, pass, 1);
+      if constexpr (kRows > 2) {
+        WgmmaFence();
+        // Rows 2-3 (row 3 zero when kRows == 3).
+        IssuePage<128>(acc, desc_kv, desc_q + uint32_t(2 * kQRowBytes / 16));
+        WgmmaCommit();
+        WgmmaWait<0>();
+        if (last_pass) release();
+        epilogue(acc, pass, 2);
+        if constexpr (kRows == 4) epilogue(acc + 32, pass, 3);
+      }
+    }
+    if (++st == kStages) {
+      st = 0;
+      phase ^= 1;
+    }
+    if (i + 1 < num_tiles) cur.Next(prefix);
+  }
+}
+
+// One instantiation's launch on a persistent grid (its blocks per SM from the occupancy query).
+template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, bool kWeightRegs>
+absl::Status Launch(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
+  static KernelDeviceSetup per_device[kMaxDevices];
+  const absl::StatusOr<CUtensorMap> map = PageValuesTensorMap(args.cache);
+  if (!map.ok()) return map.status();
+  return LaunchPersistentGrid(
+      per_device, "paged mqa logits (fp8 pipelined)",
+      PagedMqaLogitsFp8Kernel<kRows, kOwnSchedule, kMinBlocks, kStages, kWeightRegs>, kThreads,
+      SmemBytes<kRows, kOwnSchedule, kStages>(), num_sms, stream, args, *map);
+}
+
+}  // namespace fp8_logits
+}  // namespace decode_indexer::kernels::cuda
