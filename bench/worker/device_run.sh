@@ -13,7 +13,8 @@
 #   cp -r ../shared/tools/deepgemm .peer/deepgemm      # /.peer/ in .git/info/exclude
 # Run (GPU machine, repo root, .peer/ carried):  bash bench/worker/device_run.sh gpu-bundle $OUT
 # Knobs (environment): LAYERS=61 REQUESTS=64 CONTEXT=32768 TOKENS=50 WARMUP=5 PY_TOKENS=10
-# PATHS (the C++ worker's --paths), SKIP_DG=1, SKIP_PY=1, PYTHON=python3, BACKEND=cuda (cpu: the
+# PATHS (the C++ worker's --paths), SKIP_DG=1, SKIP_PY=1, PY_EXTRA=1 (+ PY_BEFORE_CLIENT=DIR),
+# PYTHON=python3, BACKEND=cuda (cpu: the
 # same flow on a machine without a GPU, small shapes, e.g. LAYERS=3 REQUESTS=4 CONTEXT=2048).
 set -uo pipefail
 bundle=$(cd "$1" && pwd)
@@ -72,6 +73,28 @@ if [[ "${SKIP_PY:-0}" != 1 && $rc -eq 0 ]]; then
   rc=${PIPESTATUS[0]}
   say "py_worker rc=$rc"
   [[ $rc -ne 0 ]] && failed=1
+  # PY_EXTRA=1: the Python ring's alternatives in the same call: the client of another tree
+  # (PY_BEFORE_CLIENT, a client/python folder: the before of a before/after), the wait without
+  # its yield phase, the server's poller spinning 1 ms, then py_client_cpu.py's split of a
+  # call into Python and server time.
+  if [[ "${PY_EXTRA:-0}" == 1 ]]; then
+    pyw=("$py" "$here/py_worker.py" --target 127.0.0.1:$port --layers "$layers" --requests "$requests"
+      --context "$context" --tokens "$py_tokens" --warmup 2 --paths fast_path,fast_path_cuda)
+    if [[ -n "${PY_BEFORE_CLIENT:-}" ]]; then
+      say "== Python ring, client of $PY_BEFORE_CLIENT"
+      timeout 120 "${pyw[@]}" --client-path "$PY_BEFORE_CLIENT" --json "$out/py_worker_before.json" \
+        2>&1 | tee -a "$log"
+    fi
+    say "== Python ring, no yield phase"
+    timeout 120 "${pyw[@]}" --ring-client-yield-us 0 --json "$out/py_worker_noyield.json" 2>&1 |
+      tee -a "$log"
+    say "== Python ring, the server's poller spinning 1000 us"
+    timeout 120 "${pyw[@]}" --ring-server-spin-us 1000 --json "$out/py_worker_spin.json" 2>&1 |
+      tee -a "$log"
+    say "== py_client_cpu.py against the same server"
+    timeout 120 "$py" "$here/py_client_cpu.py" --target 127.0.0.1:$port --socket "$sock" \
+      --calls 1000 --json "$out/py_client.json" 2>&1 | tee -a "$log"
+  fi
 fi
 kill -TERM "$server" 2>/dev/null
 wait "$server"
