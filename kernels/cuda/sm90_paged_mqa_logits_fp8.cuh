@@ -28,10 +28,10 @@
 // - 4 wgmma per page and row pair (descriptors as 32-bit low words added to, Sw128Desc), then
 //   the epilogue (relu * weight over this thread's 16 heads in four independent fp32 chains,
 //   Fp8HeadSums; the 4 lanes of a group complete the 64-head sum) times the key scale. Weights
-//   sit in shared memory permuted so that a thread's 16 are contiguous: loaded into registers
-//   once per request at one or two rows per pass, four 16-byte loads a row and page beyond. The
-//   slot goes back to the producer once the last pass's wgmmas have completed (every consumer
-//   thread arrives on its empty barrier).
+//   sit in shared memory permuted so that a thread's 16 are contiguous: a pass's first one or
+//   two rows' loaded into registers once per request (kWeightRegs), rows 2-3's read with four
+//   16-byte loads a row and page. The slot goes back to the producer once the last pass's
+//   wgmmas have completed (every consumer thread arrives on its empty barrier).
 // - What this layout cost before (measured, docs/results/cuda-bench.md): every shared-memory
 //   access compiled to a generic load while the aligned base went through an integer
 //   (AlignSmem1024 keeps the address space), the descriptors were rebuilt per k-step, and at two
