@@ -110,16 +110,18 @@ inline constexpr PipelinedShape PipelinedShapeFor(int rows_per_pass) {
 // ---- The fp8 kernel (sm90_paged_mqa_logits_fp8.cu) ------------------------------------------
 
 // Per rows per pass: the ring depth, the blocks per SM the register cap is sized for (160
-// threads a block; ptxas -v) and where a thread's head weights live. One row: 4 slots, 96
-// registers at 4 blocks per SM (48 KB of shared memory each), weights in registers. Two rows
-// (next_n 2): 3 blocks at up to 136 registers with both rows' weights in registers and 4 slots:
-// measured 11% faster at 64 x 32K than 4 blocks at 96 registers with the weights read from
-// shared memory per page (3 slots), and 2.8x faster than 4 blocks with the weights in registers
-// (spills) - docs/results/cuda-bench.md, the bench's fp8 variants. Three or four rows: q takes
-// 32 KB, so 3 blocks (4 slots, 65-73 KB each) at 122 registers, weights from shared memory
-// (64 accumulators plus four rows' weights do not fit).
+// threads a block; ptxas -v) and where a thread's head weights live (the first one or two rows
+// of a pass in registers, loaded once per request; later rows from shared memory, four 16-byte
+// loads a row and page). One row: 4 slots, 96 registers at 4 blocks per SM (48 KB of shared
+// memory each). Two rows (next_n 2): 3 blocks at up to 136 registers and 4 slots: measured 11%
+// faster at 64 x 32K than 4 blocks at 96 registers with the weights read from shared memory (3
+// slots), and 2.8x faster than 4 blocks with the weights in registers (spills); 5 slots gained
+// nothing (docs/results/cuda-bench.md, the bench's fp8 variants). Three or four rows: q takes
+// 32 KB, so 3 blocks (4 slots, 65-73 KB each) at 128 registers; rows 0-1's weights in registers
+// measured 13% faster at next_n 3 and 2% at next_n 4 (where ptxas spills 24 bytes) than all
+// four rows' from shared memory.
 inline constexpr int PipeFp8Stages(int /*rows_per_pass*/) { return 4; }
 inline constexpr int PipeFp8MinBlocks(int rows_per_pass) { return rows_per_pass == 1 ? 4 : 3; }
-inline constexpr bool PipeFp8WeightRegs(int rows_per_pass) { return rows_per_pass <= 2; }
+inline constexpr bool PipeFp8WeightRegs(int /*rows_per_pass*/) { return true; }
 
 }  // namespace decode_indexer::kernels::cuda

@@ -28,10 +28,10 @@
 // - 4 wgmma per page and row pair (descriptors as 32-bit low words added to, Sw128Desc), then
 //   the epilogue (relu * weight over this thread's 16 heads in four independent fp32 chains,
 //   Fp8HeadSums; the 4 lanes of a group complete the 64-head sum) times the key scale. Weights
-//   sit in shared memory permuted so that a thread's 16 are contiguous: loaded into registers
-//   once per request at one or two rows per pass, four 16-byte loads a row and page beyond. The
-//   slot goes back to the producer once the last pass's wgmmas have completed (every consumer
-//   thread arrives on its empty barrier).
+//   sit in shared memory permuted so that a thread's 16 are contiguous: a pass's first one or
+//   two rows' loaded into registers once per request (kWeightRegs), rows 2-3's read with four
+//   16-byte loads a row and page. The slot goes back to the producer once the last pass's
+//   wgmmas have completed (every consumer thread arrives on its empty barrier).
 // - What this layout cost before (measured, docs/results/cuda-bench.md): every shared-memory
 //   access compiled to a generic load while the aligned base went through an integer
 //   (AlignSmem1024 keeps the address space), the descriptors were rebuilt per k-step, and at two
@@ -155,8 +155,8 @@ __device__ __forceinline__ void IssuePage(float* acc, uint32_t desc_kv, uint32_t
 // kRows: rows of a request scored per pass over a page (RowsPerPass): one m64n128 instruction
 // per k-step for each two of them (m64n64 for one). kMinBlocks, kStages: PipeFp8MinBlocks,
 // PipeFp8Stages (sm90_heuristics.h).
-// kWeightRegs: this thread's weights of the pass's rows in registers (loaded once per pass)
-// instead of four 16-byte shared-memory loads per row and page; one or two rows per pass.
+// kWeightRegs: this thread's weights of the pass's first one or two rows in registers (loaded
+// once per pass) instead of four 16-byte shared-memory loads per row and page.
 template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, bool kWeightRegs>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     PagedMqaLogitsFp8Kernel(const PagedLogitsArgs p,
@@ -199,8 +199,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // Per request pass (load_q): this thread's weights at one row per pass (LoadWeights; more rows
   // read theirs from shared memory per page), each row's length, and where the pass's first
   // row's logits of this thread's key (key0 + 8 c; lanes c >= 2 store nothing) go.
-  static_assert(!kWeightRegs || kRows <= 2, "weights in registers: one or two rows per pass");
-  float w_reg[kWeightRegs ? 16 * kRows : 1];
+  // With kWeightRegs the first one or two rows of a pass (rows 2-3 read shared memory).
+  constexpr int kRegRows = kWeightRegs ? (kRows < 2 ? kRows : 2) : 0;
+  float w_reg[kRegRows > 0 ? 16 * kRegRows : 1];
 #pragma unroll
   for (float& w : w_reg) w = 0.f;
   int len_r[kRows];
@@ -252,9 +253,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     out_pass = p.logits + int64_t{first_row + pass * kRows} * stride + key0 + 8 * c;
     FenceProxyAsyncShared();  // st.shared before the wgmmas' (async proxy) reads of q
     NamedBarrierSync(kQBarrier, kConsumerThreads);
-    if constexpr (kWeightRegs) {
+    if constexpr (kRegRows > 0) {
 #pragma unroll
-      for (int rr = 0; rr < kRows; ++rr) {
+      for (int rr = 0; rr < kRegRows; ++rr) {
         LoadWeights(w_smem + rr * kHeads, c, *reinterpret_cast<float(*)[16]>(w_reg + 16 * rr));
       }
     }
@@ -299,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     auto epilogue = [&](const float* acc, int pass, int rr) {
       if (pass * kRows + rr >= nrows) return;
       float s0, s1;
-      if constexpr (kWeightRegs) {
+      if (rr < kRegRows) {  // rr is a constant at every call
         Fp8HeadSums(acc, *reinterpret_cast<const float(*)[16]>(w_reg + 16 * rr), s0, s1);
       } else {
         float w[16];

@@ -25,6 +25,8 @@ const char* MqaVariantName(MqaVariant v) {
       return "fp8 v1";
     case MqaVariant::kFp8N2SmemWeights4:
       return "fp8 n2 smem weights 4 blocks";
+    case MqaVariant::kFp8N34SmemWeights:
+      return "fp8 n3-4 smem weights";
   }
   return "?";
 }
@@ -60,6 +62,8 @@ bool MqaVariantFillsHistogram(MqaVariant v) {
          v != MqaVariant::kFp8V1 && !MqaVariantSameBitsAsFp8(v);
 }
 
-bool MqaVariantSameBitsAsFp8(MqaVariant v) { return v == MqaVariant::kFp8N2SmemWeights4; }
+bool MqaVariantSameBitsAsFp8(MqaVariant v) {
+  return v == MqaVariant::kFp8N2SmemWeights4 || v == MqaVariant::kFp8N34SmemWeights;
+}
 
 }  // namespace decode_indexer::kernels::cuda

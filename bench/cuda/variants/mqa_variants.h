@@ -13,10 +13,11 @@
 // And fp8 variants (not exact; outside kAllMqaVariants, which hold to the exact kernel):
 // - kFp8V1: the fp8 production kernel before the TMA producer and the four-chain epilogue
 //   (its logits equal the production fp8 kernel's up to the epilogue's fp32 summation order);
-// - kFp8N2SmemWeights4: the production fp8 kernel at two rows per pass with sm90_heuristics.h's
-//   earlier choice (4 blocks per SM, 3 ring slots, the weights read from shared memory per
-//   page), bit for bit its logits. (Measured and dropped: one row with 5 slots, no faster; two
-//   rows with the weights in registers at 4 blocks, 2.8x slower for spills.)
+// - kFp8N2SmemWeights4 / kFp8N34SmemWeights: the production fp8 kernel with sm90_heuristics.h's
+//   earlier choices (two rows per pass at 4 blocks per SM and 3 ring slots, three or four rows
+//   at 3 blocks; every row's weights read from shared memory per page), bit for bit its logits.
+//   (Measured and dropped: one row with 5 slots and two rows with 5, no faster; two rows with
+//   the weights in registers at 4 blocks, 2.8x slower for spills.)
 // Removed, their measurements recorded in docs/results/cuda-bench.md and its raw/ logs:
 // the heads-as-M wgmma f16 / fp8 kernels, the exact kernel's page pairs, the fp8 kernel's
 // per-row m64n64 chains.
@@ -38,6 +39,7 @@ enum class MqaVariant {
   kWgmmaKeysMPipelinedWs4,
   kFp8V1,
   kFp8N2SmemWeights4,
+  kFp8N34SmemWeights,
 };
 inline constexpr MqaVariant kAllMqaVariants[] = {MqaVariant::kWgmmaKeysM,
                                                  MqaVariant::kWgmmaKeysMSplit,
@@ -47,8 +49,8 @@ inline constexpr MqaVariant kAllMqaVariants[] = {MqaVariant::kWgmmaKeysM,
                                                  MqaVariant::kWgmmaKeysMPipelinedWs4};
 const char* MqaVariantName(MqaVariant v);
 // The fp8 tensor-core variants (their logits are not the exact kernel's).
-inline constexpr MqaVariant kFp8MqaVariants[] = {MqaVariant::kFp8V1,
-                                                 MqaVariant::kFp8N2SmemWeights4};
+inline constexpr MqaVariant kFp8MqaVariants[] = {MqaVariant::kFp8V1, MqaVariant::kFp8N2SmemWeights4,
+                                                 MqaVariant::kFp8N34SmemWeights};
 // True for the fp8 variants whose logits are the production fp8 kernel's bit for bit (its shape
 // choices moved); false for kFp8V1 (another summation order) and the exact-kernel variants.
 bool MqaVariantSameBitsAsFp8(MqaVariant v);

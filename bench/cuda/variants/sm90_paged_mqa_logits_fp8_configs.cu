@@ -1,5 +1,5 @@
 // Comparison variants of the production fp8 logits kernel's shape choices (mqa_variants.h:
-// kFp8N2SmemWeights4): the same kernel template
+// kFp8N2SmemWeights4, kFp8N34SmemWeights): the same kernel template
 // (kernels/cuda/sm90_paged_mqa_logits_fp8.cuh) at other blocks per SM, ring slots or weight
 // placement than sm90_heuristics.h picks, so the bench can time a heuristic's alternatives
 // beside it. The choices move no arithmetic: their logits equal the production kernel's bit for
@@ -17,6 +17,12 @@ absl::Status Dispatch(MqaVariant v, const PagedLogitsArgs& args, int num_sms, cu
   const int rows = DenseRowsPerPass(args.rows);
   if (v == MqaVariant::kFp8N2SmemWeights4 && rows == 2) {
     return fp8_logits::Launch<2, kOwnSchedule, 4, 3, false>(args, num_sms, stream);
+  }
+  if (v == MqaVariant::kFp8N34SmemWeights && rows == 3) {
+    return fp8_logits::Launch<3, kOwnSchedule, 3, 4, false>(args, num_sms, stream);
+  }
+  if (v == MqaVariant::kFp8N34SmemWeights && rows == 4) {
+    return fp8_logits::Launch<4, kOwnSchedule, 3, 4, false>(args, num_sms, stream);
   }
   return LaunchPagedMqaLogitsFp8(args, num_sms, stream);
 }
