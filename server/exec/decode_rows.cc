@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 
-#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "server/exec/candidate_overlap.h"
 #include "server/exec/decode_schedule.h"
@@ -121,17 +120,13 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   const bool source = plan.role == config::LayerRole::kCandidateSource;
   const int32_t NB = s.num_candidate_blocks;
 
-  const bool injected = plan.fault_rank == rank.index();
-  if (injected && plan.fault == StepPlan::Fault::kError && status.ok()) {
-    status = absl::InternalError(absl::StrCat("injected fault on rank ", rank.index()));
-  }
+  // The test seam (fault_hooks.h): null in production.
+  const StepFaults* faults = plan.faults.get();
   // The step's host staging; the previous step's copies from it have finished (every step
   // ends in a Synchronize, a failed one too).
   Staging staging(rank);
   Readback readback(rank, plan);
-  if (status.ok() && injected && plan.fault == StepPlan::Fault::kPause && plan.fault_pause) {
-    plan.fault_pause();
-  }
+  if (status.ok() && faults != nullptr) status = faults->BeforeScoring(rank.index());
   // q in the client's device buffer, written on its stream: this rank's stream waits for the
   // client's "inputs ready" record on the GPU before anything of the step reads it.
   if (status.ok() && plan.q.on_device && plan.q.ready_event != nullptr) {
@@ -159,18 +154,15 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     // do: its hand-off costs nothing then.
     status = collective.Agree(rank.index(), status);
     ++record.collectives;
-    if (status.ok() && injected && plan.fault == StepPlan::Fault::kHang) {
-      return absl::InternalError(
-          absl::StrCat("injected hang: rank ", rank.index(), " skipped the all-gather"));
-    }
+    StepFaults::AfterAgreement fault;
+    if (status.ok() && faults != nullptr) fault = faults->AfterTheAgreement(rank.index());
+    if (fault.kind == StepFaults::AfterAgreement::Kind::kSkipGather) return fault.status;
     // The rank's own work, so the time below is the collectives' alone. A device error found
     // here comes after the others agreed: abort, so that none waits in the all-gather for
     // this rank (the collective then stays aborted, as for any device fault).
     if (status.ok()) {
-      status = injected && plan.fault == StepPlan::Fault::kDevice
-                   ? absl::InternalError(absl::StrCat("injected device fault on rank ",
-                                                      rank.index(), " after the agreement"))
-                   : be.Synchronize();
+      status = fault.kind == StepFaults::AfterAgreement::Kind::kFailSynchronize ? fault.status
+                                                                                : be.Synchronize();
       if (!status.ok()) collective.Abort(status);
     }
     const auto gather_start = std::chrono::steady_clock::now();
@@ -187,12 +179,8 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
       ++record.collectives;
     }
     record.collective_ns = since(gather_start);
-  }
-  if (status.ok() && injected &&
-      (plan.fault == StepPlan::Fault::kHang || plan.fault == StepPlan::Fault::kDevice)) {
-    // No collective in this step to stay away from: the injected fault is a plain failure.
-    status = absl::InternalError(
-        absl::StrCat("injected fault: rank ", rank.index(), " (a step with no collective)"));
+  } else if (status.ok() && faults != nullptr) {
+    status = faults->WithoutCollective(rank.index());
   }
   if (!status.ok()) {
     // Copies queued before the failure may still read the host staging the next step reuses.

@@ -7,8 +7,6 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -310,7 +308,8 @@ class ExecutorImpl final : public Executor {
   void CommitStep(const StepInput& step, const StepPlan& plan, PlannedStep& planned);
   void TakeInjectedFault(StepPlan& plan);
 
-  friend void ::decode_indexer::exec::InjectFault(Executor& executor, const FaultInjection& fault);
+  friend void ::decode_indexer::exec::SetFaultHooks(Executor& executor,
+                                                    std::shared_ptr<FaultHooks> hooks);
   friend std::vector<RankStepTimes>(::decode_indexer::exec::LastRankStepTimes)(
       const Executor& executor);
   friend std::vector<absl::Status>(::decode_indexer::exec::LastRankStatuses)(
@@ -376,8 +375,10 @@ class ExecutorImpl final : public Executor {
   bool idle_stop_ = false;
   std::vector<absl::Status> last_rank_statuses_;
   StepPhases last_phases_;       // of the last decode step that reached the ranks (benchmarks)
-  FaultInjection fault_;         // test hook (DI_INJECT_FAULT)
   uint64_t steps_to_ranks_ = 0;  // decode steps that reached the ranks
+  // The test seam (SetFaultHooks): null in production; its steps counted from hooks_since_.
+  std::shared_ptr<FaultHooks> fault_hooks_;
+  uint64_t hooks_since_ = 0;
   // ExecutorStatus::device_memory_bytes: sampled by the turn holder (a query per rank, so at
   // most once a second) and read by Status() from stats_.
   Clock::time_point memory_sampled_{};
@@ -395,29 +396,6 @@ class ExecutorImpl final : public Executor {
   // The step's plan (planner.h): reads and reserves from the host truth above, under mu_.
   StepPlanner planner_;
 };
-
-// DI_INJECT_FAULT=RANK:KIND[:STEP], KIND error|hang, STEP the 0-based index of the decode step
-// (among those that reach the ranks) to fail; default 0.
-FaultInjection FaultFromEnv() {
-  FaultInjection f;
-  const char* env = std::getenv("DI_INJECT_FAULT");
-  if (env == nullptr || *env == 0) return f;
-  int rank = -1;
-  char kind[16] = {0};
-  unsigned long long step = 0;
-  const int n = std::sscanf(env, "%d:%15[a-z]:%llu", &rank, kind, &step);
-  const std::string k = kind;
-  if (n < 2 || (k != "error" && k != "hang" && k != "device")) {
-    spdlog::warn("DI_INJECT_FAULT=\"{}\" ignored: want RANK:error|hang|device[:STEP]", env);
-    return f;
-  }
-  f.rank = rank;
-  f.hang = k == "hang";
-  f.device = k == "device";
-  f.step = step;
-  spdlog::warn("DI_INJECT_FAULT: rank {} will {} at decode step {}", rank, k, step);
-  return f;
-}
 
 absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory) {
   const config::Profile& p = profile_;
@@ -517,7 +495,6 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
   // with page-locked staging).
   planner_.Init(num_ranks, std::all_of(ranks_.begin(), ranks_.end(),
                                        [](const auto& r) { return r->readback().pinned; }));
-  fault_ = FaultFromEnv();
 
   stats_.backend = backend_name_;
   stats_.backend_desc = backend_desc_;
@@ -808,16 +785,9 @@ void ExecutorImpl::CommitStep(const StepInput& step, const StepPlan& plan, Plann
   SampleDeviceMemory();
 }
 
-// The test hook (InjectFault, DI_INJECT_FAULT) into the plan of the step it names.
+// The test seam (fault_hooks.h): the faults the hooks give the step, if any.
 void ExecutorImpl::TakeInjectedFault(StepPlan& plan) {
-  if (fault_.rank < 0 || steps_to_ranks_ != fault_.step) return;
-  plan.fault_rank = fault_.rank;
-  plan.fault = fault_.pause    ? StepPlan::Fault::kPause
-               : fault_.hang   ? StepPlan::Fault::kHang
-               : fault_.device ? StepPlan::Fault::kDevice
-                               : StepPlan::Fault::kError;
-  plan.fault_pause = std::move(fault_.pause);
-  fault_ = FaultInjection{};  // once
+  if (fault_hooks_ != nullptr) plan.faults = fault_hooks_->ForStep(steps_to_ranks_ - hooks_since_);
 }
 
 absl::StatusOr<int64_t> ExecutorImpl::TruncateSequence(uint64_t sequence_id, int64_t length,
@@ -1302,11 +1272,11 @@ absl::StatusOr<std::unique_ptr<Executor>> Executor::Create(const config::Profile
   return CreateExecutorWithBackends(profile, resolved, std::move(factory));
 }
 
-void InjectFault(Executor& executor, const FaultInjection& fault) {
+void SetFaultHooks(Executor& executor, std::shared_ptr<FaultHooks> hooks) {
   auto& e = dynamic_cast<ExecutorImpl&>(executor);
   std::lock_guard lock(e.mu_);
-  e.fault_ = fault;
-  e.fault_.step += e.steps_to_ranks_;
+  e.fault_hooks_ = std::move(hooks);
+  e.hooks_since_ = e.steps_to_ranks_;
 }
 
 std::vector<RankStepTimes> LastRankStepTimes(const Executor& executor) {

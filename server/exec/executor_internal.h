@@ -12,6 +12,7 @@
 #include "decode_indexer/kernels/backend.h"
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
+#include "server/exec/fault_hooks.h"
 
 namespace decode_indexer::exec {
 
@@ -24,25 +25,10 @@ absl::StatusOr<std::unique_ptr<Executor>> CreateExecutorWithBackends(const confi
                                                                      const ExecutorOptions& options,
                                                                      BackendFactory factory);
 
-// Test hook, also reachable as DI_INJECT_FAULT=RANK:error|hang|device[:STEP]: the decode step
-// `step` calls from now (0: the next one to reach the ranks) fails on `rank`: with an error
-// before scoring (as a launch error would); or, in a sharded step with a collective, by
-// passing the host agreement and then skipping the all-gather (hang: as a stuck device would),
-// which the collective's timeout ends; or by passing the agreement and then failing the
-// synchronize that waits for its kernels (device: as an asynchronous kernel fault would),
-// which must abort the collective at once. A sharded step with no collective (direct
-// answers, not a source) has nothing to hang in: there both are an error after scoring.
-// Through InjectFault only (not DI_INJECT_FAULT), `pause`: the rank calls it before scoring
-// and then runs the step normally, so a test can hold a step mid-run (e.g. until its
-// caller's deadline has passed) without a timing guess.
-struct FaultInjection {
-  int32_t rank = -1;  // -1: none
-  bool hang = false;
-  uint64_t step = 0;
-  bool device = false;  // (with hang false) the device kind
-  std::function<void()> pause = nullptr;
-};
-void InjectFault(Executor& executor, const FaultInjection& fault);
+// The test seam (fault_hooks.h): the hooks every later decode step consults (null, as in
+// production: none), their step index counted from this call. Tests set them through
+// server/testing/fault_injection.h.
+void SetFaultHooks(Executor& executor, std::shared_ptr<FaultHooks> hooks);
 
 // Every rank's status of the last job that ran on the ranks.
 std::vector<absl::Status> LastRankStatuses(const Executor& executor);

@@ -3,13 +3,14 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
 #include "decode_indexer/kernels/types.h"
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
+#include "server/exec/fault_hooks.h"
 #include "server/exec/page_table_mirror.h"
 #include "server/exec/row_shard.h"
 
@@ -60,14 +61,8 @@ struct StepPlan {
   bool masked_consumer = false;
   bool reuse_expansion = false;  // consumer: every rank's expansion already holds these rows
   bool fork_expansion = false;   // source: fork the expansion after writing candidates
-  // Test hook (DI_INJECT_FAULT): this rank fails the step, as a launch error would
-  // (kError), passes the host agreement and then never joins the all-gather, as a stuck device
-  // would (kHang), or passes the agreement and then fails its synchronize, as an asynchronous
-  // kernel fault would (kDevice), or calls fault_pause before scoring and then runs the step
-  // normally (kPause: tests hold a step mid-run). -1: none.
-  int32_t fault_rank = -1;
-  enum class Fault { kError, kHang, kDevice, kPause } fault = Fault::kError;
-  std::function<void()> fault_pause;
+  // The test seam (fault_hooks.h): this step's faults, null in production.
+  std::shared_ptr<const StepFaults> faults;
   // Host outputs, written by the answering rank.
   int32_t answer_rank = 0;
   int32_t* topk_out = nullptr;        // [rows, topk]

@@ -37,6 +37,7 @@
 #include "server/exec/executor.h"
 #include "server/exec/executor_internal.h"
 #include "server/exec/rank.h"
+#include "server/testing/fault_injection.h"
 #include "tests/server/exec_harness.h"
 
 namespace decode_indexer::testing {
@@ -646,7 +647,7 @@ TEST(MultiRankCpu, AFailedStepCommitsNothingAndLeavesTheSinkAsDocumented) {
           if (refused) {
             step->input.call_check = [] { return absl::DeadlineExceededError("gave up"); };
           } else {
-            exec::InjectFault(*e, {ranks - 1, false, 0, false});
+            InjectFault(*e, {ranks - 1, false, 0, false});
           }
           absl::StatusOr<StepResult> r = e->DecodeStep(step->input);
           ASSERT_FALSE(r.ok());
@@ -736,7 +737,7 @@ void ExpectFaultOnEveryRank(Executor& e, Harness& h, const std::vector<uint64_t>
   std::vector<SeqPlan> plans;
   for (uint64_t id : ids) plans.push_back({id, 2, 2, {}});
   std::unique_ptr<StepData> step = h.MakeStep(0, plans);
-  exec::InjectFault(e, {failing, hang, 0, device});
+  InjectFault(e, {failing, hang, 0, device});
   absl::StatusOr<StepResult> r = e.DecodeStep(step->input);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal) << r.status();
@@ -843,6 +844,39 @@ TEST(MultiRankCpu, InjectedDeviceFaultAfterTheAgreementAbortsAtOnce) {
     ASSERT_NE(e, nullptr);
     ExpectFaultOnEveryRank(*e, h, ids, failing, /*hang=*/false, absl::StatusCode::kUnavailable,
                            /*direct=*/false, /*device=*/true);
+  }
+}
+
+// DI_INJECT_FAULT (server/testing/fault_injection.h, read when a test asks): RANK:KIND:STEP
+// fails the STEP-th decode step from then on RANK, and only that step; a malformed value
+// injects nothing.
+TEST(MultiRankCpu, FaultFromTheEnvironmentFailsTheStepItNames) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  EXPECT_FALSE(FaultFromSpec("1:crash").has_value());
+  EXPECT_FALSE(FaultFromSpec("").has_value());
+  Harness h(SmallV32(), seed);
+  std::vector<uint64_t> ids;
+  std::unique_ptr<Executor> e = Prefilled(h.profile(), CpuOptions(2), h, &ids, 4, 40);
+  ASSERT_NE(e, nullptr);
+  ASSERT_EQ(setenv("DI_INJECT_FAULT", "1:error:1", 1), 0);
+  const bool injected = InjectFaultFromEnv(*e);
+  unsetenv("DI_INJECT_FAULT");
+  ASSERT_TRUE(injected);
+  std::vector<SeqPlan> plans;
+  for (uint64_t id : ids) plans.push_back({id, 1, 1, {}});
+  for (int32_t step = 0; step < 3; ++step) {
+    SCOPED_TRACE(absl::StrCat("step ", step));
+    std::unique_ptr<StepData> data = h.MakeStep(0, plans);
+    absl::StatusOr<StepResult> r = e->DecodeStep(data->input);
+    if (step != 1) {
+      EXPECT_TRUE(r.ok()) << r.status();
+      continue;
+    }
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal) << r.status();
+    EXPECT_NE(r.status().message().find("injected fault on rank 1"), std::string::npos)
+        << r.status();
   }
 }
 
