@@ -1,7 +1,7 @@
 // The executor's one test seam: where a decode step can be made to fail as a real fault would,
 // or be held mid-run. Null in production (the executor then pays one pointer check a step and
 // a rank one per point below); the implementations and the helpers tests drive them with live
-// in server/testing/ (fault_injection.h), linked only by tests and benchmarks.
+// in server/testing/ (fault_injection.h), linked only by tests.
 #pragma once
 
 #include <cstdint>

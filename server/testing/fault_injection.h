@@ -1,6 +1,5 @@
 // Test-only: faults injected into an executor's decode steps through its one seam
-// (server/exec/fault_hooks.h). Linked by tests and benchmarks (di_testing), never by the
-// server.
+// (server/exec/fault_hooks.h). Linked by tests (di_testing), never by the server.
 #pragma once
 
 #include <cstdint>
