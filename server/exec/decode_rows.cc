@@ -29,7 +29,9 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   Rank::StepRecord& record = rank.step_record();
   record.graph_captured = false;
   record.graph_replayed = false;
-  const auto entered = std::chrono::steady_clock::now();
+  StepObserver* observer = plan.observer.get();  // the test seam: null in production
+  using Mark = StepObserver::RankMark;
+  if (observer != nullptr) observer->OnRank(rank.index(), Mark::kUploadsBegin);
 
   DI_RETURN_IF_ERROR(UploadStepRows(rank, staging, plan));
   // Keys go into every replica whatever rows this rank scores; pages they share with another
@@ -45,11 +47,9 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
     return scoring.Launch(be);
   };
 
-  const auto launched = std::chrono::steady_clock::now();
-  record.phases.uploads_ns = NanosBetween(entered, launched);
+  if (observer != nullptr) observer->OnRank(rank.index(), Mark::kLaunchBegin);
   absl::Status status = RunKernelSection(rank, scoring.shape(), kernel_section);
-  // The kernel section's issue time (eager launches or a graph replay).
-  record.phases.launch_ns = NanosBetween(launched, std::chrono::steady_clock::now());
+  if (observer != nullptr) observer->OnRank(rank.index(), Mark::kLaunchEnd);
   return status;
 }
 
@@ -107,21 +107,17 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   // A step that fails the gate runs unsharded on every rank: each rank computes every row, so
   // every rank holds the whole answer (and, at a source, every candidate for its store)
   // without a collective.
-  const auto step_start = std::chrono::steady_clock::now();
-  auto since = [](std::chrono::steady_clock::time_point t) {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
-                                                                t)
-        .count();
-  };
+  // The test seam (step_hooks.h): null in production.
+  const StepFaults* faults = plan.faults.get();
+  StepObserver* observer = plan.observer.get();
+  using Mark = StepObserver::RankMark;
+  if (observer != nullptr) observer->OnRank(rank.index(), Mark::kStepBegin);
   const RowRange range = plan.RowsOf(rank.index());
   Rank::StepRecord& record = rank.step_record();
-  record.phases = Rank::Phases{};
   absl::Status status = rank.overlap().Join();
   const bool source = plan.role == config::LayerRole::kCandidateSource;
   const int32_t NB = s.num_candidate_blocks;
 
-  // The test seam (fault_hooks.h): null in production.
-  const StepFaults* faults = plan.faults.get();
   // The step's host staging; the previous step's copies from it have finished (every step
   // ends in a Synchronize, a failed one too).
   Staging staging(rank);
@@ -166,7 +162,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
       if (!status.ok()) collective.Abort(status);
     }
     const auto gather_start = std::chrono::steady_clock::now();
-    record.score_ns = since(step_start);
+    if (observer != nullptr) observer->OnRank(rank.index(), Mark::kScored);
     const int32_t rows_per_rank = plan.num_rows / world;
     if (status.ok() && gather_topk) {
       status = collective.AllGather(rank.index(), b.topk + int64_t{range.start} * s.topk, b.topk,
@@ -178,7 +174,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
                                     b.candidates, size_t(rows_per_rank) * NB * sizeof(int32_t));
       ++record.collectives;
     }
-    record.collective_ns = since(gather_start);
+    record.collective_ns = NanosBetween(gather_start, std::chrono::steady_clock::now());
   } else if (status.ok() && faults != nullptr) {
     status = faults->WithoutCollective(rank.index());
   }
@@ -188,7 +184,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     return status;
   }
 
-  const auto copies_start = std::chrono::steady_clock::now();
+  if (observer != nullptr) observer->OnRank(rank.index(), Mark::kCopiesBegin);
   if (source) {
     // Into fresh store rows; the executor retires the old ones only on commit, so a failed
     // step leaves the sequence's published candidates intact.
@@ -199,13 +195,14 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   if (plan.q.on_device) {
     DI_RETURN_IF_ERROR(be.CopyToHost(rank.value_flags_host(), b.value_flags, sizeof(uint32_t)));
   }
-  const auto wait_start = std::chrono::steady_clock::now();
-  record.phases.copies_ns = NanosBetween(copies_start, wait_start);
+  if (observer != nullptr) observer->OnRank(rank.index(), Mark::kWaitBegin);
   absl::Status done = be.Synchronize();
-  record.phases.wait_ns = since(wait_start);
+  if (observer != nullptr) observer->OnRank(rank.index(), Mark::kWaitEnd);
   if (done.ok() && plan.q.on_device) done = DeviceInputsStatus(*rank.value_flags_host());
   if (done.ok()) readback.Finish();
-  if (!plan.sharded || direct) record.score_ns = since(step_start);
+  if (observer != nullptr && (!plan.sharded || direct)) {
+    observer->OnRank(rank.index(), Mark::kScored);
+  }
   return done;
 }
 

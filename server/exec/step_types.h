@@ -10,9 +10,9 @@
 #include "decode_indexer/kernels/types.h"
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
-#include "server/exec/fault_hooks.h"
 #include "server/exec/page_table_mirror.h"
 #include "server/exec/row_shard.h"
+#include "server/exec/step_hooks.h"
 
 namespace decode_indexer::exec {
 
@@ -61,8 +61,10 @@ struct StepPlan {
   bool masked_consumer = false;
   bool reuse_expansion = false;  // consumer: every rank's expansion already holds these rows
   bool fork_expansion = false;   // source: fork the expansion after writing candidates
-  // The test seam (fault_hooks.h): this step's faults, null in production.
+  // The test seam (step_hooks.h): this step's faults and the observer its ranks tell where
+  // their time goes; null in production.
   std::shared_ptr<const StepFaults> faults;
+  std::shared_ptr<StepObserver> observer;
   // Host outputs, written by the answering rank.
   int32_t answer_rank = 0;
   int32_t* topk_out = nullptr;        // [rows, topk]

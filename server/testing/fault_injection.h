@@ -1,5 +1,5 @@
 // Test-only: faults injected into an executor's decode steps through its one seam
-// (server/exec/fault_hooks.h). Linked by tests (di_testing), never by the server.
+// (server/exec/step_hooks.h). Linked by tests (di_testing), never by the server.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +9,7 @@
 #include <string_view>
 
 #include "server/exec/executor.h"
-#include "server/exec/fault_hooks.h"
+#include "server/exec/step_hooks.h"
 
 namespace decode_indexer::testing {
 

@@ -25,6 +25,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <set>
 #include <span>
@@ -877,6 +878,77 @@ TEST(MultiRankCpu, FaultFromTheEnvironmentFailsTheStepItNames) {
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal) << r.status();
     EXPECT_NE(r.status().message().find("injected fault on rank 1"), std::string::npos)
         << r.status();
+  }
+}
+
+// The seam's observer (server/exec/step_hooks.h): every rank of a decode step passes its
+// marks in order, the executor its step marks, and a failed step never reaches kCommitted;
+// with no observer set nothing is told. Counts and order only: no clock.
+class RecordingObserver final : public exec::StepObserver {
+ public:
+  explicit RecordingObserver(int32_t ranks) : ranks_(size_t(ranks)) {}
+  void OnStep(StepMark mark) override {
+    std::lock_guard lock(mu_);
+    steps_.push_back(mark);
+  }
+  void OnRank(int32_t rank, RankMark mark) override {
+    std::lock_guard lock(mu_);
+    ranks_[size_t(rank)].push_back(mark);
+  }
+  std::vector<StepMark> steps_;
+  std::vector<std::vector<RankMark>> ranks_;
+  std::mutex mu_;
+};
+
+TEST(MultiRankCpu, StepObserverSeesEveryMarkInOrder) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  using StepMark = exec::StepObserver::StepMark;
+  using RankMark = exec::StepObserver::RankMark;
+  Harness h(SmallV32(), seed);
+  for (bool direct : {true, false}) {
+    SCOPED_TRACE(direct ? "direct answers" : "answers all-gathered");
+    ExecutorOptions o = CpuOptions(2);
+    o.direct_answers = direct;
+    std::vector<uint64_t> ids;
+    std::unique_ptr<Executor> e = Prefilled(h.profile(), o, h, &ids, 8, 40);
+    ASSERT_NE(e, nullptr);
+    std::vector<SeqPlan> plans;
+    for (uint64_t id : ids) plans.push_back({id, 2, 2, {}});
+    auto observer = std::make_shared<RecordingObserver>(2);
+    exec::SetStepObserver(*e, observer);
+    std::unique_ptr<StepData> step = h.MakeStep(0, plans);
+    absl::StatusOr<StepResult> r = e->DecodeStep(step->input);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(observer->steps_, (std::vector<StepMark>{StepMark::kPlan, StepMark::kFanOut,
+                                                       StepMark::kJoined, StepMark::kCommitted}));
+    // Scored before the collectives where the step has one, else at the rank's end.
+    const bool gathered = r->sharded && !direct;
+    std::vector<RankMark> want = {RankMark::kStepBegin, RankMark::kUploadsBegin,
+                                  RankMark::kLaunchBegin, RankMark::kLaunchEnd};
+    if (gathered) want.push_back(RankMark::kScored);
+    for (RankMark m : {RankMark::kCopiesBegin, RankMark::kWaitBegin, RankMark::kWaitEnd}) {
+      want.push_back(m);
+    }
+    if (!gathered) want.push_back(RankMark::kScored);
+    for (int32_t rank = 0; rank < 2; ++rank) {
+      EXPECT_EQ(observer->ranks_[size_t(rank)], want) << "rank " << rank;
+    }
+    // A failed step: marks up to the join, never the commit.
+    observer->steps_.clear();
+    InjectFault(*e, {.rank = 1});
+    std::unique_ptr<StepData> failing = h.MakeStep(0, plans);
+    EXPECT_FALSE(e->DecodeStep(failing->input).ok());
+    EXPECT_EQ(observer->steps_,
+              (std::vector<StepMark>{StepMark::kPlan, StepMark::kFanOut, StepMark::kJoined}));
+    // Unset: nothing is told.
+    exec::SetStepObserver(*e, nullptr);
+    observer->steps_.clear();
+    observer->ranks_.assign(2, {});
+    std::unique_ptr<StepData> quiet = h.MakeStep(0, plans);
+    EXPECT_TRUE(e->DecodeStep(quiet->input).ok());
+    EXPECT_TRUE(observer->steps_.empty());
+    EXPECT_TRUE(observer->ranks_[0].empty() && observer->ranks_[1].empty());
   }
 }
 

@@ -1,7 +1,9 @@
-// The executor's one test seam: where a decode step can be made to fail as a real fault would,
-// or be held mid-run. Null in production (the executor then pays one pointer check a step and
-// a rank one per point below); the implementations and the helpers tests drive them with live
-// in server/testing/ (fault_injection.h), linked only by tests.
+// The executor's one test seam, two hooks, both null in production (the executor then pays a
+// pointer check a step, a rank one per point below): FaultHooks, where a decode step can be
+// made to fail as a real fault would or be held mid-run; StepObserver, told where a step's
+// time goes (the benchmarks' phase tables), so the production path reads no clock for them.
+// The implementations, and the helpers tests and benchmarks drive them with, live in
+// server/testing/ (fault_injection.h, step_timer.h), never linked by the server.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +49,35 @@ class FaultHooks {
  public:
   virtual ~FaultHooks() = default;
   virtual std::shared_ptr<const StepFaults> ForStep(uint64_t index) = 0;
+};
+
+// Owned by the executor (SetStepObserver): told when each decode step that reaches the ranks
+// passes the points below. Step marks come under the executor's turn; rank marks from each
+// rank's own thread (concurrently across ranks; one rank's in order), and are complete when
+// DecodeStep returns. A failed step stops passing marks where it failed.
+class StepObserver {
+ public:
+  virtual ~StepObserver() = default;
+
+  enum class StepMark {
+    kPlan,       // DecodeStep entered: planning under the turn
+    kFanOut,     // the plan handed to the ranks
+    kJoined,     // every rank returned
+    kCommitted,  // the step committed (a failed one does not reach this)
+  };
+  virtual void OnStep(StepMark mark) = 0;
+
+  enum class RankMark {
+    kStepBegin,     // the rank's step entered
+    kUploadsBegin,  // uploads, key inserts and q prep begin
+    kLaunchBegin,   // ... issued; the kernel section (eager launches or a graph replay) begins
+    kLaunchEnd,     // ... issued
+    kScored,        // the rank's own work finished: before its collectives, or at its end
+    kCopiesBegin,   // after any collective: the answer copies begin
+    kWaitBegin,     // ... issued; the final synchronize begins
+    kWaitEnd,       // ... returned
+  };
+  virtual void OnRank(int32_t rank, RankMark mark) = 0;
 };
 
 }  // namespace decode_indexer::exec
