@@ -59,6 +59,7 @@
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
 #include "server/exec/executor_internal.h"
+#include "server/testing/step_timer.h"
 
 namespace di = decode_indexer;
 using di::config::LayerRole;
@@ -408,6 +409,8 @@ struct Timing {
 Timing TimeSteps(Executor& e, const std::vector<di::exec::StepInput>& round, int warmup,
                  int steps) {
   Timing t;
+  // The phase tables' clocks (server/testing/step_timer.h): the executor's StepObserver.
+  const std::shared_ptr<di::testing::StepTimer> timer = di::testing::InstallStepTimer(e);
   for (int i = 0; i < warmup; ++i) {
     for (const auto& s : round) {
       absl::StatusOr<di::exec::StepResult> r = e.DecodeStep(s);
@@ -427,10 +430,15 @@ Timing TimeSteps(Executor& e, const std::vector<di::exec::StepInput>& round, int
       }
       t.sharded = r->sharded;
       int64_t slowest = 0;
-      const di::exec::RankStepTimes* slow_rank = nullptr;
-      const std::vector<di::exec::RankStepTimes> ranks = di::exec::LastRankStepTimes(e);
-      for (const auto& rt : ranks) {
-        if (slow_rank == nullptr || rt.score_ns >= slowest) slow_rank = &rt;
+      const di::testing::RankStepTimes* slow_rank = nullptr;
+      size_t slow_index = 0;
+      const std::vector<di::testing::RankStepTimes> ranks = timer->LastRankStepTimes();
+      for (size_t i = 0; i < ranks.size(); ++i) {
+        const auto& rt = ranks[i];
+        if (slow_rank == nullptr || rt.score_ns >= slowest) {
+          slow_rank = &rt;
+          slow_index = i;
+        }
         slowest = std::max(slowest, rt.score_ns);
       }
       t.score_us += slowest / 1000.0;
@@ -439,12 +447,13 @@ Timing TimeSteps(Executor& e, const std::vector<di::exec::StepInput>& round, int
         t.launch_us += slow_rank->launch_ns / 1000.0;
         t.copies_us += slow_rank->copies_ns / 1000.0;
         t.wait_us += slow_rank->wait_ns / 1000.0;
-        if (slow_rank->scoring_us >= 0) {
-          t.kernels_us = (t.kernel_samples == 0 ? 0 : t.kernels_us) + slow_rank->scoring_us;
+        const double scoring_us = di::exec::LastScoringUs(e)[slow_index];
+        if (scoring_us >= 0) {
+          t.kernels_us = (t.kernel_samples == 0 ? 0 : t.kernels_us) + scoring_us;
           ++t.kernel_samples;
         }
       }
-      const di::exec::StepPhases ph = di::exec::LastStepPhases(e);
+      const di::testing::StepPhases ph = timer->LastStepPhases();
       t.plan_us += ph.plan_ns / 1000.0;
       t.ranks_us += ph.ranks_ns / 1000.0;
       t.commit_us += ph.commit_ns / 1000.0;

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 
-#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "server/exec/candidate_overlap.h"
 #include "server/exec/decode_schedule.h"
@@ -30,7 +29,9 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   Rank::StepRecord& record = rank.step_record();
   record.graph_captured = false;
   record.graph_replayed = false;
-  const auto entered = std::chrono::steady_clock::now();
+  StepObserver* observer = plan.observer.get();  // the test seam: null in production
+  using Mark = StepObserver::RankMark;
+  if (observer != nullptr) observer->OnRank(rank.index(), Mark::kUploadsBegin);
 
   DI_RETURN_IF_ERROR(UploadStepRows(rank, staging, plan));
   // Keys go into every replica whatever rows this rank scores; pages they share with another
@@ -46,11 +47,9 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
     return scoring.Launch(be);
   };
 
-  const auto launched = std::chrono::steady_clock::now();
-  record.phases.uploads_ns = NanosBetween(entered, launched);
+  if (observer != nullptr) observer->OnRank(rank.index(), Mark::kLaunchBegin);
   absl::Status status = RunKernelSection(rank, scoring.shape(), kernel_section);
-  // The kernel section's issue time (eager launches or a graph replay).
-  record.phases.launch_ns = NanosBetween(launched, std::chrono::steady_clock::now());
+  if (observer != nullptr) observer->OnRank(rank.index(), Mark::kLaunchEnd);
   return status;
 }
 
@@ -108,30 +107,22 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   // A step that fails the gate runs unsharded on every rank: each rank computes every row, so
   // every rank holds the whole answer (and, at a source, every candidate for its store)
   // without a collective.
-  const auto step_start = std::chrono::steady_clock::now();
-  auto since = [](std::chrono::steady_clock::time_point t) {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
-                                                                t)
-        .count();
-  };
+  // The test seam (step_hooks.h): null in production.
+  const StepFaults* faults = plan.faults.get();
+  StepObserver* observer = plan.observer.get();
+  using Mark = StepObserver::RankMark;
+  if (observer != nullptr) observer->OnRank(rank.index(), Mark::kStepBegin);
   const RowRange range = plan.RowsOf(rank.index());
   Rank::StepRecord& record = rank.step_record();
-  record.phases = Rank::Phases{};
   absl::Status status = rank.overlap().Join();
   const bool source = plan.role == config::LayerRole::kCandidateSource;
   const int32_t NB = s.num_candidate_blocks;
 
-  const bool injected = plan.fault_rank == rank.index();
-  if (injected && plan.fault == StepPlan::Fault::kError && status.ok()) {
-    status = absl::InternalError(absl::StrCat("injected fault on rank ", rank.index()));
-  }
   // The step's host staging; the previous step's copies from it have finished (every step
   // ends in a Synchronize, a failed one too).
   Staging staging(rank);
   Readback readback(rank, plan);
-  if (status.ok() && injected && plan.fault == StepPlan::Fault::kPause && plan.fault_pause) {
-    plan.fault_pause();
-  }
+  if (status.ok() && faults != nullptr) status = faults->BeforeScoring(rank.index());
   // q in the client's device buffer, written on its stream: this rank's stream waits for the
   // client's "inputs ready" record on the GPU before anything of the step reads it.
   if (status.ok() && plan.q.on_device && plan.q.ready_event != nullptr) {
@@ -159,22 +150,19 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     // do: its hand-off costs nothing then.
     status = collective.Agree(rank.index(), status);
     ++record.collectives;
-    if (status.ok() && injected && plan.fault == StepPlan::Fault::kHang) {
-      return absl::InternalError(
-          absl::StrCat("injected hang: rank ", rank.index(), " skipped the all-gather"));
-    }
+    StepFaults::AfterAgreement fault;
+    if (status.ok() && faults != nullptr) fault = faults->AfterTheAgreement(rank.index());
+    if (fault.kind == StepFaults::AfterAgreement::Kind::kSkipGather) return fault.status;
     // The rank's own work, so the time below is the collectives' alone. A device error found
     // here comes after the others agreed: abort, so that none waits in the all-gather for
     // this rank (the collective then stays aborted, as for any device fault).
     if (status.ok()) {
-      status = injected && plan.fault == StepPlan::Fault::kDevice
-                   ? absl::InternalError(absl::StrCat("injected device fault on rank ",
-                                                      rank.index(), " after the agreement"))
-                   : be.Synchronize();
+      status = fault.kind == StepFaults::AfterAgreement::Kind::kFailSynchronize ? fault.status
+                                                                                : be.Synchronize();
       if (!status.ok()) collective.Abort(status);
     }
     const auto gather_start = std::chrono::steady_clock::now();
-    record.score_ns = since(step_start);
+    if (observer != nullptr) observer->OnRank(rank.index(), Mark::kScored);
     const int32_t rows_per_rank = plan.num_rows / world;
     if (status.ok() && gather_topk) {
       status = collective.AllGather(rank.index(), b.topk + int64_t{range.start} * s.topk, b.topk,
@@ -186,13 +174,9 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
                                     b.candidates, size_t(rows_per_rank) * NB * sizeof(int32_t));
       ++record.collectives;
     }
-    record.collective_ns = since(gather_start);
-  }
-  if (status.ok() && injected &&
-      (plan.fault == StepPlan::Fault::kHang || plan.fault == StepPlan::Fault::kDevice)) {
-    // No collective in this step to stay away from: the injected fault is a plain failure.
-    status = absl::InternalError(
-        absl::StrCat("injected fault: rank ", rank.index(), " (a step with no collective)"));
+    record.collective_ns = NanosBetween(gather_start, std::chrono::steady_clock::now());
+  } else if (status.ok() && faults != nullptr) {
+    status = faults->WithoutCollective(rank.index());
   }
   if (!status.ok()) {
     // Copies queued before the failure may still read the host staging the next step reuses.
@@ -200,7 +184,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     return status;
   }
 
-  const auto copies_start = std::chrono::steady_clock::now();
+  if (observer != nullptr) observer->OnRank(rank.index(), Mark::kCopiesBegin);
   if (source) {
     // Into fresh store rows; the executor retires the old ones only on commit, so a failed
     // step leaves the sequence's published candidates intact.
@@ -211,13 +195,14 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   if (plan.q.on_device) {
     DI_RETURN_IF_ERROR(be.CopyToHost(rank.value_flags_host(), b.value_flags, sizeof(uint32_t)));
   }
-  const auto wait_start = std::chrono::steady_clock::now();
-  record.phases.copies_ns = NanosBetween(copies_start, wait_start);
+  if (observer != nullptr) observer->OnRank(rank.index(), Mark::kWaitBegin);
   absl::Status done = be.Synchronize();
-  record.phases.wait_ns = since(wait_start);
+  if (observer != nullptr) observer->OnRank(rank.index(), Mark::kWaitEnd);
   if (done.ok() && plan.q.on_device) done = DeviceInputsStatus(*rank.value_flags_host());
   if (done.ok()) readback.Finish();
-  if (!plan.sharded || direct) record.score_ns = since(step_start);
+  if (observer != nullptr && (!plan.sharded || direct)) {
+    observer->OnRank(rank.index(), Mark::kScored);
+  }
   return done;
 }
 

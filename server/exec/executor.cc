@@ -7,8 +7,6 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -48,9 +46,6 @@ using kernels::CacheFormat;
 using kernels::ElemType;
 using Clock = std::chrono::steady_clock;
 
-int64_t Nanos(Clock::duration d) {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count();
-}
 int64_t Micros(Clock::duration d) {
   return std::chrono::duration_cast<std::chrono::microseconds>(d).count();
 }
@@ -308,14 +303,18 @@ class ExecutorImpl final : public Executor {
   void DeliverAnswer(const StepInput& step, const StepPlan& plan, PlannedStep& planned);
   void AbandonStep(PlannedStep& planned);
   void CommitStep(const StepInput& step, const StepPlan& plan, PlannedStep& planned);
-  void TakeInjectedFault(StepPlan& plan);
+  void TakeStepHooks(StepPlan& plan);
+  void Observe(StepObserver::StepMark mark) {
+    if (observer_ != nullptr) observer_->OnStep(mark);
+  }
 
-  friend void ::decode_indexer::exec::InjectFault(Executor& executor, const FaultInjection& fault);
-  friend std::vector<RankStepTimes>(::decode_indexer::exec::LastRankStepTimes)(
-      const Executor& executor);
+  friend void ::decode_indexer::exec::SetFaultHooks(Executor& executor,
+                                                    std::shared_ptr<FaultHooks> hooks);
+  friend void ::decode_indexer::exec::SetStepObserver(Executor& executor,
+                                                      std::shared_ptr<StepObserver> observer);
+  friend std::vector<double>(::decode_indexer::exec::LastScoringUs)(const Executor& executor);
   friend std::vector<absl::Status>(::decode_indexer::exec::LastRankStatuses)(
       const Executor& executor);
-  friend StepPhases(::decode_indexer::exec::LastStepPhases)(const Executor& executor);
   friend void(::decode_indexer::exec::SetScoringTiming)(Executor& executor, bool on);
   friend std::vector<absl::StatusOr<kernels::Backend::OverlapTiming>>(
       ::decode_indexer::exec::LastOverlapTimings)(const Executor& executor);
@@ -375,9 +374,12 @@ class ExecutorImpl final : public Executor {
   std::condition_variable idle_cv_;
   bool idle_stop_ = false;
   std::vector<absl::Status> last_rank_statuses_;
-  StepPhases last_phases_;       // of the last decode step that reached the ranks (benchmarks)
-  FaultInjection fault_;         // test hook (DI_INJECT_FAULT)
   uint64_t steps_to_ranks_ = 0;  // decode steps that reached the ranks
+  // The test seam (step_hooks.h; SetFaultHooks, SetStepObserver): null in production. The
+  // fault hooks' steps are counted from hooks_since_.
+  std::shared_ptr<FaultHooks> fault_hooks_;
+  uint64_t hooks_since_ = 0;
+  std::shared_ptr<StepObserver> observer_;
   // ExecutorStatus::device_memory_bytes: sampled by the turn holder (a query per rank, so at
   // most once a second) and read by Status() from stats_.
   Clock::time_point memory_sampled_{};
@@ -395,29 +397,6 @@ class ExecutorImpl final : public Executor {
   // The step's plan (planner.h): reads and reserves from the host truth above, under mu_.
   StepPlanner planner_;
 };
-
-// DI_INJECT_FAULT=RANK:KIND[:STEP], KIND error|hang, STEP the 0-based index of the decode step
-// (among those that reach the ranks) to fail; default 0.
-FaultInjection FaultFromEnv() {
-  FaultInjection f;
-  const char* env = std::getenv("DI_INJECT_FAULT");
-  if (env == nullptr || *env == 0) return f;
-  int rank = -1;
-  char kind[16] = {0};
-  unsigned long long step = 0;
-  const int n = std::sscanf(env, "%d:%15[a-z]:%llu", &rank, kind, &step);
-  const std::string k = kind;
-  if (n < 2 || (k != "error" && k != "hang" && k != "device")) {
-    spdlog::warn("DI_INJECT_FAULT=\"{}\" ignored: want RANK:error|hang|device[:STEP]", env);
-    return f;
-  }
-  f.rank = rank;
-  f.hang = k == "hang";
-  f.device = k == "device";
-  f.step = step;
-  spdlog::warn("DI_INJECT_FAULT: rank {} will {} at decode step {}", rank, k, step);
-  return f;
-}
 
 absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory) {
   const config::Profile& p = profile_;
@@ -517,7 +496,6 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
   // with page-locked staging).
   planner_.Init(num_ranks, std::all_of(ranks_.begin(), ranks_.end(),
                                        [](const auto& r) { return r->readback().pinned; }));
-  fault_ = FaultFromEnv();
 
   stats_.backend = backend_name_;
   stats_.backend_desc = backend_desc_;
@@ -685,21 +663,19 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStep(const StepInput& step) {
 // A decode step: plan (checks, reservation, the StepPlan) -> run on every rank -> commit, or
 // abandon what the plan reserved.
 absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step, StepPlan& plan) {
-  const Clock::time_point plan_start = Clock::now();
+  Observe(StepObserver::StepMark::kPlan);
   std::unique_lock lock(mu_);
   PlannedStep planned;
   if (absl::Status s = planner_.Plan(step, plan, planned); !s.ok()) return s;
-  TakeInjectedFault(plan);
+  TakeStepHooks(plan);
   ++steps_to_ranks_;
 
   lock.unlock();
-  const Clock::time_point fan_out = Clock::now();
+  Observe(StepObserver::StepMark::kFanOut);
   absl::Status status = FirstError(
       RunOnAllRanks([&](Rank& rank) { return DecodeRowsOnRank(rank, plan, *collective_); }));
-  const Clock::time_point joined = Clock::now();
+  Observe(StepObserver::StepMark::kJoined);
   lock.lock();
-  last_phases_.plan_ns = Nanos(fan_out - plan_start);
-  last_phases_.ranks_ns = Nanos(joined - fan_out);
   for (const auto& r : ranks_) {
     stats_.graph_captures += r->last_step().graph_captured;
     stats_.graph_replays += r->last_step().graph_replayed;
@@ -715,7 +691,7 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step,
   }
   DeliverAnswer(step, plan, planned);
   CommitStep(step, plan, planned);
-  last_phases_.commit_ns = Nanos(Clock::now() - joined);
+  Observe(StepObserver::StepMark::kCommitted);
   return std::move(planned.result);
 }
 
@@ -808,16 +784,10 @@ void ExecutorImpl::CommitStep(const StepInput& step, const StepPlan& plan, Plann
   SampleDeviceMemory();
 }
 
-// The test hook (InjectFault, DI_INJECT_FAULT) into the plan of the step it names.
-void ExecutorImpl::TakeInjectedFault(StepPlan& plan) {
-  if (fault_.rank < 0 || steps_to_ranks_ != fault_.step) return;
-  plan.fault_rank = fault_.rank;
-  plan.fault = fault_.pause    ? StepPlan::Fault::kPause
-               : fault_.hang   ? StepPlan::Fault::kHang
-               : fault_.device ? StepPlan::Fault::kDevice
-                               : StepPlan::Fault::kError;
-  plan.fault_pause = std::move(fault_.pause);
-  fault_ = FaultInjection{};  // once
+// The test seam (step_hooks.h): the faults the hooks give the step, if any, and the observer.
+void ExecutorImpl::TakeStepHooks(StepPlan& plan) {
+  if (fault_hooks_ != nullptr) plan.faults = fault_hooks_->ForStep(steps_to_ranks_ - hooks_since_);
+  plan.observer = observer_;
 }
 
 absl::StatusOr<int64_t> ExecutorImpl::TruncateSequence(uint64_t sequence_id, int64_t length,
@@ -1302,23 +1272,27 @@ absl::StatusOr<std::unique_ptr<Executor>> Executor::Create(const config::Profile
   return CreateExecutorWithBackends(profile, resolved, std::move(factory));
 }
 
-void InjectFault(Executor& executor, const FaultInjection& fault) {
+void SetFaultHooks(Executor& executor, std::shared_ptr<FaultHooks> hooks) {
   auto& e = dynamic_cast<ExecutorImpl&>(executor);
   std::lock_guard lock(e.mu_);
-  e.fault_ = fault;
-  e.fault_.step += e.steps_to_ranks_;
+  e.fault_hooks_ = std::move(hooks);
+  e.hooks_since_ = e.steps_to_ranks_;
 }
 
-std::vector<RankStepTimes> LastRankStepTimes(const Executor& executor) {
+void SetStepObserver(Executor& executor, std::shared_ptr<StepObserver> observer) {
+  auto& e = dynamic_cast<ExecutorImpl&>(executor);
+  std::lock_guard lock(e.mu_);
+  e.observer_ = std::move(observer);
+}
+
+std::vector<double> LastScoringUs(const Executor& executor) {
   const auto& e = dynamic_cast<const ExecutorImpl&>(executor);
-  std::vector<RankStepTimes> out;
+  std::vector<double> out;
   // Written by the rank threads inside a step; read between steps.
   for (const auto& r : e.ranks_) {
-    const Rank::Phases& ph = r->last_step().phases;
     const absl::StatusOr<double> scoring =
         r->last_step().graph_replayed ? absl::StatusOr<double>(-1.0) : r->backend().LastScoringUs();
-    out.push_back({r->last_step().score_ns, r->last_step().collective_ns, ph.uploads_ns,
-                   ph.launch_ns, ph.copies_ns, ph.wait_ns, scoring.ok() ? *scoring : -1.0});
+    out.push_back(scoring.ok() ? *scoring : -1.0);
   }
   return out;
 }
@@ -1335,12 +1309,6 @@ std::vector<absl::StatusOr<kernels::Backend::OverlapTiming>> LastOverlapTimings(
 void SetScoringTiming(Executor& executor, bool on) {
   auto& e = dynamic_cast<ExecutorImpl&>(executor);
   for (const auto& r : e.ranks_) r->backend().SetScoringTiming(on);
-}
-
-StepPhases LastStepPhases(const Executor& executor) {
-  const auto& e = dynamic_cast<const ExecutorImpl&>(executor);
-  std::lock_guard lock(e.mu_);
-  return e.last_phases_;
 }
 
 std::vector<absl::Status> LastRankStatuses(const Executor& executor) {

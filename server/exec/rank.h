@@ -108,15 +108,6 @@ class Rank {
   RankBuffers& buffers() { return buffers_; }
   // The rank's side of CandidateOverlap: the expansion's fork and join on the side stream.
   CandidateOverlap& overlap() { return *overlap_; }
-  // Where the last decode step's time went on this rank's thread (ns, host clock), in order:
-  // the uploads and key inserts issued, the kernel section issued (eager or a graph replay),
-  // the answer copies issued (after any collective), and the final wait for the device.
-  struct Phases {
-    int64_t uploads_ns = 0;
-    int64_t launch_ns = 0;
-    int64_t copies_ns = 0;
-    int64_t wait_ns = 0;
-  };
   // The last step's deferred answer rows (StepPlan::defer_topk / defer_candidates), in this
   // rank's readback space until its next step: `elems` int32 of the top-k (or candidates)
   // answer starting at element `elem_offset`.
@@ -136,10 +127,6 @@ class Rank {
     // Collective calls (agreements and all-gathers) it made: a count, so tests can tell
     // whether a step ran a collective without reading a clock.
     int64_t collectives = 0;
-    // Time spent before its collectives: uploads, keys, q prep and scoring, up to the rank's
-    // own work finishing (the whole step when unsharded).
-    int64_t score_ns = 0;
-    Phases phases;
     // What its kernel section did: captured a graph, replayed one.
     bool graph_captured = false;
     bool graph_replayed = false;

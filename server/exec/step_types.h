@@ -3,7 +3,7 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -12,6 +12,7 @@
 #include "server/exec/executor.h"
 #include "server/exec/page_table_mirror.h"
 #include "server/exec/row_shard.h"
+#include "server/exec/step_hooks.h"
 
 namespace decode_indexer::exec {
 
@@ -60,14 +61,10 @@ struct StepPlan {
   bool masked_consumer = false;
   bool reuse_expansion = false;  // consumer: every rank's expansion already holds these rows
   bool fork_expansion = false;   // source: fork the expansion after writing candidates
-  // Test hook (DI_INJECT_FAULT): this rank fails the step, as a launch error would
-  // (kError), passes the host agreement and then never joins the all-gather, as a stuck device
-  // would (kHang), or passes the agreement and then fails its synchronize, as an asynchronous
-  // kernel fault would (kDevice), or calls fault_pause before scoring and then runs the step
-  // normally (kPause: tests hold a step mid-run). -1: none.
-  int32_t fault_rank = -1;
-  enum class Fault { kError, kHang, kDevice, kPause } fault = Fault::kError;
-  std::function<void()> fault_pause;
+  // The test seam (step_hooks.h): this step's faults and the observer its ranks tell where
+  // their time goes; null in production.
+  std::shared_ptr<const StepFaults> faults;
+  std::shared_ptr<StepObserver> observer;
   // Host outputs, written by the answering rank.
   int32_t answer_rank = 0;
   int32_t* topk_out = nullptr;        // [rows, topk]

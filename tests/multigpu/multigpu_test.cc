@@ -25,6 +25,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <set>
 #include <span>
@@ -37,6 +38,7 @@
 #include "server/exec/executor.h"
 #include "server/exec/executor_internal.h"
 #include "server/exec/rank.h"
+#include "server/testing/fault_injection.h"
 #include "tests/server/exec_harness.h"
 
 namespace decode_indexer::testing {
@@ -646,7 +648,7 @@ TEST(MultiRankCpu, AFailedStepCommitsNothingAndLeavesTheSinkAsDocumented) {
           if (refused) {
             step->input.call_check = [] { return absl::DeadlineExceededError("gave up"); };
           } else {
-            exec::InjectFault(*e, {ranks - 1, false, 0, false});
+            InjectFault(*e, {ranks - 1, false, 0, false});
           }
           absl::StatusOr<StepResult> r = e->DecodeStep(step->input);
           ASSERT_FALSE(r.ok());
@@ -736,7 +738,7 @@ void ExpectFaultOnEveryRank(Executor& e, Harness& h, const std::vector<uint64_t>
   std::vector<SeqPlan> plans;
   for (uint64_t id : ids) plans.push_back({id, 2, 2, {}});
   std::unique_ptr<StepData> step = h.MakeStep(0, plans);
-  exec::InjectFault(e, {failing, hang, 0, device});
+  InjectFault(e, {failing, hang, 0, device});
   absl::StatusOr<StepResult> r = e.DecodeStep(step->input);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal) << r.status();
@@ -843,6 +845,110 @@ TEST(MultiRankCpu, InjectedDeviceFaultAfterTheAgreementAbortsAtOnce) {
     ASSERT_NE(e, nullptr);
     ExpectFaultOnEveryRank(*e, h, ids, failing, /*hang=*/false, absl::StatusCode::kUnavailable,
                            /*direct=*/false, /*device=*/true);
+  }
+}
+
+// DI_INJECT_FAULT (server/testing/fault_injection.h, read when a test asks): RANK:KIND:STEP
+// fails the STEP-th decode step from then on RANK, and only that step; a malformed value
+// injects nothing.
+TEST(MultiRankCpu, FaultFromTheEnvironmentFailsTheStepItNames) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  EXPECT_FALSE(FaultFromSpec("1:crash").has_value());
+  EXPECT_FALSE(FaultFromSpec("").has_value());
+  Harness h(SmallV32(), seed);
+  std::vector<uint64_t> ids;
+  std::unique_ptr<Executor> e = Prefilled(h.profile(), CpuOptions(2), h, &ids, 4, 40);
+  ASSERT_NE(e, nullptr);
+  ASSERT_EQ(setenv("DI_INJECT_FAULT", "1:error:1", 1), 0);
+  const bool injected = InjectFaultFromEnv(*e);
+  unsetenv("DI_INJECT_FAULT");
+  ASSERT_TRUE(injected);
+  std::vector<SeqPlan> plans;
+  for (uint64_t id : ids) plans.push_back({id, 1, 1, {}});
+  for (int32_t step = 0; step < 3; ++step) {
+    SCOPED_TRACE(absl::StrCat("step ", step));
+    std::unique_ptr<StepData> data = h.MakeStep(0, plans);
+    absl::StatusOr<StepResult> r = e->DecodeStep(data->input);
+    if (step != 1) {
+      EXPECT_TRUE(r.ok()) << r.status();
+      continue;
+    }
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal) << r.status();
+    EXPECT_NE(r.status().message().find("injected fault on rank 1"), std::string::npos)
+        << r.status();
+  }
+}
+
+// The seam's observer (server/exec/step_hooks.h): every rank of a decode step passes its
+// marks in order, the executor its step marks, and a failed step never reaches kCommitted;
+// with no observer set nothing is told. Counts and order only: no clock.
+class RecordingObserver final : public exec::StepObserver {
+ public:
+  explicit RecordingObserver(int32_t ranks) : ranks_(size_t(ranks)) {}
+  void OnStep(StepMark mark) override {
+    std::lock_guard lock(mu_);
+    steps_.push_back(mark);
+  }
+  void OnRank(int32_t rank, RankMark mark) override {
+    std::lock_guard lock(mu_);
+    ranks_[size_t(rank)].push_back(mark);
+  }
+  std::vector<StepMark> steps_;
+  std::vector<std::vector<RankMark>> ranks_;
+  std::mutex mu_;
+};
+
+TEST(MultiRankCpu, StepObserverSeesEveryMarkInOrder) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  using StepMark = exec::StepObserver::StepMark;
+  using RankMark = exec::StepObserver::RankMark;
+  Harness h(SmallV32(), seed);
+  for (bool direct : {true, false}) {
+    SCOPED_TRACE(direct ? "direct answers" : "answers all-gathered");
+    ExecutorOptions o = CpuOptions(2);
+    o.direct_answers = direct;
+    std::vector<uint64_t> ids;
+    std::unique_ptr<Executor> e = Prefilled(h.profile(), o, h, &ids, 8, 40);
+    ASSERT_NE(e, nullptr);
+    std::vector<SeqPlan> plans;
+    for (uint64_t id : ids) plans.push_back({id, 2, 2, {}});
+    auto observer = std::make_shared<RecordingObserver>(2);
+    exec::SetStepObserver(*e, observer);
+    std::unique_ptr<StepData> step = h.MakeStep(0, plans);
+    absl::StatusOr<StepResult> r = e->DecodeStep(step->input);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(observer->steps_, (std::vector<StepMark>{StepMark::kPlan, StepMark::kFanOut,
+                                                       StepMark::kJoined, StepMark::kCommitted}));
+    // Scored before the collectives where the step has one, else at the rank's end.
+    const bool gathered = r->sharded && !direct;
+    std::vector<RankMark> want = {RankMark::kStepBegin, RankMark::kUploadsBegin,
+                                  RankMark::kLaunchBegin, RankMark::kLaunchEnd};
+    if (gathered) want.push_back(RankMark::kScored);
+    for (RankMark m : {RankMark::kCopiesBegin, RankMark::kWaitBegin, RankMark::kWaitEnd}) {
+      want.push_back(m);
+    }
+    if (!gathered) want.push_back(RankMark::kScored);
+    for (int32_t rank = 0; rank < 2; ++rank) {
+      EXPECT_EQ(observer->ranks_[size_t(rank)], want) << "rank " << rank;
+    }
+    // A failed step: marks up to the join, never the commit.
+    observer->steps_.clear();
+    InjectFault(*e, {.rank = 1});
+    std::unique_ptr<StepData> failing = h.MakeStep(0, plans);
+    EXPECT_FALSE(e->DecodeStep(failing->input).ok());
+    EXPECT_EQ(observer->steps_,
+              (std::vector<StepMark>{StepMark::kPlan, StepMark::kFanOut, StepMark::kJoined}));
+    // Unset: nothing is told.
+    exec::SetStepObserver(*e, nullptr);
+    observer->steps_.clear();
+    observer->ranks_.assign(2, {});
+    std::unique_ptr<StepData> quiet = h.MakeStep(0, plans);
+    EXPECT_TRUE(e->DecodeStep(quiet->input).ok());
+    EXPECT_TRUE(observer->steps_.empty());
+    EXPECT_TRUE(observer->ranks_[0].empty() && observer->ranks_[1].empty());
   }
 }
 

@@ -12,8 +12,8 @@
 #include <cstring>
 #include <optional>
 
-#include "server/exec/executor_internal.h"
 #include "server/service/sequence_transfer.h"
+#include "server/testing/fault_injection.h"
 #include "tests/service/service_harness.h"
 
 namespace decode_indexer::testing {
@@ -222,7 +222,7 @@ TEST_P(Lifecycle, HolesAndFailedStepsChangeNothing) {
   absl::StatusOr<StepAnswer> consumer = s.client->DecodeStep(Step(3, {{1, 1, {}, 2}}, 1));
   EXPECT_EQ(consumer.status().code(), absl::StatusCode::kInvalidArgument);
   // A cut-back whose step fails on rank 0 after the other ranks wrote their keys.
-  exec::InjectFault(s.server->executor(), {.rank = 0});
+  InjectFault(s.server->executor(), {.rank = 0});
   absl::StatusOr<StepAnswer> faulted = s.client->DecodeStep(Step(0, {{1, 2, Keys(2, 5), 5}}, 1));
   ASSERT_FALSE(faulted.ok());
   EXPECT_EQ(Lengths(s, 1), before);

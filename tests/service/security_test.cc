@@ -32,10 +32,10 @@
 #include "health_subset.grpc.pb.h"
 #include "reflection_subset.grpc.pb.h"
 #include "reflection_subset.pb.h"
-#include "server/exec/executor_internal.h"
 #include "server/service/auth.h"
 #include "server/service/callback_edge.h"
 #include "server/service/indexer_service.h"
+#include "server/testing/fault_injection.h"
 #include "tests/service/service_harness.h"
 
 namespace decode_indexer::testing {
@@ -188,7 +188,7 @@ TEST_F(SecurityTest, DeadlinePassingMidStepCommitsNothing) {
   std::mutex mu;
   std::condition_variable cv;
   bool reached = false, gave_up = false;
-  exec::FaultInjection hold;
+  FaultInjection hold;
   hold.rank = 0;
   hold.pause = [&] {
     std::unique_lock<std::mutex> lock(mu);
@@ -196,7 +196,7 @@ TEST_F(SecurityTest, DeadlinePassingMidStepCommitsNothing) {
     cv.notify_all();
     cv.wait_for(lock, std::chrono::seconds(120), [&] { return gave_up; });
   };
-  exec::InjectFault(s_->server->executor(), hold);
+  InjectFault(s_->server->executor(), hold);
   client::ClientOptions o;
   o.timeout = std::chrono::seconds(3);
   auto impatient = client::IndexerClient::Connect(s_->server->address(), o);
