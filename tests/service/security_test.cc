@@ -210,8 +210,12 @@ TEST_F(SecurityTest, DeadlinePassingMidStepCommitsNothing) {
   }
   // The server's own deadline for the call (from grpc-timeout, a little after the client's)
   // must have passed too, or the step could rightly commit: wait it out, then let it finish.
+  // gRPC deadlines are wall-clock (system_clock) times, so the wait keeps a margin: a clock
+  // the machine slews or steps back by a few ms between this wait and the server's check
+  // would otherwise leave the deadline in the future there (seen once in CI, both edges in
+  // one run, never reproduced in isolation or under load).
   std::this_thread::sleep_until(s_->server->service().LastQueuedDeadlineForTesting() +
-                                std::chrono::milliseconds(1));
+                                std::chrono::milliseconds(250));
   {
     std::lock_guard<std::mutex> lock(mu);
     gave_up = true;
