@@ -210,10 +210,12 @@ TEST_F(SecurityTest, DeadlinePassingMidStepCommitsNothing) {
   }
   // The server's own deadline for the call (from grpc-timeout, a little after the client's)
   // must have passed too, or the step could rightly commit: wait it out, then let it finish.
-  // gRPC deadlines are wall-clock (system_clock) times, so the wait keeps a margin: a clock
-  // the machine slews or steps back by a few ms between this wait and the server's check
-  // would otherwise leave the deadline in the future there (seen once in CI, both edges in
-  // one run, never reproduced in isolation or under load).
+  // The wait keeps a margin: gRPC keeps the call's deadline on its monotonic clock and
+  // ServerContext::deadline() converts it to wall-clock time on every call (realtime now +
+  // (deadline - monotonic now)), so a thread preempted between those two clock reads while the
+  // server recorded LastQueuedDeadlineForTesting() records a deadline that many ms early; with
+  // a 1 ms margin the step was then let go before its deadline and rightly committed (seen
+  // once in a fully loaded CI run, both edges; never in isolation).
   std::this_thread::sleep_until(s_->server->service().LastQueuedDeadlineForTesting() +
                                 std::chrono::milliseconds(250));
   {
