@@ -69,9 +69,13 @@ __device__ __forceinline__ uint8_t* AlignSmem1024(uint8_t* raw) {
 
 // Shared-memory matrix descriptor of a K-major tile with 128-byte rows in the 128B swizzle
 // (16-byte chunk c of row r stored at chunk c ^ (r % 8), 1024-byte aligned groups of 8 rows).
+// Its fields other than the start address: leading byte offset 1 (16 B), stride 1024 B between
+// 8-row groups, the 128B swizzle mode.
+inline constexpr uint64_t kSmemDescSw128Fixed =
+    (1ull << 16) | (uint64_t{1024 >> 4} << 32) | (1ull << 62);
 __device__ __forceinline__ uint64_t SmemDescSw128(const void* smem) {
   const uint64_t addr = static_cast<uint64_t>(__cvta_generic_to_shared(smem));
-  return ((addr & 0x3FFFFull) >> 4) | (1ull << 16) | (uint64_t{1024 >> 4} << 32) | (1ull << 62);
+  return ((addr & 0x3FFFFull) >> 4) | kSmemDescSw128Fixed;
 }
 
 __device__ __forceinline__ void WgmmaFence() {

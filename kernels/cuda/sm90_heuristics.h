@@ -120,8 +120,8 @@ inline constexpr PipelinedShape PipelinedShapeFor(int rows_per_pass) {
 // 32 KB, so 3 blocks (4 slots, 65-73 KB each) at 128 registers; rows 0-1's weights in registers
 // measured 13% faster at next_n 3 and 2% at next_n 4 (where ptxas spills 24 bytes) than all
 // four rows' from shared memory.
-inline constexpr int PipeFp8Stages(int /*rows_per_pass*/) { return 4; }
+inline constexpr int kPipeFp8Stages = 4;
 inline constexpr int PipeFp8MinBlocks(int rows_per_pass) { return rows_per_pass == 1 ? 4 : 3; }
-inline constexpr bool PipeFp8WeightRegs(int /*rows_per_pass*/) { return true; }
+inline constexpr bool kPipeFp8WeightRegs = true;
 
 }  // namespace decode_indexer::kernels::cuda

@@ -76,8 +76,8 @@ namespace {
 
 template <int kRows, bool kOwnSchedule>
 absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
-  return fp8_logits::Launch<kRows, kOwnSchedule, PipeFp8MinBlocks(kRows), PipeFp8Stages(kRows),
-                            PipeFp8WeightRegs(kRows)>(args, num_sms, stream);
+  return fp8_logits::Launch<kRows, kOwnSchedule, PipeFp8MinBlocks(kRows), kPipeFp8Stages,
+                            kPipeFp8WeightRegs>(args, num_sms, stream);
 }
 
 template <bool kOwnSchedule>

@@ -137,9 +137,8 @@ __device__ __forceinline__ void LoadWeights(const float* w_row, int c, float (&w
 __device__ __forceinline__ uint32_t Sw128DescLo(const void* smem) {
   return static_cast<uint32_t>(SmemDescSw128(smem));
 }
-inline constexpr uint32_t kSw128DescHi = (1024 >> 4) | (1u << 30);  // SmemDescSw128's high word
 __device__ __forceinline__ uint64_t Sw128Desc(uint32_t lo) {
-  return (uint64_t{kSw128DescHi} << 32) | lo;
+  return (kSmemDescSw128Fixed & 0xFFFFFFFF00000000ull) | lo;
 }
 
 // The 4 k-steps of one page against q rows (kN / 64 of them): k-step ks reads 32 dims, ks * 32
@@ -153,8 +152,8 @@ __device__ __forceinline__ void IssuePage(float* acc, uint32_t desc_kv, uint32_t
 }
 
 // kRows: rows of a request scored per pass over a page (RowsPerPass): one m64n128 instruction
-// per k-step for each two of them (m64n64 for one). kMinBlocks, kStages: PipeFp8MinBlocks,
-// PipeFp8Stages (sm90_heuristics.h).
+// per k-step for each two of them (m64n64 for one). kMinBlocks, kStages, kWeightRegs: the
+// production choices are PipeFp8MinBlocks, kPipeFp8Stages, kPipeFp8WeightRegs (sm90_heuristics.h).
 // kWeightRegs: this thread's weights of the pass's first one or two rows in registers (loaded
 // once per pass) instead of four 16-byte shared-memory loads per row and page.
 template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, bool kWeightRegs>

@@ -83,8 +83,8 @@ __device__ __forceinline__ void IssuePage(float* acc, const uint8_t* kv, const u
 }
 
 // kRows: rows of a request scored per pass over a page (RowsPerPass): one m64n128 instruction
-// per k-step for each two of them (m64n64 for one). kMinBlocks, kStages: PipeFp8MinBlocks,
-// PipeFp8Stages (sm90_heuristics.h).
+// per k-step for each two of them (m64n64 for one). kMinBlocks, kStages: V1MinBlocks,
+// V1Stages below.
 template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     PagedMqaLogitsFp8V1Kernel(const PagedLogitsArgs p) {
@@ -249,13 +249,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   }
 }
 
+// The shape choices sm90_heuristics.h made for this kernel when it was the production one,
+// frozen here so that the variant stays the kernel as it stood (the heuristics now choose for
+// the new kernel): 4 slots, or 3 at two rows per pass; 4 blocks per SM up to two rows, else 3.
+constexpr int V1Stages(int rows_per_pass) { return rows_per_pass == 2 ? 3 : 4; }
+constexpr int V1MinBlocks(int rows_per_pass) { return rows_per_pass <= 2 ? 4 : 3; }
+
 template <int kRows, bool kOwnSchedule>
 absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
   static KernelDeviceSetup per_device[kMaxDevices];
   return LaunchPersistentGrid(
       per_device, "paged mqa logits (fp8 v1 variant)",
-      PagedMqaLogitsFp8V1Kernel<kRows, kOwnSchedule, PipeFp8MinBlocks(kRows), PipeFp8Stages(kRows)>,
-      kThreads, SmemBytes<kRows, kOwnSchedule, PipeFp8Stages(kRows)>(), num_sms, stream, args);
+      PagedMqaLogitsFp8V1Kernel<kRows, kOwnSchedule, V1MinBlocks(kRows), V1Stages(kRows)>, kThreads,
+      SmemBytes<kRows, kOwnSchedule, V1Stages(kRows)>(), num_sms, stream, args);
 }
 
 template <bool kOwnSchedule>
