@@ -160,12 +160,8 @@ __device__ __forceinline__ void IssuePage(float* acc, uint32_t desc_kv, uint32_t
 // first pair's epilogue, into two accumulator sets, so that the second pair's MMAs run while
 // the first pair's epilogue does (128 accumulators live: fits at 2 blocks per SM). The same
 // instructions on the same operands: the logits are bit for bit those without it.
-// kOverlapTiles (one or two rows per pass): the next page's (or pass's) wgmmas are issued
-// before page i's epilogue, into the other of two accumulator sets, so the tensor cores work
-// while the epilogue does; a request change drains the pipeline (q is reloaded). Bit for bit
-// the logits without it.
 template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, bool kWeightRegs,
-          bool kOverlapPairs = false, bool kOverlapTiles = false>
+          bool kOverlapPairs = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     PagedMqaLogitsFp8Kernel(const PagedLogitsArgs p,
                             const __grid_constant__ CUtensorMap values_map) {
@@ -282,99 +278,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   int b = -1, tile0 = 0, first_row = 0, nrows = 0, passes = 0;
   int st = 0;
   uint32_t phase = 0;
-  if constexpr (kOverlapTiles) {
-    static_assert(kRows <= 2 && kWeightRegs, "one row pair, its weights in registers");
-    constexpr int kAcc = 32 * kRows;
-    // A unit is one pass over one page; the unit whose wgmmas are in flight: its slot, whether
-    // it is the page's last pass (then it frees the slot), first key, scale, output, row
-    // lengths, and its rows.
-    struct Pending {
-      int st, base_pos, rows;
-      bool last;
-      float ks;
-      float* out;
-      int len[kRows];
-    };
-    Pending pd{};
-    bool pending = false;
-    int pass = 0, done = 0;
-    float acc0[kAcc], acc1[kAcc];
-    auto finish = [&](const float* acc, const Pending& q) {
-      if (q.last) MbarArrive(&empty[q.st]);
-#pragma unroll
-      for (int rr = 0; rr < kRows; ++rr) {
-        if (rr >= q.rows) break;
-        float s0, s1;
-        Fp8HeadSums(acc + 32 * rr, *reinterpret_cast<const float(*)[16]>(w_reg + 16 * rr), s0, s1);
-        const int pos = q.base_pos + key0 + 8 * c;
-        if (c < 2 && pos < q.len[rr]) q.out[rr * stride + q.base_pos] = (c == 0 ? s0 : s1) * q.ks;
-      }
-    };
-    // Unit (page, pass) into `cur_acc`; then the unit before it (in `prev_acc`) finishes. A new
-    // q (request or pass) first drains the unit in flight: its epilogue reads this q's weights.
-    auto step = [&](float* cur_acc, float* prev_acc) {
-      if (cur.request != b) {  // block-uniform
-        b = cur.request;
-        tile0 = Ld<kOwnSchedule>(&prefix[b]);
-        first_row = Ld<kOwnSchedule>(&req_first_row[b]);
-        nrows = Ld<kOwnSchedule>(&req_num_rows[b]);
-        passes = (nrows + kRows - 1) / kRows;
-        pass = 0;
-      }
-      if (b != loaded_request || loaded_pass != pass) {
-        if (pending) {
-          WgmmaWait<0>();
-          finish(prev_acc, pd);
-          pending = false;
-        }
-        load_q(b, pass, first_row, nrows);
-      }
-      MbarWait(&full[st], phase);
-      const float* ksc = reinterpret_cast<const float*>(stage_scales + st * kScales);
-      const float ks0 = ksc[key0];
-      const float ks1 = ksc[key0 + 8];
-      const uint32_t desc_kv = desc_slot0 + uint32_t(st * (kValues / 16));
-      WgmmaFence();
-      IssuePage<64 * kRows>(cur_acc, desc_kv, desc_q);
-      WgmmaCommit();
-      if (pending) {
-        WgmmaWait<1>();
-        finish(prev_acc, pd);
-      }
-      pd.st = st;
-      pd.base_pos = (cur.tile - tile0) * kMqaTileKeys;
-      pd.rows = nrows - pass * kRows;
-      pd.last = pass + 1 == passes;
-      pd.ks = c == 0 ? ks0 : ks1;
-      pd.out = out_pass;
-#pragma unroll
-      for (int rr = 0; rr < kRows; ++rr) pd.len[rr] = len_r[rr];
-      pending = true;
-      if (++pass == passes) {
-        pass = 0;
-        if (++st == kStages) {
-          st = 0;
-          phase ^= 1;
-        }
-        if (++done < num_tiles) cur.Next(prefix);
-      }
-    };
-    for (;;) {
-      step(acc0, acc1);
-      if (done == num_tiles) {
-        WgmmaWait<0>();
-        finish(acc0, pd);
-        break;
-      }
-      step(acc1, acc0);
-      if (done == num_tiles) {
-        WgmmaWait<0>();
-        finish(acc1, pd);
-        break;
-      }
-    }
-    return;
-  }
   for (int i = 0; i < num_tiles; ++i) {
     if (cur.request != b) {  // block-uniform
       b = cur.request;
@@ -469,16 +372,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 
 // One instantiation's launch on a persistent grid (its blocks per SM from the occupancy query).
 template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, bool kWeightRegs,
-          bool kOverlapPairs = false, bool kOverlapTiles = false>
+          bool kOverlapPairs = false>
 absl::Status Launch(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
   static KernelDeviceSetup per_device[kMaxDevices];
   const absl::StatusOr<CUtensorMap> map = PageValuesTensorMap(args.cache);
   if (!map.ok()) return map.status();
-  return LaunchPersistentGrid(per_device, "paged mqa logits (fp8 pipelined)",
-                              PagedMqaLogitsFp8Kernel<kRows, kOwnSchedule, kMinBlocks, kStages,
-                                                      kWeightRegs, kOverlapPairs, kOverlapTiles>,
-                              kThreads, SmemBytes<kRows, kOwnSchedule, kStages>(), num_sms, stream,
-                              args, *map);
+  return LaunchPersistentGrid(
+      per_device, "paged mqa logits (fp8 pipelined)",
+      PagedMqaLogitsFp8Kernel<kRows, kOwnSchedule, kMinBlocks, kStages, kWeightRegs, kOverlapPairs>,
+      kThreads, SmemBytes<kRows, kOwnSchedule, kStages>(), num_sms, stream, args, *map);
 }
 
 }  // namespace fp8_logits

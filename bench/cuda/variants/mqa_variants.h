@@ -16,11 +16,8 @@
 // - kFp8N2SmemWeights4 / kFp8N34SmemWeights: the production fp8 kernel with sm90_heuristics.h's
 //   earlier choices (two rows per pass at 4 blocks per SM and 3 ring slots, three or four rows
 //   at 3 blocks; every row's weights read from shared memory per page), bit for bit its logits.
-// - kFp8N34Overlap: three or four rows per pass with both row pairs' wgmmas issued before
-//   the first pair's epilogue (two accumulator sets), at 2 blocks per SM; bit for bit.
-// - kFp8OverlapTiles / 4: one or two rows per pass with the next page's wgmmas issued before
-//   this page's epilogue (two accumulator sets), at 3 / 2 blocks per SM (one / two rows); 4:
-//   one row at 4 blocks. (At 3 blocks, two rows' wgmmas serialize for lack of registers.)
+// - kFp8N34Overlap2 / 3: three or four rows per pass with both row pairs' wgmmas issued before
+//   the first pair's epilogue (two accumulator sets), at 2 / 3 blocks per SM; bit for bit.
 //   (Measured and dropped: one row with 5 slots and two rows with 5, no faster; two rows with
 //   the weights in registers at 4 blocks, 2.8x slower for spills.)
 // Removed, their measurements recorded in docs/results/cuda-bench.md and its raw/ logs:
@@ -45,9 +42,8 @@ enum class MqaVariant {
   kFp8V1,
   kFp8N2SmemWeights4,
   kFp8N34SmemWeights,
-  kFp8N34Overlap,
-  kFp8OverlapTiles,
-  kFp8OverlapTiles4,
+  kFp8N34Overlap2,
+  kFp8N34Overlap3,
 };
 inline constexpr MqaVariant kAllMqaVariants[] = {MqaVariant::kWgmmaKeysM,
                                                  MqaVariant::kWgmmaKeysMSplit,
@@ -58,8 +54,8 @@ inline constexpr MqaVariant kAllMqaVariants[] = {MqaVariant::kWgmmaKeysM,
 const char* MqaVariantName(MqaVariant v);
 // The fp8 tensor-core variants (their logits are not the exact kernel's).
 inline constexpr MqaVariant kFp8MqaVariants[] = {
-    MqaVariant::kFp8V1,         MqaVariant::kFp8N2SmemWeights4, MqaVariant::kFp8N34SmemWeights,
-    MqaVariant::kFp8N34Overlap, MqaVariant::kFp8OverlapTiles,   MqaVariant::kFp8OverlapTiles4};
+    MqaVariant::kFp8V1, MqaVariant::kFp8N2SmemWeights4, MqaVariant::kFp8N34SmemWeights,
+    MqaVariant::kFp8N34Overlap2, MqaVariant::kFp8N34Overlap3};
 // True for the fp8 variants whose logits are the production fp8 kernel's bit for bit (its shape
 // choices moved); false for kFp8V1 (another summation order) and the exact-kernel variants.
 bool MqaVariantSameBitsAsFp8(MqaVariant v);
