@@ -156,12 +156,7 @@ __device__ __forceinline__ void IssuePage(float* acc, uint32_t desc_kv, uint32_t
 // production choices are PipeFp8MinBlocks, kPipeFp8Stages, kPipeFp8WeightRegs (sm90_heuristics.h).
 // kWeightRegs: this thread's weights of the pass's first one or two rows in registers (loaded
 // once per pass) instead of four 16-byte shared-memory loads per row and page.
-// kOverlapPairs (three or four rows per pass): both row pairs' wgmmas are issued before the
-// first pair's epilogue, into two accumulator sets, so that the second pair's MMAs run while
-// the first pair's epilogue does (128 accumulators live: fits at 2 blocks per SM). The same
-// instructions on the same operands: the logits are bit for bit those without it.
-template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, bool kWeightRegs,
-          bool kOverlapPairs = false>
+template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, bool kWeightRegs>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     PagedMqaLogitsFp8Kernel(const PagedLogitsArgs p,
                             const __grid_constant__ CUtensorMap values_map) {
@@ -324,23 +319,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     for (int pass = 0; pass < passes; ++pass) {
       if (pass != loaded_pass) load_q(b, pass, first_row, nrows);  // warpgroup-uniform
       const bool last_pass = pass + 1 == passes;
-      if constexpr (kRows > 2 && kOverlapPairs) {
-        float acc01[64], acc23[64];
-        WgmmaFence();
-        IssuePage<128>(acc01, desc_kv, desc_q);
-        WgmmaCommit();
-        // Rows 2-3 (row 3 zero when kRows == 3), in flight during rows 0-1's epilogue.
-        IssuePage<128>(acc23, desc_kv, desc_q + uint32_t(2 * kQRowBytes / 16));
-        WgmmaCommit();
-        WgmmaWait<1>();
-        epilogue(acc01, pass, 0);
-        epilogue(acc01 + 32, pass, 1);
-        WgmmaWait<0>();
-        if (last_pass) release();
-        epilogue(acc23, pass, 2);
-        if constexpr (kRows == 4) epilogue(acc23 + 32, pass, 3);
-        continue;
-      }
       // Rows 0-1 in one m64n128k32 per k-step (m64n64 for one row per pass), then rows 2-3.
       float acc[64];
       constexpr int kFirst = kRows < 2 ? kRows : 2;
@@ -371,16 +349,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 }
 
 // One instantiation's launch on a persistent grid (its blocks per SM from the occupancy query).
-template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, bool kWeightRegs,
-          bool kOverlapPairs = false>
+template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, bool kWeightRegs>
 absl::Status Launch(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
   static KernelDeviceSetup per_device[kMaxDevices];
   const absl::StatusOr<CUtensorMap> map = PageValuesTensorMap(args.cache);
   if (!map.ok()) return map.status();
   return LaunchPersistentGrid(
       per_device, "paged mqa logits (fp8 pipelined)",
-      PagedMqaLogitsFp8Kernel<kRows, kOwnSchedule, kMinBlocks, kStages, kWeightRegs, kOverlapPairs>,
-      kThreads, SmemBytes<kRows, kOwnSchedule, kStages>(), num_sms, stream, args, *map);
+      PagedMqaLogitsFp8Kernel<kRows, kOwnSchedule, kMinBlocks, kStages, kWeightRegs>, kThreads,
+      SmemBytes<kRows, kOwnSchedule, kStages>(), num_sms, stream, args, *map);
 }
 
 }  // namespace fp8_logits

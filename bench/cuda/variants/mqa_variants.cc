@@ -27,10 +27,6 @@ const char* MqaVariantName(MqaVariant v) {
       return "fp8 n2 smem weights 4 blocks";
     case MqaVariant::kFp8N34SmemWeights:
       return "fp8 n3-4 smem weights";
-    case MqaVariant::kFp8N34Overlap2:
-      return "fp8 n3-4 overlapped pairs 2 blocks";
-    case MqaVariant::kFp8N34Overlap3:
-      return "fp8 n3-4 overlapped pairs 3 blocks";
   }
   return "?";
 }
@@ -67,8 +63,7 @@ bool MqaVariantFillsHistogram(MqaVariant v) {
 }
 
 bool MqaVariantSameBitsAsFp8(MqaVariant v) {
-  return v == MqaVariant::kFp8N2SmemWeights4 || v == MqaVariant::kFp8N34SmemWeights ||
-         v == MqaVariant::kFp8N34Overlap2 || v == MqaVariant::kFp8N34Overlap3;
+  return v == MqaVariant::kFp8N2SmemWeights4 || v == MqaVariant::kFp8N34SmemWeights;
 }
 
 }  // namespace decode_indexer::kernels::cuda

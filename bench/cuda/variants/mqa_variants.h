@@ -16,8 +16,6 @@
 // - kFp8N2SmemWeights4 / kFp8N34SmemWeights: the production fp8 kernel with sm90_heuristics.h's
 //   earlier choices (two rows per pass at 4 blocks per SM and 3 ring slots, three or four rows
 //   at 3 blocks; every row's weights read from shared memory per page), bit for bit its logits.
-// - kFp8N34Overlap2 / 3: three or four rows per pass with both row pairs' wgmmas issued before
-//   the first pair's epilogue (two accumulator sets), at 2 / 3 blocks per SM; bit for bit.
 //   (Measured and dropped: one row with 5 slots and two rows with 5, no faster; two rows with
 //   the weights in registers at 4 blocks, 2.8x slower for spills.)
 // Removed, their measurements recorded in docs/results/cuda-bench.md and its raw/ logs:
@@ -42,8 +40,6 @@ enum class MqaVariant {
   kFp8V1,
   kFp8N2SmemWeights4,
   kFp8N34SmemWeights,
-  kFp8N34Overlap2,
-  kFp8N34Overlap3,
 };
 inline constexpr MqaVariant kAllMqaVariants[] = {MqaVariant::kWgmmaKeysM,
                                                  MqaVariant::kWgmmaKeysMSplit,
@@ -53,9 +49,8 @@ inline constexpr MqaVariant kAllMqaVariants[] = {MqaVariant::kWgmmaKeysM,
                                                  MqaVariant::kWgmmaKeysMPipelinedWs4};
 const char* MqaVariantName(MqaVariant v);
 // The fp8 tensor-core variants (their logits are not the exact kernel's).
-inline constexpr MqaVariant kFp8MqaVariants[] = {
-    MqaVariant::kFp8V1, MqaVariant::kFp8N2SmemWeights4, MqaVariant::kFp8N34SmemWeights,
-    MqaVariant::kFp8N34Overlap2, MqaVariant::kFp8N34Overlap3};
+inline constexpr MqaVariant kFp8MqaVariants[] = {MqaVariant::kFp8V1, MqaVariant::kFp8N2SmemWeights4,
+                                                 MqaVariant::kFp8N34SmemWeights};
 // True for the fp8 variants whose logits are the production fp8 kernel's bit for bit (its shape
 // choices moved); false for kFp8V1 (another summation order) and the exact-kernel variants.
 bool MqaVariantSameBitsAsFp8(MqaVariant v);

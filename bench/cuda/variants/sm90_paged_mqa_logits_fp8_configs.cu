@@ -24,20 +24,6 @@ absl::Status Dispatch(MqaVariant v, const PagedLogitsArgs& args, int num_sms, cu
   if (v == MqaVariant::kFp8N34SmemWeights && rows == 4) {
     return fp8_logits::Launch<4, kOwnSchedule, 3, 4, false>(args, num_sms, stream);
   }
-  // Both row pairs' wgmmas in flight before the first pair's epilogue (kOverlapPairs), at 2 and
-  // at 3 blocks per SM.
-  if (v == MqaVariant::kFp8N34Overlap2 && rows == 3) {
-    return fp8_logits::Launch<3, kOwnSchedule, 2, 4, true, true>(args, num_sms, stream);
-  }
-  if (v == MqaVariant::kFp8N34Overlap2 && rows == 4) {
-    return fp8_logits::Launch<4, kOwnSchedule, 2, 4, true, true>(args, num_sms, stream);
-  }
-  if (v == MqaVariant::kFp8N34Overlap3 && rows == 3) {
-    return fp8_logits::Launch<3, kOwnSchedule, 3, 4, true, true>(args, num_sms, stream);
-  }
-  if (v == MqaVariant::kFp8N34Overlap3 && rows == 4) {
-    return fp8_logits::Launch<4, kOwnSchedule, 3, 4, true, true>(args, num_sms, stream);
-  }
   return LaunchPagedMqaLogitsFp8(args, num_sms, stream);
 }
 
