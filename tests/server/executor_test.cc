@@ -251,6 +251,110 @@ TEST(Executor, KernelsOnlySeeBackendMemory) {
   EXPECT_EQ(violations.load(), 0);
 }
 
+// One packed upload per step (ExecutorOptions::packed_uploads, step_io.h PackStepUploads):
+// each rank's step makes exactly two host-to-device copy calls, the ring slot holding every
+// small array (row tables, request slots, page-table edits, store rows, positions, weights,
+// q scales, keys) and q itself, for every layer role, q form, key form, rank count, sharded
+// or not; with the option off (one copy per array, as before the ring) it makes more. The
+// answers are the same either way. Counted by the backend itself (CheckingBackend), so a copy
+// the executor makes outside its staging is counted too.
+TEST(Executor, OnePackedUploadPerStep) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  for (const config::Profile& profile : {SmallV41(), SmallV32()}) {
+    for (int32_t ranks : {1, 2}) {
+      std::vector<std::vector<int32_t>> answers[2];
+      for (bool packed : {true, false}) {
+        SCOPED_TRACE(absl::StrCat(profile.name, " ranks ", ranks, " packed ", packed));
+        std::atomic<int64_t> violations{0};
+        std::vector<std::atomic<int64_t>> copies(ranks);
+        std::vector<CheckingBackend*> backends(ranks, nullptr);
+        exec::BackendFactory factory = [&](int32_t rank, const kernels::BackendLimits& limits)
+            -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
+          auto b = std::make_unique<CheckingBackend>(kernels::MakeCpuBackend(limits, 1),
+                                                     &violations, rank);
+          backends[rank] = b.get();
+          return b;
+        };
+        ExecutorOptions o = CpuOptions(ranks);
+        o.packed_uploads = packed;
+        absl::StatusOr<std::unique_ptr<Executor>> made =
+            exec::CreateExecutorWithBackends(profile, o, factory);
+        ASSERT_TRUE(made.ok()) << made.status();
+        Executor& e = **made;
+        Harness h(profile, seed);
+        std::mt19937_64& rng = h.rng();
+        ScatterPages(h, e);
+        std::vector<uint64_t> ids;
+        for (uint64_t id = 1; id <= 6; ++id) {
+          ASSERT_TRUE(e.CreateSequence(id).ok());
+          ids.push_back(id);
+          for (int32_t layer : profile.CacheLayers()) {
+            Append(h, e, id, layer, 8 + int32_t(rng() % 80), KeyForm::kF32);
+          }
+        }
+        for (int32_t r = 0; r < ranks; ++r) backends[r]->CountCopiesToDevice(&copies[r]);
+        int64_t most = 0;
+        // Every q form and key form at every layer, next_n 1 and 2 (sharded on 2 ranks), and
+        // a step with mixed row counts (unsharded).
+        for (int round = 0; round < 6; ++round) {
+          std::vector<SeqPlan> plans;
+          for (size_t i = 0; i < ids.size(); ++i) {
+            SeqPlan p;
+            p.id = ids[i];
+            p.rows = round == 5 ? 1 + int32_t(i % 3) : 1 + round % 2;
+            p.new_keys = p.rows;
+            plans.push_back(p);
+          }
+          std::vector<SeqPlan> source_plans;
+          for (const config::LayerSpec& layer : profile.layers) {
+            std::vector<SeqPlan> step_plans = plans;
+            if (layer.role == LayerRole::kCandidateConsumer) {
+              step_plans = source_plans;
+              for (SeqPlan& p : step_plans) p.new_keys = 0;
+            }
+            if (layer.role == LayerRole::kCandidateSource) source_plans = step_plans;
+            std::unique_ptr<StepData> step =
+                h.MakeStep(layer.layer, step_plans, static_cast<QForm>(round % 3),
+                           static_cast<KeyForm>((round + layer.layer) % 3), round != 4);
+            step->input.return_candidates = layer.role == LayerRole::kCandidateSource;
+            SCOPED_TRACE(absl::StrCat("round ", round, " layer ", layer.layer));
+            for (std::atomic<int64_t>& c : copies) c = 0;
+            const uint64_t collectives = e.Status().collectives_total;
+            absl::StatusOr<StepResult> res = e.DecodeStep(step->input);
+            ASSERT_TRUE(res.ok()) << res.status();
+            h.RecordStep(*step);
+            // The in-process collective's all-gathers (a source's candidates) copy through
+            // the host, one CopyToDevice each; the step's own uploads are the rest. A step's
+            // collectives are its agreement and its all-gathers.
+            const uint64_t step_collectives = e.Status().collectives_total - collectives;
+            const int64_t gathers = step_collectives > 0 ? int64_t(step_collectives) - 1 : 0;
+            for (int32_t r = 0; r < ranks; ++r) {
+              const int64_t uploads = copies[r].load() - gathers;
+              // The slot and q.
+              if (packed) {
+                EXPECT_EQ(uploads, 2) << "rank " << r;
+              }
+              most = std::max(most, uploads);
+            }
+            answers[packed].push_back(res->topk_indices);
+            answers[packed].push_back(res->candidate_blocks);
+          }
+        }
+        for (CheckingBackend* b : backends) b->CountCopiesToDevice(nullptr);
+        // Without the ring: row tables, request slots, edits, keys, weights, ... one by one.
+        if (!packed) {
+          EXPECT_GT(most, 4);
+        }
+        std::printf("%s ranks %d packed %d: at most %lld host-to-device copies a step\n",
+                    profile.name.c_str(), ranks, int(packed), static_cast<long long>(most));
+        EXPECT_EQ(violations.load(), 0);
+      }
+      EXPECT_EQ(answers[0], answers[1]);
+    }
+  }
+}
+
 // The sub-step of `full` holding its sequences `order` (in that order), with the very same
 // keys, q, weights and positions.
 std::unique_ptr<StepData> SubStep(const StepData& full, const std::vector<size_t>& order,
