@@ -114,10 +114,11 @@ absl::Status Rank::Allocate() {
   // chunk of keys with a run's alignment slack, each 64-byte aligned.
   const auto a64 = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
   const int64_t slot_bytes =
-      s.staging_slots <= 0 ? 0
-                           : 3 * a64(rows * 4) + a64(int64_t{s.max_requests} * 4) + a64(rows * 8) +
-                                 a64(rows * s.num_heads * 4) + a64(rows * hd / 32) +
-                                 4 * a64(int64_t{s.table_edit_chunk} * 4) + key_bytes + 16 * 64;
+      s.staging_slots <= 0
+          ? 0
+          : 3 * a64(rows * 4) + a64(int64_t{s.max_requests} * 4) + a64(rows * 8) +
+                a64(rows * s.num_heads * 4) + a64(rows * hd / 32) +
+                4 * a64(int64_t{s.table_edit_chunk} * 4) + a64(key_bytes) + 16 * 64;
   const int64_t arena_bytes =
       3 * rows * 4 + int64_t{s.max_requests} * 4 + int64_t{s.table_edit_chunk} * 8 + rows * hd * 4 +
       rows * s.num_heads * 4 + rows * hd / 32 + rows * 8 + key_bytes + 24 * 64;

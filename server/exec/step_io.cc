@@ -101,10 +101,11 @@ std::vector<KeyRun> KeyRuns(const std::vector<KeyWrite>& writes, int32_t head_di
     run.first_write = wi;
     run.first_key = offset;
     run.has_scales = sb > 0;
-    // Slots, then values (8-byte aligned), then scales: one reservation for the three.
+    // Slots, then values, then scales, each 64-byte aligned (the kernels read them in place
+    // in a ring slot): one reservation for the three.
     run.slots_offset = 0;
-    run.keys_offset = size_t(total) * sizeof(int64_t);
-    run.scales_offset = run.keys_offset + (size_t(total) * vb + 7) / 8 * 8;
+    run.keys_offset = Align64(size_t(total) * sizeof(int64_t));
+    run.scales_offset = run.keys_offset + Align64(size_t(total) * vb);
     run.bytes = run.scales_offset + size_t(total) * std::max<int64_t>(sb, 1);
     for (int32_t filled = 0; filled < total;) {
       const int32_t c = std::min(writes[wi].count - offset, total - filled);
