@@ -11,6 +11,9 @@
 #include "gtest/gtest.h"
 #include "server/exec/executor.h"
 #include "server/exec/executor_internal.h"
+#include "server/exec/rank.h"
+#include "server/exec/step_io.h"
+#include "server/exec/step_types.h"
 #include "tests/server/checking_backend.h"
 #include "tests/server/exec_harness.h"
 
@@ -353,6 +356,129 @@ TEST(Executor, OnePackedUploadPerStep) {
       EXPECT_EQ(answers[0], answers[1]);
     }
   }
+}
+
+// The staging ring (rank.h StagingRing, step_io.h PackStepUploads) on one rank: a step's
+// arrays land in its slot at 64-byte aligned offsets with the very bytes of the plan; a slot
+// is handed out again only once the step that filled it settled (its closing Synchronize): a
+// step after an unsettled one takes the next slot, and with every slot busy the pack waits
+// for the stream and starts over at slot 0. One copy per pack. Without a ring nothing is
+// packed and the kernels read the rank's own buffers.
+TEST(StagingRing, PacksTheStepAndReusesASlotOnlyOnceSettled) {
+  exec::RankSizes sizes;
+  sizes.max_rows = 8;
+  sizes.max_requests = 4;
+  sizes.max_pages_per_sequence = 4;
+  sizes.max_sequences = 4;
+  sizes.table_edit_chunk = 16;
+  sizes.num_heads = 4;
+  sizes.head_dim = 128;
+  sizes.topk = 8;
+  sizes.key_chunk = 16;
+  sizes.pools = {kernels::CacheGeometry{kernels::CacheFormat::kFp8, 128, 16}};
+  sizes.pages_per_pool = 8;
+  kernels::BackendLimits limits;
+  limits.max_rows = sizes.max_rows;
+  limits.max_requests = sizes.max_requests;
+  limits.max_context = 64;
+  limits.num_heads = sizes.num_heads;
+  limits.head_dim = sizes.head_dim;
+  limits.max_topk = sizes.topk;
+  // A dense step of 3 rows (2 requests), an edit, f32 q with positions, 5 F32 keys in 2 writes.
+  exec::StepPlan plan;
+  plan.num_rows = 3;
+  plan.num_requests = 2;
+  plan.row_request = {0, 0, 1};
+  plan.row_length = {5, 6, 7};
+  plan.request_slot = {2, 3};
+  plan.table_edits.push_back(9, 4);
+  const std::vector<float> weights = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  const std::vector<int64_t> positions = {4, 5, 6};
+  plan.q.type = kernels::ElemType::kF32;
+  plan.q.weights = weights.data();
+  plan.q.positions = positions.data();
+  std::vector<float> keys(5 * 128);
+  std::iota(keys.begin(), keys.end(), 0.5f);
+  const std::vector<int64_t> slots = {10, 11, 12, 13, 14};
+  plan.key_writes.push_back({kernels::ElemType::kF32, 2, keys.data(), nullptr, slots.data()});
+  plan.key_writes.push_back(
+      {kernels::ElemType::kF32, 3, keys.data() + 2 * 128, nullptr, slots.data() + 2});
+  const exec::RowRange range{0, 3};
+  std::atomic<int64_t> violations{0};
+  std::atomic<int64_t> copies{0};
+  for (int32_t ring_slots : {2, 0}) {
+    SCOPED_TRACE(absl::StrCat("slots ", ring_slots));
+    sizes.staging_slots = ring_slots;
+    auto backend =
+        std::make_unique<CheckingBackend>(kernels::MakeCpuBackend(limits, 1), &violations);
+    backend->CountCopiesToDevice(&copies);
+    absl::StatusOr<std::unique_ptr<exec::Rank>> made =
+        exec::Rank::Create(0, std::move(backend), sizes);
+    ASSERT_TRUE(made.ok()) << made.status();
+    exec::Rank& rank = **made;
+    exec::Staging staging(rank);
+    auto pack = [&]() {
+      copies = 0;
+      absl::StatusOr<exec::StepUploads> up = exec::PackStepUploads(rank, staging, plan, range);
+      EXPECT_TRUE(up.ok()) << up.status();
+      return up.ok() ? *std::move(up) : exec::StepUploads{};
+    };
+    if (ring_slots == 0) {
+      const exec::StepUploads up = pack();
+      EXPECT_EQ(up.slot, -1);
+      EXPECT_EQ(up.row_request, rank.buffers().row_request);
+      EXPECT_EQ(up.row_length, rank.buffers().row_length);
+      EXPECT_FALSE(up.edits);
+      EXPECT_FALSE(up.keys);
+      EXPECT_EQ(up.weights, nullptr);
+      EXPECT_EQ(copies.load(), 0);
+      continue;
+    }
+    const exec::StepUploads first = pack();
+    EXPECT_EQ(copies.load(), 1);
+    ASSERT_EQ(first.slot, 0);
+    // On the CPU backend the slot is host memory: its bytes are the plan's.
+    const uint8_t* base = rank.staging_ring().slot(0);
+    auto aligned = [&](const void* p) { return (static_cast<const uint8_t*>(p) - base) % 64 == 0; };
+    EXPECT_EQ(std::vector<int32_t>(first.row_request, first.row_request + 3), plan.row_request);
+    EXPECT_EQ(std::vector<int32_t>(first.row_length, first.row_length + 3), plan.row_length);
+    EXPECT_EQ(std::vector<int32_t>(first.request_slot, first.request_slot + 2), plan.request_slot);
+    ASSERT_NE(first.positions, nullptr);
+    EXPECT_EQ(std::vector<int64_t>(first.positions, first.positions + 3), positions);
+    ASSERT_NE(first.weights, nullptr);
+    EXPECT_EQ(std::vector<float>(first.weights, first.weights + 12), weights);
+    ASSERT_TRUE(first.edits);
+    EXPECT_EQ(first.edit_index[0], 9);
+    EXPECT_EQ(first.edit_pages[0], 4);
+    ASSERT_TRUE(first.keys);
+    ASSERT_EQ(first.key_runs.size(), 1u);  // one type, within a chunk: one run
+    const exec::KeyRun& run = first.key_runs[0];
+    EXPECT_EQ(run.count, 5);
+    const float* packed_keys = reinterpret_cast<const float*>(first.key_base + run.keys_offset);
+    EXPECT_EQ(std::vector<float>(packed_keys, packed_keys + keys.size()), keys);
+    const int64_t* packed_slots =
+        reinterpret_cast<const int64_t*>(first.key_base + run.slots_offset);
+    EXPECT_EQ(std::vector<int64_t>(packed_slots, packed_slots + 5), slots);
+    const std::vector<const void*> arrays = {first.row_length,
+                                             first.request_slot,
+                                             first.positions,
+                                             first.weights,
+                                             first.edit_index,
+                                             first.edit_pages,
+                                             first.key_base + run.keys_offset,
+                                             first.key_base + run.slots_offset};
+    for (const void* p : arrays) EXPECT_TRUE(aligned(p));
+    // Slot 0 is busy until settled: the next pack takes slot 1, the one after finds both busy,
+    // waits and takes slot 0 again; once settled, slot 0 is free again.
+    EXPECT_EQ(pack().slot, 1);
+    EXPECT_TRUE(aligned(rank.staging_ring().slot(1)));
+    EXPECT_EQ(pack().slot, 0);
+    EXPECT_FALSE(rank.staging_ring().busy[1]);
+    rank.staging_ring().Settle();
+    EXPECT_EQ(pack().slot, 0);
+    EXPECT_EQ(copies.load(), 1);
+  }
+  EXPECT_EQ(violations.load(), 0);
 }
 
 // The sub-step of `full` holding its sequences `order` (in that order), with the very same
