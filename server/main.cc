@@ -90,6 +90,10 @@ int main(int argc, char** argv) {
   app.add_option("--pinned-staging", options.executor.pinned_staging,
                  "on|off: stage each step's uploads in page-locked host memory (CUDA backend)")
       ->capture_default_str();
+  app.add_option("--packed-uploads", options.executor.packed_uploads,
+                 "on|off: upload a step's small arrays (row tables, page-table edits, keys, "
+                 "...) in one copy into each rank's device staging ring (off: one copy each)")
+      ->capture_default_str();
   app.add_option("--direct-answers", options.executor.direct_answers,
                  "on|off: in a row-sharded step, each rank copies its own answer rows to the "
                  "host instead of all-gathering them first (a source layer's candidate blocks "

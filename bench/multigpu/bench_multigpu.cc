@@ -24,7 +24,7 @@
 // Usage: decode-indexer-bench-multigpu [--backend cuda|cpu|host] [--ranks 1,2] [--requests 64,128]
 //        [--contexts 32768,65536] [--next-n 1,2] [--steps 20] [--v41-requests 64]
 //        [--v41-context 32768] [--skip-v32] [--skip-v41] [--graphs on,off] [--pinned on]
-//        [--direct on,off] [--answer vector,host,pinned,pinned-q,device-q]
+//        [--direct on,off] [--packed on|off] [--answer vector,host,pinned,pinned-q,device-q]
 //
 // --answer (v32; v41 uses the first value): where the timed steps' answers go. vector:
 // StepResult's vectors (the executor's fallback, the path before AnswerSink); host: a
@@ -34,6 +34,8 @@
 // weights too (StepInput::host_memory_page_locked: q is not staged); device-q: q, the weights
 // and the answer in the answering backend's device memory (QInput::on_device, a device
 // AnswerSink): an attention worker's CUDA IPC buffer, in process.
+// --packed (default on): ExecutorOptions::packed_uploads, a step's small arrays in one upload
+// into the rank's device staging ring; off: one copy per array (the path before the ring).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -119,6 +121,7 @@ struct Args {
   bool v41 = true;
   std::vector<bool> graphs = {true, false};
   std::vector<bool> pinned = {true};
+  bool packed = true;  // ExecutorOptions::packed_uploads (--packed on|off)
   std::vector<bool> direct = {true};
   std::vector<std::string> answers = {"pinned"};
 };
@@ -157,7 +160,7 @@ Args Parse(int argc, char** argv) {
           "usage: decode-indexer-bench-multigpu [--backend cuda|cpu|host] [--ranks 1,2] "
           "[--requests 64,128]\n  [--contexts 32768,65536] [--next-n 1,2] [--steps 20] "
           "[--v41-requests 64] [--v41-context 32768]\n  [--skip-v32] [--skip-v41] "
-          "[--graphs on,off] [--pinned on] [--direct on,off]\n  [--answer "
+          "[--graphs on,off] [--pinned on] [--direct on,off] [--packed on|off]\n  [--answer "
           "vector,host,pinned,pinned-q,device-q] "
           "[--version]\n");
       std::exit(0);
@@ -188,6 +191,8 @@ Args Parse(int argc, char** argv) {
       a.graphs = OnOffList(next());
     else if (f == "--pinned")
       a.pinned = OnOffList(next());
+    else if (f == "--packed")
+      a.packed = std::string(next()) != "off";
     else if (f == "--direct")
       a.direct = OnOffList(next());
     else if (f == "--answer")
@@ -502,6 +507,7 @@ std::unique_ptr<Executor> MakeExecutor(const di::config::Profile& p, const Args&
   o.cuda_graphs = graphs;
   o.pinned_staging = pinned;
   o.direct_answers = direct;
+  o.packed_uploads = a.packed;
   absl::StatusOr<std::unique_ptr<Executor>> e;
   if (a.backend == "host") {
     o.backend = "cpu";  // the in-process collective; the backends are the factory's
@@ -810,8 +816,8 @@ int main(int argc, char** argv) {
   std::printf(
       "# decode-indexer-bench-multigpu\n\nmean over %d steps after %d warm-up steps; "
       "executor compute time per step (host planning, uploads, kernels on every rank, "
-      "all-gather, answer copy-back)\n",
-      a.steps, a.warmup);
+      "all-gather, answer copy-back); packed uploads %s\n",
+      a.steps, a.warmup, a.packed ? "on" : "off");
   if (a.v32) BenchV32(a);
   if (a.v41) BenchV41(a);
   return 0;

@@ -2,10 +2,11 @@
 
 namespace decode_indexer::exec {
 
-absl::Status CandidateOverlap::Fork(int32_t num_rows) {
+absl::Status CandidateOverlap::Fork(int32_t num_rows, const int32_t* row_length) {
   if (absl::Status s = Join(); !s.ok()) return s;
   kernels::ExpandArgs args = expand_;
   args.num_rows = num_rows;
+  if (row_length != nullptr) args.row_length = row_length;
   absl::Status s = backend_.ForkExpand(args);
   forked_ = true;  // even a failed fork may have queued work; the next join settles it
   return s;
@@ -24,8 +25,8 @@ absl::Status CandidateOverlap::Warm() {
   return absl::OkStatus();
 }
 
-absl::Status CandidateOverlap::BuildInline(int32_t num_rows) {
-  if (absl::Status s = Fork(num_rows); !s.ok()) return s;
+absl::Status CandidateOverlap::BuildInline(int32_t num_rows, const int32_t* row_length) {
+  if (absl::Status s = Fork(num_rows, row_length); !s.ok()) return s;
   return Join();
 }
 

@@ -38,7 +38,8 @@ class CandidateOverlap {
   // Start the expansion of the first `num_rows` rows on the side stream; the candidate source
   // calls this right after its kernels have written the candidates. Joins a pending fork
   // first. Even a failed fork may have queued work: the next Join settles it.
-  absl::Status Fork(int32_t num_rows);
+  // `row_length`: where the step's row lengths lie (its ring slot); null: the rank's buffer.
+  absl::Status Fork(int32_t num_rows, const int32_t* row_length = nullptr);
   // Make the main stream wait for a pending fork, if any. Every job on the rank calls it
   // first, since the next step rewrites the row lengths and candidates the side stream may
   // still be reading.
@@ -47,7 +48,7 @@ class CandidateOverlap {
   // rows, once. Later calls do nothing.
   absl::Status Warm();
   // Fork and join at once: the inline path, with the same kernels and inputs.
-  absl::Status BuildInline(int32_t num_rows);
+  absl::Status BuildInline(int32_t num_rows, const int32_t* row_length = nullptr);
 
   bool pending() const { return forked_; }
   bool warmed() const { return warmed_; }

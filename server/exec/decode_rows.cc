@@ -24,7 +24,8 @@ int64_t NanosBetween(std::chrono::steady_clock::time_point a,
 // topk (and candidates at a source). The uploads, key inserts and a consumer's schedule run
 // eagerly (their sizes vary, or they use the side stream); the kernel section replays a
 // captured graph when the step's shape was seen before (step_graphs.h).
-absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range) {
+absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range,
+                       StepUploads& packed) {
   kernels::Backend& be = rank.backend();
   Rank::StepRecord& record = rank.step_record();
   record.graph_captured = false;
@@ -33,15 +34,20 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   using Mark = StepObserver::RankMark;
   if (observer != nullptr) observer->OnRank(rank.index(), Mark::kUploadsBegin);
 
-  DI_RETURN_IF_ERROR(UploadStepRows(rank, staging, plan));
+  // The step's small arrays in one upload into a ring slot (StepUploads says which).
+  absl::StatusOr<StepUploads> uploads = PackStepUploads(rank, staging, plan, range);
+  if (!uploads.ok()) return uploads.status();
+  packed = *std::move(uploads);
+  DI_RETURN_IF_ERROR(UploadStepRows(rank, staging, plan, packed));
   // Keys go into every replica whatever rows this rank scores; pages they share with another
   // sequence (or that a cut-back rewrites) are copied first.
   DI_RETURN_IF_ERROR(CopyPagesOnRank(rank, plan.pool, plan.page_copies));
-  DI_RETURN_IF_ERROR(InsertStepKeys(rank, staging, plan.pool, plan.key_writes, plan.hadamard));
-  absl::StatusOr<QRows> q = UploadQ(rank, staging, plan, range);
+  DI_RETURN_IF_ERROR(
+      InsertStepKeys(rank, staging, plan.pool, plan.key_writes, plan.hadamard, packed));
+  absl::StatusOr<QRows> q = UploadQ(rank, staging, plan, range, packed);
   if (!q.ok()) return q.status();
-  DI_RETURN_IF_ERROR(DecodeSchedule(rank, staging, plan));
-  const ScoringCall scoring(rank, plan, range, *q);
+  DI_RETURN_IF_ERROR(DecodeSchedule(rank, staging, plan, packed));
+  const ScoringCall scoring(rank, plan, range, *q, packed);
   auto kernel_section = [&]() -> absl::Status {
     if (q->unquantized) DI_RETURN_IF_ERROR(be.RopeQuantQ(q->prep));  // rope_quant_q
     return scoring.Launch(be);
@@ -128,7 +134,8 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   if (status.ok() && plan.q.on_device && plan.q.ready_event != nullptr) {
     status = be.WaitEvent(plan.q.ready_event);
   }
-  if (status.ok()) status = ScoreRows(rank, staging, plan, range);
+  StepUploads packed;
+  if (status.ok()) status = ScoreRows(rank, staging, plan, range, packed);
   record.collective_ns = 0;
   record.collectives = 0;
   // Which sharded steps still need a collective. An answer bound for host memory does not:
@@ -180,7 +187,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   }
   if (!status.ok()) {
     // Copies queued before the failure may still read the host staging the next step reuses.
-    (void)be.Synchronize();
+    if (be.Synchronize().ok()) rank.staging_ring().Settle();
     return status;
   }
 
@@ -188,8 +195,10 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   if (source) {
     // Into fresh store rows; the executor retires the old ones only on commit, so a failed
     // step leaves the sequence's published candidates intact.
-    DI_RETURN_IF_ERROR(CopyStoreRows(rank, staging, plan, /*into_store=*/true));
-    if (plan.fork_expansion) DI_RETURN_IF_ERROR(rank.overlap().Fork(plan.num_rows));
+    DI_RETURN_IF_ERROR(CopyStoreRows(rank, staging, plan, /*into_store=*/true, packed));
+    if (plan.fork_expansion) {
+      DI_RETURN_IF_ERROR(rank.overlap().Fork(plan.num_rows, packed.row_length));
+    }
   }
   DI_RETURN_IF_ERROR(CopyAnswer(rank, plan, range, direct, readback));
   if (plan.q.on_device) {
@@ -197,6 +206,8 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   }
   if (observer != nullptr) observer->OnRank(rank.index(), Mark::kWaitBegin);
   absl::Status done = be.Synchronize();
+  // The step's ring slot is read no more (the side stream's expansion aside: see StagingRing).
+  if (done.ok()) rank.staging_ring().Settle();
   if (observer != nullptr) observer->OnRank(rank.index(), Mark::kWaitEnd);
   if (done.ok() && plan.q.on_device) done = DeviceInputsStatus(*rank.value_flags_host());
   if (done.ok()) readback.Finish();

@@ -10,40 +10,46 @@ namespace decode_indexer::exec {
 using kernels::CacheFormat;
 using kernels::ElemType;
 
-absl::Status CopyStoreRows(Rank& rank, Staging& staging, const StepPlan& plan, bool into_store) {
+absl::Status CopyStoreRows(Rank& rank, Staging& staging, const StepPlan& plan, bool into_store,
+                           const StepUploads& packed) {
   RankBuffers& b = rank.buffers();
-  DI_RETURN_IF_ERROR(
-      staging.Upload(b.store_index, plan.store_rows.data(), plan.num_rows * sizeof(int32_t)));
+  if (!packed.store_packed) {
+    DI_RETURN_IF_ERROR(
+        staging.Upload(b.store_index, plan.store_rows.data(), plan.num_rows * sizeof(int32_t)));
+  }
+  const int32_t* store_index = packed.store_packed ? packed.store_index : b.store_index;
   kernels::CopyRowsArgs copy;
   copy.num_rows = plan.num_rows;
   copy.row_elems = rank.sizes().num_candidate_blocks;
   if (into_store) {
     copy.dst = b.candidate_store;
-    copy.dst_index = b.store_index;
+    copy.dst_index = store_index;
     copy.src = b.candidates;
   } else {
     copy.dst = b.candidates;
     copy.src = b.candidate_store;
-    copy.src_index = b.store_index;
+    copy.src_index = store_index;
   }
   return rank.backend().CopyRows(copy);
 }
 
-absl::Status DecodeSchedule(Rank& rank, Staging& staging, const StepPlan& plan) {
+absl::Status DecodeSchedule(Rank& rank, Staging& staging, const StepPlan& plan,
+                            const StepUploads& packed) {
   if (plan.role != config::LayerRole::kCandidateConsumer) return absl::OkStatus();
   const bool need_candidates = plan.masked_consumer || !plan.reuse_expansion;
   if (need_candidates) {
     // The source's candidates for these rows, from the per-sequence store.
-    DI_RETURN_IF_ERROR(CopyStoreRows(rank, staging, plan, /*into_store=*/false));
+    DI_RETURN_IF_ERROR(CopyStoreRows(rank, staging, plan, /*into_store=*/false, packed));
   }
   // Fork and join (the side stream): outside any graph.
   if (!plan.masked_consumer && !plan.reuse_expansion) {
-    DI_RETURN_IF_ERROR(rank.overlap().BuildInline(plan.num_rows));
+    DI_RETURN_IF_ERROR(rank.overlap().BuildInline(plan.num_rows, packed.row_length));
   }
   return absl::OkStatus();
 }
 
-ScoringCall::ScoringCall(Rank& rank, const StepPlan& plan, RowRange range, const QRows& q) {
+ScoringCall::ScoringCall(Rank& rank, const StepPlan& plan, RowRange range, const QRows& q,
+                         const StepUploads& packed) {
   RankBuffers& b = rank.buffers();
   const RankSizes& s = rank.sizes();
   const kernels::CacheView& cache = b.caches[plan.pool];
@@ -54,11 +60,11 @@ ScoringCall::ScoringCall(Rank& rank, const StepPlan& plan, RowRange range, const
   const bool graphs = rank.graphs_enabled();
   kernels::RowBatch rows;
   rows.num_rows = n;
-  rows.row_request = b.row_request + range.start;
-  rows.row_length = b.row_length + range.start;
+  rows.row_request = packed.row_request + range.start;
+  rows.row_length = packed.row_length + range.start;
   rows.page_table = b.page_tables[plan.pool];
   rows.page_table_stride = s.max_pages_per_sequence;
-  rows.request_slot = b.request_slot;
+  rows.request_slot = packed.request_slot;
   rows.num_requests = plan.num_requests;
   // With graphs the bound is bucketed, for eager runs too, so a replay launches exactly what
   // an eager run of the same step would.
@@ -118,6 +124,9 @@ ScoringCall::ScoringCall(Rank& rank, const StepPlan& plan, RowRange range, const
   shape_.hadamard = q.unquantized && plan.hadamard;
   shape_.max_row_length = rows.max_row_length;
   shape_.rows_per_request = rows.rows_per_request;
+  shape_.staging_slot = packed.slot;
+  shape_.total_rows = plan.num_rows;
+  shape_.staged_q = packed.staged_q();
 }
 
 absl::Status ScoringCall::Launch(kernels::Backend& backend) const {

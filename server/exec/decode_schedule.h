@@ -21,19 +21,23 @@ namespace decode_indexer::exec {
 
 // The step's rows between the rank's candidate buffer and the per-sequence candidate store
 // (rows plan.store_rows): a source scatters its new candidates into the store, a consumer
-// gathers its source's from it.
-absl::Status CopyStoreRows(Rank& rank, Staging& staging, const StepPlan& plan, bool into_store);
+// gathers its source's from it. The store rows are read from the step's ring slot where
+// `packed` holds them, else uploaded first.
+absl::Status CopyStoreRows(Rank& rank, Staging& staging, const StepPlan& plan, bool into_store,
+                           const StepUploads& packed);
 
 // A consumer's eager schedule before its kernel section: the source's candidates for the
 // step's rows (unless the expansion already holds them and the consumer is sparse) and their
 // expansion inline (fork and join: outside any graph). Nothing for the other roles.
-absl::Status DecodeSchedule(Rank& rank, Staging& staging, const StepPlan& plan);
+absl::Status DecodeSchedule(Rank& rank, Staging& staging, const StepPlan& plan,
+                            const StepUploads& packed);
 
 // The scoring call of the rank's rows [range): the kernel for the layer's role with its
 // arguments, and the shape that keys the kernel section's graph (step_graphs.h).
 class ScoringCall {
  public:
-  ScoringCall(Rank& rank, const StepPlan& plan, RowRange range, const QRows& q);
+  ScoringCall(Rank& rank, const StepPlan& plan, RowRange range, const QRows& q,
+              const StepUploads& packed);
   // DenseTopK, SparseTopK or MaskedTopK on the rank's backend.
   absl::Status Launch(kernels::Backend& backend) const;
   const StepShape& shape() const { return shape_; }

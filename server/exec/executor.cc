@@ -445,6 +445,9 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
   sizes.max_context = p.max_context;
   sizes.step_graphs = options_.cuda_graphs;
   sizes.pinned_staging = options_.pinned_staging;
+  // Two slots: the second serves a step that follows one which returned before its
+  // Synchronize (StagingRing); otherwise every step uses the first.
+  sizes.staging_slots = options_.packed_uploads ? 2 : 0;
 
   kernels::BackendLimits limits;
   limits.max_rows = sizes.max_rows;

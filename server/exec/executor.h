@@ -55,6 +55,11 @@ struct ExecutorOptions {
   // Stage each step's uploads (row tables, page table, q, weights, keys) in page-locked host
   // memory on a GPU backend, so they are asynchronous DMAs (off: copy from the caller's memory).
   bool pinned_staging = true;
+  // One packed upload per step: a rank packs its step's small arrays (row tables, request
+  // slots, page-table edits, store rows, positions, staged weights, keys) in its host staging
+  // and uploads them with one copy into a slot of its persistent device staging ring, where
+  // the kernels read them (off: one copy per array, as before). Answers are the same.
+  bool packed_uploads = true;
   // A sharded step's ranks copy their own answer rows straight to host memory, so a dense or
   // consumer step needs no all-gather and no host agreement (--direct-answers; off: rank 0
   // gathers every row and copies the whole answer, as before). Answers are the same.

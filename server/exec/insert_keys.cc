@@ -11,77 +11,65 @@ using kernels::ElemType;
 
 namespace {
 
-// The insert of `count` keys of `type` staged in the rank's key / scale / slot buffers.
+// The insert of `count` keys of `type` staged at `keys` / `scales` / `slots` (the rank's key
+// buffers, or a run in a ring slot).
 absl::Status InsertStagedKeys(Rank& rank, int32_t pool, ElemType type, int32_t count,
-                              bool has_scales, bool hadamard) {
+                              bool has_scales, bool hadamard, const void* keys, const void* scales,
+                              const int64_t* slots) {
   RankBuffers& b = rank.buffers();
   kernels::KeyInsertArgs args;
   args.cache = b.caches[pool];
   args.num_keys = count;
   args.key_type = type;
-  args.keys = b.keys;
-  args.key_scales = has_scales ? b.key_scales : nullptr;
-  args.slots = b.slots;
+  args.keys = keys;
+  args.key_scales = has_scales ? scales : nullptr;
+  args.slots = slots;
   args.hadamard = hadamard;
   return rank.backend().InsertKeys(args);
+}
+
+absl::Status InsertStagedKeys(Rank& rank, int32_t pool, ElemType type, int32_t count,
+                              bool has_scales, bool hadamard) {
+  RankBuffers& b = rank.buffers();
+  return InsertStagedKeys(rank, pool, type, count, has_scales, hadamard, b.keys, b.key_scales,
+                          b.slots);
 }
 
 }  // namespace
 
 // The step's new keys (a few per sequence), gathered into one staging chunk per run of writes
-// of one key type: three copies and one InsertKeys call per chunk instead of per sequence.
+// of one key type (KeyRuns): one InsertKeys call per run, reading the run in the step's ring
+// slot where PackStepUploads packed the keys, else after three copies into the key buffers.
 absl::Status InsertStepKeys(Rank& rank, Staging& staging, int32_t pool,
-                            const std::vector<KeyWrite>& writes, bool hadamard) {
+                            const std::vector<KeyWrite>& writes, bool hadamard,
+                            const StepUploads& packed) {
   kernels::Backend& be = rank.backend();
   RankBuffers& b = rank.buffers();
   const int32_t D = rank.sizes().head_dim;
-  const int32_t chunk = rank.sizes().key_chunk;
-  size_t wi = 0;       // the write being gathered
-  int32_t offset = 0;  // its keys gathered so far
-  while (wi < writes.size()) {
-    const ElemType type = writes[wi].type;
-    const int64_t vb = KeyValueBytes(type, D);
-    const int64_t sb = KeyScaleBytes(type, D);
-    int32_t total = 0;
-    for (size_t j = wi, o = offset; j < writes.size() && writes[j].type == type && total < chunk;
-         ++j, o = 0) {
-      total += std::min<int32_t>(writes[j].count - static_cast<int32_t>(o), chunk - total);
+  if (packed.keys) {
+    for (const KeyRun& run : packed.key_runs) {
+      DI_RETURN_IF_ERROR(
+          InsertStagedKeys(rank, pool, run.type, run.count, run.has_scales, hadamard,
+                           packed.key_base + run.keys_offset, packed.key_base + run.scales_offset,
+                           reinterpret_cast<const int64_t*>(packed.key_base + run.slots_offset)));
     }
-    if (total == 0) {  // only empty writes left in this run
-      ++wi;
-      offset = 0;
-      continue;
-    }
+    return absl::OkStatus();
+  }
+  for (const KeyRun& run : KeyRuns(writes, D, rank.sizes().key_chunk)) {
     // One reservation for the three, so they never straddle an arena reuse.
-    const size_t slot_bytes = size_t(total) * sizeof(int64_t);
-    const size_t value_bytes = (size_t(total) * vb + 7) / 8 * 8;
-    absl::StatusOr<uint8_t*> slots =
-        staging.Reserve(slot_bytes + value_bytes + size_t(total) * std::max<int64_t>(sb, 1));
-    if (!slots.ok()) return slots.status();
-    uint8_t* const keys = *slots + slot_bytes;
-    uint8_t* const scales = keys + value_bytes;
-    for (int32_t filled = 0; filled < total;) {
-      const KeyWrite& w = writes[wi];
-      const int32_t c = std::min(w.count - offset, total - filled);
-      std::memcpy(keys + size_t(filled) * vb, static_cast<const uint8_t*>(w.keys) + offset * vb,
-                  size_t(c) * vb);
-      if (sb > 0) {
-        std::memcpy(scales + size_t(filled) * sb,
-                    static_cast<const uint8_t*>(w.scales) + offset * sb, size_t(c) * sb);
-      }
-      std::memcpy(*slots + size_t(filled) * sizeof(int64_t), w.slots + offset,
-                  size_t(c) * sizeof(int64_t));
-      filled += c;
-      offset += c;
-      if (offset == w.count) {
-        ++wi;
-        offset = 0;
-      }
+    absl::StatusOr<uint8_t*> host = staging.Reserve(run.bytes);
+    if (!host.ok()) return host.status();
+    GatherKeyRun(writes, run, D, *host);
+    const int64_t vb = KeyValueBytes(run.type, D);
+    const int64_t sb = KeyScaleBytes(run.type, D);
+    DI_RETURN_IF_ERROR(be.CopyToDevice(b.keys, *host + run.keys_offset, size_t(run.count) * vb));
+    if (sb > 0) {
+      DI_RETURN_IF_ERROR(
+          be.CopyToDevice(b.key_scales, *host + run.scales_offset, size_t(run.count) * sb));
     }
-    DI_RETURN_IF_ERROR(be.CopyToDevice(b.keys, keys, size_t(total) * vb));
-    if (sb > 0) DI_RETURN_IF_ERROR(be.CopyToDevice(b.key_scales, scales, size_t(total) * sb));
-    DI_RETURN_IF_ERROR(be.CopyToDevice(b.slots, *slots, size_t(total) * sizeof(int64_t)));
-    DI_RETURN_IF_ERROR(InsertStagedKeys(rank, pool, type, total, sb > 0, hadamard));
+    DI_RETURN_IF_ERROR(
+        be.CopyToDevice(b.slots, *host + run.slots_offset, size_t(run.count) * sizeof(int64_t)));
+    DI_RETURN_IF_ERROR(InsertStagedKeys(rank, pool, run.type, run.count, sb > 0, hadamard));
   }
   return absl::OkStatus();
 }

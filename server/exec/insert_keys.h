@@ -37,8 +37,10 @@ absl::Status CopyPagesOnRank(Rank& rank, int32_t pool,
 int64_t KeyValueBytes(kernels::ElemType type, int32_t head_dim);
 int64_t KeyScaleBytes(kernels::ElemType type, int32_t head_dim);
 
-// The step's new keys (StepPlan::key_writes) into `pool`, through the step's staging.
+// The step's new keys (StepPlan::key_writes) into `pool`: from the step's ring slot where
+// `packed` holds them, else through the step's staging.
 absl::Status InsertStepKeys(Rank& rank, Staging& staging, int32_t pool,
-                            const std::vector<KeyWrite>& writes, bool hadamard);
+                            const std::vector<KeyWrite>& writes, bool hadamard,
+                            const StepUploads& packed);
 
 }  // namespace decode_indexer::exec

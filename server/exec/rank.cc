@@ -108,19 +108,39 @@ absl::Status Rank::Allocate() {
   // q and weights, and one chunk of keys (with scales and slots), each 64-byte aligned.
   const int64_t key_bytes =
       int64_t{s.key_chunk} * (int64_t{s.head_dim} * 4 + std::max(4, s.head_dim / 32) + 8);
+  // The staging ring's slot (PackStepUploads lays it out; a step whose edits or keys do not
+  // fit uploads those as before): the row tables, request slots, positions, staged weights
+  // and q scales, store rows, a chunk of edits of each kind (pending, the step's own) and a
+  // chunk of keys with a run's alignment slack, each 64-byte aligned.
+  const auto a64 = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+  const int64_t slot_bytes =
+      s.staging_slots <= 0
+          ? 0
+          : 3 * a64(rows * 4) + a64(int64_t{s.max_requests} * 4) + a64(rows * 8) +
+                a64(rows * s.num_heads * 4) + a64(rows * hd / 32) +
+                4 * a64(int64_t{s.table_edit_chunk} * 4) + a64(key_bytes) + 16 * 64;
   const int64_t arena_bytes =
       3 * rows * 4 + int64_t{s.max_requests} * 4 + int64_t{s.table_edit_chunk} * 8 + rows * hd * 4 +
       rows * s.num_heads * 4 + rows * hd / 32 + rows * 8 + key_bytes + 24 * 64;
+  // The ring's host side: one slot each, after the arena's own space (so page-locked with it).
+  const int64_t ring_bytes = slot_bytes * std::max(0, s.staging_slots);
+  if (ring_bytes > 0) {
+    if (absl::Status st = Alloc(&ring_.device, ring_bytes); !st.ok()) return st;
+    ring_.slot_bytes = static_cast<size_t>(slot_bytes);
+    ring_.busy.assign(static_cast<size_t>(s.staging_slots), false);
+  }
   graphs_enabled_ = s.step_graphs && backend_->SupportsGraphs();
   // Page-locked only where a device copies from it; a host backend gets plain memory (the
   // keys of a step are still gathered there, to insert them in one call).
   arena_.pinned = s.pinned_staging && backend_->name() != "cpu";
+  const int64_t host_bytes = a64(arena_bytes) + ring_bytes;
   absl::StatusOr<void*> arena =
-      arena_.pinned ? backend_->AllocateHost(static_cast<size_t>(arena_bytes))
-                    : backend_->Backend::AllocateHost(static_cast<size_t>(arena_bytes));
+      arena_.pinned ? backend_->AllocateHost(static_cast<size_t>(host_bytes))
+                    : backend_->Backend::AllocateHost(static_cast<size_t>(host_bytes));
   if (!arena.ok()) return arena.status();
   arena_.base = static_cast<uint8_t*>(*arena);
   arena_.capacity = static_cast<size_t>(arena_bytes);
+  if (ring_bytes > 0) ring_.host = arena_.base + a64(arena_bytes);
   if (arena_.pinned) {
     const int64_t readback_bytes = rows * (int64_t{s.topk} + s.num_candidate_blocks) * 4 + 3 * 64;
     absl::StatusOr<void*> rb = backend_->AllocateHost(static_cast<size_t>(readback_bytes));

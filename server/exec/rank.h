@@ -44,6 +44,9 @@ struct RankSizes {
   bool step_graphs = false;
   // ExecutorOptions::pinned_staging: stage uploads in page-locked memory on a GPU backend.
   bool pinned_staging = false;
+  // ExecutorOptions::packed_uploads: slots of the rank's device staging ring (StagingRing);
+  // 0: no ring, every small array of a step is its own upload.
+  int32_t staging_slots = 0;
 };
 
 // Page-locked host staging (Backend::AllocateHost) for one step's uploads, used front to back
@@ -53,6 +56,32 @@ struct HostArena {
   size_t capacity = 0;
   size_t used = 0;
   bool pinned = false;  // from the backend's AllocateHost (else plain memory)
+};
+
+// The rank's persistent device staging ring (step_io.h, PackStepUploads): slots of
+// `slot_bytes` in its device memory, sized at start-up from the limits (RankSizes), into which
+// a step's small arrays (row tables, request slots, page-table edits, store rows, positions,
+// staged weights, keys) are packed on the host and uploaded with one copy; the kernels read
+// them there. A slot is busy from the step that filled it until that step's closing
+// Synchronize (Settle). A step takes the lowest free slot: slot 0 whenever the previous step
+// settled, as every step does today, so the kernel section's pointers (and the graphs
+// captured over them, step_graphs.h) stay the same; a step that returned before its
+// Synchronize leaves its slot busy and the next takes another, synchronizing only when none is
+// free. The side stream's expansion may read a slot's row lengths after the Synchronize; every
+// step joins it (CandidateOverlap::Join) before its upload, which is stream-ordered after.
+// Each slot has its host side too (in the rank's host arena, after the space Staging hands
+// out, page-locked with it), reused under the same rule, so a DMA still reading the host
+// side of a busy slot is never overwritten either.
+struct StagingRing {
+  uint8_t* device = nullptr;  // [slots, slot_bytes] device memory
+  uint8_t* host = nullptr;    // [slots, slot_bytes] in the host arena
+  size_t slot_bytes = 0;
+  std::vector<bool> busy;  // by slot
+  int32_t slots() const { return static_cast<int32_t>(busy.size()); }
+  uint8_t* slot(int32_t i) const { return device + size_t(i) * slot_bytes; }
+  uint8_t* host_slot(int32_t i) const { return host + size_t(i) * slot_bytes; }
+  // After a Synchronize of the rank's stream: no slot is read any more.
+  void Settle() { busy.assign(busy.size(), false); }
 };
 
 // Buffers in the rank's backend memory.
@@ -139,6 +168,7 @@ class Rank {
   bool graphs_enabled() const { return graphs_enabled_; }
   StepGraphs& graphs() { return graphs_; }
   HostArena& host_arena() { return arena_; }
+  StagingRing& staging_ring() { return ring_; }
   // Page-locked landing space for the step's answers copied to the host (top-k and
   // candidates of every row), so the device-to-host copy is one DMA; the host copies them on
   // to their destination after the step's Synchronize. Empty where staging is not pinned.
@@ -168,6 +198,7 @@ class Rank {
   StepGraphs graphs_;
   HostArena arena_;
   HostArena readback_;
+  StagingRing ring_;
   uint32_t* value_flags_host_ = nullptr;
   uint32_t value_flags_plain_ = 0;
   StepRecord last_step_;

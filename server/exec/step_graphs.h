@@ -19,7 +19,8 @@ class Rank;
 // What changes the launches of a step's kernel section (rope_quant_q and the scoring call):
 // two steps with equal shapes make the same launches with the same pointers and sizes, so
 // the second may capture them and later ones replay the graph (seed: warm). Pointers are a
-// function of these fields, since every staging buffer is fixed at start-up.
+// function of these fields, since every staging buffer, and the staging ring's slots, are
+// fixed at start-up.
 struct StepShape {
   int32_t pool = 0;
   int32_t role = 0;
@@ -33,9 +34,15 @@ struct StepShape {
   bool hadamard = false;
   int32_t max_row_length = 0;    // bucketed (BucketRowLength)
   int32_t rows_per_request = 0;  // RowBatch::rows_per_request: picks the kernels' pass width
+  // Where the step's packed arrays lie (step_io.h StepUploads): the ring slot (-1: the rank's
+  // own buffers), and what else fixes their offsets in it (with rows, requests, range_start,
+  // q_type, positions and pool).
+  int32_t staging_slot = -1;
+  int32_t total_rows = 0;
+  bool staged_q = false;
   auto Tie() const {
     return std::tie(pool, role, masked, candidates, range_start, rows, requests, q_type, positions,
-                    hadamard, max_row_length, rows_per_request);
+                    hadamard, max_row_length, rows_per_request, staging_slot, total_rows, staged_q);
   }
   bool operator<(const StepShape& o) const { return Tie() < o.Tie(); }
 };

@@ -1,9 +1,12 @@
 #include "server/exec/step_io.h"
 
 #include <algorithm>
+#include <array>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "server/exec/insert_keys.h"
 
 namespace decode_indexer::exec {
 namespace {
@@ -14,27 +17,37 @@ using kernels::ElemType;
 int64_t InputElemBytes(ElemType type) { return type == ElemType::kBF16 ? 2 : 4; }
 
 // Sets the entries of `edits` in `pool`'s resident table (page_table_mirror.h), in stream order
-// before whatever the rank issues next: one scatter per chunk of the rank's edit buffers.
-absl::Status ApplyTableEdits(Rank& rank, Staging& staging, int32_t pool, const TableEdits& edits) {
+// before whatever the rank issues next: one scatter per chunk of the rank's edit buffers. With
+// `index` and `pages` (the edits already in a ring slot, PackStepUploads) the scatters read
+// them there, chunk by chunk as well; else each chunk is uploaded into the edit buffers first.
+absl::Status ApplyTableEdits(Rank& rank, Staging& staging, int32_t pool, const TableEdits& edits,
+                             const int32_t* index, const int32_t* pages) {
   RankBuffers& b = rank.buffers();
   const size_t chunk = static_cast<size_t>(rank.sizes().table_edit_chunk);
   for (size_t done = 0; done < edits.size(); done += chunk) {
     const int32_t n = static_cast<int32_t>(std::min(chunk, edits.size() - done));
-    // The previous chunk's scatter read these buffers; the uploads follow it on the stream.
-    DI_RETURN_IF_ERROR(
-        staging.Upload(b.edit_index, edits.index.data() + done, size_t(n) * sizeof(int32_t)));
-    DI_RETURN_IF_ERROR(
-        staging.Upload(b.edit_pages, edits.page.data() + done, size_t(n) * sizeof(int32_t)));
     kernels::CopyRowsArgs scatter;
     scatter.num_rows = n;
     scatter.row_elems = 1;
     scatter.dst = b.page_tables[pool];
-    scatter.dst_index = b.edit_index;
-    scatter.src = b.edit_pages;
+    if (index != nullptr) {
+      scatter.dst_index = index + done;
+      scatter.src = pages + done;
+    } else {
+      // The previous chunk's scatter read these buffers; the uploads follow it on the stream.
+      DI_RETURN_IF_ERROR(
+          staging.Upload(b.edit_index, edits.index.data() + done, size_t(n) * sizeof(int32_t)));
+      DI_RETURN_IF_ERROR(
+          staging.Upload(b.edit_pages, edits.page.data() + done, size_t(n) * sizeof(int32_t)));
+      scatter.dst_index = b.edit_index;
+      scatter.src = b.edit_pages;
+    }
     DI_RETURN_IF_ERROR(rank.backend().CopyRows(scatter));
   }
   return absl::OkStatus();
 }
+
+size_t Align64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
 // Device-resident q (QInput::on_device): the rank's copies of its rows are checked on its
 // device; the flag word lands in the rank's host word with the step's last copies and is
@@ -63,21 +76,232 @@ absl::Status DeviceInputsStatus(uint32_t flags) {
       "on the device; the step committed nothing"));
 }
 
-absl::Status UploadStepRows(Rank& rank, Staging& staging, const StepPlan& plan) {
-  RankBuffers& b = rank.buffers();
-  DI_RETURN_IF_ERROR(
-      staging.Upload(b.row_request, plan.row_request.data(), plan.num_rows * sizeof(int32_t)));
-  DI_RETURN_IF_ERROR(
-      staging.Upload(b.row_length, plan.row_length.data(), plan.num_rows * sizeof(int32_t)));
-  if (plan.pending_edits != nullptr) {
-    DI_RETURN_IF_ERROR(ApplyTableEdits(rank, staging, plan.pool, *plan.pending_edits));
+std::vector<KeyRun> KeyRuns(const std::vector<KeyWrite>& writes, int32_t head_dim,
+                            int32_t key_chunk) {
+  std::vector<KeyRun> runs;
+  size_t wi = 0;       // the write being gathered
+  int32_t offset = 0;  // its keys gathered so far
+  while (wi < writes.size()) {
+    const ElemType type = writes[wi].type;
+    const int64_t vb = KeyValueBytes(type, head_dim);
+    const int64_t sb = KeyScaleBytes(type, head_dim);
+    int32_t total = 0;
+    for (size_t j = wi, o = offset;
+         j < writes.size() && writes[j].type == type && total < key_chunk; ++j, o = 0) {
+      total += std::min<int32_t>(writes[j].count - static_cast<int32_t>(o), key_chunk - total);
+    }
+    if (total == 0) {  // only empty writes left in this run
+      ++wi;
+      offset = 0;
+      continue;
+    }
+    KeyRun run;
+    run.type = type;
+    run.count = total;
+    run.first_write = wi;
+    run.first_key = offset;
+    run.has_scales = sb > 0;
+    // Slots, then values, then scales, each 64-byte aligned (the kernels read them in place
+    // in a ring slot): one reservation for the three.
+    run.slots_offset = 0;
+    run.keys_offset = Align64(size_t(total) * sizeof(int64_t));
+    run.scales_offset = run.keys_offset + Align64(size_t(total) * vb);
+    run.bytes = run.scales_offset + size_t(total) * std::max<int64_t>(sb, 1);
+    for (int32_t filled = 0; filled < total;) {
+      const int32_t c = std::min(writes[wi].count - offset, total - filled);
+      filled += c;
+      offset += c;
+      if (offset == writes[wi].count) {
+        ++wi;
+        offset = 0;
+      }
+    }
+    runs.push_back(run);
   }
-  DI_RETURN_IF_ERROR(ApplyTableEdits(rank, staging, plan.pool, plan.table_edits));
+  return runs;
+}
+
+void GatherKeyRun(const std::vector<KeyWrite>& writes, const KeyRun& run, int32_t head_dim,
+                  uint8_t* base) {
+  const int64_t vb = KeyValueBytes(run.type, head_dim);
+  const int64_t sb = KeyScaleBytes(run.type, head_dim);
+  uint8_t* const slots = base + run.slots_offset;
+  uint8_t* const keys = base + run.keys_offset;
+  uint8_t* const scales = base + run.scales_offset;
+  size_t wi = run.first_write;
+  int32_t offset = run.first_key;
+  for (int32_t filled = 0; filled < run.count;) {
+    const KeyWrite& w = writes[wi];
+    const int32_t c = std::min(w.count - offset, run.count - filled);
+    std::memcpy(keys + size_t(filled) * vb, static_cast<const uint8_t*>(w.keys) + offset * vb,
+                size_t(c) * vb);
+    if (sb > 0) {
+      std::memcpy(scales + size_t(filled) * sb, static_cast<const uint8_t*>(w.scales) + offset * sb,
+                  size_t(c) * sb);
+    }
+    std::memcpy(slots + size_t(filled) * sizeof(int64_t), w.slots + offset,
+                size_t(c) * sizeof(int64_t));
+    filled += c;
+    offset += c;
+    if (offset == w.count) {
+      ++wi;
+      offset = 0;
+    }
+  }
+}
+
+absl::StatusOr<StepUploads> PackStepUploads(Rank& rank, Staging& staging, const StepPlan& plan,
+                                            RowRange range) {
+  RankBuffers& b = rank.buffers();
+  const RankSizes& s = rank.sizes();
+  StepUploads up;
+  // Today's buffers unless packed below.
+  up.row_request = b.row_request;
+  up.row_length = b.row_length;
+  up.request_slot = b.request_slot;
+  up.store_index = b.store_index;
+  StagingRing& ring = rank.staging_ring();
+  if (ring.slots() == 0) return up;
+  int32_t slot = 0;
+  while (slot < ring.slots() && ring.busy[size_t(slot)]) ++slot;
+  if (slot == ring.slots()) {  // every slot may still be read: wait for the stream
+    DI_RETURN_IF_ERROR(rank.backend().Synchronize());
+    ring.Settle();
+    slot = 0;
+  }
+
+  // The layout: (offset, source, bytes) per array, 64-byte aligned, in the order above.
+  struct Piece {
+    size_t offset;
+    const void* src;
+    size_t bytes;
+  };
+  std::array<Piece, 12> pieces;
+  size_t num_pieces = 0;
+  size_t used = 0;
+  auto place = [&](const void* src, size_t bytes) {
+    pieces[num_pieces++] = {used, src, bytes};
+    const size_t at = used;
+    used += Align64(bytes);
+    return at;
+  };
+  const QInput& q = plan.q;
+  const int32_t H = s.num_heads;
+  const int64_t hd = int64_t{H} * s.head_dim;
+  const int32_t n = range.end - range.start;
+  const bool unquantized = q.type == ElemType::kF32 || q.type == ElemType::kBF16;
+  const bool fp4 = b.caches[plan.pool].geometry.format == CacheFormat::kFp4;
+  const size_t rows_bytes = size_t(plan.num_rows) * sizeof(int32_t);
+  const size_t at_request = place(plan.row_request.data(), rows_bytes);
+  const size_t at_length = place(plan.row_length.data(), rows_bytes);
+  const size_t at_slot =
+      place(plan.request_slot.data(), size_t(plan.num_requests) * sizeof(int32_t));
+  size_t at_positions = 0, at_weights = 0, at_scales = 0, at_store = 0;
+  const bool positions = unquantized && q.positions != nullptr;
+  if (positions) at_positions = place(q.positions + range.start, size_t(n) * sizeof(int64_t));
+  const bool staged_q = !q.on_device && (unquantized || !plan.q_page_locked);
+  if (staged_q) {
+    at_weights = place(q.weights + int64_t{range.start} * H, size_t(n) * H * sizeof(float));
+    if (!unquantized && fp4) {
+      at_scales = place(q.scales + range.start * (hd / 32), size_t(n) * (hd / 32));
+    }
+  }
+  const bool store =
+      plan.role != config::LayerRole::kDense && plan.store_rows.size() >= size_t(plan.num_rows);
+  if (store) at_store = place(plan.store_rows.data(), rows_bytes);
+  if (used > ring.slot_bytes) return up;  // not within the limits the slot was sized for
+  // The edits, if they fit.
+  static const TableEdits kNoEdits;
+  const TableEdits& pending = plan.pending_edits != nullptr ? *plan.pending_edits : kNoEdits;
+  const size_t pending_bytes = pending.size() * sizeof(int32_t);
+  const size_t own_bytes = plan.table_edits.size() * sizeof(int32_t);
+  size_t at_edits[4] = {0, 0, 0, 0};
+  const bool edits = used + 2 * Align64(pending_bytes) + 2 * Align64(own_bytes) <= ring.slot_bytes;
+  if (edits) {
+    at_edits[0] = place(pending.index.data(), pending_bytes);
+    at_edits[1] = place(pending.page.data(), pending_bytes);
+    at_edits[2] = place(plan.table_edits.index.data(), own_bytes);
+    at_edits[3] = place(plan.table_edits.page.data(), own_bytes);
+  }
+  // The keys, all of their runs, if they fit.
+  std::vector<KeyRun> runs = KeyRuns(plan.key_writes, s.head_dim, s.key_chunk);
+  size_t key_bytes = 0;
+  for (const KeyRun& r : runs) key_bytes += Align64(r.bytes);
+  const bool keys = !runs.empty() && used + key_bytes <= ring.slot_bytes;
+  const size_t at_keys = used;
+  if (keys) used += key_bytes;
+
+  // Pack on the host side of the slot and upload it with one copy.
+  uint8_t* const host = ring.host_slot(slot);
+  uint8_t* const device = ring.slot(slot);
+  for (size_t i = 0; i < num_pieces; ++i) {
+    if (pieces[i].bytes > 0) std::memcpy(host + pieces[i].offset, pieces[i].src, pieces[i].bytes);
+  }
+  if (keys) {
+    size_t at = at_keys;
+    for (KeyRun& r : runs) {
+      GatherKeyRun(plan.key_writes, r, s.head_dim, host + at);
+      r.slots_offset += at - at_keys;
+      r.keys_offset += at - at_keys;
+      r.scales_offset += at - at_keys;
+      at += Align64(r.bytes);
+    }
+  }
+  ring.busy[size_t(slot)] = true;
+  DI_RETURN_IF_ERROR(staging.UploadPageLocked(device, host, used));
+
+  up.slot = slot;
+  up.row_request = reinterpret_cast<int32_t*>(device + at_request);
+  up.row_length = reinterpret_cast<int32_t*>(device + at_length);
+  up.request_slot = reinterpret_cast<int32_t*>(device + at_slot);
+  if (positions) up.positions = reinterpret_cast<int64_t*>(device + at_positions);
+  if (staged_q) {
+    up.weights = reinterpret_cast<float*>(device + at_weights);
+    if (!unquantized && fp4) up.q_scales = device + at_scales;
+  }
+  if (store) {
+    up.store_index = reinterpret_cast<int32_t*>(device + at_store);
+    up.store_packed = true;
+  }
+  if (edits) {
+    up.edits = true;
+    up.pending_index = reinterpret_cast<int32_t*>(device + at_edits[0]);
+    up.pending_pages = reinterpret_cast<int32_t*>(device + at_edits[1]);
+    up.edit_index = reinterpret_cast<int32_t*>(device + at_edits[2]);
+    up.edit_pages = reinterpret_cast<int32_t*>(device + at_edits[3]);
+  }
+  if (keys) {
+    up.keys = true;
+    up.key_base = device + at_keys;
+    up.key_runs = std::move(runs);
+  }
+  return up;
+}
+
+absl::Status UploadStepRows(Rank& rank, Staging& staging, const StepPlan& plan,
+                            const StepUploads& packed) {
+  RankBuffers& b = rank.buffers();
+  if (packed.slot < 0) {
+    DI_RETURN_IF_ERROR(
+        staging.Upload(b.row_request, plan.row_request.data(), plan.num_rows * sizeof(int32_t)));
+    DI_RETURN_IF_ERROR(
+        staging.Upload(b.row_length, plan.row_length.data(), plan.num_rows * sizeof(int32_t)));
+  }
+  if (plan.pending_edits != nullptr) {
+    DI_RETURN_IF_ERROR(ApplyTableEdits(rank, staging, plan.pool, *plan.pending_edits,
+                                       packed.edits ? packed.pending_index : nullptr,
+                                       packed.pending_pages));
+  }
+  DI_RETURN_IF_ERROR(ApplyTableEdits(rank, staging, plan.pool, plan.table_edits,
+                                     packed.edits ? packed.edit_index : nullptr,
+                                     packed.edit_pages));
+  if (packed.slot >= 0) return absl::OkStatus();
   return staging.Upload(b.request_slot, plan.request_slot.data(),
                         plan.num_requests * sizeof(int32_t));
 }
 
-absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range) {
+absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range,
+                              const StepUploads& packed) {
   RankBuffers& b = rank.buffers();
   const RankSizes& s = rank.sizes();
   const CacheFormat format = b.caches[plan.pool].geometry.format;
@@ -89,7 +313,8 @@ absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan
   const int64_t code_bytes = format == CacheFormat::kFp8 ? hd : hd / 2;
   const int64_t scale_bytes = hd / 32;
   uint8_t* q_codes = b.q_codes + range.start * code_bytes;
-  uint8_t* q_scales = b.q_scales + range.start * scale_bytes;
+  uint8_t* q_scales =
+      packed.q_scales != nullptr ? packed.q_scales : b.q_scales + range.start * scale_bytes;
   float* weights = b.weights + int64_t{range.start} * H;
   const QInput& q = plan.q;
   const bool unquantized = q.type == ElemType::kF32 || q.type == ElemType::kBF16;
@@ -97,15 +322,18 @@ absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan
   if (unquantized) {
     const int64_t eb = InputElemBytes(q.type);
     uint8_t* q_raw = b.q_raw + range.start * hd * eb;
-    float* w_raw = b.weights_raw + int64_t{range.start} * H;
+    float* w_raw =
+        packed.weights != nullptr ? packed.weights : b.weights_raw + int64_t{range.start} * H;
     auto upload = [&](void* dst, const void* src, size_t bytes) {
       return q.on_device ? staging.UploadFromDevice(dst, src, bytes)
                          : staging.Upload(dst, src, bytes);
     };
     DI_RETURN_IF_ERROR(
         upload(q_raw, static_cast<const uint8_t*>(q.q) + range.start * hd * eb, n * hd * eb));
-    DI_RETURN_IF_ERROR(
-        upload(w_raw, q.weights + int64_t{range.start} * H, int64_t{n} * H * sizeof(float)));
+    if (packed.weights == nullptr) {
+      DI_RETURN_IF_ERROR(
+          upload(w_raw, q.weights + int64_t{range.start} * H, int64_t{n} * H * sizeof(float)));
+    }
     if (q.on_device) {
       DI_RETURN_IF_ERROR(CheckDeviceInputs(rank, {q_raw, int64_t{n} * hd, q.type, kQBit}, {},
                                            {w_raw, int64_t{n} * H, ElemType::kF32, kWeightsBit}));
@@ -116,7 +344,9 @@ absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan
     prep.q_type = q.type;
     prep.q = q_raw;
     prep.weights_raw = w_raw;
-    if (q.positions != nullptr) {
+    if (packed.positions != nullptr) {
+      prep.positions = packed.positions;
+    } else if (q.positions != nullptr) {
       DI_RETURN_IF_ERROR(staging.Upload(b.positions + range.start, q.positions + range.start,
                                         n * sizeof(int64_t)));
       prep.positions = b.positions + range.start;
@@ -138,11 +368,15 @@ absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan
     };
     DI_RETURN_IF_ERROR(upload(q_codes, static_cast<const uint8_t*>(q.q) + range.start * code_bytes,
                               n * code_bytes));
-    if (format == CacheFormat::kFp4) {
+    if (format == CacheFormat::kFp4 && packed.q_scales == nullptr) {
       DI_RETURN_IF_ERROR(upload(q_scales, q.scales + range.start * scale_bytes, n * scale_bytes));
     }
-    DI_RETURN_IF_ERROR(
-        upload(weights, q.weights + int64_t{range.start} * H, int64_t{n} * H * sizeof(float)));
+    if (packed.weights != nullptr) {
+      weights = packed.weights;
+    } else {
+      DI_RETURN_IF_ERROR(
+          upload(weights, q.weights + int64_t{range.start} * H, int64_t{n} * H * sizeof(float)));
+    }
     if (q.on_device) {
       const bool fp4 = format == CacheFormat::kFp4;
       // FP4 codes are all finite; their UE8M0 scales are not.

@@ -143,21 +143,89 @@ class Readback {
   std::vector<Pending> pending_;
 };
 
+// One run of the step's new keys of one type (at most a key chunk), gathered into staging:
+// its slots, values and scales (KeyRunLayout) and the InsertKeys call that reads them.
+struct KeyRun {
+  kernels::ElemType type = kernels::ElemType::kF32;
+  int32_t count = 0;
+  size_t first_write = 0;  // the run's first keys: write `first_write` from key `first_key`
+  int32_t first_key = 0;
+  size_t slots_offset = 0;  // in the run's staging: int64 slots, then values, then scales
+  size_t keys_offset = 0;
+  size_t scales_offset = 0;
+  size_t bytes = 0;
+  bool has_scales = false;
+};
+// The step's key writes cut into runs (a change of key type or a full chunk ends one), as
+// InsertStepKeys inserts them.
+std::vector<KeyRun> KeyRuns(const std::vector<KeyWrite>& writes, int32_t head_dim,
+                            int32_t key_chunk);
+// Copies run `run`'s keys, scales and slots into `base` at the run's offsets.
+void GatherKeyRun(const std::vector<KeyWrite>& writes, const KeyRun& run, int32_t head_dim,
+                  uint8_t* base);
+
+// Where a step's small arrays lie on the device for its kernels: in a slot of the rank's
+// staging ring, all uploaded with one copy by PackStepUploads, or (a null pointer, or a
+// false flag) in the rank's own buffers, uploaded one array at a time as before.
+//
+// Packed, in this order, each 64-byte aligned: row_request, row_length, request_slot (every
+// step); the rank's rows' positions (unquantized q with positions); the rank's rows' weights,
+// and an FP4 q's scales, where they go through the host staging anyway (not a device-resident
+// q, and for quantized q not a page-locked one: that is a direct DMA already, and packing it
+// would add a host copy); the candidate store rows (a source or consumer); then, if they fit
+// the slot, the page-table edits (pending, then the step's own) and the step's new keys (all
+// of their runs). Not packed: q itself (large, and often device-resident or page-locked), and
+// an unquantized q's weights from the device. The fields the kernel section reads come first,
+// so their offsets depend only on the step's shape (StepShape: rows, requests, range, q form,
+// staged_q) and the slot.
+struct StepUploads {
+  int32_t slot = -1;  // the ring slot, -1: nothing packed
+  // Always set: in the slot, or the rank's own buffers (slot -1).
+  int32_t* row_request = nullptr;
+  int32_t* row_length = nullptr;
+  int32_t* request_slot = nullptr;
+  int64_t* positions = nullptr;    // the rank's rows' (index 0: the range's first row)
+  float* weights = nullptr;        // the rank's rows' weights (unquantized q: the raw ones)
+  uint8_t* q_scales = nullptr;     // FP4 q's scales of the rank's rows
+  int32_t* store_index = nullptr;  // the rank's own buffer unless store_packed
+  bool store_packed = false;
+  bool edits = false;  // the four below hold the edits
+  int32_t* pending_index = nullptr;
+  int32_t* pending_pages = nullptr;
+  int32_t* edit_index = nullptr;
+  int32_t* edit_pages = nullptr;
+  bool keys = false;  // every run of the step's keys lies at slot + its offsets
+  uint8_t* key_base = nullptr;
+  std::vector<KeyRun> key_runs;
+  // Whether the rank's rows' weights (and FP4 q scales) are packed (StepShape::staged_q).
+  bool staged_q() const { return weights != nullptr; }
+};
+
+// Lays out the step's small arrays in the lowest free slot of the rank's staging ring (none
+// free: synchronizes first), packs them into the host staging and uploads them with one
+// copy. With no ring (ExecutorOptions::packed_uploads off) it packs nothing.
+absl::StatusOr<StepUploads> PackStepUploads(Rank& rank, Staging& staging, const StepPlan& plan,
+                                            RowRange range);
+
 // The step's row tables (row_request, row_length), the pool's resident page-table edits (those
 // recorded since a job last applied them, then the step's own) and the requests' sequence
-// slots. Every rank keeps every pool's resident table in step, whatever rows it scores.
-absl::Status UploadStepRows(Rank& rank, Staging& staging, const StepPlan& plan);
+// slots: from the ring slot where packed, else uploaded into the rank's buffers. Every rank
+// keeps every pool's resident table in step, whatever rows it scores.
+absl::Status UploadStepRows(Rank& rank, Staging& staging, const StepPlan& plan,
+                            const StepUploads& packed);
 
-// q of the rank's rows [range), uploaded at the rows' own offsets in the rank's buffers: what
-// the kernel section reads (view), and for unquantized q (f32 / bf16) the rope_quant_q call
-// that RoPEs, quantizes and folds it there (prep). Device-resident q (QInput::on_device) is
-// checked on the device; DeviceInputsStatus reads the flag word after the step's Synchronize.
+// q of the rank's rows [range), uploaded at the rows' own offsets in the rank's buffers (the
+// weights, positions and scales that `packed` holds read from the slot): what the kernel
+// section reads (view), and for unquantized q (f32 / bf16) the rope_quant_q call that RoPEs,
+// quantizes and folds it there (prep). Device-resident q (QInput::on_device) is checked on
+// the device; DeviceInputsStatus reads the flag word after the step's Synchronize.
 struct QRows {
   bool unquantized = false;  // rope_quant_q runs first
   kernels::QPrepArgs prep;
   kernels::QView view;
 };
-absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range);
+absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range,
+                              const StepUploads& packed);
 
 // The device check's flag word (QInput::on_device) as the step's status: INVALID_ARGUMENT
 // naming the field at fault, or OK.

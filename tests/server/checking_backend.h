@@ -52,7 +52,11 @@ class CheckingBackend final : public kernels::Backend {
     }
     inner_->Free(ptr);
   }
+  // Counts every CopyToDevice call into `*counter` from now on (null: stop counting).
+  void CountCopiesToDevice(std::atomic<int64_t>* counter) { copies_to_device_ = counter; }
+
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
+    if (copies_to_device_ != nullptr) copies_to_device_->fetch_add(1);
     if (absl::Status s = Mine(dst, bytes, "CopyToDevice dst"); !s.ok()) return s;
     if (absl::Status s = NotMine(src, "CopyToDevice src"); !s.ok()) return s;
     return inner_->CopyToDevice(dst, src, bytes);
@@ -197,6 +201,7 @@ class CheckingBackend final : public kernels::Backend {
   int32_t rank_;
   const std::atomic<int32_t>* fail_rank_;
   const std::function<void()>* pause_;
+  std::atomic<int64_t>* copies_to_device_ = nullptr;
   std::mutex mu_;
   std::map<uintptr_t, size_t> owned_;
 };

@@ -11,6 +11,9 @@
 #include "gtest/gtest.h"
 #include "server/exec/executor.h"
 #include "server/exec/executor_internal.h"
+#include "server/exec/rank.h"
+#include "server/exec/step_io.h"
+#include "server/exec/step_types.h"
 #include "tests/server/checking_backend.h"
 #include "tests/server/exec_harness.h"
 
@@ -248,6 +251,233 @@ TEST(Executor, KernelsOnlySeeBackendMemory) {
   ScenarioResult plain = RunScenario(SmallV32(), CpuOptions(1), seed, /*check_oracle=*/false);
   ScenarioResult r = RunScenario(SmallV32(), CpuOptions(1), seed, /*check_oracle=*/false, checked);
   EXPECT_EQ(r.answers, plain.answers);
+  EXPECT_EQ(violations.load(), 0);
+}
+
+// One packed upload per step (ExecutorOptions::packed_uploads, step_io.h PackStepUploads):
+// each rank's step makes exactly two host-to-device copy calls, the ring slot holding every
+// small array (row tables, request slots, page-table edits, store rows, positions, weights,
+// q scales, keys) and q itself, for every layer role, q form, key form, rank count, sharded
+// or not; with the option off (one copy per array, as before the ring) it makes more. The
+// answers are the same either way. Counted by the backend itself (CheckingBackend), so a copy
+// the executor makes outside its staging is counted too.
+TEST(Executor, OnePackedUploadPerStep) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  for (const config::Profile& profile : {SmallV41(), SmallV32()}) {
+    for (int32_t ranks : {1, 2}) {
+      std::vector<std::vector<int32_t>> answers[2];
+      for (bool packed : {true, false}) {
+        SCOPED_TRACE(absl::StrCat(profile.name, " ranks ", ranks, " packed ", packed));
+        std::atomic<int64_t> violations{0};
+        std::vector<std::atomic<int64_t>> copies(ranks);
+        std::vector<CheckingBackend*> backends(ranks, nullptr);
+        exec::BackendFactory factory = [&](int32_t rank, const kernels::BackendLimits& limits)
+            -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
+          auto b = std::make_unique<CheckingBackend>(kernels::MakeCpuBackend(limits, 1),
+                                                     &violations, rank);
+          backends[rank] = b.get();
+          return b;
+        };
+        ExecutorOptions o = CpuOptions(ranks);
+        o.packed_uploads = packed;
+        absl::StatusOr<std::unique_ptr<Executor>> made =
+            exec::CreateExecutorWithBackends(profile, o, factory);
+        ASSERT_TRUE(made.ok()) << made.status();
+        Executor& e = **made;
+        Harness h(profile, seed);
+        std::mt19937_64& rng = h.rng();
+        ScatterPages(h, e);
+        std::vector<uint64_t> ids;
+        for (uint64_t id = 1; id <= 6; ++id) {
+          ASSERT_TRUE(e.CreateSequence(id).ok());
+          ids.push_back(id);
+          for (int32_t layer : profile.CacheLayers()) {
+            Append(h, e, id, layer, 8 + int32_t(rng() % 80), KeyForm::kF32);
+          }
+        }
+        for (int32_t r = 0; r < ranks; ++r) backends[r]->CountCopiesToDevice(&copies[r]);
+        int64_t most = 0;
+        // Every q form and key form at every layer, next_n 1 and 2 (sharded on 2 ranks), and
+        // a step with mixed row counts (unsharded).
+        for (int round = 0; round < 6; ++round) {
+          std::vector<SeqPlan> plans;
+          for (size_t i = 0; i < ids.size(); ++i) {
+            SeqPlan p;
+            p.id = ids[i];
+            p.rows = round == 5 ? 1 + int32_t(i % 3) : 1 + round % 2;
+            p.new_keys = p.rows;
+            plans.push_back(p);
+          }
+          std::vector<SeqPlan> source_plans;
+          for (const config::LayerSpec& layer : profile.layers) {
+            std::vector<SeqPlan> step_plans = plans;
+            if (layer.role == LayerRole::kCandidateConsumer) {
+              step_plans = source_plans;
+              for (SeqPlan& p : step_plans) p.new_keys = 0;
+            }
+            if (layer.role == LayerRole::kCandidateSource) source_plans = step_plans;
+            std::unique_ptr<StepData> step =
+                h.MakeStep(layer.layer, step_plans, static_cast<QForm>(round % 3),
+                           static_cast<KeyForm>((round + layer.layer) % 3), round != 4);
+            step->input.return_candidates = layer.role == LayerRole::kCandidateSource;
+            SCOPED_TRACE(absl::StrCat("round ", round, " layer ", layer.layer));
+            for (std::atomic<int64_t>& c : copies) c = 0;
+            const uint64_t collectives = e.Status().collectives_total;
+            absl::StatusOr<StepResult> res = e.DecodeStep(step->input);
+            ASSERT_TRUE(res.ok()) << res.status();
+            h.RecordStep(*step);
+            // The in-process collective's all-gathers (a source's candidates) copy through
+            // the host, one CopyToDevice each; the step's own uploads are the rest. A step's
+            // collectives are its agreement and its all-gathers.
+            const uint64_t step_collectives = e.Status().collectives_total - collectives;
+            const int64_t gathers = step_collectives > 0 ? int64_t(step_collectives) - 1 : 0;
+            for (int32_t r = 0; r < ranks; ++r) {
+              const int64_t uploads = copies[r].load() - gathers;
+              // The slot and q.
+              if (packed) {
+                EXPECT_EQ(uploads, 2) << "rank " << r;
+              }
+              most = std::max(most, uploads);
+            }
+            answers[packed].push_back(res->topk_indices);
+            answers[packed].push_back(res->candidate_blocks);
+          }
+        }
+        for (CheckingBackend* b : backends) b->CountCopiesToDevice(nullptr);
+        // Without the ring: row tables, request slots, edits, keys, weights, ... one by one.
+        if (!packed) {
+          EXPECT_GT(most, 4);
+        }
+        std::printf("%s ranks %d packed %d: at most %lld host-to-device copies a step\n",
+                    profile.name.c_str(), ranks, int(packed), static_cast<long long>(most));
+        EXPECT_EQ(violations.load(), 0);
+      }
+      EXPECT_EQ(answers[0], answers[1]);
+    }
+  }
+}
+
+// The staging ring (rank.h StagingRing, step_io.h PackStepUploads) on one rank: a step's
+// arrays land in its slot at 64-byte aligned offsets with the very bytes of the plan; a slot
+// is handed out again only once the step that filled it settled (its closing Synchronize): a
+// step after an unsettled one takes the next slot, and with every slot busy the pack waits
+// for the stream and starts over at slot 0. One copy per pack. Without a ring nothing is
+// packed and the kernels read the rank's own buffers.
+TEST(StagingRing, PacksTheStepAndReusesASlotOnlyOnceSettled) {
+  exec::RankSizes sizes;
+  sizes.max_rows = 8;
+  sizes.max_requests = 4;
+  sizes.max_pages_per_sequence = 4;
+  sizes.max_sequences = 4;
+  sizes.table_edit_chunk = 16;
+  sizes.num_heads = 4;
+  sizes.head_dim = 128;
+  sizes.topk = 8;
+  sizes.key_chunk = 16;
+  sizes.pools = {kernels::CacheGeometry{kernels::CacheFormat::kFp8, 128, 16}};
+  sizes.pages_per_pool = 8;
+  kernels::BackendLimits limits;
+  limits.max_rows = sizes.max_rows;
+  limits.max_requests = sizes.max_requests;
+  limits.max_context = 64;
+  limits.num_heads = sizes.num_heads;
+  limits.head_dim = sizes.head_dim;
+  limits.max_topk = sizes.topk;
+  // A dense step of 3 rows (2 requests), an edit, f32 q with positions, 5 F32 keys in 2 writes.
+  exec::StepPlan plan;
+  plan.num_rows = 3;
+  plan.num_requests = 2;
+  plan.row_request = {0, 0, 1};
+  plan.row_length = {5, 6, 7};
+  plan.request_slot = {2, 3};
+  plan.table_edits.push_back(9, 4);
+  const std::vector<float> weights = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  const std::vector<int64_t> positions = {4, 5, 6};
+  plan.q.type = kernels::ElemType::kF32;
+  plan.q.weights = weights.data();
+  plan.q.positions = positions.data();
+  std::vector<float> keys(5 * 128);
+  std::iota(keys.begin(), keys.end(), 0.5f);
+  const std::vector<int64_t> slots = {10, 11, 12, 13, 14};
+  plan.key_writes.push_back({kernels::ElemType::kF32, 2, keys.data(), nullptr, slots.data()});
+  plan.key_writes.push_back(
+      {kernels::ElemType::kF32, 3, keys.data() + 2 * 128, nullptr, slots.data() + 2});
+  const exec::RowRange range{0, 3};
+  std::atomic<int64_t> violations{0};
+  std::atomic<int64_t> copies{0};
+  for (int32_t ring_slots : {2, 0}) {
+    SCOPED_TRACE(absl::StrCat("slots ", ring_slots));
+    sizes.staging_slots = ring_slots;
+    auto backend =
+        std::make_unique<CheckingBackend>(kernels::MakeCpuBackend(limits, 1), &violations);
+    backend->CountCopiesToDevice(&copies);
+    absl::StatusOr<std::unique_ptr<exec::Rank>> made =
+        exec::Rank::Create(0, std::move(backend), sizes);
+    ASSERT_TRUE(made.ok()) << made.status();
+    exec::Rank& rank = **made;
+    exec::Staging staging(rank);
+    auto pack = [&]() {
+      copies = 0;
+      absl::StatusOr<exec::StepUploads> up = exec::PackStepUploads(rank, staging, plan, range);
+      EXPECT_TRUE(up.ok()) << up.status();
+      return up.ok() ? *std::move(up) : exec::StepUploads{};
+    };
+    if (ring_slots == 0) {
+      const exec::StepUploads up = pack();
+      EXPECT_EQ(up.slot, -1);
+      EXPECT_EQ(up.row_request, rank.buffers().row_request);
+      EXPECT_EQ(up.row_length, rank.buffers().row_length);
+      EXPECT_FALSE(up.edits);
+      EXPECT_FALSE(up.keys);
+      EXPECT_EQ(up.weights, nullptr);
+      EXPECT_EQ(copies.load(), 0);
+      continue;
+    }
+    const exec::StepUploads first = pack();
+    EXPECT_EQ(copies.load(), 1);
+    ASSERT_EQ(first.slot, 0);
+    // On the CPU backend the slot is host memory: its bytes are the plan's.
+    const uint8_t* base = rank.staging_ring().slot(0);
+    auto aligned = [&](const void* p) { return (static_cast<const uint8_t*>(p) - base) % 64 == 0; };
+    EXPECT_EQ(std::vector<int32_t>(first.row_request, first.row_request + 3), plan.row_request);
+    EXPECT_EQ(std::vector<int32_t>(first.row_length, first.row_length + 3), plan.row_length);
+    EXPECT_EQ(std::vector<int32_t>(first.request_slot, first.request_slot + 2), plan.request_slot);
+    ASSERT_NE(first.positions, nullptr);
+    EXPECT_EQ(std::vector<int64_t>(first.positions, first.positions + 3), positions);
+    ASSERT_NE(first.weights, nullptr);
+    EXPECT_EQ(std::vector<float>(first.weights, first.weights + 12), weights);
+    ASSERT_TRUE(first.edits);
+    EXPECT_EQ(first.edit_index[0], 9);
+    EXPECT_EQ(first.edit_pages[0], 4);
+    ASSERT_TRUE(first.keys);
+    ASSERT_EQ(first.key_runs.size(), 1u);  // one type, within a chunk: one run
+    const exec::KeyRun& run = first.key_runs[0];
+    EXPECT_EQ(run.count, 5);
+    const float* packed_keys = reinterpret_cast<const float*>(first.key_base + run.keys_offset);
+    EXPECT_EQ(std::vector<float>(packed_keys, packed_keys + keys.size()), keys);
+    const int64_t* packed_slots =
+        reinterpret_cast<const int64_t*>(first.key_base + run.slots_offset);
+    EXPECT_EQ(std::vector<int64_t>(packed_slots, packed_slots + 5), slots);
+    const std::vector<const void*> arrays = {first.row_length,
+                                             first.request_slot,
+                                             first.positions,
+                                             first.weights,
+                                             first.edit_index,
+                                             first.edit_pages,
+                                             first.key_base + run.keys_offset,
+                                             first.key_base + run.slots_offset};
+    for (const void* p : arrays) EXPECT_TRUE(aligned(p));
+    // Slot 0 is busy until settled: the next pack takes slot 1, the one after finds both busy,
+    // waits and takes slot 0 again; once settled, slot 0 is free again.
+    EXPECT_EQ(pack().slot, 1);
+    EXPECT_TRUE(aligned(rank.staging_ring().slot(1)));
+    EXPECT_EQ(pack().slot, 0);
+    EXPECT_FALSE(rank.staging_ring().busy[1]);
+    rank.staging_ring().Settle();
+    EXPECT_EQ(pack().slot, 0);
+    EXPECT_EQ(copies.load(), 1);
+  }
   EXPECT_EQ(violations.load(), 0);
 }
 
