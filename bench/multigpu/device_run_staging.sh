@@ -6,7 +6,7 @@
 #     build/bench/multigpu/decode-indexer-bench-multigpu
 # plus, optionally, BUNDLE/before/decode-indexer-bench-multigpu: the bench built from main (the
 # "before", run in the same call; it has no --packed flag).
-# usage (GPU machine, repo root): bash gpu_run_staging.sh BUNDLE OUT [suites|bench]
+# usage (GPU machine, repo root): bash bench/multigpu/device_run_staging.sh BUNDLE OUT [suites|bench]
 # (a third argument runs only that part, to split the call under a device time limit).
 # OUT gets suites.log, bench.log and rc.txt; the exit status is 1 when anything failed.
 set -uo pipefail
