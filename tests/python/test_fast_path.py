@@ -528,7 +528,7 @@ class DeviceKeysFastPathTest(ServerTestCase):
     with the step's one stream wait, and the step answers as the same step with host keys."""
 
     PROFILE = "v32"
-    CACHE_PAGES = 400
+    CACHE_PAGES = 800
 
     def setUp(self):
         self.fake = _FakeDeviceMemory()
@@ -540,6 +540,7 @@ class DeviceKeysFastPathTest(ServerTestCase):
         c = self.client
         a = [c.create_sequence(self.new_id()) for _ in range(n)]
         b = [c.create_sequence(self.new_id()) for _ in range(n)]
+        self.addCleanup(lambda: [c.release_sequence(s) for s in a + b])
         for x, y in zip(a, b):
             k = self.keys(int(self.rng.integers(1000, 3000)))
             c.append_keys(x, 0, k)

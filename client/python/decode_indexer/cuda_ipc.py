@@ -27,7 +27,9 @@ Ordering with the caller's stream: before a step that reads a CUDA tensor is sen
 synchronises the tensor's device's *current* torch stream (torch.cuda.current_stream()), so
 q / weights written by kernels queued there are complete. Tensors written on another stream
 must be synchronised by the caller (stream.synchronize(), or an event the current stream
-waits on) before the call. The answer needs no synchronisation: it is written (and the
+waits on) before the call. The wait is one cuStreamSynchronize of the current stream's raw
+handle (stage_and_synchronize); the step ring's device new keys are copied to the host on that
+stream just before it, so the one wait covers both. The answer needs no synchronisation: it is written (and the
 server's stream synchronised) before the call returns, so any kernel queued afterwards reads it.
 
 Everything here imports torch lazily (only when a CUDA tensor or a registration is at hand): the

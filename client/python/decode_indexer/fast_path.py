@@ -405,7 +405,12 @@ class FastPathRing:
         Client.register_cuda_tensor): q / q_scales / weights read device to device and
         answer / candidates (int32 CUDA) written there, as decode_step_columnar takes them;
         topk is then a torch view of `answer` (the current torch stream of q's device is
-        synchronised before the descriptor is published). Returns the DecodeResult
+        synchronised before the descriptor is published). new_keys / new_key_scales may be
+        CUDA tensors (C-contiguous, anywhere on the device): their bytes are copied into the
+        step data on the current torch stream (one copy when the scales lie right after the
+        keys) before that same one wait; page_lock() the ring for the copies to be DMA.
+        last_phases_ns: (start, encoded, synced, published, completed, returned) of the
+        step, perf_counter_ns. Returns the DecodeResult
         decode_step_columnar returns, bit for bit; topk / candidate_blocks are views of the
         ring, or of the device answer (copy=True: copies). A failed
         step raises IndexerError with the server's code and message (naming the field), as
