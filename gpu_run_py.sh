@@ -4,8 +4,9 @@
 # (ring-ipc, inproc: the reference figures, and it fills the sequences py_worker steps), then
 # py_worker.py with its paths interleaved over rounds (--rounds) and the per-phase breakdown:
 #   new client (this tree's client/python): the old loop (fast_path_cuda, fast_path) beside the
-#     loop laid out as the C++ worker's ring-ipc layer (fast_path_cuda_like_cpp, and _spin:
-#     the poller spinning 1 ms, as ring-ipc-spin), each against its own baseline;
+#     loop laid out as the C++ worker's ring-ipc layer (fast_path_cuda_like_cpp: a prepared
+#     step; _step: FastPathRing.step each layer; _spin: prepared, the poller spinning 1 ms, as
+#     ring-ipc-spin), each against its own baseline;
 #   old client (BEFORE_CLIENT, a client/python folder; default .peer/client-main/client/python):
 #     the old loop only (the like-cpp loop needs the new library);
 # run new, old, new, old (processes alternate too), then a cProfile of the new loop (PROFILE=0
@@ -91,7 +92,7 @@ say "worker rc=$rc"
 pyw=("$py" "$repo/bench/worker/py_worker.py" --target 127.0.0.1:$port --layers "$layers"
   --requests "$requests" --context "$context" --tokens "$tokens" --warmup "$warmup"
   --rounds "$rounds" --round-warmup "$round_warmup")
-new_paths=fast_path_cuda,fast_path_cuda_like_cpp,fast_path_cuda_like_cpp_spin,fast_path
+new_paths=fast_path_cuda,fast_path_cuda_like_cpp,fast_path_cuda_like_cpp_step,fast_path_cuda_like_cpp_spin,fast_path
 old_paths=fast_path_cuda,fast_path
 run_py() {  # name, timeout, args...
   local name=$1 limit=$2

@@ -493,6 +493,41 @@ class V32FastPathTest(ServerTestCase):
                 np.testing.assert_array_equal(got.topk, want.topk)
                 np.testing.assert_array_equal(got.lengths, want.lengths)
 
+    def test_a_prepared_step_reads_its_arrays_at_each_step(self):
+        """FastPathRing.prepare(): laid out once, run step after step; staged arrays (not
+        views of the ring) and the positions column sent with their contents at each step."""
+        c, n, h, d = self.client, 3, self.info.num_heads, self.info.head_dim
+        a = [c.create_sequence(self.new_id()) for _ in range(n)]
+        b = [c.create_sequence(self.new_id()) for _ in range(n)]
+        self.addCleanup(lambda: [c.release_sequence(s) for s in a + b])
+        start = []
+        for x, y in zip(a, b):
+            k = self.keys(int(self.rng.integers(1000, 3000)))
+            start.append(c.append_keys(x, 0, k))
+            c.append_keys(y, 0, k)
+        start = np.asarray(start, np.int64) - 2  # overwrite the last keys, then go past them
+        q = np.zeros((n, h, d), np.uint8)
+        w = np.zeros((n, h), np.float32)
+        k = np.zeros((n, d), np.uint8)
+        ks = np.zeros(n, np.float32)
+        pos = start.copy()
+        with c.fast_path(slots=2) as ring:
+            ready = ring.prepare(np.asarray(b, np.uint64), di.typed(q, di.DType.FP8_E4M3), w,
+                                 new_keys=di.typed(k, di.DType.FP8_E4M3), new_key_scales=ks,
+                                 new_keys_positions=pos)
+            for i in range(4):
+                kw = quant.quantize_q(self.q(n), self.weights(n), "fp8")
+                codes, scales = quant.quantize_keys(self.keys(n), "fp8")
+                q[...], w[...], k[...], ks[...] = kw["q"].array, kw["weights"], codes.array, scales
+                pos[...] = start + i
+                want = c.decode_step_columnar(0, a, new_keys=codes, new_key_scales=scales,
+                                              new_keys_positions=start + i, step_id=7 + i, **kw)
+                got = ready.step(0, step_id=7 + i)
+                np.testing.assert_array_equal(got.topk, want.topk)
+                np.testing.assert_array_equal(got.lengths, want.lengths)
+                self.assertEqual(got.step_id, 7 + i)
+                self.assertEqual(ring.staged_bytes, q.nbytes + w.nbytes + k.nbytes + ks.nbytes)
+
 
 class _FakeDeviceMemory:
     """Host bytes standing in for device memory: DeviceTensors point into them, and the
@@ -547,7 +582,7 @@ class DeviceKeysFastPathTest(ServerTestCase):
             c.append_keys(y, 0, k)
         return a, np.asarray(b, np.uint64)
 
-    def run_steps(self, gap: int) -> list:
+    def run_steps(self, gap: int, prepared: bool = False) -> list:
         c, n, d = self.client, 3, self.info.head_dim
         a, b = self.twins(n)
         codes, scales = quant.quantize_keys(self.keys(n), "fp8")
@@ -556,6 +591,8 @@ class DeviceKeysFastPathTest(ServerTestCase):
         with c.fast_path(slots=2) as ring:
             qv = ring.alloc((n, self.info.num_heads, d), np.uint8)
             wv = ring.alloc((n, self.info.num_heads), np.float32)
+            ready = ring.prepare(b, di.typed(qv, di.DType.FP8_E4M3), wv, new_keys=dk,
+                                 new_key_scales=dks) if prepared else None
             for _ in range(3):  # more steps than slots; the same device tensors each time
                 kw = quant.quantize_q(self.q(n), self.weights(n), "fp8")
                 codes, scales = quant.quantize_keys(self.keys(n), "fp8")
@@ -563,8 +600,8 @@ class DeviceKeysFastPathTest(ServerTestCase):
                 self.fake.write(dks, scales)
                 want = c.decode_step_columnar(0, a, new_keys=codes, new_key_scales=scales, **kw)
                 qv[...], wv[...] = kw["q"].array, kw["weights"]
-                got = ring.step(0, b, di.typed(qv, di.DType.FP8_E4M3), wv, new_keys=dk,
-                                new_key_scales=dks)
+                got = ready.step(0) if prepared else ring.step(
+                    0, b, di.typed(qv, di.DType.FP8_E4M3), wv, new_keys=dk, new_key_scales=dks)
                 np.testing.assert_array_equal(got.topk, want.topk)
                 np.testing.assert_array_equal(got.lengths, want.lengths)
                 # Only the device bytes were staged (q / weights read in place).
@@ -584,6 +621,27 @@ class DeviceKeysFastPathTest(ServerTestCase):
     def test_adjacent_keys_and_scales_are_one_copy(self):
         (pair,) = self.run_steps(gap=0)
         self.assertEqual(pair[1:], (self.fake.base, 3 * self.info.head_dim + 3 * 4))
+
+    def test_a_prepared_step_does_the_same(self):
+        (pair,) = self.run_steps(gap=0, prepared=True)
+        self.assertEqual(pair[1:], (self.fake.base, 3 * self.info.head_dim + 3 * 4))
+
+    def test_a_prepared_step_refuses_a_moved_device_tensor(self):
+        c, d = self.client, self.info.head_dim
+        _, b = self.twins(1)
+        codes, scales = quant.quantize_keys(self.keys(1), "fp8")
+        dk = self.fake.tensor(0, codes.array, di.DType.FP8_E4M3)
+        moving = _FakeTorchTensor(dk.ptr, dk.nbytes, (1, d))
+        dk = cuda_ipc.DeviceTensor(dk.ptr, dk.nbytes, 0, dk.dtype, dk.shape, tensor=moving)
+        dks = self.fake.tensor(dk.nbytes, scales, di.DType.FP32)
+        kw = quant.quantize_q(self.q(1), self.weights(1), "fp8")
+        with c.fast_path() as ring:
+            ready = ring.prepare(b, kw["q"], kw["weights"], new_keys=dk, new_key_scales=dks)
+            ready.step(0)
+            moving.ptr += 256
+            with self.assertRaisesRegex(ValueError, "prepare the step again"):
+                ready.step(0)
+            self.assertEqual(ring.steps, 1)
 
     def test_scales_elsewhere_are_a_second_copy(self):
         pairs = self.run_steps(gap=64)

@@ -418,11 +418,43 @@ class FastPathRing:
         """
         start_ns = time.perf_counter_ns()
         start = time.perf_counter()
+        b = self._build(sequence_ids, q, weights, num_rows, new_keys, new_key_scales,
+                        new_key_counts, new_keys_positions, row_lengths, q_scales, positions,
+                        return_candidates, answer, candidates, timeout_us)
+        b.v[_D_LAYER] = int(layer)
+        b.v[_D_STEP_ID] = int(step_id)
+        return self._run(b, copy, timeout, start, start_ns)
+
+    def prepare(self, sequence_ids: Any, q: Any, weights: Any, *, num_rows: Any = 1,
+                new_keys: Any = None, new_key_scales: Any = None, new_key_counts: Any = None,
+                new_keys_positions: Any = None, row_lengths: Any = None, q_scales: Any = None,
+                positions: Any = None, return_candidates: bool = False, answer: Any = None,
+                candidates: Any = None, timeout_us: int | None = None) -> "PreparedStep":
+        """A step laid out once, to run layer after layer: the arguments as step() takes them
+        (all but layer, step_id, copy and timeout), checked and placed now; each
+        PreparedStep.step(layer) then writes the descriptor for that layer, copies the device
+        new keys and waits for the stream as step() does, and publishes, with none of
+        step()'s per-call argument work (what the C++ worker does with one RingStep whose
+        descriptor it fills once). The tensors are read at each step where they were given:
+        views of the ring and CUDA tensors in place, other arrays (and the sequence_ids /
+        new_keys_positions columns, NumPy arrays of the wire type) copied from their current
+        contents; arguments that had to be converted (lists, other dtypes) are taken as they
+        were now. A CUDA tensor that moved or changed shape since (or its buffer closed)
+        fails the step with ValueError: prepare again."""
+        b = self._build(sequence_ids, q, weights, num_rows, new_keys, new_key_scales,
+                        new_key_counts, new_keys_positions, row_lengths, q_scales, positions,
+                        return_candidates, answer, candidates, timeout_us)
+        return PreparedStep(self, b, (q, q_scales, weights, answer, candidates))
+
+    def _build(self, sequence_ids: Any, q: Any, weights: Any, num_rows: Any, new_keys: Any,
+               new_key_scales: Any, new_key_counts: Any, new_keys_positions: Any,
+               row_lengths: Any, q_scales: Any, positions: Any, return_candidates: bool,
+               answer: Any, candidates: Any, timeout_us: int | None) -> "_Built":
+        """step()'s argument work: the descriptor's values (but layer and step_id), its
+        columns, where each tensor goes; nothing written to the ring yet."""
         if self._u8 is None:
             raise ValueError("FastPathRing: closed")
         v = [0] * _NFIELDS  # the descriptor's values, in _DESCRIPTOR_FIELDS order
-        v[_D_LAYER] = int(layer)
-        v[_D_STEP_ID] = int(step_id)
         v[_D_TIMEOUT_US] = _timeout_us(timeout_us)
         if type(sequence_ids) is np.ndarray and sequence_ids.dtype == _U64:
             ids = sequence_ids  # the per-step case: no conversion, no sign check to make
@@ -494,6 +526,7 @@ class FastPathRing:
                                         return_candidates)
         on_device_inputs = plan is not None and plan.inputs_on_device
         device_copies: dict = {}  # device new keys: {ordinal: [(host address, device, bytes)]}
+        device_keys = []  # (argument, its DeviceTensor)
         at = -(-self.region.used // 64) * 64
         staged = []
         for name, x, dtype_at, offset_at in ((
@@ -512,6 +545,7 @@ class FastPathRing:
                 dtype, shape = int(plan.tensors[name].dtype), plan.tensors[name].shape
             elif dtype_at >= _D_NEW_KEYS_DTYPE and _cuda_ipc.is_device(x):
                 src = self._device_tensor(x, name)
+                device_keys.append((x, src))
                 dtype, shape = int(src.dtype), src.shape
             else:
                 dtype, shape, data = _wire.wire_parts(x, name)
@@ -546,7 +580,7 @@ class FastPathRing:
                         raise MemoryError(f"the step needs {at + nbytes - self.ring_bytes} "
                                           f"bytes of step data, the ring has "
                                           f"{self.region.size - self.ring_bytes} (data_bytes)")
-                    staged.append((at, data))
+                    staged.append((at, data, x, name))
                     off = at
                     at = -(-(at + nbytes) // 64) * 64
             v[dtype_at] = dtype
@@ -569,20 +603,28 @@ class FastPathRing:
                 v[_D_CANDIDATES_OFFSET] = cand_at
                 cand_view = flat_candidates[:rows * self.num_candidate_blocks].reshape(
                     rows, self.num_candidate_blocks)
-        seq = self._produced + 1
-        self._check_free(seq)
-        t_encoded = time.perf_counter_ns()
         if on_device_inputs:
             for d in plan.sync_devices:  # the devices whose kernels wrote q / weights
                 device_copies.setdefault(d, [])
+        return _Built(v, cols, c, staged, device_copies, topk_view, cand_view, plan,
+                      device_keys)
+
+    def _run(self, b: "_Built", copy: bool, timeout: float, start: float,
+             start_ns: int) -> DecodeResult:
+        """Writes built step b (its layer and step_id set) into the next slot, publishes it
+        and waits for its completion."""
+        v, cols, c, staged, device_copies = b.v, b.cols, b.columns, b.staged, b.device_copies
+        seq = self._produced + 1
+        self._check_free(seq)
+        t_encoded = time.perf_counter_ns()
         if device_copies:
             # One host wait a step: the device keys' copies queued on the current torch
             # stream (after the kernels that wrote them, and q), then that stream waited for.
             _cuda_ipc.stage_and_synchronize(device_copies)
         t_synced = time.perf_counter_ns()
         m = self.region._map
-        staged_bytes = sum(n for pairs in device_copies.values() for _, _, n in pairs)
-        for off, data in staged:  # the one copy of a tensor not already in the ring
+        staged_bytes = b.device_bytes
+        for off, data, _, _ in staged:  # the one copy of a tensor not already in the ring
             m[off:off + len(data)] = data
             staged_bytes += len(data)
         self.staged_bytes = staged_bytes
@@ -593,14 +635,14 @@ class FastPathRing:
         _DESCRIPTOR_STRUCT.pack_into(m, slot, *v)
         for name, arr in cols.items():  # each C-contiguous little-endian (made so above)
             if arr.size:
-                b = slot + c[name]
-                m[b:b + arr.nbytes] = memoryview(arr).cast("B")
+                at = slot + c[name]
+                m[at:at + arr.nbytes] = memoryview(arr).cast("B")
         self._publish(seq)
         t_published = time.perf_counter_ns()
         done = self._wait(seq, timeout)
         t_done = time.perf_counter_ns()
         client_us = (time.perf_counter() - start) * 1e6
-        r = self._result(done, seq, topk_view, cand_view, copy, client_us)
+        r = self._result(done, seq, b.topk, b.candidates, copy, client_us)
         self.last_phases_ns = (start_ns, t_encoded, t_synced, t_published, t_done,
                                time.perf_counter_ns())
         return r
@@ -833,3 +875,53 @@ class FastPathRing:
     def __repr__(self) -> str:
         return (f"FastPathRing(ring {self.ring_id}, {self.slots} x {self.slot_bytes} B, "
                 f"{'closed' if self.closed else f'{self.steps} steps'})")
+
+
+class _Built:
+    """A step's descriptor values, columns and placements (FastPathRing._build)."""
+
+    __slots__ = ("v", "cols", "columns", "staged", "device_copies", "topk", "candidates",
+                 "plan", "device_keys", "device_bytes")
+
+    def __init__(self, v: list, cols: dict, columns: dict, staged: list, device_copies: dict,
+                 topk: Any, candidates: Any, plan: Any, device_keys: list):
+        self.v, self.cols, self.columns, self.staged = v, cols, columns, staged
+        self.device_copies, self.topk, self.candidates = device_copies, topk, candidates
+        self.plan, self.device_keys = plan, device_keys
+        self.device_bytes = sum(n for pairs in device_copies.values() for _, _, n in pairs)
+
+
+class PreparedStep:
+    """A step laid out once by FastPathRing.prepare(); step(layer) runs it for a layer."""
+
+    def __init__(self, ring: FastPathRing, built: _Built, plan_args: tuple):
+        self.ring = ring
+        self._b = built
+        self._plan_args = plan_args
+        # Staged arrays whose bytes wire_parts converted (not a view of them): converted again
+        # at each step, so the step sends their current contents.
+        self._refresh = any(not isinstance(data, memoryview) for _, data, _, _ in built.staged)
+
+    def step(self, layer: int, *, step_id: int = 0, copy: bool = False,
+             timeout: float = 60.0) -> DecodeResult:
+        """Runs the prepared step for `layer` (as FastPathRing.step with the prepared
+        arguments): the same DecodeResult, the same errors."""
+        start_ns = time.perf_counter_ns()
+        start = time.perf_counter()
+        ring, b = self.ring, self._b
+        if ring._u8 is None:
+            raise ValueError("FastPathRing: closed")
+        for x, t in b.device_keys:
+            if not _cuda_ipc.tensor_valid(t, x):
+                raise ValueError("a prepared step's device new keys changed (moved or "
+                                 "resized): prepare the step again")
+        if b.plan is not None and not _cuda_ipc.plan_valid(b.plan, self._plan_args):
+            raise ValueError("a prepared step's CUDA tensor changed (moved, resized, or its "
+                             "buffer closed): prepare the step again")
+        if self._refresh:
+            b.staged = [(off, data if isinstance(data, memoryview) else
+                         _wire.wire_parts(x, name)[2], x, name)
+                        for off, data, x, name in b.staged]
+        b.v[_D_LAYER] = int(layer)
+        b.v[_D_STEP_ID] = int(step_id)
+        return ring._run(b, copy, timeout, start, start_ns)
