@@ -17,7 +17,8 @@
 #   bash gpu_run_py.sh BUNDLE OUT
 # BUNDLE holds decode-indexer-server, decode-indexer-bench-worker and lib/ (bundle-libs.sh).
 # Knobs: ROUNDS=8 TOKENS=3 (timed a round) ROUND_WARMUP=1 WARMUP=2 CPP_TOKENS=10 LAYERS=61
-# REQUESTS=64 CONTEXT=32768 BEFORE_CLIENT=DIR PYTHON=python3 NO_MPS=1 PROFILE=0
+# REQUESTS=64 CONTEXT=32768 BEFORE_CLIENT=DIR (default .peer/client-main/client/python, else
+# client-main/client/python beside this script) PYTHON=python3 NO_MPS=1 PROFILE=0
 # BACKEND=cpu (a dry run without a GPU: small shapes, e.g. LAYERS=3 REQUESTS=4 CONTEXT=2048;
 # the C++ worker then runs --host --paths ring,inproc).
 set -uo pipefail
@@ -31,6 +32,7 @@ rounds=${ROUNDS:-8} tokens=${TOKENS:-3} round_warmup=${ROUND_WARMUP:-1} warmup=$
 cpp_tokens=${CPP_TOKENS:-10} cpp_warmup=3
 backend=${BACKEND:-cuda} py=${PYTHON:-python3}
 before=${BEFORE_CLIENT:-$repo/.peer/client-main/client/python}
+[[ -z "${BEFORE_CLIENT:-}" && ! -d "$before" ]] && before=$repo/client-main/client/python  # the kit's
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 nccl_dir=$(dirname "$(ldconfig -p 2>/dev/null | awk '/libnccl.so.2 /{print $NF; exit}')" 2>/dev/null)
 lib="$bundle/lib${nccl_dir:+:$nccl_dir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
