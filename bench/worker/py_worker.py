@@ -9,7 +9,10 @@ bytes of a device buffer at each top-k index and a sum). Paths: unary, stream, s
 (the step ring), and unary_cuda / fast_path_cuda (q, weights and the answer as torch CUDA
 tensors in a registered CUDA IPC buffer, Client.cuda_buffer: only offsets cross; GPU only);
 the baseline is the loop without the indexer call (q production and the
-stand-in attention over a fixed index tensor). Without a GPU torch runs on the CPU (the smoke
+stand-in attention over a fixed index tensor). fast_path_cuda_like_cpp (and _step, _spin) is the
+C++ worker's ring-ipc layer from Python, against its own baseline_like_cpp: see LIKE_CPP below.
+--rounds N interleaves the paths (each round runs every path for --round-warmup + --tokens
+tokens); the JSON has per-round figures and, for the ring paths, per-layer phases. Without a GPU torch runs on the CPU (the smoke
 form), and without torch NumPy makes the inputs.
 
 The server must already hold the sequences (--first-id .. + --requests) with --context keys in
