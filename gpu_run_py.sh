@@ -40,7 +40,8 @@ log="$out/run.log"
 : >"$log"
 say() { echo "$*" | tee -a "$log"; }
 { nvidia-smi --query-gpu=name,driver_version --format=csv 2>/dev/null || echo "no GPU"; } | tee -a "$log"
-say "date: $(date -u +%FT%TZ); tree: $(git -C "$repo" log --oneline -1 2>/dev/null || echo '?')"
+# The kit (a copy of this tree's files) carries its revision in REVISION.
+say "date: $(date -u +%FT%TZ); tree: $(cat "$repo/REVISION" 2>/dev/null || git -C "$repo" log --oneline -1 2>/dev/null || echo '?')"
 say "server: $(LD_LIBRARY_PATH="$lib" "$bundle/decode-indexer-server" --version 2>&1 | head -n1)"
 say "python: $("$py" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)' 2>&1 | tail -n1)"
 failed=0

@@ -613,7 +613,7 @@ class FastPathRing:
              start_ns: int) -> DecodeResult:
         """Writes built step b (its layer and step_id set) into the next slot, publishes it
         and waits for its completion."""
-        v, cols, c, staged, device_copies = b.v, b.cols, b.columns, b.staged, b.device_copies
+        v, staged, device_copies = b.v, b.staged, b.device_copies
         seq = self._produced + 1
         self._check_free(seq)
         t_encoded = time.perf_counter_ns()
@@ -633,10 +633,8 @@ class FastPathRing:
         v[_D_SEQUENCE] = seq
         slot = HEADER_BYTES + ((seq - 1) % self.slots) * self.slot_bytes
         _DESCRIPTOR_STRUCT.pack_into(m, slot, *v)
-        for name, arr in cols.items():  # each C-contiguous little-endian (made so above)
-            if arr.size:
-                at = slot + c[name]
-                m[at:at + arr.nbytes] = memoryview(arr).cast("B")
+        for at, data, nbytes in b.column_bytes:  # each C-contiguous little-endian
+            m[slot + at:slot + at + nbytes] = data
         self._publish(seq)
         t_published = time.perf_counter_ns()
         done = self._wait(seq, timeout)
@@ -880,12 +878,16 @@ class FastPathRing:
 class _Built:
     """A step's descriptor values, columns and placements (FastPathRing._build)."""
 
-    __slots__ = ("v", "cols", "columns", "staged", "device_copies", "topk", "candidates",
-                 "plan", "device_keys", "device_bytes")
+    __slots__ = ("v", "column_bytes", "staged", "device_copies", "topk", "candidates", "plan",
+                 "device_keys", "device_bytes")
 
     def __init__(self, v: list, cols: dict, columns: dict, staged: list, device_copies: dict,
                  topk: Any, candidates: Any, plan: Any, device_keys: list):
-        self.v, self.cols, self.columns, self.staged = v, cols, columns, staged
+        self.v, self.staged = v, staged
+        # (offset in the slot, a byte view of the column's array, bytes): the arrays' current
+        # contents at each write.
+        self.column_bytes = [(columns[name], memoryview(arr).cast("B"), arr.nbytes)
+                             for name, arr in cols.items() if arr.size]
         self.device_copies, self.topk, self.candidates = device_copies, topk, candidates
         self.plan, self.device_keys = plan, device_keys
         self.device_bytes = sum(n for pairs in device_copies.values() for _, _, n in pairs)
@@ -898,6 +900,12 @@ class PreparedStep:
         self.ring = ring
         self._b = built
         self._plan_args = plan_args
+        # What each step re-checks of the CUDA tensors: the address and shape each had (a
+        # tensor's dtype cannot change in place; its storage or shape can: set_, resize_).
+        tensors = [t.tensor for t in (built.plan.tensors.values() if built.plan else ())]
+        tensors += [t.tensor for _, t in built.device_keys]
+        self._checks = [(a, a.data_ptr(), tuple(a.shape)) for a in tensors if a is not None]
+        self._buffer = built.plan.buffer if built.plan is not None else None
         # Staged arrays whose bytes wire_parts converted (not a view of them): converted again
         # at each step, so the step sends their current contents.
         self._refresh = any(not isinstance(data, memoryview) for _, data, _, _ in built.staged)
@@ -911,13 +919,12 @@ class PreparedStep:
         ring, b = self.ring, self._b
         if ring._u8 is None:
             raise ValueError("FastPathRing: closed")
-        for x, t in b.device_keys:
-            if not _cuda_ipc.tensor_valid(t, x):
-                raise ValueError("a prepared step's device new keys changed (moved or "
-                                 "resized): prepare the step again")
-        if b.plan is not None and not _cuda_ipc.plan_valid(b.plan, self._plan_args):
-            raise ValueError("a prepared step's CUDA tensor changed (moved, resized, or its "
-                             "buffer closed): prepare the step again")
+        for a, ptr, shape in self._checks:
+            if a.data_ptr() != ptr or a.shape != shape:
+                raise ValueError("a prepared step's CUDA tensor changed (moved or resized): "
+                                 "prepare the step again")
+        if self._buffer is not None and self._buffer.closed:
+            raise ValueError("a prepared step's CUDA buffer was closed: prepare the step again")
         if self._refresh:
             b.staged = [(off, data if isinstance(data, memoryview) else
                          _wire.wire_parts(x, name)[2], x, name)
