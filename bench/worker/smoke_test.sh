@@ -62,6 +62,26 @@ if "$py" -c "import grpc, google.protobuf, numpy" 2>/dev/null; then
   want=$(( 4 * (tokens + warmup) * layers ))
   grep -q "answers checked: $want layer answers" "$dir/py.log" ||
     { echo "FAIL: expected $want checked layer answers from py_worker"; exit 1; }
+  # Rounds: every path a round's tokens, path after path; the answers of all of them checked.
+  echo "== Python worker, interleaved rounds"
+  "$py" "$(dirname "$0")/py_worker.py" --target "127.0.0.1:$port" --layers "$layers" \
+    --requests "$requests" --context "$context" --tokens "$tokens" --warmup "$warmup" \
+    --rounds 2 --round-warmup 1 --paths fast_path,shm --first-id 1000 --json "$dir/py_rounds.json" |
+    tee "$dir/py_rounds.log" | tail -n 3
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "FAIL: py_worker --rounds"; exit 1; }
+  want=$(( 2 * (warmup + 2 * (1 + tokens)) * layers ))
+  grep -q "answers checked: $want layer answers" "$dir/py_rounds.log" ||
+    { echo "FAIL: expected $want checked layer answers from py_worker --rounds"; exit 1; }
+  "$py" - "$dir/py_rounds.json" <<'PY' || exit 1
+import json, sys
+j = json.load(open(sys.argv[1]))
+assert j["rounds"] == 2, j
+for p in j["paths"]:
+    assert len(p["round_token_us_p50"]) == 2 and len(p["round_overhead_per_layer_us"]) == 2, p
+fp = next(p for p in j["paths"] if p["path"] == "py-fast_path")
+assert set(fp["phases_us_per_layer"]) >= {"produce", "step", "step_wait", "attention"}, fp
+print("rounds json ok")
+PY
   # The Python client's overhead bench: it exits non-zero when its paths answer differently.
   echo "== Python client overhead bench (py_client_cpu.py, answers only)"
   "$py" "$(dirname "$0")/py_client_cpu.py" --target "127.0.0.1:$port" --socket "$sock" \

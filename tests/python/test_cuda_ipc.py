@@ -292,6 +292,73 @@ class RegistrationTest(unittest.TestCase):
         self.assertEqual(self.methods().count("UnregisterCudaIpcMemory"), 2)
 
 
+class _FakeLib:
+    """libcuda's calls the hot path makes, recorded (each returns CUDA_SUCCESS, or `fail`)."""
+
+    def __init__(self, fail=None):
+        self.calls, self.fail = [], fail
+        for name in ("cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
+                     "cuDevicePrimaryCtxRelease_v2", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2",
+                     "cuMemGetAddressRange_v2", "cuIpcGetMemHandle", "cuGetErrorName",
+                     "cuMemcpyDtoHAsync_v2", "cuStreamSynchronize", "cuMemHostRegister_v2",
+                     "cuMemHostUnregister"):
+            setattr(self, name, self._fn(name))
+
+    def _fn(self, name):
+        def call(*args):
+            self.calls.append(name if name not in ("cuMemcpyDtoHAsync_v2", "cuStreamSynchronize",
+                                                   "cuMemHostRegister_v2")
+                              else (name,) + tuple(a for a in args if isinstance(a, int)))
+            return 1 if name == self.fail else 0
+        return call
+
+
+class StreamWaitTest(unittest.TestCase):
+    """The one host wait a step: the device keys' copies queued on the current stream, then one
+    cuStreamSynchronize of it, all inside the device's primary context (pushed, then popped)."""
+
+    def setUp(self):
+        self.saved = cuda_ipc._DRIVER[:], cuda_ipc._RAW_STREAM[:]
+        self.addCleanup(self.restore)
+        cuda_ipc._RAW_STREAM[:] = [lambda device: 0x5000 + device]
+
+    def restore(self):
+        cuda_ipc._DRIVER[:], cuda_ipc._RAW_STREAM[:] = self.saved
+
+    def driver(self, fail=None):
+        lib = _FakeLib(fail)
+        cuda_ipc._DRIVER[:] = [cuda_ipc._Driver(lib)]
+        return lib
+
+    def test_copies_then_one_wait_per_device(self):
+        lib = self.driver()
+        cuda_ipc.stage_and_synchronize({0: [(0x1000, 0x9000, 8192 + 256)], 1: []})
+        work = [c for c in lib.calls if c not in ("cuInit", "cuDeviceGet",
+                                                  "cuDevicePrimaryCtxRetain")]
+        self.assertEqual(work, [
+            "cuCtxPushCurrent_v2", ("cuMemcpyDtoHAsync_v2", 0x1000, 0x9000, 8192 + 256, 0x5000),
+            ("cuStreamSynchronize", 0x5000), "cuCtxPopCurrent_v2",
+            "cuCtxPushCurrent_v2", ("cuStreamSynchronize", 0x5001), "cuCtxPopCurrent_v2"])
+        # The primary contexts are retained once, then reused.
+        cuda_ipc.stage_and_synchronize({0: []})
+        self.assertEqual(lib.calls.count("cuDevicePrimaryCtxRetain"), 2)
+
+    def test_a_failed_copy_raises_and_pops_the_context(self):
+        lib = self.driver(fail="cuMemcpyDtoHAsync_v2")
+        with self.assertRaisesRegex(RuntimeError, "cuMemcpyDtoHAsync"):
+            cuda_ipc.stage_and_synchronize({0: [(0x1000, 0x9000, 64)]})
+        self.assertEqual(lib.calls[-2:], ["cuGetErrorName", "cuCtxPopCurrent_v2"])
+        self.assertNotIn(("cuStreamSynchronize", 0x5000), lib.calls)
+
+    def test_page_locking_is_portable(self):
+        lib = self.driver()
+        cuda_ipc.host_register(0x7000, 1 << 20, 0)
+        cuda_ipc.host_unregister(0x7000, 0)
+        self.assertIn(("cuMemHostRegister_v2", 0x7000, 1 << 20, 1), lib.calls)
+        self.assertIn("cuMemHostUnregister", lib.calls)
+        self.assertEqual(lib.calls[-1], "cuCtxPopCurrent_v2")
+
+
 def di_repo():
     from _support import REPO
 

@@ -8,6 +8,7 @@ ring releases it and its region while the server keeps serving."""
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ import numpy as np
 from _support import ServerTestCase
 
 import decode_indexer as di
-from decode_indexer import fast_path, quant
+from decode_indexer import cuda_ipc, fast_path, quant
 
 try:
     import torch
@@ -491,6 +492,278 @@ class V32FastPathTest(ServerTestCase):
                 self.assertEqual(got.topk.shape, (rows, info.topk))
                 np.testing.assert_array_equal(got.topk, want.topk)
                 np.testing.assert_array_equal(got.lengths, want.lengths)
+
+    def test_a_prepared_step_reads_its_arrays_at_each_step(self):
+        """FastPathRing.prepare(): laid out once, run step after step; staged arrays (not
+        views of the ring) and the positions column sent with their contents at each step."""
+        c, n, h, d = self.client, 3, self.info.num_heads, self.info.head_dim
+        a = [c.create_sequence(self.new_id()) for _ in range(n)]
+        b = [c.create_sequence(self.new_id()) for _ in range(n)]
+        self.addCleanup(lambda: [c.release_sequence(s) for s in a + b])
+        start = []
+        for x, y in zip(a, b):
+            k = self.keys(int(self.rng.integers(1000, 3000)))
+            start.append(c.append_keys(x, 0, k))
+            c.append_keys(y, 0, k)
+        start = np.asarray(start, np.int64) - 2  # overwrite the last keys, then go past them
+        q = np.zeros((n, h, d), np.uint8)
+        w = np.zeros((n, h), np.float32)
+        k = np.zeros((n, d), np.uint8)
+        ks = np.zeros(n, np.float32)
+        pos = start.copy()
+        with c.fast_path(slots=2) as ring:
+            ready = ring.prepare(np.asarray(b, np.uint64), di.typed(q, di.DType.FP8_E4M3), w,
+                                 new_keys=di.typed(k, di.DType.FP8_E4M3), new_key_scales=ks,
+                                 new_keys_positions=pos)
+            for i in range(4):
+                kw = quant.quantize_q(self.q(n), self.weights(n), "fp8")
+                codes, scales = quant.quantize_keys(self.keys(n), "fp8")
+                q[...], w[...], k[...], ks[...] = kw["q"].array, kw["weights"], codes.array, scales
+                pos[...] = start + i
+                want = c.decode_step_columnar(0, a, new_keys=codes, new_key_scales=scales,
+                                              new_keys_positions=start + i, step_id=7 + i, **kw)
+                got = ready.step(0, step_id=7 + i)
+                np.testing.assert_array_equal(got.topk, want.topk)
+                np.testing.assert_array_equal(got.lengths, want.lengths)
+                self.assertEqual(got.step_id, 7 + i)
+                self.assertEqual(ring.staged_bytes, q.nbytes + w.nbytes + k.nbytes + ks.nbytes)
+
+
+class _FakeDeviceMemory:
+    """Host bytes standing in for device memory: DeviceTensors point into them, and the
+    client's one host wait a step (cuda_ipc.stage_and_synchronize) is replaced by a recorder
+    that does the copies as the stream would (memmove), so a step with "device" new keys runs
+    against the CPU server."""
+
+    def __init__(self, nbytes: int = 1 << 16):
+        self.mem = np.zeros(nbytes, np.uint8)
+        self.base = self.mem.ctypes.data
+        self.calls = []
+
+    def tensor(self, offset: int, array: np.ndarray, dtype: di.DType):
+        raw = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+        self.mem[offset:offset + raw.size] = raw
+        return cuda_ipc.DeviceTensor(ptr=self.base + offset, nbytes=raw.size, device=0,
+                                     dtype=dtype, shape=tuple(array.shape))
+
+    def write(self, t, array: np.ndarray) -> None:
+        raw = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+        self.mem[t.ptr - self.base:t.ptr - self.base + raw.size] = raw
+
+    def stage_and_synchronize(self, copies: dict) -> None:
+        self.calls.append({d: list(pairs) for d, pairs in copies.items()})
+        for pairs in copies.values():
+            for dst, src, nbytes in pairs:
+                ctypes.memmove(dst, src, nbytes)
+
+
+class DeviceKeysFastPathTest(ServerTestCase):
+    """New keys and key scales given as device tensors: step() puts them into the ring with
+    one device-to-host copy when the scales lie right after the keys (two otherwise), queued
+    with the step's one stream wait, and the step answers as the same step with host keys."""
+
+    PROFILE = "v32"
+    CACHE_PAGES = 800
+
+    def setUp(self):
+        self.fake = _FakeDeviceMemory()
+        saved = cuda_ipc.stage_and_synchronize
+        cuda_ipc.stage_and_synchronize = self.fake.stage_and_synchronize
+        self.addCleanup(setattr, cuda_ipc, "stage_and_synchronize", saved)
+
+    def twins(self, n: int):
+        c = self.client
+        a = [c.create_sequence(self.new_id()) for _ in range(n)]
+        b = [c.create_sequence(self.new_id()) for _ in range(n)]
+        self.addCleanup(lambda: [c.release_sequence(s) for s in a + b])
+        for x, y in zip(a, b):
+            k = self.keys(int(self.rng.integers(1000, 3000)))
+            c.append_keys(x, 0, k)
+            c.append_keys(y, 0, k)
+        return a, np.asarray(b, np.uint64)
+
+    def run_steps(self, gap: int, prepared: bool = False) -> list:
+        c, n, d = self.client, 3, self.info.head_dim
+        a, b = self.twins(n)
+        codes, scales = quant.quantize_keys(self.keys(n), "fp8")
+        dk = self.fake.tensor(0, codes.array, di.DType.FP8_E4M3)
+        dks = self.fake.tensor(dk.nbytes + gap, scales, di.DType.FP32)
+        with c.fast_path(slots=2) as ring:
+            qv = ring.alloc((n, self.info.num_heads, d), np.uint8)
+            wv = ring.alloc((n, self.info.num_heads), np.float32)
+            ready = ring.prepare(b, di.typed(qv, di.DType.FP8_E4M3), wv, new_keys=dk,
+                                 new_key_scales=dks) if prepared else None
+            for _ in range(3):  # more steps than slots; the same device tensors each time
+                kw = quant.quantize_q(self.q(n), self.weights(n), "fp8")
+                codes, scales = quant.quantize_keys(self.keys(n), "fp8")
+                self.fake.write(dk, codes.array)
+                self.fake.write(dks, scales)
+                want = c.decode_step_columnar(0, a, new_keys=codes, new_key_scales=scales, **kw)
+                qv[...], wv[...] = kw["q"].array, kw["weights"]
+                got = ready.step(0) if prepared else ring.step(
+                    0, b, di.typed(qv, di.DType.FP8_E4M3), wv, new_keys=dk, new_key_scales=dks)
+                np.testing.assert_array_equal(got.topk, want.topk)
+                np.testing.assert_array_equal(got.lengths, want.lengths)
+                # Only the device bytes were staged (q / weights read in place).
+                self.assertEqual(ring.staged_bytes, dk.nbytes + dks.nbytes)
+                call = self.fake.calls[-1]
+                self.assertEqual(list(call), [0])
+                for dst, _, nbytes in call[0]:  # into the ring's step data, past the views
+                    self.assertGreaterEqual(dst - ring._base, ring.region.used)
+                    self.assertLessEqual(dst - ring._base + nbytes, ring.region.size)
+                p = ring.last_phases_ns  # start, encoded, synced, published, done, end
+                self.assertEqual(len(p), 6)
+                self.assertGreater(p[0], 0)
+                self.assertEqual(list(p), sorted(p))
+            self.assertEqual(len(self.fake.calls), 3)  # one host wait a step
+            return self.fake.calls[-1][0]
+
+    def test_adjacent_keys_and_scales_are_one_copy(self):
+        (pair,) = self.run_steps(gap=0)
+        self.assertEqual(pair[1:], (self.fake.base, 3 * self.info.head_dim + 3 * 4))
+
+    def test_a_prepared_step_does_the_same(self):
+        (pair,) = self.run_steps(gap=0, prepared=True)
+        self.assertEqual(pair[1:], (self.fake.base, 3 * self.info.head_dim + 3 * 4))
+
+    def test_a_prepared_step_refuses_a_moved_device_tensor(self):
+        c, d = self.client, self.info.head_dim
+        _, b = self.twins(1)
+        codes, scales = quant.quantize_keys(self.keys(1), "fp8")
+        dk = self.fake.tensor(0, codes.array, di.DType.FP8_E4M3)
+        moving = _FakeTorchTensor(dk.ptr, dk.nbytes, (1, d))
+        dk = cuda_ipc.DeviceTensor(dk.ptr, dk.nbytes, 0, dk.dtype, dk.shape, tensor=moving)
+        dks = self.fake.tensor(dk.nbytes, scales, di.DType.FP32)
+        kw = quant.quantize_q(self.q(1), self.weights(1), "fp8")
+        with c.fast_path() as ring:
+            ready = ring.prepare(b, kw["q"], kw["weights"], new_keys=dk, new_key_scales=dks)
+            ready.step(0)
+            moving.ptr += 256
+            with self.assertRaisesRegex(ValueError, "prepare the step again"):
+                ready.step(0)
+            self.assertEqual(ring.steps, 1)
+
+    def test_scales_elsewhere_are_a_second_copy(self):
+        pairs = self.run_steps(gap=64)
+        d = self.info.head_dim
+        self.assertEqual([p[1:] for p in pairs], [(self.fake.base, 3 * d),
+                                                  (self.fake.base + 3 * d + 64, 12)])
+
+    def test_page_lock_until_close(self):
+        calls = []
+        saved = cuda_ipc.host_register, cuda_ipc.host_unregister
+        self.addCleanup(lambda: (setattr(cuda_ipc, "host_register", saved[0]),
+                                 setattr(cuda_ipc, "host_unregister", saved[1])))
+        ring = self.client.fast_path()
+        cuda_ipc.host_register = lambda ptr, n, device=0: calls.append(("lock", ptr, n, device))
+        cuda_ipc.host_unregister = lambda ptr, device=0: calls.append(
+            ("unlock", ptr, device, ring.closed))  # still mapped when unlocked
+        self.assertFalse(ring.page_locked)
+        ring.page_lock(1)
+        ring.page_lock(1)  # idempotent
+        self.assertTrue(ring.page_locked)
+        self.assertEqual(calls, [("lock", ring._base, ring.region.size, 1)])
+        base = ring._base
+        ring.close()
+        ring.close()
+        self.assertEqual(calls[1:], [("unlock", base, 1, False)])
+        with self.assertRaisesRegex(ValueError, "closed"):
+            ring.page_lock()
+
+
+class _FakeTorchTensor:
+    """What a kept plan re-checks of a device tensor, and the views of an answer."""
+
+    def __init__(self, ptr: int, nbytes: int, shape: tuple):
+        self.ptr, self.nbytes, self.shape, self.contiguous = ptr, nbytes, shape, True
+
+    def data_ptr(self):
+        return self.ptr
+
+    def numel(self):
+        return self.nbytes
+
+    def element_size(self):
+        return 1
+
+    def is_contiguous(self):
+        return self.contiguous
+
+    def reshape(self, *shape):
+        return self
+
+    def __getitem__(self, key):
+        return self
+
+    def view(self, *shape):
+        return ("view", shape)
+
+
+class PlanKeptTest(unittest.TestCase):
+    """No server: a ring keeps a step's CUDA IPC plan and answer views for the same tensors
+    and makes them again when a tensor or its buffer changed."""
+
+    def setUp(self):
+        from test_cuda_ipc import BASE, buffer, dev
+
+        self.buf = buffer()
+        ring = fast_path.FastPathRing.__new__(fast_path.FastPathRing)
+        ring._plans, ring.topk, ring.num_candidate_blocks = {}, 8, 3
+
+        class _Client:
+            _cuda_buffers = [self.buf]
+
+        ring._client = _Client()
+        self.ring = ring
+        self.q = dev(256, di.DType.FP8_E4M3, (2, 4, 32))
+        self.w = dev(4096, di.DType.FP32, (2, 4))
+        a = dev(8192, di.DType.INT32, (2, 8))
+        self.a = cuda_ipc.DeviceTensor(a.ptr, a.nbytes, 0, a.dtype, a.shape,
+                                       tensor=_FakeTorchTensor(BASE + 8192, a.nbytes, (2, 8)))
+        self.made = 0
+        saved = cuda_ipc.plan_step
+
+        def counting(*args):
+            self.made += 1
+            return saved(*args)
+
+        cuda_ipc.plan_step = counting
+        self.addCleanup(setattr, cuda_ipc, "plan_step", saved)
+
+    def plan(self, answer=None):
+        return self.ring._plan(2, self.q, None, self.w, answer or self.a, None, False)
+
+    def test_the_same_tensors_plan_once(self):
+        plan, views = self.plan()
+        self.assertEqual((plan.offsets["q"], plan.offsets["answer"]), (256, 8192))
+        self.assertEqual(views, (("view", (2, 8)), None))
+        for _ in range(3):
+            again, views_again = self.plan()
+            self.assertIs(again, plan)
+            self.assertIs(views_again, views)
+        self.assertEqual(self.made, 1)
+        self.assertEqual(self.ring._plan(2, np.zeros((2, 4, 32), np.float32), None,
+                                         np.zeros((2, 4), np.float32), None, None, False),
+                         (None, None))  # a host step: no plan, nothing kept
+        self.assertEqual(self.made, 1)
+
+    def test_a_moved_or_resized_tensor_or_a_closed_buffer_plans_again(self):
+        plan, _ = self.plan()
+        self.a.tensor.ptr += 64  # e.g. set_() onto other memory
+        self.assertIsNot(self.plan()[0], plan)
+        self.assertEqual(self.made, 2)
+        self.a.tensor.ptr -= 64
+        self.a.tensor.shape = (16,)  # resized in place: planned anew while it is so
+        self.plan()
+        self.plan()
+        self.assertEqual(self.made, 4)
+        self.a.tensor.shape = (2, 8)  # as planned again: the kept plan holds
+        self.plan()
+        self.plan()
+        self.assertEqual(self.made, 4)
+        self.buf.closed = True
+        with self.assertRaisesRegex(ValueError, "lies in no buffer"):
+            self.plan()
 
 
 if __name__ == "__main__":

@@ -148,6 +148,47 @@ class TorchCudaTest(ServerTestCase):
                 self.assertNotEqual(kept.topk.data_ptr(), kw["answer"].data_ptr())
                 np.testing.assert_array_equal(kept.topk.cpu().numpy(), want.topk)
 
+    def test_ring_with_device_new_keys_in_a_page_locked_ring(self):
+        """New keys and scales as CUDA tensors (adjacent: one copy into the ring), made on the
+        current stream just before the step, q and weights in the registered buffer: the step
+        answers as the host step with host keys on twin sequences, step after step (the plan
+        and the device keys kept by identity, the copy ordered before the one stream wait)."""
+        c, n = self.client, self.REQUESTS
+        a = [c.create_sequence(int(self.rng.integers(1, 2**62))) for _ in range(n)]
+        b = [c.create_sequence(int(self.rng.integers(1, 2**62))) for _ in range(n)]
+        for x, y in zip(a, b):
+            k = self.rng.standard_normal((int(self.rng.integers(1000, 3000)), self.D),
+                                         dtype=np.float32)
+            c.append_keys(x, 0, k)
+            c.append_keys(y, 0, k)
+        keys_bytes = torch.empty(n * self.D + n * 4, dtype=torch.uint8, device="cuda")
+        dk = keys_bytes[:n * self.D].view(n, self.D)
+        dks = keys_bytes[n * self.D:].view(torch.float32)
+        with c.cuda_buffer(8 << 20) as buf, c.fast_path() as ring:
+            ring.page_lock(torch.cuda.current_device())
+            q = buf.alloc((n, self.H, self.D), torch.uint8)
+            w = buf.alloc((n, self.H), torch.float32)
+            answer = buf.alloc((n, self.K), torch.int32)
+            qd, kd = di.typed(q, FP8), di.typed(dk, FP8)
+            for _ in range(3):
+                codes = self.rng.integers(0, 256, (n, self.H, self.D), dtype=np.uint8)
+                codes[(codes & 0x7F) == 0x7F] ^= 0x40
+                weights = self.rng.standard_normal((n, self.H), dtype=np.float32)
+                kc, ks = di.quant.quantize_keys(
+                    self.rng.standard_normal((n, self.D), dtype=np.float32), "fp8")
+                want = c.decode_step_columnar(0, a, di.typed(codes, FP8), weights,
+                                              new_keys=kc, new_key_scales=ks)
+                torch.cuda.synchronize()
+                torch.cuda._sleep(20_000_000)  # the copies below land late unless waited for
+                q.copy_(torch.from_numpy(codes).cuda(non_blocking=True))
+                w.copy_(torch.from_numpy(weights).cuda(non_blocking=True))
+                dk.copy_(torch.from_numpy(kc.array).cuda(non_blocking=True))
+                dks.copy_(torch.from_numpy(ks).cuda(non_blocking=True))
+                answer.fill_(-7)
+                got = ring.step(0, b, qd, w, new_keys=kd, new_key_scales=dks, answer=answer)
+                self.assert_device_answer(got, want, answer, "ring, device keys")
+                self.assertEqual(ring.staged_bytes, n * self.D + n * 4)
+
     def test_a_storage_at_an_offset_in_its_allocation(self):
         # 4 MiB tensors share the caching allocator's 20 MiB blocks: some storages start inside
         # a block, where the offsets count from the block's base (what the server opened).

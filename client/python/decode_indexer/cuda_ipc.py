@@ -27,7 +27,9 @@ Ordering with the caller's stream: before a step that reads a CUDA tensor is sen
 synchronises the tensor's device's *current* torch stream (torch.cuda.current_stream()), so
 q / weights written by kernels queued there are complete. Tensors written on another stream
 must be synchronised by the caller (stream.synchronize(), or an event the current stream
-waits on) before the call. The answer needs no synchronisation: it is written (and the
+waits on) before the call. The wait is one cuStreamSynchronize of the current stream's raw
+handle (stage_and_synchronize); the step ring's device new keys are copied to the host on that
+stream just before it, so the one wait covers both. The answer needs no synchronisation: it is written (and the
 server's stream synchronised) before the call returns, so any kernel queued afterwards reads it.
 
 Everything here imports torch lazily (only when a CUDA tensor or a registration is at hand): the
@@ -164,6 +166,10 @@ class StepPlan:
     tensors: dict  # name -> DeviceTensor
     inputs_on_device: bool
     devices: set
+    # The devices of the torch tensors among the inputs: their current streams are waited for
+    # before the server reads q / weights (none for a plan of bare DeviceTensors, in tests).
+    sync_devices: tuple = ()
+    buffer: Any = None  # the registered buffer the tensors lie in
 
     def has(self, name: str) -> bool:
         return name in self.offsets
@@ -246,8 +252,37 @@ def plan_step(buffers: Sequence[Any], rows: int, q: Any, q_scales: Any, weights:
         if t.numel < rows * per_row:
             raise ValueError(f"{name}: {t.numel} elements cannot hold this step's "
                              f"{rows} x {per_row}")
+    sync = tuple(sorted({t.device for t in tensors.values() if t.tensor is not None})) \
+        if inputs_on_device else ()
     return StepPlan(buffer.region_id, offsets, tensors, inputs_on_device,
-                    {t.device for t in tensors.values()})
+                    {t.device for t in tensors.values()}, sync, buffer)
+
+
+_PLAN_ARGS = ("q", "q_scales", "weights", "answer", "candidates")
+
+
+def tensor_valid(t: DeviceTensor, x: Any) -> bool:
+    """Whether step argument x (a torch tensor or a TypedArray of one) still is what
+    describe() found: the same address, bytes, contiguity and shape."""
+    if t.tensor is None:  # a bare DeviceTensor (tests): immutable
+        return True
+    a = t.tensor
+    shape = x.shape if type(x) is TypedArray else a.shape
+    return (a.data_ptr() == t.ptr and a.numel() * a.element_size() == t.nbytes
+            and tuple(shape) == t.shape and a.is_contiguous())
+
+
+def plan_valid(plan: StepPlan, args: Sequence[Any]) -> bool:
+    """Whether a kept plan still holds for the same arguments (q, q_scales, weights, answer,
+    candidates): its buffer open and every device tensor unchanged (tensor_valid)."""
+    if plan.buffer is not None and plan.buffer.closed:
+        return False
+    tensors = plan.tensors
+    for name, x in zip(_PLAN_ARGS, args):
+        t = tensors.get(name)
+        if t is not None and not tensor_valid(t, x):
+            return False
+    return True
 
 
 def synchronize(plan: StepPlan) -> None:
@@ -257,10 +292,54 @@ def synchronize(plan: StepPlan) -> None:
         return
     devices = sorted({t.device for t in plan.tensors.values() if t.tensor is not None})
     if devices:  # (a plan of DeviceTensors without torch tensors, in tests, has none)
+        stage_and_synchronize({d: [] for d in devices})
+
+
+_RAW_STREAM: list = []
+
+
+def _current_raw_stream(device: int) -> int:
+    """The raw CUstream of the device's current torch stream (0: the legacy default)."""
+    if not _RAW_STREAM:
         import torch
 
-        for device in devices:
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _RAW_STREAM.append(raw if raw is not None else
+                           (lambda d: int(torch.cuda.current_stream(d).cuda_stream)))
+    return _RAW_STREAM[0](device)
+
+
+def stage_and_synchronize(copies: dict) -> None:
+    """For each device in `copies` ({ordinal: [(host address, device address, bytes), ...]}):
+    queues its device-to-host copies on the device's current torch stream (non-blocking: into
+    page-locked memory they are asynchronous) and waits for that stream once. After it the
+    copies have landed and every kernel queued on the stream before the call is complete (the
+    q / weights they wrote readable by the server). The one host wait of a step."""
+    drv = _driver()
+    for device, pairs in copies.items():
+        if drv is None:  # no libcuda (not expected with CUDA tensors): torch's wait, no copies
+            if pairs:
+                raise RuntimeError("device-to-host copies need libcuda.so.1 (not loadable)")
+            import torch
+
             torch.cuda.current_stream(device).synchronize()
+            continue
+        drv.copy_and_sync(device, _current_raw_stream(device), pairs, True)
+
+
+def host_register(ptr: int, nbytes: int, device: int = 0) -> None:
+    """Page-locks host memory (cuMemHostRegister, portable): device-to-host copies into it are
+    asynchronous and direct."""
+    drv = _driver()
+    if drv is None:
+        raise RuntimeError("page-locking needs libcuda.so.1 (not loadable)")
+    drv.host_register(device, ptr, nbytes)
+
+
+def host_unregister(ptr: int, device: int = 0) -> None:
+    drv = _driver()
+    if drv is not None:
+        drv.host_unregister(device, ptr)
 
 
 def answer_view(plan: StepPlan, name: str, rows: int, per_row: int) -> Any:
@@ -304,6 +383,62 @@ class _Driver:
         lib.cuMemGetAddressRange_v2.argtypes = [p(u64), p(ctypes.c_size_t), u64]
         lib.cuIpcGetMemHandle.argtypes = [ctypes.c_char_p, u64]
         lib.cuGetErrorName.argtypes = [ctypes.c_int, p(ctypes.c_char_p)]
+        # The hot path's calls (device keys into a page-locked ring, the stream's wait).
+        lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, u64, ctypes.c_size_t,
+                                             ctypes.c_void_p]
+        lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+        self._primary: dict = {}  # ordinal -> its primary context, retained once (as torch's)
+        self._popped = ctypes.c_void_p()
+
+    def primary(self, ordinal: int) -> Any:
+        """The device's primary context (torch's), retained for the process's life."""
+        ctx = self._primary.get(ordinal)
+        if ctx is None:
+            c, lib = self.c, self.lib
+            self.check(lib.cuInit(0), "cuInit")
+            dev = c.c_int()
+            self.check(lib.cuDeviceGet(c.byref(dev), ordinal), "cuDeviceGet")
+            ctx = c.c_void_p()
+            self.check(lib.cuDevicePrimaryCtxRetain(c.byref(ctx), dev.value),
+                       "cuDevicePrimaryCtxRetain")
+            self._primary[ordinal] = ctx
+        return ctx
+
+    def copy_and_sync(self, ordinal: int, stream: int, copies: Sequence[tuple],
+                      sync: bool) -> None:
+        """Queues each (host address, device address, bytes) device-to-host copy on `stream`
+        (a raw CUstream of the device's primary context; 0: the legacy default stream), then
+        with `sync` waits for the stream: one host wait covers the copies and every kernel
+        queued before them."""
+        lib = self.lib
+        self.check(lib.cuCtxPushCurrent_v2(self.primary(ordinal)), "cuCtxPushCurrent")
+        try:
+            for dst, src, nbytes in copies:
+                self.check(lib.cuMemcpyDtoHAsync_v2(dst, src, nbytes, stream),
+                           "cuMemcpyDtoHAsync")
+            if sync:
+                self.check(lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        finally:
+            lib.cuCtxPopCurrent_v2(self.c.byref(self._popped))
+
+    def host_register(self, ordinal: int, ptr: int, nbytes: int) -> None:
+        """Page-locks [ptr, +nbytes) of host memory for every context (PORTABLE)."""
+        lib = self.lib
+        self.check(lib.cuCtxPushCurrent_v2(self.primary(ordinal)), "cuCtxPushCurrent")
+        try:
+            self.check(lib.cuMemHostRegister_v2(ptr, nbytes, 1), "cuMemHostRegister")
+        finally:
+            lib.cuCtxPopCurrent_v2(self.c.byref(self._popped))
+
+    def host_unregister(self, ordinal: int, ptr: int) -> None:
+        lib = self.lib
+        self.check(lib.cuCtxPushCurrent_v2(self.primary(ordinal)), "cuCtxPushCurrent")
+        try:
+            self.check(lib.cuMemHostUnregister(ptr), "cuMemHostUnregister")
+        finally:
+            lib.cuCtxPopCurrent_v2(self.c.byref(self._popped))
 
     def check(self, rc: int, what: str) -> None:
         if rc != 0:

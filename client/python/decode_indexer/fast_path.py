@@ -284,6 +284,10 @@ class FastPathRing:
         self._registered = False
         self._offsets: dict = {}  # id(view of the ring) -> (view, offset): see _in_region
         self._columns: dict = {}  # (flags, sequences, row lengths) -> columns_of()
+        self._plans: dict = {}  # the step's CUDA tensors' ids -> (them, plan, answer views)
+        self._device_keys: dict = {}  # id(device new keys / scales) -> (it, DeviceTensor)
+        self._page_locked = None  # the device whose context page-locked the region
+        self.last_phases_ns = (0,) * 6
         # The region (memfd, sealed, registered over the shm socket): the ring at its start.
         self.region = SharedMemoryRegion(client, self.ring_bytes + max(int(data_bytes), 64),
                                          "di-py-step-ring", timeout=timeout,
@@ -325,6 +329,21 @@ class FastPathRing:
         self.steps = 0
         self.staged_bytes = 0  # bytes the last step copied into the ring (0: all in place)
         self.fenced = _atomic is not None
+
+    def page_lock(self, device: int = 0) -> None:
+        """Page-locks the ring's region for CUDA (cuMemHostRegister, portable; undone by
+        close()): device-to-host copies into it, such as step()'s copies of device new keys,
+        are then asynchronous DMA on the stream instead of staged, blocking copies. The C++
+        worker does the same (cudaHostRegister). Idempotent."""
+        if self._u8 is None:
+            raise ValueError("FastPathRing: closed")
+        if self._page_locked is None:
+            _cuda_ipc.host_register(self._base, self.region.size, device)
+            self._page_locked = device
+
+    @property
+    def page_locked(self) -> bool:
+        return self._page_locked is not None
 
     # -- views of the step data -----------------------------------------------------------------
 
@@ -386,18 +405,56 @@ class FastPathRing:
         Client.register_cuda_tensor): q / q_scales / weights read device to device and
         answer / candidates (int32 CUDA) written there, as decode_step_columnar takes them;
         topk is then a torch view of `answer` (the current torch stream of q's device is
-        synchronised before the descriptor is published). Returns the DecodeResult
+        synchronised before the descriptor is published). new_keys / new_key_scales may be
+        CUDA tensors (C-contiguous, anywhere on the device): their bytes are copied into the
+        step data on the current torch stream (one copy when the scales lie right after the
+        keys) before that same one wait; page_lock() the ring for the copies to be DMA.
+        last_phases_ns: (start, encoded, synced, published, completed, returned) of the
+        step, perf_counter_ns. Returns the DecodeResult
         decode_step_columnar returns, bit for bit; topk / candidate_blocks are views of the
         ring, or of the device answer (copy=True: copies). A failed
         step raises IndexerError with the server's code and message (naming the field), as
         the gRPC call does, and changes nothing. timeout: seconds to wait for the completion.
         """
+        start_ns = time.perf_counter_ns()
         start = time.perf_counter()
+        b = self._build(sequence_ids, q, weights, num_rows, new_keys, new_key_scales,
+                        new_key_counts, new_keys_positions, row_lengths, q_scales, positions,
+                        return_candidates, answer, candidates, timeout_us)
+        b.v[_D_LAYER] = int(layer)
+        b.v[_D_STEP_ID] = int(step_id)
+        return self._run(b, copy, timeout, start, start_ns)
+
+    def prepare(self, sequence_ids: Any, q: Any, weights: Any, *, num_rows: Any = 1,
+                new_keys: Any = None, new_key_scales: Any = None, new_key_counts: Any = None,
+                new_keys_positions: Any = None, row_lengths: Any = None, q_scales: Any = None,
+                positions: Any = None, return_candidates: bool = False, answer: Any = None,
+                candidates: Any = None, timeout_us: int | None = None) -> "PreparedStep":
+        """A step laid out once, to run layer after layer: the arguments as step() takes them
+        (all but layer, step_id, copy and timeout), checked and placed now; each
+        PreparedStep.step(layer) then writes the descriptor for that layer, copies the device
+        new keys and waits for the stream as step() does, and publishes, with none of
+        step()'s per-call argument work (what the C++ worker does with one RingStep whose
+        descriptor it fills once). The tensors are read at each step where they were given:
+        views of the ring and CUDA tensors in place, other arrays (and the sequence_ids /
+        new_keys_positions columns, NumPy arrays of the wire type) copied from their current
+        contents; arguments that had to be converted (lists, other dtypes) are taken as they
+        were now. A CUDA tensor that moved or changed shape since (or its buffer closed)
+        fails the step with ValueError: prepare again."""
+        b = self._build(sequence_ids, q, weights, num_rows, new_keys, new_key_scales,
+                        new_key_counts, new_keys_positions, row_lengths, q_scales, positions,
+                        return_candidates, answer, candidates, timeout_us)
+        return PreparedStep(self, b, (q, q_scales, weights, answer, candidates))
+
+    def _build(self, sequence_ids: Any, q: Any, weights: Any, num_rows: Any, new_keys: Any,
+               new_key_scales: Any, new_key_counts: Any, new_keys_positions: Any,
+               row_lengths: Any, q_scales: Any, positions: Any, return_candidates: bool,
+               answer: Any, candidates: Any, timeout_us: int | None) -> "_Built":
+        """step()'s argument work: the descriptor's values (but layer and step_id), its
+        columns, where each tensor goes; nothing written to the ring yet."""
         if self._u8 is None:
             raise ValueError("FastPathRing: closed")
         v = [0] * _NFIELDS  # the descriptor's values, in _DESCRIPTOR_FIELDS order
-        v[_D_LAYER] = int(layer)
-        v[_D_STEP_ID] = int(step_id)
         v[_D_TIMEOUT_US] = _timeout_us(timeout_us)
         if type(sequence_ids) is np.ndarray and sequence_ids.dtype == _U64:
             ids = sequence_ids  # the per-step case: no conversion, no sign check to make
@@ -465,9 +522,11 @@ class FastPathRing:
         # The tensors: checked against the shapes the descriptor implies (the server sees no
         # shape but these), placed (in place, or one copy after the allocated views).
         h, dim = self.num_heads, self.head_dim
-        plan = _cuda_ipc.plan_step(self._client._cuda_buffers, rows, q, q_scales, weights,
-                                   answer, candidates, return_candidates)
+        plan, answer_views = self._plan(rows, q, q_scales, weights, answer, candidates,
+                                        return_candidates)
         on_device_inputs = plan is not None and plan.inputs_on_device
+        device_copies: dict = {}  # device new keys: {ordinal: [(host address, device, bytes)]}
+        device_keys = []  # (argument, its DeviceTensor)
         at = -(-self.region.used // 64) * 64
         staged = []
         for name, x, dtype_at, offset_at in ((
@@ -481,8 +540,13 @@ class FastPathRing:
             if x is None:
                 continue
             on_device = on_device_inputs and name in plan.offsets
+            src = None  # a device tensor of new keys / scales, copied into the ring
             if on_device:
                 dtype, shape = int(plan.tensors[name].dtype), plan.tensors[name].shape
+            elif dtype_at >= _D_NEW_KEYS_DTYPE and _cuda_ipc.is_device(x):
+                src = self._device_tensor(x, name)
+                device_keys.append((x, src))
+                dtype, shape = int(src.dtype), src.shape
             else:
                 dtype, shape, data = _wire.wire_parts(x, name)
             if name == "new_keys":
@@ -506,6 +570,8 @@ class FastPathRing:
                                f"{_shape_str(shape)}")
             if on_device:
                 off = 0  # apply_cuda_plan sets it (in the device buffer)
+            elif src is not None:
+                off, at = self._stage_device(src, at, device_copies)
             else:
                 off = self._in_region(x)
                 if off is None:
@@ -514,35 +580,51 @@ class FastPathRing:
                         raise MemoryError(f"the step needs {at + nbytes - self.ring_bytes} "
                                           f"bytes of step data, the ring has "
                                           f"{self.region.size - self.ring_bytes} (data_bytes)")
-                    staged.append((at, data))
+                    staged.append((at, data, x, name))
                     off = at
                     at = -(-(at + nbytes) // 64) * 64
             v[dtype_at] = dtype
             v[offset_at] = off
         if new_key_scales is not None and new_keys is None:
             v[_D_NEW_KEYS_ROWS] = 0
-        flat_candidates = None
         if plan is not None:
             _apply_cuda_plan_values(v, plan)
-            flat_answer = plan.tensors["answer"].tensor.reshape(-1)
-            if return_candidates:
-                flat_candidates = plan.tensors["candidates"].tensor.reshape(-1)
+            topk_view, cand_view = answer_views
         else:
             answer_at, flat_answer = self._answer_place(answer, rows * self.topk, "answer", at)
             if answer is None:
                 at = -(-(answer_at + rows * self.topk * 4) // 64) * 64
             v[_D_ANSWER_OFFSET] = answer_at
+            topk_view = flat_answer[:rows * self.topk].reshape(rows, self.topk)
+            cand_view = None
             if return_candidates:
                 cand_at, flat_candidates = self._answer_place(
                     candidates, rows * self.num_candidate_blocks, "candidates", at)
                 v[_D_CANDIDATES_OFFSET] = cand_at
+                cand_view = flat_candidates[:rows * self.num_candidate_blocks].reshape(
+                    rows, self.num_candidate_blocks)
+        if on_device_inputs:
+            for d in plan.sync_devices:  # the devices whose kernels wrote q / weights
+                device_copies.setdefault(d, [])
+        return _Built(v, cols, c, staged, device_copies, topk_view, cand_view, plan,
+                      device_keys)
+
+    def _run(self, b: "_Built", copy: bool, timeout: float, start: float,
+             start_ns: int) -> DecodeResult:
+        """Writes built step b (its layer and step_id set) into the next slot, publishes it
+        and waits for its completion."""
+        v, staged, device_copies = b.v, b.staged, b.device_copies
         seq = self._produced + 1
         self._check_free(seq)
-        if plan is not None:
-            _cuda_ipc.synchronize(plan)
+        t_encoded = time.perf_counter_ns()
+        if device_copies:
+            # One host wait a step: the device keys' copies queued on the current torch
+            # stream (after the kernels that wrote them, and q), then that stream waited for.
+            _cuda_ipc.stage_and_synchronize(device_copies)
+        t_synced = time.perf_counter_ns()
         m = self.region._map
-        staged_bytes = 0
-        for off, data in staged:  # the one copy of a tensor not already in the ring
+        staged_bytes = b.device_bytes
+        for off, data, _, _ in staged:  # the one copy of a tensor not already in the ring
             m[off:off + len(data)] = data
             staged_bytes += len(data)
         self.staged_bytes = staged_bytes
@@ -551,15 +633,90 @@ class FastPathRing:
         v[_D_SEQUENCE] = seq
         slot = HEADER_BYTES + ((seq - 1) % self.slots) * self.slot_bytes
         _DESCRIPTOR_STRUCT.pack_into(m, slot, *v)
-        for name, arr in cols.items():  # each C-contiguous little-endian (made so above)
-            if arr.size:
-                b = slot + c[name]
-                m[b:b + arr.nbytes] = memoryview(arr).cast("B")
+        for at, data, nbytes in b.column_bytes:  # each C-contiguous little-endian
+            m[slot + at:slot + at + nbytes] = data
         self._publish(seq)
+        t_published = time.perf_counter_ns()
         done = self._wait(seq, timeout)
+        t_done = time.perf_counter_ns()
         client_us = (time.perf_counter() - start) * 1e6
-        return self._result(done, seq, rows, flat_answer, flat_candidates, return_candidates,
-                            copy, client_us)
+        r = self._result(done, seq, b.topk, b.candidates, copy, client_us)
+        self.last_phases_ns = (start_ns, t_encoded, t_synced, t_published, t_done,
+                               time.perf_counter_ns())
+        return r
+
+    # -- the CUDA tensors of a step, kept by identity ---------------------------------------------
+
+    def _plan(self, rows: int, q: Any, q_scales: Any, weights: Any, answer: Any,
+              candidates: Any, return_candidates: bool) -> tuple:
+        """(cuda_ipc.plan_step's plan, (topk view, candidates view)), or (None, None) for a
+        host step. A worker passes the same tensors (views of its registered buffer) every
+        layer: their plan and answer views are kept by the arguments' identity (the
+        references keep the ids from being reused) and re-checked each step (each device
+        tensor's address, bytes, contiguity and shape, its buffer still open), so only
+        new or changed tensors pay for plan_step and the views."""
+        args = (q, q_scales, weights, answer, candidates)
+        if not (_cuda_ipc.is_device(q) or _cuda_ipc.is_device(weights)
+                or _cuda_ipc.is_device(answer) or _cuda_ipc.is_device(q_scales)
+                or _cuda_ipc.is_device(candidates)):
+            return None, None  # a host step (plan_step would say so): nothing to keep
+        # A TypedArray is keyed by its array, type and shape: di.typed(view, ...) made anew
+        # each layer finds the plan of the view.
+        held = tuple(x.array if type(x) is _wire.TypedArray else x for x in args)
+        key = tuple((id(h), x.dtype, x.shape) if h is not x else id(x)
+                    for h, x in zip(held, args)) + (rows, bool(return_candidates))
+        hit = self._plans.get(key)
+        if hit is not None:
+            refs, plan, views = hit
+            if (refs[0] is held[0] and refs[1] is held[1] and refs[2] is held[2]
+                    and refs[3] is held[3] and refs[4] is held[4]
+                    and _cuda_ipc.plan_valid(plan, args)):
+                return plan, views
+        plan = _cuda_ipc.plan_step(self._client._cuda_buffers, rows, q, q_scales, weights,
+                                   answer, candidates, return_candidates)
+        if plan is None:
+            return None, None
+        views = (_cuda_ipc.answer_view(plan, "answer", rows, self.topk),
+                 _cuda_ipc.answer_view(plan, "candidates", rows, self.num_candidate_blocks)
+                 if return_candidates else None)
+        if len(self._plans) >= 64:
+            self._plans.clear()
+        self._plans[key] = (held, plan, views)
+        return plan, views
+
+    def _device_tensor(self, x: Any, name: str) -> Any:
+        """describe() of a device new_keys / new_key_scales, kept by identity like _plan."""
+        hit = self._device_keys.get(id(x))
+        if hit is not None and hit[0] is x and _cuda_ipc.tensor_valid(hit[1], x):
+            return hit[1]
+        t = _cuda_ipc.describe(x, name)
+        if not t.contiguous:
+            raise ValueError(f"{name}: the CUDA tensor must be C-contiguous (one copy of its "
+                             "bytes into the ring)")
+        if len(self._device_keys) >= 64:
+            self._device_keys.clear()
+        self._device_keys[id(x)] = (x, t)
+        return t
+
+    def _stage_device(self, t: Any, at: int, copies: dict) -> tuple:
+        """Places device tensor t's bytes in the step data at `at`, or right after the device
+        new keys when t lies right after them on the device (one copy for both); the copy
+        joins `copies` ({ordinal: [(host address, device address, bytes)]}). Answers (its
+        offset, the next free offset)."""
+        pairs = copies.setdefault(t.device, [])
+        if pairs:
+            dst, src, nbytes = pairs[-1]
+            joined = dst - self._base + nbytes
+            if src + nbytes == t.ptr and joined % 4 == 0 and \
+                    joined + t.nbytes <= self.region.size:
+                pairs[-1] = (dst, src, nbytes + t.nbytes)
+                return joined, -(-(joined + t.nbytes) // 64) * 64
+        if at + t.nbytes > self.region.size:
+            raise MemoryError(f"the step needs {at + t.nbytes - self.ring_bytes} bytes of "
+                              f"step data, the ring has {self.region.size - self.ring_bytes} "
+                              "(data_bytes)")
+        pairs.append((self._base + at, t.ptr, t.nbytes))
+        return at, -(-(at + t.nbytes) // 64) * 64
 
     def _answer_place(self, view: Any, need: int, what: str, at: int) -> tuple[int, np.ndarray]:
         if view is None:
@@ -638,8 +795,7 @@ class FastPathRing:
             self.slot_bytes
         return slot
 
-    def _result(self, slot: int, seq: int, rows: int, flat_answer: np.ndarray,
-                flat_candidates: np.ndarray | None, return_candidates: bool, copy: bool,
+    def _result(self, slot: int, seq: int, topk: Any, cand: Any, copy: bool,
                 client_us: float) -> DecodeResult:
         (sequence, code, message_bytes, step_id, queue_us, compute_us, lengths_count, sharded,
          server_us) = _COMPLETION_STRUCT.unpack_from(self.region._map, slot)
@@ -658,11 +814,6 @@ class FastPathRing:
         count = min(lengths_count, max_lengths)
         b = slot + COMPLETION_BYTES
         lengths = self._u8[b:b + 8 * count].view("<i8").copy()
-        topk = flat_answer[:rows * self.topk].reshape(rows, self.topk)
-        cand = None
-        if return_candidates:
-            cand = flat_candidates[:rows * self.num_candidate_blocks].reshape(
-                rows, self.num_candidate_blocks)
         if copy:  # NumPy views of the ring, or torch views of a device answer
             topk = topk.copy() if isinstance(topk, np.ndarray) else topk.clone()
             cand = (None if cand is None else
@@ -686,6 +837,8 @@ class FastPathRing:
             setattr(self, name, None)
         self._u8 = None
         self._offsets = {}
+        self._plans = {}
+        self._device_keys = {}
 
     def close(self, *, timeout: float | None = None) -> int:
         """Releases the ring and its region on the server (best effort: the server may be
@@ -700,6 +853,9 @@ class FastPathRing:
             except IndexerError:
                 pass
         if self._u8 is not None:
+            if self._page_locked is not None:
+                device, self._page_locked = self._page_locked, None
+                _cuda_ipc.host_unregister(self._base, device)
             self._drop_words()
             self.region.close()
         return steps
@@ -717,3 +873,62 @@ class FastPathRing:
     def __repr__(self) -> str:
         return (f"FastPathRing(ring {self.ring_id}, {self.slots} x {self.slot_bytes} B, "
                 f"{'closed' if self.closed else f'{self.steps} steps'})")
+
+
+class _Built:
+    """A step's descriptor values, columns and placements (FastPathRing._build)."""
+
+    __slots__ = ("v", "column_bytes", "staged", "device_copies", "topk", "candidates", "plan",
+                 "device_keys", "device_bytes")
+
+    def __init__(self, v: list, cols: dict, columns: dict, staged: list, device_copies: dict,
+                 topk: Any, candidates: Any, plan: Any, device_keys: list):
+        self.v, self.staged = v, staged
+        # (offset in the slot, a byte view of the column's array, bytes): the arrays' current
+        # contents at each write.
+        self.column_bytes = [(columns[name], memoryview(arr).cast("B"), arr.nbytes)
+                             for name, arr in cols.items() if arr.size]
+        self.device_copies, self.topk, self.candidates = device_copies, topk, candidates
+        self.plan, self.device_keys = plan, device_keys
+        self.device_bytes = sum(n for pairs in device_copies.values() for _, _, n in pairs)
+
+
+class PreparedStep:
+    """A step laid out once by FastPathRing.prepare(); step(layer) runs it for a layer."""
+
+    def __init__(self, ring: FastPathRing, built: _Built, plan_args: tuple):
+        self.ring = ring
+        self._b = built
+        self._plan_args = plan_args
+        # What each step re-checks of the CUDA tensors: the address and shape each had (a
+        # tensor's dtype cannot change in place; its storage or shape can: set_, resize_).
+        tensors = [t.tensor for t in (built.plan.tensors.values() if built.plan else ())]
+        tensors += [t.tensor for _, t in built.device_keys]
+        self._checks = [(a, a.data_ptr(), tuple(a.shape)) for a in tensors if a is not None]
+        self._buffer = built.plan.buffer if built.plan is not None else None
+        # Staged arrays whose bytes wire_parts converted (not a view of them): converted again
+        # at each step, so the step sends their current contents.
+        self._refresh = any(not isinstance(data, memoryview) for _, data, _, _ in built.staged)
+
+    def step(self, layer: int, *, step_id: int = 0, copy: bool = False,
+             timeout: float = 60.0) -> DecodeResult:
+        """Runs the prepared step for `layer` (as FastPathRing.step with the prepared
+        arguments): the same DecodeResult, the same errors."""
+        start_ns = time.perf_counter_ns()
+        start = time.perf_counter()
+        ring, b = self.ring, self._b
+        if ring._u8 is None:
+            raise ValueError("FastPathRing: closed")
+        for a, ptr, shape in self._checks:
+            if a.data_ptr() != ptr or a.shape != shape:
+                raise ValueError("a prepared step's CUDA tensor changed (moved or resized): "
+                                 "prepare the step again")
+        if self._buffer is not None and self._buffer.closed:
+            raise ValueError("a prepared step's CUDA buffer was closed: prepare the step again")
+        if self._refresh:
+            b.staged = [(off, data if isinstance(data, memoryview) else
+                         _wire.wire_parts(x, name)[2], x, name)
+                        for off, data, x, name in b.staged]
+        b.v[_D_LAYER] = int(layer)
+        b.v[_D_STEP_ID] = int(step_id)
+        return ring._run(b, copy, timeout, start, start_ns)
