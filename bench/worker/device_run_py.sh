@@ -14,11 +14,11 @@
 #
 # Usage (repo root of this tree, the bundle of main's or this tree's binaries: the branch
 # changes only Python):
-#   bash gpu_run_py.sh BUNDLE OUT
+#   bash bench/worker/device_run_py.sh BUNDLE OUT
 # BUNDLE holds decode-indexer-server, decode-indexer-bench-worker and lib/ (bundle-libs.sh).
 # Knobs: ROUNDS=8 TOKENS=3 (timed a round) ROUND_WARMUP=1 WARMUP=2 CPP_TOKENS=10 LAYERS=61
-# REQUESTS=64 CONTEXT=32768 BEFORE_CLIENT=DIR (default .peer/client-main/client/python, else
-# client-main/client/python beside this script) PYTHON=python3 NO_MPS=1 PROFILE=0
+# REQUESTS=64 CONTEXT=32768 BEFORE_CLIENT=DIR (default .peer/client-main/client/python)
+# PYTHON=python3 NO_MPS=1 PROFILE=0
 # BACKEND=cpu (a dry run without a GPU: small shapes, e.g. LAYERS=3 REQUESTS=4 CONTEXT=2048;
 # the C++ worker then runs --host --paths ring,inproc).
 set -uo pipefail
@@ -26,13 +26,12 @@ bundle=$(cd "$1" && pwd)
 out=$2
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-repo=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 layers=${LAYERS:-61} requests=${REQUESTS:-64} context=${CONTEXT:-32768}
 rounds=${ROUNDS:-8} tokens=${TOKENS:-3} round_warmup=${ROUND_WARMUP:-1} warmup=${WARMUP:-2}
 cpp_tokens=${CPP_TOKENS:-10} cpp_warmup=3
 backend=${BACKEND:-cuda} py=${PYTHON:-python3}
 before=${BEFORE_CLIENT:-$repo/.peer/client-main/client/python}
-[[ -z "${BEFORE_CLIENT:-}" && ! -d "$before" ]] && before=$repo/client-main/client/python  # the kit's
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 nccl_dir=$(dirname "$(ldconfig -p 2>/dev/null | awk '/libnccl.so.2 /{print $NF; exit}')" 2>/dev/null)
 lib="$bundle/lib${nccl_dir:+:$nccl_dir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
