@@ -124,4 +124,15 @@ inline constexpr int kPipeFp8Stages = 4;
 inline constexpr int PipeFp8MinBlocks(int rows_per_pass) { return rows_per_pass == 1 ? 4 : 3; }
 inline constexpr bool kPipeFp8WeightRegs = true;
 
+// Top-k (LaunchRadixTopK, kAuto / kGeneral): plain rows (no index map, length divisor 1) whose
+// bound is at most kMultiPassTopKMaxLength entries take the multi-pass kernel, whatever the
+// row count. Measured on the H200 against the compact kernel kAuto took there, at avg 8K rows
+// (max 7.2K-10.6K; docs/results/cuda-bench.md 13:58 and 17:20 runs, bench --topk): 1 row 10.8
+// against 15.4 us, 8 rows 12.6 / 17.8, 64 rows 13.1 / 18.3, 128 rows 13.4 / 18.4, 256 rows 20.3
+// / 34.3. Longer rows: not measured below 30K, where the multi-pass kernel loses from 64 rows on.
+inline constexpr int32_t kMultiPassTopKMaxLength = 12288;
+inline constexpr bool MultiPassTopKPreferred(int32_t max_length) {
+  return max_length > 0 && max_length <= kMultiPassTopKMaxLength;
+}
+
 }  // namespace decode_indexer::kernels::cuda

@@ -25,6 +25,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/sm90_device_utils.cuh"
+#include "kernels/cuda/sm90_heuristics.h"
 #include "kernels/cuda/sm90_launchers.h"
 #include "kernels/cuda/sm90_tile_config.h"
 #include "kernels/cuda/sm90_topk_bucket.cuh"
@@ -507,10 +508,15 @@ absl::Status LaunchRadixTopK(const TopKArgs& args, int num_sms, cudaStream_t str
   }
   if (algo == Algo::kCooperative) return LaunchCooperativeTopK(args, stream);
   // Measured on the H200 (10:18 run): few rows (clusters of 4-8 a row) run the multi-pass
-  // kernel faster; many rows the compact one.
+  // kernel faster; many rows the compact one; short plain rows the multi-pass kernel at any
+  // row count (MultiPassTopKPreferred, sm90_heuristics.h).
   const int multi_csize = TopKClusterSize(args.num_rows, args.max_length, num_sms);
   if (algo == Algo::kAuto || algo == Algo::kGeneral) {
-    algo = args.row_histogram == nullptr && multi_csize >= 4 ? Algo::kMultiPass : Algo::kCompact;
+    const int32_t bound = args.lengths != nullptr ? args.max_length : args.fixed_length;
+    const bool short_plain =
+        args.index_map == nullptr && args.length_divisor == 1 && MultiPassTopKPreferred(bound);
+    algo = args.row_histogram == nullptr && (multi_csize >= 4 || short_plain) ? Algo::kMultiPass
+                                                                              : Algo::kCompact;
   }
   const bool compact = algo == Algo::kCompact;
   if (args.row_histogram != nullptr && (!compact || args.length_divisor != 1)) {
