@@ -18,6 +18,7 @@
 set -uo pipefail
 bundle=$1
 out=$2
+mkdir -p "$out"
 mode=${3:-}
 nccl_dir=$(dirname "$(ldconfig -p | awk '/libnccl.so.2 /{print $NF; exit}')")
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
