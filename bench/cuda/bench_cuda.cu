@@ -905,6 +905,7 @@ int main(int argc, char** argv) {
           b.page_table_stride = stride;
           b.num_requests = requests;
           b.max_row_length = max_len;
+          b.rows_per_request = next_n;  // as the server sets it (decode_schedule.cc)
           return b;
         };
         dc::MqaMath math = dc::PagedLogitsArgs{}.math;

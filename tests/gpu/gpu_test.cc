@@ -962,38 +962,45 @@ TEST_F(GpuTest, Fp8LogitsWithinTheFp8BoundOfTheExactOnes) {
     std::vector<std::vector<double>> exact(rows), bound(rows);
     for (int32_t r = 0; r < rows; ++r) ExactAndFp8Bound(s, r, &exact[r], &bound[r]);
     std::vector<float> first;
-    for (const int num_sms : {NumSms(), 1, 3}) {
-      SCOPED_TRACE(::testing::Message()
-                   << "requests " << s.num_requests() << " rows " << rows << " next_n " << c.next_n
-                   << " uneven " << c.uneven << " sms " << num_sms);
-      const std::vector<float> got =
-          GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaKeysMPipelinedFp8);
-      int64_t bad = 0;
-      for (int32_t r = 0; r < rows; ++r) {
-        const double ulps = reference::Tolerance(exact[r]);
-        double row_max = 0.0;
-        for (double e : exact[r]) row_max = std::max(row_max, std::fabs(e));
-        for (int32_t t = 0; t < s.row_length[r]; ++t) {
-          const double err = std::fabs(double{got[r * stride + t]} - exact[r][t]);
-          bad += !(err <= bound[r][t] + ulps);  // NaN (unwritten) counts as bad
-          if (bound[r][t] > 0) worst_of_bound = std::max(worst_of_bound, err / bound[r][t]);
-          if (row_max > 0) {
-            worst_of_max = std::max(worst_of_max, err / row_max);
-            bound_of_max = std::max(bound_of_max, bound[r][t] / row_max);
+    // With the server's rows-per-request hint (every request's rows in one pass) and without
+    // (the average: requests with more rows take several): the same bits.
+    for (const int32_t hint : {MostRows(s), 0}) {
+      ds->rows.rows_per_request = hint;
+      for (const int num_sms : {NumSms(), 1, 3}) {
+        SCOPED_TRACE(::testing::Message() << "requests " << s.num_requests() << " rows " << rows
+                                          << " next_n " << c.next_n << " uneven " << c.uneven
+                                          << " hint " << hint << " sms " << num_sms);
+        const std::vector<float> got =
+            GpuLogits(this, *ds, stride, num_sms, MqaMath::kWgmmaKeysMPipelinedFp8);
+        int64_t bad = 0;
+        for (int32_t r = 0; r < rows; ++r) {
+          const double ulps = reference::Tolerance(exact[r]);
+          double row_max = 0.0;
+          for (double e : exact[r]) row_max = std::max(row_max, std::fabs(e));
+          for (int32_t t = 0; t < s.row_length[r]; ++t) {
+            const double err = std::fabs(double{got[r * stride + t]} - exact[r][t]);
+            bad += !(err <= bound[r][t] + ulps);  // NaN (unwritten) counts as bad
+            if (bound[r][t] > 0) worst_of_bound = std::max(worst_of_bound, err / bound[r][t]);
+            if (row_max > 0) {
+              worst_of_max = std::max(worst_of_max, err / row_max);
+              bound_of_max = std::max(bound_of_max, bound[r][t] / row_max);
+            }
           }
+          for (int64_t t = s.row_length[r]; t < stride; ++t)
+            bad += !std::isnan(got[r * stride + t]);
         }
-        for (int64_t t = s.row_length[r]; t < stride; ++t) bad += !std::isnan(got[r * stride + t]);
-      }
-      EXPECT_EQ(bad, 0) << "entries off the fp8 bound or written past the length";
-      if (first.empty()) {
-        first = got;
-      } else {
-        EXPECT_EQ(0, std::memcmp(first.data(), got.data(), 4 * got.size()))
-            << "not bit-identical to the run on all SMs";
+        EXPECT_EQ(bad, 0) << "entries off the fp8 bound or written past the length";
+        if (first.empty()) {
+          first = got;
+        } else {
+          EXPECT_EQ(0, std::memcmp(first.data(), got.data(), 4 * got.size()))
+              << "not bit-identical to the first run (all SMs, the hint)";
+        }
       }
     }
 
     kernels::DenseArgs d;
+    ds->rows.rows_per_request = MostRows(s);
     d.cache = ds->cache;
     d.rows = ds->rows;
     d.q = ds->q;
@@ -1029,11 +1036,22 @@ TEST_F(GpuTest, Fp8LogitsBitIdenticalAcrossRunsRowsAndBatchCompositions) {
     for (const MqaMath math : {MqaMath::kWgmmaKeysMPipelinedFp8}) {
       SCOPED_TRACE(::testing::Message()
                    << "next_n " << next_n << " math " << static_cast<int>(math));
-      auto ds = UploadScene(this, s);
+      // Every launch with the server's rows-per-request hint, and the first once without it
+      // (rows per pass from the average).
+      auto upload = [&](Scene& sc) {
+        auto d = UploadScene(this, sc);
+        d->rows.rows_per_request = MostRows(sc);
+        return d;
+      };
+      auto ds = upload(s);
       const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
       const std::vector<float> a = GpuLogits(this, *ds, stride, NumSms(), math);
       const std::vector<float> a2 = GpuLogits(this, *ds, stride, NumSms(), math);
       EXPECT_EQ(0, std::memcmp(a.data(), a2.data(), 4 * a.size())) << "two runs differ";
+      ds->rows.rows_per_request = 0;
+      const std::vector<float> a0 = GpuLogits(this, *ds, stride, NumSms(), math);
+      EXPECT_EQ(0, std::memcmp(a.data(), a0.data(), 4 * a.size()))
+          << "the bits depend on the rows-per-request hint";
       auto same_row = [&](const std::vector<float>& got, int64_t got_stride, int32_t got_row,
                           int32_t r) {
         return std::memcmp(a.data() + r * stride, got.data() + got_row * got_stride,
@@ -1042,7 +1060,7 @@ TEST_F(GpuTest, Fp8LogitsBitIdenticalAcrossRunsRowsAndBatchCompositions) {
       // Each row alone.
       for (int32_t r = 0; r < s.num_rows(); ++r) {
         Scene one = SubScene(s, {{s.row_request[r], {r}}});
-        auto d1 = UploadScene(this, one);
+        auto d1 = upload(one);
         const int64_t st1 = (d1->rows.max_row_length + 3) / 4 * 4;
         const std::vector<float> g = GpuLogits(this, *d1, st1, NumSms(), math);
         EXPECT_TRUE(same_row(g, st1, 0, r)) << "row " << r << " alone differs";
@@ -1054,13 +1072,13 @@ TEST_F(GpuTest, Fp8LogitsBitIdenticalAcrossRunsRowsAndBatchCompositions) {
         (s.row_request[r] == 0 ? rows0 : s.row_request[r] == 1 ? rows1 : rows2).push_back(r);
       }
       Scene alone = SubScene(s, {{0, rows0}});
-      auto dal = UploadScene(this, alone);
+      auto dal = upload(alone);
       const int64_t sal = (dal->rows.max_row_length + 3) / 4 * 4;
       const std::vector<float> gal = GpuLogits(this, *dal, sal, 3, math);
       std::vector<int32_t> twice = rows2;
       twice.insert(twice.end(), rows2.begin(), rows2.end());
       Scene mixed = SubScene(s, {{2, twice}, {0, rows0}, {1, rows1}});
-      auto dmx = UploadScene(this, mixed);
+      auto dmx = upload(mixed);
       const int64_t smx = (dmx->rows.max_row_length + 3) / 4 * 4;
       const std::vector<float> gmx = GpuLogits(this, *dmx, smx, NumSms(), math);
       for (size_t j = 0; j < rows0.size(); ++j) {

@@ -240,6 +240,17 @@ inline std::vector<float> GpuLogits(
       });
 }
 
+// The most rows any request of the scene has (RowBatch::rows_per_request, as the server sets
+// it: rows of a request are adjacent).
+inline int32_t MostRows(const Scene& s) {
+  int32_t most = 0;
+  for (size_t r = 0, run = 0; r < s.row_request.size(); ++r) {
+    run = r > 0 && s.row_request[r] == s.row_request[r - 1] ? run + 1 : 1;
+    most = std::max(most, static_cast<int32_t>(run));
+  }
+  return most;
+}
+
 // Request 0 takes all but one row of each other request (rows stay grouped by request: request
 // 0 gets 1 + (n - 1) * B rows, the others one), its lengths counting down from its own: several
 // passes over each tile, the second row of a row pair empty.

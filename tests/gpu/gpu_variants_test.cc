@@ -67,6 +67,29 @@ Scene RankSlice(int32_t next_n, int32_t* most) {
   return s;
 }
 
+// Request b of `full` keeps its last next_n - (b % next_n) rows, request 1 none (rows stay
+// grouped by request; every request keeps its keys).
+Scene Thin(const Scene& full, int32_t next_n) {
+  Scene s = full;
+  s.row_request.clear();
+  s.row_length.clear();
+  s.q_codes.clear();
+  s.weights.clear();
+  const int64_t qrow = 64 * 128;
+  for (int32_t r = 0; r < full.num_rows(); ++r) {
+    const int32_t b = full.row_request[r], j = r % next_n;
+    const int32_t want = b == 1 ? 0 : next_n - (b % next_n);
+    if (j < next_n - want) continue;
+    s.row_request.push_back(b);
+    s.row_length.push_back(full.row_length[r]);
+    s.q_codes.insert(s.q_codes.end(), full.q_codes.begin() + r * qrow,
+                     full.q_codes.begin() + (r + 1) * qrow);
+    s.weights.insert(s.weights.end(), full.weights.begin() + r * 64,
+                     full.weights.begin() + (r + 1) * 64);
+  }
+  return s;
+}
+
 // The fp8 variants against the production fp8 kernel: kFp8V1 (its earlier consumer and
 // producer: the same wgmmas) equals it up to the epilogue's fp32 summation order (a few ulps of
 // the entry's head sum; a wrong swizzle, scale or weight slot would be off by the entry's own
@@ -135,6 +158,65 @@ TEST_F(GpuTest, Fp8VariantsMatchTheProductionFp8Kernel) {
               << "the variant's bits depend on the grid";
         }
       }
+    }
+  }
+}
+
+// The fp8 kernel's wide block (kFp8Wide: four warpgroups sharing a request's q, where the host
+// hint says 1-4 rows a request) against the production fp8 kernel, bit for bit, where the wide
+// block's bookkeeping can go wrong: requests with fewer rows than the hint (zero q rows in a pair),
+// a request without rows, requests of one to three tiles (warpgroups skip whole requests and must
+// still release their q stages), page boundaries, one long row, more requests than the in-block
+// schedule takes, grids of 1, 3 and all SMs; NaN-poisoned outputs stay NaN past every length.
+TEST_F(GpuTest, Fp8WideVariantEqualsTheProductionKernel) {
+  struct Case {
+    std::vector<int32_t> lengths;
+    int32_t next_n;
+    bool thin;  // request b keeps next_n - (b % next_n) rows, request 1 none
+  };
+  const std::vector<Case> cases = {
+      {Lengths(5, 20000), 1, false},
+      {{7000, 64, 65, 2, 13000}, 2, false},
+      {Lengths(3, 9000), 3, false},
+      {Lengths(2, 7000), 4, false},
+      {Lengths(9, 5000), 4, true},
+      {Lengths(7, 3000), 2, true},
+      {{100, 2047, 2048, 2049, 5000}, 1, false},
+      {{131072 + 77}, 1, false},
+      {Lengths(40, 64), 2, false},
+      {Lengths(61, 150), 3, true},
+      {Lengths(300, 150), 1, false},
+      {Lengths(300, 150), 2, false},
+  };
+  for (const Case& c : cases) {
+    Scene s = MakeScene(Spec(CacheFormat::kFp8, 64, c.lengths, c.next_n));
+    if (c.thin) s = Thin(s, c.next_n);
+    auto ds = UploadScene(this, s);
+    const int32_t rows = s.num_rows();
+    const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
+    ds->rows.rows_per_request = MostRows(s);
+    ASSERT_TRUE(kernels::cuda::Fp8WideTakes(ds->rows)) << "the case would not reach the wide block";
+    const std::vector<float> one =
+        GpuLogits(this, *ds, stride, NumSms(), MqaMath::kWgmmaKeysMPipelinedFp8);
+    for (const int num_sms : {NumSms(), 1, 3}) {
+      SCOPED_TRACE(::testing::Message()
+                   << "requests " << s.num_requests() << " rows " << rows << " next_n " << c.next_n
+                   << " thin " << c.thin << " sms " << num_sms);
+      const std::vector<float> wide =
+          VariantLogits(this, *ds, stride, num_sms, MqaVariant::kFp8Wide);
+      int64_t diff = 0, unwritten = 0, past = 0;
+      for (int32_t r = 0; r < rows; ++r) {
+        for (int32_t t = 0; t < s.row_length[r]; ++t) {
+          const int64_t i = r * stride + t;
+          diff += std::memcmp(&wide[i], &one[i], sizeof(float)) != 0;
+          unwritten += std::isnan(wide[i]);
+        }
+        for (int64_t t = s.row_length[r]; t < stride; ++t)
+          past += !std::isnan(wide[r * stride + t]);
+      }
+      EXPECT_EQ(unwritten, 0) << "entries the wide block did not write";
+      EXPECT_EQ(diff, 0) << "entries not bit-identical to the production fp8 kernel";
+      EXPECT_EQ(past, 0) << "entries written past the row's length";
     }
   }
 }

@@ -27,6 +27,8 @@ const char* MqaVariantName(MqaVariant v) {
       return "fp8 n2 smem weights 4 blocks";
     case MqaVariant::kFp8N34SmemWeights:
       return "fp8 n3-4 smem weights";
+    case MqaVariant::kFp8Wide:
+      return "fp8 wide";
   }
   return "?";
 }
@@ -45,6 +47,7 @@ absl::Status LaunchMqaVariant(MqaVariant v, const PagedLogitsArgs& args, int num
     return LaunchPagedMqaLogitsWs(v, args, num_sms, stream);
   }
   if (v == MqaVariant::kFp8V1) return LaunchPagedMqaLogitsFp8V1(args, num_sms, stream);
+  if (v == MqaVariant::kFp8Wide) return LaunchPagedMqaLogitsFp8Wide(args, num_sms, stream);
   if (MqaVariantSameBitsAsFp8(v)) return LaunchPagedMqaLogitsFp8Config(v, args, num_sms, stream);
   return LaunchPagedMqaLogitsKeysM(v, args, num_sms, stream);
 }
@@ -63,7 +66,8 @@ bool MqaVariantFillsHistogram(MqaVariant v) {
 }
 
 bool MqaVariantSameBitsAsFp8(MqaVariant v) {
-  return v == MqaVariant::kFp8N2SmemWeights4 || v == MqaVariant::kFp8N34SmemWeights;
+  return v == MqaVariant::kFp8N2SmemWeights4 || v == MqaVariant::kFp8N34SmemWeights ||
+         v == MqaVariant::kFp8Wide;
 }
 
 }  // namespace decode_indexer::kernels::cuda

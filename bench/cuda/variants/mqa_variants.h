@@ -16,8 +16,10 @@
 // - kFp8N2SmemWeights4 / kFp8N34SmemWeights: the production fp8 kernel with sm90_heuristics.h's
 //   earlier choices (two rows per pass at 4 blocks per SM and 3 ring slots, three or four rows
 //   at 3 blocks; every row's weights read from shared memory per page), bit for bit its logits.
-//   (Measured and dropped: one row with 5 slots and two rows with 5, no faster; two rows with
-//   the weights in registers at 4 blocks, 2.8x slower for spills.)
+// - kFp8Wide: the production fp8 kernel in DeepGEMM's block shape (four consumer warpgroups
+//   sharing q, a producer warp per ring; sm90_paged_mqa_logits_fp8_wide.cu) where the
+//   rows-per-request hint is 1-4 (Fp8WideTakes), the production kernel otherwise; bit for bit
+//   its logits.
 // Removed, their measurements recorded in docs/results/cuda-bench.md and its raw/ logs:
 // the heads-as-M wgmma f16 / fp8 kernels, the exact kernel's page pairs, the fp8 kernel's
 // per-row m64n64 chains.
@@ -40,6 +42,7 @@ enum class MqaVariant {
   kFp8V1,
   kFp8N2SmemWeights4,
   kFp8N34SmemWeights,
+  kFp8Wide,
 };
 inline constexpr MqaVariant kAllMqaVariants[] = {MqaVariant::kWgmmaKeysM,
                                                  MqaVariant::kWgmmaKeysMSplit,
@@ -50,7 +53,8 @@ inline constexpr MqaVariant kAllMqaVariants[] = {MqaVariant::kWgmmaKeysM,
 const char* MqaVariantName(MqaVariant v);
 // The fp8 tensor-core variants (their logits are not the exact kernel's).
 inline constexpr MqaVariant kFp8MqaVariants[] = {MqaVariant::kFp8V1, MqaVariant::kFp8N2SmemWeights4,
-                                                 MqaVariant::kFp8N34SmemWeights};
+                                                 MqaVariant::kFp8N34SmemWeights,
+                                                 MqaVariant::kFp8Wide};
 // True for the fp8 variants whose logits are the production fp8 kernel's bit for bit (its shape
 // choices moved); false for kFp8V1 (another summation order) and the exact-kernel variants.
 bool MqaVariantSameBitsAsFp8(MqaVariant v);
@@ -72,6 +76,10 @@ absl::Status LaunchPagedMqaLogitsWs(MqaVariant v, const PagedLogitsArgs& args, i
                                     cudaStream_t stream);
 absl::Status LaunchPagedMqaLogitsFp8V1(const PagedLogitsArgs& args, int num_sms,
                                        cudaStream_t stream);
+absl::Status LaunchPagedMqaLogitsFp8Wide(const PagedLogitsArgs& args, int num_sms,
+                                         cudaStream_t stream);
+// True where kFp8Wide runs its own kernel (the hint says 1-4 rows a request).
+bool Fp8WideTakes(const RowBatch& rows);
 absl::Status LaunchPagedMqaLogitsFp8Config(MqaVariant v, const PagedLogitsArgs& args, int num_sms,
                                            cudaStream_t stream);
 
