@@ -61,8 +61,9 @@ constexpr int kThreads = kMathThreads + 128;      // 640: the producer's whole w
 // 544 threads, a lone producer warp, gave 96 as well), and setmaxnreg can only move the block's
 // own registers between its warpgroups (an increase that the decreases do not pay for waits
 // forever: 120 for the consumers hung the first try). At one row a pass the consumers need 104
-// and the producers 40 (fewer spilled, ptxas -v); more rows want 112 for the consumers, which
-// leaves the producers 32 (a few bytes of producer spills at two rows, none in the consumers).
+// and the producers keep 56 (at 32 they spilled; ptxas -v); more rows want 112 for the
+// consumers, which leaves the producers 32 (a few bytes of producer spills at two rows, none in
+// the consumers).
 constexpr int ConsumerRegs(int rows) { return rows == 1 ? 104 : 112; }
 constexpr int ProducerRegs(int rows) { return rows == 1 ? 56 : 32; }
 static_assert(kMathThreads * ConsumerRegs(1) + 128 * ProducerRegs(1) <= kThreads * 96 &&
