@@ -76,7 +76,7 @@ uint64_t RandomRegionId() {
   return id;
 }
 
-absl::StatusOr<uint64_t> SharedMemoryRegistry::RegisterFd(
+absl::StatusOr<uint64_t> RegionRegistry::RegisterSharedMemoryFd(
     int fd, uint64_t size, uint32_t owner_uid,
     const std::function<void(SharedMemoryRegion&)>& on_map, int owner_pidfd) {
   // Closed on every failure; handed to the region on success.
@@ -86,7 +86,7 @@ absl::StatusOr<uint64_t> SharedMemoryRegistry::RegisterFd(
       if (fd >= 0) close(fd);
     }
   } pidfd{owner_pidfd};
-  if (size == 0 || size > kMaxRegionBytes) {
+  if (size == 0 || size > kMaxSharedMemoryBytes) {
     return absl::InvalidArgumentError(absl::StrCat("size: must be in [1, 2^40] bytes, got ", size));
   }
   // The server writes answers into it: the client must hold it read-write too.
@@ -118,15 +118,13 @@ absl::StatusOr<uint64_t> SharedMemoryRegistry::RegisterFd(
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (regions_.size() >= kMaxRegions) {
+    if (CountLocked(/*shm=*/true) >= kMaxSharedMemoryRegions) {
       return absl::ResourceExhaustedError(
-          absl::StrCat("at most ", kMaxRegions, " shared-memory regions"));
+          absl::StrCat("at most ", kMaxSharedMemoryRegions, " shared-memory regions"));
     }
-    size_t owned = 0;
-    for (const auto& [id, r] : regions_) owned += r->owner_uid() == owner_uid;
-    if (owned >= kMaxRegionsPerOwner) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("at most ", kMaxRegionsPerOwner, " shared-memory regions per client user"));
+    if (OwnedLocked(owner_uid) >= kMaxSharedMemoryRegionsPerOwner) {
+      return absl::ResourceExhaustedError(absl::StrCat("at most ", kMaxSharedMemoryRegionsPerOwner,
+                                                       " shared-memory regions per client user"));
     }
   }
   // Populated now: the pages exist before any step touches them.
@@ -139,44 +137,13 @@ absl::StatusOr<uint64_t> SharedMemoryRegistry::RegisterFd(
   if (on_map) on_map(*region);
   std::lock_guard<std::mutex> lock(mu_);
   // Checked again: a racing registration may have taken the last slot meanwhile.
-  size_t owned = 0;
-  for (const auto& [id, r] : regions_) owned += r->owner_uid() == owner_uid;
-  if (regions_.size() >= kMaxRegions || owned >= kMaxRegionsPerOwner) {
+  if (CountLocked(/*shm=*/true) >= kMaxSharedMemoryRegions ||
+      OwnedLocked(owner_uid) >= kMaxSharedMemoryRegionsPerOwner) {
     return absl::ResourceExhaustedError("shared-memory regions: quota reached meanwhile");
   }
-  uint64_t id = RandomRegionId();
-  while (regions_.count(id) != 0) id = RandomRegionId();
-  regions_.emplace(id, std::move(region));
+  const uint64_t id = NewIdLocked();
+  regions_.emplace(id, Entry{std::move(region), nullptr});
   return id;
-}
-
-size_t SharedMemoryRegistry::size() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return regions_.size();
-}
-
-absl::Status SharedMemoryRegistry::Unregister(uint64_t region_id) {
-  std::shared_ptr<SharedMemoryRegion> gone;  // unmapped (and unpinned) outside the lock
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = regions_.find(region_id);
-    if (it == regions_.end()) {
-      return absl::NotFoundError("region_id: no such region");
-    }
-    gone = std::move(it->second);
-    regions_.erase(it);
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryRegistry::Get(
-    uint64_t region_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = regions_.find(region_id);
-  if (it == regions_.end()) {
-    return absl::NotFoundError("shared_memory.region_id: no such region (register it first)");
-  }
-  return it->second;
 }
 
 }  // namespace decode_indexer::service
@@ -197,43 +164,95 @@ absl::StatusOr<uint8_t*> CudaIpcRegion::Span(const char* field, uint64_t offset,
   return base_ + offset;
 }
 
-absl::StatusOr<uint64_t> CudaIpcRegistry::Add(std::shared_ptr<CudaIpcRegion> region) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (regions_.size() >= kMaxRegions) {
-    return absl::ResourceExhaustedError(absl::StrCat("at most ", kMaxRegions, " CUDA IPC regions"));
-  }
+size_t RegionRegistry::CountLocked(bool shm) const {
+  size_t n = 0;
+  for (const auto& [id, e] : regions_) n += shm ? e.shm != nullptr : e.ipc != nullptr;
+  return n;
+}
+
+size_t RegionRegistry::OwnedLocked(uint32_t owner_uid) const {
+  size_t n = 0;
+  for (const auto& [id, e] : regions_) n += e.shm != nullptr && e.shm->owner_uid() == owner_uid;
+  return n;
+}
+
+uint64_t RegionRegistry::NewIdLocked() const {
   uint64_t id = RandomRegionId();
   while (regions_.count(id) != 0) id = RandomRegionId();
-  regions_.emplace(id, std::move(region));
   return id;
 }
 
-absl::Status CudaIpcRegistry::Remove(uint64_t region_id) {
-  std::shared_ptr<CudaIpcRegion> gone;  // closed outside the lock
+bool RegionRegistry::HasRoomForCudaIpc() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return CountLocked(/*shm=*/false) < kMaxCudaIpcRegions;
+}
+
+absl::StatusOr<uint64_t> RegionRegistry::AddCudaIpc(std::shared_ptr<CudaIpcRegion> region) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (CountLocked(/*shm=*/false) >= kMaxCudaIpcRegions) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("at most ", kMaxCudaIpcRegions, " CUDA IPC regions"));
+  }
+  const uint64_t id = NewIdLocked();
+  regions_.emplace(id, Entry{nullptr, std::move(region)});
+  return id;
+}
+
+absl::Status RegionRegistry::UnregisterSharedMemory(uint64_t region_id) {
+  std::shared_ptr<SharedMemoryRegion> gone;  // unmapped (and unpinned) outside the lock
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = regions_.find(region_id);
-    if (it == regions_.end()) {
-      return absl::NotFoundError("region_id: no such CUDA IPC region");
+    if (it == regions_.end() || it->second.shm == nullptr) {
+      return absl::NotFoundError("region_id: no such region");
     }
-    gone = std::move(it->second);
+    gone = std::move(it->second.shm);
     regions_.erase(it);
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<CudaIpcRegion>> CudaIpcRegistry::Get(uint64_t region_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = regions_.find(region_id);
-  if (it == regions_.end()) {
-    return absl::NotFoundError("cuda_ipc.region_id: no such CUDA IPC region (register it first)");
+absl::Status RegionRegistry::UnregisterCudaIpc(uint64_t region_id) {
+  std::shared_ptr<CudaIpcRegion> gone;  // closed outside the lock
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = regions_.find(region_id);
+    if (it == regions_.end() || it->second.ipc == nullptr) {
+      return absl::NotFoundError("region_id: no such CUDA IPC region");
+    }
+    gone = std::move(it->second.ipc);
+    regions_.erase(it);
   }
-  return it->second;
+  return absl::OkStatus();
 }
 
-size_t CudaIpcRegistry::size() const {
+absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> RegionRegistry::SharedMemory(
+    uint64_t region_id) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return regions_.size();
+  auto it = regions_.find(region_id);
+  if (it == regions_.end() || it->second.shm == nullptr) {
+    return absl::NotFoundError("shared_memory.region_id: no such region (register it first)");
+  }
+  return it->second.shm;
+}
+
+absl::StatusOr<std::shared_ptr<CudaIpcRegion>> RegionRegistry::CudaIpc(uint64_t region_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = regions_.find(region_id);
+  if (it == regions_.end() || it->second.ipc == nullptr) {
+    return absl::NotFoundError("cuda_ipc.region_id: no such CUDA IPC region (register it first)");
+  }
+  return it->second.ipc;
+}
+
+size_t RegionRegistry::shared_memory_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return CountLocked(/*shm=*/true);
+}
+
+size_t RegionRegistry::cuda_ipc_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return CountLocked(/*shm=*/false);
 }
 
 }  // namespace decode_indexer::service

@@ -1,6 +1,6 @@
 // The data plane's compact and zero-copy paths: the delta-varint answer encoding
-// (AnswerEncoding), the registry of client shared-memory regions (RegisterSharedMemory) and
-// the registry of client device buffers opened through CUDA IPC (RegisterCudaIpcMemory).
+// (AnswerEncoding), the client regions (shared memory handed over the shm socket, device
+// buffers opened through CUDA IPC: RegisterCudaIpcMemory) and their one registry.
 #pragma once
 
 #include <cstdint>
@@ -62,31 +62,6 @@ class SharedMemoryRegion {
   bool page_locked_ = false;
 };
 
-class SharedMemoryRegistry {
- public:
-  static constexpr size_t kMaxRegions = 64;
-  static constexpr size_t kMaxRegionsPerOwner = 16;
-  static constexpr uint64_t kMaxRegionBytes = uint64_t{1} << 40;
-
-  // Maps `size` bytes of the memfd `fd` (the caller keeps and closes fd) for a client of
-  // `owner_uid`: the descriptor must be a read-write memfd sealed against shrinking and
-  // growing with the seals themselves sealed (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), so
-  // the mapping can never lose its pages (no SIGBUS), of at least `size` bytes. `on_map`
-  // (optional) sees the new region before it can be used (page-locking). `owner_pidfd`
-  // (optional, see SharedMemoryRegion::owner_pidfd) is taken over: closed on failure, else
-  // by the region. Answers the new region's random id.
-  absl::StatusOr<uint64_t> RegisterFd(
-      int fd, uint64_t size, uint32_t owner_uid,
-      const std::function<void(SharedMemoryRegion&)>& on_map = nullptr, int owner_pidfd = -1);
-  absl::Status Unregister(uint64_t region_id);
-  absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> Get(uint64_t region_id) const;
-  size_t size() const;
-
- private:
-  mutable std::mutex mu_;
-  std::unordered_map<uint64_t, std::shared_ptr<SharedMemoryRegion>> regions_;
-};
-
 }  // namespace decode_indexer::service
 
 namespace decode_indexer::service {
@@ -131,17 +106,54 @@ class CudaIpcRegion {
   std::function<void(void*)> close_event_;
 };
 
-class CudaIpcRegistry {
+// Every region the clients registered, shared memory and CUDA IPC, in one table and one id
+// space: an id names one region of one kind, and a step's shared_memory / cuda_ipc field finds
+// only a region of its own kind (another kind's id is "no such region" there, as an unknown
+// one). Ids are random capabilities (RandomRegionId). A region stays alive while a step holds
+// its shared_ptr, whatever happens to the registration meanwhile.
+class RegionRegistry {
  public:
-  absl::StatusOr<uint64_t> Add(std::shared_ptr<CudaIpcRegion> region);
-  absl::Status Remove(uint64_t region_id);
-  absl::StatusOr<std::shared_ptr<CudaIpcRegion>> Get(uint64_t region_id) const;
-  static constexpr size_t kMaxRegions = 64;
-  size_t size() const;
+  static constexpr size_t kMaxSharedMemoryRegions = 64;
+  static constexpr size_t kMaxSharedMemoryRegionsPerOwner = 16;
+  static constexpr uint64_t kMaxSharedMemoryBytes = uint64_t{1} << 40;
+  static constexpr size_t kMaxCudaIpcRegions = 64;
+
+  // Maps `size` bytes of the memfd `fd` (the caller keeps and closes fd) for a client of
+  // `owner_uid`: the descriptor must be a read-write memfd sealed against shrinking and
+  // growing with the seals themselves sealed (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), so
+  // the mapping can never lose its pages (no SIGBUS), of at least `size` bytes. `on_map`
+  // (optional) sees the new region before it can be used (page-locking). `owner_pidfd`
+  // (optional, see SharedMemoryRegion::owner_pidfd) is taken over: closed on failure, else
+  // by the region. Answers the new region's id.
+  absl::StatusOr<uint64_t> RegisterSharedMemoryFd(
+      int fd, uint64_t size, uint32_t owner_uid,
+      const std::function<void(SharedMemoryRegion&)>& on_map = nullptr, int owner_pidfd = -1);
+  // A CUDA IPC buffer opened by the caller (RegisterCudaIpcMemory); RESOURCE_EXHAUSTED past
+  // kMaxCudaIpcRegions (HasRoomForCudaIpc asks before the opening work).
+  absl::StatusOr<uint64_t> AddCudaIpc(std::shared_ptr<CudaIpcRegion> region);
+  bool HasRoomForCudaIpc() const;
+  // Unregistration, each for its own kind (NOT_FOUND naming region_id otherwise, nothing
+  // changed).
+  absl::Status UnregisterSharedMemory(uint64_t region_id);
+  absl::Status UnregisterCudaIpc(uint64_t region_id);
+  // The step's lookups (NOT_FOUND naming shared_memory.region_id / cuda_ipc.region_id).
+  absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemory(uint64_t region_id) const;
+  absl::StatusOr<std::shared_ptr<CudaIpcRegion>> CudaIpc(uint64_t region_id) const;
+  size_t shared_memory_count() const;
+  size_t cuda_ipc_count() const;
 
  private:
+  // One of the two is set.
+  struct Entry {
+    std::shared_ptr<SharedMemoryRegion> shm;
+    std::shared_ptr<CudaIpcRegion> ipc;
+  };
+  size_t CountLocked(bool shm) const;
+  size_t OwnedLocked(uint32_t owner_uid) const;
+  uint64_t NewIdLocked() const;
+
   mutable std::mutex mu_;
-  std::unordered_map<uint64_t, std::shared_ptr<CudaIpcRegion>> regions_;
+  std::unordered_map<uint64_t, Entry> regions_;
 };
 
 }  // namespace decode_indexer::service

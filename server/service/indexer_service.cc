@@ -486,7 +486,7 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
   std::shared_ptr<CudaIpcRegion> ipc;
   if (request.has_cuda_ipc()) {
     absl::StatusOr<std::shared_ptr<CudaIpcRegion>> got =
-        cuda_ipc_.Get(request.cuda_ipc().region_id());
+        regions_.CudaIpc(request.cuda_ipc().region_id());
     if (!got.ok()) return got.status();
     ipc = *std::move(got);
   }
@@ -566,7 +566,7 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
   }
   if (request.has_shared_memory()) {
     const v1::SharedMemoryStep& sm = request.shared_memory();
-    absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> got = shm_.Get(sm.region_id());
+    absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> got = regions_.SharedMemory(sm.region_id());
     if (!got.ok()) return got.status();
     region = *std::move(got);
     auto view = [&](const v1::Tensor& t, const char* field, const char* offset_field,
@@ -930,7 +930,7 @@ void IndexerService::PinRegion(SharedMemoryRegion& region) {
 
 absl::Status IndexerService::StartShmSocket(const std::string& path) {
   absl::StatusOr<std::unique_ptr<ShmSocketServer>> socket =
-      ShmSocketServer::Start(path, shm_, [this](SharedMemoryRegion& r) { PinRegion(r); });
+      ShmSocketServer::Start(path, regions_, [this](SharedMemoryRegion& r) { PinRegion(r); });
   if (!socket.ok()) return socket.status();
   shm_socket_ = *std::move(socket);
   return absl::OkStatus();
@@ -952,7 +952,7 @@ absl::Status IndexerService::DoRegisterSharedMemory(
 absl::Status IndexerService::DoUnregisterSharedMemory(
     CallContext& /*call*/, const v1::UnregisterSharedMemoryRequest& request,
     v1::UnregisterSharedMemoryResponse& /*response*/) {
-  return shm_.Unregister(request.region_id());
+  return regions_.UnregisterSharedMemory(request.region_id());
 }
 
 absl::Status IndexerService::DoRegisterCudaIpcMemory(
@@ -981,9 +981,9 @@ absl::Status IndexerService::DoRegisterCudaIpcMemory(
     return absl::InvalidArgumentError(
         absl::StrCat("device: must be a device ordinal >= 0, got ", request.device()));
   }
-  if (cuda_ipc_.size() >= CudaIpcRegistry::kMaxRegions) {
+  if (!regions_.HasRoomForCudaIpc()) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("at most ", CudaIpcRegistry::kMaxRegions, " CUDA IPC regions"));
+        absl::StrCat("at most ", RegionRegistry::kMaxCudaIpcRegions, " CUDA IPC regions"));
   }
   void* opened = nullptr;
   absl::Status s = executor_.WithAnswerBackend([&](kernels::Backend& be) -> absl::Status {
@@ -1020,7 +1020,7 @@ absl::Status IndexerService::DoRegisterCudaIpcMemory(
     if (!e.ok()) return absl::Status(e.code(), absl::StrCat(field, ": ", e.message()));
     region->SetEvents(events[0], events[1], close_event);
   }
-  absl::StatusOr<uint64_t> id = cuda_ipc_.Add(std::move(region));
+  absl::StatusOr<uint64_t> id = regions_.AddCudaIpc(std::move(region));
   if (!id.ok()) return id.status();
   response.set_region_id(*id);
   return absl::OkStatus();
@@ -1029,7 +1029,7 @@ absl::Status IndexerService::DoRegisterCudaIpcMemory(
 absl::Status IndexerService::DoUnregisterCudaIpcMemory(
     CallContext& /*call*/, const v1::UnregisterCudaIpcMemoryRequest& request,
     v1::UnregisterCudaIpcMemoryResponse& /*response*/) {
-  return cuda_ipc_.Remove(request.region_id());
+  return regions_.UnregisterCudaIpc(request.region_id());
 }
 
 std::string IndexerService::RenderMetrics() const {
@@ -1298,7 +1298,8 @@ namespace decode_indexer::service {
 absl::Status IndexerService::DoRegisterStepRing(CallContext& /*call*/,
                                                 const v1::RegisterStepRingRequest& request,
                                                 v1::RegisterStepRingResponse& response) {
-  absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> region = shm_.Get(request.region_id());
+  absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> region =
+      regions_.SharedMemory(request.region_id());
   if (!region.ok()) {
     return absl::NotFoundError(
         "region_id: no such shared-memory region (register the ring's memfd over the shm "
@@ -1314,7 +1315,7 @@ absl::Status IndexerService::DoRegisterStepRing(CallContext& /*call*/,
       [this](const v1::DecodeStepRequest& step, v1::DecodeStepResponse& answer,
              Clock::time_point taken) { return RunRingStep(step, answer, taken); },
       // The owner is gone: so is its region (the ring held the last use of it).
-      [this](uint64_t region_id) { shm_.Unregister(region_id).IgnoreError(); });
+      [this](uint64_t region_id) { regions_.UnregisterSharedMemory(region_id).IgnoreError(); });
   if (!registered.ok()) return registered.status();
   response = *std::move(registered);
   return absl::OkStatus();

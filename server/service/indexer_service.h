@@ -301,8 +301,8 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   std::atomic<int> steps_waiting_{0};
   std::atomic<int64_t> last_queued_deadline_{0};  // system_clock ticks
   // Declared after executor_ (their release hooks call it) and destroyed first.
-  SharedMemoryRegistry shm_;
-  CudaIpcRegistry cuda_ipc_;
+  // Shared-memory and CUDA IPC regions, one id space.
+  RegionRegistry regions_;
   // prometheus-cpp metrics (thread-safe; the registry owns them). Per method: every answer's
   // time in the handler (a stream: each step's). Successful steps by layer role (dense,
   // source, consumer): wall time from read to answer; their queue time (see ServerTiming:
@@ -317,7 +317,7 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   std::atomic<int64_t> queue_us_total_{0};
   std::atomic<uint64_t> auth_refused_{0};
   std::atomic<uint64_t> refused_after_read_{0};
-  // Registers into shm_ (and pins through executor_): stopped before either goes.
+  // Registers into regions_ (and pins through executor_): stopped before either goes.
   std::unique_ptr<ShmSocketServer> shm_socket_;
   std::mutex health_mu_;
   std::function<void(bool)> health_sink_;

@@ -46,7 +46,7 @@ void Reply(int conn, const absl::StatusOr<uint64_t>& result) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmSocketServer>> ShmSocketServer::Start(
-    const std::string& path, SharedMemoryRegistry& registry,
+    const std::string& path, RegionRegistry& registry,
     std::function<void(SharedMemoryRegion&)> on_map) {
   sockaddr_un addr = {};
   addr.sun_family = AF_UNIX;
@@ -175,7 +175,7 @@ void ShmSocketServer::HandleConnection(int conn) {
     // The registering process, watched by the fast path (a ring in this region is released
     // when it exits). Opened while the peer waits for its reply, so the pid is still its.
     const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, cred.pid, 0));
-    result = registry_->RegisterFd(fds[0], GetU64(buf + 8), cred.uid, on_map_, pidfd);
+    result = registry_->RegisterSharedMemoryFd(fds[0], GetU64(buf + 8), cred.uid, on_map_, pidfd);
   }
   for (int fd : fds) close(fd);
   if (!result.ok()) {

@@ -34,9 +34,9 @@ class ShmSocketServer {
   // Binds `path` (a stale socket file there is replaced; a live one or anything else is
   // refused), mode
   // 0600, and serves registrations into `registry` on one thread; `on_map` as for
-  // SharedMemoryRegistry::RegisterFd.
+  // RegionRegistry::RegisterSharedMemoryFd.
   static absl::StatusOr<std::unique_ptr<ShmSocketServer>> Start(
-      const std::string& path, SharedMemoryRegistry& registry,
+      const std::string& path, RegionRegistry& registry,
       std::function<void(SharedMemoryRegion&)> on_map);
   ~ShmSocketServer();  // stops the thread, closes and unlinks the socket
   ShmSocketServer(const ShmSocketServer&) = delete;
@@ -52,7 +52,7 @@ class ShmSocketServer {
   int listen_fd_ = -1;
   bool bound_ = false;  // the path is ours to unlink
   int wake_[2] = {-1, -1};
-  SharedMemoryRegistry* registry_ = nullptr;
+  RegionRegistry* registry_ = nullptr;
   std::function<void(SharedMemoryRegion&)> on_map_;
   std::thread thread_;
 };

@@ -750,12 +750,80 @@ TEST(SharedMemoryTest, PermissionDeniedIsNotNotFound) {
   const std::string self = "/proc/self/fd/" + std::to_string(fd);
   const int ro = open(self.c_str(), O_RDONLY | O_CLOEXEC);
   ASSERT_GE(ro, 0) << std::strerror(errno);
-  service::SharedMemoryRegistry registry;
-  absl::StatusOr<uint64_t> id = registry.RegisterFd(ro, 4096, geteuid());
+  service::RegionRegistry registry;
+  absl::StatusOr<uint64_t> id = registry.RegisterSharedMemoryFd(ro, 4096, geteuid());
   EXPECT_EQ(id.status().code(), absl::StatusCode::kPermissionDenied) << id.status();
   EXPECT_NE(id.status().message().find("read-write"), absl::string_view::npos) << id.status();
-  EXPECT_TRUE(registry.RegisterFd(fd, 4096, geteuid()).ok());
+  EXPECT_TRUE(registry.RegisterSharedMemoryFd(fd, 4096, geteuid()).ok());
   close(ro);
+  close(fd);
+}
+
+// Shared-memory and CUDA IPC regions share one registry and one id space: an id finds only a
+// region of its own kind (the other kind's lookups and unregistrations answer NOT_FOUND naming
+// the field and change nothing), each kind has its own quota, and a CUDA IPC buffer closes once
+// when its last holder lets go.
+TEST(SharedMemoryTest, OneRegistryForBothKinds) {
+  const int fd = memfd_create("di-kinds", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  ASSERT_EQ(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), 0);
+  service::RegionRegistry registry;
+  absl::StatusOr<uint64_t> shm = registry.RegisterSharedMemoryFd(fd, 4096, geteuid());
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  int closes = 0;
+  static uint8_t fake_device[256];
+  auto ipc_region = [&] {
+    return std::make_shared<service::CudaIpcRegion>(fake_device, sizeof(fake_device),
+                                                    [&](void*) { ++closes; });
+  };
+  absl::StatusOr<uint64_t> ipc = registry.AddCudaIpc(ipc_region());
+  ASSERT_TRUE(ipc.ok()) << ipc.status();
+  EXPECT_NE(*shm, *ipc);
+  EXPECT_EQ(registry.shared_memory_count(), 1u);
+  EXPECT_EQ(registry.cuda_ipc_count(), 1u);
+
+  // Each id only as its own kind.
+  absl::StatusOr<std::shared_ptr<service::CudaIpcRegion>> wrong_ipc = registry.CudaIpc(*shm);
+  EXPECT_EQ(wrong_ipc.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(wrong_ipc.status().message().find("cuda_ipc.region_id"), absl::string_view::npos);
+  absl::StatusOr<std::shared_ptr<service::SharedMemoryRegion>> wrong_shm =
+      registry.SharedMemory(*ipc);
+  EXPECT_EQ(wrong_shm.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(wrong_shm.status().message().find("shared_memory.region_id"), absl::string_view::npos);
+  EXPECT_EQ(registry.UnregisterCudaIpc(*shm).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.UnregisterSharedMemory(*ipc).code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(registry.SharedMemory(*shm).ok());  // nothing changed
+  EXPECT_TRUE(registry.CudaIpc(*ipc).ok());
+  EXPECT_EQ(closes, 0);
+
+  // Separate quotas: the CUDA IPC kind full, shared memory still registers.
+  std::vector<uint64_t> more;
+  while (registry.HasRoomForCudaIpc()) {
+    absl::StatusOr<uint64_t> id = registry.AddCudaIpc(ipc_region());
+    ASSERT_TRUE(id.ok()) << id.status();
+    more.push_back(*id);
+  }
+  EXPECT_EQ(registry.cuda_ipc_count(), service::RegionRegistry::kMaxCudaIpcRegions);
+  EXPECT_EQ(registry.AddCudaIpc(ipc_region()).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  absl::StatusOr<uint64_t> shm2 = registry.RegisterSharedMemoryFd(fd, 4096, geteuid());
+  EXPECT_TRUE(shm2.ok()) << shm2.status();
+  EXPECT_EQ(closes, 1);  // the refused region closed as it went
+  for (uint64_t id : more) EXPECT_TRUE(registry.UnregisterCudaIpc(id).ok());
+  EXPECT_EQ(closes, 1 + static_cast<int>(more.size()));
+
+  // A holder keeps the buffer open past its unregistration; it closes once, when let go.
+  absl::StatusOr<std::shared_ptr<service::CudaIpcRegion>> held = registry.CudaIpc(*ipc);
+  ASSERT_TRUE(held.ok());
+  const int before = closes;
+  EXPECT_TRUE(registry.UnregisterCudaIpc(*ipc).ok());
+  EXPECT_EQ(registry.UnregisterCudaIpc(*ipc).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(closes, before);
+  held->reset();
+  EXPECT_EQ(closes, before + 1);
+  EXPECT_TRUE(registry.UnregisterSharedMemory(*shm).ok());
+  EXPECT_EQ(registry.shared_memory_count(), 1u);
   close(fd);
 }
 

@@ -558,7 +558,7 @@ TEST_F(SecurityTest, ShrunkSharedMemoryDoesNotKillTheServer) {
   EXPECT_TRUE(s_->client->ServerInfo().ok());
   EXPECT_TRUE(s_->client->UnregisterSharedMemory(*region).ok());
   // A second server cannot take over the live socket (its start fails and leaves it alone).
-  service::SharedMemoryRegistry other_registry;
+  service::RegionRegistry other_registry;
   EXPECT_EQ(service::ShmSocketServer::Start(socket_path_, other_registry, nullptr).status().code(),
             absl::StatusCode::kAlreadyExists);
   EXPECT_TRUE(client::RegisterMemfd(socket_path_, (*shm)->fd(), 1 << 16).ok());
@@ -676,7 +676,7 @@ TEST_F(SecurityTest, RegionsHaveAPerClientQuota) {
     }
     objects.push_back(std::move(*shm));
   }
-  EXPECT_EQ(ids.size(), service::SharedMemoryRegistry::kMaxRegionsPerOwner);
+  EXPECT_EQ(ids.size(), service::RegionRegistry::kMaxSharedMemoryRegionsPerOwner);
   EXPECT_GT(refused, 0) << "one client registered all 64 regions";
   for (uint64_t id : ids) EXPECT_TRUE(s_->client->UnregisterSharedMemory(id).ok());
   // Freed slots can be taken again.
