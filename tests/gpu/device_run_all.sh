@@ -14,7 +14,9 @@
 # skipped. Test data (profiles) come from the checkout: DI_TEST_DATA_DIR points the tests at
 # tests/service/profiles here, whatever folder they were built in. With "bench" the full CUDA bench
 # and the PyTorch baseline on the same shapes follow (cuda_bench.json, torch_bench.json: feed
-# them to bench/cuda/make_report.py here).
+# them to bench/cuda/make_report.py here); and where DeepGEMM's measuring tool was copied into
+# .peer/deepgemm (../shared/tools/deepgemm/README.md), DeepGEMM on the same configs in the same
+# call (dg.json, and compare.md: the side-by-side table).
 set -uo pipefail
 bundle=$1
 out=$2
@@ -83,6 +85,14 @@ if [ "$mode" = bench ]; then
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/cuda/torch_baseline.py \
     --configs "$out/cuda_bench.json" --out "$out/torch_bench.json" >>"$out/torch.log" 2>&1
   echo "torch rc=$?" | tee -a "$out/rc.txt"
+  if [ -f .peer/deepgemm/dg_bench.py ]; then
+    echo "== DeepGEMM" | tee "$out/dg.log"
+    timeout 150 bash .peer/deepgemm/dg_build.sh >>"$out/dg.log" 2>&1 &&
+      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 .peer/deepgemm/dg_bench.py \
+        --configs "$out/cuda_bench.json" --out "$out/dg.json" >>"$out/dg.log" 2>&1
+    echo "deepgemm rc=$?" | tee -a "$out/rc.txt"
+    python3 .peer/deepgemm/compare.py "$out/cuda_bench.json" "$out/dg.json" >"$out/compare.md" 2>&1
+  fi
 fi
 cat "$out/rc.txt"
 [[ -s "$out/skips.txt" ]] && { echo "== skipped tests:"; grep -v '^[0-9]*$' "$out/skips.txt"; }
