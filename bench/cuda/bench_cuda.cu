@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "bench/cuda/variants/mqa_variants.h"
+#include "bench/cuda/variants/sparse_logits_variants.h"
 #include "common/version_line.h"
 #include "kernels/cuda/sm90_heuristics.h"
 #include "kernels/cuda/sm90_launchers.h"
@@ -246,6 +247,21 @@ int RunConsumer(uint8_t* pool, int64_t pool_bytes, int sms, cudaStream_t st, cud
         dc::LaunchSparseLogits({pool, pages, geo}, b, q, d_pos, d_cnt, kMaxPos, d_logits, st, math),
         "sparse logits");
   };
+  // A comparison variant of the tensor-core kernel (bench/cuda/variants/) on the same inputs.
+  auto variant_step = [&](int i, dc::SparseVariant v) {
+    di::RowBatch b;
+    b.num_rows = kRows;
+    b.row_request = d_rr;
+    b.row_length = d_rl;
+    b.page_table = tables[i % sets];
+    b.page_table_stride = ctx_pages;
+    b.num_requests = kRows;
+    b.max_row_length = kCtx;
+    const di::QView q{d_q, d_qs, d_w, kHeads32};
+    CHECK_OK(dc::LaunchSparseLogitsVariant(v, {pool, pages, geo}, b, q, d_pos, d_cnt, kMaxPos,
+                                           d_logits, st),
+             "sparse logits (variant)");
+  };
   auto topk_step = [&](dc::TopKArgs::Algo algo = dc::TopKArgs::Algo::kAuto) {
     dc::TopKArgs t;
     t.algo = algo;
@@ -320,24 +336,39 @@ int RunConsumer(uint8_t* pool, int64_t pool_bytes, int sms, cudaStream_t st, cud
   // scales are random bytes, nearly never within 2^23, so nearly every key takes the
   // group-scaled path inside the folded kernels: their worst case).
   const float t_fold_rand =
-      time_steps([&](int i) { logits_step(i, dc::SparseLogitsMath::kMmaFolded); }, 7, 10);
+      time_steps([&](int i) { variant_step(i, dc::SparseVariant::kMmaFolded); }, 7, 10);
   const float t_pair_rand =
-      time_steps([&](int i) { logits_step(i, dc::SparseLogitsMath::kMmaFoldedPair); }, 7, 10);
+      time_steps([&](int i) { variant_step(i, dc::SparseVariant::kMmaFoldedPair); }, 7, 10);
   // Key scales as quantized vectors have them (groups within 3 binades): every key folds.
   FillFp4KeyScales<<<4 * sms, 256, 0, st>>>(pool, pages, geo.page_bytes(), kPage, geo.value_bytes(),
                                             rng());
   CHECK_CUDA(cudaGetLastError(), "fill fp4 scales");
   CHECK_CUDA(cudaStreamSynchronize(st), "fill fp4 scales");
-  auto run_logits = [&](dc::SparseLogitsMath math) {
+  // The kinds below: the production kMma (0) and kMmaPairLeanOcc (7), the variants between.
+  constexpr int kKinds = 8;
+  const dc::SparseVariant variants[kKinds - 2] = {
+      dc::SparseVariant::kMmaFolded,       dc::SparseVariant::kMmaFoldedPair,
+      dc::SparseVariant::kMmaPair,         dc::SparseVariant::kMmaQShared,
+      dc::SparseVariant::kMmaPairLeanCopy, dc::SparseVariant::kMmaPairLean};
+  auto kind_step = [&](int i, int kind) {
+    if (kind == 0) {
+      logits_step(i, dc::SparseLogitsMath::kMma);
+    } else if (kind == kKinds - 1) {
+      logits_step(i, dc::SparseLogitsMath::kMmaPairLeanOcc);
+    } else {
+      variant_step(i, variants[kind - 1]);
+    }
+  };
+  auto run_logits = [&](int kind) {
     std::vector<float> h(pos.size());
-    logits_step(0, math);
+    kind_step(0, kind);
     CHECK_CUDA(cudaMemcpyAsync(h.data(), d_logits, 4 * h.size(), cudaMemcpyDeviceToHost, st), "dl");
     CHECK_CUDA(cudaStreamSynchronize(st), "sync");
     return h;
   };
-  const std::vector<float> ref = run_logits(dc::SparseLogitsMath::kMma);
-  auto rel_diff = [&](dc::SparseLogitsMath math) {
-    const std::vector<float> v = run_logits(math);
+  const std::vector<float> ref = run_logits(0);
+  auto rel_diff = [&](int kind) {
+    const std::vector<float> v = run_logits(kind);
     double m = 0.0, d = 0.0;
     for (size_t i = 0; i < v.size(); ++i) {
       m = std::max(m, static_cast<double>(std::fabs(ref[i])));
@@ -346,29 +377,23 @@ int RunConsumer(uint8_t* pool, int64_t pool_bytes, int sms, cudaStream_t st, cud
     }
     return d / m;
   };
-  // The tensor-core variants (docs/notes/cuda.md), timed in two interleaved rounds.
-  constexpr int kKinds = 8;
-  const dc::SparseLogitsMath kinds[kKinds] = {
-      dc::SparseLogitsMath::kMma,           dc::SparseLogitsMath::kMmaFolded,
-      dc::SparseLogitsMath::kMmaFoldedPair, dc::SparseLogitsMath::kMmaPair,
-      dc::SparseLogitsMath::kMmaQShared,    dc::SparseLogitsMath::kMmaPairLeanCopy,
-      dc::SparseLogitsMath::kMmaPairLean,   dc::SparseLogitsMath::kMmaPairLeanOcc};
+  // The tensor-core kinds (docs/notes/cuda.md), timed in two interleaved rounds.
   const char* const kind_names[kKinds] = {"mma",           "mma-folded",       "mma-folded-pair",
                                           "mma-pair",      "mma-q-shared",     "mma-pair-lean-copy",
                                           "mma-pair-lean", "mma-pair-lean-occ"};
   double kind_diff[kKinds];  // max |variant - kMma| / max |logit|
-  for (int v = 0; v < kKinds; ++v) kind_diff[v] = rel_diff(kinds[v]);
+  for (int v = 0; v < kKinds; ++v) kind_diff[v] = rel_diff(v);
   float t_q[kKinds][2];
   for (int round = 0; round < 2; ++round) {
     for (int v = 0; v < kKinds; ++v) {
-      t_q[v][round] = time_steps([&](int i) { logits_step(i, kinds[v]); }, 7, 10);
+      t_q[v][round] = time_steps([&](int i) { kind_step(i, v); }, 7, 10);
     }
   }
   float t_qstep[kKinds];
   for (int v = 0; v < kKinds; ++v) {
     t_qstep[v] = time_steps(
         [&](int i) {
-          logits_step(i, kinds[v]);
+          kind_step(i, v);
           topk_step();
         },
         7, 10);

@@ -195,32 +195,19 @@ absl::Status LaunchExpandCandidates(const ExpandArgs& args, cudaStream_t stream)
 // position, q in shared memory (FP8/FP4, up to 64 heads, 16-byte aligned pages; other shapes
 // fall back). kWarpPerPosition: the first version, one block per row (kept to time against).
 // kMma: tensor cores, a warp per 16 positions (mma.sync m16n8k16 f16, keys gathered with
-// cp.async, widened exactly; sm90_sparse_logits_mma.cu); shapes it does not take fall back to
-// kGrid.
-// kMmaFolded: kMma with each FP4 key's group scales folded into its f16 values (one fp32
-// tensor-core sum per key and head; keys whose groups lie more than 2^23 apart take kMma's
-// group-scaled path). kMmaFoldedPair: the same, two m-tiles (32 positions) per warp step.
-// kMmaPair: kMma with two m-tiles per warp step (FP4, <= 32 heads). kMmaQShared: kMma with q's
-// fragments in shared memory for <= 32 heads too (fewer registers, 5 blocks per SM; FP4).
-// kMmaPairLeanCopy: kMmaPair with a cheaper copy issue (per-lane offsets computed once).
-// kMmaPair, kMmaQShared, kMmaPairLeanCopy, kMmaPairLean and kMmaPairLeanOcc (what the
-// backend's SparseTopK / MaskedTopK run) give kMma's logits bit for bit; the folded ones differ
-// from them by fp32 rounding. FP8 runs kMma under every kMma* value.
+// cp.async, widened exactly; sm90_sparse_logits_mma.cuh); shapes it does not take fall back to
+// kGrid. kMmaPairLeanOcc (what the backend's SparseTopK / MaskedTopK run,
+// kSparseLogitsMathDefault): kMma with two m-tiles per warp step, q's fragments in shared
+// memory, a lean copy issue and each key's group scales decoded once (FP4, <= 32 heads; other
+// shapes run kMma): kMma's logits bit for bit. The kernel's other shapes (key-folded, plain
+// pairs, q shared alone, the lean copy alone) are comparison variants, built with the
+// benchmarks (bench/cuda/variants/sparse_logits_variants.h).
+
 enum class SparseLogitsMath {
   kGrid,
   kWarpPerPosition,
   kMma,
-  kMmaFolded,
-  kMmaFoldedPair,
-  kMmaPair,
-  kMmaQShared,
-  kMmaPairLeanCopy,
-  // kMmaPairLeanCopy with each key's group scales decoded once per step (one lane, into shared
-  // memory) instead of by 4 lanes per m-tile: kMma's logits bit for bit (FP4, <= 32 heads).
-  kMmaPairLean,
-  // kMmaPairLean with q's fragments in shared memory and 3 stages: 128 registers and 4 blocks
-  // per SM instead of 168 and 3 (occupancy); kMma's logits bit for bit (FP4, <= 32 heads).
-  kMmaPairLeanOcc
+  kMmaPairLeanOcc,
 };
 absl::Status LaunchSparseLogits(const CacheView& cache, const RowBatch& rows, const QView& q,
                                 const int32_t* positions, const int32_t* counts,

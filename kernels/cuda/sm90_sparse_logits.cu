@@ -215,10 +215,7 @@ absl::Status LaunchSparseLogits(const CacheView& cache, const RowBatch& rows, co
     return absl::UnimplementedError(
         absl::StrCat("sparse logits: head dim ", geo.head_dim, " (need 128)"));
   }
-  if (math == SparseLogitsMath::kMma || math == SparseLogitsMath::kMmaFolded ||
-      math == SparseLogitsMath::kMmaFoldedPair || math == SparseLogitsMath::kMmaPair ||
-      math == SparseLogitsMath::kMmaQShared || math == SparseLogitsMath::kMmaPairLeanCopy ||
-      math == SparseLogitsMath::kMmaPairLean || math == SparseLogitsMath::kMmaPairLeanOcc) {
+  if (math == SparseLogitsMath::kMma || math == SparseLogitsMath::kMmaPairLeanOcc) {
     if (SparseLogitsMmaTakes(cache, q)) {
       return LaunchSparseLogitsMma(cache, rows, q, positions, counts, max_positions, logits, stream,
                                    math);

@@ -1625,21 +1625,6 @@ TEST_F(GpuTest, SparseTopKIdenticalUnderEachTopKSelect) {
   }
 }
 
-// Runs the sparse logits launcher (one variant) into a NaN-poisoned [rows, maxp] buffer.
-std::vector<float> GpuSparseLogits(GpuTest* t, DeviceScene& ds, const DeviceBuffer& positions,
-                                   const DeviceBuffer& counts, int32_t maxp,
-                                   kernels::cuda::SparseLogitsMath math) {
-  const int32_t rows = ds.rows.num_rows;
-  DeviceBuffer out = t->Poisoned<float>(int64_t{rows} * maxp, NAN);
-  EXPECT_TRUE(t->backend_->Synchronize().ok());  // uploads ran on the backend's stream
-  EXPECT_TRUE(kernels::cuda::LaunchSparseLogits(ds.cache, ds.rows, ds.q, positions.as<int32_t>(),
-                                                counts.as<int32_t>(), maxp, out.as<float>(),
-                                                nullptr, math)
-                  .ok());
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  return t->Download<float>(out, int64_t{rows} * maxp);
-}
-
 // The resident page tables (RowBatch::request_slot): the same step read through a table with
 // a row per slot, its requests at shuffled slots and decoy pages in every other row, gives the
 // logits, the top-k and the sparse logits of the per-call table bit for bit.
@@ -1699,46 +1684,6 @@ TEST_F(GpuTest, RequestSlotsReadTheirOwnTableRows) {
       answers.push_back(Download<int32_t>(dout, int64_t{rows} * k));
     }
     EXPECT_EQ(answers[0], answers[1]) << "sparse top-k";
-  }
-}
-
-// A sparse logit depends only on (row, position), checked for `math` whose logits are `got`:
-// the same bits on a second run; when each row lists its positions in another order (dshuf
-// holds the positions of `pos` permuted by `shuf`: other tile slots and chunks); and when
-// other rows' counts change (row 2 scores nothing, row 0 a prefix cut `cut` short, mid-chunk).
-// Entries past a row's count stay poisoned.
-void ExpectLogitsDependOnlyOnRowAndPosition(
-    GpuTest* t, DeviceScene& ds, const Scene& s, const std::vector<int32_t>& pos,
-    const std::vector<int32_t>& shuf, const std::vector<int32_t>& cnt, const DeviceBuffer& dpos,
-    const DeviceBuffer& dshuf, const DeviceBuffer& dcnt, int32_t maxp,
-    kernels::cuda::SparseLogitsMath math, const std::vector<float>& got, int32_t cut) {
-  const int32_t rows = ds.rows.num_rows;
-  EXPECT_EQ(0, std::memcmp(GpuSparseLogits(t, ds, dpos, dcnt, maxp, math).data(), got.data(),
-                           got.size() * 4))
-      << "not bit-identical across runs";
-  const std::vector<float> moved = GpuSparseLogits(t, ds, dshuf, dcnt, maxp, math);
-  int64_t slot_diff = 0;
-  for (int32_t r = 0; r < rows; ++r) {
-    const int64_t o = int64_t{r} * maxp;
-    std::vector<float> by_pos(s.row_length[r], NAN);
-    for (int32_t i = 0; i < cnt[r]; ++i) by_pos[pos[o + i]] = got[o + i];
-    for (int32_t i = 0; i < cnt[r]; ++i) {
-      slot_diff += std::memcmp(&by_pos[shuf[o + i]], &moved[o + i], 4) != 0;
-    }
-  }
-  EXPECT_EQ(slot_diff, 0) << "a logit changed with its position's slot in the list";
-  std::vector<int32_t> cnt2 = cnt;
-  cnt2[2] = 0;
-  cnt2[0] = cnt[0] - cut;
-  DeviceBuffer dcnt2 = t->Upload(cnt2);
-  const std::vector<float> other = GpuSparseLogits(t, ds, dpos, dcnt2, maxp, math);
-  for (int32_t r = 0; r < rows; ++r) {
-    const int64_t o = int64_t{r} * maxp;
-    EXPECT_EQ(0, std::memcmp(other.data() + o, got.data() + o, 4 * int64_t{cnt2[r]}))
-        << "row " << r << " moved when other rows' counts changed";
-    EXPECT_TRUE(std::all_of(other.begin() + o + cnt2[r], other.begin() + o + maxp,
-                            [](float v) { return std::isnan(v); }))
-        << "row " << r << ": written past its count";
   }
 }
 
@@ -1820,129 +1765,7 @@ TEST_F(GpuTest, SparseLogitsMmaMatchesCpuAndGrid) {
                 static_cast<int>(c.format), c.heads, worst, worst_grid);
 
     ExpectLogitsDependOnlyOnRowAndPosition(this, *ds, s, pos, shuf, cnt, dpos, dshuf, dcnt, maxp,
-                                           SparseLogitsMath::kMma, mma, 517);
-  }
-}
-
-// The kMma variants against the CPU and kMma: FP4 32 heads (the consumer's shape), 20 heads
-// (padded n-tile), 48 heads (wide), and FP8 64 heads (which every variant runs with kMma's
-// kernel: bit-identical to it). kMmaPair, kMmaQShared, kMmaPairLeanCopy, kMmaPairLean and
-// kMmaPairLeanOcc compute kMma's sums in kMma's order: bit-identical to it everywhere; the folded
-// ones (kMmaFolded, kMmaFoldedPair) within the tolerance. About 1 in 6 cache slots gets one group
-// scale lowered so that the key's groups lie 23 (still folded, the edge), 24 (not folded) or 18-30
-// binades apart: those keys take the group-scaled path inside a tile of folded keys. Row 1 has q
-// scales kMma does not fold (the row runs kMma's unfolded path). Shuffled page tables, candidate
-// blocks of 8, counts shorter and longer than K, poisoned outputs; a logit depends only on (row,
-// position): across runs, list orders and other rows' counts.
-TEST_F(GpuTest, SparseLogitsMmaVariantsMatchCpuAndMma) {
-  using kernels::cuda::SparseLogitsMath;
-  struct Case {
-    CacheFormat format;
-    int32_t heads;
-  };
-  for (const Case c : {Case{CacheFormat::kFp4, 32}, Case{CacheFormat::kFp8, 64},
-                       Case{CacheFormat::kFp4, 20}, Case{CacheFormat::kFp4, 48}}) {
-    SCOPED_TRACE(::testing::Message()
-                 << "format " << static_cast<int>(c.format) << " heads " << c.heads);
-    Scene s = MakeScene(Spec(c.format, c.heads, {15000, 300, 6000}, 2));
-    const bool fp4 = c.format == CacheFormat::kFp4;
-    const kernels::CacheGeometry& geo = s.geometry;
-    // Which slots' keys fold (FP4): all 4 group scale bytes in [1, 254], at most 23 apart.
-    std::vector<uint8_t> slot_folds(s.num_pages * geo.page_size, 1);
-    if (fp4) {
-      uint8_t& b = s.q_scales[(int64_t{1} * c.heads + c.heads / 2) * 4 + 3];
-      b = b > 127 ? b - 24 : b + 24;
-      std::uniform_int_distribution<int> pick(0, 5), grp(0, 3), spread(18, 30), mode(0, 2);
-      for (int64_t page = 0; page < s.num_pages; ++page) {
-        for (int32_t o = 0; o < geo.page_size; ++o) {
-          uint8_t* sc = s.pool.data() + page * geo.page_bytes() +
-                        int64_t{geo.page_size} * geo.value_bytes() + int64_t{o} * 4;
-          if (pick(Rng()) == 0) {
-            const uint8_t top = *std::max_element(sc, sc + 4);
-            const int m = mode(Rng());
-            const int d = m == 0 ? 23 : m == 1 ? 24 : spread(Rng());
-            if (top - d >= 1) sc[grp(Rng())] = static_cast<uint8_t>(top - d);
-          }
-          const uint8_t top = *std::max_element(sc, sc + 4), low = *std::min_element(sc, sc + 4);
-          slot_folds[page * geo.page_size + o] = low >= 1 && top <= 254 && top - low <= 23;
-        }
-      }
-    }
-    auto ds = UploadScene(this, s);
-    const int32_t rows = s.num_rows(), bs = 8, nb = 2048, maxp = nb * bs;
-    std::vector<int32_t> pos(int64_t{rows} * maxp, -1), shuf(pos.size(), -1), cnt(rows);
-    int64_t folded = 0, unfolded = 0;
-    for (int32_t r = 0; r < rows; ++r) {
-      const int32_t len = s.row_length[r], blocks = (len + bs - 1) / bs;
-      std::vector<int32_t> ids(blocks);
-      std::iota(ids.begin(), ids.end(), 0);
-      std::shuffle(ids.begin(), ids.end(), Rng());
-      const int32_t take = std::min(nb, blocks * 3 / 4 + 1);
-      std::sort(ids.begin(), ids.begin() + take);
-      int32_t n = 0;
-      for (int32_t j = 0; j < take; ++j) {
-        for (int32_t o = 0; o < bs && ids[j] * bs + o < len; ++o) {
-          const int32_t p = ids[j] * bs + o;
-          pos[int64_t{r} * maxp + n++] = p;
-          const int32_t page =
-              s.page_table[int64_t{s.row_request[r]} * s.stride + p / geo.page_size];
-          (slot_folds[int64_t{page} * geo.page_size + p % geo.page_size] ? folded : unfolded)++;
-        }
-      }
-      cnt[r] = n;
-      std::copy_n(pos.begin() + int64_t{r} * maxp, n, shuf.begin() + int64_t{r} * maxp);
-      std::shuffle(shuf.begin() + int64_t{r} * maxp, shuf.begin() + int64_t{r} * maxp + n, Rng());
-    }
-    ASSERT_LT(cnt[2], 512);
-    ASSERT_GT(cnt[0], 512);
-    if (fp4) {
-      ASSERT_GT(unfolded, 100) << "the test needs keys that do not fold";
-      ASSERT_GT(folded, 4 * unfolded);  // about 8% do not fold
-    }
-    DeviceBuffer dpos = Upload(pos), dshuf = Upload(shuf), dcnt = Upload(cnt);
-    const std::vector<float> mma =
-        GpuSparseLogits(this, *ds, dpos, dcnt, maxp, SparseLogitsMath::kMma);
-    std::vector<std::vector<float>> cpu(rows);
-    for (int32_t r = 0; r < rows; ++r) {
-      cpu[r].resize(cnt[r]);
-      kernels::cpu::RowLogitsAt(s.cache(), s.rows(), s.q(), r, pos.data() + int64_t{r} * maxp,
-                                cnt[r], cpu[r].data());
-    }
-    for (const SparseLogitsMath math :
-         {SparseLogitsMath::kMmaFolded, SparseLogitsMath::kMmaFoldedPair,
-          SparseLogitsMath::kMmaPair, SparseLogitsMath::kMmaQShared,
-          SparseLogitsMath::kMmaPairLeanCopy, SparseLogitsMath::kMmaPairLean,
-          SparseLogitsMath::kMmaPairLeanOcc}) {
-      SCOPED_TRACE(::testing::Message() << "math " << static_cast<int>(math));
-      const std::vector<float> got = GpuSparseLogits(this, *ds, dpos, dcnt, maxp, math);
-      if (!fp4 ||
-          (math != SparseLogitsMath::kMmaFolded && math != SparseLogitsMath::kMmaFoldedPair)) {
-        EXPECT_EQ(0, std::memcmp(got.data(), mma.data(), 4 * got.size()))
-            << "kMma's sums in kMma's order: bit-identical";
-      }
-      double worst = 0.0;
-      for (int32_t r = 0; r < rows; ++r) {
-        const int64_t o = int64_t{r} * maxp;
-        const double tol = RowTol(cpu[r]);
-        int64_t bad = 0, written_past = 0;
-        for (int32_t i = 0; i < cnt[r]; ++i) {
-          const double err = std::fabs(double{got[o + i]} - cpu[r][i]);
-          if (!(err <= tol)) ++bad;  // NaN (unwritten) counts as bad
-          if (!(std::fabs(double{got[o + i]} - mma[o + i]) <= 2 * tol)) ++bad;
-          worst = std::max(worst, err / (tol / kLogitRelTol));
-        }
-        for (int32_t i = cnt[r]; i < maxp; ++i) written_past += !std::isnan(got[o + i]);
-        EXPECT_EQ(bad, 0) << "row " << r << " count " << cnt[r];
-        EXPECT_EQ(written_past, 0) << "row " << r << ": written past its count";
-      }
-      std::printf(
-          "  [sparse mma variant %d] format %d heads %d: max |got-cpu| / row max = %.3g "
-          "(%lld folded, %lld unfolded keys listed)\n",
-          static_cast<int>(math), static_cast<int>(c.format), c.heads, worst,
-          static_cast<long long>(folded), static_cast<long long>(unfolded));
-      ExpectLogitsDependOnlyOnRowAndPosition(this, *ds, s, pos, shuf, cnt, dpos, dshuf, dcnt, maxp,
-                                             math, got, 533);
-    }
+                                           ProductionSparse(SparseLogitsMath::kMma), mma, 517);
   }
 }
 

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -238,6 +239,76 @@ inline std::vector<float> GpuLogits(
       [&](const kernels::cuda::PagedLogitsArgs& a, int sms) {
         return kernels::cuda::LaunchPagedMqaLogits(a, sms, nullptr);
       });
+}
+
+// A sparse logits launch into `out` ([rows, maxp]) for a scene: the production launcher at a
+// SparseLogitsMath (ProductionSparse), or a comparison variant's.
+using SparseLaunch = std::function<absl::Status(const DeviceScene& ds, const int32_t* positions,
+                                                const int32_t* counts, int32_t maxp, float* out)>;
+inline SparseLaunch ProductionSparse(kernels::cuda::SparseLogitsMath math) {
+  return [math](const DeviceScene& ds, const int32_t* positions, const int32_t* counts,
+                int32_t maxp, float* out) {
+    return kernels::cuda::LaunchSparseLogits(ds.cache, ds.rows, ds.q, positions, counts, maxp, out,
+                                             nullptr, math);
+  };
+}
+
+// Runs a sparse logits launch into a NaN-poisoned [rows, maxp] buffer.
+inline std::vector<float> GpuSparseLogits(GpuTest* t, DeviceScene& ds,
+                                          const DeviceBuffer& positions, const DeviceBuffer& counts,
+                                          int32_t maxp, const SparseLaunch& launch) {
+  const int32_t rows = ds.rows.num_rows;
+  DeviceBuffer out = t->Poisoned<float>(int64_t{rows} * maxp, NAN);
+  EXPECT_TRUE(t->backend_->Synchronize().ok());  // uploads ran on the backend's stream
+  EXPECT_TRUE(
+      launch(ds, positions.as<int32_t>(), counts.as<int32_t>(), maxp, out.as<float>()).ok());
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return t->Download<float>(out, int64_t{rows} * maxp);
+}
+inline std::vector<float> GpuSparseLogits(GpuTest* t, DeviceScene& ds,
+                                          const DeviceBuffer& positions, const DeviceBuffer& counts,
+                                          int32_t maxp, kernels::cuda::SparseLogitsMath math) {
+  return GpuSparseLogits(t, ds, positions, counts, maxp, ProductionSparse(math));
+}
+
+// A sparse logit depends only on (row, position), checked for `launch` whose logits are `got`:
+// the same bits on a second run; when each row lists its positions in another order (dshuf
+// holds the positions of `pos` permuted by `shuf`: other tile slots and chunks); and when
+// other rows' counts change (row 2 scores nothing, row 0 a prefix cut `cut` short, mid-chunk).
+// Entries past a row's count stay poisoned.
+inline void ExpectLogitsDependOnlyOnRowAndPosition(
+    GpuTest* t, DeviceScene& ds, const Scene& s, const std::vector<int32_t>& pos,
+    const std::vector<int32_t>& shuf, const std::vector<int32_t>& cnt, const DeviceBuffer& dpos,
+    const DeviceBuffer& dshuf, const DeviceBuffer& dcnt, int32_t maxp, const SparseLaunch& math,
+    const std::vector<float>& got, int32_t cut) {
+  const int32_t rows = ds.rows.num_rows;
+  EXPECT_EQ(0, std::memcmp(GpuSparseLogits(t, ds, dpos, dcnt, maxp, math).data(), got.data(),
+                           got.size() * 4))
+      << "not bit-identical across runs";
+  const std::vector<float> moved = GpuSparseLogits(t, ds, dshuf, dcnt, maxp, math);
+  int64_t slot_diff = 0;
+  for (int32_t r = 0; r < rows; ++r) {
+    const int64_t o = int64_t{r} * maxp;
+    std::vector<float> by_pos(s.row_length[r], NAN);
+    for (int32_t i = 0; i < cnt[r]; ++i) by_pos[pos[o + i]] = got[o + i];
+    for (int32_t i = 0; i < cnt[r]; ++i) {
+      slot_diff += std::memcmp(&by_pos[shuf[o + i]], &moved[o + i], 4) != 0;
+    }
+  }
+  EXPECT_EQ(slot_diff, 0) << "a logit changed with its position's slot in the list";
+  std::vector<int32_t> cnt2 = cnt;
+  cnt2[2] = 0;
+  cnt2[0] = cnt[0] - cut;
+  DeviceBuffer dcnt2 = t->Upload(cnt2);
+  const std::vector<float> other = GpuSparseLogits(t, ds, dpos, dcnt2, maxp, math);
+  for (int32_t r = 0; r < rows; ++r) {
+    const int64_t o = int64_t{r} * maxp;
+    EXPECT_EQ(0, std::memcmp(other.data() + o, got.data() + o, 4 * int64_t{cnt2[r]}))
+        << "row " << r << " moved when other rows' counts changed";
+    EXPECT_TRUE(std::all_of(other.begin() + o + cnt2[r], other.begin() + o + maxp,
+                            [](float v) { return std::isnan(v); }))
+        << "row " << r << ": written past its count";
+  }
 }
 
 // The most rows any request of the scene has (RowBatch::rows_per_request, as the server sets

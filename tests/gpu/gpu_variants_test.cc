@@ -10,10 +10,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <functional>
+#include <numeric>
+#include <random>
 #include <vector>
 
 #include "bench/cuda/variants/mqa_variants.h"
+#include "bench/cuda/variants/sparse_logits_variants.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/sm90_launchers.h"
 #include "kernels/cuda/sm90_tile_config.h"
@@ -27,6 +32,8 @@ namespace {
 using namespace gpu;  // NOLINT: the shared fixture and scene helpers (gpu_test_util.h)
 using kernels::cuda::MqaMath;
 using kernels::cuda::MqaVariant;
+using kernels::cuda::SparseLogitsMath;
+using kernels::cuda::SparseVariant;
 
 std::vector<float> VariantLogits(GpuTest* t, DeviceScene& ds, int64_t stride, int num_sms,
                                  MqaVariant v) {
@@ -335,6 +342,142 @@ TEST_F(GpuTest, VariantsRefuseOtherShapes) {
     EXPECT_EQ(kernels::cuda::LaunchMqaVariant(v, a, NumSms(), nullptr).code(),
               absl::StatusCode::kInvalidArgument)
         << kernels::cuda::MqaVariantName(v);
+  }
+}
+
+// The tensor-core sparse kernel's production kMmaPairLeanOcc and its comparison variants
+// (bench/cuda/variants/sparse_logits_variants.h) against the CPU and kMma: FP4 32 heads (the
+// consumer's shape), 20 heads (padded n-tile), 48 heads (wide), and FP8 64 heads (which every
+// variant runs with kMma's kernel: bit-identical to it). kMmaPair, kMmaQShared,
+// kMmaPairLeanCopy, kMmaPairLean and kMmaPairLeanOcc compute kMma's sums in kMma's order:
+// bit-identical to it everywhere; the folded ones (kMmaFolded, kMmaFoldedPair) within the
+// tolerance. About 1 in 6 cache slots gets one group
+// scale lowered so that the key's groups lie 23 (still folded, the edge), 24 (not folded) or 18-30
+// binades apart: those keys take the group-scaled path inside a tile of folded keys. Row 1 has q
+// scales kMma does not fold (the row runs kMma's unfolded path). Shuffled page tables, candidate
+// blocks of 8, counts shorter and longer than K, poisoned outputs; a logit depends only on (row,
+// position): across runs, list orders and other rows' counts.
+TEST_F(GpuTest, SparseLogitsMmaVariantsMatchCpuAndMma) {
+  using kernels::cuda::SparseLogitsMath;
+  struct Case {
+    CacheFormat format;
+    int32_t heads;
+  };
+  for (const Case c : {Case{CacheFormat::kFp4, 32}, Case{CacheFormat::kFp8, 64},
+                       Case{CacheFormat::kFp4, 20}, Case{CacheFormat::kFp4, 48}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "format " << static_cast<int>(c.format) << " heads " << c.heads);
+    Scene s = MakeScene(Spec(c.format, c.heads, {15000, 300, 6000}, 2));
+    const bool fp4 = c.format == CacheFormat::kFp4;
+    const kernels::CacheGeometry& geo = s.geometry;
+    // Which slots' keys fold (FP4): all 4 group scale bytes in [1, 254], at most 23 apart.
+    std::vector<uint8_t> slot_folds(s.num_pages * geo.page_size, 1);
+    if (fp4) {
+      uint8_t& b = s.q_scales[(int64_t{1} * c.heads + c.heads / 2) * 4 + 3];
+      b = b > 127 ? b - 24 : b + 24;
+      std::uniform_int_distribution<int> pick(0, 5), grp(0, 3), spread(18, 30), mode(0, 2);
+      for (int64_t page = 0; page < s.num_pages; ++page) {
+        for (int32_t o = 0; o < geo.page_size; ++o) {
+          uint8_t* sc = s.pool.data() + page * geo.page_bytes() +
+                        int64_t{geo.page_size} * geo.value_bytes() + int64_t{o} * 4;
+          if (pick(Rng()) == 0) {
+            const uint8_t top = *std::max_element(sc, sc + 4);
+            const int m = mode(Rng());
+            const int d = m == 0 ? 23 : m == 1 ? 24 : spread(Rng());
+            if (top - d >= 1) sc[grp(Rng())] = static_cast<uint8_t>(top - d);
+          }
+          const uint8_t top = *std::max_element(sc, sc + 4), low = *std::min_element(sc, sc + 4);
+          slot_folds[page * geo.page_size + o] = low >= 1 && top <= 254 && top - low <= 23;
+        }
+      }
+    }
+    auto ds = UploadScene(this, s);
+    const int32_t rows = s.num_rows(), bs = 8, nb = 2048, maxp = nb * bs;
+    std::vector<int32_t> pos(int64_t{rows} * maxp, -1), shuf(pos.size(), -1), cnt(rows);
+    int64_t folded = 0, unfolded = 0;
+    for (int32_t r = 0; r < rows; ++r) {
+      const int32_t len = s.row_length[r], blocks = (len + bs - 1) / bs;
+      std::vector<int32_t> ids(blocks);
+      std::iota(ids.begin(), ids.end(), 0);
+      std::shuffle(ids.begin(), ids.end(), Rng());
+      const int32_t take = std::min(nb, blocks * 3 / 4 + 1);
+      std::sort(ids.begin(), ids.begin() + take);
+      int32_t n = 0;
+      for (int32_t j = 0; j < take; ++j) {
+        for (int32_t o = 0; o < bs && ids[j] * bs + o < len; ++o) {
+          const int32_t p = ids[j] * bs + o;
+          pos[int64_t{r} * maxp + n++] = p;
+          const int32_t page =
+              s.page_table[int64_t{s.row_request[r]} * s.stride + p / geo.page_size];
+          (slot_folds[int64_t{page} * geo.page_size + p % geo.page_size] ? folded : unfolded)++;
+        }
+      }
+      cnt[r] = n;
+      std::copy_n(pos.begin() + int64_t{r} * maxp, n, shuf.begin() + int64_t{r} * maxp);
+      std::shuffle(shuf.begin() + int64_t{r} * maxp, shuf.begin() + int64_t{r} * maxp + n, Rng());
+    }
+    ASSERT_LT(cnt[2], 512);
+    ASSERT_GT(cnt[0], 512);
+    if (fp4) {
+      ASSERT_GT(unfolded, 100) << "the test needs keys that do not fold";
+      ASSERT_GT(folded, 4 * unfolded);  // about 8% do not fold
+    }
+    DeviceBuffer dpos = Upload(pos), dshuf = Upload(shuf), dcnt = Upload(cnt);
+    const std::vector<float> mma =
+        GpuSparseLogits(this, *ds, dpos, dcnt, maxp, SparseLogitsMath::kMma);
+    std::vector<std::vector<float>> cpu(rows);
+    for (int32_t r = 0; r < rows; ++r) {
+      cpu[r].resize(cnt[r]);
+      kernels::cpu::RowLogitsAt(s.cache(), s.rows(), s.q(), r, pos.data() + int64_t{r} * maxp,
+                                cnt[r], cpu[r].data());
+    }
+    // Production kMmaPairLeanOcc first, then every variant.
+    struct Kind {
+      const char* name;
+      SparseLaunch launch;
+      bool same_bits;
+    };
+    std::vector<Kind> kinds = {
+        {"kMmaPairLeanOcc", ProductionSparse(SparseLogitsMath::kMmaPairLeanOcc), true}};
+    for (const SparseVariant v : kernels::cuda::kAllSparseVariants) {
+      kinds.push_back(
+          {kernels::cuda::SparseVariantName(v),
+           [v](const DeviceScene& d, const int32_t* p, const int32_t* n, int32_t m, float* out) {
+             return kernels::cuda::LaunchSparseLogitsVariant(v, d.cache, d.rows, d.q, p, n, m, out,
+                                                             nullptr);
+           },
+           kernels::cuda::SparseVariantSameBitsAsMma(v)});
+    }
+    for (const Kind& kind : kinds) {
+      SCOPED_TRACE(::testing::Message() << "kind " << kind.name);
+      const std::vector<float> got = GpuSparseLogits(this, *ds, dpos, dcnt, maxp, kind.launch);
+      if (!fp4 || kind.same_bits) {
+        EXPECT_EQ(0, std::memcmp(got.data(), mma.data(), 4 * got.size()))
+            << "kMma's sums in kMma's order: bit-identical";
+      }
+      double worst = 0.0;
+      for (int32_t r = 0; r < rows; ++r) {
+        const int64_t o = int64_t{r} * maxp;
+        const double tol = RowTol(cpu[r]);
+        int64_t bad = 0, written_past = 0;
+        for (int32_t i = 0; i < cnt[r]; ++i) {
+          const double err = std::fabs(double{got[o + i]} - cpu[r][i]);
+          if (!(err <= tol)) ++bad;  // NaN (unwritten) counts as bad
+          if (!(std::fabs(double{got[o + i]} - mma[o + i]) <= 2 * tol)) ++bad;
+          worst = std::max(worst, err / (tol / kLogitRelTol));
+        }
+        for (int32_t i = cnt[r]; i < maxp; ++i) written_past += !std::isnan(got[o + i]);
+        EXPECT_EQ(bad, 0) << "row " << r << " count " << cnt[r];
+        EXPECT_EQ(written_past, 0) << "row " << r << ": written past its count";
+      }
+      std::printf(
+          "  [sparse mma %s] format %d heads %d: max |got-cpu| / row max = %.3g "
+          "(%lld folded, %lld unfolded keys listed)\n",
+          kind.name, static_cast<int>(c.format), c.heads, worst, static_cast<long long>(folded),
+          static_cast<long long>(unfolded));
+      ExpectLogitsDependOnlyOnRowAndPosition(this, *ds, s, pos, shuf, cnt, dpos, dshuf, dcnt, maxp,
+                                             kind.launch, got, 533);
+    }
   }
 }
 
