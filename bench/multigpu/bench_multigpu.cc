@@ -61,6 +61,7 @@
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
 #include "server/exec/executor_internal.h"
+#include "server/exec/validated_step.h"
 #include "server/testing/step_timer.h"
 
 namespace di = decode_indexer;
@@ -411,9 +412,20 @@ struct Timing {
   bool ok = false;
 };
 
-Timing TimeSteps(Executor& e, const std::vector<di::exec::StepInput>& round, int warmup,
+Timing TimeSteps(Executor& e, const std::vector<di::exec::StepInput>& inputs, int warmup,
                  int steps) {
   Timing t;
+  // Validated once before the clocks, as the service's edge does before a step reaches the
+  // executor.
+  std::vector<di::exec::ValidatedStep> round;
+  for (const di::exec::StepInput& in : inputs) {
+    absl::StatusOr<di::exec::ValidatedStep> v = di::exec::ValidateStep(e.profile(), in);
+    if (!v.ok()) {
+      std::fprintf(stderr, "step: %s\n", v.status().ToString().c_str());
+      return t;
+    }
+    round.push_back(*std::move(v));
+  }
   // The phase tables' clocks (server/testing/step_timer.h): the executor's StepObserver.
   const std::shared_ptr<di::testing::StepTimer> timer = di::testing::InstallStepTimer(e);
   for (int i = 0; i < warmup; ++i) {

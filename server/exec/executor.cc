@@ -154,31 +154,22 @@ absl::Status ExecutorImpl::CreateSequence(uint64_t sequence_id, const CallCheck&
   return absl::OkStatus();
 }
 
-absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(uint64_t sequence_id, int32_t layer,
-                                                 const KeysInput& keys,
+absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(const ValidatedAppend& append,
                                                  const CallCheck& call_check) {
   if (shut_down_) return Unavailable();
   FifoTurns::Turn turn = turns_.Wait();
   if (shut_down_) return Unavailable();
   if (absl::Status s = CheckHealthy(); !s.ok()) return s;
 
+  // The layer owns its cache and the keys' form fits it (ValidateAppend); what is left needs
+  // the sequence table.
+  const uint64_t sequence_id = append.sequence_id();
+  const int32_t layer = append.layer();
+  const KeysInput& keys = append.keys();
   std::unique_lock lock(mu_);
-  const LayerSpec* spec = profile_.FindLayer(layer);
-  if (spec == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer: no layer ", layer, " (the profile has ", profile_.layers.size(), ")"));
-  }
-  if (spec->role == LayerRole::kCandidateConsumer) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer: layer ", layer, " is a candidate consumer and reads layer ",
-                     spec->cache_layer, "'s cache; append keys to layer ", spec->cache_layer));
-  }
   state::SequenceState* seq = table_.Find(sequence_id);
   if (seq == nullptr) return NoSequence("sequence_id", sequence_id);
   const int32_t pool = pool_of_layer_[layer];
-  if (absl::Status s = CheckKeys(keys, spec->cache_format, [] { return std::string("keys"); });
-      !s.ok())
-    return s;
   state::CachePages& cp = seq->caches[pool];
   if (absl::Status s =
           CheckPosition(keys.position, cp.length, layer, [] { return std::string("position"); });
@@ -248,7 +239,8 @@ absl::StatusOr<int64_t> ExecutorImpl::ReleaseSequence(uint64_t sequence_id,
   return RemoveLocked(sequence_id);
 }
 
-absl::StatusOr<StepResult> ExecutorImpl::DecodeStep(const StepInput& step) {
+absl::StatusOr<StepResult> ExecutorImpl::DecodeStep(const ValidatedStep& validated) {
+  const StepInput& step = validated.input();
   if (shut_down_) return Unavailable();
   const Clock::time_point arrived = Clock::now();
   FifoTurns::Turn turn = turns_.Wait();
@@ -259,7 +251,7 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStep(const StepInput& step) {
   // Only the turn holder touches the reused plan.
   StepPlan& plan = plan_;
   plan.Reset();
-  absl::StatusOr<StepResult> result = DecodeStepLocked(step, plan);
+  absl::StatusOr<StepResult> result = DecodeStepLocked(validated, plan);
   if (result.ok()) {
     result->queue_us = Micros(started - arrived);
     result->compute_us = Micros(Clock::now() - started);
@@ -275,11 +267,13 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStep(const StepInput& step) {
 
 // A decode step: plan (checks, reservation, the StepPlan) -> run on every rank -> commit, or
 // abandon what the plan reserved.
-absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step, StepPlan& plan) {
+absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const ValidatedStep& validated,
+                                                          StepPlan& plan) {
+  const StepInput& step = validated.input();
   Observe(StepObserver::StepMark::kPlan);
   std::unique_lock lock(mu_);
   PlannedStep planned;
-  if (absl::Status s = planner_.Plan(step, plan, planned); !s.ok()) return s;
+  if (absl::Status s = planner_.Plan(validated, plan, planned); !s.ok()) return s;
   TakeStepHooks(plan);
   ++steps_to_ranks_;
 
@@ -443,6 +437,19 @@ void ExecutorImpl::Shutdown() {
 }  // namespace internal
 
 using internal::ExecutorImpl;
+
+absl::StatusOr<int64_t> Executor::AppendKeys(uint64_t sequence_id, int32_t layer,
+                                             const KeysInput& keys, const CallCheck& call_check) {
+  absl::StatusOr<ValidatedAppend> append = ValidateAppend(profile(), sequence_id, layer, keys);
+  if (!append.ok()) return append.status();
+  return AppendKeys(*append, call_check);
+}
+
+absl::StatusOr<StepResult> Executor::DecodeStep(const StepInput& step) {
+  absl::StatusOr<ValidatedStep> validated = ValidateStep(profile(), step);
+  if (!validated.ok()) return validated.status();
+  return DecodeStep(*validated);
+}
 
 absl::StatusOr<std::unique_ptr<Executor>> Executor::Create(const config::Profile& profile,
                                                            const ExecutorOptions& options) {

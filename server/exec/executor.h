@@ -1,13 +1,16 @@
 // The executor: runs every state-changing operation in arrival order across the ranks.
 //
-// The service edge decodes a request into the plain structs below, having checked everything
-// that needs no state (dtypes, shapes, byte counts, NaN/Inf, layer ids, duplicate sequences,
-// keys sent to a consumer). The executor checks what needs state (unknown sequence, lengths,
-// pages, candidates), reserves pages all-or-nothing, fans the step out to its rank threads
-// (each with a Backend and a replica of every cache), row-shards it when the gate
-// (row_shard_bounds) allows, has each rank copy its answer rows to the host (direct_answers;
-// a source's candidates and device-memory answers are all-gathered through a Collective), and
-// commits the new lengths only when every rank succeeded. A rejected call changes nothing.
+// A call arrives validated: the service edge decodes a request into the plain structs below
+// and checks, once, everything that needs no state (validated_step.h: a ValidatedStep or
+// ValidatedAppend; byte counts and NaN/Inf of host bytes where it decodes them). A caller
+// holding a plain StepInput / KeysInput (tests, benchmarks) goes through the same checks with
+// the overloads below. The executor trusts them and checks only what needs state (unknown
+// sequence, lengths, pages, candidates: planner.h), reserves pages all-or-nothing, fans the step
+// out to its rank threads (each with a Backend and a replica of every cache), row-shards it when
+// the gate (row_shard_bounds) allows, has each rank copy its answer rows to the host
+// (direct_answers; a source's candidates and device-memory answers are all-gathered through a
+// Collective), and commits the new lengths only when every rank succeeded. A rejected call changes
+// nothing.
 //
 // Status messages name the request field at fault in the proto's terms
 // ("sequences[2].row_lengths[1]: ...") so the edge can pass them through unchanged.
@@ -32,6 +35,9 @@ class Backend;
 }  // namespace decode_indexer::kernels
 
 namespace decode_indexer::exec {
+
+class ValidatedStep;    // validated_step.h
+class ValidatedAppend;  // validated_step.h
 
 struct ExecutorOptions {
   std::string backend = "auto";  // "auto" | "cpu" | "cuda"
@@ -241,11 +247,13 @@ class Executor {
   // ALREADY_EXISTS if taken; RESOURCE_EXHAUSTED past max_sequences.
   virtual absl::Status CreateSequence(uint64_t sequence_id,
                                       const CallCheck& call_check = nullptr) = 0;
-  // Appends prefill keys to the cache `layer` owns; answers the new length. `call_check` is
-  // asked right before the keys are committed (see CallCheck).
-  virtual absl::StatusOr<int64_t> AppendKeys(uint64_t sequence_id, int32_t layer,
-                                             const KeysInput& keys,
+  // Appends prefill keys to the cache the append's layer owns; answers the new length.
+  // `call_check` is asked right before the keys are committed (see CallCheck).
+  virtual absl::StatusOr<int64_t> AppendKeys(const ValidatedAppend& append,
                                              const CallCheck& call_check = nullptr) = 0;
+  // The same for keys not validated yet: ValidateAppend (validated_step.h), then the above.
+  absl::StatusOr<int64_t> AppendKeys(uint64_t sequence_id, int32_t layer, const KeysInput& keys,
+                                     const CallCheck& call_check = nullptr);
   // Lets go of the sequence's pages in every cache; answers how many went back to the free
   // lists (a page another sequence still holds is not freed).
   virtual absl::StatusOr<int64_t> ReleaseSequence(uint64_t sequence_id,
@@ -270,7 +278,10 @@ class Executor {
   // Releases the sequences no call named for `idle_ms`; answers how many (the idle timeout
   // calls it; tests call it directly).
   virtual int64_t ReleaseIdleSequences(int64_t idle_ms) = 0;
-  virtual absl::StatusOr<StepResult> DecodeStep(const StepInput& step) = 0;
+  virtual absl::StatusOr<StepResult> DecodeStep(const ValidatedStep& step) = 0;
+  // The same for a step not validated yet (built in process): ValidateStep (validated_step.h)
+  // on a copy, then the above. A caller that runs one step many times validates it once.
+  absl::StatusOr<StepResult> DecodeStep(const StepInput& step);
 
   virtual ExecutorStatus Status() const = 0;
 

@@ -433,8 +433,7 @@ absl::Status IndexerService::DoAppendKeys(CallContext& call, const v1::AppendKey
                                           v1::AppendKeysResponse& response) {
   absl::StatusOr<DecodedAppend> decoded = DecodeAppendKeys(request, executor_.profile());
   if (!decoded.ok()) return decoded.status();
-  absl::StatusOr<int64_t> length =
-      executor_.AppendKeys(decoded->sequence_id, decoded->layer, decoded->keys, CallCheckOf(&call));
+  absl::StatusOr<int64_t> length = executor_.AppendKeys(*decoded->append, CallCheckOf(&call));
   if (!length.ok()) {
     CheckHealth(length.status());
     return length.status();
@@ -615,8 +614,9 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
   }
   absl::StatusOr<DecodedStep> decoded = DecodeStepRequest(request, profile, external);
   if (!decoded.ok()) return decoded.status();
-  exec::StepInput& step = decoded->step;
-  step.q.ready_event = inputs_event;
+  exec::ValidatedStep& validated = *decoded->validated;
+  validated.set_q_ready_event(inputs_event);
+  const exec::StepInput& step = validated.input();
 
   // Where the answer goes, resolved once into the sink the executor writes it into: a CUDA IPC
   // buffer (device to device), the shared-memory region (written there by the device-to-host
@@ -670,9 +670,9 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
                                     candidates, /*page_locked=*/false);
     }
   }
-  step.answer = &sink;
+  validated.set_answer(&sink);
   const bool answer_elsewhere = ipc != nullptr || region != nullptr;
-  step.host_memory_page_locked = region != nullptr && region->page_locked();
+  validated.set_host_memory_page_locked(region != nullptr && region->page_locked());
   // An answer the transport could not send would fail the call after the step committed
   // (a retry would append its keys twice): refuse it before anything runs.
   if (options_.max_send_message_bytes > 0) {
@@ -708,8 +708,8 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
   if (context->IsCancelled()) return absl::CancelledError("cancelled before the step ran");
   // And once more right before the commit, in the executor: a deadline that passes while the
   // step runs leaves nothing committed.
-  step.call_check = CallCheckOf(context);
-  absl::StatusOr<exec::StepResult> result = executor_.DecodeStep(step);
+  validated.set_call_check(CallCheckOf(context));
+  absl::StatusOr<exec::StepResult> result = executor_.DecodeStep(validated);
   admitted.unlock();
   if (!result.ok()) {
     CheckHealth(result.status());
