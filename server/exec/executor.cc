@@ -68,7 +68,7 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
   limits.max_topk = p.topk;
   limits.max_candidate_positions = p.num_candidate_blocks * p.candidate_block_size;
 
-  std::vector<kernels::Backend*> backends;
+  std::vector<kernels::Device*> devices_of_ranks;  // the collectives' view of each rank
   for (int32_t r = 0; r < num_ranks; ++r) {
     absl::StatusOr<std::unique_ptr<kernels::Backend>> made = factory(r, limits);
     if (!made.ok()) {
@@ -81,7 +81,7 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
       backend_name_ = std::string(backend->name());
       backend_desc_ = backend->description();
     }
-    backends.push_back(backend.get());
+    devices_of_ranks.push_back(&backend->device());
     absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Create(r, std::move(backend), sizes);
     if (!rank.ok()) return rank.status();
     ranks_.push_back(*std::move(rank));
@@ -94,7 +94,7 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
     std::vector<int> devices(num_ranks);
     for (int32_t r = 0; r < num_ranks; ++r) devices[r] = r;  // the factory's rank -> device
     absl::StatusOr<std::unique_ptr<Collective>> nccl =
-        MakeNcclCollective(backends, std::move(devices), timeout);
+        MakeNcclCollective(devices_of_ranks, std::move(devices), timeout);
     if (!nccl.ok()) return nccl.status();
     collective_ = *std::move(nccl);
 #else
@@ -102,7 +102,7 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
 #endif
   }
   if (collective_ == nullptr) {
-    collective_ = MakeInProcessCollective(backends, gather_bytes, timeout);
+    collective_ = MakeInProcessCollective(devices_of_ranks, gather_bytes, timeout);
   }
   // The result's own answer vectors are built after the join from the ranks' readback space
   // (StepPlan::defer_topk / defer_candidates): where every rank has one (a device backend
@@ -200,7 +200,7 @@ absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(const ValidatedAppend& append,
   absl::Status status = FirstError(RunOnAllRanks([&](Rank& rank) -> absl::Status {
     if (absl::Status s = rank.overlap().Join(); !s.ok()) return s;
     if (absl::Status s = CopyPagesOnRank(rank, pool, copies); !s.ok()) return s;
-    if (writes.empty()) return rank.backend().Synchronize();
+    if (writes.empty()) return rank.device().Synchronize();
     // Bulk prefill crosses NVLink once per rank (broadcast from rank 0) where the collective
     // can; otherwise every rank copies the keys from host memory.
     const absl::Status s =
@@ -208,7 +208,7 @@ absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(const ValidatedAppend& append,
             ? BroadcastInsertKeysOnRank(rank, pool, writes, profile_.hadamard, *collective_)
             : InsertKeysOnRank(rank, pool, writes, profile_.hadamard);
     if (!s.ok()) return s;
-    return rank.backend().Synchronize();
+    return rank.device().Synchronize();
   }));
   // A caller that gave up while the keys were written gets nothing committed.
   if (status.ok()) status = AskCaller(call_check);
@@ -409,12 +409,12 @@ ExecutorStatus ExecutorImpl::Status() const {
   return s;
 }
 
-absl::Status ExecutorImpl::WithAnswerBackend(
-    const std::function<absl::Status(kernels::Backend&)>& fn) {
+absl::Status ExecutorImpl::WithAnswerDevice(
+    const std::function<absl::Status(kernels::Device&)>& fn) {
   if (shut_down_) return Unavailable();
   FifoTurns::Turn turn = turns_.Wait();
   if (shut_down_) return Unavailable();
-  return fn(ranks_[0]->backend());
+  return fn(ranks_[0]->device());
 }
 
 void ExecutorImpl::Shutdown() {
@@ -566,24 +566,24 @@ std::vector<double> LastScoringUs(const Executor& executor) {
   // Written by the rank threads inside a step; read between steps.
   for (const auto& r : e.ranks_) {
     const absl::StatusOr<double> scoring =
-        r->last_step().graph_replayed ? absl::StatusOr<double>(-1.0) : r->backend().LastScoringUs();
+        r->last_step().graph_replayed ? absl::StatusOr<double>(-1.0) : r->ops().LastScoringUs();
     out.push_back(scoring.ok() ? *scoring : -1.0);
   }
   return out;
 }
 
-std::vector<absl::StatusOr<kernels::Backend::OverlapTiming>> LastOverlapTimings(
+std::vector<absl::StatusOr<kernels::IndexerOps::OverlapTiming>> LastOverlapTimings(
     const Executor& executor) {
   const auto& e = dynamic_cast<const ExecutorImpl&>(executor);
-  std::vector<absl::StatusOr<kernels::Backend::OverlapTiming>> out;
+  std::vector<absl::StatusOr<kernels::IndexerOps::OverlapTiming>> out;
   // Between steps no rank thread touches its backend.
-  for (const auto& r : e.ranks_) out.push_back(r->backend().LastOverlapTiming());
+  for (const auto& r : e.ranks_) out.push_back(r->ops().LastOverlapTiming());
   return out;
 }
 
 void SetScoringTiming(Executor& executor, bool on) {
   auto& e = dynamic_cast<ExecutorImpl&>(executor);
-  for (const auto& r : e.ranks_) r->backend().SetScoringTiming(on);
+  for (const auto& r : e.ranks_) r->ops().SetScoringTiming(on);
 }
 
 std::vector<absl::Status> LastRankStatuses(const Executor& executor) {

@@ -31,7 +31,7 @@
 #include "server/exec/answer_sink.h"
 
 namespace decode_indexer::kernels {
-class Backend;
+class Device;
 }  // namespace decode_indexer::kernels
 
 namespace decode_indexer::exec {
@@ -116,10 +116,10 @@ struct QInput {
   // q, scales and weights are device addresses (a client's CUDA IPC buffer, opened on the
   // answering rank's device) that every rank copies from device to device. The edge checked
   // their sizes but could not read their values: each rank checks the rows it copied on its
-  // device (Backend::CheckValues), and a NaN / Inf fails the step with INVALID_ARGUMENT
+  // device (IndexerOps::CheckValues), and a NaN / Inf fails the step with INVALID_ARGUMENT
   // naming the field, committing nothing.
   bool on_device = false;
-  // With on_device: a device event (Backend::OpenIpcEvent of the answering rank) every rank's
+  // With on_device: a device event (Device::OpenIpcEvent of the answering rank) every rank's
   // stream waits on before it reads any of q (the client recorded it after writing q), so
   // the client's host need not wait for its stream. Null: q is ready when the step arrives.
   void* ready_event = nullptr;
@@ -138,7 +138,7 @@ struct StepInput {
   // committed, an encoder is not called, a span may hold rows of the uncommitted answer.
   const AnswerSink* answer = nullptr;
   // q (values, scales, weights) lies in page-locked memory every device may DMA (a region
-  // registered through Backend::RegisterHostMemory): the ranks copy straight from it.
+  // registered through Device::RegisterHostMemory): the ranks copy straight from it.
   // Otherwise it goes through each rank's own page-locked staging, since a copy from pageable
   // memory is bounced by the driver in pieces that each wait for the stream. A wrong `true` is
   // still correct, only slower. (The answer's own flag is AnswerSink::page_locked.)
@@ -230,7 +230,7 @@ struct ExecutorStatus {
   // CUDA graphs, summed over the ranks: kernel sections captured, and replayed from a graph.
   uint64_t graph_captures = 0;
   uint64_t graph_replays = 0;
-  // Per rank: device memory in use on its device (Backend::DeviceMemoryBytes; 0 on host
+  // Per rank: device memory in use on its device (Device::DeviceMemoryBytes; 0 on host
   // backends), sampled at start-up and after steps (at most once a second).
   std::vector<int64_t> device_memory_bytes;
 };
@@ -285,10 +285,10 @@ class Executor {
 
   virtual ExecutorStatus Status() const = 0;
 
-  // Runs `fn` on the answering rank's (rank 0's) backend in turn with the other calls (no
+  // Runs `fn` on the answering rank's (rank 0's) device in turn with the other calls (no
   // step runs meanwhile): the data plane opens CUDA IPC handles and page-locks client
-  // regions there. UNIMPLEMENTED where the executor has no backend.
-  virtual absl::Status WithAnswerBackend(const std::function<absl::Status(kernels::Backend&)>& fn) {
+  // regions there. UNIMPLEMENTED where the executor has no device.
+  virtual absl::Status WithAnswerDevice(const std::function<absl::Status(kernels::Device&)>& fn) {
     (void)fn;
     return absl::UnimplementedError("this executor has no compute backend");
   }

@@ -136,7 +136,7 @@ class ExecutorImpl final : public Executor {
   int64_t ReleaseIdleSequences(int64_t idle_ms) override;
   absl::StatusOr<StepResult> DecodeStep(const ValidatedStep& step) override;
   ExecutorStatus Status() const override;
-  absl::Status WithAnswerBackend(const std::function<absl::Status(kernels::Backend&)>& fn) override;
+  absl::Status WithAnswerDevice(const std::function<absl::Status(kernels::Device&)>& fn) override;
   const config::Profile& profile() const override { return profile_; }
   void Shutdown() override;
 
@@ -284,7 +284,7 @@ class ExecutorImpl final : public Executor {
   friend std::vector<absl::Status>(::decode_indexer::exec::LastRankStatuses)(
       const Executor& executor);
   friend void(::decode_indexer::exec::SetScoringTiming)(Executor& executor, bool on);
-  friend std::vector<absl::StatusOr<kernels::Backend::OverlapTiming>>(
+  friend std::vector<absl::StatusOr<kernels::IndexerOps::OverlapTiming>>(
       ::decode_indexer::exec::LastOverlapTimings)(const Executor& executor);
 
   const config::Profile profile_;
@@ -359,7 +359,7 @@ class ExecutorImpl final : public Executor {
     memory_sampled_ = now;
     stats_.device_memory_bytes.resize(ranks_.size());
     for (size_t r = 0; r < ranks_.size(); ++r) {
-      stats_.device_memory_bytes[r] = ranks_[r]->backend().DeviceMemoryBytes();
+      stats_.device_memory_bytes[r] = ranks_[r]->device().DeviceMemoryBytes();
     }
   }
   // The step's plan (planner.h): reads and reserves from the host truth above, under mu_.

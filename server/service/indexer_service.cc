@@ -913,8 +913,8 @@ absl::Status IndexerService::DoGetStatistics(CallContext& /*call*/,
 void IndexerService::PinRegion(SharedMemoryRegion& region) {
   // Page-lock the region with the answering rank's backend, so q is copied to the device
   // and the answer back by direct DMA; a region that cannot be pinned still works.
-  absl::Status pinned = executor_.WithAnswerBackend(
-      [&](kernels::Backend& be) { return be.RegisterHostMemory(region.base(), region.size()); });
+  absl::Status pinned = executor_.WithAnswerDevice(
+      [&](kernels::Device& be) { return be.RegisterHostMemory(region.base(), region.size()); });
   if (!pinned.ok()) {
     spdlog::info("shared memory: region of {} bytes stays pageable: {}", region.size(),
                  pinned.ToString());
@@ -922,8 +922,8 @@ void IndexerService::PinRegion(SharedMemoryRegion& region) {
   }
   region.MarkPageLocked();
   region.SetReleaseHook([this, base = region.base()] {
-    absl::Status s = executor_.WithAnswerBackend(
-        [base](kernels::Backend& be) { return be.UnregisterHostMemory(base); });
+    absl::Status s = executor_.WithAnswerDevice(
+        [base](kernels::Device& be) { return be.UnregisterHostMemory(base); });
     if (!s.ok()) spdlog::warn("shared memory: unpinning a region: {}", s.ToString());
   });
 }
@@ -986,7 +986,7 @@ absl::Status IndexerService::DoRegisterCudaIpcMemory(
         absl::StrCat("at most ", CudaIpcRegistry::kMaxRegions, " CUDA IPC regions"));
   }
   void* opened = nullptr;
-  absl::Status s = executor_.WithAnswerBackend([&](kernels::Backend& be) -> absl::Status {
+  absl::Status s = executor_.WithAnswerDevice([&](kernels::Device& be) -> absl::Status {
     absl::StatusOr<void*> ptr =
         be.OpenIpcMemory(request.handle(), request.size(), request.device());
     if (!ptr.ok()) return ptr.status();
@@ -997,21 +997,21 @@ absl::Status IndexerService::DoRegisterCudaIpcMemory(
   // Closed by the answering rank's backend once unregistered and no step uses it.
   auto region = std::make_shared<CudaIpcRegion>(opened, request.size(), [this](void* ptr) {
     absl::Status c =
-        executor_.WithAnswerBackend([ptr](kernels::Backend& be) { return be.CloseIpcMemory(ptr); });
+        executor_.WithAnswerDevice([ptr](kernels::Device& be) { return be.CloseIpcMemory(ptr); });
     if (!c.ok()) spdlog::warn("cuda ipc: closing a region: {}", c.ToString());
   });
   // The events, opened in the same backend and handed to the region as each opens: on a
   // failure the region (and what it holds) closes as it goes out of scope, nothing registered.
   void* events[2] = {nullptr, nullptr};
   auto close_event = [this](void* event) {
-    absl::Status c = executor_.WithAnswerBackend(
-        [event](kernels::Backend& be) { return be.CloseIpcEvent(event); });
+    absl::Status c = executor_.WithAnswerDevice(
+        [event](kernels::Device& be) { return be.CloseIpcEvent(event); });
     if (!c.ok()) spdlog::warn("cuda ipc: closing an event: {}", c.ToString());
   };
   for (int i = 0; i < 2; ++i) {
     const auto& [field, handle] = event_handles[i];
     if (handle->empty()) continue;
-    absl::Status e = executor_.WithAnswerBackend([&](kernels::Backend& be) -> absl::Status {
+    absl::Status e = executor_.WithAnswerDevice([&](kernels::Device& be) -> absl::Status {
       absl::StatusOr<void*> event = be.OpenIpcEvent(*handle, request.device());
       if (!event.ok()) return event.status();
       events[i] = *event;

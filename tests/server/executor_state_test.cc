@@ -58,8 +58,8 @@ class ExecutorState : public ::testing::Test {
         h_->profile(), o,
         [this](int32_t rank, const kernels::BackendLimits& limits)
             -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
-          return std::make_unique<CheckingBackend>(kernels::MakeCpuBackend(limits, 1), &violations_,
-                                                   rank, &fail_rank_, &pause_);
+          return MakeCheckingBackend(kernels::MakeCpuBackend(limits, 1), &violations_, rank,
+                                     &fail_rank_, &pause_);
         });
     ASSERT_TRUE(e.ok()) << e.status();
     e_ = *std::move(e);
