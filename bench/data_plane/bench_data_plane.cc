@@ -44,6 +44,7 @@
 #include "common/cli.h"
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
+#include "server/exec/validated_step.h"
 #include "server/service/callback_edge.h"
 #include "server/service/indexer_service.h"
 #include "server/service/request_decode.h"
@@ -72,9 +73,9 @@ class EchoExecutor final : public di::exec::Executor {
   absl::Status CreateSequence(uint64_t, const di::exec::CallCheck&) override {
     return absl::OkStatus();
   }
-  absl::StatusOr<int64_t> AppendKeys(uint64_t, int32_t, const di::exec::KeysInput& k,
+  absl::StatusOr<int64_t> AppendKeys(const di::exec::ValidatedAppend& append,
                                      const di::exec::CallCheck&) override {
-    return k.count;
+    return append.keys().count;
   }
   absl::StatusOr<int64_t> ReleaseSequence(uint64_t, const di::exec::CallCheck&) override {
     return 0;
@@ -94,7 +95,9 @@ class EchoExecutor final : public di::exec::Executor {
   }
   std::vector<uint64_t> SequenceIds() const override { return {}; }
   int64_t ReleaseIdleSequences(int64_t) override { return 0; }
-  absl::StatusOr<di::exec::StepResult> DecodeStep(const di::exec::StepInput& step) override {
+  absl::StatusOr<di::exec::StepResult> DecodeStep(
+      const di::exec::ValidatedStep& validated) override {
+    const di::exec::StepInput& step = validated.input();
     di::exec::StepResult r;
     r.step_id = step.step_id;
     r.num_rows = step.num_rows;
@@ -324,25 +327,25 @@ void TimePieces(const Request& req, const di::config::Profile& profile, int64_t 
     if (!d.ok()) std::exit(1);
   });
   EchoExecutor echo(profile, context, 7);
-  di::exec::StepInput input;
-  {
-    absl::StatusOr<di::service::DecodedStep> d = di::service::DecodeStepRequest(parsed, profile);
-    input = d->step;
-  }
+  absl::StatusOr<di::service::DecodedStep> decoded =
+      di::service::DecodeStepRequest(parsed, profile);
+  if (!decoded.ok()) std::exit(1);
+  di::exec::ValidatedStep& input = *decoded->validated;
+  const int32_t num_rows = input.input().num_rows;
   Response resp;
   const double answer = TimeUs(iters, [&] {
     resp.Clear();
     di::v1::Tensor* t = resp.mutable_topk();
     t->set_dtype(di::v1::DTYPE_INT32);
-    t->add_shape(input.num_rows);
+    t->add_shape(num_rows);
     t->add_shape(profile.topk);
     std::string* data = t->mutable_data();
-    data->resize(size_t(input.num_rows) * profile.topk * 4);
+    data->resize(size_t(num_rows) * profile.topk * 4);
     const di::exec::AnswerSink sink = di::exec::AnswerSink::Host(
         reinterpret_cast<int32_t*>(data->data()), nullptr, /*page_locked=*/false);
-    input.answer = &sink;
+    input.set_answer(&sink);
     (void)echo.DecodeStep(input);
-    input.answer = nullptr;
+    input.set_answer(nullptr);
   });
   std::string out_wire;
   const double ser_resp = TimeUs(iters, [&] {

@@ -11,7 +11,7 @@
 //   direct answer copies vs rank 0's all-gather (--direct; v41 uses the first value).
 //   v32 also prints where a step goes (executor planning, fan-out, commit; the slowest rank's
 //   uploads, kernel issue, answer copies and final wait), and v41 the overlap measured with
-//   the backend's own fork/join events (Backend::LastOverlapTiming).
+//   the backend's own fork/join events (IndexerOps::LastOverlapTiming).
 //
 // Keys and q are pre-quantized random codes (FP8 e4m3 / FP4 e2m1, never NaN), appended once
 // per executor; the timed steps carry no new keys and score explicit causal row lengths, so
@@ -61,6 +61,7 @@
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
 #include "server/exec/executor_internal.h"
+#include "server/exec/validated_step.h"
 #include "server/testing/step_timer.h"
 
 namespace di = decode_indexer;
@@ -318,8 +319,8 @@ class CallerRegion {
     answer_ = reinterpret_cast<int32_t*>(base_);
     q_ = base_ + (answer_bytes + 255) / 256 * 256;
     if (mode == "pinned" || mode == "pinned-q") {
-      const absl::Status st = e_.WithAnswerBackend(
-          [&](di::kernels::Backend& be) { return be.RegisterHostMemory(base_, bytes_); });
+      const absl::Status st = e_.WithAnswerDevice(
+          [&](di::kernels::Device& be) { return be.RegisterHostMemory(base_, bytes_); });
       registered_ = st.ok();
       if (!st.ok()) std::fprintf(stderr, "register: %s\n", st.ToString().c_str());
     }
@@ -328,7 +329,7 @@ class CallerRegion {
     }
     if (mode == "device-q") {
       // The answering backend's own memory standing in for a worker's CUDA IPC buffer.
-      const absl::Status st = e_.WithAnswerBackend([&](di::kernels::Backend& be) {
+      const absl::Status st = e_.WithAnswerDevice([&](di::kernels::Device& be) {
         absl::StatusOr<void*> p = be.Allocate(bytes_);
         if (!p.ok()) return p.status();
         device_ = static_cast<uint8_t*>(*p);
@@ -342,14 +343,14 @@ class CallerRegion {
   }
   ~CallerRegion() {
     if (device_ != nullptr) {
-      (void)e_.WithAnswerBackend([&](di::kernels::Backend& be) {
+      (void)e_.WithAnswerDevice([&](di::kernels::Device& be) {
         be.Free(device_);
         return absl::OkStatus();
       });
     }
     if (registered_) {
-      (void)e_.WithAnswerBackend(
-          [&](di::kernels::Backend& be) { return be.UnregisterHostMemory(base_); });
+      (void)e_.WithAnswerDevice(
+          [&](di::kernels::Device& be) { return be.UnregisterHostMemory(base_); });
     }
     std::free(base_);
   }
@@ -366,7 +367,7 @@ class CallerRegion {
     }
     if (mode_ == "device-q" && device_ != nullptr) {
       uint8_t* q = device_ + (q_ - base_);
-      (void)e_.WithAnswerBackend([&](di::kernels::Backend& be) {
+      (void)e_.WithAnswerDevice([&](di::kernels::Device& be) {
         absl::Status st = be.CopyToDevice(q, in.q.q, q_bytes);
         if (st.ok()) st = be.CopyToDevice(q + q_bytes, in.q.weights, w_bytes);
         if (st.ok()) st = be.Synchronize();
@@ -399,7 +400,7 @@ struct Timing {
   // commit; the slowest rank's phases (uploads issued, kernels issued, copies issued, wait).
   double plan_us = 0, ranks_us = 0, commit_us = 0;
   double uploads_us = 0, launch_us = 0, copies_us = 0, wait_us = 0;
-  // The slowest rank's scoring kernels (Backend::LastScoringUs, eager steps only; -1: none).
+  // The slowest rank's scoring kernels (IndexerOps::LastScoringUs, eager steps only; -1: none).
   double kernels_us = -1;
   int kernel_samples = 0;
   // CandidateOverlap, read after each round that had a fork/join pair (means over rounds and
@@ -411,9 +412,20 @@ struct Timing {
   bool ok = false;
 };
 
-Timing TimeSteps(Executor& e, const std::vector<di::exec::StepInput>& round, int warmup,
+Timing TimeSteps(Executor& e, const std::vector<di::exec::StepInput>& inputs, int warmup,
                  int steps) {
   Timing t;
+  // Validated once before the clocks, as the service's edge does before a step reaches the
+  // executor.
+  std::vector<di::exec::ValidatedStep> round;
+  for (const di::exec::StepInput& in : inputs) {
+    absl::StatusOr<di::exec::ValidatedStep> v = di::exec::ValidateStep(e.profile(), in);
+    if (!v.ok()) {
+      std::fprintf(stderr, "step: %s\n", v.status().ToString().c_str());
+      return t;
+    }
+    round.push_back(*std::move(v));
+  }
   // The phase tables' clocks (server/testing/step_timer.h): the executor's StepObserver.
   const std::shared_ptr<di::testing::StepTimer> timer = di::testing::InstallStepTimer(e);
   for (int i = 0; i < warmup; ++i) {

@@ -35,7 +35,7 @@ class AnswerSink {
   AnswerSink() = default;  // kVector
 
   // [rows, K] (and [rows, NB], or null) in host memory; `page_locked`: memory every device may
-  // DMA (Backend::RegisterHostMemory). A wrong `true` is still correct, only slower.
+  // DMA (Device::RegisterHostMemory). A wrong `true` is still correct, only slower.
   static AnswerSink Host(int32_t* topk, int32_t* candidates, bool page_locked) {
     AnswerSink s;
     s.kind_ = Kind::kHost;
@@ -45,7 +45,7 @@ class AnswerSink {
     return s;
   }
   // Memory of the answering rank's (rank 0's) backend. `done_event` (or null): a device event
-  // of that backend (Backend::OpenIpcEvent) recorded on its stream after the answer's copies,
+  // of that backend (Device::OpenIpcEvent) recorded on its stream after the answer's copies,
   // so the client's stream can wait for the answer on the GPU.
   static AnswerSink Device(int32_t* topk, int32_t* candidates, void* done_event = nullptr) {
     AnswerSink s;

@@ -7,7 +7,7 @@ absl::Status CandidateOverlap::Fork(int32_t num_rows, const int32_t* row_length)
   kernels::ExpandArgs args = expand_;
   args.num_rows = num_rows;
   if (row_length != nullptr) args.row_length = row_length;
-  absl::Status s = backend_.ForkExpand(args);
+  absl::Status s = ops_.ForkExpand(args);
   forked_ = true;  // even a failed fork may have queued work; the next join settles it
   return s;
 }
@@ -15,7 +15,7 @@ absl::Status CandidateOverlap::Fork(int32_t num_rows, const int32_t* row_length)
 absl::Status CandidateOverlap::Join() {
   if (!forked_) return absl::OkStatus();
   forked_ = false;
-  return backend_.JoinExpand();
+  return ops_.JoinExpand();
 }
 
 absl::Status CandidateOverlap::Warm() {

@@ -1,7 +1,7 @@
 // CandidateOverlap (seed): the candidate consumers' expansion on a side stream.
 //
 // A consumer scores sparse over the expansion of its source's candidate blocks into positions
-// (Backend::ForkExpand's ExpandArgs). The expansion reads only the candidates and the row
+// (IndexerOps::ForkExpand's ExpandArgs). The expansion reads only the candidates and the row
 // lengths, not q or the caches, so the candidate source forks it onto the side stream once it
 // has written the candidates (Fork) and the rank's next step joins it (Join) before touching
 // any buffer the expansion reads or writes; every consumer step over the same rows reuses it.
@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "decode_indexer/kernels/backend.h"
+#include "decode_indexer/kernels/indexer_ops.h"
 
 namespace decode_indexer::exec {
 
@@ -30,8 +30,8 @@ class CandidateOverlap {
  public:
   // `expand`: the rank's expansion buffers (candidates and row lengths in, positions and
   // counts out); each call sets the number of rows.
-  CandidateOverlap(kernels::Backend& backend, const kernels::ExpandArgs& expand)
-      : backend_(backend), expand_(expand) {}
+  CandidateOverlap(kernels::IndexerOps& ops, const kernels::ExpandArgs& expand)
+      : ops_(ops), expand_(expand) {}
   CandidateOverlap(const CandidateOverlap&) = delete;
   CandidateOverlap& operator=(const CandidateOverlap&) = delete;
 
@@ -54,7 +54,7 @@ class CandidateOverlap {
   bool warmed() const { return warmed_; }
 
  private:
-  kernels::Backend& backend_;
+  kernels::IndexerOps& ops_;
   kernels::ExpandArgs expand_;
   bool forked_ = false;
   bool warmed_ = false;

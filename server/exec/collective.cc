@@ -18,19 +18,19 @@ absl::Status PeerFailure(int32_t failed_rank, const absl::Status& failed) {
 
 class InProcessCollective final : public Collective {
  public:
-  InProcessCollective(std::vector<kernels::Backend*> backends, size_t max_bytes,
+  InProcessCollective(std::vector<kernels::Device*> devices, size_t max_bytes,
                       std::chrono::milliseconds timeout)
-      : backends_(std::move(backends)),
+      : devices_(std::move(devices)),
         host_(max_bytes),
-        rendezvous_(static_cast<int32_t>(backends_.size()), timeout) {}
+        rendezvous_(static_cast<int32_t>(devices_.size()), timeout) {}
 
-  int32_t world_size() const override { return static_cast<int32_t>(backends_.size()); }
+  int32_t world_size() const override { return static_cast<int32_t>(devices_.size()); }
   std::string_view name() const override { return "in-process"; }
 
   absl::Status AllGather(int32_t rank, const void* send, void* recv,
                          size_t bytes_per_rank) override {
-    const size_t total = bytes_per_rank * backends_.size();
-    kernels::Backend& b = *backends_[rank];
+    const size_t total = bytes_per_rank * devices_.size();
+    kernels::Device& b = *devices_[rank];
     absl::Status status;
     if (total > host_.size()) {
       status = absl::InternalError(absl::StrCat(
@@ -65,7 +65,7 @@ class InProcessCollective final : public Collective {
   bool aborted() const override { return rendezvous_.broken(); }
 
  private:
-  std::vector<kernels::Backend*> backends_;
+  std::vector<kernels::Device*> devices_;
   std::vector<uint8_t> host_;
   HostRendezvous rendezvous_;
 };
@@ -165,10 +165,10 @@ absl::Status HostRendezvous::broken_status() const {
   return broken_why_;
 }
 
-std::unique_ptr<Collective> MakeInProcessCollective(std::vector<kernels::Backend*> backends,
+std::unique_ptr<Collective> MakeInProcessCollective(std::vector<kernels::Device*> devices,
                                                     size_t max_bytes,
                                                     std::chrono::milliseconds timeout) {
-  return std::make_unique<InProcessCollective>(std::move(backends), max_bytes, timeout);
+  return std::make_unique<InProcessCollective>(std::move(devices), max_bytes, timeout);
 }
 
 }  // namespace decode_indexer::exec

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "decode_indexer/kernels/backend.h"
+#include "decode_indexer/kernels/device.h"
 
 namespace decode_indexer::exec {
 
@@ -110,11 +110,11 @@ class HostRendezvous {
 
 constexpr std::chrono::milliseconds kDefaultCollectiveTimeout{30000};
 
-// backends[r] is rank r's backend (not owned). max_bytes bounds world * bytes_per_rank; the
+// devices[r] is rank r's device (not owned). max_bytes bounds world * bytes_per_rank; the
 // host bounce buffer is allocated once here. A rank waiting longer than `timeout` for the
 // others aborts the collective.
 std::unique_ptr<Collective> MakeInProcessCollective(
-    std::vector<kernels::Backend*> backends, size_t max_bytes,
+    std::vector<kernels::Device*> devices, size_t max_bytes,
     std::chrono::milliseconds timeout = kDefaultCollectiveTimeout);
 
 }  // namespace decode_indexer::exec

@@ -26,7 +26,7 @@ int64_t NanosBetween(std::chrono::steady_clock::time_point a,
 // captured graph when the step's shape was seen before (step_graphs.h).
 absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range,
                        StepUploads& packed) {
-  kernels::Backend& be = rank.backend();
+  kernels::IndexerOps& ops = rank.ops();
   Rank::StepRecord& record = rank.step_record();
   record.graph_captured = false;
   record.graph_replayed = false;
@@ -49,8 +49,8 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   DI_RETURN_IF_ERROR(DecodeSchedule(rank, staging, plan, packed));
   const ScoringCall scoring(rank, plan, range, *q, packed);
   auto kernel_section = [&]() -> absl::Status {
-    if (q->unquantized) DI_RETURN_IF_ERROR(be.RopeQuantQ(q->prep));  // rope_quant_q
-    return scoring.Launch(be);
+    if (q->unquantized) DI_RETURN_IF_ERROR(ops.RopeQuantQ(q->prep));  // rope_quant_q
+    return scoring.Launch(ops);
   };
 
   if (observer != nullptr) observer->OnRank(rank.index(), Mark::kLaunchBegin);
@@ -64,7 +64,7 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
 // every row, to the host or device to device into the answer's device span.
 absl::Status CopyAnswer(Rank& rank, const StepPlan& plan, RowRange range, bool direct,
                         Readback& readback) {
-  kernels::Backend& be = rank.backend();
+  kernels::Device& be = rank.device();
   RankBuffers& b = rank.buffers();
   const RankSizes& s = rank.sizes();
   const int32_t NB = s.num_candidate_blocks;
@@ -106,7 +106,7 @@ absl::Status CopyAnswer(Rank& rank, const StepPlan& plan, RowRange range, bool d
 }  // namespace
 
 absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& collective) {
-  kernels::Backend& be = rank.backend();
+  kernels::Device& be = rank.device();
   RankBuffers& b = rank.buffers();
   const RankSizes& s = rank.sizes();
   const int32_t world = collective.world_size();

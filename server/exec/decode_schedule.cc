@@ -30,7 +30,7 @@ absl::Status CopyStoreRows(Rank& rank, Staging& staging, const StepPlan& plan, b
     copy.src = b.candidate_store;
     copy.src_index = store_index;
   }
-  return rank.backend().CopyRows(copy);
+  return rank.ops().CopyRows(copy);
 }
 
 absl::Status DecodeSchedule(Rank& rank, Staging& staging, const StepPlan& plan,
@@ -129,14 +129,14 @@ ScoringCall::ScoringCall(Rank& rank, const StepPlan& plan, RowRange range, const
   shape_.staged_q = packed.staged_q();
 }
 
-absl::Status ScoringCall::Launch(kernels::Backend& backend) const {
+absl::Status ScoringCall::Launch(kernels::IndexerOps& ops) const {
   switch (kernel_) {
     case Kernel::kDense:
-      return backend.DenseTopK(dense_);
+      return ops.DenseTopK(dense_);
     case Kernel::kMasked:
-      return backend.MaskedTopK(masked_);
+      return ops.MaskedTopK(masked_);
     case Kernel::kSparse:
-      return backend.SparseTopK(sparse_);
+      return ops.SparseTopK(sparse_);
   }
   return absl::InternalError("unknown scoring kernel");
 }

@@ -39,7 +39,7 @@ class ScoringCall {
   ScoringCall(Rank& rank, const StepPlan& plan, RowRange range, const QRows& q,
               const StepUploads& packed);
   // DenseTopK, SparseTopK or MaskedTopK on the rank's backend.
-  absl::Status Launch(kernels::Backend& backend) const;
+  absl::Status Launch(kernels::IndexerOps& ops) const;
   const StepShape& shape() const { return shape_; }
 
  private:

@@ -68,7 +68,7 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
   limits.max_topk = p.topk;
   limits.max_candidate_positions = p.num_candidate_blocks * p.candidate_block_size;
 
-  std::vector<kernels::Backend*> backends;
+  std::vector<kernels::Device*> devices_of_ranks;  // the collectives' view of each rank
   for (int32_t r = 0; r < num_ranks; ++r) {
     absl::StatusOr<std::unique_ptr<kernels::Backend>> made = factory(r, limits);
     if (!made.ok()) {
@@ -81,7 +81,7 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
       backend_name_ = std::string(backend->name());
       backend_desc_ = backend->description();
     }
-    backends.push_back(backend.get());
+    devices_of_ranks.push_back(&backend->device());
     absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Create(r, std::move(backend), sizes);
     if (!rank.ok()) return rank.status();
     ranks_.push_back(*std::move(rank));
@@ -94,7 +94,7 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
     std::vector<int> devices(num_ranks);
     for (int32_t r = 0; r < num_ranks; ++r) devices[r] = r;  // the factory's rank -> device
     absl::StatusOr<std::unique_ptr<Collective>> nccl =
-        MakeNcclCollective(backends, std::move(devices), timeout);
+        MakeNcclCollective(devices_of_ranks, std::move(devices), timeout);
     if (!nccl.ok()) return nccl.status();
     collective_ = *std::move(nccl);
 #else
@@ -102,7 +102,7 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
 #endif
   }
   if (collective_ == nullptr) {
-    collective_ = MakeInProcessCollective(backends, gather_bytes, timeout);
+    collective_ = MakeInProcessCollective(devices_of_ranks, gather_bytes, timeout);
   }
   // The result's own answer vectors are built after the join from the ranks' readback space
   // (StepPlan::defer_topk / defer_candidates): where every rank has one (a device backend
@@ -154,31 +154,22 @@ absl::Status ExecutorImpl::CreateSequence(uint64_t sequence_id, const CallCheck&
   return absl::OkStatus();
 }
 
-absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(uint64_t sequence_id, int32_t layer,
-                                                 const KeysInput& keys,
+absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(const ValidatedAppend& append,
                                                  const CallCheck& call_check) {
   if (shut_down_) return Unavailable();
   FifoTurns::Turn turn = turns_.Wait();
   if (shut_down_) return Unavailable();
   if (absl::Status s = CheckHealthy(); !s.ok()) return s;
 
+  // The layer owns its cache and the keys' form fits it (ValidateAppend); what is left needs
+  // the sequence table.
+  const uint64_t sequence_id = append.sequence_id();
+  const int32_t layer = append.layer();
+  const KeysInput& keys = append.keys();
   std::unique_lock lock(mu_);
-  const LayerSpec* spec = profile_.FindLayer(layer);
-  if (spec == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer: no layer ", layer, " (the profile has ", profile_.layers.size(), ")"));
-  }
-  if (spec->role == LayerRole::kCandidateConsumer) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer: layer ", layer, " is a candidate consumer and reads layer ",
-                     spec->cache_layer, "'s cache; append keys to layer ", spec->cache_layer));
-  }
   state::SequenceState* seq = table_.Find(sequence_id);
   if (seq == nullptr) return NoSequence("sequence_id", sequence_id);
   const int32_t pool = pool_of_layer_[layer];
-  if (absl::Status s = CheckKeys(keys, spec->cache_format, [] { return std::string("keys"); });
-      !s.ok())
-    return s;
   state::CachePages& cp = seq->caches[pool];
   if (absl::Status s =
           CheckPosition(keys.position, cp.length, layer, [] { return std::string("position"); });
@@ -209,7 +200,7 @@ absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(uint64_t sequence_id, int32_t l
   absl::Status status = FirstError(RunOnAllRanks([&](Rank& rank) -> absl::Status {
     if (absl::Status s = rank.overlap().Join(); !s.ok()) return s;
     if (absl::Status s = CopyPagesOnRank(rank, pool, copies); !s.ok()) return s;
-    if (writes.empty()) return rank.backend().Synchronize();
+    if (writes.empty()) return rank.device().Synchronize();
     // Bulk prefill crosses NVLink once per rank (broadcast from rank 0) where the collective
     // can; otherwise every rank copies the keys from host memory.
     const absl::Status s =
@@ -217,7 +208,7 @@ absl::StatusOr<int64_t> ExecutorImpl::AppendKeys(uint64_t sequence_id, int32_t l
             ? BroadcastInsertKeysOnRank(rank, pool, writes, profile_.hadamard, *collective_)
             : InsertKeysOnRank(rank, pool, writes, profile_.hadamard);
     if (!s.ok()) return s;
-    return rank.backend().Synchronize();
+    return rank.device().Synchronize();
   }));
   // A caller that gave up while the keys were written gets nothing committed.
   if (status.ok()) status = AskCaller(call_check);
@@ -248,7 +239,8 @@ absl::StatusOr<int64_t> ExecutorImpl::ReleaseSequence(uint64_t sequence_id,
   return RemoveLocked(sequence_id);
 }
 
-absl::StatusOr<StepResult> ExecutorImpl::DecodeStep(const StepInput& step) {
+absl::StatusOr<StepResult> ExecutorImpl::DecodeStep(const ValidatedStep& validated) {
+  const StepInput& step = validated.input();
   if (shut_down_) return Unavailable();
   const Clock::time_point arrived = Clock::now();
   FifoTurns::Turn turn = turns_.Wait();
@@ -259,7 +251,7 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStep(const StepInput& step) {
   // Only the turn holder touches the reused plan.
   StepPlan& plan = plan_;
   plan.Reset();
-  absl::StatusOr<StepResult> result = DecodeStepLocked(step, plan);
+  absl::StatusOr<StepResult> result = DecodeStepLocked(validated, plan);
   if (result.ok()) {
     result->queue_us = Micros(started - arrived);
     result->compute_us = Micros(Clock::now() - started);
@@ -275,11 +267,13 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStep(const StepInput& step) {
 
 // A decode step: plan (checks, reservation, the StepPlan) -> run on every rank -> commit, or
 // abandon what the plan reserved.
-absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const StepInput& step, StepPlan& plan) {
+absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const ValidatedStep& validated,
+                                                          StepPlan& plan) {
+  const StepInput& step = validated.input();
   Observe(StepObserver::StepMark::kPlan);
   std::unique_lock lock(mu_);
   PlannedStep planned;
-  if (absl::Status s = planner_.Plan(step, plan, planned); !s.ok()) return s;
+  if (absl::Status s = planner_.Plan(validated, plan, planned); !s.ok()) return s;
   TakeStepHooks(plan);
   ++steps_to_ranks_;
 
@@ -415,12 +409,12 @@ ExecutorStatus ExecutorImpl::Status() const {
   return s;
 }
 
-absl::Status ExecutorImpl::WithAnswerBackend(
-    const std::function<absl::Status(kernels::Backend&)>& fn) {
+absl::Status ExecutorImpl::WithAnswerDevice(
+    const std::function<absl::Status(kernels::Device&)>& fn) {
   if (shut_down_) return Unavailable();
   FifoTurns::Turn turn = turns_.Wait();
   if (shut_down_) return Unavailable();
-  return fn(ranks_[0]->backend());
+  return fn(ranks_[0]->device());
 }
 
 void ExecutorImpl::Shutdown() {
@@ -443,6 +437,19 @@ void ExecutorImpl::Shutdown() {
 }  // namespace internal
 
 using internal::ExecutorImpl;
+
+absl::StatusOr<int64_t> Executor::AppendKeys(uint64_t sequence_id, int32_t layer,
+                                             const KeysInput& keys, const CallCheck& call_check) {
+  absl::StatusOr<ValidatedAppend> append = ValidateAppend(profile(), sequence_id, layer, keys);
+  if (!append.ok()) return append.status();
+  return AppendKeys(*append, call_check);
+}
+
+absl::StatusOr<StepResult> Executor::DecodeStep(const StepInput& step) {
+  absl::StatusOr<ValidatedStep> validated = ValidateStep(profile(), step);
+  if (!validated.ok()) return validated.status();
+  return DecodeStep(*validated);
+}
 
 absl::StatusOr<std::unique_ptr<Executor>> Executor::Create(const config::Profile& profile,
                                                            const ExecutorOptions& options) {
@@ -559,24 +566,24 @@ std::vector<double> LastScoringUs(const Executor& executor) {
   // Written by the rank threads inside a step; read between steps.
   for (const auto& r : e.ranks_) {
     const absl::StatusOr<double> scoring =
-        r->last_step().graph_replayed ? absl::StatusOr<double>(-1.0) : r->backend().LastScoringUs();
+        r->last_step().graph_replayed ? absl::StatusOr<double>(-1.0) : r->ops().LastScoringUs();
     out.push_back(scoring.ok() ? *scoring : -1.0);
   }
   return out;
 }
 
-std::vector<absl::StatusOr<kernels::Backend::OverlapTiming>> LastOverlapTimings(
+std::vector<absl::StatusOr<kernels::IndexerOps::OverlapTiming>> LastOverlapTimings(
     const Executor& executor) {
   const auto& e = dynamic_cast<const ExecutorImpl&>(executor);
-  std::vector<absl::StatusOr<kernels::Backend::OverlapTiming>> out;
+  std::vector<absl::StatusOr<kernels::IndexerOps::OverlapTiming>> out;
   // Between steps no rank thread touches its backend.
-  for (const auto& r : e.ranks_) out.push_back(r->backend().LastOverlapTiming());
+  for (const auto& r : e.ranks_) out.push_back(r->ops().LastOverlapTiming());
   return out;
 }
 
 void SetScoringTiming(Executor& executor, bool on) {
   auto& e = dynamic_cast<ExecutorImpl&>(executor);
-  for (const auto& r : e.ranks_) r->backend().SetScoringTiming(on);
+  for (const auto& r : e.ranks_) r->ops().SetScoringTiming(on);
 }
 
 std::vector<absl::Status> LastRankStatuses(const Executor& executor) {

@@ -1,13 +1,16 @@
 // The executor: runs every state-changing operation in arrival order across the ranks.
 //
-// The service edge decodes a request into the plain structs below, having checked everything
-// that needs no state (dtypes, shapes, byte counts, NaN/Inf, layer ids, duplicate sequences,
-// keys sent to a consumer). The executor checks what needs state (unknown sequence, lengths,
-// pages, candidates), reserves pages all-or-nothing, fans the step out to its rank threads
-// (each with a Backend and a replica of every cache), row-shards it when the gate
-// (row_shard_bounds) allows, has each rank copy its answer rows to the host (direct_answers;
-// a source's candidates and device-memory answers are all-gathered through a Collective), and
-// commits the new lengths only when every rank succeeded. A rejected call changes nothing.
+// A call arrives validated: the service edge decodes a request into the plain structs below
+// and checks, once, everything that needs no state (validated_step.h: a ValidatedStep or
+// ValidatedAppend; byte counts and NaN/Inf of host bytes where it decodes them). A caller
+// holding a plain StepInput / KeysInput (tests, benchmarks) goes through the same checks with
+// the overloads below. The executor trusts them and checks only what needs state (unknown
+// sequence, lengths, pages, candidates: planner.h), reserves pages all-or-nothing, fans the step
+// out to its rank threads (each with a Backend and a replica of every cache), row-shards it when
+// the gate (row_shard_bounds) allows, has each rank copy its answer rows to the host
+// (direct_answers; a source's candidates and device-memory answers are all-gathered through a
+// Collective), and commits the new lengths only when every rank succeeded. A rejected call changes
+// nothing.
 //
 // Status messages name the request field at fault in the proto's terms
 // ("sequences[2].row_lengths[1]: ...") so the edge can pass them through unchanged.
@@ -28,10 +31,13 @@
 #include "server/exec/answer_sink.h"
 
 namespace decode_indexer::kernels {
-class Backend;
+class Device;
 }  // namespace decode_indexer::kernels
 
 namespace decode_indexer::exec {
+
+class ValidatedStep;    // validated_step.h
+class ValidatedAppend;  // validated_step.h
 
 struct ExecutorOptions {
   std::string backend = "auto";  // "auto" | "cpu" | "cuda"
@@ -110,10 +116,10 @@ struct QInput {
   // q, scales and weights are device addresses (a client's CUDA IPC buffer, opened on the
   // answering rank's device) that every rank copies from device to device. The edge checked
   // their sizes but could not read their values: each rank checks the rows it copied on its
-  // device (Backend::CheckValues), and a NaN / Inf fails the step with INVALID_ARGUMENT
+  // device (IndexerOps::CheckValues), and a NaN / Inf fails the step with INVALID_ARGUMENT
   // naming the field, committing nothing.
   bool on_device = false;
-  // With on_device: a device event (Backend::OpenIpcEvent of the answering rank) every rank's
+  // With on_device: a device event (Device::OpenIpcEvent of the answering rank) every rank's
   // stream waits on before it reads any of q (the client recorded it after writing q), so
   // the client's host need not wait for its stream. Null: q is ready when the step arrives.
   void* ready_event = nullptr;
@@ -132,7 +138,7 @@ struct StepInput {
   // committed, an encoder is not called, a span may hold rows of the uncommitted answer.
   const AnswerSink* answer = nullptr;
   // q (values, scales, weights) lies in page-locked memory every device may DMA (a region
-  // registered through Backend::RegisterHostMemory): the ranks copy straight from it.
+  // registered through Device::RegisterHostMemory): the ranks copy straight from it.
   // Otherwise it goes through each rank's own page-locked staging, since a copy from pageable
   // memory is bounced by the driver in pieces that each wait for the stream. A wrong `true` is
   // still correct, only slower. (The answer's own flag is AnswerSink::page_locked.)
@@ -224,7 +230,7 @@ struct ExecutorStatus {
   // CUDA graphs, summed over the ranks: kernel sections captured, and replayed from a graph.
   uint64_t graph_captures = 0;
   uint64_t graph_replays = 0;
-  // Per rank: device memory in use on its device (Backend::DeviceMemoryBytes; 0 on host
+  // Per rank: device memory in use on its device (Device::DeviceMemoryBytes; 0 on host
   // backends), sampled at start-up and after steps (at most once a second).
   std::vector<int64_t> device_memory_bytes;
 };
@@ -241,11 +247,13 @@ class Executor {
   // ALREADY_EXISTS if taken; RESOURCE_EXHAUSTED past max_sequences.
   virtual absl::Status CreateSequence(uint64_t sequence_id,
                                       const CallCheck& call_check = nullptr) = 0;
-  // Appends prefill keys to the cache `layer` owns; answers the new length. `call_check` is
-  // asked right before the keys are committed (see CallCheck).
-  virtual absl::StatusOr<int64_t> AppendKeys(uint64_t sequence_id, int32_t layer,
-                                             const KeysInput& keys,
+  // Appends prefill keys to the cache the append's layer owns; answers the new length.
+  // `call_check` is asked right before the keys are committed (see CallCheck).
+  virtual absl::StatusOr<int64_t> AppendKeys(const ValidatedAppend& append,
                                              const CallCheck& call_check = nullptr) = 0;
+  // The same for keys not validated yet: ValidateAppend (validated_step.h), then the above.
+  absl::StatusOr<int64_t> AppendKeys(uint64_t sequence_id, int32_t layer, const KeysInput& keys,
+                                     const CallCheck& call_check = nullptr);
   // Lets go of the sequence's pages in every cache; answers how many went back to the free
   // lists (a page another sequence still holds is not freed).
   virtual absl::StatusOr<int64_t> ReleaseSequence(uint64_t sequence_id,
@@ -270,14 +278,17 @@ class Executor {
   // Releases the sequences no call named for `idle_ms`; answers how many (the idle timeout
   // calls it; tests call it directly).
   virtual int64_t ReleaseIdleSequences(int64_t idle_ms) = 0;
-  virtual absl::StatusOr<StepResult> DecodeStep(const StepInput& step) = 0;
+  virtual absl::StatusOr<StepResult> DecodeStep(const ValidatedStep& step) = 0;
+  // The same for a step not validated yet (built in process): ValidateStep (validated_step.h)
+  // on a copy, then the above. A caller that runs one step many times validates it once.
+  absl::StatusOr<StepResult> DecodeStep(const StepInput& step);
 
   virtual ExecutorStatus Status() const = 0;
 
-  // Runs `fn` on the answering rank's (rank 0's) backend in turn with the other calls (no
+  // Runs `fn` on the answering rank's (rank 0's) device in turn with the other calls (no
   // step runs meanwhile): the data plane opens CUDA IPC handles and page-locks client
-  // regions there. UNIMPLEMENTED where the executor has no backend.
-  virtual absl::Status WithAnswerBackend(const std::function<absl::Status(kernels::Backend&)>& fn) {
+  // regions there. UNIMPLEMENTED where the executor has no device.
+  virtual absl::Status WithAnswerDevice(const std::function<absl::Status(kernels::Device&)>& fn) {
     (void)fn;
     return absl::UnimplementedError("this executor has no compute backend");
   }

@@ -36,6 +36,7 @@
 #endif
 #include "server/exec/rank.h"
 #include "server/exec/row_shard.h"
+#include "server/exec/validated_step.h"
 #include "server/state/page_allocator.h"
 #include "server/state/sequence_table.h"
 #include "spdlog/spdlog.h"
@@ -117,7 +118,9 @@ class ExecutorImpl final : public Executor {
   absl::Status Init(int32_t num_ranks, const BackendFactory& factory);
 
   absl::Status CreateSequence(uint64_t sequence_id, const CallCheck& call_check) override;
-  absl::StatusOr<int64_t> AppendKeys(uint64_t sequence_id, int32_t layer, const KeysInput& keys,
+  using Executor::AppendKeys;
+  using Executor::DecodeStep;
+  absl::StatusOr<int64_t> AppendKeys(const ValidatedAppend& append,
                                      const CallCheck& call_check) override;
   absl::StatusOr<int64_t> ReleaseSequence(uint64_t sequence_id,
                                           const CallCheck& call_check) override;
@@ -131,9 +134,9 @@ class ExecutorImpl final : public Executor {
                               const CallCheck& call_check) override;
   std::vector<uint64_t> SequenceIds() const override;
   int64_t ReleaseIdleSequences(int64_t idle_ms) override;
-  absl::StatusOr<StepResult> DecodeStep(const StepInput& step) override;
+  absl::StatusOr<StepResult> DecodeStep(const ValidatedStep& step) override;
   ExecutorStatus Status() const override;
-  absl::Status WithAnswerBackend(const std::function<absl::Status(kernels::Backend&)>& fn) override;
+  absl::Status WithAnswerDevice(const std::function<absl::Status(kernels::Device&)>& fn) override;
   const config::Profile& profile() const override { return profile_; }
   void Shutdown() override;
 
@@ -263,7 +266,7 @@ class ExecutorImpl final : public Executor {
       out.insert(out.end(), piece->data, piece->data + piece->elems);
     }
   }
-  absl::StatusOr<StepResult> DecodeStepLocked(const StepInput& step, StepPlan& plan);
+  absl::StatusOr<StepResult> DecodeStepLocked(const ValidatedStep& step, StepPlan& plan);
   absl::Status CollectAnswer(const StepPlan& plan);
   void DeliverAnswer(const StepInput& step, const StepPlan& plan, PlannedStep& planned);
   void AbandonStep(PlannedStep& planned);
@@ -281,7 +284,7 @@ class ExecutorImpl final : public Executor {
   friend std::vector<absl::Status>(::decode_indexer::exec::LastRankStatuses)(
       const Executor& executor);
   friend void(::decode_indexer::exec::SetScoringTiming)(Executor& executor, bool on);
-  friend std::vector<absl::StatusOr<kernels::Backend::OverlapTiming>>(
+  friend std::vector<absl::StatusOr<kernels::IndexerOps::OverlapTiming>>(
       ::decode_indexer::exec::LastOverlapTimings)(const Executor& executor);
 
   const config::Profile profile_;
@@ -356,7 +359,7 @@ class ExecutorImpl final : public Executor {
     memory_sampled_ = now;
     stats_.device_memory_bytes.resize(ranks_.size());
     for (size_t r = 0; r < ranks_.size(); ++r) {
-      stats_.device_memory_bytes[r] = ranks_[r]->backend().DeviceMemoryBytes();
+      stats_.device_memory_bytes[r] = ranks_[r]->device().DeviceMemoryBytes();
     }
   }
   // The step's plan (planner.h): reads and reserves from the host truth above, under mu_.

@@ -35,15 +35,15 @@ void SetStepObserver(Executor& executor, std::shared_ptr<StepObserver> observer)
 // Every rank's status of the last job that ran on the ranks.
 std::vector<absl::Status> LastRankStatuses(const Executor& executor);
 
-// Per rank, Backend::LastScoringUs of the last decode step's eager scoring call (its kernels'
+// Per rank, IndexerOps::LastScoringUs of the last decode step's eager scoring call (its kernels'
 // device time); -1 where the backend does not time them or the step replayed a graph.
 std::vector<double> LastScoringUs(const Executor& executor);
-// Backend::SetScoringTiming on every rank (benchmarks; call between steps).
+// IndexerOps::SetScoringTiming on every rank (benchmarks; call between steps).
 void SetScoringTiming(Executor& executor, bool on);
 
 // Per rank, the backend's LastOverlapTiming (CandidateOverlap's fork/join spans), read between
 // steps (benchmarks).
-std::vector<absl::StatusOr<kernels::Backend::OverlapTiming>> LastOverlapTimings(
+std::vector<absl::StatusOr<kernels::IndexerOps::OverlapTiming>> LastOverlapTimings(
     const Executor& executor);
 
 }  // namespace decode_indexer::exec

@@ -192,7 +192,7 @@ absl::StatusOr<SequenceImage> ExecutorImpl::ExportSequence(uint64_t sequence_id)
       const int64_t bytes = cache.geometry.page_bytes();
       char* out = image.caches[pool].pages.data();
       for (size_t k = 0; k < s.caches[pool].pages.size(); ++k) {
-        if (absl::Status st = rank.backend().CopyToHost(
+        if (absl::Status st = rank.device().CopyToHost(
                 out + k * bytes, cache.base + s.caches[pool].pages[k] * bytes, bytes);
             !st.ok()) {
           return st;
@@ -202,13 +202,13 @@ absl::StatusOr<SequenceImage> ExecutorImpl::ExportSequence(uint64_t sequence_id)
     size_t c = 0;
     for (const auto& [layer, rec] : s.candidates) {
       int32_t* store = rank.buffers().candidate_store + int64_t{rec.store_block} * M * NB;
-      if (absl::Status st = rank.backend().CopyToHost(image.candidates[c++].blocks.data(), store,
-                                                      size_t(rec.rows) * NB * sizeof(int32_t));
+      if (absl::Status st = rank.device().CopyToHost(image.candidates[c++].blocks.data(), store,
+                                                     size_t(rec.rows) * NB * sizeof(int32_t));
           !st.ok()) {
         return st;
       }
     }
-    return rank.backend().Synchronize();
+    return rank.device().Synchronize();
   }));
   if (!status.ok()) return status;
   // The slots past the length hold whatever was there before: zero them, so an image says
@@ -344,8 +344,8 @@ absl::Status ExecutorImpl::ImportSequence(uint64_t sequence_id, const SequenceIm
       const int64_t bytes = cache.geometry.page_bytes();
       const char* in = image.caches[pool].pages.data();
       for (size_t k = 0; k < pages[pool].size(); ++k) {
-        if (absl::Status st = rank.backend().CopyToDevice(cache.base + pages[pool][k] * bytes,
-                                                          in + k * bytes, bytes);
+        if (absl::Status st = rank.device().CopyToDevice(cache.base + pages[pool][k] * bytes,
+                                                         in + k * bytes, bytes);
             !st.ok()) {
           return st;
         }
@@ -354,13 +354,13 @@ absl::Status ExecutorImpl::ImportSequence(uint64_t sequence_id, const SequenceIm
     for (size_t c = 0; c < blocks.size(); ++c) {
       int32_t* store = rank.buffers().candidate_store + int64_t{blocks[c]} * M * NB;
       if (absl::Status st =
-              rank.backend().CopyToDevice(store, image.candidates[c].blocks.data(),
-                                          image.candidates[c].blocks.size() * sizeof(int32_t));
+              rank.device().CopyToDevice(store, image.candidates[c].blocks.data(),
+                                         image.candidates[c].blocks.size() * sizeof(int32_t));
           !st.ok()) {
         return st;
       }
     }
-    return rank.backend().Synchronize();
+    return rank.device().Synchronize();
   }));
   if (status.ok()) status = AskCaller(call_check);
   lock.lock();

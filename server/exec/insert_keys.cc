@@ -25,7 +25,7 @@ absl::Status InsertStagedKeys(Rank& rank, int32_t pool, ElemType type, int32_t c
   args.key_scales = has_scales ? scales : nullptr;
   args.slots = slots;
   args.hadamard = hadamard;
-  return rank.backend().InsertKeys(args);
+  return rank.ops().InsertKeys(args);
 }
 
 absl::Status InsertStagedKeys(Rank& rank, int32_t pool, ElemType type, int32_t count,
@@ -43,7 +43,7 @@ absl::Status InsertStagedKeys(Rank& rank, int32_t pool, ElemType type, int32_t c
 absl::Status InsertStepKeys(Rank& rank, Staging& staging, int32_t pool,
                             const std::vector<KeyWrite>& writes, bool hadamard,
                             const StepUploads& packed) {
-  kernels::Backend& be = rank.backend();
+  kernels::Device& be = rank.device();
   RankBuffers& b = rank.buffers();
   const int32_t D = rank.sizes().head_dim;
   if (packed.keys) {
@@ -79,8 +79,8 @@ absl::Status CopyPagesOnRank(Rank& rank, int32_t pool,
   const kernels::CacheView& cache = rank.buffers().caches[pool];
   const int64_t bytes = cache.geometry.page_bytes();
   for (const auto& [src, dst] : copies) {
-    DI_RETURN_IF_ERROR(rank.backend().CopyDeviceToDevice(cache.base + dst * bytes,
-                                                         cache.base + src * bytes, bytes));
+    DI_RETURN_IF_ERROR(rank.device().CopyDeviceToDevice(cache.base + dst * bytes,
+                                                        cache.base + src * bytes, bytes));
   }
   return absl::OkStatus();
 }
@@ -108,7 +108,7 @@ int64_t KeyScaleBytes(ElemType type, int32_t head_dim) {
 
 absl::Status InsertKeysOnRank(Rank& rank, int32_t pool, const std::vector<KeyWrite>& writes,
                               bool hadamard) {
-  kernels::Backend& be = rank.backend();
+  kernels::Device& be = rank.device();
   RankBuffers& b = rank.buffers();
   const int32_t D = rank.sizes().head_dim;
   const int32_t chunk = rank.sizes().key_chunk;
@@ -133,7 +133,7 @@ absl::Status InsertKeysOnRank(Rank& rank, int32_t pool, const std::vector<KeyWri
 absl::Status BroadcastInsertKeysOnRank(Rank& rank, int32_t pool,
                                        const std::vector<KeyWrite>& writes, bool hadamard,
                                        Collective& collective) {
-  kernels::Backend& be = rank.backend();
+  kernels::Device& be = rank.device();
   RankBuffers& b = rank.buffers();
   const int32_t D = rank.sizes().head_dim;
   const int32_t chunk = rank.sizes().key_chunk;

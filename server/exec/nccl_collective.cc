@@ -30,7 +30,7 @@ absl::Status NcclError(ncclResult_t r, absl::string_view what) {
 
 class NcclCollective final : public Collective {
  public:
-  NcclCollective(std::vector<kernels::Backend*> backends, std::vector<int> devices,
+  NcclCollective(std::vector<kernels::Device*> backends, std::vector<int> devices,
                  std::chrono::milliseconds timeout)
       : backends_(std::move(backends)),
         devices_(std::move(devices)),
@@ -235,7 +235,7 @@ class NcclCollective final : public Collective {
     rendezvous_.Break(why);
   }
 
-  const std::vector<kernels::Backend*> backends_;
+  const std::vector<kernels::Device*> backends_;
   const std::vector<int> devices_;
   const std::chrono::milliseconds timeout_;
   std::vector<ncclComm_t> comms_;
@@ -255,7 +255,7 @@ class NcclCollective final : public Collective {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Collective>> MakeNcclCollective(
-    std::vector<kernels::Backend*> backends, std::vector<int> devices,
+    std::vector<kernels::Device*> backends, std::vector<int> devices,
     std::chrono::milliseconds timeout) {
   if (backends.size() != devices.size() || devices.empty()) {
     return absl::InvalidArgumentError("nccl collective: one backend per device");

@@ -12,42 +12,11 @@ using config::LayerSpec;
 using kernels::CacheFormat;
 using kernels::ElemType;
 
-// Checks a key input against the cache it goes to.
-absl::Status CheckKeys(const KeysInput& keys, CacheFormat format, FieldName field) {
-  if (keys.count < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field(), ": negative key count ", keys.count));
-  }
-  if (keys.count == 0) return absl::OkStatus();
-  if (keys.keys == nullptr) return absl::InvalidArgumentError(absl::StrCat(field(), ": no data"));
-  switch (keys.type) {
-    case ElemType::kF32:
-    case ElemType::kBF16:
-      return absl::OkStatus();
-    case ElemType::kFp8E4M3:
-    case ElemType::kFp4E2M1: {
-      const bool fp8 = keys.type == ElemType::kFp8E4M3;
-      if (fp8 != (format == CacheFormat::kFp8)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(field(), ": pre-quantized keys must be in the cache's format (",
-                         format == CacheFormat::kFp8 ? "FP8" : "FP4", ")"));
-      }
-      if (keys.scales == nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat(field(), ": quantized keys need scales"));
-      }
-      return absl::OkStatus();
-    }
-    default:
-      return absl::InvalidArgumentError(absl::StrCat(field(), ": unsupported key type"));
-  }
-}
-
-// A position for keys (KeysInput::position): at most the cache's committed length.
+// A position for keys (KeysInput::position, not negative: validated): at most the cache's
+// committed length.
 absl::Status CheckPosition(const std::optional<int64_t>& position, int64_t length,
                            int32_t cache_layer, FieldName field) {
   if (!position.has_value()) return absl::OkStatus();
-  if (*position < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field(), ": must be >= 0, got ", *position));
-  }
   if (*position > length) {
     return absl::InvalidArgumentError(absl::StrCat(
         field(), ": ", *position, " is past the sequence's length ", length, " in layer ",
@@ -89,7 +58,6 @@ void StepPlan::Reset() {
 void StepPlanner::Init(int32_t world_size, bool defer_answers) {
   world_size_ = world_size;
   defer_answers_ = defer_answers;
-  slot_mark_.assign(size_t(host_.options.max_sequences), 0);
 }
 
 void StepPlanner::Abandon(PlannedStep& planned) {
@@ -99,13 +67,12 @@ void StepPlanner::Abandon(PlannedStep& planned) {
   planned.new_blocks.clear();
 }
 
-absl::Status StepPlanner::Plan(const StepInput& step, StepPlan& plan, PlannedStep& out) {
+absl::Status StepPlanner::Plan(const ValidatedStep& validated, StepPlan& plan, PlannedStep& out) {
+  // The layer, ids, rows, row lengths and the keys' and q's form were checked once, before the
+  // step reached the executor (validated_step.h); what is checked here needs the sequence table.
+  const StepInput& step = validated.input();
   const config::Profile& p = host_.profile;
-  const LayerSpec* spec = p.FindLayer(step.layer);
-  if (spec == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer: no layer ", step.layer, " (the profile has ", p.layers.size(), ")"));
-  }
+  const LayerSpec* spec = &validated.spec();
   const bool source = spec->role == LayerRole::kCandidateSource;
   const bool consumer = spec->role == LayerRole::kCandidateConsumer;
   const int32_t pool = host_.pool_of_layer[spec->cache_layer];
@@ -113,7 +80,6 @@ absl::Status StepPlanner::Plan(const StepInput& step, StepPlan& plan, PlannedSte
   out.source = source;
   out.consumer = consumer;
   out.pool = pool;
-  const CacheFormat format = host_.pool_geometry[pool].format;
   const int32_t num_requests = static_cast<int32_t>(step.sequences.size());
   if (const AnswerSink* sink = step.answer;
       sink != nullptr && sink->topk() == nullptr &&
@@ -124,34 +90,13 @@ absl::Status StepPlanner::Plan(const StepInput& step, StepPlan& plan, PlannedSte
       !step.answer->encoder()) {
     return absl::InternalError("the answer sink has no encoder");
   }
-  if (num_requests == 0) {
-    return absl::InvalidArgumentError("sequences: a step needs at least one sequence");
-  }
+  // The executor's capacity (its rank buffers), not the profile's.
   if (num_requests > host_.options.max_requests_per_step) {
     return absl::InvalidArgumentError(absl::StrCat("sequences: at most ",
                                                    host_.options.max_requests_per_step,
                                                    " sequences a step, got ", num_requests));
   }
-  if (step.return_candidates && !source) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("return_candidates: layer ", step.layer, " is not a candidate source"));
-  }
   const QInput& q = step.q;
-  if (q.q == nullptr || q.weights == nullptr) {
-    return absl::InvalidArgumentError("q: q and weights are required");
-  }
-  if (q.type == ElemType::kFp8E4M3 || q.type == ElemType::kFp4E2M1) {
-    if ((q.type == ElemType::kFp8E4M3) != (format == CacheFormat::kFp8)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("q: quantized q must be in layer ", step.layer, "'s cache format (",
-                       format == CacheFormat::kFp8 ? "FP8" : "FP4", ")"));
-    }
-    if (format == CacheFormat::kFp4 && q.scales == nullptr) {
-      return absl::InvalidArgumentError("q_scales: FP4 q needs its scales");
-    }
-  } else if (q.type != ElemType::kF32 && q.type != ElemType::kBF16) {
-    return absl::InvalidArgumentError("q: unsupported dtype");
-  }
 
   const int32_t P = p.page_size;
   const int32_t M = p.max_rows_per_sequence;
@@ -160,7 +105,6 @@ absl::Status StepPlanner::Plan(const StepInput& step, StepPlan& plan, PlannedSte
   std::vector<int64_t>& lengths = out.lengths;
   seqs.assign(num_requests, nullptr);
   lengths.assign(num_requests, 0);
-  const uint64_t step_mark = ++step_marks_;
   plan.row_length.clear();
   std::vector<ExpansionRow>& expansion = out.expansion;
   expansion.clear();
@@ -169,37 +113,10 @@ absl::Status StepPlanner::Plan(const StepInput& step, StepPlan& plan, PlannedSte
     auto field = [i](const char* suffix = "") {
       return absl::StrCat("sequences[", i, "]", suffix);
     };
-    if (in.num_rows < 1 || in.num_rows > M) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field(), ".num_rows: must be in [1, ", M, "], got ", in.num_rows));
-    }
-    if (!in.row_lengths.empty() && static_cast<int32_t>(in.row_lengths.size()) != in.num_rows) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field(), ".row_lengths: ", in.row_lengths.size(), " entries for ", in.num_rows, " rows"));
-    }
     state::SequenceState* seq = host_.table.Find(in.sequence_id);
     if (seq == nullptr) return host_.no_sequence(field(".sequence_id"), in.sequence_id);
-    // A sequence twice in one step: its slot was marked by this step already.
-    if (slot_mark_[seq->slot] == step_mark) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field(), ".sequence_id: sequence ", in.sequence_id, " appears twice"));
-    }
-    slot_mark_[seq->slot] = step_mark;
     seqs[i] = seq;
-    if (consumer && in.new_keys.count > 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field(), ".new_keys: layer ", step.layer, " reads layer ", spec->cache_layer,
-                       "'s cache; send keys to layer ", spec->cache_layer));
-    }
-    if (absl::Status s = CheckKeys(in.new_keys, format, [&] { return field(".new_keys"); });
-        !s.ok())
-      return s;
     const state::CachePages& cp = seq->caches[pool];
-    if (consumer && in.new_keys.position.has_value()) {
-      return absl::InvalidArgumentError(absl::StrCat(field(), ".new_keys_position: layer ",
-                                                     step.layer, " reads layer ", spec->cache_layer,
-                                                     "'s cache and takes no keys"));
-    }
     if (absl::Status s = CheckPosition(in.new_keys.position, cp.length, spec->cache_layer,
                                        [&] { return field(".new_keys_position"); });
         !s.ok()) {
@@ -251,11 +168,6 @@ absl::Status StepPlanner::Plan(const StepInput& step, StepPlan& plan, PlannedSte
     for (int32_t j = 0; j < in.num_rows; ++j) plan.row_request.push_back(i);
     num_rows += in.num_rows;
   }
-  if (num_rows != step.num_rows) {
-    return absl::InvalidArgumentError(absl::StrCat("num_rows: the sequences bring ", num_rows,
-                                                   " rows, the step says ", step.num_rows));
-  }
-
   // Reserve all-or-nothing: a step that does not fit leaves no trace. Each sequence's write
   // (a cut back to its position, then its keys) lands in fresh pages wherever it would touch a
   // shared page or committed entries, so a failed step leaves the committed state intact.

@@ -21,6 +21,7 @@
 #include "server/exec/executor.h"
 #include "server/exec/page_table_mirror.h"
 #include "server/exec/step_types.h"
+#include "server/exec/validated_step.h"
 #include "server/state/page_allocator.h"
 #include "server/state/sequence_table.h"
 
@@ -30,9 +31,8 @@ namespace decode_indexer::exec {
 // names up front cost ~3 strings a sequence a step).
 using FieldName = absl::FunctionRef<std::string()>;
 
-// Checks a key input against the cache it goes to (AppendKeys and a step's new keys).
-absl::Status CheckKeys(const KeysInput& keys, kernels::CacheFormat format, FieldName field);
-// A position for keys (KeysInput::position): at most the cache's committed length.
+// A position for keys (KeysInput::position, validated not negative): at most the cache's
+// committed length.
 absl::Status CheckPosition(const std::optional<int64_t>& position, int64_t length,
                            int32_t cache_layer, FieldName field);
 
@@ -79,11 +79,11 @@ class StepPlanner {
   // deferred (StepPlan::defer_topk / defer_candidates).
   void Init(int32_t world_size, bool defer_answers);
 
-  // Checks `step` against the sequence table, reserves its pages (and a source's store blocks)
-  // and fills `plan` (Reset by the caller) and `out`. On failure nothing stays reserved and
-  // nothing changed. On success the reservation is held until Commit by the executor or
-  // Abandon.
-  absl::Status Plan(const StepInput& step, StepPlan& plan, PlannedStep& out);
+  // Checks `step` (its stateless checks passed: validated_step.h) against the sequence table,
+  // reserves its pages (and a source's store blocks) and fills `plan` (Reset by the caller)
+  // and `out`. On failure nothing stays reserved and nothing changed. On success the
+  // reservation is held until Commit by the executor or Abandon.
+  absl::Status Plan(const ValidatedStep& step, StepPlan& plan, PlannedStep& out);
 
   // Gives back what Plan reserved (a failed step): the fresh pages and the store blocks.
   void Abandon(PlannedStep& planned);
@@ -95,11 +95,7 @@ class StepPlanner {
   HostState host_;
   int32_t world_size_ = 1;
   bool defer_answers_ = false;
-  // Per sequence slot, the mark of the last step that named it (duplicate check), and the
-  // marks handed out; the step's key slots.
-  std::vector<uint64_t> slot_mark_;
-  uint64_t step_marks_ = 0;
-  std::vector<int64_t> step_slots_;
+  std::vector<int64_t> step_slots_;  // the step's key slots
   std::vector<int32_t> encode_scratch_;
 };
 

@@ -39,7 +39,7 @@ Rank::~Rank() {
     if (arena_.pinned) {
       backend_->FreeHost(arena_.base);
     } else {
-      backend_->Backend::FreeHost(arena_.base);
+      backend_->Device::FreeHost(arena_.base);
     }
   }
   if (readback_.base != nullptr) backend_->FreeHost(readback_.base);
@@ -136,7 +136,7 @@ absl::Status Rank::Allocate() {
   const int64_t host_bytes = a64(arena_bytes) + ring_bytes;
   absl::StatusOr<void*> arena =
       arena_.pinned ? backend_->AllocateHost(static_cast<size_t>(host_bytes))
-                    : backend_->Backend::AllocateHost(static_cast<size_t>(host_bytes));
+                    : backend_->Device::AllocateHost(static_cast<size_t>(host_bytes));
   if (!arena.ok()) return arena.status();
   arena_.base = static_cast<uint8_t*>(*arena);
   arena_.capacity = static_cast<size_t>(arena_bytes);
@@ -170,7 +170,7 @@ absl::Status Rank::Allocate() {
   expand.out.positions = b.expansion_positions;
   expand.out.counts = b.expansion_counts;
   expand.out.max_positions = s.num_candidate_blocks * s.candidate_block_size;
-  overlap_.emplace(*backend_, expand);
+  overlap_.emplace(backend_->ops(), expand);
   // The side stream's first fork and join from here, an eager point before any step (and any
   // graph capture), where the profile has candidate layers.
   if (s.num_candidate_blocks > 0) {

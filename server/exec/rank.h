@@ -49,7 +49,7 @@ struct RankSizes {
   int32_t staging_slots = 0;
 };
 
-// Page-locked host staging (Backend::AllocateHost) for one step's uploads, used front to back
+// Page-locked host staging (Device::AllocateHost) for one step's uploads, used front to back
 // and emptied when the step's work has finished (every step ends in a Synchronize).
 struct HostArena {
   uint8_t* base = nullptr;
@@ -116,7 +116,7 @@ struct RankBuffers {
   int32_t* expansion_positions = nullptr;  // [max_rows, NB * block]
   int32_t* expansion_counts = nullptr;     // [max_rows]
   double* inv_freq = nullptr;              // RankSizes::inv_freq, copied once
-  // Backend::CheckValues' flag word (device-resident q: QInput::on_device).
+  // IndexerOps::CheckValues' flag word (device-resident q: QInput::on_device).
   uint32_t* value_flags = nullptr;
 };
 
@@ -132,7 +132,10 @@ class Rank {
   Rank& operator=(const Rank&) = delete;
 
   int32_t index() const { return index_; }
-  kernels::Backend& backend() { return *backend_; }
+  // The rank's device (memory, copies, stream, graphs, events) and the indexer's operations
+  // on it: the narrow interface each caller needs.
+  kernels::Device& device() { return backend_->device(); }
+  kernels::IndexerOps& ops() { return backend_->ops(); }
   const RankSizes& sizes() const { return sizes_; }
   RankBuffers& buffers() { return buffers_; }
   // The rank's side of CandidateOverlap: the expansion's fork and join on the side stream.

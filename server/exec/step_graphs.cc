@@ -33,7 +33,7 @@ StepGraphs::Use StepGraphs::Next(const StepShape& shape, Entry** entry) {
 
 absl::Status RunKernelSection(Rank& rank, const StepShape& shape,
                               const std::function<absl::Status()>& launch) {
-  kernels::Backend& be = rank.backend();
+  kernels::Device& be = rank.device();
   if (!rank.graphs_enabled()) return launch();
   StepGraphs::Entry* entry = nullptr;
   switch (rank.graphs().Next(shape, &entry)) {

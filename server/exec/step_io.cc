@@ -42,7 +42,7 @@ absl::Status ApplyTableEdits(Rank& rank, Staging& staging, int32_t pool, const T
       scatter.dst_index = b.edit_index;
       scatter.src = b.edit_pages;
     }
-    DI_RETURN_IF_ERROR(rank.backend().CopyRows(scatter));
+    DI_RETURN_IF_ERROR(rank.ops().CopyRows(scatter));
   }
   return absl::OkStatus();
 }
@@ -60,7 +60,7 @@ absl::Status CheckDeviceInputs(Rank& rank, kernels::ValueCheck q, kernels::Value
     if (c.data != nullptr && c.count > 0) args.checks[args.num_checks++] = c;
   }
   args.flags = rank.buffers().value_flags;
-  return rank.backend().CheckValues(args);
+  return rank.ops().CheckValues(args);
 }
 
 }  // namespace
@@ -165,7 +165,7 @@ absl::StatusOr<StepUploads> PackStepUploads(Rank& rank, Staging& staging, const 
   int32_t slot = 0;
   while (slot < ring.slots() && ring.busy[size_t(slot)]) ++slot;
   if (slot == ring.slots()) {  // every slot may still be read: wait for the stream
-    DI_RETURN_IF_ERROR(rank.backend().Synchronize());
+    DI_RETURN_IF_ERROR(rank.device().Synchronize());
     ring.Settle();
     slot = 0;
   }

@@ -11,7 +11,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "decode_indexer/kernels/backend.h"
+#include "decode_indexer/kernels/device.h"
+#include "decode_indexer/kernels/indexer_ops.h"
 #include "server/exec/bulk_copy.h"
 #include "server/exec/page_table_mirror.h"
 #include "server/exec/rank.h"
@@ -29,7 +30,7 @@ namespace decode_indexer::exec {
 // arena: the previous one ended in a Synchronize.
 class Staging {
  public:
-  explicit Staging(Rank& rank) : be_(rank.backend()), arena_(rank.host_arena()) { arena_.used = 0; }
+  explicit Staging(Rank& rank) : be_(rank.device()), arena_(rank.host_arena()) { arena_.used = 0; }
 
   absl::StatusOr<uint8_t*> Reserve(size_t bytes) {
     const size_t aligned = (bytes + 63) / 64 * 64;
@@ -71,7 +72,7 @@ class Staging {
     return be_.CopyToDevice(dst, *host, bytes);
   }
 
-  kernels::Backend& be_;
+  kernels::Device& be_;
   HostArena& arena_;
 };
 
@@ -87,7 +88,7 @@ class Readback {
   enum class Answer { kTopK, kCandidates };
 
   Readback(Rank& rank, const StepPlan& plan)
-      : rank_(rank), be_(rank.backend()), space_(rank.readback()), plan_(plan) {
+      : rank_(rank), be_(rank.device()), space_(rank.readback()), plan_(plan) {
     space_.used = 0;
     rank_.step_record().readback.clear();
   }
@@ -137,7 +138,7 @@ class Readback {
     size_t bytes;
   };
   Rank& rank_;
-  kernels::Backend& be_;
+  kernels::Device& be_;
   HostArena& space_;
   const StepPlan& plan_;
   std::vector<Pending> pending_;

@@ -433,8 +433,7 @@ absl::Status IndexerService::DoAppendKeys(CallContext& call, const v1::AppendKey
                                           v1::AppendKeysResponse& response) {
   absl::StatusOr<DecodedAppend> decoded = DecodeAppendKeys(request, executor_.profile());
   if (!decoded.ok()) return decoded.status();
-  absl::StatusOr<int64_t> length =
-      executor_.AppendKeys(decoded->sequence_id, decoded->layer, decoded->keys, CallCheckOf(&call));
+  absl::StatusOr<int64_t> length = executor_.AppendKeys(*decoded->append, CallCheckOf(&call));
   if (!length.ok()) {
     CheckHealth(length.status());
     return length.status();
@@ -615,8 +614,9 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
   }
   absl::StatusOr<DecodedStep> decoded = DecodeStepRequest(request, profile, external);
   if (!decoded.ok()) return decoded.status();
-  exec::StepInput& step = decoded->step;
-  step.q.ready_event = inputs_event;
+  exec::ValidatedStep& validated = *decoded->validated;
+  validated.set_q_ready_event(inputs_event);
+  const exec::StepInput& step = validated.input();
 
   // Where the answer goes, resolved once into the sink the executor writes it into: a CUDA IPC
   // buffer (device to device), the shared-memory region (written there by the device-to-host
@@ -670,9 +670,9 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
                                     candidates, /*page_locked=*/false);
     }
   }
-  step.answer = &sink;
+  validated.set_answer(&sink);
   const bool answer_elsewhere = ipc != nullptr || region != nullptr;
-  step.host_memory_page_locked = region != nullptr && region->page_locked();
+  validated.set_host_memory_page_locked(region != nullptr && region->page_locked());
   // An answer the transport could not send would fail the call after the step committed
   // (a retry would append its keys twice): refuse it before anything runs.
   if (options_.max_send_message_bytes > 0) {
@@ -708,8 +708,8 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
   if (context->IsCancelled()) return absl::CancelledError("cancelled before the step ran");
   // And once more right before the commit, in the executor: a deadline that passes while the
   // step runs leaves nothing committed.
-  step.call_check = CallCheckOf(context);
-  absl::StatusOr<exec::StepResult> result = executor_.DecodeStep(step);
+  validated.set_call_check(CallCheckOf(context));
+  absl::StatusOr<exec::StepResult> result = executor_.DecodeStep(validated);
   admitted.unlock();
   if (!result.ok()) {
     CheckHealth(result.status());
@@ -913,8 +913,8 @@ absl::Status IndexerService::DoGetStatistics(CallContext& /*call*/,
 void IndexerService::PinRegion(SharedMemoryRegion& region) {
   // Page-lock the region with the answering rank's backend, so q is copied to the device
   // and the answer back by direct DMA; a region that cannot be pinned still works.
-  absl::Status pinned = executor_.WithAnswerBackend(
-      [&](kernels::Backend& be) { return be.RegisterHostMemory(region.base(), region.size()); });
+  absl::Status pinned = executor_.WithAnswerDevice(
+      [&](kernels::Device& be) { return be.RegisterHostMemory(region.base(), region.size()); });
   if (!pinned.ok()) {
     spdlog::info("shared memory: region of {} bytes stays pageable: {}", region.size(),
                  pinned.ToString());
@@ -922,8 +922,8 @@ void IndexerService::PinRegion(SharedMemoryRegion& region) {
   }
   region.MarkPageLocked();
   region.SetReleaseHook([this, base = region.base()] {
-    absl::Status s = executor_.WithAnswerBackend(
-        [base](kernels::Backend& be) { return be.UnregisterHostMemory(base); });
+    absl::Status s = executor_.WithAnswerDevice(
+        [base](kernels::Device& be) { return be.UnregisterHostMemory(base); });
     if (!s.ok()) spdlog::warn("shared memory: unpinning a region: {}", s.ToString());
   });
 }
@@ -986,7 +986,7 @@ absl::Status IndexerService::DoRegisterCudaIpcMemory(
         absl::StrCat("at most ", RegionRegistry::kMaxCudaIpcRegions, " CUDA IPC regions"));
   }
   void* opened = nullptr;
-  absl::Status s = executor_.WithAnswerBackend([&](kernels::Backend& be) -> absl::Status {
+  absl::Status s = executor_.WithAnswerDevice([&](kernels::Device& be) -> absl::Status {
     absl::StatusOr<void*> ptr =
         be.OpenIpcMemory(request.handle(), request.size(), request.device());
     if (!ptr.ok()) return ptr.status();
@@ -997,21 +997,21 @@ absl::Status IndexerService::DoRegisterCudaIpcMemory(
   // Closed by the answering rank's backend once unregistered and no step uses it.
   auto region = std::make_shared<CudaIpcRegion>(opened, request.size(), [this](void* ptr) {
     absl::Status c =
-        executor_.WithAnswerBackend([ptr](kernels::Backend& be) { return be.CloseIpcMemory(ptr); });
+        executor_.WithAnswerDevice([ptr](kernels::Device& be) { return be.CloseIpcMemory(ptr); });
     if (!c.ok()) spdlog::warn("cuda ipc: closing a region: {}", c.ToString());
   });
   // The events, opened in the same backend and handed to the region as each opens: on a
   // failure the region (and what it holds) closes as it goes out of scope, nothing registered.
   void* events[2] = {nullptr, nullptr};
   auto close_event = [this](void* event) {
-    absl::Status c = executor_.WithAnswerBackend(
-        [event](kernels::Backend& be) { return be.CloseIpcEvent(event); });
+    absl::Status c = executor_.WithAnswerDevice(
+        [event](kernels::Device& be) { return be.CloseIpcEvent(event); });
     if (!c.ok()) spdlog::warn("cuda ipc: closing an event: {}", c.ToString());
   };
   for (int i = 0; i < 2; ++i) {
     const auto& [field, handle] = event_handles[i];
     if (handle->empty()) continue;
-    absl::Status e = executor_.WithAnswerBackend([&](kernels::Backend& be) -> absl::Status {
+    absl::Status e = executor_.WithAnswerDevice([&](kernels::Device& be) -> absl::Status {
       absl::StatusOr<void*> event = be.OpenIpcEvent(*handle, request.device());
       if (!event.ok()) return event.status();
       events[i] = *event;

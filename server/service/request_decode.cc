@@ -7,7 +7,6 @@
 #include <utility>
 #include "absl/strings/string_view.h"
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -28,10 +27,6 @@ absl::Status Invalid(absl::string_view field, absl::string_view what) {
 absl::string_view DTypeName(v1::DType dtype) {
   const std::string& name = v1::DType_Name(dtype);
   return name.empty() ? absl::string_view("DTYPE_<unknown>") : absl::string_view(name);
-}
-
-absl::string_view FormatName(CacheFormat format) {
-  return format == CacheFormat::kFp8 ? "FP8" : "FP4";
 }
 
 bool IsAbsent(const v1::Tensor& t) {
@@ -259,31 +254,13 @@ float Bf16ToFloat(uint16_t bits) {
   return f;
 }
 
-const config::LayerSpec* LayerOf(const config::Profile& profile, int32_t layer) {
-  for (const config::LayerSpec& spec : profile.layers) {
-    if (spec.layer == layer) return &spec;
-  }
-  return nullptr;
-}
-
-absl::StatusOr<const config::LayerSpec*> CheckLayer(const config::Profile& profile, int32_t layer) {
-  const config::LayerSpec* spec = LayerOf(profile, layer);
-  if (spec == nullptr) {
-    return Invalid("layer",
-                   absl::StrCat(layer, " is not a layer of profile ", profile.name, " (0..",
-                                static_cast<int64_t>(profile.layers.size()) - 1, ")"));
-  }
-  return spec;
-}
-
-bool OwnsCache(const config::LayerSpec& spec) {
-  return spec.role != config::LayerRole::kCandidateConsumer && spec.cache_layer == spec.layer;
-}
-
-// Keys in any accepted form for a cache of `format` (AppendKeys.keys / new_keys).
+// Keys in any form a cache may take (AppendKeys.keys / new_keys): their tensors' dtype, shape,
+// bytes and values. Whether the form fits the layer's cache (pre-quantized in its format, with
+// scales; scales only then) is the validator's (exec::CheckKeysForm): scales the form does not
+// take are passed on unchecked for it to refuse, missing ones as null.
 absl::StatusOr<exec::KeysInput> DecodeKeys(
     const v1::Tensor& keys, const v1::Tensor& scales, absl::string_view keys_field,
-    absl::string_view scales_field, CacheFormat format, const config::Profile& profile,
+    absl::string_view scales_field, const config::Profile& profile,
     std::vector<float>& scale_storage, std::vector<std::vector<uint8_t>>& realigned,
     int64_t expected_n = kFree, std::optional<std::string_view> keys_at = {},
     std::optional<std::string_view> scales_at = {}) {
@@ -292,16 +269,8 @@ absl::StatusOr<exec::KeysInput> DecodeKeys(
   const std::string_view keys_data = keys_at.value_or(std::string_view(keys.data()));
   const std::string_view scales_data = scales_at.value_or(std::string_view(scales.data()));
   const bool scales_absent = !scales_at.has_value() && IsAbsent(scales);
-  const v1::DType quantized = format == CacheFormat::kFp8 ? v1::DTYPE_FP8_E4M3 : v1::DTYPE_FP4_E2M1;
-  if (keys.dtype() == v1::DTYPE_FP8_E4M3 || keys.dtype() == v1::DTYPE_FP4_E2M1) {
-    if (keys.dtype() != quantized) {
-      return Invalid(absl::StrCat(keys_field, ".dtype"),
-                     absl::StrCat(DTypeName(keys.dtype()), " keys do not match the layer's ",
-                                  FormatName(format), " cache (send ", DTypeName(quantized),
-                                  ", DTYPE_FP32 or DTYPE_BF16)"));
-    }
-  }
-  const v1::DType allowed[] = {v1::DTYPE_FP32, v1::DTYPE_BF16, quantized};
+  const v1::DType allowed[] = {v1::DTYPE_FP32, v1::DTYPE_BF16, v1::DTYPE_FP8_E4M3,
+                               v1::DTYPE_FP4_E2M1};
   const Dim dims[] = {{expected_n, "n", profile.max_context}, {d}};
   absl::StatusOr<std::vector<int64_t>> shape =
       CheckTensor(keys, keys_data, keys_field, allowed, dims);
@@ -313,21 +282,17 @@ absl::StatusOr<exec::KeysInput> DecodeKeys(
   exec::KeysInput out;
   out.type = ToElemType(keys.dtype());
   out.count = static_cast<int32_t>(n);
-  const bool pre_quantized = keys.dtype() == quantized;
+  const bool pre_quantized =
+      keys.dtype() == v1::DTYPE_FP8_E4M3 || keys.dtype() == v1::DTYPE_FP4_E2M1;
   if (!pre_quantized) {
-    if (!scales_absent) {
-      return Invalid(scales_field,
-                     absl::StrCat("only with pre-quantized keys; ", DTypeName(keys.dtype()),
-                                  " keys are quantized by the server"));
-    }
+    // Scales here are refused by the validator, unread.
+    if (!scales_absent) out.scales = scales_data.data();
     out.keys = AlignedView(keys_data, keys.dtype() == v1::DTYPE_FP32 ? 4 : 2, realigned);
     return out;
   }
   out.keys = keys_data.data();
-  if (scales_absent) {
-    return Invalid(scales_field, absl::StrCat("required with ", DTypeName(quantized), " keys"));
-  }
-  if (format == CacheFormat::kFp8) {
+  if (scales_absent) return out;  // the validator says they are required
+  if (keys.dtype() == v1::DTYPE_FP8_E4M3) {
     const v1::DType scale_types[] = {v1::DTYPE_FP32};
     const Dim scale_dims[] = {{n}};
     absl::StatusOr<std::vector<int64_t>> sshape =
@@ -351,79 +316,37 @@ absl::StatusOr<exec::KeysInput> DecodeKeys(
   return out;
 }
 
-// The `sequences` form: one SequenceStep message per request. Answers the step's rows.
+// The `sequences` form: one SequenceStep message per request, each checked by the validator's
+// stages as it is decoded. Answers the step's rows.
 absl::StatusOr<int64_t> DecodeSequenceMessages(const v1::DecodeStepRequest& request,
-                                               const config::LayerSpec& spec,
-                                               const config::Profile& profile, DecodedStep& out) {
-  const CacheFormat format = spec.cache_format;
-  out.step.sequences.reserve(request.sequences_size());
+                                               const config::Profile& profile,
+                                               exec::StepValidator& v, exec::StepInput& step,
+                                               DecodedStep& out) {
+  step.sequences.reserve(request.sequences_size());
   out.key_scales.resize(request.sequences_size());
-  absl::flat_hash_map<uint64_t, int> seen;
   int64_t total_rows = 0;
   for (int i = 0; i < request.sequences_size(); ++i) {
     const v1::SequenceStep& seq = request.sequences(i);
-    const std::string prefix = absl::StrCat("sequences[", i, "]");
-    auto [it, inserted] = seen.emplace(seq.sequence_id(), i);
-    if (!inserted) {
-      return Invalid(absl::StrCat(prefix, ".sequence_id"),
-                     absl::StrCat(seq.sequence_id(), " appears twice in one step (also sequences[",
-                                  it->second, "])"));
-    }
-    if (seq.num_rows() < 0) {
-      return Invalid(absl::StrCat(prefix, ".num_rows"), absl::StrCat("negative: ", seq.num_rows()));
-    }
-    const int64_t rows = seq.num_rows() == 0 ? seq.row_lengths_size() : seq.num_rows();
-    if (rows == 0) {
-      return Invalid(absl::StrCat(prefix, ".num_rows"), "0 rows (set num_rows or row_lengths)");
-    }
-    if (seq.row_lengths_size() != 0 && seq.row_lengths_size() != rows) {
-      return Invalid(absl::StrCat(prefix, ".row_lengths"),
-                     absl::StrCat(seq.row_lengths_size(), " entries for num_rows ", rows));
-    }
-    if (rows > profile.max_rows_per_sequence) {
-      return Invalid(
-          absl::StrCat(prefix, ".num_rows"),
-          absl::StrCat(rows, " rows exceed max_rows_per_sequence ", profile.max_rows_per_sequence));
-    }
+    // num_rows 0: the row count comes from row_lengths.
+    const int32_t rows = seq.num_rows() == 0 ? seq.row_lengths_size() : seq.num_rows();
+    if (absl::Status s = v.Rows(i, seq.sequence_id(), rows); !s.ok()) return s;
     exec::SequenceStepInput in;
     in.sequence_id = seq.sequence_id();
-    in.num_rows = static_cast<int32_t>(rows);
-    for (int j = 0; j < seq.row_lengths_size(); ++j) {
-      const int64_t len = seq.row_lengths(j);
-      if (len < 1 || len > profile.max_context) {
-        return Invalid(absl::StrCat(prefix, ".row_lengths[", j, "]"),
-                       absl::StrCat(len, " is out of range [1, ", profile.max_context, "]"));
-      }
-      in.row_lengths.push_back(static_cast<int32_t>(len));
-    }
-    const bool has_keys = !IsAbsent(seq.new_keys()) || !IsAbsent(seq.new_key_scales());
-    if (has_keys) {
-      if (!OwnsCache(spec)) {
-        return Invalid(absl::StrCat(prefix, ".new_keys"),
-                       absl::StrCat("layer ", spec.layer, " reads layer ", spec.cache_layer,
-                                    "'s cache and takes no keys"));
-      }
-      absl::StatusOr<exec::KeysInput> keys =
-          DecodeKeys(seq.new_keys(), seq.new_key_scales(), absl::StrCat(prefix, ".new_keys"),
-                     absl::StrCat(prefix, ".new_key_scales"), format, profile, out.key_scales[i],
-                     out.realigned);
+    in.num_rows = rows;
+    in.row_lengths.assign(seq.row_lengths().begin(), seq.row_lengths().end());
+    if (absl::Status s = v.RowLengths(i, in); !s.ok()) return s;
+    if (!IsAbsent(seq.new_keys()) || !IsAbsent(seq.new_key_scales())) {
+      const std::string prefix = absl::StrCat("sequences[", i, "]");
+      absl::StatusOr<exec::KeysInput> keys = DecodeKeys(
+          seq.new_keys(), seq.new_key_scales(), absl::StrCat(prefix, ".new_keys"),
+          absl::StrCat(prefix, ".new_key_scales"), profile, out.key_scales[i], out.realigned);
       if (!keys.ok()) return keys.status();
       in.new_keys = *keys;
     }
-    if (seq.has_new_keys_position()) {
-      if (!OwnsCache(spec)) {
-        return Invalid(absl::StrCat(prefix, ".new_keys_position"),
-                       absl::StrCat("layer ", spec.layer, " reads layer ", spec.cache_layer,
-                                    "'s cache and takes no keys"));
-      }
-      if (seq.new_keys_position() < 0) {
-        return Invalid(absl::StrCat(prefix, ".new_keys_position"),
-                       absl::StrCat("must be >= 0, got ", seq.new_keys_position()));
-      }
-      in.new_keys.position = seq.new_keys_position();
-    }
+    if (seq.has_new_keys_position()) in.new_keys.position = seq.new_keys_position();
+    if (absl::Status s = v.Keys(i, in.new_keys); !s.ok()) return s;
     total_rows += rows;
-    out.step.sequences.push_back(std::move(in));
+    step.sequences.push_back(std::move(in));
   }
   return total_rows;
 }
@@ -473,9 +396,10 @@ absl::Status ColumnLength(absl::string_view field, int got, int64_t want, absl::
 // StepInput the `sequences` form gives; each request's keys point into the one tensor.
 // Answers the step's rows.
 absl::StatusOr<int64_t> DecodeColumnar(const v1::DecodeStepRequest& request,
-                                       const config::LayerSpec& spec,
                                        const config::Profile& profile,
-                                       const ExternalStepBytes& external, DecodedStep& out) {
+                                       const ExternalStepBytes& external, exec::StepValidator& v,
+                                       exec::StepInput& step, DecodedStep& out) {
+  const config::LayerSpec& spec = v.spec();
   const int n = request.sequence_ids_size();
   const uint64_t* ids = request.sequence_ids().data();
   const int32_t max_rows = profile.max_rows_per_sequence;
@@ -516,7 +440,7 @@ absl::StatusOr<int64_t> DecodeColumnar(const v1::DecodeStepRequest& request,
     }
     positions = request.new_keys_positions().data();
   }
-  const bool owns = OwnsCache(spec);
+  const bool owns = v.owns_cache();
   const bool has_keys = external.new_keys.has_value() || external.new_key_scales.has_value() ||
                         !IsAbsent(request.new_keys()) || !IsAbsent(request.new_key_scales());
   auto no_keys = [&] {
@@ -525,27 +449,15 @@ absl::StatusOr<int64_t> DecodeColumnar(const v1::DecodeStepRequest& request,
   };
   if (has_keys && !owns) return Invalid("new_keys", no_keys());
 
-  out.step.sequences.resize(n);
-  absl::flat_hash_map<uint64_t, int> seen;
-  seen.reserve(n);
+  step.sequences.resize(n);
   int64_t total_rows = 0;
   int64_t total_keys = 0;
   for (int i = 0; i < n; ++i) {
-    auto [it, inserted] = seen.emplace(ids[i], i);
-    if (!inserted) {
-      return Invalid(
-          absl::StrCat("sequence_ids[", i, "]"),
-          absl::StrCat(ids[i], " appears twice in one step (also sequence_ids[", it->second, "])"));
-    }
+    // The request's id and rows (the validator's messages renamed to the columns by the
+    // caller: NameColumnarFields).
     const int32_t rows = num_rows != nullptr ? num_rows[i] : uniform;
-    if (rows < 1) {
-      return Invalid(absl::StrCat("num_rows[", i, "]"), absl::StrCat("must be >= 1, got ", rows));
-    }
-    if (rows > max_rows) {
-      return Invalid(absl::StrCat("num_rows[", i, "]"),
-                     absl::StrCat(rows, " rows exceed max_rows_per_sequence ", max_rows));
-    }
-    exec::SequenceStepInput& in = out.step.sequences[i];
+    if (absl::Status s = v.Rows(i, ids[i], rows); !s.ok()) return s;
+    exec::SequenceStepInput& in = step.sequences[i];
     in.sequence_id = ids[i];
     in.num_rows = rows;
     // Field names are built on the error paths only: this loop runs for every request.
@@ -569,42 +481,36 @@ absl::StatusOr<int64_t> DecodeColumnar(const v1::DecodeStepRequest& request,
         return Invalid(at("new_keys_positions"),
                        absl::StrCat("must be >= 0, or -1 for none, got ", p));
       }
-      if (p >= 0 && !owns) return Invalid(at("new_keys_positions"), no_keys());
-      if (p >= 0) in.new_keys.position = p;
+      if (p >= 0) in.new_keys.position = p;  // none at a consumer: the validator's Keys
     }
     total_rows += rows;
   }
 
-  // Row lengths: a request's rows are all explicit, or all 0 (causal).
-  if (request.row_lengths_size() != 0) {
-    if (request.row_lengths_size() != total_rows) {
-      return ColumnLength("row_lengths", request.row_lengths_size(), total_rows, "rows", "");
-    }
-    const int32_t* lengths = request.row_lengths().data();
-    int64_t r = 0;
-    for (int i = 0; i < n; ++i) {
-      exec::SequenceStepInput& in = out.step.sequences[i];
-      const int32_t* mine = lengths + r;
-      bool any = false;
-      for (int32_t j = 0; j < in.num_rows; ++j) any = any || mine[j] != 0;
-      if (any) {
-        for (int32_t j = 0; j < in.num_rows; ++j) {
-          auto field = [&] { return absl::StrCat("row_lengths[", r + j, "]"); };
-          if (mine[j] == 0) {
-            return Invalid(field(),
-                           absl::StrCat("0 (causal) among explicit lengths of sequence_ids[", i,
-                                        "]'s rows (give all of a request's rows a length, "
-                                        "or 0 on all of them)"));
-          }
-          if (mine[j] < 1 || mine[j] > profile.max_context) {
-            return Invalid(field(), absl::StrCat(mine[j], " is out of range [1, ",
-                                                 profile.max_context, "] (0: causal)"));
-          }
+  // Row lengths: a request's rows are all explicit, or all 0 (causal); the explicit ones'
+  // range is the validator's.
+  const int32_t* lengths = request.row_lengths_size() != 0 ? request.row_lengths().data() : nullptr;
+  if (lengths != nullptr && request.row_lengths_size() != total_rows) {
+    return ColumnLength("row_lengths", request.row_lengths_size(), total_rows, "rows", "");
+  }
+  int64_t r = 0;
+  for (int i = 0; i < n; ++i) {
+    exec::SequenceStepInput& in = step.sequences[i];
+    const int32_t* mine = lengths != nullptr ? lengths + r : nullptr;
+    bool any = false;
+    for (int32_t j = 0; mine != nullptr && j < in.num_rows; ++j) any = any || mine[j] != 0;
+    if (any) {
+      for (int32_t j = 0; j < in.num_rows; ++j) {
+        if (mine[j] == 0) {
+          return Invalid(absl::StrCat("row_lengths[", r + j, "]"),
+                         absl::StrCat("0 (causal) among explicit lengths of sequence_ids[", i,
+                                      "]'s rows (give all of a request's rows a length, "
+                                      "or 0 on all of them)"));
         }
-        in.row_lengths.assign(mine, mine + in.num_rows);
       }
-      r += in.num_rows;
+      in.row_lengths.assign(mine, mine + in.num_rows);
     }
+    if (absl::Status s = v.RowLengths(i, in); !s.ok()) return s;
+    r += in.num_rows;
   }
 
   // Keys: one tensor, each request's slice viewed in place.
@@ -619,16 +525,16 @@ absl::StatusOr<int64_t> DecodeColumnar(const v1::DecodeStepRequest& request,
     }
     out.key_scales.resize(1);
     absl::StatusOr<exec::KeysInput> all = DecodeKeys(
-        keys, request.new_key_scales(), "new_keys", "new_key_scales", spec.cache_format, profile,
-        out.key_scales[0], out.realigned, total_keys, external.new_keys, external.new_key_scales);
+        keys, request.new_key_scales(), "new_keys", "new_key_scales", profile, out.key_scales[0],
+        out.realigned, total_keys, external.new_keys, external.new_key_scales);
     if (!all.ok()) return all.status();
     const char* base = static_cast<const char*>(all->keys);
     const char* scales = static_cast<const char*>(all->scales);
     const size_t row_bytes = KeyRowBytes(all->type, d);
-    const size_t scale_bytes =
-        spec.cache_format == CacheFormat::kFp8 ? sizeof(float) : size_t(d) / 32;
+    // Scales of the keys' own type (the validator refuses a type that is not the cache's).
+    const size_t scale_bytes = all->type == ElemType::kFp4E2M1 ? size_t(d) / 32 : sizeof(float);
     int64_t at = 0;
-    for (exec::SequenceStepInput& in : out.step.sequences) {
+    for (exec::SequenceStepInput& in : step.sequences) {
       if (in.new_keys.count > 0) {
         in.new_keys.type = all->type;
         in.new_keys.keys = base + at * row_bytes;
@@ -638,6 +544,9 @@ absl::StatusOr<int64_t> DecodeColumnar(const v1::DecodeStepRequest& request,
     }
   } else if (total_keys > 0) {
     return Invalid("new_keys", absl::StrCat("required: new_key_counts give ", total_keys, " keys"));
+  }
+  for (int i = 0; i < n; ++i) {
+    if (absl::Status s = v.Keys(i, step.sequences[i].new_keys); !s.ok()) return s;
   }
   return total_rows;
 }
@@ -657,43 +566,35 @@ std::string ShapeString(const v1::Tensor& tensor) {
 
 absl::StatusOr<DecodedAppend> DecodeAppendKeys(const v1::AppendKeysRequest& request,
                                                const config::Profile& profile) {
-  absl::StatusOr<const config::LayerSpec*> spec = CheckLayer(profile, request.layer());
-  if (!spec.ok()) return spec.status();
-  if (!OwnsCache(**spec)) {
-    return Invalid("layer", absl::StrCat(request.layer(), " reads layer ", (*spec)->cache_layer,
-                                         "'s cache; append keys to layer ", (*spec)->cache_layer));
-  }
   if (IsAbsent(request.keys()) && !request.has_position()) return Invalid("keys", "required");
-  if (request.has_position() && request.position() < 0) {
-    return Invalid("position", absl::StrCat("must be >= 0, got ", request.position()));
-  }
   DecodedAppend out;
-  if (request.has_position()) out.keys.position = request.position();
-  if (IsAbsent(request.keys())) {
-    // A cut back to `position` with nothing written.
-    out.sequence_id = request.sequence_id();
-    out.layer = request.layer();
-    return out;
+  exec::KeysInput keys;
+  // Without keys: a cut back to `position` with nothing written.
+  if (!IsAbsent(request.keys())) {
+    absl::StatusOr<exec::KeysInput> decoded =
+        DecodeKeys(request.keys(), request.key_scales(), "keys", "key_scales", profile,
+                   out.scale_storage, out.realigned);
+    if (!decoded.ok()) return decoded.status();
+    keys = *decoded;
   }
-  out.sequence_id = request.sequence_id();
-  out.layer = request.layer();
-  absl::StatusOr<exec::KeysInput> keys =
-      DecodeKeys(request.keys(), request.key_scales(), "keys", "key_scales", (*spec)->cache_format,
-                 profile, out.scale_storage, out.realigned);
-  if (!keys.ok()) return keys.status();
-  const std::optional<int64_t> position = out.keys.position;
-  out.keys = *keys;
-  out.keys.position = position;
+  if (request.has_position()) keys.position = request.position();
+  // The layer, and whether the keys' form fits its cache: the executor's one check.
+  absl::StatusOr<exec::ValidatedAppend> append =
+      exec::ValidateAppend(profile, request.sequence_id(), request.layer(), keys);
+  if (!append.ok()) return append.status();
+  out.append.emplace(*std::move(append));
   return out;
 }
 
-absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& request,
-                                              const config::Profile& profile,
-                                              const ExternalStepBytes& external) {
-  absl::StatusOr<const config::LayerSpec*> spec_or = CheckLayer(profile, request.layer());
-  if (!spec_or.ok()) return spec_or.status();
-  const config::LayerSpec& spec = **spec_or;
-  const CacheFormat format = spec.cache_format;
+namespace {
+
+// DecodeStepRequest's decoding into `step`, the validator's stages run where the bytes need
+// them, and on success `out.validated`.
+absl::Status DecodeStep(const v1::DecodeStepRequest& request, const config::Profile& profile,
+                        const ExternalStepBytes& external, exec::StepInput& step,
+                        DecodedStep& out) {
+  exec::StepValidator v(profile);
+  if (absl::Status s = v.Layer(request.layer(), request.return_candidates()); !s.ok()) return s;
   const int32_t h = profile.num_heads;
   const int32_t d = profile.head_dim;
 
@@ -721,17 +622,13 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
   if (!columnar && request.sequences_size() == 0) {
     return Invalid("sequences", "at least one required (or sequence_ids, the columnar form)");
   }
-  if (request.return_candidates() && spec.role != config::LayerRole::kCandidateSource) {
-    return Invalid("return_candidates",
-                   absl::StrCat("layer ", spec.layer, " is not a candidate source"));
-  }
 
-  DecodedStep out;
-  out.step.layer = request.layer();
-  out.step.step_id = request.step_id();
-  out.step.return_candidates = request.return_candidates();
-  absl::StatusOr<int64_t> rows_or = columnar ? DecodeColumnar(request, spec, profile, external, out)
-                                             : DecodeSequenceMessages(request, spec, profile, out);
+  step.layer = request.layer();
+  step.step_id = request.step_id();
+  step.return_candidates = request.return_candidates();
+  absl::StatusOr<int64_t> rows_or = columnar
+                                        ? DecodeColumnar(request, profile, external, v, step, out)
+                                        : DecodeSequenceMessages(request, profile, v, step, out);
   if (!rows_or.ok()) return rows_or.status();
   const int64_t total_rows = *rows_or;
   // Bounded by sequences * max_rows_per_sequence; still refuse what an int32 cannot count.
@@ -739,19 +636,16 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
     return Invalid(columnar ? "sequence_ids" : "sequences",
                    absl::StrCat(total_rows, " rows in one step are too many"));
   }
-  out.step.num_rows = static_cast<int32_t>(total_rows);
+  step.num_rows = static_cast<int32_t>(total_rows);
 
   // q: unquantized (fp32/bf16) or pre-quantized in the layer's cache format.
   const v1::Tensor& q = request.q();
   const std::string_view q_data = external.q.value_or(std::string_view(q.data()));
   if (!external.q && IsAbsent(q)) return Invalid("q", "required");
-  const v1::DType quantized = format == CacheFormat::kFp8 ? v1::DTYPE_FP8_E4M3 : v1::DTYPE_FP4_E2M1;
-  if ((q.dtype() == v1::DTYPE_FP8_E4M3 || q.dtype() == v1::DTYPE_FP4_E2M1) &&
-      q.dtype() != quantized) {
-    return Invalid("q.dtype", absl::StrCat(DTypeName(q.dtype()), " q does not match layer ",
-                                           spec.layer, "'s ", FormatName(format), " cache"));
-  }
-  const v1::DType q_types[] = {v1::DTYPE_FP32, v1::DTYPE_BF16, quantized};
+  // The dtypes q may have; whether a quantized one is the layer's cache format is the
+  // validator's (StepValidator::Q).
+  const v1::DType q_types[] = {v1::DTYPE_FP32, v1::DTYPE_BF16, v1::DTYPE_FP8_E4M3,
+                               v1::DTYPE_FP4_E2M1};
   const Dim q_dims[] = {{total_rows}, {h}, {d}};
   absl::StatusOr<std::vector<int64_t>> q_shape = CheckTensor(q, q_data, "q", q_types, q_dims);
   if (!q_shape.ok()) return q_shape.status();
@@ -760,17 +654,17 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
   if (!on_device) {
     if (absl::Status s = CheckValues(q, q_data, "q", *q_shape, false); !s.ok()) return s;
   }
-  const bool q_quantized = q.dtype() == quantized;
-  out.step.q.type = ToElemType(q.dtype());
-  out.step.q.on_device = on_device;
-  out.step.q.q = q_quantized || on_device
-                     ? static_cast<const void*>(q_data.data())
-                     : AlignedView(q_data, q.dtype() == v1::DTYPE_FP32 ? 4 : 2, out.realigned);
+  const bool q_quantized = q.dtype() == v1::DTYPE_FP8_E4M3 || q.dtype() == v1::DTYPE_FP4_E2M1;
+  step.q.type = ToElemType(q.dtype());
+  step.q.on_device = on_device;
+  step.q.q = q_quantized || on_device
+                 ? static_cast<const void*>(q_data.data())
+                 : AlignedView(q_data, q.dtype() == v1::DTYPE_FP32 ? 4 : 2, out.realigned);
   const std::string_view s_data =
       external.q_scales.value_or(std::string_view(request.q_scales().data()));
   const bool has_scales = external.q_scales.has_value() || !IsAbsent(request.q_scales());
-  if (q.dtype() == v1::DTYPE_FP4_E2M1) {
-    if (!has_scales) return Invalid("q_scales", "required with DTYPE_FP4_E2M1 q");
+  // Present or not as q's type needs: the validator's.
+  if (has_scales) {
     const v1::DType s_types[] = {v1::DTYPE_UE8M0};
     const Dim s_dims[] = {{total_rows}, {h}, {d / 32}};
     absl::StatusOr<std::vector<int64_t>> s_shape =
@@ -782,10 +676,7 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
         !s.ok()) {
       return s;
     }
-    out.step.q.scales = reinterpret_cast<const uint8_t*>(s_data.data());
-  } else if (has_scales) {
-    return Invalid("q_scales",
-                   absl::StrCat("only with DTYPE_FP4_E2M1 q, got ", DTypeName(q.dtype()), " q"));
+    step.q.scales = reinterpret_cast<const uint8_t*>(s_data.data());
   }
 
   // weights [rows, H]: fp32 viewed in place, bf16 widened into owned storage.
@@ -804,7 +695,7 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
                                   "(cuda_ipc.weights_offset), got ",
                                   DTypeName(request.weights().dtype())));
     }
-    out.step.q.weights = reinterpret_cast<const float*>(w_data.data());
+    step.q.weights = reinterpret_cast<const float*>(w_data.data());
   } else if (absl::Status s = CheckValues(request.weights(), w_data, "weights", *w_shape, false);
              !s.ok()) {
     return s;
@@ -816,18 +707,14 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
       std::memcpy(&bits, data.data() + 2 * i, 2);
       out.weights[i] = Bf16ToFloat(bits);
     }
-    out.step.q.weights = out.weights.data();
+    step.q.weights = out.weights.data();
   } else {
-    out.step.q.weights = AlignedFloats(w_data, out.weights);
+    step.q.weights = AlignedFloats(w_data, out.weights);
   }
 
-  // positions [rows]: RoPE needs the unrotated q, so only with unquantized q.
+  // positions [rows], widened to int64 (RoPE needs the unrotated q, so only with unquantized
+  // q, and each in [0, max_context): the validator's).
   if (external.positions.has_value() || !IsAbsent(request.positions())) {
-    if (q_quantized) {
-      return Invalid("positions", absl::StrCat("only with unquantized (DTYPE_FP32 or DTYPE_BF16) "
-                                               "q; ",
-                                               DTypeName(q.dtype()), " q is already rotated"));
-    }
     const std::string_view p_data =
         external.positions.value_or(std::string_view(request.positions().data()));
     const v1::DType p_types[] = {v1::DTYPE_INT32, v1::DTYPE_INT64};
@@ -839,22 +726,35 @@ absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& reque
     const bool is32 = request.positions().dtype() == v1::DTYPE_INT32;
     out.positions.resize(total_rows);
     for (int64_t r = 0; r < total_rows; ++r) {
-      int64_t v;
+      int64_t pos;
       if (is32) {
-        int32_t v32;
-        std::memcpy(&v32, data.data() + 4 * r, 4);
-        v = v32;
+        int32_t pos32;
+        std::memcpy(&pos32, data.data() + 4 * r, 4);
+        pos = pos32;
       } else {
-        std::memcpy(&v, data.data() + 8 * r, 8);
+        std::memcpy(&pos, data.data() + 8 * r, 8);
       }
-      if (v < 0 || v >= profile.max_context) {
-        return Invalid(absl::StrCat("positions[", r, "]"),
-                       absl::StrCat(v, " is out of range [0, ", profile.max_context, ")"));
-      }
-      out.positions[r] = v;
+      out.positions[r] = pos;
     }
-    out.step.q.positions = out.positions.data();
+    step.q.positions = out.positions.data();
   }
+  if (absl::Status s = v.Q(step.q, step.num_rows); !s.ok()) return s;
+  absl::StatusOr<exec::ValidatedStep> validated = v.Finish(std::move(step));
+  if (!validated.ok()) return validated.status();
+  out.validated.emplace(*std::move(validated));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& request,
+                                              const config::Profile& profile,
+                                              const ExternalStepBytes& external) {
+  DecodedStep out;
+  exec::StepInput step;
+  absl::Status s = DecodeStep(request, profile, external, step, out);
+  // The validator names requests the `sequences` way; a columnar step hears its own fields.
+  if (!s.ok()) return NameColumnarFields(s, request);
   return out;
 }
 
@@ -877,7 +777,18 @@ absl::Status NameColumnarFields(const absl::Status& status, const v1::DecodeStep
   std::string renamed;
   auto take = [&](absl::string_view field) { return absl::ConsumePrefix(&rest, field); };
   if (take(".sequence_id")) {
-    renamed = absl::StrCat(request_name, rest);
+    // "... appears twice in one step (also sequences[1])": the other request by its column.
+    std::string text(rest);
+    const std::string also = "(also sequences[";
+    if (const size_t at = text.find(also); at != std::string::npos) {
+      text.replace(at, also.size(), "(also sequence_ids[");
+    }
+    renamed = absl::StrCat(request_name, text);
+  } else if (take(".new_keys.dtype") || take(".new_key_scales")) {
+    // Every request's keys are slices of the one new_keys tensor, and its scales of the one
+    // new_key_scales: their form is the tensor's.
+    const bool dtype = !absl::StartsWith(message.substr(close + 1), ".new_key_scales");
+    renamed = absl::StrCat(dtype ? "new_keys.dtype" : "new_key_scales", rest);
   } else if (take(".num_rows")) {
     renamed = request.num_rows_size() > 0
                   ? absl::StrCat("num_rows[", i, "]", rest)

@@ -1,7 +1,10 @@
-// The edge's decoding: proto requests -> the executor's plain structs, checking everything
-// that needs no state against the Profile (dtypes, shapes, byte counts, NaN/Inf, layer ids,
-// row counts, duplicate sequences, keys at a consumer). What needs state (unknown sequence,
-// lengths, pages, candidates) is the executor's to check.
+// The edge's decoding: proto requests -> the executor's validated structs
+// (exec::ValidatedStep / ValidatedAppend, server/exec/validated_step.h). The decoder checks
+// what only the wire form has (dtypes, shapes, byte counts, NaN/Inf of host bytes, the
+// request's form and columns) and runs the validator's stages for the rest of what needs no
+// state (layer ids, ids, row counts, row lengths, the keys' and q's form against the cache),
+// each once, where the bytes need them. What needs state (unknown sequence, lengths, pages,
+// candidates) is the executor's to check.
 //
 // Zero-copy where possible: the decoded structs point into the request's bytes, so the
 // request must outlive them. Only what must change form (bf16 weights -> fp32, int32
@@ -26,22 +29,26 @@
 #include "decode_indexer/v1/indexer.pb.h"
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
+#include "server/exec/validated_step.h"
 
 namespace decode_indexer::service {
 
-// A decoded AppendKeys request. `keys` points into the request (or into `storage`).
+// A decoded AppendKeys request. Its keys point into the request (or into the storage here).
 struct DecodedAppend {
-  uint64_t sequence_id = 0;
-  int32_t layer = 0;
-  exec::KeysInput keys;
+  std::optional<exec::ValidatedAppend> append;  // set on success
   std::vector<float> scale_storage;             // realigned fp32 key scales where needed
   std::vector<std::vector<uint8_t>> realigned;  // realigned unquantized keys where needed
+
+  uint64_t sequence_id() const { return append->sequence_id(); }
+  int32_t layer() const { return append->layer(); }
+  const exec::KeysInput& keys() const { return append->keys(); }
 };
 
 // A decoded DecodeStep request. Movable: the pointers into owned storage stay valid because
 // they point into vector buffers, which a move does not relocate.
 struct DecodedStep {
-  exec::StepInput step;
+  std::optional<exec::ValidatedStep> validated;  // set on success
+  const exec::StepInput& step() const { return validated->input(); }
   std::vector<float> weights;      // fp32 weights when converted or realigned
   std::vector<int64_t> positions;  // int64 positions (always owned)
   // Realigned fp32 key scales: per sequence, or one entry for the columnar form's new_keys.

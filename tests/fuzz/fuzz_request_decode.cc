@@ -54,16 +54,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       return 0;
     }
     // Keys to write, or (with a position and no keys) a cut back that writes nothing.
-    const bool cut_back_only = decoded->keys.count == 0 && decoded->keys.keys == nullptr &&
-                               decoded->keys.position.has_value() && *decoded->keys.position >= 0;
-    Check(cut_back_only || (decoded->keys.count > 0 && decoded->keys.keys != nullptr));
-    Check(decoded->keys.count <= profile.max_context);
+    const bool cut_back_only = decoded->keys().count == 0 && decoded->keys().keys == nullptr &&
+                               decoded->keys().position.has_value() &&
+                               *decoded->keys().position >= 0;
+    Check(cut_back_only || (decoded->keys().count > 0 && decoded->keys().keys != nullptr));
+    Check(decoded->keys().count <= profile.max_context);
     // AppendKeysRequest.position (lifecycle: a rewrite or cut back from there) is passed on
     // exactly when it was set, and never negative.
-    Check(decoded->keys.position.has_value() == request.has_position());
+    Check(decoded->keys().position.has_value() == request.has_position());
     Check(!request.has_position() ||
-          (*decoded->keys.position == request.position() && request.position() >= 0));
-    Check(decoded->sequence_id == request.sequence_id() && decoded->layer == request.layer());
+          (*decoded->keys().position == request.position() && request.position() >= 0));
+    Check(decoded->sequence_id() == request.sequence_id() && decoded->layer() == request.layer());
     return 0;
   }
   v1::DecodeStepRequest request;
@@ -91,14 +92,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const bool columnar = request.sequence_ids_size() > 0;
   Check(!columnar || request.sequences_size() == 0);
   const int n = columnar ? request.sequence_ids_size() : request.sequences_size();
-  Check(static_cast<int>(decoded->step.sequences.size()) == n);
+  Check(static_cast<int>(decoded->step().sequences.size()) == n);
   Check(!columnar || request.new_keys_positions_size() == 0 ||
         request.new_keys_positions_size() == n);
   const bool consumer =
       profile.layers[request.layer()].role == decode_indexer::config::LayerRole::kCandidateConsumer;
   int64_t rows = 0;
   for (int i = 0; i < n; ++i) {
-    const auto& s = decoded->step.sequences[i];
+    const auto& s = decoded->step().sequences[i];
     Check(s.num_rows >= 1 && s.num_rows <= profile.max_rows_per_sequence);
     Check(s.row_lengths.empty() || static_cast<int32_t>(s.row_lengths.size()) == s.num_rows);
     // The explicit key position of a retried step (new_keys_position; columnar:
@@ -120,7 +121,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     Check(s.new_keys.count >= 0 && (s.new_keys.count == 0 || s.new_keys.keys != nullptr));
     rows += s.num_rows;
   }
-  Check(rows == decoded->step.num_rows);
-  Check(decoded->step.q.q != nullptr && decoded->step.q.weights != nullptr);
+  Check(rows == decoded->step().num_rows);
+  Check(decoded->step().q.q != nullptr && decoded->step().q.weights != nullptr);
   return 0;
 }

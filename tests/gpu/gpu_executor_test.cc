@@ -233,7 +233,7 @@ TEST(GpuExecutorTest, GraphReplaysAnswerAsEagerStepsBitForBit) {
     const size_t topk_elems = max_rows * v.profile.topk;
     std::vector<int32_t> region_mem(topk_elems + max_rows * v.profile.num_candidate_blocks + 1, -7);
     ASSERT_TRUE((*on)
-                    ->WithAnswerBackend([&](kernels::Backend& be) {
+                    ->WithAnswerDevice([&](kernels::Device& be) {
                       return be.RegisterHostMemory(region_mem.data(),
                                                    region_mem.size() * sizeof(int32_t));
                     })
@@ -288,7 +288,7 @@ TEST(GpuExecutorTest, GraphReplaysAnswerAsEagerStepsBitForBit) {
     EXPECT_EQ(st_off.graph_replays, 0u);
     EXPECT_TRUE(st_on.healthy) << st_on.health_detail;
     EXPECT_TRUE((*on)
-                    ->WithAnswerBackend([&](kernels::Backend& be) {
+                    ->WithAnswerDevice([&](kernels::Device& be) {
                       return be.UnregisterHostMemory(region_mem.data());
                     })
                     .ok());

@@ -283,85 +283,74 @@ TEST(MultiRankCpu, DirectAnswersSkipTheCollectiveOfDenseSteps) {
 // while capturing (a copy, an insert, a synchronize, a fork) is a violation: CUDA would
 // reject it or bake a host copy into the graph. If the executor replayed a key whose
 // arguments (pointers, sizes, lengths bound) differ from the step's, the answers would differ
-// from an eager run's.
-class RecordingBackend final : public kernels::Backend {
- public:
-  RecordingBackend(std::unique_ptr<kernels::Backend> inner, std::atomic<int64_t>* violations)
-      : inner_(std::move(inner)), violations_(violations) {}
+// from an eager run's. A RecordingDevice captures and replays; RecordingOps are what gets
+// recorded; the Recorder is their shared graph state.
+struct Recorder {
+  std::atomic<int64_t>* violations = nullptr;
+  bool capturing = false;
+  std::vector<std::function<absl::Status()>> recording;
+  std::map<uint64_t, std::vector<std::function<absl::Status()>>> graphs;
 
-  std::string_view name() const override { return inner_->name(); }
-  std::string description() const override { return inner_->description(); }
-  absl::StatusOr<void*> Allocate(size_t bytes) override {
-    Forbidden();
-    return inner_->Allocate(bytes);
+  void Forbidden() {
+    if (capturing) ++*violations;
   }
-  void Free(void* ptr) override { inner_->Free(ptr); }
+  absl::Status Call(std::function<absl::Status()> call) {
+    if (!capturing) return call();
+    recording.push_back(std::move(call));
+    return absl::OkStatus();
+  }
+};
+
+class RecordingDevice final : public kernels::DeviceWrapper {
+ public:
+  RecordingDevice(kernels::Device& inner, std::atomic<int64_t>* violations) : DeviceWrapper(inner) {
+    recorder_.violations = violations;
+  }
+  Recorder& recorder() { return recorder_; }
+
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    recorder_.Forbidden();
+    return target().Allocate(bytes);
+  }
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
-    Forbidden();
-    return inner_->CopyToDevice(dst, src, bytes);
+    recorder_.Forbidden();
+    return target().CopyToDevice(dst, src, bytes);
   }
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
-    Forbidden();
-    return inner_->CopyToHost(dst, src, bytes);
+    recorder_.Forbidden();
+    return target().CopyToHost(dst, src, bytes);
   }
   absl::Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes) override {
-    Forbidden();
-    return inner_->CopyDeviceToDevice(dst, src, bytes);
+    recorder_.Forbidden();
+    return target().CopyDeviceToDevice(dst, src, bytes);
   }
   absl::Status Synchronize() override {
-    Forbidden();
-    return inner_->Synchronize();
-  }
-  absl::Status InsertKeys(const kernels::KeyInsertArgs& a) override {
-    Forbidden();
-    return inner_->InsertKeys(a);
-  }
-  absl::Status RopeQuantQ(const kernels::QPrepArgs& a) override {
-    return Call([this, a] { return inner_->RopeQuantQ(a); });
-  }
-  absl::Status DenseTopK(const kernels::DenseArgs& a) override {
-    return Call([this, a] { return inner_->DenseTopK(a); });
-  }
-  absl::Status SparseTopK(const kernels::SparseArgs& a) override {
-    return Call([this, a] { return inner_->SparseTopK(a); });
-  }
-  absl::Status MaskedTopK(const kernels::MaskedArgs& a) override {
-    return Call([this, a] { return inner_->MaskedTopK(a); });
-  }
-  absl::Status CopyRows(const kernels::CopyRowsArgs& a) override {
-    return Call([this, a] { return inner_->CopyRows(a); });
-  }
-  absl::Status ForkExpand(const kernels::ExpandArgs& a) override {
-    Forbidden();
-    return inner_->ForkExpand(a);
-  }
-  absl::Status JoinExpand() override {
-    Forbidden();
-    return inner_->JoinExpand();
+    recorder_.Forbidden();
+    return target().Synchronize();
   }
 
   bool SupportsGraphs() const override { return true; }
   absl::Status BeginCapture() override {
-    if (capturing_) ++*violations_;
-    capturing_ = true;
-    recording_.clear();
+    if (recorder_.capturing) ++*recorder_.violations;
+    recorder_.capturing = true;
+    recorder_.recording.clear();
     return absl::OkStatus();
   }
   absl::Status EndCapture(uint64_t key) override {
-    if (!capturing_) ++*violations_;
-    capturing_ = false;
-    graphs_[key] = std::move(recording_);
-    recording_.clear();
+    if (!recorder_.capturing) ++*recorder_.violations;
+    recorder_.capturing = false;
+    recorder_.graphs[key] = std::move(recorder_.recording);
+    recorder_.recording.clear();
     return absl::OkStatus();
   }
   void AbortCapture() override {
-    capturing_ = false;
-    recording_.clear();
+    recorder_.capturing = false;
+    recorder_.recording.clear();
   }
   absl::StatusOr<bool> Replay(uint64_t key) override {
-    if (capturing_) ++*violations_;
-    auto it = graphs_.find(key);
-    if (it == graphs_.end()) return false;
+    if (recorder_.capturing) ++*recorder_.violations;
+    auto it = recorder_.graphs.find(key);
+    if (it == recorder_.graphs.end()) return false;
     for (const auto& call : it->second) {
       if (absl::Status s = call(); !s.ok()) return s;
     }
@@ -369,21 +358,52 @@ class RecordingBackend final : public kernels::Backend {
   }
 
  private:
-  void Forbidden() {
-    if (capturing_) ++*violations_;
+  Recorder recorder_;
+};
+
+class RecordingOps final : public kernels::IndexerOpsWrapper {
+ public:
+  RecordingOps(kernels::IndexerOps& inner, Recorder& recorder)
+      : IndexerOpsWrapper(inner), r_(recorder) {}
+
+  absl::Status InsertKeys(const kernels::KeyInsertArgs& a) override {
+    r_.Forbidden();
+    return target().InsertKeys(a);
   }
-  absl::Status Call(std::function<absl::Status()> call) {
-    if (!capturing_) return call();
-    recording_.push_back(std::move(call));
-    return absl::OkStatus();
+  absl::Status RopeQuantQ(const kernels::QPrepArgs& a) override {
+    return r_.Call([this, a] { return target().RopeQuantQ(a); });
+  }
+  absl::Status DenseTopK(const kernels::DenseArgs& a) override {
+    return r_.Call([this, a] { return target().DenseTopK(a); });
+  }
+  absl::Status SparseTopK(const kernels::SparseArgs& a) override {
+    return r_.Call([this, a] { return target().SparseTopK(a); });
+  }
+  absl::Status MaskedTopK(const kernels::MaskedArgs& a) override {
+    return r_.Call([this, a] { return target().MaskedTopK(a); });
+  }
+  absl::Status CopyRows(const kernels::CopyRowsArgs& a) override {
+    return r_.Call([this, a] { return target().CopyRows(a); });
+  }
+  absl::Status ForkExpand(const kernels::ExpandArgs& a) override {
+    r_.Forbidden();
+    return target().ForkExpand(a);
+  }
+  absl::Status JoinExpand() override {
+    r_.Forbidden();
+    return target().JoinExpand();
   }
 
-  std::unique_ptr<kernels::Backend> inner_;
-  std::atomic<int64_t>* violations_;
-  bool capturing_ = false;
-  std::vector<std::function<absl::Status()>> recording_;
-  std::map<uint64_t, std::vector<std::function<absl::Status()>>> graphs_;
+ private:
+  Recorder& r_;
 };
+
+std::unique_ptr<kernels::Backend> MakeRecordingBackend(std::unique_ptr<kernels::Backend> inner,
+                                                       std::atomic<int64_t>* violations) {
+  auto device = std::make_unique<RecordingDevice>(inner->device(), violations);
+  auto ops = std::make_unique<RecordingOps>(inner->ops(), device->recorder());
+  return kernels::ComposeBackend(std::move(inner), std::move(device), std::move(ops));
+}
 
 // Graph plumbing on the CPU (runs in CI): recorded "graphs" at 1 and 2 ranks answer bit for
 // bit as the plain CPU backend, over rounds that repeat every layer's shape; replays happen
@@ -411,8 +431,7 @@ TEST(MultiRankCpu, RecordedGraphsAnswerAsEagerSteps) {
         o.cuda_graphs = true;
         auto factory = [&violations](int32_t, const kernels::BackendLimits& limits)
             -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
-          return std::make_unique<RecordingBackend>(kernels::MakeCpuBackend(limits, 1),
-                                                    &violations);
+          return MakeRecordingBackend(kernels::MakeCpuBackend(limits, 1), &violations);
         };
         absl::StatusOr<std::unique_ptr<Executor>> made =
             exec::CreateExecutorWithBackends(p, o, factory);
@@ -442,17 +461,15 @@ TEST(MultiRankCpu, RecordedGraphsAnswerAsEagerSteps) {
 // the readback space (copied on after the Synchronize), each rank's slice of the page table.
 // Host memory it hands out is filled with a poison byte, so a path that read staging or
 // readback bytes it never wrote would change the answers.
-class StagedCpuBackend final : public kernels::Backend {
+class StagedCpuDevice final : public kernels::DeviceWrapper {
  public:
-  explicit StagedCpuBackend(std::unique_ptr<kernels::Backend> inner) : inner_(std::move(inner)) {}
+  explicit StagedCpuDevice(kernels::Device& inner) : DeviceWrapper(inner) {}
   std::string_view name() const override { return "staged-cpu"; }
-  std::string description() const override { return inner_->description(); }
   absl::StatusOr<void*> Allocate(size_t bytes) override {
-    absl::StatusOr<void*> p = inner_->Allocate(bytes);
+    absl::StatusOr<void*> p = target().Allocate(bytes);
     if (p.ok()) std::memset(*p, 0xA5, bytes);  // "device" memory starts as garbage too
     return p;
   }
-  void Free(void* ptr) override { inner_->Free(ptr); }
   absl::StatusOr<void*> AllocateHost(size_t bytes) override {
     void* p = std::malloc(std::max<size_t>(bytes, 1));
     if (p == nullptr) return absl::ResourceExhaustedError("malloc");
@@ -461,32 +478,18 @@ class StagedCpuBackend final : public kernels::Backend {
     return p;
   }
   void FreeHost(void* ptr) override { std::free(ptr); }
-  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
-    return inner_->CopyToDevice(dst, src, bytes);
-  }
-  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
-    return inner_->CopyToHost(dst, src, bytes);
-  }
-  absl::Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes) override {
-    return inner_->CopyDeviceToDevice(dst, src, bytes);
-  }
-  absl::Status Synchronize() override { return inner_->Synchronize(); }
-  absl::Status InsertKeys(const kernels::KeyInsertArgs& a) override {
-    return inner_->InsertKeys(a);
-  }
-  absl::Status RopeQuantQ(const kernels::QPrepArgs& a) override { return inner_->RopeQuantQ(a); }
-  absl::Status DenseTopK(const kernels::DenseArgs& a) override { return inner_->DenseTopK(a); }
-  absl::Status SparseTopK(const kernels::SparseArgs& a) override { return inner_->SparseTopK(a); }
-  absl::Status MaskedTopK(const kernels::MaskedArgs& a) override { return inner_->MaskedTopK(a); }
-  absl::Status CopyRows(const kernels::CopyRowsArgs& a) override { return inner_->CopyRows(a); }
-  absl::Status ForkExpand(const kernels::ExpandArgs& a) override { return inner_->ForkExpand(a); }
-  absl::Status JoinExpand() override { return inner_->JoinExpand(); }
 
   std::atomic<int32_t> host_allocations{0};
-
- private:
-  std::unique_ptr<kernels::Backend> inner_;
 };
+
+// The CPU backend with a StagedCpuDevice; `device_out`, where given, receives the device.
+std::unique_ptr<kernels::Backend> MakeStagedCpuBackend(const kernels::BackendLimits& limits,
+                                                       StagedCpuDevice** device_out = nullptr) {
+  std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(limits, 1);
+  auto device = std::make_unique<StagedCpuDevice>(cpu->device());
+  if (device_out != nullptr) *device_out = device.get();
+  return kernels::ComposeBackend(std::move(cpu), std::move(device), nullptr);
+}
 
 // The device backends' host paths (staging, readback, resident page tables, inputs
 // already page-locked, answers deferred into the result's vectors or copied on into the
@@ -511,11 +514,12 @@ TEST(MultiRankCpu, StagedCopiesAnswerAsPlainCopies) {
             ExecutorOptions o = CpuOptions(ranks);
             o.direct_answers = direct;
             o.pinned_staging = true;
-            std::vector<StagedCpuBackend*> made_backends;
+            std::vector<StagedCpuDevice*> made_backends;
             auto factory = [&made_backends](int32_t, const kernels::BackendLimits& limits)
                 -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
-              auto b = std::make_unique<StagedCpuBackend>(kernels::MakeCpuBackend(limits, 1));
-              made_backends.push_back(b.get());
+              StagedCpuDevice* device = nullptr;
+              std::unique_ptr<kernels::Backend> b = MakeStagedCpuBackend(limits, &device);
+              made_backends.push_back(device);
               return b;
             };
             absl::StatusOr<std::unique_ptr<Executor>> made =
@@ -541,7 +545,7 @@ TEST(MultiRankCpu, StagedCopiesAnswerAsPlainCopies) {
   }
 }
 
-// An executor over StagedCpuBackends (page-locked staging and readback, so answers are
+// An executor over StagedCpuDevices (page-locked staging and readback, so answers are
 // deferred into the readback space) or plain CPU backends (no readback space).
 std::unique_ptr<Executor> MakeCpuExecutor(const config::Profile& p, const ExecutorOptions& o,
                                           bool staged) {
@@ -549,12 +553,12 @@ std::unique_ptr<Executor> MakeCpuExecutor(const config::Profile& p, const Execut
   if (staged) {
     ExecutorOptions so = o;
     so.pinned_staging = true;
-    made = exec::CreateExecutorWithBackends(
-        p, so,
-        [](int32_t, const kernels::BackendLimits& limits)
-            -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
-          return std::make_unique<StagedCpuBackend>(kernels::MakeCpuBackend(limits, 1));
-        });
+    made =
+        exec::CreateExecutorWithBackends(p, so,
+                                         [](int32_t, const kernels::BackendLimits& limits)
+                                             -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
+                                           return MakeStagedCpuBackend(limits);
+                                         });
   } else {
     made = Executor::Create(p, o);
   }

@@ -58,8 +58,8 @@ class ExecutorState : public ::testing::Test {
         h_->profile(), o,
         [this](int32_t rank, const kernels::BackendLimits& limits)
             -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
-          return std::make_unique<CheckingBackend>(kernels::MakeCpuBackend(limits, 1), &violations_,
-                                                   rank, &fail_rank_, &pause_);
+          return MakeCheckingBackend(kernels::MakeCpuBackend(limits, 1), &violations_, rank,
+                                     &fail_rank_, &pause_);
         });
     ASSERT_TRUE(e.ok()) << e.status();
     e_ = *std::move(e);
@@ -146,7 +146,7 @@ TEST_F(ExecutorState, RejectedCallsChangeNothing) {
   Reject(0, {{1, 2, 2, {}}, {77, 1, 1, {}}}, absl::StatusCode::kNotFound,
          "sequences[1].sequence_id");
   Reject(0, {{1, 2, 2, {}}, {1, 1, 1, {}}}, absl::StatusCode::kInvalidArgument,
-         "sequences[1].sequence_id: sequence 1 appears twice");
+         "sequences[1].sequence_id: 1 appears twice");
   Reject(0, {{1, p.max_rows_per_sequence + 1, 1, {}}}, absl::StatusCode::kInvalidArgument,
          "sequences[0].num_rows");
   // Past max_context.
@@ -180,7 +180,8 @@ TEST_F(ExecutorState, RejectedCallsChangeNothing) {
     // then answers at its old length (Step checks the lengths and the answer).
     std::unique_ptr<StepData> step = h_->MakeStep(0, {{1, 2, 2, {}}, {2, 1, 1, {}}});
     step->input.sequences[1].new_keys.type = kernels::ElemType::kFp8E4M3;  // FP4 cache
-    RejectStep(*step, absl::StatusCode::kInvalidArgument, "sequences[1].new_keys: pre-quantized");
+    RejectStep(*step, absl::StatusCode::kInvalidArgument,
+               "sequences[1].new_keys.dtype: pre-quantized");
     Step(0, {{1, 1, 1, {}}});
   }
   // return_candidates away from the source.

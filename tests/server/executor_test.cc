@@ -238,7 +238,7 @@ TEST(Executor, KernelsOnlySeeBackendMemory) {
   std::atomic<int64_t> violations{0};
   exec::BackendFactory checked = [&](int32_t, const kernels::BackendLimits& limits)
       -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
-    return std::make_unique<CheckingBackend>(kernels::MakeCpuBackend(limits, 1), &violations);
+    return MakeCheckingBackend(kernels::MakeCpuBackend(limits, 1), &violations);
   };
   for (bool masked : {false, true}) {
     ExecutorOptions o = CpuOptions(2);
@@ -259,7 +259,7 @@ TEST(Executor, KernelsOnlySeeBackendMemory) {
 // small array (row tables, request slots, page-table edits, store rows, positions, weights,
 // q scales, keys) and q itself, for every layer role, q form, key form, rank count, sharded
 // or not; with the option off (one copy per array, as before the ring) it makes more. The
-// answers are the same either way. Counted by the backend itself (CheckingBackend), so a copy
+// answers are the same either way. Counted by the device itself (CheckingDevice), so a copy
 // the executor makes outside its staging is counted too.
 TEST(Executor, OnePackedUploadPerStep) {
   const uint64_t seed = FreshSeed();
@@ -271,13 +271,11 @@ TEST(Executor, OnePackedUploadPerStep) {
         SCOPED_TRACE(absl::StrCat(profile.name, " ranks ", ranks, " packed ", packed));
         std::atomic<int64_t> violations{0};
         std::vector<std::atomic<int64_t>> copies(ranks);
-        std::vector<CheckingBackend*> backends(ranks, nullptr);
+        std::vector<CheckingDevice*> backends(ranks, nullptr);
         exec::BackendFactory factory = [&](int32_t rank, const kernels::BackendLimits& limits)
             -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
-          auto b = std::make_unique<CheckingBackend>(kernels::MakeCpuBackend(limits, 1),
-                                                     &violations, rank);
-          backends[rank] = b.get();
-          return b;
+          return MakeCheckingBackend(kernels::MakeCpuBackend(limits, 1), &violations, rank, nullptr,
+                                     nullptr, &backends[rank]);
         };
         ExecutorOptions o = CpuOptions(ranks);
         o.packed_uploads = packed;
@@ -344,7 +342,7 @@ TEST(Executor, OnePackedUploadPerStep) {
             answers[packed].push_back(res->candidate_blocks);
           }
         }
-        for (CheckingBackend* b : backends) b->CountCopiesToDevice(nullptr);
+        for (CheckingDevice* b : backends) b->CountCopiesToDevice(nullptr);
         // Without the ring: row tables, request slots, edits, keys, weights, ... one by one.
         if (!packed) {
           EXPECT_GT(most, 4);
@@ -409,9 +407,10 @@ TEST(StagingRing, PacksTheStepAndReusesASlotOnlyOnceSettled) {
   for (int32_t ring_slots : {2, 0}) {
     SCOPED_TRACE(absl::StrCat("slots ", ring_slots));
     sizes.staging_slots = ring_slots;
-    auto backend =
-        std::make_unique<CheckingBackend>(kernels::MakeCpuBackend(limits, 1), &violations);
-    backend->CountCopiesToDevice(&copies);
+    CheckingDevice* device = nullptr;
+    std::unique_ptr<kernels::Backend> backend = MakeCheckingBackend(
+        kernels::MakeCpuBackend(limits, 1), &violations, 0, nullptr, nullptr, &device);
+    device->CountCopiesToDevice(&copies);
     absl::StatusOr<std::unique_ptr<exec::Rank>> made =
         exec::Rank::Create(0, std::move(backend), sizes);
     ASSERT_TRUE(made.ok()) << made.status();

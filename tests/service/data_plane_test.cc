@@ -278,35 +278,20 @@ struct FakeIpcLog {
   }
 };
 
-class FakeIpcBackend final : public kernels::Backend {
+// The CPU backend's device playing a GPU for CUDA IPC (a Device decorator; the operations are
+// the CPU's own).
+class FakeIpcDevice final : public kernels::DeviceWrapper {
  public:
-  FakeIpcBackend(std::unique_ptr<kernels::Backend> cpu, std::atomic<int>* open,
-                 FakeIpcLog* log = nullptr, int rank = 0)
-      : cpu_(std::move(cpu)), open_(open), log_(log), rank_(rank) {}
+  FakeIpcDevice(kernels::Device& cpu, std::atomic<int>* open, FakeIpcLog* log = nullptr,
+                int rank = 0)
+      : DeviceWrapper(cpu), open_(open), log_(log), rank_(rank) {}
   std::string_view name() const override { return "fake-ipc"; }
   std::string description() const override { return "cpu playing a device for CUDA IPC"; }
-  absl::StatusOr<void*> Allocate(size_t bytes) override { return cpu_->Allocate(bytes); }
-  void Free(void* ptr) override { cpu_->Free(ptr); }
-  absl::Status CopyToDevice(void* d, const void* s, size_t n) override {
-    return cpu_->CopyToDevice(d, s, n);
-  }
-  absl::Status CopyToHost(void* d, const void* s, size_t n) override {
-    return cpu_->CopyToHost(d, s, n);
-  }
   absl::Status CopyDeviceToDevice(void* d, const void* s, size_t n) override {
     if (log_ != nullptr && log_->InBuffer(s)) log_->Add(rank_, "read");
     if (log_ != nullptr && log_->InBuffer(d)) log_->Add(rank_, "write");
-    return cpu_->CopyDeviceToDevice(d, s, n);
+    return target().CopyDeviceToDevice(d, s, n);
   }
-  absl::Status Synchronize() override { return cpu_->Synchronize(); }
-  absl::Status InsertKeys(const kernels::KeyInsertArgs& a) override { return cpu_->InsertKeys(a); }
-  absl::Status RopeQuantQ(const kernels::QPrepArgs& a) override { return cpu_->RopeQuantQ(a); }
-  absl::Status DenseTopK(const kernels::DenseArgs& a) override { return cpu_->DenseTopK(a); }
-  absl::Status SparseTopK(const kernels::SparseArgs& a) override { return cpu_->SparseTopK(a); }
-  absl::Status MaskedTopK(const kernels::MaskedArgs& a) override { return cpu_->MaskedTopK(a); }
-  absl::Status CopyRows(const kernels::CopyRowsArgs& a) override { return cpu_->CopyRows(a); }
-  absl::Status ForkExpand(const kernels::ExpandArgs& a) override { return cpu_->ForkExpand(a); }
-  absl::Status JoinExpand() override { return cpu_->JoinExpand(); }
 
   absl::StatusOr<void*> OpenIpcMemory(std::string_view handle, size_t bytes, int device) override {
     if (device != 0) return absl::InvalidArgumentError("device: the answering rank is on 0");
@@ -349,13 +334,12 @@ class FakeIpcBackend final : public kernels::Backend {
   }
 
  private:
-  std::unique_ptr<kernels::Backend> cpu_;
   std::atomic<int>* open_;
   FakeIpcLog* log_;
   int rank_;
 };
 
-// A server on FakeIpcBackend ranks (CPU underneath) with a client, for the CUDA IPC tests.
+// A server on FakeIpcDevice ranks (CPU underneath) with a client, for the CUDA IPC tests.
 class FakeIpcTest : public ::testing::TestWithParam<int> {
  protected:
   void SetUp() override {
@@ -365,8 +349,9 @@ class FakeIpcTest : public ::testing::TestWithParam<int> {
         profile_, options,
         [this](int32_t rank, const kernels::BackendLimits& limits)
             -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
-          return std::make_unique<FakeIpcBackend>(kernels::MakeCpuBackend(limits, 1), &open_, &log_,
-                                                  rank);
+          std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(limits, 1);
+          auto device = std::make_unique<FakeIpcDevice>(cpu->device(), &open_, &log_, rank);
+          return kernels::ComposeBackend(std::move(cpu), std::move(device), nullptr);
         });
     ASSERT_TRUE(executor.ok()) << executor.status();
     executor_ = *std::move(executor);

@@ -112,7 +112,7 @@ TEST_F(RequestDecodeTest, ValidStepDecodesIntoViews) {
   v1::DecodeStepRequest req = ValidStep(v32_, 5, {1, 2, 1});
   absl::StatusOr<DecodedStep> d = DecodeStepRequest(req, v32_);
   ASSERT_TRUE(d.ok()) << d.status();
-  const exec::StepInput& s = d->step;
+  const exec::StepInput& s = d->step();
   EXPECT_EQ(s.layer, 5);
   EXPECT_EQ(s.num_rows, 4);
   ASSERT_EQ(s.sequences.size(), 3u);
@@ -140,7 +140,7 @@ TEST_F(RequestDecodeTest, ValidStepDecodesIntoViews) {
   }
   // A move keeps every pointer valid.
   DecodedStep moved = std::move(*d);
-  EXPECT_EQ(moved.step.q.positions, moved.positions.data());
+  EXPECT_EQ(moved.step().q.positions, moved.positions.data());
 }
 
 TEST_F(RequestDecodeTest, Bf16WeightsAndInt32PositionsAreConverted) {
@@ -154,11 +154,11 @@ TEST_F(RequestDecodeTest, Bf16WeightsAndInt32PositionsAreConverted) {
       Bf16Tensor(Random(3 * v41_.num_heads * v41_.head_dim), {3, v41_.num_heads, v41_.head_dim});
   absl::StatusOr<DecodedStep> d = DecodeStepRequest(req, v41_);
   ASSERT_TRUE(d.ok()) << d.status();
-  EXPECT_EQ(d->step.q.type, kernels::ElemType::kBF16);
+  EXPECT_EQ(d->step().q.type, kernels::ElemType::kBF16);
   for (size_t i = 0; i < w.size(); ++i) {
-    EXPECT_EQ(d->step.q.weights[i], client::Bf16ToFloat(client::FloatToBf16(w[i])));
+    EXPECT_EQ(d->step().q.weights[i], client::Bf16ToFloat(client::FloatToBf16(w[i])));
   }
-  for (int r = 0; r < 3; ++r) EXPECT_EQ(d->step.q.positions[r], pos[r]);
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(d->step().q.positions[r], pos[r]);
 }
 
 TEST_F(RequestDecodeTest, PreQuantizedForms) {
@@ -173,9 +173,9 @@ TEST_F(RequestDecodeTest, PreQuantizedForms) {
   *req.mutable_sequences(0)->mutable_new_key_scales() = F32Tensor(ks, {2});
   absl::StatusOr<DecodedStep> d = DecodeStepRequest(req, v32_);
   ASSERT_TRUE(d.ok()) << d.status();
-  EXPECT_EQ(d->step.q.type, kernels::ElemType::kFp8E4M3);
-  EXPECT_EQ(d->step.q.q, req.q().data().data());
-  const exec::KeysInput& k = d->step.sequences[0].new_keys;
+  EXPECT_EQ(d->step().q.type, kernels::ElemType::kFp8E4M3);
+  EXPECT_EQ(d->step().q.q, req.q().data().data());
+  const exec::KeysInput& k = d->step().sequences[0].new_keys;
   EXPECT_EQ(k.type, kernels::ElemType::kFp8E4M3);
   EXPECT_EQ(static_cast<const float*>(k.scales)[1], ks[1]);
 
@@ -201,10 +201,10 @@ TEST_F(RequestDecodeTest, PreQuantizedForms) {
       CodesTensor(v1::DTYPE_UE8M0, RandomUe8m0(3 * D / 32), {3, D / 32});
   absl::StatusOr<DecodedStep> d4 = DecodeStepRequest(r4, v41_);
   ASSERT_TRUE(d4.ok()) << d4.status();
-  EXPECT_EQ(d4->step.q.type, kernels::ElemType::kFp4E2M1);
-  EXPECT_EQ(d4->step.q.scales, reinterpret_cast<const uint8_t*>(r4.q_scales().data().data()));
-  EXPECT_EQ(d4->step.sequences[1].new_keys.count, 3);
-  EXPECT_EQ(d4->step.sequences[0].new_keys.type, kernels::ElemType::kF32);
+  EXPECT_EQ(d4->step().q.type, kernels::ElemType::kFp4E2M1);
+  EXPECT_EQ(d4->step().q.scales, reinterpret_cast<const uint8_t*>(r4.q_scales().data().data()));
+  EXPECT_EQ(d4->step().sequences[1].new_keys.count, 3);
+  EXPECT_EQ(d4->step().sequences[0].new_keys.type, kernels::ElemType::kF32);
 }
 
 TEST_F(RequestDecodeTest, ShapeMessageNamesTheField) {
@@ -420,8 +420,8 @@ TEST_F(RequestDecodeTest, AppendKeys) {
   *req.mutable_keys() = F32Tensor(Random(n * D), {n, D});
   absl::StatusOr<DecodedAppend> d = DecodeAppendKeys(req, v41_);
   ASSERT_TRUE(d.ok()) << d.status();
-  EXPECT_EQ(d->keys.count, n);
-  EXPECT_EQ(d->sequence_id, req.sequence_id());
+  EXPECT_EQ(d->keys().count, n);
+  EXPECT_EQ(d->sequence_id(), req.sequence_id());
 
   auto expect = [&](const v1::AppendKeysRequest& r, const std::string& field) {
     absl::StatusOr<DecodedAppend> x = DecodeAppendKeys(r, v41_);
@@ -546,9 +546,9 @@ TEST_F(RequestDecodeTest, ExternalBytesAreReadInPlace) {
   shaped.mutable_weights()->clear_data();
   absl::StatusOr<DecodedStep> d = DecodeStepRequest(shaped, v32_, ext);
   ASSERT_TRUE(d.ok()) << d.status();
-  EXPECT_EQ(d->step.q.q, static_cast<const void*>(codes.data()));
-  EXPECT_EQ(d->step.q.weights, w.data());
-  EXPECT_EQ(d->step.num_rows, 3);
+  EXPECT_EQ(d->step().q.q, static_cast<const void*>(codes.data()));
+  EXPECT_EQ(d->step().q.weights, w.data());
+  EXPECT_EQ(d->step().num_rows, 3);
   // Short external bytes: the same message as short request bytes.
   ext.q = ext.q->substr(0, codes.size() - 1 - rng_() % 100);
   ExternalStepBytes short_ext = ext;
@@ -722,7 +722,7 @@ TEST_F(ColumnarDecodeTest, DecodesIntoTheSameStepInputAsSequences) {
     absl::StatusOr<DecodedStep> b = DecodeStepRequest(col, *c.p);
     ASSERT_TRUE(b.ok()) << what << ": " << b.status() << "\n"
                         << col.ShortDebugString().substr(0, 600);
-    ExpectSameStep(a->step, b->step, *c.p, what);
+    ExpectSameStep(a->step(), b->step(), *c.p, what);
   }
 }
 
@@ -741,9 +741,9 @@ TEST_F(ColumnarDecodeTest, KeysAreViewsOfTheOneTensor) {
   *col.mutable_weights() = F32Tensor(Random(6 * 64), {6, 64});
   absl::StatusOr<DecodedStep> d = DecodeStepRequest(col, v32_);
   ASSERT_TRUE(d.ok()) << d.status();
-  const auto& s = d->step.sequences;
+  const auto& s = d->step().sequences;
   ASSERT_EQ(s.size(), 3u);
-  EXPECT_EQ(d->step.num_rows, 6);
+  EXPECT_EQ(d->step().num_rows, 6);
   const char* keys = col.new_keys().data().data();
   EXPECT_EQ(s[0].new_keys.keys, keys);
   EXPECT_EQ(s[0].new_keys.count, 2);
@@ -1053,7 +1053,7 @@ TEST_F(ColumnarDecodeTest, RandomCorruptionsNeverReadOutside) {
     const char* lo = req.new_keys().data().data();
     const char* hi = lo + req.new_keys().data().size();
     int64_t rows = 0;
-    for (const exec::SequenceStepInput& s : d->step.sequences) {
+    for (const exec::SequenceStepInput& s : d->step().sequences) {
       rows += s.num_rows;
       if (s.new_keys.count == 0) continue;
       const char* k = static_cast<const char*>(s.new_keys.keys);
@@ -1070,7 +1070,7 @@ TEST_F(ColumnarDecodeTest, RandomCorruptionsNeverReadOutside) {
       }
       EXPECT_TRUE(inside) << "request keys outside the keys tensor at iteration " << iter;
     }
-    EXPECT_EQ(rows, d->step.num_rows);
+    EXPECT_EQ(rows, d->step().num_rows);
   }
 }
 

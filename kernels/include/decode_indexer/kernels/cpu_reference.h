@@ -92,7 +92,7 @@ absl::Status DenseTopK(const DenseArgs& args);
 absl::Status SparseTopK(const SparseArgs& args);
 absl::Status MaskedTopK(const MaskedArgs& args);
 absl::Status CopyRows(const CopyRowsArgs& args);
-// Backend::CheckValues on host memory.
+// IndexerOps::CheckValues on host memory.
 absl::Status CheckValues(const ValueCheckArgs& args);
 
 }  // namespace decode_indexer::kernels::cpu
