@@ -374,14 +374,16 @@ class EventStepTest(unittest.TestCase):
         ci = pb.DecodeStepRequest.FromString(raw).cuda_ipc
         self.assertEqual((ci.wait_inputs_event, ci.record_answer_event), (False, True))
         self.assertEqual(self.fake.log, [])  # a host q: nothing to wait for on the device
-        with self.assertRaisesRegex(di.IndexerError, r"INVALID_ARGUMENT: cuda_ipc.wait_inputs_event: needs q, "
+        with self.assertRaisesRegex(di.IndexerError, r"INVALID_ARGUMENT: cuda_ipc."
+                                                     r"wait_inputs_event: needs q, "
                                                      r"q_scales and weights in a registered"):
             self.encode(q, w, a, bufs, wait_inputs_event=True)
 
     def test_flags_asked_for_where_they_cannot_be(self):
         q, w, a = PlanTest().inputs()
         for kw, pattern in (
-                ({"wait_inputs_event": True}, r"INVALID_ARGUMENT: cuda_ipc.wait_inputs_event: region 7 was "
+                ({"wait_inputs_event": True}, r"INVALID_ARGUMENT: cuda_ipc.wait_inputs_event: "
+                                              r"region 7 was "
                                               r"registered without an inputs event"),
                 ({"record_answer_event": True}, r"INVALID_ARGUMENT: cuda_ipc.record_answer_event: "
                                                 r"region 7 was "
@@ -390,10 +392,12 @@ class EventStepTest(unittest.TestCase):
                 self.encode(q, w, a, [buffer()], **kw)
             self.assertEqual(e.exception.code.name, "INVALID_ARGUMENT")
         host = np.ones((2, H, D), np.float32), np.ones((2, H), np.float32)
-        with self.assertRaisesRegex(di.IndexerError, r"INVALID_ARGUMENT: cuda_ipc.record_answer_event: needs "
+        with self.assertRaisesRegex(di.IndexerError, r"INVALID_ARGUMENT: cuda_ipc."
+                                                     r"record_answer_event: needs "
                                                      r"the answer in a registered CUDA buffer"):
             client_mod._encode_columnar(0, [1, 2], *host, record_answer_event=True)
-        with self.assertRaisesRegex(di.IndexerError, r"INVALID_ARGUMENT: cuda_ipc.wait_inputs_event: needs"):
+        with self.assertRaisesRegex(di.IndexerError,
+                                    r"INVALID_ARGUMENT: cuda_ipc.wait_inputs_event: needs"):
             client_mod._encode_step(0, [di.SequenceStep(1)], *host, wait_inputs_event=True)
         self.assertEqual(self.fake.log, [])  # refused before any record or wait
 
@@ -547,7 +551,8 @@ class RegistrationTest(unittest.TestCase):
         self.assertIsNone(c.inputs_event)
 
     def test_a_bad_event_is_refused_before_registering(self):
-        for kw, pattern in (({"inputs_event": b"\0" * 16}, "INVALID_ARGUMENT: inputs_event: expected a 64-byte"),
+        for kw, pattern in (({"inputs_event": b"\0" * 16},
+                             "INVALID_ARGUMENT: inputs_event: expected a 64-byte"),
                             ({"answer_event": FakeEvent(fail="CUDA error: invalid resource "
                                                              "handle")},
                              r"INVALID_ARGUMENT: answer_event: .*interprocess=True")):

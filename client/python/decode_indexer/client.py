@@ -1080,8 +1080,9 @@ class Client:
                     raise IndexerError(
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"{name}: this tensor's allocation block is already registered (region "
-                        f"{reg.region_id}) {'without that event' if held is None else 'with another event'};"
-                        " its events are the region's: register the block once with its "
+                        f"{reg.region_id}) "
+                        f"{'without that event' if held is None else 'with another event'}; "
+                        "its events are the region's: register the block once with its "
                         "events (register_cuda_tensor / cuda_buffer, then buffer.alloc)",
                         "RegisterCudaIpcMemory")
         if reg is None or export.hi > reg.size:
