@@ -142,6 +142,42 @@ class AsyncClientTest(ServerTestCase):
         self.assertEqual(errors[0].code, grpc.StatusCode.INVALID_ARGUMENT)
         self.assertTrue(errors[0].message.startswith("sequence_ids[1]:"), errors[0].message)
 
+    def test_cuda_buffers_of_a_sync_client_and_their_events(self):
+        """use_cuda_buffers: the async steps find CUDA tensors in the sync client's buffers (a
+        fake one here, with fake torch events: the CPU server knows no such region and says
+        so, naming cuda_ipc.region_id), record the inputs event instead of the host wait, and
+        the stream refuses a second step waiting on that event while one is in flight."""
+        from test_cuda_ipc import BASE, FakeStreams, buffer, dev
+
+        fake = FakeStreams(self)
+        inputs, answer = fake.events()
+        buf = buffer(region_id=999, inputs_event=inputs, answer_event=answer)
+        self.client._cuda_buffers.append(buf)
+        self.addCleanup(self.client._cuda_buffers.remove, buf)
+        h, d, k = self.info.num_heads, self.info.head_dim, self.info.topk
+        q = dev(256, di.DType.FP8_E4M3, (2, h, d))
+        w = dev(1 << 16, di.DType.FP32, (2, h))
+        a = dev(1 << 17, di.DType.INT32, (2, k))
+        self.assertEqual(BASE + 256, q.ptr)
+
+        async def run():
+            async with di.AsyncClient(self.server.target, timeout=30) as c:
+                with self.assertRaisesRegex(ValueError, "^q: .*lies in no buffer"):
+                    await c.decode_step_columnar(self.dense(), [1, 2], q, w, answer=a)
+                c.use_cuda_buffers(self.client)
+                with self.assertRaisesRegex(di.IndexerError, "cuda_ipc.region_id: no such CUDA "
+                                                             "IPC region"):
+                    await c.decode_step_columnar(self.dense(), [1, 2], q, w, answer=a)
+                self.assertEqual([e[0] for e in fake.log], ["record"])
+                s = c.stream()
+                await s.send_columnar(self.dense(), [1, 2], q, w, answer=a)
+                with self.assertRaisesRegex(ValueError, "^wait_inputs_event: a step in flight"):
+                    await s.send_columnar(self.dense(), [1, 2], q, w, answer=a)
+                s.cancel()
+
+        asyncio.run(run())
+        self.assertEqual([e[0] for e in fake.log], ["record", "record"])
+
 
 if __name__ == "__main__":
     import unittest

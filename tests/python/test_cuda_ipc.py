@@ -1,6 +1,9 @@
 """The CUDA IPC path's pure logic, without torch or a GPU (decode_indexer.cuda_ipc): torch's
 handle formats, where a step's device tensors lie in a registered buffer and the alignment the
-server demands, the CudaIpcStep a request carries, and the ring descriptor's CUDA IPC fields.
+server demands, the CudaIpcStep a request carries, and the ring descriptor's CUDA IPC fields;
+the CUDA IPC events (exported into RegisterCudaIpcMemoryRequest, the step's
+wait_inputs_event / record_answer_event, the inputs event recorded on the current stream in
+place of the host wait, the answer event waited on after the answer) with fake torch events.
 Device tensors are DeviceTensor records in a CudaBuffer made from a fake export; the GPU run
 (test_torch_cuda.py) drives the same code with torch CUDA tensors and a CUDA server."""
 
@@ -14,6 +17,7 @@ from _support import di  # noqa: F401  (puts the package on sys.path)
 from decode_indexer import cuda_ipc, fast_path
 from decode_indexer._gen import indexer_pb2 as pb
 from decode_indexer._wire import DType
+from decode_indexer import client as client_mod
 from decode_indexer.client import encode_columnar_step, encode_decode_step
 
 H, D, K, BLOCKS = 4, 32, 8, 3
@@ -28,9 +32,66 @@ class _NoClient:
         self.unregistered.append(buf.region_id)
 
 
-def buffer(region_id=7, device=0, lo=0, hi=1 << 20, base=BASE, client=None):
+def buffer(region_id=7, device=0, lo=0, hi=1 << 20, base=BASE, client=None,
+           inputs_event=None, answer_event=None):
     export = cuda_ipc.Export(device=device, handle=b"\0" * 64, base_ptr=base, lo=lo, hi=hi)
-    return cuda_ipc.CudaBuffer(client or _NoClient(), None, export, region_id, K, BLOCKS)
+    reg = None
+    if inputs_event is not None or answer_event is not None:
+        reg = cuda_ipc.Registration(region_id, device, base, hi, inputs_event, answer_event)
+    return cuda_ipc.CudaBuffer(client or _NoClient(), None, export, region_id, K, BLOCKS, reg)
+
+
+class FakeEvent:
+    """What the client uses of a torch.cuda.Event(interprocess=True): ipc_handle() (failing as
+    torch does for an event made without interprocess=True), record(stream), its device. Its
+    record() and the fake streams' wait_event() log into `log`."""
+
+    def __init__(self, log=None, handle=None, device=0, fail=None):
+        self.log = [] if log is None else log
+        self.handle = bytes(range(64)) if handle is None else handle
+        self.device, self.fail = device, fail
+
+    def ipc_handle(self):
+        if self.fail:
+            raise RuntimeError(self.fail)
+        return self.handle
+
+    def record(self, stream=None):
+        self.log.append(("record", self, stream))
+
+
+class FakeStream:
+    def __init__(self, device, log):
+        self.device, self.log = device, log
+
+    def wait_event(self, event):
+        self.log.append(("wait", event, self))
+
+
+class FakeStreams:
+    """cuda_ipc's current-stream lookup replaced (one FakeStream a device) and its host wait
+    (synchronize) logged, for a test's duration."""
+
+    def __init__(self, test):
+        self.log = []
+        self.streams = {d: FakeStream(d, self.log) for d in range(4)}
+        saved = cuda_ipc._STREAM[:], cuda_ipc.synchronize
+        cuda_ipc._STREAM[:] = [lambda device: self.streams[device]]
+        cuda_ipc.synchronize = lambda plan: plan.inputs_on_device and self.log.append(
+            ("synchronize", plan.region_id))  # (the real one returns at once otherwise)
+        test.addCleanup(self.restore, saved)
+
+    @staticmethod
+    def restore(saved):
+        cuda_ipc._STREAM[:], cuda_ipc.synchronize = saved[0], saved[1]
+
+    def event(self, **kw):
+        return FakeEvent(self.log, **kw)
+
+    def events(self, device=0):
+        """A buffer's inputs and answer IpcEvents of fake torch events."""
+        return (cuda_ipc.export_event(self.event(handle=b"i" * 64), "inputs_event", device),
+                cuda_ipc.export_event(self.event(handle=b"a" * 64), "answer_event", device))
 
 
 def dev(offset, dtype, shape, device=0, base=BASE, contiguous=True):
@@ -199,6 +260,181 @@ class EncodeTest(unittest.TestCase):
                                  cuda_buffers=[buffer()])
 
 
+class EventExportTest(unittest.TestCase):
+    """register_cuda_tensor's inputs_event / answer_event: a torch event's ipc_handle(), or raw
+    handle bytes; anything else refused naming the argument."""
+
+    def test_raw_handles_and_events(self):
+        raw = bytes(range(64))
+        ev = cuda_ipc.export_event(bytearray(raw), "inputs_event", 0)
+        self.assertEqual((ev.handle, ev.event), (raw, None))
+        fake = FakeEvent(handle=b"x" * 64)
+        ev = cuda_ipc.export_event(fake, "answer_event", 0)
+        self.assertEqual((ev.handle, ev.event), (b"x" * 64, fake))
+        self.assertIsNone(cuda_ipc.export_event(None, "inputs_event", 0))
+
+    def assert_refused(self, x, what, pattern, device=0):
+        with self.assertRaisesRegex(di.IndexerError, f"INVALID_ARGUMENT: {what}: {pattern}") as e:
+            cuda_ipc.export_event(x, what, device)
+        self.assertEqual(e.exception.code.name, "INVALID_ARGUMENT")
+
+    def test_a_handle_of_another_size(self):
+        self.assert_refused(b"\0" * 63, "inputs_event",
+                            "expected a 64-byte cudaIpcEventHandle_t, got 63 bytes")
+        self.assert_refused(FakeEvent(handle=b"\0" * 65), "answer_event",
+                            r"ipc_handle\(\) answered 65 bytes")
+
+    def test_an_event_made_without_interprocess(self):
+        # torch's ipc_handle() raises what cudaIpcGetEventHandle answers for such an event
+        self.assert_refused(FakeEvent(fail="CUDA error: invalid resource handle"),
+                            "answer_event", r"the event cannot be exported through CUDA IPC "
+                            r"\(CUDA error: invalid resource handle\): create it with "
+                            r"torch.cuda.Event\(interprocess=True\)")
+
+    def test_an_event_on_another_device_and_not_an_event(self):
+        self.assert_refused(FakeEvent(device=1), "inputs_event",
+                            "the event is on cuda:1, the buffer on cuda:0")
+        self.assert_refused("an event", "inputs_event",
+                            r"expected a torch.cuda.Event\(interprocess=True\) or its 64-byte "
+                            r"ipc_handle\(\), got str")
+
+
+class EventStepTest(unittest.TestCase):
+    """A step in a buffer registered with events: the CudaIpcStep's flags, the inputs event
+    recorded on the current stream instead of the host wait, the answer event waited on once
+    the answer is in."""
+
+    def setUp(self):
+        self.fake = FakeStreams(self)
+        self.inputs, self.answer = self.fake.events()
+
+    def encode(self, q, w, a, bufs, columnar=True, **kw):
+        if columnar:
+            return client_mod._encode_columnar(3, [11, 12], q, w, answer=a, cuda_buffers=bufs,
+                                               **kw)
+        return client_mod._encode_step(3, [di.SequenceStep(11), di.SequenceStep(12)], q, w,
+                                       answer=a, cuda_buffers=bufs, **kw)
+
+    def test_torch_events_are_used_by_default(self):
+        for columnar in (True, False):
+            del self.fake.log[:]
+            q, w, a = PlanTest().inputs()
+            raw, placed = self.encode(q, w, a, [buffer(inputs_event=self.inputs,
+                                                       answer_event=self.answer)], columnar)
+            ci = pb.DecodeStepRequest.FromString(raw).cuda_ipc
+            self.assertTrue(ci.wait_inputs_event and ci.record_answer_event)
+            self.assertEqual((ci.q_offset, ci.answer_offset), (256, 8192))
+            # the inputs event recorded on device 0's current stream; no host wait
+            self.assertEqual(self.fake.log, [("record", self.inputs.event,
+                                              self.fake.streams[0])])
+            self.assertIs(placed.waited, self.inputs)
+            placed.after()
+            self.assertEqual(self.fake.log[1:], [("wait", self.answer.event,
+                                                  self.fake.streams[0])])
+
+    def test_turned_off_by_the_step(self):
+        q, w, a = PlanTest().inputs()
+        raw, placed = self.encode(q, w, a, [buffer(inputs_event=self.inputs,
+                                                   answer_event=self.answer)],
+                                  wait_inputs_event=False, record_answer_event=False)
+        ci = pb.DecodeStepRequest.FromString(raw).cuda_ipc
+        self.assertFalse(ci.wait_inputs_event or ci.record_answer_event)
+        self.assertEqual(self.fake.log, [("synchronize", 7)])  # the host wait, as before
+        self.assertIsNone(placed.after)
+        self.assertIsNone(placed.waited)
+
+    def test_without_events_nothing_changes(self):
+        q, w, a = PlanTest().inputs()
+        raw, placed = self.encode(q, w, a, [buffer()])
+        self.assertFalse(pb.DecodeStepRequest.FromString(raw).cuda_ipc.wait_inputs_event)
+        self.assertEqual(self.fake.log, [("synchronize", 7)])
+        self.assertIsNone(placed.after)
+
+    def test_raw_handles_are_the_callers_to_record_and_wait_on(self):
+        raw_in = cuda_ipc.export_event(b"i" * 64, "inputs_event", 0)
+        raw_out = cuda_ipc.export_event(b"a" * 64, "answer_event", 0)
+        q, w, a = PlanTest().inputs()
+        buf = buffer(inputs_event=raw_in, answer_event=raw_out)
+        raw, placed = self.encode(q, w, a, [buf])  # not used unless asked for
+        self.assertFalse(pb.DecodeStepRequest.FromString(raw).cuda_ipc.wait_inputs_event)
+        self.assertEqual(self.fake.log, [("synchronize", 7)])
+        del self.fake.log[:]
+        raw, placed = self.encode(q, w, a, [buf], wait_inputs_event=True,
+                                  record_answer_event=True)
+        ci = pb.DecodeStepRequest.FromString(raw).cuda_ipc
+        self.assertTrue(ci.wait_inputs_event and ci.record_answer_event)
+        self.assertEqual(self.fake.log, [])  # no record, no host wait: the caller's
+        self.assertIsNone(placed.after)
+
+    def test_a_host_q_with_a_device_answer_records_the_answer_event_only(self):
+        _, _, a = PlanTest().inputs()
+        q, w = np.ones((2, H, D), np.float32), np.ones((2, H), np.float32)
+        bufs = [buffer(inputs_event=self.inputs, answer_event=self.answer)]
+        raw, placed = self.encode(q, w, a, bufs)
+        ci = pb.DecodeStepRequest.FromString(raw).cuda_ipc
+        self.assertEqual((ci.wait_inputs_event, ci.record_answer_event), (False, True))
+        self.assertEqual(self.fake.log, [])  # a host q: nothing to wait for on the device
+        with self.assertRaisesRegex(di.IndexerError, r"INVALID_ARGUMENT: cuda_ipc."
+                                                     r"wait_inputs_event: needs q, "
+                                                     r"q_scales and weights in a registered"):
+            self.encode(q, w, a, bufs, wait_inputs_event=True)
+
+    def test_flags_asked_for_where_they_cannot_be(self):
+        q, w, a = PlanTest().inputs()
+        for kw, pattern in (
+                ({"wait_inputs_event": True}, r"INVALID_ARGUMENT: cuda_ipc.wait_inputs_event: "
+                                              r"region 7 was "
+                                              r"registered without an inputs event"),
+                ({"record_answer_event": True}, r"INVALID_ARGUMENT: cuda_ipc.record_answer_event: "
+                                                r"region 7 was "
+                                                r"registered without an answer event")):
+            with self.assertRaisesRegex(di.IndexerError, pattern) as e:
+                self.encode(q, w, a, [buffer()], **kw)
+            self.assertEqual(e.exception.code.name, "INVALID_ARGUMENT")
+        host = np.ones((2, H, D), np.float32), np.ones((2, H), np.float32)
+        with self.assertRaisesRegex(di.IndexerError, r"INVALID_ARGUMENT: cuda_ipc."
+                                                     r"record_answer_event: needs "
+                                                     r"the answer in a registered CUDA buffer"):
+            client_mod._encode_columnar(0, [1, 2], *host, record_answer_event=True)
+        with self.assertRaisesRegex(di.IndexerError,
+                                    r"INVALID_ARGUMENT: cuda_ipc.wait_inputs_event: needs"):
+            client_mod._encode_step(0, [di.SequenceStep(1)], *host, wait_inputs_event=True)
+        self.assertEqual(self.fake.log, [])  # refused before any record or wait
+
+    def test_the_answer_event_is_waited_on_when_the_answer_is_read(self):
+        q, w, a = PlanTest().inputs()
+        _, placed = self.encode(q, w, a, [buffer(inputs_event=self.inputs,
+                                                 answer_event=self.answer)])
+        # The answer as a shared-memory step's (views of host memory stand for the device's).
+        answer = np.arange(2 * K, dtype=np.int32)
+        placed = client_mod._InRegion(2, answer, None, placed.after, placed.waited)
+        resp = pb.DecodeStepResponse(step_id=5, topk=pb.Tensor(dtype=pb.DTYPE_INT32,
+                                                               shape=[2, K]))
+        r = client_mod._result_bytes(resp.SerializeToString(), 1.0, placed)
+        np.testing.assert_array_equal(r.topk, answer.reshape(2, K))
+        self.assertEqual(self.fake.log[-1], ("wait", self.answer.event, self.fake.streams[0]))
+
+    def test_a_stream_refuses_a_second_step_on_an_inputs_event_in_flight(self):
+        c = di.Client("127.0.0.1:1")  # never reached: the refusal comes before the wire
+        self.addCleanup(c.close)
+        buf = buffer(inputs_event=self.inputs, answer_event=self.answer)
+        c._cuda_buffers.append(buf)
+        q, w, a = PlanTest().inputs()
+        s = c.stream()
+        self.addCleanup(s.cancel)
+        s.send_columnar(0, [11, 12], q, w, answer=a)
+        with self.assertRaisesRegex(ValueError, r"^wait_inputs_event: a step in flight on this "
+                                                r"stream waits on the inputs event of region 7"):
+            s.send_columnar(0, [11, 12], q, w, answer=a)
+        with self.assertRaisesRegex(ValueError, "^wait_inputs_event: a step in flight"):
+            s.send(0, [di.SequenceStep(11), di.SequenceStep(12)], q, w, answer=a)
+        self.assertEqual(s.pending, 1)
+        self.assertEqual([e[0] for e in self.fake.log], ["record"])  # recorded once
+        s.send_columnar(0, [11, 12], q, w, answer=a, wait_inputs_event=False)  # a host wait
+        self.assertEqual([e[0] for e in self.fake.log], ["record", "synchronize"])
+        self.assertEqual(s.pending, 2)
+
+
 class RingDescriptorTest(unittest.TestCase):
     def test_flags_region_offsets_and_dtypes(self):
         q, w, a = PlanTest().inputs()
@@ -225,8 +461,11 @@ class RingDescriptorTest(unittest.TestCase):
         header = (di_repo() / "common" / "step_ring.h").read_text()
         self.assertIn("kAnswerCudaIpc = 1u << 4", header)
         self.assertIn("kInputsCudaIpc = 1u << 5", header)
-        self.assertEqual((fast_path.F_ANSWER_CUDA_IPC, fast_path.F_INPUTS_CUDA_IPC),
-                         (1 << 4, 1 << 5))
+        self.assertIn("kWaitInputsEvent = 1u << 6", header)
+        self.assertIn("kRecordAnswerEvent = 1u << 7", header)
+        self.assertEqual((fast_path.F_ANSWER_CUDA_IPC, fast_path.F_INPUTS_CUDA_IPC,
+                          fast_path.F_WAIT_INPUTS_EVENT, fast_path.F_RECORD_ANSWER_EVENT),
+                         (1 << 4, 1 << 5, 1 << 6, 1 << 7))
 
 
 class RegistrationTest(unittest.TestCase):
@@ -280,6 +519,46 @@ class RegistrationTest(unittest.TestCase):
         self.assertEqual(self.methods()[2:], ["UnregisterCudaIpcMemory"])
         self.assertEqual(self.calls[2][1].region_id, a.region_id)
         self.assertEqual(self.client._cuda_buffers, [c])
+
+    def test_events_travel_in_the_request_and_belong_to_the_block(self):
+        fake = FakeStreams(self)
+        ev_in = fake.event(handle=b"i" * 64)
+        raw = b"r" * 64
+        a = self.client.register_cuda_tensor(self.export(0, 4 << 20), inputs_event=ev_in,
+                                             answer_event=raw)
+        (method, request), = self.calls
+        self.assertEqual((request.inputs_event, request.answer_event), (b"i" * 64, raw))
+        self.assertIs(a.inputs_event.event, ev_in)
+        self.assertEqual((a.answer_event.handle, a.answer_event.event), (raw, None))
+        # A storage of the same block shares the registration and its events ...
+        b = self.client.register_cuda_tensor(self.export(4 << 20, 8 << 20))
+        self.assertEqual((b.region_id, b.inputs_event), (a.region_id, a.inputs_event))
+        b2 = self.client.register_cuda_tensor(self.export(8 << 20, 9 << 20),
+                                              answer_event=raw)  # the same handle: fine
+        self.assertEqual(b2.region_id, a.region_id)
+        # ... and cannot bring other ones
+        for kw, name in (({"inputs_event": fake.event(handle=b"j" * 64)}, "inputs_event"),
+                         ({"answer_event": b"s" * 64}, "answer_event")):
+            with self.assertRaisesRegex(di.IndexerError, f"INVALID_ARGUMENT: {name}: this tensor's "
+                                                         "allocation "
+                                                         "block is already registered"):
+                self.client.register_cuda_tensor(self.export(9 << 20, 10 << 20), **kw)
+        self.assertEqual(self.methods(), ["RegisterCudaIpcMemory"])
+        # Without events the request's fields stay empty
+        c = self.client.register_cuda_tensor(self.export(0, 1 << 20, base=BASE + (64 << 20)))
+        self.assertEqual((self.calls[1][1].inputs_event, self.calls[1][1].answer_event),
+                         (b"", b""))
+        self.assertIsNone(c.inputs_event)
+
+    def test_a_bad_event_is_refused_before_registering(self):
+        for kw, pattern in (({"inputs_event": b"\0" * 16},
+                             "INVALID_ARGUMENT: inputs_event: expected a 64-byte"),
+                            ({"answer_event": FakeEvent(fail="CUDA error: invalid resource "
+                                                             "handle")},
+                             r"INVALID_ARGUMENT: answer_event: .*interprocess=True")):
+            with self.assertRaisesRegex(di.IndexerError, pattern):
+                self.client.register_cuda_tensor(self.export(0, 4 << 20), **kw)
+        self.assertEqual(self.calls, [])
 
     def test_without_the_driver_only_the_storage_is_registered(self):
         self.block_bytes = None

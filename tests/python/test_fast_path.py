@@ -699,6 +699,144 @@ class _FakeTorchTensor:
         return ("view", shape)
 
 
+class EventsFastPathTest(ServerTestCase):
+    """The ring's CUDA IPC events, with a fake registered buffer holding fake torch events:
+    the descriptor's kWaitInputsEvent / kRecordAnswerEvent, the inputs event recorded on the
+    current stream before the descriptor is published (in place of the host wait), the answer
+    event waited on after a completed step only. The CPU server has no such region, so it
+    fails the step after its poller's own checks (the flags pass them: known bits, each with
+    the CUDA IPC flag it needs); what the client writes and does around the step is checked."""
+
+    PROFILE = SMALL_PROFILE
+    CACHE_PAGES = 256
+    REGION = 999  # registered with this client only (the server knows no such region)
+
+    def setUp(self):
+        from test_cuda_ipc import BASE, FakeStreams, buffer
+
+        self.fake = FakeStreams(self)
+        saved = cuda_ipc.stage_and_synchronize
+        cuda_ipc.stage_and_synchronize = lambda copies: self.fake.log.append(
+            ("host wait", copies))
+        self.addCleanup(setattr, cuda_ipc, "stage_and_synchronize", saved)
+        self.inputs, self.answer = self.fake.events()
+        self.buf = buffer(region_id=self.REGION, inputs_event=self.inputs,
+                          answer_event=self.answer)
+        self.client._cuda_buffers.append(self.buf)
+        self.addCleanup(self.client._cuda_buffers.remove, self.buf)
+        self.layer = next(l.layer for l in self.info.layers if l.role == "dense")
+        h, d, k, rows = self.info.num_heads, self.info.head_dim, self.info.topk, 2
+
+        def dev(offset, dtype, shape, size):
+            n = size * int(np.prod(shape))
+            return cuda_ipc.DeviceTensor(BASE + offset, n, 0, dtype, shape,
+                                         tensor=_FakeTorchTensor(BASE + offset, n, shape))
+
+        self.q = dev(256, di.DType.FP8_E4M3, (rows, h, d), 1)
+        self.w = dev(1 << 16, di.DType.FP32, (rows, h), 4)
+        self.a = dev(1 << 17, di.DType.INT32, (rows, k), 4)
+        self.ids = np.asarray([1, 2], np.uint64)
+
+    def ring(self):
+        ring = self.client.fast_path(slots=2)
+        self.addCleanup(ring.close)
+        publish = ring._publish
+
+        def logged(seq):
+            self.fake.log.append(("publish", seq))
+            publish(seq)
+
+        ring._publish = logged
+        return ring
+
+    def descriptor(self, ring, seq):
+        slot = fast_path.HEADER_BYTES + ((seq - 1) % ring.slots) * ring.slot_bytes
+        return np.frombuffer(ring.region._map, fast_path.DESCRIPTOR, 1, slot)[0]
+
+    def assert_fails_past_the_flags(self, call):
+        with self.assertRaises(di.IndexerError) as e:
+            call()
+        self.assertNotIn("flags", e.exception.message)  # the poller took the flags
+        self.assertIn("cuda_ipc.region_id: no such CUDA IPC region", e.exception.message)
+
+    def events(self):
+        return [(e[0], e[1]) if e[0] != "host wait" else e for e in self.fake.log]
+
+    def test_the_descriptor_carries_the_flags_and_the_inputs_event_is_recorded_first(self):
+        ring = self.ring()
+        for seq in (1, 2, 3):  # more steps than slots
+            del self.fake.log[:]
+            self.assert_fails_past_the_flags(
+                lambda: ring.step(self.layer, self.ids, self.q, self.w, answer=self.a))
+            self.assertEqual(int(self.descriptor(ring, seq)["flags"]),
+                             fast_path.F_ANSWER_CUDA_IPC | fast_path.F_INPUTS_CUDA_IPC
+                             | fast_path.F_WAIT_INPUTS_EVENT | fast_path.F_RECORD_ANSWER_EVENT)
+            # recorded on the current stream, then published: no host wait, and no wait on
+            # the answer event after a failed step
+            self.assertEqual(self.events(), [("record", self.inputs.event), ("publish", seq)])
+            self.assertIs(self.fake.log[0][2], self.fake.streams[0])
+
+    def test_turned_off_the_host_wait_comes_back(self):
+        ring = self.ring()
+        self.assert_fails_past_the_flags(lambda: ring.step(
+            self.layer, self.ids, self.q, self.w, answer=self.a, wait_inputs_event=False,
+            record_answer_event=False))
+        self.assertEqual(int(self.descriptor(ring, 1)["flags"]),
+                         fast_path.F_ANSWER_CUDA_IPC | fast_path.F_INPUTS_CUDA_IPC)
+        self.assertEqual(self.events(), [("host wait", {0: []}), ("publish", 1)])
+
+    def test_a_completed_step_waits_on_the_answer_event(self):
+        ring = self.ring()
+        done = object()
+        ring._result = lambda *args: done  # as if the server had answered
+        self.assertIs(ring.step(self.layer, self.ids, self.q, self.w, answer=self.a), done)
+        self.assertEqual(self.events(), [("record", self.inputs.event), ("publish", 1),
+                                         ("wait", self.answer.event)])
+
+    def test_a_prepared_step_records_and_waits_at_every_step(self):
+        ring = self.ring()
+        ready = ring.prepare(self.ids, self.q, self.w, answer=self.a)
+        self.assertEqual(self.fake.log, [])  # nothing recorded at prepare()
+        for seq in (1, 2, 3):
+            del self.fake.log[:]
+            self.assert_fails_past_the_flags(lambda: ready.step(self.layer))
+            self.assertEqual(self.events(), [("record", self.inputs.event), ("publish", seq)])
+            self.assertTrue(int(self.descriptor(ring, seq)["flags"])
+                            & fast_path.F_WAIT_INPUTS_EVENT)
+        ring._result = lambda *args: None
+        ready.step(self.layer)
+        self.assertEqual(self.events()[-1], ("wait", self.answer.event))
+
+    def test_a_host_q_with_a_device_answer_records_the_answer_event_only(self):
+        ring = self.ring()
+        h, d = self.info.num_heads, self.info.head_dim
+        q = di.typed(np.zeros((2, h, d), np.uint8), di.DType.FP8_E4M3)
+        w = np.ones((2, h), np.float32)
+        self.assert_fails_past_the_flags(
+            lambda: ring.step(self.layer, self.ids, q, w, answer=self.a))
+        self.assertEqual(int(self.descriptor(ring, 1)["flags"]),
+                         fast_path.F_ANSWER_CUDA_IPC | fast_path.F_RECORD_ANSWER_EVENT)
+        self.assertEqual(self.events(), [("publish", 1)])
+
+    def test_flags_that_cannot_hold_are_refused_before_publishing(self):
+        ring = self.ring()
+        h, d = self.info.num_heads, self.info.head_dim
+        q = di.typed(np.zeros((2, h, d), np.uint8), di.DType.FP8_E4M3)
+        w = np.ones((2, h), np.float32)
+        for kw, pattern in (
+                ({"answer": self.a, "wait_inputs_event": True},
+                 "cuda_ipc.wait_inputs_event: needs q, q_scales and weights"),
+                ({"record_answer_event": True}, "cuda_ipc.record_answer_event: needs the answer")):
+            with self.assertRaisesRegex(di.IndexerError, "INVALID_ARGUMENT: " + pattern):
+                ring.step(self.layer, self.ids, q, w, **kw)
+        self.buf.registration.inputs_event = None
+        self.buf.inputs_event = None
+        with self.assertRaisesRegex(di.IndexerError, "cuda_ipc.wait_inputs_event: region 999 "
+                                                     "was registered without an inputs event"):
+            ring.prepare(self.ids, self.q, self.w, answer=self.a, wait_inputs_event=True)
+        self.assertEqual((ring._produced, self.fake.log), (0, []))
+
+
 class PlanKeptTest(unittest.TestCase):
     """No server: a ring keeps a step's CUDA IPC plan and answer views for the same tensors
     and makes them again when a tensor or its buffer changed."""

@@ -7,7 +7,11 @@ a step whose q and weights are torch CUDA tensors in a registered buffer answers
 what the same step sent as host bytes answers, into the given int32 CUDA answer tensor; a NaN
 in the device q fails with INVALID_ARGUMENT naming q.data and commits nothing; a q at an offset
 that is not a multiple of 16 is refused naming cuda_ipc.q_offset (by the client, and by the
-server when the client's check is bypassed)."""
+server when the client's check is bypassed). With CUDA IPC events (torch.cuda.Event(
+interprocess=True) registered with the buffer) every path answers as without them, and the
+events really order the step on the GPU: q written on the caller's stream after a long sleep
+kernel is what the server reads, with no host wait (tests/gpu/gpu_ipc_test.cc's
+EventsOrderTheStepOnTheGpu, from Python)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import unittest
 import numpy as np
 
 from _support import ServerTestCase, di
+from decode_indexer import cuda_ipc
 from decode_indexer._gen import indexer_pb2 as pb
 
 try:
@@ -304,6 +309,101 @@ class TorchCudaTest(ServerTestCase):
                                                          "of 16") as e:
                 c._call("DecodeStep", c._decode, req.SerializeToString(), None)
             self.assertEqual(e.exception.code.name, "INVALID_ARGUMENT")
+
+    # -- CUDA IPC events ----------------------------------------------------------------------
+
+    def event_buffer(self, nbytes: int = 16 << 20):
+        ev_in = torch.cuda.Event(interprocess=True)
+        ev_out = torch.cuda.Event(interprocess=True)
+        return self.client.cuda_buffer(nbytes, inputs_event=ev_in, answer_event=ev_out)
+
+    def test_events_answer_as_without_through_every_path(self):
+        c = self.client
+        steps = [di.SequenceStep(i) for i in self.ids]
+        with self.assertRaisesRegex(di.IndexerError, "INVALID_ARGUMENT: inputs_event: the event "
+                                                     "cannot be exported"):
+            c.cuda_buffer(1 << 20, inputs_event=torch.cuda.Event())  # not interprocess
+        with self.event_buffer() as buf, c.fast_path() as ring:
+            self.assertIsNotNone(buf.inputs_event.event)
+            for fp8 in (True, False):
+                s = self.host_step(fp8)
+                want = c.decode_step_columnar(0, self.ids, **self.host_args(s))
+                for path in ("unary", "columnar", "stream", "ring", "prepared"):
+                    for events in (True, False):  # the buffer's default (on), and off
+                        kw = self.device_args(buf, s)
+                        if not events:
+                            kw.update(wait_inputs_event=False, record_answer_event=False)
+                        if path == "unary":
+                            got = c.decode_step(0, steps, **kw)
+                        elif path == "columnar":
+                            got = c.decode_step_columnar(0, self.ids, **kw)
+                        elif path == "stream":
+                            with c.stream() as stream:
+                                stream.send_columnar(0, self.ids, **kw)
+                                got = stream.recv()
+                        elif path == "ring":
+                            got = ring.step(0, self.ids, **kw)
+                        else:
+                            got = ring.prepare(self.ids, **kw).step(0)
+                        self.assert_device_answer(got, want, kw["answer"],
+                                                  f"{path} fp8={fp8} events={events}")
+
+    HOLD_CYCLES = 500_000_000  # torch.cuda._sleep: ~0.25 s at the H200's ~2 GHz
+
+    def test_events_order_the_step_on_the_gpu(self):
+        """The caller's stream is held by a sleep kernel and only then copies the step's q and
+        weights into the buffer (stale ones lie there meanwhile); the step is sent at once.
+        With the events (the buffer's default) the answer is the right one only if the
+        server's stream waited for the inputs event recorded after those copies; the ring's
+        phases show the client did not wait for the stream on the host. The control sends
+        the same timeline with neither the wait nor the host wait, and must read the stale
+        q (so the hold does what it says)."""
+        c, n = self.client, self.REQUESTS
+        with self.event_buffer() as buf, c.fast_path() as ring:
+            q = buf.alloc((n, self.H, self.D), torch.uint8)
+            w = buf.alloc((n, self.H), torch.float32)
+            answer = buf.alloc((n, self.K), torch.int32)
+            for path in ("grpc", "ring", "grpc", "ring", "control"):
+                s, stale = self.host_step(True), self.host_step(True)
+                want = c.decode_step_columnar(0, self.ids, **self.host_args(s))
+                q.copy_(torch.from_numpy(stale["q"]).cuda())
+                w.copy_(torch.from_numpy(stale["weights"]).cuda())
+                answer.fill_(-7)
+                new_q = torch.from_numpy(s["q"]).pin_memory()
+                new_w = torch.from_numpy(s["weights"]).pin_memory()
+                torch.cuda.synchronize()
+                torch.cuda._sleep(self.HOLD_CYCLES)
+                q.copy_(new_q, non_blocking=True)
+                w.copy_(new_w, non_blocking=True)
+                kw = {"q": di.typed(q, FP8), "weights": w, "answer": answer}
+                if path == "grpc":
+                    got = c.decode_step_columnar(0, self.ids, **kw)
+                elif path == "ring":
+                    got = ring.step(0, self.ids, **kw)
+                    _, encoded, synced, published, done, _ = ring.last_phases_ns
+                    self.assertLess(synced - encoded, 20_000_000,
+                                    "ring: the client waited for its stream on the host")
+                    self.assertGreater(done - published, 50_000_000,
+                                       "ring: the step completed before the hold ended")
+                else:
+                    saved = cuda_ipc.synchronize
+                    cuda_ipc.synchronize = lambda plan: None  # no host wait either
+                    try:
+                        got = c.decode_step_columnar(0, self.ids, wait_inputs_event=False, **kw)
+                    finally:
+                        cuda_ipc.synchronize = saved
+                # The current stream waited on the answer event: .cpu() (on that stream)
+                # reads the server's answer.
+                topk = got.topk.cpu().numpy()
+                if path == "control":
+                    self.assertFalse(np.array_equal(topk, want.topk),
+                                     "without the wait the server still saw the new q: the "
+                                     "hold did not hold")
+                else:
+                    np.testing.assert_array_equal(
+                        topk, want.topk, err_msg=f"{path}: the server read q before the "
+                                                 "inputs event")
+            torch.cuda.synchronize()
 
     def test_unregistered_and_mixed_tensors_are_refused_before_sending(self):
         c = self.client

@@ -14,7 +14,13 @@ Requests are encoded and answers read exactly as by the synchronous Client (the 
 functions: one copy of the payload out, the answer viewed in place), so both answer alike.
 Options (timeout, token / token_file, TLS) are the synchronous Client's. A shared-memory
 region made by a synchronous Client can be passed to these calls (the region id is valid on
-any connection to that server).
+any connection to that server). So can CUDA buffers (Client.register_cuda_tensor /
+Client.cuda_buffer, registered once over the synchronous client's control plane):
+`async_client.use_cuda_buffers(client)` lets this client's steps take CUDA tensors lying in
+them, with the same wait_inputs_event / record_answer_event options. A buffer registered with
+torch CUDA IPC events orders the steps on the GPU, with no host wait in the event loop; without
+events a step with q on the device synchronises the current torch stream in the calling
+coroutine (a blocking wait).
 """
 
 from __future__ import annotations
@@ -70,6 +76,14 @@ class AsyncClient:
         self._stats = unary("GetStatistics", pb.Statistics, pb.GetStatisticsRequest)
         self._decode_stream = self._channel.stream_stream(
             f"/{_c._SERVICE}/DecodeStream", request_serializer=None, response_deserializer=None)
+        self._cuda_buffers: Sequence[Any] = ()
+
+    def use_cuda_buffers(self, client: "_c.Client") -> None:
+        """Lets this client's steps take CUDA tensors in the buffers registered through
+        `client` (a synchronous Client of the same server: registration is control plane, and
+        its region ids hold on any connection); the list is shared, so buffers registered or
+        closed later count too."""
+        self._cuda_buffers = client._cuda_buffers
 
     async def close(self) -> None:
         await self._channel.close()
@@ -135,11 +149,14 @@ class AsyncClient:
                           return_candidates: bool = False, *, shared_memory: Any = None,
                           answer: Any = None, candidates: Any = None,
                           answer_encoding: str = "raw", timeout_us: int | None = None,
+                          wait_inputs_event: bool | None = None,
+                          record_answer_event: bool | None = None,
                           timeout: float | None = None, route: int | None = None) -> DecodeResult:
         """Client.decode_step as a coroutine."""
         request, placed = _c._encode_step(layer, steps, q, weights, q_scales, positions, step_id,
                                           return_candidates, shared_memory, answer, candidates,
-                                          answer_encoding, timeout_us)
+                                          answer_encoding, timeout_us, self._cuda_buffers,
+                                          wait_inputs_event, record_answer_event)
         if isinstance(steps, SequenceStep):
             steps = [steps]
         if route is None and steps:
@@ -153,7 +170,8 @@ class AsyncClient:
                                    timeout: float | None = None, route: int | None = None,
                                    **kwargs: Any) -> DecodeResult:
         """Client.decode_step_columnar as a coroutine (the same keyword arguments)."""
-        request, placed = _c._encode_columnar(layer, sequence_ids, q, weights, **kwargs)
+        request, placed = _c._encode_columnar(layer, sequence_ids, q, weights,
+                                              cuda_buffers=self._cuda_buffers, **kwargs)
         start = time.perf_counter()
         resp = await self._call("DecodeStep", self._decode, request, timeout,
                                 _c._first_id(sequence_ids) if route is None else route)
@@ -193,11 +211,15 @@ class AsyncDecodeStream:
         self._ids = itertools.count(1)
         self._closed = False
         self._error: IndexerError | None = None
+        self._cuda_buffers = client._cuda_buffers
+        self._waited: set = set()  # the inputs events steps in flight wait on
 
     async def _put(self, sid: int, request: bytes, placed: Any, delta: bool) -> int:
         if self._closed:
             raise RuntimeError("AsyncDecodeStream: send() after close()")
         self._pending.append((sid, time.perf_counter(), placed, delta))
+        if placed is not None and placed.waited is not None:
+            self._waited.add(placed.waited)
         self._queue.put_nowait(request)
         return sid
 
@@ -205,12 +227,14 @@ class AsyncDecodeStream:
                    q_scales: Any = None, positions: Any = None, step_id: int | None = None,
                    return_candidates: bool = False, *, shared_memory: Any = None,
                    answer: Any = None, candidates: Any = None, answer_encoding: str = "raw",
-                   timeout_us: int | None = None) -> int:
+                   timeout_us: int | None = None, wait_inputs_event: bool | None = None,
+                   record_answer_event: bool | None = None) -> int:
         """DecodeStream.send: queues one step; returns its step_id (1, 2, ... when not given)."""
         sid = next(self._ids) if step_id is None else step_id
         request, placed = _c._encode_step(layer, steps, q, weights, q_scales, positions, sid,
                                           return_candidates, shared_memory, answer, candidates,
-                                          answer_encoding, timeout_us)
+                                          answer_encoding, timeout_us, self._cuda_buffers,
+                                          wait_inputs_event, record_answer_event, self._waited)
         return await self._put(sid, request, placed, answer_encoding == "delta")
 
     async def send_columnar(self, layer: int, sequence_ids: Any, q: Any, weights: Any, *,
@@ -218,7 +242,8 @@ class AsyncDecodeStream:
         """send() in the columnar form (arguments as Client.decode_step_columnar)."""
         sid = next(self._ids) if step_id is None else step_id
         request, placed = _c._encode_columnar(layer, sequence_ids, q, weights, step_id=sid,
-                                              **kwargs)
+                                              cuda_buffers=self._cuda_buffers,
+                                              in_flight=self._waited, **kwargs)
         return await self._put(sid, request, placed,
                                kwargs.get("answer_encoding", "raw") == "delta")
 
@@ -249,6 +274,8 @@ class AsyncDecodeStream:
                                            "DecodeStream")
             raise self._error
         self._pending.popleft()
+        if placed is not None and placed.waited is not None:
+            self._waited.discard(placed.waited)
         result = _c._result_bytes(resp, (time.perf_counter() - sent) * 1e6, placed, delta)
         if result.step_id != expected:
             self._error = IndexerError(grpc.StatusCode.INTERNAL,

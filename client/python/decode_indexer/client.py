@@ -151,11 +151,16 @@ def _decode_array(t: pb.Tensor, what: str) -> np.ndarray:
 
 @dataclass(frozen=True)
 class _InRegion:
-    """Where a shared-memory step's answer lands: flat int32 views of the region."""
+    """Where a shared-memory step's answer lands: flat int32 views of the region (or of a CUDA
+    buffer). after: called once the answer is in (the current stream's wait on the answer
+    event); waited: the inputs event the step's server side waits on (a stream refuses a
+    second step on it in flight)."""
 
     rows: int
     answer: np.ndarray
     candidates: np.ndarray | None
+    after: Any = None
+    waited: Any = None
 
 
 def _numel(flat: Any) -> int:
@@ -264,6 +269,8 @@ def _result_bytes(buf: bytes, client_us: float, placed: _InRegion | None = None,
     """A step's answer from the serialized DecodeStepResponse, read in place: topk and the
     candidate blocks are read-only views of `buf`. Anything unexpected in the bytes falls back
     to the generated class (same answer, a few copies slower)."""
+    if placed is not None and placed.after is not None:
+        placed.after()  # the answer's stream-side ordering (CUDA IPC answer event)
     try:
         small, tensors, delta_at, lengths_at = _wire.split_step_response(buf)
     except (ValueError, IndexError):
@@ -378,12 +385,18 @@ def _place_in_region(region: SharedMemoryRegion, rows: int, q: Any,
 
 def _plan_cuda(buffers: Sequence[Any], rows: int, q: Any, q_scales: Any, weights: Any,
                answer: Any, candidates: Any, return_candidates: bool, shared_memory: Any,
-               answer_encoding: str) -> tuple[Any, _InRegion | None, Any]:
+               answer_encoding: str, wait_inputs_event: bool | None = None,
+               record_answer_event: bool | None = None,
+               in_flight: Any = ()) -> tuple[Any, _InRegion | None, Any]:
     """(CudaIpcStep, answer placement, plan) of a step with CUDA tensors (decode_indexer.
-    cuda_ipc), or (None, None, None). Waits for the current torch stream of q's device."""
+    cuda_ipc), or (None, None, None). Waits for the current torch stream of q's device, or
+    with wait_inputs_event records the inputs event on it (no host wait). in_flight: the
+    inputs events steps still in flight wait on (a stream's): recording one again is refused."""
     plan = _cuda_ipc.plan_step(buffers, rows, q, q_scales, weights, answer, candidates,
                                return_candidates)
     if plan is None:
+        if wait_inputs_event or record_answer_event:
+            _cuda_ipc.step_events(None, wait_inputs_event, record_answer_event)  # raises
         return None, None, None
     if shared_memory is not None:
         raise ValueError("shared_memory cannot combine with CUDA tensors in this client: give "
@@ -399,13 +412,31 @@ def _plan_cuda(buffers: Sequence[Any], rows: int, q: Any, q_scales: Any, weights
         ci.weights_offset = o["weights"]
         if "q_scales" in o:
             ci.q_scales_offset = o["q_scales"]
+    wait, record, inputs_event, answer_event = _cuda_ipc.step_events(
+        plan, wait_inputs_event, record_answer_event)
+    waited = None
+    if wait:
+        waited = plan.buffer.inputs_event
+        if waited in in_flight:
+            raise ValueError("wait_inputs_event: a step in flight on this stream waits on the "
+                             f"inputs event of region {plan.region_id}; it must not be "
+                             "recorded again before that step's answer (recv() it first, or "
+                             "send this step with wait_inputs_event=False)")
+        ci.wait_inputs_event = True
+    if record:
+        ci.record_answer_event = True
 
     def flat(name: str) -> Any:
         t = plan.tensors.get(name)
         return None if t is None or t.tensor is None else t.tensor.reshape(-1)
 
-    _cuda_ipc.synchronize(plan)
-    return ci, _InRegion(rows, flat("answer"), flat("candidates")), plan
+    if not wait:
+        _cuda_ipc.synchronize(plan)
+    elif inputs_event is not None:  # (a raw handle's: the caller recorded it)
+        _cuda_ipc.record_event(inputs_event, plan.buffer.device)
+    after = (None if answer_event is None else
+             _cuda_ipc.AnswerWait(answer_event, plan.buffer.device))
+    return ci, _InRegion(rows, flat("answer"), flat("candidates"), after, waited), plan
 
 
 def _device_heads(plan: Any) -> list:
@@ -425,14 +456,17 @@ def _encode_step(layer: int, steps: Sequence[SequenceStep], q: Any, weights: Any
                  shared_memory: SharedMemoryRegion | None = None, answer: Any = None,
                  candidates: Any = None, answer_encoding: str = "raw",
                  timeout_us: int | None = None,
-                 cuda_buffers: Sequence[Any] = ()) -> tuple[bytes, _InRegion | None]:
+                 cuda_buffers: Sequence[Any] = (), wait_inputs_event: bool | None = None,
+                 record_answer_event: bool | None = None,
+                 in_flight: Any = ()) -> tuple[bytes, _InRegion | None]:
     if isinstance(steps, SequenceStep):
         steps = [steps]
     head = dict(layer=layer, step_id=step_id, return_candidates=return_candidates,
                 answer_encoding=_answer_encoding(answer_encoding),
                 timeout_us=_timeout_us(timeout_us))
     ci, placed, plan = _plan_cuda(cuda_buffers, _rows_of(steps), q, q_scales, weights, answer,
-                                  candidates, return_candidates, shared_memory, answer_encoding)
+                                  candidates, return_candidates, shared_memory, answer_encoding,
+                                  wait_inputs_event, record_answer_event, in_flight)
     if ci is not None:
         head["cuda_ipc"] = ci
         answer = candidates = None  # placed on the device
@@ -482,11 +516,13 @@ def encode_decode_step(layer: int, steps: Sequence[SequenceStep], q: Any, weight
                        return_candidates: bool = False,
                        shared_memory: SharedMemoryRegion | None = None, answer: Any = None,
                        candidates: Any = None, answer_encoding: str = "raw",
-                       timeout_us: int | None = None, cuda_buffers: Sequence[Any] = ()) -> bytes:
+                       timeout_us: int | None = None, cuda_buffers: Sequence[Any] = (),
+                       wait_inputs_event: bool | None = None,
+                       record_answer_event: bool | None = None) -> bytes:
     """The serialized DecodeStepRequest (a valid message of the generated class)."""
     return _encode_step(layer, steps, q, weights, q_scales, positions, step_id,
                         return_candidates, shared_memory, answer, candidates, answer_encoding,
-                        timeout_us, cuda_buffers)[0]
+                        timeout_us, cuda_buffers, wait_inputs_event, record_answer_event)[0]
 
 
 def _column(values: Any, what: str, kind: str) -> list[int]:
@@ -547,7 +583,9 @@ def _encode_columnar(layer: int, sequence_ids: Any, q: Any, weights: Any, *, num
                      shared_memory: SharedMemoryRegion | None = None, answer: Any = None,
                      candidates: Any = None, answer_encoding: str = "raw",
                      timeout_us: int | None = None,
-                     cuda_buffers: Sequence[Any] = ()) -> tuple[bytes, _InRegion | None]:
+                     cuda_buffers: Sequence[Any] = (), wait_inputs_event: bool | None = None,
+                     record_answer_event: bool | None = None,
+                     in_flight: Any = ()) -> tuple[bytes, _InRegion | None]:
     """The serialized columnar DecodeStepRequest: the scalars and small columns through the
     generated class, the ids as one packed fixed64 field and each tensor as a header and a
     view of its bytes, joined once (the payload's one copy). No loop over requests."""
@@ -576,7 +614,8 @@ def _encode_columnar(layer: int, sequence_ids: Any, q: Any, weights: Any, *, num
         if row_lengths is not None:
             head["row_lengths"] = _column(row_lengths, "row_lengths", "int32")
     ci, placed, plan = _plan_cuda(cuda_buffers, rows, q, q_scales, weights, answer, candidates,
-                                  return_candidates, shared_memory, answer_encoding)
+                                  return_candidates, shared_memory, answer_encoding,
+                                  wait_inputs_event, record_answer_event, in_flight)
     if ci is not None:
         head["cuda_ipc"] = ci
     if shared_memory is not None and answer_encoding != "raw":
@@ -903,7 +942,8 @@ class Client:
                     return_candidates: bool = False, *,
                     shared_memory: SharedMemoryRegion | None = None, answer: Any = None,
                     candidates: Any = None, answer_encoding: str = "raw",
-                    timeout_us: int | None = None,
+                    timeout_us: int | None = None, wait_inputs_event: bool | None = None,
+                    record_answer_event: bool | None = None,
                     timeout: float | None = None, route: int | None = None) -> DecodeResult:
         """Runs one decode step of one layer and returns each row's top-k positions.
 
@@ -927,10 +967,16 @@ class Client:
           buffer, then receive the answer device to device and result.topk is a torch
           [rows, K] view of `answer`, written when the call returns. The current torch stream
           of q's device is synchronised before sending (see decode_indexer.cuda_ipc).
+        wait_inputs_event / record_answer_event: GPU-side ordering with the CUDA IPC events the
+          buffer was registered with (register_cuda_tensor's inputs_event / answer_event):
+          the inputs event is recorded on the current torch stream instead of the host wait,
+          and the current stream waits on the answer event after the answer. None (default):
+          on where the buffer has a torch event for it; True / False: asked for / off.
         """
         request, placed = _encode_step(layer, steps, q, weights, q_scales, positions, step_id,
                                        return_candidates, shared_memory, answer, candidates,
-                                       answer_encoding, timeout_us, self._cuda_buffers)
+                                       answer_encoding, timeout_us, self._cuda_buffers,
+                                       wait_inputs_event, record_answer_event)
         start = time.perf_counter()
         # A batch is replica-affine (all its sequences on one replica): routed by the first.
         if route is None and steps:
@@ -948,6 +994,8 @@ class Client:
                              shared_memory: SharedMemoryRegion | None = None,
                              answer: Any = None, candidates: Any = None,
                              answer_encoding: str = "raw", timeout_us: int | None = None,
+                             wait_inputs_event: bool | None = None,
+                             record_answer_event: bool | None = None,
                              timeout: float | None = None,
                              route: int | None = None) -> DecodeResult:
         """decode_step in the columnar form: the batch as arrays, encoded without a loop over
@@ -971,7 +1019,8 @@ class Client:
             positions=positions, step_id=step_id, return_candidates=return_candidates,
             shared_memory=shared_memory, answer=answer, candidates=candidates,
             answer_encoding=answer_encoding, timeout_us=timeout_us,
-            cuda_buffers=self._cuda_buffers)
+            cuda_buffers=self._cuda_buffers, wait_inputs_event=wait_inputs_event,
+            record_answer_event=record_answer_event)
         start = time.perf_counter()
         resp = self._call("DecodeStep", self._decode, request, timeout,
                           _first_id(sequence_ids) if route is None else route)
@@ -1001,26 +1050,55 @@ class Client:
         return SharedMemoryRegion(self, size, name, timeout=timeout, socket_path=socket_path)
 
     def register_cuda_tensor(self, tensor: Any, *, device: int | None = None,
+                             inputs_event: Any = None, answer_event: Any = None,
                              timeout: float | None = None) -> "CudaBuffer":
         """Exports a torch CUDA tensor's storage through CUDA IPC (once) and registers it with
         the server (RegisterCudaIpcMemory; the server must run on this host, CUDA backend).
         Tensors lying in that storage may then be a step's q / q_scales / weights / answer /
         candidates (decode_indexer.cuda_ipc). device: the ordinal as the server numbers its
         GPUs (default: the tensor's, i.e. the same CUDA_VISIBLE_DEVICES); it must be rank 0's
-        GPU. The buffer keeps the storage alive until close()."""
+        GPU. The buffer keeps the storage alive until close().
+        inputs_event / answer_event: optional CUDA IPC events for GPU-side ordering (the
+        request's inputs_event / answer_event): torch.cuda.Event(interprocess=True) objects
+        (the client then records and waits on them), or raw 64-byte cudaIpcEventHandle_t
+        bytes (the caller does); steps in the buffer use them by default (decode_step's
+        wait_inputs_event / record_answer_event). The events belong to the allocation
+        block's one registration: a storage of a block already registered with other events
+        is refused (register the block once, with its events, and lay tensors out in it)."""
         export = _cuda_ipc.export_tensor(tensor)
+        events = (_cuda_ipc.export_event(inputs_event, "inputs_event", export.device),
+                  _cuda_ipc.export_event(answer_event, "answer_event", export.device))
         info = self.server_info(timeout=timeout)
         # One registration per allocation block (storages of one caching-allocator block
         # share its handle): the whole block where the driver tells its size.
         key = (export.device, export.base_ptr)
         reg = self._cuda_registrations.get(key)
+        if reg is not None and (inputs_event is not None or answer_event is not None):
+            for name, given, held in (("inputs_event", events[0], reg.inputs_event),
+                                      ("answer_event", events[1], reg.answer_event)):
+                if given is not None and (held is None or held.handle != given.handle):
+                    raise IndexerError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{name}: this tensor's allocation block is already registered (region "
+                        f"{reg.region_id}) "
+                        f"{'without that event' if held is None else 'with another event'}; "
+                        "its events are the region's: register the block once with its "
+                        "events (register_cuda_tensor / cuda_buffer, then buffer.alloc)",
+                        "RegisterCudaIpcMemory")
         if reg is None or export.hi > reg.size:
+            if reg is not None:
+                events = (reg.inputs_event, reg.answer_event)  # the block's, again
             size = max(export.allocation or 0, export.hi)
-            resp = self._call("RegisterCudaIpcMemory", self._register_cuda_ipc,
-                              pb.RegisterCudaIpcMemoryRequest(
-                                  handle=export.handle, size=size,
-                                  device=export.device if device is None else device), timeout)
-            reg = _cuda_ipc.Registration(resp.region_id, export.device, export.base_ptr, size)
+            request = pb.RegisterCudaIpcMemoryRequest(
+                handle=export.handle, size=size,
+                device=export.device if device is None else device)
+            if events[0] is not None:
+                request.inputs_event = events[0].handle
+            if events[1] is not None:
+                request.answer_event = events[1].handle
+            resp = self._call("RegisterCudaIpcMemory", self._register_cuda_ipc, request, timeout)
+            reg = _cuda_ipc.Registration(resp.region_id, export.device, export.base_ptr, size,
+                                         *events)
             self._cuda_registrations.setdefault(key, reg)
         reg.buffers += 1
         buf = _cuda_ipc.CudaBuffer(self, tensor, export, reg.region_id, int(info.topk),
@@ -1028,15 +1106,17 @@ class Client:
         self._cuda_buffers.append(buf)
         return buf
 
-    def cuda_buffer(self, nbytes: int, *, device: Any = None,
-                    timeout: float | None = None) -> "CudaBuffer":
-        """A new torch CUDA byte buffer of `nbytes`, registered (register_cuda_tensor); lay
-        the step's tensors out in it with buffer.alloc(shape, dtype)."""
+    def cuda_buffer(self, nbytes: int, *, device: Any = None, inputs_event: Any = None,
+                    answer_event: Any = None, timeout: float | None = None) -> "CudaBuffer":
+        """A new torch CUDA byte buffer of `nbytes`, registered (register_cuda_tensor, with
+        its optional events); lay the step's tensors out in it with buffer.alloc(shape,
+        dtype)."""
         import torch
 
         t = torch.empty(int(nbytes), dtype=torch.uint8,
                         device=torch.device("cuda") if device is None else device)
-        return self.register_cuda_tensor(t, timeout=timeout)
+        return self.register_cuda_tensor(t, inputs_event=inputs_event,
+                                         answer_event=answer_event, timeout=timeout)
 
     def _unregister_cuda_buffer(self, buf: "CudaBuffer", timeout: float | None) -> None:
         if buf in self._cuda_buffers:
@@ -1103,23 +1183,29 @@ class DecodeStream:
         self._ids = itertools.count(1)
         self._closed = False
         self._error: IndexerError | None = None
+        self._waited: set = set()  # the inputs events steps in flight wait on
 
     def send(self, layer: int, steps: Sequence[SequenceStep], q: Any, weights: Any,
              q_scales: Any = None, positions: Any = None, step_id: int | None = None,
              return_candidates: bool = False, *,
              shared_memory: SharedMemoryRegion | None = None, answer: Any = None,
              candidates: Any = None, answer_encoding: str = "raw",
-             timeout_us: int | None = None) -> int:
+             timeout_us: int | None = None, wait_inputs_event: bool | None = None,
+             record_answer_event: bool | None = None) -> int:
         """Queues one step (arguments as Client.decode_step); returns its step_id, which is
         numbered 1, 2, ... within the session when not given. Shared-memory steps in flight
         together need their own q / weights / answer views (the server reads and writes them
         when it gets to the step). timeout_us counts from when the server reads this step,
         which on a busy stream is after the steps before it; a step that misses it ends the
-        stream with DEADLINE_EXCEEDED (its recv() and every later one raise)."""
+        stream with DEADLINE_EXCEEDED (its recv() and every later one raise). With CUDA IPC
+        events the inputs event is recorded at send() and the current stream waits on the
+        answer event at recv(); a second step waiting on the same inputs event while one is
+        in flight is refused (the event must not be recorded again before the answer)."""
         sid = next(self._ids) if step_id is None else step_id
         request, placed = _encode_step(layer, steps, q, weights, q_scales, positions, sid,
                                        return_candidates, shared_memory, answer, candidates,
-                                       answer_encoding, timeout_us, self._cuda_buffers)
+                                       answer_encoding, timeout_us, self._cuda_buffers,
+                                       wait_inputs_event, record_answer_event, self._waited)
         return self._put(sid, request, placed, answer_encoding == "delta")
 
     def send_columnar(self, layer: int, sequence_ids: Any, q: Any, weights: Any, *,
@@ -1127,7 +1213,8 @@ class DecodeStream:
         """send() in the columnar form (arguments as Client.decode_step_columnar)."""
         sid = next(self._ids) if step_id is None else step_id
         request, placed = _encode_columnar(layer, sequence_ids, q, weights, step_id=sid,
-                                           cuda_buffers=self._cuda_buffers, **kwargs)
+                                           cuda_buffers=self._cuda_buffers,
+                                           in_flight=self._waited, **kwargs)
         return self._put(sid, request, placed, kwargs.get("answer_encoding", "raw") == "delta")
 
     def _put(self, sid: int, request: bytes, placed: _InRegion | None, delta: bool) -> int:
@@ -1135,6 +1222,8 @@ class DecodeStream:
             if self._closed:
                 raise RuntimeError("DecodeStream: send() after close()")
             self._pending.append((sid, time.perf_counter(), placed, delta))
+            if placed is not None and placed.waited is not None:
+                self._waited.add(placed.waited)
             self._requests.put(request)
         return sid
 
@@ -1163,6 +1252,8 @@ class DecodeStream:
             raise self._error from None
         with self._lock:
             self._pending.popleft()
+            if placed is not None and placed.waited is not None:
+                self._waited.discard(placed.waited)
         result = _result_bytes(resp, (time.perf_counter() - sent) * 1e6, placed, delta)
         if result.step_id != expected:
             self._error = IndexerError(grpc.StatusCode.INTERNAL,

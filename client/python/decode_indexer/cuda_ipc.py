@@ -32,6 +32,24 @@ handle (stage_and_synchronize); the step ring's device new keys are copied to th
 stream just before it, so the one wait covers both. The answer needs no synchronisation: it is written (and the
 server's stream synchronised) before the call returns, so any kernel queued afterwards reads it.
 
+Ordering on the GPU instead (CUDA IPC events, what the C++ worker's ring-ipc-events path does):
+a buffer registered with events (register_cuda_tensor(t, inputs_event=ev_in,
+answer_event=ev_out), each a torch.cuda.Event(interprocess=True) or a raw 64-byte
+cudaIpcEventHandle_t) lets a step set wait_inputs_event / record_answer_event (CudaIpcStep's
+fields, the ring's kWaitInputsEvent / kRecordAnswerEvent; by default on where the buffer's event
+is a torch event and the step has what the flag needs: q on the device for the first, a device
+answer for the second). Then the client records the inputs event on the device's current torch
+stream instead of synchronising it, and sends at once: the server's streams wait for that record
+on the GPU before reading the buffer. After the answer the current stream waits on the answer
+event (stream.wait_event), which the server recorded after the answer's copy, before any kernel
+queued later. The server still synchronises its own stream before it answers (to read the
+device-side value check and commit), so the answer is in place when the call returns either way;
+the stream wait is what the worker keeps relying on, as the C++ worker does, so nothing changes
+for the caller when that host round trip goes. With a raw handle the client cannot record or
+wait: it only sets the flags, and the caller records the inputs event before the step and waits
+on the answer event after it. The inputs event must not be recorded again before the step's
+answer: a DecodeStream refuses a second step waiting on one event while the first is in flight.
+
 Everything here imports torch lazily (only when a CUDA tensor or a registration is at hand): the
 package works without torch. The pure logic (`DeviceTensor`, `plan_step`) takes no torch and is
 what the CPU tests drive with fake buffers.
@@ -50,6 +68,7 @@ from .errors import IndexerError
 
 _NDARRAY = np.ndarray
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+CUDA_IPC_EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
 # c10/cuda/CUDACachingAllocator.cpp, shareIpcHandle(): newer torch writes a version byte, a type
 # byte ('c': a cudaMalloc block, then its raw handle; 'e': an expandable segment, whose handle
 # is not a cudaIpcMemHandle) and the payload; older torch the raw 64-byte handle alone.
@@ -155,6 +174,147 @@ def describe(x: Any, what: str) -> DeviceTensor:
 
 def _invalid(field: str, what: str) -> IndexerError:
     return IndexerError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {what}", "CudaIpc")
+
+
+# --- CUDA IPC events -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class IpcEvent:
+    """An event a buffer is registered with: its cudaIpcEventHandle_t bytes, and the torch
+    event they came from (None for a raw handle: then the caller records and waits on it)."""
+
+    handle: bytes
+    event: Any = None
+
+
+def _is_torch_event(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def export_event(x: Any, what: str, device: int) -> IpcEvent | None:
+    """The IpcEvent of register_cuda_tensor's `inputs_event` / `answer_event`: None; a raw
+    64-byte cudaIpcEventHandle_t (bytes-like); or an event with ipc_handle() (a
+    torch.cuda.Event(interprocess=True), created on the buffer's device if it was not yet).
+    Anything else, a handle of another size, an event that cannot be exported (made without
+    interprocess=True) or one on another device fails with INVALID_ARGUMENT naming `what`."""
+    if x is None:
+        return None
+
+    def bad(why: str) -> IndexerError:
+        return IndexerError(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {why}",
+                            "RegisterCudaIpcMemory")
+
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        handle = bytes(x)
+        if len(handle) != CUDA_IPC_EVENT_HANDLE_BYTES:
+            raise bad(f"expected a {CUDA_IPC_EVENT_HANDLE_BYTES}-byte cudaIpcEventHandle_t, "
+                      f"got {len(handle)} bytes")
+        return IpcEvent(handle)
+    export = getattr(x, "ipc_handle", None)
+    if not callable(export) or not callable(getattr(x, "record", None)):
+        raise bad(f"expected a torch.cuda.Event(interprocess=True) or its "
+                  f"{CUDA_IPC_EVENT_HANDLE_BYTES}-byte ipc_handle(), got {type(x).__name__}")
+    try:
+        if _is_torch_event(x):
+            import torch
+
+            with torch.cuda.device(device):  # an event not yet created is made there
+                handle = export()
+        else:
+            handle = export()
+    except RuntimeError as e:  # cudaIpcGetEventHandle refuses an event without the flag
+        raise bad(f"the event cannot be exported through CUDA IPC ({str(e).strip()}): create "
+                  "it with torch.cuda.Event(interprocess=True) (timing off, the default)"
+                  ) from None
+    handle = bytes(handle)
+    if len(handle) != CUDA_IPC_EVENT_HANDLE_BYTES:
+        raise bad(f"ipc_handle() answered {len(handle)} bytes, expected "
+                  f"{CUDA_IPC_EVENT_HANDLE_BYTES} (a cudaIpcEventHandle_t)")
+    on = getattr(x, "device", None)
+    on = getattr(on, "index", on)
+    if on is not None and int(on) != int(device):
+        raise bad(f"the event is on cuda:{on}, the buffer on cuda:{device}: the server waits "
+                  "and records on the buffer's device")
+    return IpcEvent(handle, x)
+
+
+def step_events(plan: StepPlan | None, wait_inputs_event: bool | None,
+                record_answer_event: bool | None) -> tuple:
+    """(wait, record, inputs event to record, answer event to wait on) of a step: the
+    CudaIpcStep / ring flags and what the client does about them. None (the default) turns a
+    flag on where the step's buffer has a torch event for it (which the client can record or
+    wait on) and the step has what it needs; True asks for it (a raw handle's event too: the
+    caller records / waits) and fails with INVALID_ARGUMENT naming the flag where it cannot
+    be; False leaves it off."""
+    buf = plan.buffer if plan is not None else None
+    inputs = getattr(buf, "inputs_event", None)
+    answer = getattr(buf, "answer_event", None)
+    if wait_inputs_event is None:
+        wait = inputs is not None and inputs.event is not None and plan.inputs_on_device
+    elif wait_inputs_event:
+        if plan is None or not plan.inputs_on_device:
+            raise _invalid("cuda_ipc.wait_inputs_event", "needs q, q_scales and weights in a "
+                           "registered CUDA buffer (the event orders the inputs read from it)")
+        if inputs is None:
+            raise _invalid("cuda_ipc.wait_inputs_event", f"region {plan.region_id} was "
+                           "registered without an inputs event (register_cuda_tensor(..., "
+                           "inputs_event=torch.cuda.Event(interprocess=True)))")
+        wait = True
+    else:
+        wait = False
+    if record_answer_event is None:
+        record = answer is not None and answer.event is not None
+    elif record_answer_event:
+        if plan is None:
+            raise _invalid("cuda_ipc.record_answer_event", "needs the answer in a registered "
+                           "CUDA buffer (answer=, an int32 CUDA tensor in it)")
+        if answer is None:
+            raise _invalid("cuda_ipc.record_answer_event", f"region {plan.region_id} was "
+                           "registered without an answer event (register_cuda_tensor(..., "
+                           "answer_event=torch.cuda.Event(interprocess=True)))")
+        record = True
+    else:
+        record = False
+    return (wait, record, inputs if wait and inputs.event is not None else None,
+            answer if record and answer.event is not None else None)
+
+
+_STREAM: list = []
+
+
+def _current_stream(device: int) -> Any:
+    """The device's current torch stream (a torch.cuda.Stream)."""
+    if not _STREAM:
+        import torch
+
+        _STREAM.append(torch.cuda.current_stream)
+    return _STREAM[0](device)
+
+
+def record_event(ev: IpcEvent, device: int) -> None:
+    """Records the (torch) event on the device's current torch stream: "inputs ready" after
+    the kernels queued there, with no host wait (cudaEventRecord, as the C++ worker)."""
+    ev.event.record(_current_stream(device))
+
+
+def wait_event(ev: IpcEvent, device: int) -> None:
+    """Makes the device's current torch stream wait on the event's latest record (the
+    server's "answer ready"; cudaStreamWaitEvent, as the C++ worker), on the GPU."""
+    _current_stream(device).wait_event(ev.event)
+
+
+class AnswerWait:
+    """What a step does once its answer is in: the current stream waits on the answer
+    event."""
+
+    __slots__ = ("event", "device")
+
+    def __init__(self, event: IpcEvent, device: int):
+        self.event, self.device = event, device
+
+    def __call__(self) -> None:
+        wait_event(self.event, self.device)
 
 
 @dataclass
@@ -532,8 +692,10 @@ class Registration:
     storages in it: a process opens a block's handle once (the server's cudaIpcOpenMemHandle),
     and the last buffer closed unregisters it."""
 
-    def __init__(self, region_id: int, device: int, base_ptr: int, size: int):
+    def __init__(self, region_id: int, device: int, base_ptr: int, size: int,
+                 inputs_event: IpcEvent | None = None, answer_event: IpcEvent | None = None):
         self.region_id, self.device, self.base_ptr, self.size = region_id, device, base_ptr, size
+        self.inputs_event, self.answer_event = inputs_event, answer_event
         self.buffers = 0
 
 
@@ -544,6 +706,8 @@ class CudaBuffer:
     tensor lying in the storage can be a step's q / q_scales / weights / answer / candidates:
     its offset is its address minus the allocation base. Holds a reference to the storage, so
     the allocator keeps it while registered; close() (or the `with` block) unregisters it.
+    inputs_event / answer_event: the IpcEvents its region was registered with (None: none);
+    steps in the buffer use them (step_events).
     """
 
     def __init__(self, client: Any, tensor: Any, export: Export, region_id: int, topk: int,
@@ -559,6 +723,8 @@ class CudaBuffer:
         self.num_candidate_blocks = num_candidate_blocks
         self._used = export.lo
         self.closed = False
+        self.inputs_event = registration.inputs_event if registration is not None else None
+        self.answer_event = registration.answer_event if registration is not None else None
 
     @property
     def size(self) -> int:

@@ -67,6 +67,11 @@ F_NEW_KEY_COUNTS = 1 << 2
 F_NEW_KEYS_POSITIONS = 1 << 3
 F_ANSWER_CUDA_IPC = 1 << 4  # answer / candidates offsets are in cuda_ipc_region_id's buffer
 F_INPUTS_CUDA_IPC = 1 << 5  # q / q_scales / weights offsets too (read device to device)
+# GPU-side ordering with the CUDA IPC events the buffer was registered with: the server's
+# streams wait on the inputs event (needs F_INPUTS_CUDA_IPC); it records the answer event
+# after the answer's copy (needs F_ANSWER_CUDA_IPC).
+F_WAIT_INPUTS_EVENT = 1 << 6
+F_RECORD_ANSWER_EVENT = 1 << 7
 
 # RingHeader offsets.
 _H_MAGIC, _H_VERSION, _H_SLOTS, _H_SLOT_BYTES = 0, 8, 12, 16
@@ -397,6 +402,7 @@ class FastPathRing:
              new_keys_positions: Any = None, row_lengths: Any = None, q_scales: Any = None,
              positions: Any = None, step_id: int = 0, return_candidates: bool = False,
              answer: Any = None, candidates: Any = None, timeout_us: int | None = None,
+             wait_inputs_event: bool | None = None, record_answer_event: bool | None = None,
              copy: bool = False, timeout: float = 60.0) -> DecodeResult:
         """One columnar step through the ring (arguments as Client.decode_step_columnar).
 
@@ -409,6 +415,11 @@ class FastPathRing:
         CUDA tensors (C-contiguous, anywhere on the device): their bytes are copied into the
         step data on the current torch stream (one copy when the scales lie right after the
         keys) before that same one wait; page_lock() the ring for the copies to be DMA.
+        wait_inputs_event / record_answer_event (kWaitInputsEvent / kRecordAnswerEvent; as
+        decode_step_columnar's, by default on where the buffer has a torch event for it):
+        the inputs event is recorded on the current torch stream instead of the host wait
+        (device new keys still cost that wait: the server reads them from the ring), and
+        after the completion the current stream waits on the answer event.
         last_phases_ns: (start, encoded, synced, published, completed, returned) of the
         step, perf_counter_ns. Returns the DecodeResult
         decode_step_columnar returns, bit for bit; topk / candidate_blocks are views of the
@@ -420,7 +431,8 @@ class FastPathRing:
         start = time.perf_counter()
         b = self._build(sequence_ids, q, weights, num_rows, new_keys, new_key_scales,
                         new_key_counts, new_keys_positions, row_lengths, q_scales, positions,
-                        return_candidates, answer, candidates, timeout_us)
+                        return_candidates, answer, candidates, timeout_us, wait_inputs_event,
+                        record_answer_event)
         b.v[_D_LAYER] = int(layer)
         b.v[_D_STEP_ID] = int(step_id)
         return self._run(b, copy, timeout, start, start_ns)
@@ -429,7 +441,9 @@ class FastPathRing:
                 new_keys: Any = None, new_key_scales: Any = None, new_key_counts: Any = None,
                 new_keys_positions: Any = None, row_lengths: Any = None, q_scales: Any = None,
                 positions: Any = None, return_candidates: bool = False, answer: Any = None,
-                candidates: Any = None, timeout_us: int | None = None) -> "PreparedStep":
+                candidates: Any = None, timeout_us: int | None = None,
+                wait_inputs_event: bool | None = None,
+                record_answer_event: bool | None = None) -> "PreparedStep":
         """A step laid out once, to run layer after layer: the arguments as step() takes them
         (all but layer, step_id, copy and timeout), checked and placed now; each
         PreparedStep.step(layer) then writes the descriptor for that layer, copies the device
@@ -440,16 +454,20 @@ class FastPathRing:
         new_keys_positions columns, NumPy arrays of the wire type) copied from their current
         contents; arguments that had to be converted (lists, other dtypes) are taken as they
         were now. A CUDA tensor that moved or changed shape since (or its buffer closed)
-        fails the step with ValueError: prepare again."""
+        fails the step with ValueError: prepare again. The CUDA IPC events' flags are decided
+        here too; each step records the inputs event and waits on the answer event."""
         b = self._build(sequence_ids, q, weights, num_rows, new_keys, new_key_scales,
                         new_key_counts, new_keys_positions, row_lengths, q_scales, positions,
-                        return_candidates, answer, candidates, timeout_us)
+                        return_candidates, answer, candidates, timeout_us, wait_inputs_event,
+                        record_answer_event)
         return PreparedStep(self, b, (q, q_scales, weights, answer, candidates))
 
     def _build(self, sequence_ids: Any, q: Any, weights: Any, num_rows: Any, new_keys: Any,
                new_key_scales: Any, new_key_counts: Any, new_keys_positions: Any,
                row_lengths: Any, q_scales: Any, positions: Any, return_candidates: bool,
-               answer: Any, candidates: Any, timeout_us: int | None) -> "_Built":
+               answer: Any, candidates: Any, timeout_us: int | None,
+               wait_inputs_event: bool | None = None,
+               record_answer_event: bool | None = None) -> "_Built":
         """step()'s argument work: the descriptor's values (but layer and step_id), its
         columns, where each tensor goes; nothing written to the ring yet."""
         if self._u8 is None:
@@ -525,6 +543,18 @@ class FastPathRing:
         plan, answer_views = self._plan(rows, q, q_scales, weights, answer, candidates,
                                         return_candidates)
         on_device_inputs = plan is not None and plan.inputs_on_device
+        record_inputs = after = None
+        wait = False
+        if plan is not None or wait_inputs_event or record_answer_event:
+            wait, record, inputs_event, answer_event = _cuda_ipc.step_events(
+                plan, wait_inputs_event, record_answer_event)
+            flags |= (F_WAIT_INPUTS_EVENT if wait else 0) | \
+                (F_RECORD_ANSWER_EVENT if record else 0)
+            v[_D_FLAGS] = flags
+            if inputs_event is not None:  # (a raw handle's: the caller records it)
+                record_inputs = (inputs_event, plan.buffer.device)
+            if answer_event is not None:
+                after = _cuda_ipc.AnswerWait(answer_event, plan.buffer.device)
         device_copies: dict = {}  # device new keys: {ordinal: [(host address, device, bytes)]}
         device_keys = []  # (argument, its DeviceTensor)
         at = -(-self.region.used // 64) * 64
@@ -603,11 +633,11 @@ class FastPathRing:
                 v[_D_CANDIDATES_OFFSET] = cand_at
                 cand_view = flat_candidates[:rows * self.num_candidate_blocks].reshape(
                     rows, self.num_candidate_blocks)
-        if on_device_inputs:
+        if on_device_inputs and not wait:  # (with the event the server's stream waits)
             for d in plan.sync_devices:  # the devices whose kernels wrote q / weights
                 device_copies.setdefault(d, [])
         return _Built(v, cols, c, staged, device_copies, topk_view, cand_view, plan,
-                      device_keys)
+                      device_keys, record_inputs, after)
 
     def _run(self, b: "_Built", copy: bool, timeout: float, start: float,
              start_ns: int) -> DecodeResult:
@@ -617,6 +647,10 @@ class FastPathRing:
         seq = self._produced + 1
         self._check_free(seq)
         t_encoded = time.perf_counter_ns()
+        if b.record_inputs is not None:
+            # "Inputs ready" on the current torch stream, after the kernels that wrote q: the
+            # server's streams wait for it on the GPU (no host wait for q).
+            _cuda_ipc.record_event(*b.record_inputs)
         if device_copies:
             # One host wait a step: the device keys' copies queued on the current torch
             # stream (after the kernels that wrote them, and q), then that stream waited for.
@@ -641,6 +675,8 @@ class FastPathRing:
         t_done = time.perf_counter_ns()
         client_us = (time.perf_counter() - start) * 1e6
         r = self._result(done, seq, b.topk, b.candidates, copy, client_us)
+        if b.after is not None:  # the current stream waits on the server's "answer ready"
+            b.after()
         self.last_phases_ns = (start_ns, t_encoded, t_synced, t_published, t_done,
                                time.perf_counter_ns())
         return r
@@ -879,10 +915,11 @@ class _Built:
     """A step's descriptor values, columns and placements (FastPathRing._build)."""
 
     __slots__ = ("v", "column_bytes", "staged", "device_copies", "topk", "candidates", "plan",
-                 "device_keys", "device_bytes")
+                 "device_keys", "device_bytes", "record_inputs", "after")
 
     def __init__(self, v: list, cols: dict, columns: dict, staged: list, device_copies: dict,
-                 topk: Any, candidates: Any, plan: Any, device_keys: list):
+                 topk: Any, candidates: Any, plan: Any, device_keys: list,
+                 record_inputs: Any = None, after: Any = None):
         self.v, self.staged = v, staged
         # (offset in the slot, a byte view of the column's array, bytes): the arrays' current
         # contents at each write.
@@ -891,6 +928,8 @@ class _Built:
         self.device_copies, self.topk, self.candidates = device_copies, topk, candidates
         self.plan, self.device_keys = plan, device_keys
         self.device_bytes = sum(n for pairs in device_copies.values() for _, _, n in pairs)
+        # (IpcEvent, device) recorded before publishing; the answer event's wait after.
+        self.record_inputs, self.after = record_inputs, after
 
 
 class PreparedStep:
