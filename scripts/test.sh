@@ -38,6 +38,8 @@ stop_background() {
   fi
 }
 trap stop_background EXIT
+trap 'stop_background; exit 130' INT
+trap 'stop_background; exit 143' TERM
 start_background() {  # NAME LOG FUNCTION
   bg_name=$1
   bg_log=$2
@@ -48,6 +50,10 @@ start_background() {  # NAME LOG FUNCTION
 join_background() {
   [ -n "$bg_pid" ] || return 0
   local rc=0
+  # The test run it was niced for is over: back to this script's priority for the rest (it
+  # matters where other work shares the machine; lowering a nice value needs privilege, so
+  # elsewhere it stays niced).
+  renice -n "$(nice)" -g "$bg_pid" >/dev/null 2>&1 || true
   wait "$bg_pid" || rc=$?
   bg_pid=
   echo "=== $bg_name $(elapsed) ==="
