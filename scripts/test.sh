@@ -4,7 +4,8 @@
 # its tests again; then builds the libFuzzer targets with clang and runs each for a bounded time
 # (DI_FUZZ_SECONDS, default 30). GPU tests skip visibly where no GPU exists.
 #
-# Where the time goes on a 2-core CI machine, and how this keeps it short (docs/ci.md):
+# Where the time goes on a 2-core CI machine, and how this keeps it short
+# (docs/results/ci-time.md):
 # - the builds are CPU-bound, the test runs mostly wait (on servers, sockets, child processes),
 #   so the next build (ASan, then the fuzz targets) runs during a test run, niced so that the
 #   tests keep the CPU they ask for; its log is printed when it is joined, and a failed build
