@@ -1,7 +1,9 @@
 """Runs the Python suite (unittest) and says what was skipped and why.
 
-usage: _run.py [--only WORD] [--exclude WORD] [--require-server]
+usage: _run.py [--module NAME] [--only WORD] [--exclude WORD] [--require-server]
 
+--module keeps the tests of module NAME (test_ops: tests/python/test_ops.py) only; ctest runs
+each module as its own test (python_client.NAME), so the modules run in parallel.
 --only / --exclude keep or drop tests whose id contains WORD (e.g. "torch").
 Exit status: 1 when a test failed or errored, or when --require-server is given and a test
 was skipped because no server binary was found (the build has one: a missing server is a
@@ -24,6 +26,7 @@ def flatten(suite):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--module")
     ap.add_argument("--only")
     ap.add_argument("--exclude")
     ap.add_argument("--require-server", action="store_true")
@@ -34,13 +37,19 @@ def main() -> int:
     selected = []
     for t in flatten(everything):
         tid = t.id()
+        # A module that fails to import is "unittest.loader._FailedTest.<module>": it belongs
+        # to its module's run (and fails it), never drops out of it.
+        module = tid.rsplit(".", 1)[-1] if tid.startswith("unittest.loader.") else tid.split(".")[0]
+        if args.module and module != args.module:
+            continue
         if args.only and args.only not in tid:
             continue
         if args.exclude and args.exclude in tid:
             continue
         selected.append(t)
     if not selected:
-        print(f"SKIPPED: no test matches --only {args.only!r}")
+        print(f"SKIPPED: no test matches --module {args.module!r} --only {args.only!r} "
+              f"--exclude {args.exclude!r}")
         return 77
     result = unittest.TextTestRunner(verbosity=2).run(unittest.TestSuite(selected))
     reasons = {}
