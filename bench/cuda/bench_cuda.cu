@@ -233,7 +233,8 @@ int RunConsumer(uint8_t* pool, int64_t pool_bytes, int sms, cudaStream_t st, cud
   CHECK_CUDA(cudaMemsetAsync(d_qs, 87, kRows * kHeads32 * 4, st), "q scales");
   CHECK_CUDA(cudaGetLastError(), "fill q");
   CHECK_CUDA(cudaStreamSynchronize(st), "setup");
-  auto logits_step = [&](int i, dc::SparseLogitsMath math) {
+  // Step i's rows (it takes page-table set i % sets).
+  auto batch_of = [&](int i) {
     di::RowBatch b;
     b.num_rows = kRows;
     b.row_request = d_rr;
@@ -242,24 +243,18 @@ int RunConsumer(uint8_t* pool, int64_t pool_bytes, int sms, cudaStream_t st, cud
     b.page_table_stride = ctx_pages;
     b.num_requests = kRows;
     b.max_row_length = kCtx;
-    const di::QView q{d_q, d_qs, d_w, kHeads32};
-    CHECK_OK(
-        dc::LaunchSparseLogits({pool, pages, geo}, b, q, d_pos, d_cnt, kMaxPos, d_logits, st, math),
-        "sparse logits");
+    return b;
+  };
+  const di::QView q{d_q, d_qs, d_w, kHeads32};
+  auto logits_step = [&](int i, dc::SparseLogitsMath math) {
+    CHECK_OK(dc::LaunchSparseLogits({pool, pages, geo}, batch_of(i), q, d_pos, d_cnt, kMaxPos,
+                                    d_logits, st, math),
+             "sparse logits");
   };
   // A comparison variant of the tensor-core kernel (bench/cuda/variants/) on the same inputs.
   auto variant_step = [&](int i, dc::SparseVariant v) {
-    di::RowBatch b;
-    b.num_rows = kRows;
-    b.row_request = d_rr;
-    b.row_length = d_rl;
-    b.page_table = tables[i % sets];
-    b.page_table_stride = ctx_pages;
-    b.num_requests = kRows;
-    b.max_row_length = kCtx;
-    const di::QView q{d_q, d_qs, d_w, kHeads32};
-    CHECK_OK(dc::LaunchSparseLogitsVariant(v, {pool, pages, geo}, b, q, d_pos, d_cnt, kMaxPos,
-                                           d_logits, st),
+    CHECK_OK(dc::LaunchSparseLogitsVariant(v, {pool, pages, geo}, batch_of(i), q, d_pos, d_cnt,
+                                           kMaxPos, d_logits, st),
              "sparse logits (variant)");
   };
   auto topk_step = [&](dc::TopKArgs::Algo algo = dc::TopKArgs::Algo::kAuto) {

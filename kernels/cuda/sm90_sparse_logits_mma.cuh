@@ -116,14 +116,6 @@ struct Shape {
   static_assert(!kDecScales || (!kFp8 && !kKeyFold && kStageKeys <= 32));
 };
 
-// 4-byte cp.async (through L1; cp.async.cg takes 16 bytes only). !valid zero-fills, reads nothing.
-__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, bool valid) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem),
-               "r"(valid ? 4 : 0)
-               : "memory");
-}
-
 // D += A(16x16 f16, row) * B(16x8 f16, col), fp32.
 __device__ __forceinline__ void MmaF16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                        uint32_t b1) {

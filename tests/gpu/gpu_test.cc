@@ -1714,27 +1714,10 @@ TEST_F(GpuTest, SparseLogitsMmaMatchesCpuAndGrid) {
       b = b > 127 ? b - 24 : b + 24;
     }
     auto ds = UploadScene(this, s);
-    const int32_t rows = s.num_rows(), bs = 8, nb = 2048, maxp = nb * bs;
-    // Each row: random distinct candidate blocks (about 3/4 of its blocks, at most nb),
-    // ascending, expanded below the row's length; and the same positions shuffled.
-    std::vector<int32_t> pos(int64_t{rows} * maxp, -1), shuf(pos.size(), -1), cnt(rows);
-    for (int32_t r = 0; r < rows; ++r) {
-      const int32_t len = s.row_length[r], blocks = (len + bs - 1) / bs;
-      std::vector<int32_t> ids(blocks);
-      std::iota(ids.begin(), ids.end(), 0);
-      std::shuffle(ids.begin(), ids.end(), Rng());
-      const int32_t take = std::min(nb, blocks * 3 / 4 + 1);
-      std::sort(ids.begin(), ids.begin() + take);
-      int32_t n = 0;
-      for (int32_t j = 0; j < take; ++j) {
-        for (int32_t o = 0; o < bs && ids[j] * bs + o < len; ++o) {
-          pos[int64_t{r} * maxp + n++] = ids[j] * bs + o;
-        }
-      }
-      cnt[r] = n;
-      std::copy_n(pos.begin() + int64_t{r} * maxp, n, shuf.begin() + int64_t{r} * maxp);
-      std::shuffle(shuf.begin() + int64_t{r} * maxp, shuf.begin() + int64_t{r} * maxp + n, Rng());
-    }
+    const int32_t rows = s.num_rows();
+    const CandidatePositions cp = MakeCandidatePositions(s, /*bs=*/8, /*nb=*/2048);
+    const int32_t maxp = cp.maxp;
+    const std::vector<int32_t>&pos = cp.pos, &shuf = cp.shuf, &cnt = cp.cnt;
     ASSERT_LT(cnt[2], 512);  // the 300-entry request: fewer positions than K
     ASSERT_GT(cnt[0], 512);
     DeviceBuffer dpos = Upload(pos), dshuf = Upload(shuf), dcnt = Upload(cnt);

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <thread>
@@ -309,6 +310,40 @@ inline void ExpectLogitsDependOnlyOnRowAndPosition(
                             [](float v) { return std::isnan(v); }))
         << "row " << r << ": written past its count";
   }
+}
+
+// Candidate-block positions as the v41 expansion lists them: each row takes random distinct
+// blocks of `bs` entries (about 3/4 of its blocks, at most nb), ascending, expanded below the
+// row's length: pos[r * maxp + i] for i < cnt[r] (-1 past it, maxp = nb * bs); shuf holds each
+// row's same positions shuffled (other tile slots and chunks).
+struct CandidatePositions {
+  int32_t maxp = 0;
+  std::vector<int32_t> pos, shuf, cnt;
+};
+inline CandidatePositions MakeCandidatePositions(const Scene& s, int32_t bs, int32_t nb) {
+  const int32_t rows = s.num_rows();
+  CandidatePositions c;
+  c.maxp = nb * bs;
+  c.pos.assign(int64_t{rows} * c.maxp, -1);
+  c.shuf.assign(c.pos.size(), -1);
+  c.cnt.assign(rows, 0);
+  for (int32_t r = 0; r < rows; ++r) {
+    const int32_t len = s.row_length[r], blocks = (len + bs - 1) / bs;
+    std::vector<int32_t> ids(blocks);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), Rng());
+    const int32_t take = std::min(nb, blocks * 3 / 4 + 1);
+    std::sort(ids.begin(), ids.begin() + take);
+    const int64_t row = int64_t{r} * c.maxp;
+    int32_t n = 0;
+    for (int32_t j = 0; j < take; ++j) {
+      for (int32_t o = 0; o < bs && ids[j] * bs + o < len; ++o) c.pos[row + n++] = ids[j] * bs + o;
+    }
+    c.cnt[r] = n;
+    std::copy_n(c.pos.begin() + row, n, c.shuf.begin() + row);
+    std::shuffle(c.shuf.begin() + row, c.shuf.begin() + row + n, Rng());
+  }
+  return c;
 }
 
 // The most rows any request of the scene has (RowBatch::rows_per_request, as the server sets

@@ -47,23 +47,19 @@ std::vector<float> VariantLogits(GpuTest* t, DeviceScene& ds, int64_t stride, in
       });
 }
 
-// A rank's slice of a sharded step (gpu_test's RankSliceWithRowsPerRequestHint): 64 requests
-// named, rows of requests 32-63 only with uneven counts (one request none), the host hint set.
-Scene RankSlice(int32_t next_n, int32_t* most) {
-  Scene full = MakeScene(Spec(CacheFormat::kFp8, 64, Lengths(64, 2500), next_n));
+// `full` (next_n rows a request, a request's rows adjacent) with request b keeping only its
+// last keep(b) rows (0: none); every request keeps its keys.
+template <typename Keep>
+Scene KeepLastRows(const Scene& full, int32_t next_n, Keep&& keep) {
   Scene s = full;
   s.row_request.clear();
   s.row_length.clear();
   s.q_codes.clear();
   s.weights.clear();
   const int64_t qrow = 64 * 128;
-  *most = 0;
   for (int32_t r = 0; r < full.num_rows(); ++r) {
     const int32_t b = full.row_request[r], j = r % next_n;
-    if (b < 32 || b == 40) continue;
-    const int32_t want = b % 5 == 1 ? 1 : b % 5 == 2 ? next_n - 1 : next_n;
-    if (j < next_n - want) continue;
-    *most = std::max(*most, want);
+    if (j < next_n - keep(b)) continue;
     s.row_request.push_back(b);
     s.row_length.push_back(full.row_length[r]);
     s.q_codes.insert(s.q_codes.end(), full.q_codes.begin() + r * qrow,
@@ -74,27 +70,20 @@ Scene RankSlice(int32_t next_n, int32_t* most) {
   return s;
 }
 
-// Request b of `full` keeps its last next_n - (b % next_n) rows, request 1 none (rows stay
-// grouped by request; every request keeps its keys).
-Scene Thin(const Scene& full, int32_t next_n) {
-  Scene s = full;
-  s.row_request.clear();
-  s.row_length.clear();
-  s.q_codes.clear();
-  s.weights.clear();
-  const int64_t qrow = 64 * 128;
-  for (int32_t r = 0; r < full.num_rows(); ++r) {
-    const int32_t b = full.row_request[r], j = r % next_n;
-    const int32_t want = b == 1 ? 0 : next_n - (b % next_n);
-    if (j < next_n - want) continue;
-    s.row_request.push_back(b);
-    s.row_length.push_back(full.row_length[r]);
-    s.q_codes.insert(s.q_codes.end(), full.q_codes.begin() + r * qrow,
-                     full.q_codes.begin() + (r + 1) * qrow);
-    s.weights.insert(s.weights.end(), full.weights.begin() + r * 64,
-                     full.weights.begin() + (r + 1) * 64);
-  }
+// A rank's slice of a sharded step (gpu_test's RankSliceWithRowsPerRequestHint): 64 requests
+// named, rows of requests 32-63 only with uneven counts (one request none), the host hint set.
+Scene RankSlice(int32_t next_n, int32_t* most) {
+  Scene full = MakeScene(Spec(CacheFormat::kFp8, 64, Lengths(64, 2500), next_n));
+  Scene s = KeepLastRows(full, next_n, [&](int32_t b) {
+    return b < 32 || b == 40 ? 0 : b % 5 == 1 ? 1 : b % 5 == 2 ? next_n - 1 : next_n;
+  });
+  *most = MostRows(s);
   return s;
+}
+
+// Request b keeps its last next_n - (b % next_n) rows, request 1 none.
+Scene Thin(const Scene& full, int32_t next_n) {
+  return KeepLastRows(full, next_n, [&](int32_t b) { return b == 1 ? 0 : next_n - (b % next_n); });
 }
 
 // The fp8 variants against the production fp8 kernel: kFp8V1 (its earlier consumer and
@@ -392,29 +381,17 @@ TEST_F(GpuTest, SparseLogitsMmaVariantsMatchCpuAndMma) {
       }
     }
     auto ds = UploadScene(this, s);
-    const int32_t rows = s.num_rows(), bs = 8, nb = 2048, maxp = nb * bs;
-    std::vector<int32_t> pos(int64_t{rows} * maxp, -1), shuf(pos.size(), -1), cnt(rows);
-    int64_t folded = 0, unfolded = 0;
+    const int32_t rows = s.num_rows();
+    const CandidatePositions cp = MakeCandidatePositions(s, /*bs=*/8, /*nb=*/2048);
+    const int32_t maxp = cp.maxp;
+    const std::vector<int32_t>&pos = cp.pos, &shuf = cp.shuf, &cnt = cp.cnt;
+    int64_t folded = 0, unfolded = 0;  // listed positions whose keys fold / do not
     for (int32_t r = 0; r < rows; ++r) {
-      const int32_t len = s.row_length[r], blocks = (len + bs - 1) / bs;
-      std::vector<int32_t> ids(blocks);
-      std::iota(ids.begin(), ids.end(), 0);
-      std::shuffle(ids.begin(), ids.end(), Rng());
-      const int32_t take = std::min(nb, blocks * 3 / 4 + 1);
-      std::sort(ids.begin(), ids.begin() + take);
-      int32_t n = 0;
-      for (int32_t j = 0; j < take; ++j) {
-        for (int32_t o = 0; o < bs && ids[j] * bs + o < len; ++o) {
-          const int32_t p = ids[j] * bs + o;
-          pos[int64_t{r} * maxp + n++] = p;
-          const int32_t page =
-              s.page_table[int64_t{s.row_request[r]} * s.stride + p / geo.page_size];
-          (slot_folds[int64_t{page} * geo.page_size + p % geo.page_size] ? folded : unfolded)++;
-        }
+      for (int32_t i = 0; i < cnt[r]; ++i) {
+        const int32_t p = pos[int64_t{r} * maxp + i];
+        const int32_t page = s.page_table[int64_t{s.row_request[r]} * s.stride + p / geo.page_size];
+        (slot_folds[int64_t{page} * geo.page_size + p % geo.page_size] ? folded : unfolded)++;
       }
-      cnt[r] = n;
-      std::copy_n(pos.begin() + int64_t{r} * maxp, n, shuf.begin() + int64_t{r} * maxp);
-      std::shuffle(shuf.begin() + int64_t{r} * maxp, shuf.begin() + int64_t{r} * maxp + n, Rng());
     }
     ASSERT_LT(cnt[2], 512);
     ASSERT_GT(cnt[0], 512);

@@ -119,14 +119,6 @@ struct OrdinalCursor {
   }
 };
 
-// cp.async of 4 bytes (zero-filled when !valid; no global byte read then).
-__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, bool valid) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem),
-               "r"(valid ? 4 : 0)
-               : "memory");
-}
-
 template <int kRows, bool kOwnSchedule, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     PagedMqaLogitsFp8WideKernel(const PagedLogitsArgs p,

@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -47,11 +48,13 @@ class Backend : public Device, public IndexerOps {
   IndexerOps& ops() { return *this; }
 };
 
-// Forwards every Device call to another device (LevelDB's EnvWrapper): a test's decorator
-// overrides only the calls it checks or faults.
-class DeviceWrapper : public Device {
+// Forwards every Device call to another device (LevelDB's EnvWrapper). Base is Device for a
+// test's decorator (DeviceWrapper, which overrides only the calls it checks or faults), or a
+// class that also needs the IndexerOps calls forwarded (ComposeBackend's).
+template <typename Base>
+class ForwardingDevice : public Base {
  public:
-  explicit DeviceWrapper(Device& target) : target_(target) {}
+  explicit ForwardingDevice(Device& target) : target_(target) {}
   Device& target() const { return target_; }
 
   std::string_view name() const override { return target_.name(); }
@@ -97,11 +100,15 @@ class DeviceWrapper : public Device {
   Device& target_;
 };
 
-// Forwards every IndexerOps call to other ops: a test's decorator overrides only the
-// operations it checks or faults.
-class IndexerOpsWrapper : public IndexerOps {
+// Forwards every IndexerOps call to other ops, as ForwardingDevice does the Device calls
+// (IndexerOpsWrapper: a test's decorator overrides only the operations it checks or faults).
+// BaseArgs go to Base's constructor.
+template <typename Base>
+class ForwardingOps : public Base {
  public:
-  explicit IndexerOpsWrapper(IndexerOps& target) : target_(target) {}
+  template <typename... BaseArgs>
+  explicit ForwardingOps(IndexerOps& target, BaseArgs&&... base_args)
+      : Base(std::forward<BaseArgs>(base_args)...), target_(target) {}
   IndexerOps& target() const { return target_; }
 
   absl::Status InsertKeys(const KeyInsertArgs& args) override { return target_.InsertKeys(args); }
@@ -115,12 +122,23 @@ class IndexerOpsWrapper : public IndexerOps {
   }
   absl::Status ForkExpand(const ExpandArgs& args) override { return target_.ForkExpand(args); }
   absl::Status JoinExpand() override { return target_.JoinExpand(); }
-  absl::StatusOr<OverlapTiming> LastOverlapTiming() override { return target_.LastOverlapTiming(); }
+  absl::StatusOr<IndexerOps::OverlapTiming> LastOverlapTiming() override {
+    return target_.LastOverlapTiming();
+  }
   void SetScoringTiming(bool on) override { target_.SetScoringTiming(on); }
   absl::StatusOr<double> LastScoringUs() override { return target_.LastScoringUs(); }
 
  private:
   IndexerOps& target_;
+};
+
+class DeviceWrapper : public ForwardingDevice<Device> {
+ public:
+  using ForwardingDevice::ForwardingDevice;
+};
+class IndexerOpsWrapper : public ForwardingOps<IndexerOps> {
+ public:
+  using ForwardingOps::ForwardingOps;
 };
 
 // A Backend made of `inner` with its Device, its IndexerOps or both replaced by decorators
