@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/tensor.h"
+#include "common/malloc_tuning.h"
 
 namespace decode_indexer::client {
 namespace {
@@ -125,6 +126,7 @@ IndexerClient::IndexerClient(std::shared_ptr<grpc::Channel> channel, const Clien
 
 absl::StatusOr<std::unique_ptr<IndexerClient>> IndexerClient::Connect(
     const std::string& target, const ClientOptions& options) {
+  if (options.malloc_keep_mb > 0) KeepFreedMemory(options.malloc_keep_mb);
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);

@@ -132,6 +132,10 @@ struct ClientOptions {
   // HTTP/2 keepalive pings on the channel; 0 leaves gRPC's default (off).
   int keepalive_time_ms = 0;
   int keepalive_timeout_ms = 0;
+  // Connect keeps this much freed heap memory in the process for reuse (common/
+  // malloc_tuning.h: glibc mallopt, process-wide), so that each step's messages reuse warm
+  // pages instead of faulting in fresh ones; 0 leaves the allocator alone.
+  int64_t malloc_keep_mb = 64;
 };
 
 // A sealed memfd the client creates (memfd_create + ftruncate + F_SEAL_SHRINK | F_SEAL_GROW |

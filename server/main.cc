@@ -18,6 +18,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/match.h"
 #include "common/cli.h"
+#include "common/malloc_tuning.h"
 #include "server/config/profile.h"
 #include "server/service/logging.h"
 #include "server/service/server.h"
@@ -107,6 +108,13 @@ int main(int argc, char** argv) {
   app.add_option("--max-sequences-per-step", options.max_sequences_per_step,
                  "sequences one DecodeStep may carry (bounds the largest legal request)")
       ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  int64_t malloc_keep_mb = 64;
+  app.add_option("--malloc-keep-mb", malloc_keep_mb,
+                 "freed heap memory the allocator keeps for reuse instead of returning it to "
+                 "the kernel, so each call's gRPC messages reuse warm pages (glibc mallopt; "
+                 "0: glibc's defaults)")
+      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   options.max_concurrent_streams = 64;
   options.max_threads = 512;
@@ -238,6 +246,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.profile = *profile;
+  if (malloc_keep_mb > 0) {
+    if (decode_indexer::KeepFreedMemory(malloc_keep_mb)) {
+      spdlog::info("allocator: keeping up to {} MB of freed heap for reuse", malloc_keep_mb);
+    } else {
+      spdlog::warn("allocator: --malloc-keep-mb not applied (not glibc's malloc)");
+    }
+  }
 
   // The pipe exists before any handler can fire; the write end never blocks the handler.
   if (pipe(g_signal_pipe) != 0 || fcntl(g_signal_pipe[1], F_SETFL, O_NONBLOCK) != 0) {

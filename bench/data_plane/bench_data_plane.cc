@@ -20,6 +20,7 @@
 // worker modes (--worker-copy-mb): a worker whose stream does other GPU work before q, ordered
 // with the server by a host wait or by CUDA IPC events (RunWorkerModes).
 #include <grpcpp/grpcpp.h>
+#include <pthread.h>
 #include <unistd.h>
 #ifdef DI_BENCH_CUDA
 #include <cuda_runtime.h>
@@ -28,6 +29,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -42,6 +44,7 @@
 #include "client/indexer_client.h"
 #include "client/tensor.h"
 #include "common/cli.h"
+#include "common/malloc_tuning.h"
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
 #include "server/exec/validated_step.h"
@@ -375,6 +378,47 @@ void TimePieces(const Request& req, const di::config::Profile& profile, int64_t 
 
 // Echo mode: the service in process over loopback, no compute.
 // `edges`: "sync", "callback" or "both" (each mode on each edge, in the same run).
+// --serve ADDR: the echo service alone, on the default (callback) edge with the server's
+// message limits and a shared-memory socket at --serve-socket, until SIGINT / SIGTERM; for
+// clients in other processes (bench/data_plane/py_vs_cpp.sh: the Python and the C++ client
+// against one echo server, so their difference is the clients' own transport cost).
+int ServeEcho(const di::config::Profile& profile, int64_t context, const std::string& listen,
+              const std::string& socket_path, int edge_workers) {
+  EchoExecutor echo(profile, context, 1234);
+  di::service::IndexerService service(echo, "bench-echo");
+  if (!socket_path.empty()) {
+    if (absl::Status s = service.StartShmSocket(socket_path); !s.ok()) {
+      std::fprintf(stderr, "shm socket: %s\n", s.ToString().c_str());
+      return 1;
+    }
+  }
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop, nullptr);  // before gRPC's threads start: they inherit it
+  di::service::CallbackEdge edge(service, edge_workers);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(512 << 20);
+  builder.SetMaxSendMessageSize(512 << 20);
+  builder.RegisterService(edge.methods());
+  builder.RegisterCallbackGenericService(&edge);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    std::fprintf(stderr, "cannot listen on %s\n", listen.c_str());
+    return 1;
+  }
+  std::printf("serving echo on port %d\n", port);
+  std::fflush(stdout);
+  int sig = 0;
+  sigwait(&stop, &sig);
+  service.StopStepRings();
+  server->Shutdown();
+  return 0;
+}
+
 int RunEcho(const di::config::Profile& profile, const Request& req, int64_t context, int warmup,
             int iters, bool pieces, const std::string& edges, int edge_workers) {
   EchoExecutor echo(profile, context, 1234);
@@ -604,7 +648,12 @@ void RunWorkerModes(di::client::IndexerClient& control, const di::v1::DecodeStep
 
 // Server mode: a real server at `target`.
 int RunServer(const std::string& target, int requests, int64_t context, int warmup, int iters,
-              uint64_t first_id, std::mt19937_64& rng, int worker_copy_mb) {
+              uint64_t first_id, std::mt19937_64& rng, int worker_copy_mb,
+              const std::vector<std::string>& modes) {
+  // --modes: run only the modes named (every mode when empty).
+  auto wanted = [&](const std::string& name) {
+    return modes.empty() || std::find(modes.begin(), modes.end(), name) != modes.end();
+  };
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(512 << 20);
   args.SetMaxSendMessageSize(512 << 20);
@@ -719,6 +768,7 @@ int RunServer(const std::string& target, int requests, int64_t context, int warm
     return out;
   };
   auto mode = [&](const std::string& name, Request r, bool stream) {
+    if (!wanted(name)) return;
     const char* method = stream ? "DecodeStream" : "DecodeStep";
     const auto before = handler(method);
     ModeResult m = RunMode(*stub, name.c_str(), r, stream, warmup, iters,
@@ -729,19 +779,43 @@ int RunServer(const std::string& target, int requests, int64_t context, int warm
     }
     PrintRow(name, m, true);
   };
+  Request columnar;  // the step's columnar form: its tensors are staged into each ring
+  columnar.set_layer(layer);
+  for (int i = 0; i < requests; ++i) columnar.add_sequence_ids(first_id + i);
+  columnar.set_rows_per_sequence(1);
+  *columnar.mutable_q() = req.q();
+  *columnar.mutable_weights() = req.weights();
+  {
+    std::string keys, key_scales;
+    for (const auto& seq : req.sequences()) {
+      keys += seq.new_keys().data();
+      key_scales += seq.new_key_scales().data();
+    }
+    *columnar.mutable_new_keys() = di::client::CodesTensor(
+        di::v1::DTYPE_FP8_E4M3, std::vector<uint8_t>(keys.begin(), keys.end()), {requests, D});
+    columnar.mutable_new_key_scales()->set_dtype(di::v1::DTYPE_FP32);
+    columnar.mutable_new_key_scales()->add_shape(requests);
+    columnar.mutable_new_key_scales()->set_data(key_scales);
+  }
   Request delta = req;
   delta.set_answer_encoding(di::v1::ANSWER_ENCODING_DELTA_VARINT);
   mode("unary raw", req, false);
   mode("unary delta", delta, false);
   mode("stream raw", req, true);
   mode("stream delta", delta, true);
+  // The columnar form of the same step (what the Python client sends).
+  mode("unary columnar raw", columnar, false);
+  mode("stream columnar raw", columnar, true);
   for (int depth : {1, 4}) {
+    if (!wanted("stream raw pipelined")) break;
     std::printf("%-30s %9.2f GB/s of payload (request + response)\n",
                 ("stream raw pipelined x" + std::to_string(depth)).c_str(),
                 RunPipelined(*stub, req, depth, warmup + iters));
     std::fflush(stdout);
   }
 
+  // The modes below need the server's shared-memory socket.
+  if (!wanted("unary shm") && !wanted("ring")) return 0;
   const std::string name = "/di-bench-" + std::to_string(getpid());
   const uint64_t size = 64 << 20;
   auto shm = di::client::SharedMemory::Create(name, size);
@@ -769,28 +843,9 @@ int RunServer(const std::string& target, int requests, int64_t context, int warm
     std::fprintf(stderr, "connect: %s\n", control.status().ToString().c_str());
     return 1;
   }
-  std::vector<uint64_t> ids;
-  for (int i = 0; i < requests; ++i) ids.push_back(first_id + i);
-  Request columnar;  // the step's columnar form: its tensors are staged into each ring
-  columnar.set_layer(layer);
-  for (uint64_t id : ids) columnar.add_sequence_ids(id);
-  columnar.set_rows_per_sequence(1);
-  *columnar.mutable_q() = req.q();
-  *columnar.mutable_weights() = req.weights();
-  {
-    std::string keys, key_scales;
-    for (const auto& seq : req.sequences()) {
-      keys += seq.new_keys().data();
-      key_scales += seq.new_key_scales().data();
-    }
-    *columnar.mutable_new_keys() = di::client::CodesTensor(
-        di::v1::DTYPE_FP8_E4M3, std::vector<uint8_t>(keys.begin(), keys.end()), {requests, D});
-    columnar.mutable_new_key_scales()->set_dtype(di::v1::DTYPE_FP32);
-    columnar.mutable_new_key_scales()->add_shape(requests);
-    columnar.mutable_new_key_scales()->set_data(key_scales);
-  }
   // `device`: q / weights / answer in the CUDA IPC buffer `device` describes (cuda_ipc).
   auto ring_modes = [&](const Request* device, uint64_t ipc_region) {
+    if (!wanted("ring")) return;
     for (const bool spin : {false, true}) {
       di::client::FastPathOptions fo;
       fo.data_bytes = uint64_t{8} << 20;
@@ -919,6 +974,9 @@ int main(int argc, char** argv) {
   std::string edges = "both";
   int edge_workers = 0;
   int worker_copy_mb = 128;
+  std::string serve, serve_socket;
+  int64_t malloc_keep_mb = 64;
+  std::vector<std::string> modes;
   CLI::App app{"decode-indexer-bench-data-plane: per-step transport cost"};
   app.add_option("--profile", profile_name, "built-in profile or file (echo mode)")
       ->capture_default_str();
@@ -943,11 +1001,27 @@ int main(int argc, char** argv) {
   app.add_option("--edge-workers", edge_workers,
                  "echo mode: the callback edge's worker threads (0: the server's default)")
       ->capture_default_str();
+  app.add_option("--modes", modes,
+                 "server mode: only these modes (e.g. \"unary raw\" \"unary columnar raw\" "
+                 "\"stream columnar raw\" \"stream raw pipelined\" \"unary shm\" ring)");
+  app.add_option("--serve", serve,
+                 "echo mode: serve the echo service on this host:port (port 0: any; printed) "
+                 "until SIGINT / SIGTERM, for clients in other processes")
+      ->excludes("--target");
+  app.add_option("--serve-socket", serve_socket, "with --serve: the shared-memory socket's path");
+  app.add_option("--malloc-keep-mb", malloc_keep_mb,
+                 "this process's allocator keeps this much freed heap for reuse, as the server "
+                 "and the clients do by default (0: glibc's defaults; common/malloc_tuning.h)")
+      ->capture_default_str();
   decode_indexer::cli::AddVersion(app);
   DI_CLI_PARSE(app, argc, argv);
+  if (malloc_keep_mb > 0 && !di::KeepFreedMemory(malloc_keep_mb)) {
+    std::fprintf(stderr, "# --malloc-keep-mb not applied (not glibc's malloc)\n");
+  }
   std::mt19937_64 rng(42);
   if (!target.empty()) {
-    return RunServer(target, requests, context, warmup, iters, first_id, rng, worker_copy_mb);
+    return RunServer(target, requests, context, warmup, iters, first_id, rng, worker_copy_mb,
+                     modes);
   }
 
   absl::StatusOr<di::config::Profile> profile = di::config::LoadProfile(profile_name);
@@ -955,6 +1029,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", profile.status().ToString().c_str());
     return 2;
   }
+  if (!serve.empty()) return ServeEcho(*profile, context, serve, serve_socket, edge_workers);
   const int H = profile->num_heads, D = profile->head_dim, K = profile->topk;
   int dense = 0;
   while (profile->layers[dense].role != di::config::LayerRole::kDense) ++dense;

@@ -25,6 +25,7 @@ from ._generate import ensure_generated as _ensure_generated
 _ensure_generated()
 
 from . import quant  # noqa: E402
+from ._malloc import keep_freed_memory  # noqa: E402
 from ._wire import DType, TypedArray, typed  # noqa: E402
 from .aio import AsyncClient, AsyncDecodeStream  # noqa: E402
 from .client import (  # noqa: E402
@@ -48,5 +49,6 @@ __all__ = [
     "AsyncClient", "AsyncDecodeStream", "Client", "CudaBuffer", "DecodeResult", "DecodeStream",
     "DType",
     "FastPathRing", "IndexerError", "LayerInfo", "SequenceStep", "ServerInfo",
-    "SharedMemoryRegion", "Timing", "TypedArray", "encode_columnar_step", "quant", "typed",
+    "SharedMemoryRegion", "Timing", "TypedArray", "encode_columnar_step", "keep_freed_memory",
+    "quant", "typed",
 ]

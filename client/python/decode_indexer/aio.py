@@ -37,6 +37,7 @@ import grpc.aio
 
 from . import client as _c
 from ._gen import indexer_pb2 as pb
+from ._malloc import keep_freed_memory
 from .client import DecodeResult, SequenceStep, ServerInfo
 from .errors import IndexerError
 
@@ -50,7 +51,9 @@ class AsyncClient:
     def __init__(self, target: str, *, timeout: float | None = None,
                  options: Sequence[tuple[str, Any]] | None = None, token: str | None = None,
                  token_file: Any = None, tls: bool = False, tls_ca: Any = None,
-                 tls_cert: Any = None, tls_key: Any = None, tls_server_name: str | None = None):
+                 tls_cert: Any = None, tls_key: Any = None, tls_server_name: str | None = None,
+                 malloc_keep_mb: int = 64):
+        keep_freed_memory(malloc_keep_mb)
         self.target = target
         self.timeout = timeout
         self._how = _c._Channel.make(options, token, token_file, tls, tls_ca, tls_cert, tls_key,

@@ -26,6 +26,7 @@ import numpy as np
 from . import _wire
 from . import cuda_ipc as _cuda_ipc
 from ._gen import indexer_pb2 as pb
+from ._malloc import keep_freed_memory
 from .errors import IndexerError
 from .shm import SharedMemoryRegion, register_memfd
 
@@ -733,13 +734,19 @@ class Client:
       server (implies TLS); tls_cert + tls_key: a client certificate (mutual TLS);
       tls_server_name: the name checked against the server's certificate when it is not the
       target's host (e.g. "localhost" when dialing 127.0.0.1).
+    malloc_keep_mb: this process's allocator keeps up to this much freed heap for reuse
+      (glibc mallopt, process-wide; see decode_indexer.keep_freed_memory), so that each
+      step's ~0.5-2 MB messages reuse warm pages instead of faulting fresh ones in: ~30% of a
+      64-row unary call on the development machine. 0 leaves the allocator alone.
     Thread-safe: calls may come from several threads at once (steps still run in arrival order).
     """
 
     def __init__(self, target: str, *, timeout: float | None = None,
                  options: Sequence[tuple[str, Any]] | None = None, token: str | None = None,
                  token_file: Any = None, tls: bool = False, tls_ca: Any = None,
-                 tls_cert: Any = None, tls_key: Any = None, tls_server_name: str | None = None):
+                 tls_cert: Any = None, tls_key: Any = None, tls_server_name: str | None = None,
+                 malloc_keep_mb: int = 64):
+        keep_freed_memory(malloc_keep_mb)
         self.target = target
         self.timeout = timeout
         self._how = _Channel.make(options, token, token_file, tls, tls_ca, tls_cert, tls_key,
