@@ -179,8 +179,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   }
   std::unique_ptr<Server> server(new Server());
   server->snapshot_dir_ = options.snapshot_dir;
+  // One limit on a step's sequences: the edge refuses more than --max-sequences-per-step, and
+  // the executor sizes its per-step buffers for exactly that many (it refused more than its
+  // own default of 256 even when the flag allowed more).
+  exec::ExecutorOptions executor_options = options.executor;
+  if (options.max_sequences_per_step > 0) {
+    executor_options.max_requests_per_step = options.max_sequences_per_step;
+  }
   absl::StatusOr<std::unique_ptr<exec::Executor>> executor =
-      exec::Executor::Create(options.profile, options.executor);
+      exec::Executor::Create(options.profile, executor_options);
   if (!executor.ok()) return executor.status();
   server->executor_ = std::move(*executor);
   const int receive_limit =

@@ -46,7 +46,8 @@ struct ServerOptions {
   // Unix socket for sealed-memfd shared-memory registration; empty: no shared memory.
   std::string shm_socket;
   // Sequences one DecodeStep may carry (INVALID_ARGUMENT beyond): what bounds the largest
-  // legal request, and so the default message limit.
+  // legal request, and so the default message limit; the executor's per-step capacity
+  // (ExecutorOptions::max_requests_per_step) is set to it.
   int max_sequences_per_step = 256;
   // Serve grpc.reflection (decode-indexer-server turns it off when a token is set).
   bool reflection = true;

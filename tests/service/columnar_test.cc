@@ -325,6 +325,49 @@ TEST(ColumnarClientTest, BuildsFromTheFrontendsArrays) {
   EXPECT_TRUE((*stream)->Finish().ok());
 }
 
+// --max-sequences-per-step is the one limit on a step's sequences: a server allowed 300 (more
+// than the executor's own default capacity of 256) answers a 300-sequence step in both forms
+// alike, and refuses 301 at the edge, naming the flag.
+TEST(ColumnarLimitTest, MaxSequencesPerStepIsTheExecutorsCapacityToo) {
+  SCOPED_TRACE(::testing::Message() << "seed " << TestSeed());
+  const config::Profile p = LoadOrDie(TinyProfilePath());
+  constexpr int kRequests = 300;
+  static_assert(kRequests > exec::ExecutorOptions{}.max_requests_per_step);
+  auto allow = [](service::ServerOptions& o) { o.max_sequences_per_step = kRequests; };
+  exec::ExecutorOptions cpu = CpuOptions(1, 1024);
+  cpu.max_sequences = kRequests + 1;
+  Twin t;
+  t.seq = StartSession(p, cpu, allow);
+  t.col = StartSession(p, cpu, allow);
+  ASSERT_NE(t.seq, nullptr);
+  ASSERT_NE(t.col, nullptr);
+  Gen gen(TestSeed());
+  std::vector<uint64_t> ids;
+  std::vector<int64_t> lengths;
+  for (int i = 0; i < kRequests; ++i) {
+    ids.push_back(5000 + i);
+    lengths.push_back(8 + int64_t(gen.rng()() % 40));
+  }
+  PrefillBoth(t, gen, ids, lengths, {0});
+  const v1::DecodeStepRequest req =
+      RandomStep(gen, t, 0, ids, 1, QForm::kQuantized, KeyForm::kQuantized, true, 1);
+  absl::StatusOr<client::StepAnswer> a = t.seq->client->DecodeStep(req);
+  ASSERT_TRUE(a.ok()) << a.status();
+  absl::StatusOr<client::StepAnswer> b = t.col->client->DecodeStep(ToColumnar(req));
+  ASSERT_TRUE(b.ok()) << b.status();
+  ExpectSameAnswer(*a, *b, "300 sequences");
+  EXPECT_EQ(a->lengths.size(), size_t(kRequests));
+
+  ASSERT_TRUE(t.col->client->CreateSequence(9999).ok());
+  v1::DecodeStepRequest more = ToColumnar(req);
+  more.add_sequence_ids(9999);
+  absl::StatusOr<client::StepAnswer> refused = t.col->client->DecodeStep(more);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("--max-sequences-per-step"), std::string::npos)
+      << refused.status();
+}
+
 // Bad columnar input: INVALID_ARGUMENT naming the field, and no cache changes its length
 // (the later valid step answers as a server that never saw the bad ones).
 TEST(ColumnarBadInputTest, IsRefusedAndChangesNothing) {
