@@ -4,6 +4,7 @@
 //
 //   decode-indexer-bench-snapshot [--profile v32] [--sequences 8] [--length 32768]
 //                                 [--dir /tmp/di-bench-snapshot] [--ranks 1] [--backend cpu]
+//                                 [--malloc-keep-mb 64]
 //
 // Fills `sequences` sequences with `length` pre-quantized random keys in every cache of the
 // profile, writes the snapshot (as Server::Shutdown does), drops the file from the page cache
@@ -20,7 +21,10 @@
 #include <random>
 #include <string>
 
+#include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
+#include "common/cli.h"
+#include "common/malloc_tuning.h"
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
 #include "server/service/snapshot.h"
@@ -32,25 +36,27 @@ int main(int argc, char** argv) {
   std::string profile_name = "v32", dir = "/tmp/di-bench-snapshot", backend = "cpu";
   int64_t sequences = 8, length = 32768;
   int ranks = 1;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--profile")
-      profile_name = value;
-    else if (flag == "--sequences")
-      sequences = std::atoll(value.c_str());
-    else if (flag == "--length")
-      length = std::atoll(value.c_str());
-    else if (flag == "--dir")
-      dir = value;
-    else if (flag == "--ranks")
-      ranks = std::atoi(value.c_str());
-    else if (flag == "--backend")
-      backend = value;
-    else {
-      std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
-      return 2;
-    }
-  }
+  int64_t malloc_keep_mb = 64;
+  CLI::App app{"decode-indexer-bench-snapshot: time writing and restoring a --snapshot-dir "
+               "snapshot"};
+  app.add_option("--profile", profile_name, "built-in profile or file")->capture_default_str();
+  app.add_option("--sequences", sequences, "sequences to fill")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--length", length, "keys in every cache of each sequence")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--dir", dir, "snapshot directory")->capture_default_str();
+  app.add_option("--ranks", ranks, "ranks")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--backend", backend, "cpu or cuda")->capture_default_str();
+  app.add_option("--malloc-keep-mb", malloc_keep_mb,
+                 "freed heap kept for reuse, as decode-indexer-server's default "
+                 "(common/malloc_tuning.h; 0: glibc's defaults)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  di::cli::AddVersion(app);
+  DI_CLI_PARSE(app, argc, argv);
+  if (malloc_keep_mb > 0) di::KeepFreedMemory(malloc_keep_mb);
   spdlog::set_level(spdlog::level::warn);
   absl::StatusOr<di::config::Profile> profile = di::config::LoadProfile(profile_name);
   if (!profile.ok()) {

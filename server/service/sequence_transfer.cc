@@ -43,11 +43,8 @@ uint32_t Crc32(absl::string_view bytes, uint32_t crc) {
   return static_cast<uint32_t>(c);
 }
 
-absl::Status EmitSequenceChunks(const exec::SequenceImage& image, const config::Profile& profile,
-                                uint64_t sequence_id, int64_t chunk_bytes,
-                                const std::function<absl::Status(v1::SequenceChunk&)>& emit) {
-  if (chunk_bytes <= 0) chunk_bytes = 1 << 20;
-  const std::vector<int32_t> cache_layers = profile.CacheLayers();
+v1::SequenceChunk SequenceHeaderChunk(const exec::SequenceImage& image,
+                                      const config::Profile& profile, uint64_t sequence_id) {
   v1::SequenceChunk chunk;
   v1::SequenceHeader* h = chunk.mutable_header();
   h->set_profile(profile.name);
@@ -72,26 +69,88 @@ absl::Status EmitSequenceChunks(const exec::SequenceImage& image, const config::
   }
   chunk.set_crc32(SequenceHeaderCrc(*h));
   chunk.set_last(!any_data);
-  if (absl::Status s = emit(chunk); !s.ok()) return s;
+  return chunk;
+}
+
+absl::Status ForEachDataChunk(const exec::SequenceImage& image, int64_t chunk_bytes,
+                              const std::function<absl::Status(const DataChunkView&)>& fn) {
+  if (chunk_bytes <= 0) chunk_bytes = 1 << 20;
   // The last chunk with data: the final piece of the last non-empty cache.
-  size_t last_cache = 0;
+  size_t last_cache = image.caches.size();
   for (size_t i = 0; i < image.caches.size(); ++i) {
     if (!image.caches[i].pages.empty()) last_cache = i;
   }
-  for (size_t i = 0; i < image.caches.size() && any_data; ++i) {
+  for (size_t i = 0; i < image.caches.size(); ++i) {
     const std::string& pages = image.caches[i].pages;
     for (size_t off = 0; off < pages.size(); off += static_cast<size_t>(chunk_bytes)) {
       const size_t n = std::min<size_t>(pages.size() - off, static_cast<size_t>(chunk_bytes));
-      v1::SequenceChunk data;
-      data.set_cache_index(static_cast<int32_t>(i));
-      data.set_offset(static_cast<int64_t>(off));
-      data.set_data(pages.data() + off, n);
-      data.set_crc32(Crc32(data.data()));
-      data.set_last(i == last_cache && off + n == pages.size());
-      if (absl::Status s = emit(data); !s.ok()) return s;
+      DataChunkView v;
+      v.cache_index = static_cast<int32_t>(i);
+      v.offset = static_cast<int64_t>(off);
+      v.data = absl::string_view(pages.data() + off, n);
+      v.last = i == last_cache && off + n == pages.size();
+      if (absl::Status s = fn(v); !s.ok()) return s;
     }
   }
   return absl::OkStatus();
+}
+
+namespace {
+void PutVarint(std::string& out, uint64_t v) {
+  while (v >= 0x80) {
+    out.push_back(static_cast<char>(v | 0x80));
+    v >>= 7;
+  }
+  out.push_back(static_cast<char>(v));
+}
+}  // namespace
+
+DataChunkFrame FrameDataChunk(const DataChunkView& chunk, uint32_t data_crc) {
+  // SequenceChunk's fields 2 (int32 cache_index, varint: a negative one sign-extended to 64
+  // bits), 3 (int64 offset), 4 (bytes data), 5 (fixed32 crc32), 6 (bool last).
+  const uint64_t cache_index = static_cast<uint64_t>(static_cast<int64_t>(chunk.cache_index));
+  const uint64_t offset = static_cast<uint64_t>(chunk.offset);
+  const uint64_t n = chunk.data.size();
+  std::string head;  // the chunk's fields before the data bytes
+  if (cache_index != 0) {
+    head.push_back(0x10);
+    PutVarint(head, cache_index);
+  }
+  if (offset != 0) {
+    head.push_back(0x18);
+    PutVarint(head, offset);
+  }
+  if (n != 0) {
+    head.push_back(0x22);
+    PutVarint(head, n);
+  }
+  DataChunkFrame f;
+  if (data_crc != 0) {
+    f.suffix.push_back(0x2d);
+    for (int i = 0; i < 4; ++i) f.suffix.push_back(static_cast<char>(data_crc >> (8 * i)));
+  }
+  if (chunk.last) f.suffix.append({0x30, 0x01});
+  // ImportSequenceRequest's field 2 (the chunk; sequence_id is 0 after the first record).
+  f.prefix.push_back(0x12);
+  PutVarint(f.prefix, head.size() + n + f.suffix.size());
+  f.prefix += head;
+  return f;
+}
+
+absl::Status EmitSequenceChunks(const exec::SequenceImage& image, const config::Profile& profile,
+                                uint64_t sequence_id, int64_t chunk_bytes,
+                                const std::function<absl::Status(v1::SequenceChunk&)>& emit) {
+  v1::SequenceChunk header = SequenceHeaderChunk(image, profile, sequence_id);
+  if (absl::Status s = emit(header); !s.ok()) return s;
+  return ForEachDataChunk(image, chunk_bytes, [&](const DataChunkView& v) {
+    v1::SequenceChunk data;
+    data.set_cache_index(v.cache_index);
+    data.set_offset(v.offset);
+    data.set_data(v.data.data(), v.data.size());
+    data.set_crc32(Crc32(data.data()));
+    data.set_last(v.last);
+    return emit(data);
+  });
 }
 
 absl::Status SequenceAssembler::Add(const v1::SequenceChunk& chunk) {
@@ -186,7 +245,7 @@ absl::Status SequenceAssembler::Add(const v1::SequenceChunk& chunk) {
                                             chunk.offset(), ", expected cache ", cache_, " offset ",
                                             pages.size(), " (a chunk is missing or out of order)"));
   }
-  if (Crc32(chunk.data()) != chunk.crc32()) {
+  if (data_crc_ == DataCrc::kCheck && Crc32(chunk.data()) != chunk.crc32()) {
     return absl::DataLossError(absl::StrCat(where, ".crc32: cache ", cache_, " offset ",
                                             chunk.offset(), " fails its CRC-32 (corrupt)"));
   }

@@ -21,6 +21,32 @@ uint32_t Crc32(absl::string_view bytes, uint32_t crc = 0);
 // The CRC-32 a header chunk carries: of the header's deterministic serialization.
 uint32_t SequenceHeaderCrc(const v1::SequenceHeader& header);
 
+// The header chunk of `image` (crc32 set; `last` when no cache has pages).
+v1::SequenceChunk SequenceHeaderChunk(const exec::SequenceImage& image,
+                                      const config::Profile& profile, uint64_t sequence_id);
+
+// A data chunk of an image, as a view of its pages (no copy, no CRC yet).
+struct DataChunkView {
+  int32_t cache_index = 0;
+  int64_t offset = 0;
+  absl::string_view data;
+  bool last = false;
+};
+// Calls `fn` with each data chunk of `image` in stream order (after the header); stops at the
+// first error. chunk_bytes <= 0: 1 MiB.
+absl::Status ForEachDataChunk(const exec::SequenceImage& image, int64_t chunk_bytes,
+                              const std::function<absl::Status(const DataChunkView&)>& fn);
+
+// The canonical serialization (what SerializeToString writes: fields in number order,
+// defaults left out) of ImportSequenceRequest{chunk: {cache_index, offset, data, crc32 =
+// data_crc, last}}, split around the data bytes, which it does not copy: a snapshot record
+// is prefix + data + suffix.
+struct DataChunkFrame {
+  std::string prefix;
+  std::string suffix;
+};
+DataChunkFrame FrameDataChunk(const DataChunkView& chunk, uint32_t data_crc);
+
 // Calls `emit` with each chunk of `image` in order (the header first, `last` set on the final
 // one); stops at the first error `emit` returns. chunk_bytes <= 0: 1 MiB.
 absl::Status EmitSequenceChunks(const exec::SequenceImage& image, const config::Profile& profile,
@@ -32,7 +58,11 @@ absl::Status EmitSequenceChunks(const exec::SequenceImage& image, const config::
 // chunk's CRC-32 (DATA_LOSS), the order and sizes (INVALID_ARGUMENT). Nothing changes state.
 class SequenceAssembler {
  public:
-  explicit SequenceAssembler(const config::Profile& profile) : profile_(profile) {}
+  // kCoveredByCaller: the caller has checked a CRC over bytes that include every data chunk's
+  // (a snapshot record's), so a data chunk's own CRC-32 is not computed again.
+  enum class DataCrc { kCheck, kCoveredByCaller };
+  explicit SequenceAssembler(const config::Profile& profile, DataCrc data_crc = DataCrc::kCheck)
+      : profile_(profile), data_crc_(data_crc) {}
 
   absl::Status Add(const v1::SequenceChunk& chunk);
   // Whether the chunk marked `last` arrived (and everything before it checked out).
@@ -44,6 +74,7 @@ class SequenceAssembler {
 
  private:
   const config::Profile& profile_;
+  DataCrc data_crc_;
   bool have_header_ = false;
   bool complete_ = false;
   uint64_t exported_id_ = 0;

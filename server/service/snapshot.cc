@@ -10,6 +10,8 @@
 #include <cstring>
 #include <memory>
 
+#include <zlib.h>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -43,19 +45,35 @@ class Writer {
     return absl::OkStatus();
   }
   absl::Status Record(absl::string_view payload) {
-    uint8_t head[8];
-    const uint32_t len = static_cast<uint32_t>(payload.size());
-    const uint32_t crc = Crc32(payload);
-    for (int i = 0; i < 4; ++i) {
-      head[i] = uint8_t(len >> (8 * i));
-      head[4 + i] = uint8_t(crc >> (8 * i));
-    }
-    if (absl::Status s = Raw(head, 8); !s.ok()) return s;
+    if (absl::Status s = Head(payload.size(), Crc32(payload)); !s.ok()) return s;
     return Raw(payload.data(), payload.size());
+  }
+  // A data chunk's record, written from the image's pages in place: the payload is
+  // FrameDataChunk's prefix + the data + its suffix, and its CRC-32 is put together from the
+  // pieces' (crc32_combine), so the data bytes are read once, for the chunk's own CRC.
+  absl::Status DataRecord(const DataChunkView& chunk) {
+    const uint32_t data_crc = Crc32(chunk.data);
+    const DataChunkFrame f = FrameDataChunk(chunk, data_crc);
+    uLong crc = Crc32(f.prefix);
+    crc = crc32_combine(crc, data_crc, static_cast<z_off_t>(chunk.data.size()));
+    crc = crc32_combine(crc, Crc32(f.suffix), static_cast<z_off_t>(f.suffix.size()));
+    const size_t len = f.prefix.size() + chunk.data.size() + f.suffix.size();
+    if (absl::Status s = Head(len, static_cast<uint32_t>(crc)); !s.ok()) return s;
+    if (absl::Status s = Raw(f.prefix.data(), f.prefix.size()); !s.ok()) return s;
+    if (absl::Status s = Raw(chunk.data.data(), chunk.data.size()); !s.ok()) return s;
+    return Raw(f.suffix.data(), f.suffix.size());
   }
   int64_t bytes() const { return bytes_; }
 
  private:
+  absl::Status Head(size_t len, uint32_t crc) {
+    uint8_t head[8];
+    for (int i = 0; i < 4; ++i) {
+      head[i] = uint8_t(uint32_t(len) >> (8 * i));
+      head[4 + i] = uint8_t(crc >> (8 * i));
+    }
+    return Raw(head, 8);
+  }
   std::FILE* f_;
   int64_t bytes_ = 0;
 };
@@ -102,17 +120,14 @@ absl::StatusOr<SnapshotInfo> WriteSnapshot(exec::Executor& executor, const std::
         s = image.status();
         break;
       }
-      bool first = true;
-      std::string bytes;
-      s = EmitSequenceChunks(*image, profile, ids[i], 16 << 20, [&](v1::SequenceChunk& chunk) {
-        v1::ImportSequenceRequest req;
-        if (first) req.set_sequence_id(ids[i]);
-        first = false;
-        req.mutable_chunk()->Swap(&chunk);
-        bytes.clear();
-        req.SerializeToString(&bytes);
-        return w.Record(bytes);
-      });
+      v1::ImportSequenceRequest first;
+      first.set_sequence_id(ids[i]);
+      *first.mutable_chunk() = SequenceHeaderChunk(*image, profile, ids[i]);
+      s = w.Record(first.SerializeAsString());
+      if (s.ok()) {
+        s = ForEachDataChunk(*image, 16 << 20,
+                             [&](const DataChunkView& chunk) { return w.DataRecord(chunk); });
+      }
     }
     if (s.ok()) s = w.Record(absl::StrCat("end sequences=", ids.size(), "\n"));
     if (s.ok() && std::fflush(f.get()) != 0)
@@ -240,7 +255,8 @@ absl::StatusOr<std::optional<SnapshotInfo>> RestoreSnapshot(exec::Executor& exec
   }
   advance();
   for (int64_t i = 0; i < count; ++i) {
-    SequenceAssembler assembler(profile);
+    // Every record's CRC-32 covers its chunk's data: the chunks' own CRCs are not recomputed.
+    SequenceAssembler assembler(profile, SequenceAssembler::DataCrc::kCoveredByCaller);
     uint64_t id = 0;
     while (!assembler.complete()) {
       if (absl::Status s = next(&eof); !s.ok()) return s;
