@@ -6,9 +6,14 @@
 
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
 
 #include <zlib.h>
 
@@ -88,6 +93,67 @@ absl::Status FsyncPath(const std::string& path, bool dir) {
   return absl::OkStatus();
 }
 
+// A bounded hand-off from one producer thread to one consumer: the snapshot's file work
+// (CRC-32s, reads and writes) runs on its own thread beside the executor's copies and the
+// records' parsing, at most `depth` items ahead.
+template <typename T>
+class Handoff {
+ public:
+  explicit Handoff(size_t depth) : depth_(depth) {}
+  // Producer: false once the consumer closed (stop producing).
+  bool Push(T item) {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return q_.size() < depth_ || closed_; });
+    if (closed_) return false;
+    q_.push_back(std::move(item));
+    cv_.notify_all();
+    return true;
+  }
+  // Producer: nothing more comes.
+  void Finish() {
+    std::lock_guard lock(mu_);
+    finished_ = true;
+    cv_.notify_all();
+  }
+  // Consumer: the next item; nullopt once the producer finished and all were taken, or after
+  // Close.
+  std::optional<T> Pop() {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return !q_.empty() || finished_ || closed_; });
+    if (closed_ || q_.empty()) return std::nullopt;
+    T item = std::move(q_.front());
+    q_.pop_front();
+    cv_.notify_all();
+    return item;
+  }
+  // Either side: stop; a waiting Push returns false, a waiting Pop nullopt.
+  void Close() {
+    std::lock_guard lock(mu_);
+    closed_ = true;
+    q_.clear();
+    cv_.notify_all();
+  }
+
+ private:
+  const size_t depth_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<T> q_;
+  bool finished_ = false;
+  bool closed_ = false;
+};
+
+// Closes `h` and joins `t` on every way out of a scope.
+template <typename T>
+struct JoinOnExit {
+  Handoff<T>& h;
+  std::thread& t;
+  ~JoinOnExit() {
+    h.Close();
+    if (t.joinable()) t.join();
+  }
+};
+
 }  // namespace
 
 absl::StatusOr<SnapshotInfo> WriteSnapshot(exec::Executor& executor, const std::string& dir,
@@ -114,21 +180,41 @@ absl::StatusOr<SnapshotInfo> WriteSnapshot(exec::Executor& executor, const std::
                                 "\nprofile_hash=", config::CacheIdentityHash(profile),
                                 "\ninstance_id=", instance_id, "\nsequences=", ids.size(), "\n"));
     }
-    for (size_t i = 0; i < ids.size() && s.ok(); ++i) {
-      absl::StatusOr<exec::SequenceImage> image = executor.ExportSequence(ids[i]);
-      if (!image.ok()) {
-        s = image.status();
-        break;
+    // The executor copies sequence i + 1 out while this writer's thread checksums and writes
+    // sequence i (two images in memory at most).
+    struct Exported {
+      uint64_t id;
+      exec::SequenceImage image;
+    };
+    Handoff<Exported> exported(1);
+    absl::Status written = s;
+    std::thread writer([&] {
+      while (std::optional<Exported> e = exported.Pop()) {
+        v1::ImportSequenceRequest first;
+        first.set_sequence_id(e->id);
+        *first.mutable_chunk() = SequenceHeaderChunk(e->image, profile, e->id);
+        written = w.Record(first.SerializeAsString());
+        if (written.ok()) {
+          written = ForEachDataChunk(
+              e->image, 16 << 20, [&](const DataChunkView& chunk) { return w.DataRecord(chunk); });
+        }
+        if (!written.ok()) exported.Close();  // the exporter stops at its next Push
       }
-      v1::ImportSequenceRequest first;
-      first.set_sequence_id(ids[i]);
-      *first.mutable_chunk() = SequenceHeaderChunk(*image, profile, ids[i]);
-      s = w.Record(first.SerializeAsString());
-      if (s.ok()) {
-        s = ForEachDataChunk(*image, 16 << 20,
-                             [&](const DataChunkView& chunk) { return w.DataRecord(chunk); });
+    });
+    {
+      JoinOnExit<Exported> join{exported, writer};
+      for (size_t i = 0; i < ids.size() && s.ok(); ++i) {
+        absl::StatusOr<exec::SequenceImage> image = executor.ExportSequence(ids[i]);
+        if (!image.ok()) {
+          s = image.status();
+          break;
+        }
+        if (!exported.Push(Exported{ids[i], *std::move(image)})) break;  // the writer failed
       }
+      exported.Finish();
+      writer.join();
     }
+    if (s.ok()) s = written;
     if (s.ok()) s = w.Record(absl::StrCat("end sequences=", ids.size(), "\n"));
     if (s.ok() && std::fflush(f.get()) != 0)
       s = absl::InternalError(absl::StrCat("flush: ", Errno()));
@@ -191,40 +277,76 @@ absl::StatusOr<std::optional<SnapshotInfo>> RestoreSnapshot(exec::Executor& exec
                   "the file does not start with DISNAP01");
   }
   offset = sizeof(kMagic);
+  // This thread reads and checks the records (fread, CRC-32) up to four ahead of the one
+  // being parsed and imported here; it stops at the end of the file or at the first bad one.
+  struct RawRecord {
+    std::string payload;
+    bool eof = false;  // a clean end of the file: no record
+    absl::Status status;
+  };
+  Handoff<RawRecord> ahead(4);
+  std::thread reader([&, at = offset] {
+    int64_t r_offset = at, r_record = 0;
+    auto r_refuse = [&](absl::StatusCode code, absl::string_view kind, absl::string_view why) {
+      return absl::Status(code, absl::StrCat("snapshot ", info.path, " refused: ", kind,
+                                             " at byte ", r_offset, " (record ", r_record, "): ",
+                                             why, "; move the file away to start without it"));
+    };
+    auto read = [&](RawRecord& r) -> absl::Status {
+      uint8_t head[8];
+      const size_t got = std::fread(head, 1, 8, f.get());
+      r.eof = got == 0 && std::feof(f.get());
+      if (r.eof) return absl::OkStatus();
+      if (got != 8) {
+        return r_refuse(absl::StatusCode::kDataLoss, "torn or truncated",
+                        "the file ends inside a record header");
+      }
+      uint32_t len = 0, crc = 0;
+      for (int i = 0; i < 4; ++i) {
+        len |= uint32_t(head[i]) << (8 * i);
+        crc |= uint32_t(head[4 + i]) << (8 * i);
+      }
+      if (len > kMaxRecord) {
+        return r_refuse(absl::StatusCode::kDataLoss, "corrupt",
+                        absl::StrCat("a record claims ", len, " bytes"));
+      }
+      // Nothing is allocated for bytes the file does not have.
+      if (int64_t{len} > file_bytes - r_offset - 8) {
+        return r_refuse(absl::StatusCode::kDataLoss, "torn or truncated",
+                        absl::StrCat("the file ends inside a record of ", len, " bytes"));
+      }
+      r.payload.resize(len);
+      if (std::fread(r.payload.data(), 1, len, f.get()) != len) {
+        return r_refuse(absl::StatusCode::kDataLoss, "torn or truncated",
+                        absl::StrCat("the file ends inside a record of ", len, " bytes"));
+      }
+      if (Crc32(r.payload) != crc) {
+        return r_refuse(absl::StatusCode::kDataLoss, "corrupt", "a record fails its CRC-32");
+      }
+      return absl::OkStatus();
+    };
+    for (;;) {
+      RawRecord r;
+      r.status = read(r);
+      const bool stop = r.eof || !r.status.ok();
+      r_offset += 8 + static_cast<int64_t>(r.payload.size());
+      ++r_record;
+      if (!ahead.Push(std::move(r)) || stop) break;
+    }
+    ahead.Finish();
+  });
+  JoinOnExit<RawRecord> join{ahead, reader};
   std::string payload;
-  // Reads the next record into payload; false at a clean end of file.
+  // The next record into payload; *eof at a clean end of file.
   auto next = [&](bool* eof) -> absl::Status {
-    uint8_t head[8];
-    const size_t got = std::fread(head, 1, 8, f.get());
-    *eof = got == 0 && std::feof(f.get());
-    if (*eof) return absl::OkStatus();
-    if (got != 8) {
-      return refuse(absl::StatusCode::kDataLoss, "torn or truncated",
-                    "the file ends inside a record header");
+    std::optional<RawRecord> r = ahead.Pop();
+    if (!r.has_value()) {  // after the reader's last (end of file or a refusal)
+      *eof = true;
+      return absl::OkStatus();
     }
-    uint32_t len = 0, crc = 0;
-    for (int i = 0; i < 4; ++i) {
-      len |= uint32_t(head[i]) << (8 * i);
-      crc |= uint32_t(head[4 + i]) << (8 * i);
-    }
-    if (len > kMaxRecord) {
-      return refuse(absl::StatusCode::kDataLoss, "corrupt",
-                    absl::StrCat("a record claims ", len, " bytes"));
-    }
-    // Nothing is allocated for bytes the file does not have.
-    if (int64_t{len} > file_bytes - offset - 8) {
-      return refuse(absl::StatusCode::kDataLoss, "torn or truncated",
-                    absl::StrCat("the file ends inside a record of ", len, " bytes"));
-    }
-    payload.resize(len);
-    if (std::fread(payload.data(), 1, len, f.get()) != len) {
-      return refuse(absl::StatusCode::kDataLoss, "torn or truncated",
-                    absl::StrCat("the file ends inside a record of ", len, " bytes"));
-    }
-    if (Crc32(payload) != crc) {
-      return refuse(absl::StatusCode::kDataLoss, "corrupt", "a record fails its CRC-32");
-    }
-    return absl::OkStatus();
+    *eof = r->eof;
+    payload = std::move(r->payload);
+    return r->status;
   };
   auto advance = [&] {
     offset += 8 + static_cast<int64_t>(payload.size());
@@ -286,11 +408,13 @@ absl::StatusOr<std::optional<SnapshotInfo>> RestoreSnapshot(exec::Executor& exec
                   "the end record is missing or wrong");
   }
   advance();
-  if (std::fgetc(f.get()) != EOF) {
-    return refuse(absl::StatusCode::kDataLoss, "corrupt", "bytes follow the end record");
-  }
+  // Anything after the end record (a whole record or a torn one) is refused as such.
+  (void)next(&eof);
+  if (!eof) return refuse(absl::StatusCode::kDataLoss, "corrupt", "bytes follow the end record");
   info.bytes = offset;
   info.sequences = count;
+  ahead.Close();
+  reader.join();
   f.reset();
   if (std::remove(info.path.c_str()) != 0) {
     return absl::FailedPreconditionError(absl::StrCat("snapshot ", info.path,

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <limits>
+#include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -447,6 +449,82 @@ TEST_F(ExecutorState, AbandonedLifecycleCallsChangeNothing) {
     }
   }
   Round(ids, 1);
+}
+
+// An import checks every entry below each cache's length (an FP8 NaN code anywhere in an
+// entry, a scale that is not positive and finite, an FP4 NaN scale) and names the entry; the
+// bytes of a last page's slots past the length are not entries and are not checked.
+TEST(ExecutorImport, ChecksEveryEntryBelowTheLengthAndNoneAbove) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  config::Profile p = SmallV41();
+  p.layers[0].cache_format = kernels::CacheFormat::kFp8;  // one FP8 and one FP4 cache
+  Harness h(p, seed);
+  ExecutorOptions o = CpuOptions(1);
+  o.cache_pages = 64;
+  std::unique_ptr<Executor> e_ = MakeExecutor(p, o);
+  ASSERT_NE(e_, nullptr);
+  const std::vector<int32_t> cache_layers = p.CacheLayers();
+  ASSERT_TRUE(e_->CreateSequence(1).ok());
+  for (int32_t layer : cache_layers) {
+    // Lengths that end inside a page, so that every last page has slots past the length.
+    const int32_t count = 33 + 16 * int32_t(h.rng()() % 4) + int32_t(h.rng()() % 15);
+    std::vector<uint8_t> keys, scales;
+    KeysInput in;
+    h.RandomKeys(layer, count, KeyForm::kF32, &keys, &scales, &in.type);
+    in.count = count;
+    in.keys = keys.data();
+    ASSERT_TRUE(e_->AppendKeys(1, layer, in).ok());
+  }
+  absl::StatusOr<exec::SequenceImage> image = e_->ExportSequence(1);
+  ASSERT_TRUE(image.ok()) << image.status();
+  ASSERT_TRUE(e_->ImportSequence(2, *image).ok()) << "the untouched image imports";
+  ASSERT_TRUE(e_->ReleaseSequence(2).ok());
+  auto& rng = h.rng();
+  std::set<kernels::CacheFormat> formats;
+  for (int trial = 0; trial < 60; ++trial) {
+    const size_t pool = rng() % image->caches.size();
+    const exec::CacheImage& c = image->caches[pool];
+    const kernels::CacheGeometry g{p.layers[c.cache_layer].cache_format, p.head_dim, p.page_size};
+    formats.insert(g.format);
+    const bool past = trial % 4 == 3;  // a slot past the length: not checked
+    const int64_t slots = (c.length + g.page_size - 1) / g.page_size * g.page_size;
+    ASSERT_LT(c.length, slots);
+    const int64_t e =
+        past ? c.length + int64_t(rng() % (slots - c.length)) : int64_t(rng() % c.length);
+    exec::SequenceImage bad = *image;
+    uint8_t* page = reinterpret_cast<uint8_t*>(bad.caches[pool].pages.data()) +
+                    (e / g.page_size) * g.page_bytes();
+    const int64_t o = e % g.page_size;
+    uint8_t* scale = page + int64_t{g.page_size} * g.value_bytes() + o * g.scale_bytes();
+    std::string what;
+    if (g.format == kernels::CacheFormat::kFp8 && rng() % 2 == 0) {
+      page[o * g.value_bytes() + int64_t(rng() % g.value_bytes())] = (rng() % 2) ? 0xFF : 0x7F;
+      what = "NaN code";
+    } else if (g.format == kernels::CacheFormat::kFp8) {
+      const float bad_scales[] = {0.0f, -1.0f, std::numeric_limits<float>::infinity(),
+                                  std::numeric_limits<float>::quiet_NaN()};
+      std::memcpy(scale, &bad_scales[rng() % 4], sizeof(float));
+      what = "scale";
+    } else {
+      scale[rng() % g.scale_bytes()] = 0xFF;
+      what = "NaN scale";
+    }
+    SCOPED_TRACE(absl::StrCat("trial ", trial, ": pool ", pool, " entry ", e, " of ", c.length,
+                              " (", what, ")"));
+    const Snapshot before = Take(*e_);
+    const absl::Status s = e_->ImportSequence(100 + trial, bad);
+    if (past) {
+      EXPECT_TRUE(s.ok()) << s;
+      if (s.ok()) ASSERT_TRUE(e_->ReleaseSequence(100 + trial).ok());
+      continue;
+    }
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr(absl::StrCat("caches[", pool, "].pages: entry ", e)));
+    EXPECT_THAT(s.message(), HasSubstr(what));
+    EXPECT_EQ(Take(*e_), before);
+  }
+  EXPECT_EQ(formats.size(), 2u) << "both cache formats corrupted at least once";
 }
 
 TEST_F(ExecutorState, ReleaseFreesPagesAndCandidates) {
