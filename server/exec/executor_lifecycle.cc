@@ -58,6 +58,20 @@ absl::Status CheckCacheImage(const CacheImage& c, const kernels::CacheGeometry& 
   return absl::OkStatus();
 }
 
+// Calls fn(k, first page id, n) for each run of consecutive page ids pages[k..k+n) (id, id +
+// 1, ...), so that an export or import copies a run in one call instead of page by page (a
+// cache filled in one go holds its pages in a few runs; on a GPU each call is a DMA).
+template <typename F>
+absl::Status ForEachPageRun(const std::vector<int32_t>& pages, F&& fn) {
+  for (size_t k = 0; k < pages.size();) {
+    size_t n = 1;
+    while (k + n < pages.size() && int64_t{pages[k + n]} == int64_t{pages[k]} + int64_t(n)) ++n;
+    if (absl::Status s = fn(k, pages[k], n); !s.ok()) return s;
+    k += n;
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<int64_t> ExecutorImpl::TruncateSequence(uint64_t sequence_id, int64_t length,
@@ -207,12 +221,14 @@ absl::StatusOr<SequenceImage> ExecutorImpl::ExportSequence(uint64_t sequence_id)
       const kernels::CacheView& cache = rank.buffers().caches[pool];
       const int64_t bytes = cache.geometry.page_bytes();
       char* out = image.caches[pool].pages.data();
-      for (size_t k = 0; k < s.caches[pool].pages.size(); ++k) {
-        if (absl::Status st = rank.device().CopyToHost(
-                out + k * bytes, cache.base + s.caches[pool].pages[k] * bytes, bytes);
-            !st.ok()) {
-          return st;
-        }
+      if (absl::Status st = ForEachPageRun(s.caches[pool].pages,
+                                           [&](size_t k, int32_t page, size_t n) {
+                                             return rank.device().CopyToHost(
+                                                 out + k * bytes, cache.base + page * bytes,
+                                                 n * bytes);
+                                           });
+          !st.ok()) {
+        return st;
       }
     }
     size_t c = 0;
@@ -359,12 +375,14 @@ absl::Status ExecutorImpl::ImportSequence(uint64_t sequence_id, const SequenceIm
       const kernels::CacheView& cache = rank.buffers().caches[pool];
       const int64_t bytes = cache.geometry.page_bytes();
       const char* in = image.caches[pool].pages.data();
-      for (size_t k = 0; k < pages[pool].size(); ++k) {
-        if (absl::Status st = rank.device().CopyToDevice(cache.base + pages[pool][k] * bytes,
-                                                         in + k * bytes, bytes);
-            !st.ok()) {
-          return st;
-        }
+      if (absl::Status st = ForEachPageRun(pages[pool],
+                                           [&](size_t k, int32_t page, size_t n) {
+                                             return rank.device().CopyToDevice(
+                                                 cache.base + page * bytes, in + k * bytes,
+                                                 n * bytes);
+                                           });
+          !st.ok()) {
+        return st;
       }
     }
     for (size_t c = 0; c < blocks.size(); ++c) {

@@ -21,7 +21,10 @@ absl::StatusOr<std::vector<int32_t>> PageAllocator::Reserve(int64_t n) {
     return absl::ResourceExhaustedError(
         absl::StrCat(owner_, ": need ", n, " ", unit_, ", only ", free(), " of ", total_, " free"));
   }
-  std::vector<int32_t> out(free_.end() - n, free_.end());
+  // From the top of the free stack down: a fresh pool (and a run released as one) hands
+  // out ascending ids, so that a cache filled in one go holds one run of consecutive pages
+  // (exports and imports copy a run in one call).
+  std::vector<int32_t> out(free_.rbegin(), free_.rbegin() + n);
   free_.resize(free_.size() - n);
   for (int32_t u : out) refs_[u] = 1;
   return out;
@@ -35,7 +38,9 @@ void PageAllocator::Share(std::span<const int32_t> units) {
 }
 
 void PageAllocator::Release(std::span<const int32_t> units) {
-  for (int32_t u : units) {
+  // Last unit first, so that the next Reserve hands a released run out in its order again.
+  for (auto it = units.rbegin(); it != units.rend(); ++it) {
+    const int32_t u = *it;
     assert(u >= 0 && u < total_ && refs_[u] > 0);
     if (--refs_[u] == 0) free_.push_back(u);
   }

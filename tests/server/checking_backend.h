@@ -42,8 +42,10 @@ class CheckingDevice final : public kernels::DeviceWrapper {
     }
     target().Free(ptr);
   }
-  // Counts every CopyToDevice call into `*counter` from now on (null: stop counting).
+  // Counts every CopyToDevice / CopyToHost call into `*counter` from now on (null: stop
+  // counting).
   void CountCopiesToDevice(std::atomic<int64_t>* counter) { copies_to_device_ = counter; }
+  void CountCopiesToHost(std::atomic<int64_t>* counter) { copies_to_host_ = counter; }
 
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
     if (copies_to_device_ != nullptr) copies_to_device_->fetch_add(1);
@@ -52,6 +54,7 @@ class CheckingDevice final : public kernels::DeviceWrapper {
     return target().CopyToDevice(dst, src, bytes);
   }
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
+    if (copies_to_host_ != nullptr) copies_to_host_->fetch_add(1);
     if (absl::Status s = Mine(src, bytes, "CopyToHost src"); !s.ok()) return s;
     if (absl::Status s = NotMine(dst, "CopyToHost dst"); !s.ok()) return s;
     return target().CopyToHost(dst, src, bytes);
@@ -88,6 +91,7 @@ class CheckingDevice final : public kernels::DeviceWrapper {
 
   std::atomic<int64_t>* violations_;
   std::atomic<int64_t>* copies_to_device_ = nullptr;
+  std::atomic<int64_t>* copies_to_host_ = nullptr;
   std::mutex mu_;
   std::map<uintptr_t, size_t> owned_;
 };

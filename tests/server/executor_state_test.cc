@@ -527,6 +527,65 @@ TEST(ExecutorImport, ChecksEveryEntryBelowTheLengthAndNoneAbove) {
   EXPECT_EQ(formats.size(), 2u) << "both cache formats corrupted at least once";
 }
 
+// A sequence whose caches were each filled in one call holds one run of pages a cache: its
+// export copies each cache in one call, and its import writes each in one call a rank (a
+// GPU's DMAs were one a page: 2M of them for 64 x 32K x 61 caches). Answers after the round
+// trip are checked by the lifecycle and snapshot suites; this counts the copies.
+TEST(ExecutorImport, ExportAndImportCopyARunOfPagesInOneCall) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  config::Profile p = SmallV41();
+  p.layers[0].cache_format = kernels::CacheFormat::kFp8;
+  Harness h(p, seed);
+  ExecutorOptions o = CpuOptions(2);
+  o.cache_pages = 64;
+  std::atomic<int64_t> violations{0};
+  std::vector<CheckingDevice*> devices(2, nullptr);
+  absl::StatusOr<std::unique_ptr<Executor>> made = exec::CreateExecutorWithBackends(
+      p, o,
+      [&](int32_t rank, const kernels::BackendLimits& limits)
+          -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
+        return MakeCheckingBackend(kernels::MakeCpuBackend(limits, 1), &violations, rank, nullptr,
+                                   nullptr, &devices[rank]);
+      });
+  ASSERT_TRUE(made.ok()) << made.status();
+  Executor& e = **made;
+  const std::vector<int32_t> cache_layers = p.CacheLayers();
+  ASSERT_TRUE(e.CreateSequence(1).ok());
+  for (int32_t layer : cache_layers) {
+    const int32_t count = 100 + int32_t(h.rng()() % 300);  // several pages each
+    std::vector<uint8_t> keys, scales;
+    KeysInput in;
+    h.RandomKeys(layer, count, KeyForm::kF32, &keys, &scales, &in.type);
+    in.count = count;
+    in.keys = keys.data();
+    ASSERT_TRUE(e.AppendKeys(1, layer, in).ok());
+  }
+  std::atomic<int64_t> to_host{0}, to_device{0};
+  for (CheckingDevice* d : devices) {
+    d->CountCopiesToHost(&to_host);
+    d->CountCopiesToDevice(&to_device);
+  }
+  absl::StatusOr<exec::SequenceImage> image = e.ExportSequence(1);
+  ASSERT_TRUE(image.ok()) << image.status();
+  EXPECT_EQ(to_host.load(), int64_t(cache_layers.size()));  // no candidates yet
+  ASSERT_TRUE(e.ImportSequence(2, *image).ok());
+  EXPECT_EQ(to_device.load(), 2 * int64_t(cache_layers.size()));  // each rank, each cache
+  to_host = 0;
+  absl::StatusOr<exec::SequenceImage> again = e.ExportSequence(2);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(to_host.load(), int64_t(cache_layers.size()));
+  for (size_t i = 0; i < image->caches.size(); ++i) {
+    EXPECT_EQ(again->caches[i].length, image->caches[i].length);
+    EXPECT_EQ(again->caches[i].pages, image->caches[i].pages) << "cache " << i;
+  }
+  for (CheckingDevice* d : devices) {
+    d->CountCopiesToHost(nullptr);
+    d->CountCopiesToDevice(nullptr);
+  }
+  EXPECT_EQ(violations.load(), 0);
+}
+
 TEST_F(ExecutorState, ReleaseFreesPagesAndCandidates) {
   SCOPED_TRACE(absl::StrCat("seed ", seed_));
   const Snapshot empty = Take(*e_);
