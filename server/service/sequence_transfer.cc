@@ -204,6 +204,11 @@ absl::Status SequenceAssembler::Add(const v1::SequenceChunk& chunk) {
       exec::CacheImage c;
       c.cache_layer = e.cache_layer();
       c.length = e.length();
+      if (!spare_.empty()) {
+        c.pages = std::move(spare_.back());
+        spare_.pop_back();
+        c.pages.clear();
+      }
       c.pages.reserve(static_cast<size_t>(want));
       image_.caches.push_back(std::move(c));
       want_bytes_.push_back(want);
@@ -266,6 +271,10 @@ absl::Status SequenceAssembler::Add(const v1::SequenceChunk& chunk) {
   }
   complete_ = done;
   return absl::OkStatus();
+}
+
+void SequenceAssembler::Recycle(exec::SequenceImage image) {
+  for (exec::CacheImage& c : image.caches) spare_.push_back(std::move(c.pages));
 }
 
 absl::StatusOr<exec::SequenceImage> SequenceAssembler::Finish() {

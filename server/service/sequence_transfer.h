@@ -63,6 +63,10 @@ class SequenceAssembler {
   enum class DataCrc { kCheck, kCoveredByCaller };
   explicit SequenceAssembler(const config::Profile& profile, DataCrc data_crc = DataCrc::kCheck)
       : profile_(profile), data_crc_(data_crc) {}
+  // The page buffers of an image done with (a previous Finish's): the next caches are built
+  // in them (their contents dropped, their memory kept), so that a run of imports (a
+  // snapshot's restore) writes into warm memory instead of faulting fresh pages in.
+  void Recycle(exec::SequenceImage image);
 
   absl::Status Add(const v1::SequenceChunk& chunk);
   // Whether the chunk marked `last` arrived (and everything before it checked out).
@@ -80,6 +84,7 @@ class SequenceAssembler {
   uint64_t exported_id_ = 0;
   int64_t chunks_ = 0;
   exec::SequenceImage image_;
+  std::vector<std::string> spare_;   // Recycle's buffers, taken by the header's caches
   std::vector<int64_t> want_bytes_;  // per cache
   size_t cache_ = 0;                 // the cache being filled
 };

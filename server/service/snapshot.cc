@@ -376,9 +376,11 @@ absl::StatusOr<std::optional<SnapshotInfo>> RestoreSnapshot(exec::Executor& exec
                   "the header lacks sequences or instance_id");
   }
   advance();
+  exec::SequenceImage done;  // the last imported image: its buffers take the next one's pages
   for (int64_t i = 0; i < count; ++i) {
     // Every record's CRC-32 covers its chunk's data: the chunks' own CRCs are not recomputed.
     SequenceAssembler assembler(profile, SequenceAssembler::DataCrc::kCoveredByCaller);
+    assembler.Recycle(std::move(done));
     uint64_t id = 0;
     while (!assembler.complete()) {
       if (absl::Status s = next(&eof); !s.ok()) return s;
@@ -401,6 +403,7 @@ absl::StatusOr<std::optional<SnapshotInfo>> RestoreSnapshot(exec::Executor& exec
     if (absl::Status s = executor.ImportSequence(id, *image); !s.ok()) {
       return refuse(s.code(), "not restorable", absl::StrCat("sequence ", id, ": ", s.message()));
     }
+    done = *std::move(image);
   }
   if (absl::Status s = next(&eof); !s.ok()) return s;
   if (eof || payload != absl::StrCat("end sequences=", count, "\n")) {

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <set>
 #include <string>
 
 #include "server/service/sequence_transfer.h"
@@ -102,6 +103,63 @@ TEST(SequenceTransferTest, EmitIsTheHeaderThenEveryDataChunkInOrder) {
     rebuilt[c.cache_index()] += c.data();
   }
   for (size_t i = 0; i < image.caches.size(); ++i) EXPECT_EQ(rebuilt[i], image.caches[i].pages);
+}
+
+exec::SequenceImage RandomImage(const config::Profile& p, std::mt19937_64& rng, int64_t max_len) {
+  exec::SequenceImage image;
+  for (int32_t layer : p.CacheLayers()) {
+    const config::LayerSpec& l = p.layers[layer];
+    const kernels::CacheGeometry g{l.cache_format, p.head_dim, p.page_size};
+    exec::CacheImage c;
+    c.cache_layer = layer;
+    c.length = int64_t(rng() % uint64_t(max_len + 1));
+    c.pages.resize(size_t((c.length + p.page_size - 1) / p.page_size * g.page_bytes()));
+    for (char& b : c.pages) b = static_cast<char>(rng());
+    image.caches.push_back(std::move(c));
+  }
+  return image;
+}
+
+absl::StatusOr<exec::SequenceImage> RoundTrip(const config::Profile& p,
+                                              const exec::SequenceImage& image,
+                                              exec::SequenceImage* recycle) {
+  service::SequenceAssembler a(p);
+  if (recycle != nullptr) a.Recycle(std::move(*recycle));
+  absl::Status s = service::EmitSequenceChunks(image, p, 7, 3000,
+                                               [&](v1::SequenceChunk& c) { return a.Add(c); });
+  if (!s.ok()) return s;
+  return a.Finish();
+}
+
+// A snapshot's restore builds each sequence in the buffers of the one before (Recycle): the
+// image must come out the same whatever the recycled buffers held, and the buffers must be
+// the ones reused.
+TEST(SequenceTransferTest, RecycledBuffersGiveTheSameImage) {
+  SCOPED_TRACE(::testing::Message() << "seed " << TestSeed());
+  std::mt19937_64 rng(TestSeed() + 2);
+  const config::Profile p = *config::LoadProfile("v32");
+  for (int trial = 0; trial < 8; ++trial) {
+    const exec::SequenceImage a = RandomImage(p, rng, 2000);
+    const exec::SequenceImage b = RandomImage(p, rng, trial % 2 ? 300 : 2000);
+    absl::StatusOr<exec::SequenceImage> a1 = RoundTrip(p, a, nullptr);
+    ASSERT_TRUE(a1.ok()) << a1.status();
+    size_t largest = 0;  // a recycled buffer keeps its memory: b's caches get a's capacity
+    for (const exec::CacheImage& c : a1->caches) largest = std::max(largest, c.pages.capacity());
+    absl::StatusOr<exec::SequenceImage> b1 = RoundTrip(p, b, &*a1);
+    ASSERT_TRUE(b1.ok()) << b1.status();
+    ASSERT_EQ(b1->caches.size(), b.caches.size());
+    int reused = 0;
+    for (size_t i = 0; i < b.caches.size(); ++i) {
+      EXPECT_EQ(b1->caches[i].length, b.caches[i].length) << "trial " << trial << " cache " << i;
+      EXPECT_EQ(b1->caches[i].pages, b.caches[i].pages) << "trial " << trial << " cache " << i;
+      // A fresh buffer is reserved to the cache's size; a recycled one stays larger.
+      reused += b1->caches[i].pages.capacity() > b.caches[i].pages.size() + 4096;
+    }
+    if (trial % 2 == 1) {  // b small, a large: every cache of b fits a recycled buffer
+      EXPECT_GT(reused, 0) << "trial " << trial << ": no recycled buffer was used (largest "
+                           << largest << ")";
+    }
+  }
 }
 
 }  // namespace
