@@ -5,7 +5,7 @@
 #     build/tests/gpu/gpu_lifecycle_test \
 #     build/tests/gpu/gpu_ipc_test build/tests/multigpu/multigpu_test \
 #     build/tests/service/cuda_vs_cpu_test build/server/decode-indexer-server \
-#     build/bench/cuda/decode-indexer-bench-cuda
+#     build/bench/cuda/decode-indexer-bench-cuda [build/bench/snapshot/decode-indexer-bench-snapshot]
 # usage (on the GPU machine, repo root): tests/gpu/device_run_all.sh BUNDLE OUT_DIR [bench]
 # Each log lands in OUT_DIR; rc.txt holds every exit status. On a GPU machine a GPU binary may
 # not skip anything: every skipped test is listed with its reason in skips.txt and counts as a
@@ -92,6 +92,15 @@ if [ "$mode" = bench ]; then
         --configs "$out/cuda_bench.json" --out "$out/dg.json" >>"$out/dg.log" 2>&1
     echo "deepgemm rc=$?" | tee -a "$out/rc.txt"
     python3 .peer/deepgemm/compare.py "$out/cuda_bench.json" "$out/dg.json" >"$out/compare.md" 2>&1
+  fi
+  # Snapshot write / restore time (docs/results/snapshot.md) where the bundle has the bench:
+  # 16 x 32K x 61 caches (4.2 GB) on each backend, the file on this machine's disk.
+  if [ -x "$bundle/decode-indexer-bench-snapshot" ]; then
+    for backend in cuda cpu; do
+      run "bench_snapshot_$backend" 200 "$bundle/decode-indexer-bench-snapshot" --profile v32 \
+        --sequences 16 --length 32768 --backend "$backend" --dir "$snap_work/bench-$backend"
+      rm -rf "$snap_work/bench-$backend"
+    done
   fi
 fi
 cat "$out/rc.txt"
