@@ -123,6 +123,49 @@ void Serialize(const google::protobuf::Message& message, grpc::ByteBuffer& out) 
   out.Swap(&buffer);
 }
 
+void PutVarint(std::string& out, uint64_t v) {
+  while (v >= 0x80) {
+    out.push_back(static_cast<char>(v | 0x80));
+    v >>= 7;
+  }
+  out.push_back(static_cast<char>(v));
+}
+
+}  // namespace
+
+void SerializeStepResponse(v1::DecodeStepResponse& response, grpc::ByteBuffer& out) {
+  constexpr size_t kZeroCopyMin = 64 << 10;
+  if (!response.has_topk() || response.topk().data().size() < kZeroCopyMin) {
+    Serialize(response, out);
+    return;
+  }
+  auto* answer = new std::string(std::move(*response.mutable_topk()->mutable_data()));
+  response.mutable_topk()->clear_data();
+  v1::Tensor topk;
+  topk.Swap(response.mutable_topk());
+  response.clear_topk();
+  // [the response without topk][topk: tag 2, length, its fields but data, data's tag 3 and
+  // length] + [the answer's bytes].
+  std::string head = response.SerializeAsString();
+  const std::string fields = topk.SerializeAsString();
+  const uint64_t n = answer->size();
+  std::string data_head;
+  data_head.push_back(0x1a);  // Tensor.data: field 3, length-delimited
+  PutVarint(data_head, n);
+  head.push_back(0x12);  // DecodeStepResponse.topk: field 2, length-delimited
+  PutVarint(head, fields.size() + data_head.size() + n);
+  head += fields;
+  head += data_head;
+  grpc::Slice slices[2] = {grpc::Slice(head),
+                           grpc::Slice(
+                               answer->data(), answer->size(),
+                               [](void* p) { delete static_cast<std::string*>(p); }, answer)};
+  grpc::ByteBuffer buffer(slices, 2);
+  out.Swap(&buffer);
+}
+
+namespace {
+
 // Per worker thread and method, the request and answer messages reused from call to call:
 // cleared, their tensor buffers keep their capacity, so steady traffic allocates (and
 // page-faults) nothing for them, as the sync edge's stream loop reuses its two messages. Held
@@ -326,7 +369,11 @@ class CallbackEdge::Call final : public grpc::ServerGenericBidiReactor {
     }
     google::protobuf::Message& response = *scratch.response;
     absl::Status s = service_.Unary(entry_->method, call_, request, response, read_at);
-    if (s.ok()) Serialize(response, out_);
+    if (s.ok() && response.GetDescriptor() == v1::DecodeStepResponse::descriptor()) {
+      SerializeStepResponse(static_cast<v1::DecodeStepResponse&>(response), out_);
+    } else if (s.ok()) {
+      Serialize(response, out_);
+    }
     Recycle(scratch);
     if (!s.ok()) {
       Finish(ToGrpcStatus(s));
@@ -481,7 +528,7 @@ class CallbackEdge::Call final : public grpc::ServerGenericBidiReactor {
       auto& response = static_cast<v1::DecodeStepResponse&>(*scratch.response);
       s = Parse(buffer, request) ? service_.StreamStep(call_, request, response, read_at)
                                  : UnparseableRequestError(path_);
-      if (s.ok()) Serialize(response, answer);
+      if (s.ok()) SerializeStepResponse(response, answer);
       Recycle(scratch);
     }
     Actions a;

@@ -32,6 +32,14 @@
 
 namespace decode_indexer::service {
 
+// A DecodeStepResponse into `out` without copying its raw answer (topk.data, the executor's
+// int32 [rows, K] written in place): one slice holds every other field, then topk's tag,
+// length, dtype and shape and the data field's tag and length; a second slice takes over the
+// answer's bytes (moved out of `response`, freed when gRPC is done with them). Fields in
+// another order than protobuf's own serializer writes them, the same message to any parser.
+// Answers under 64 KiB are serialized whole (one slice, as every other message).
+void SerializeStepResponse(v1::DecodeStepResponse& response, grpc::ByteBuffer& out);
+
 // A fixed number of threads running posted tasks, each lane in order of posting. Data tasks
 // (steps, appends, imports, exports: they wait for step admission and the executor) run on at
 // most size - 1 threads at once, so a control call (server info, statistics, sequence
