@@ -1,7 +1,7 @@
 #!/bin/bash
 # Validates the deployment files on a machine without a Docker engine.
 #
-#   deploy/validate.sh [lint|compose|k8s|all]     (default: all)
+#   deploy/validate.sh [lint|compose|k8s|rules|all]     (default: all)
 #
 # lint:    the Dockerfile against a hadolint-like rule subset plus the project's own rules,
 #          the compose file's structure (GPU reservation, NCCL, health check, grace period),
@@ -16,7 +16,12 @@
 #          to map kinds even for a client dry run), and the manifests' structure (readiness on
 #          grpc.health.v1, drain window vs termination grace, GPU limits, a headless Service).
 #          Exits 77 when kubectl is missing.
-# Exit status: 0 all checks passed, 1 a check failed, 77 nothing could run (compose only).
+# rules:   deploy/prometheus/: `promtool check config` (the example prometheus.yml),
+#          `promtool check rules` and the rules' unit tests (`promtool test
+#          rules`: every alert fires on its case and stays quiet on its near miss). Exits 77
+#          when promtool is missing.
+# Exit status: 0 all checks passed, 1 a check failed, 77 nothing could run (compose, k8s,
+# rules).
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(dirname "$here")
@@ -101,8 +106,25 @@ run_k8s() {
   return 0
 }
 
+run_rules() {
+  if ! command -v promtool > /dev/null; then
+    echo "SKIPPED: promtool not installed (Debian: prometheus)"
+    return 77
+  fi
+  echo "== promtool check rules / test rules ($(promtool --version 2>&1 | head -1))"
+  promtool check config "$here/prometheus/prometheus.yml" || failed=1
+  promtool check rules "$here/prometheus/decode-indexer-rules.yml" || failed=1
+  promtool test rules "$here/prometheus/decode-indexer-rules.test.yml" || failed=1
+  return 0
+}
+
 case "$mode" in
   lint) run_lint ;;
+  rules)
+    run_rules
+    rc=$?
+    [ "$rc" -eq 77 ] && exit 77
+    ;;
   k8s)
     run_k8s
     rc=$?
@@ -117,9 +139,10 @@ case "$mode" in
     run_lint
     run_compose
     run_k8s
+    run_rules
     ;;
   *)
-    echo "usage: $0 [lint|compose|k8s|all]" >&2
+    echo "usage: $0 [lint|compose|k8s|rules|all]" >&2
     exit 2
     ;;
 esac

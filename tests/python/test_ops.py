@@ -88,6 +88,44 @@ class MetricsTest(BinaryTestCase):
         self.assertIn('decode_indexer_rpcs_total{method="ReleaseSequence",code="NOT_FOUND"} 1',
                       text)
 
+    def test_alert_rules_name_only_what_the_server_exports(self):
+        """deploy/prometheus/decode-indexer-rules.yml must not alert on a metric (or a label)
+        the server does not export: a renamed metric would leave its alert silent forever."""
+        import re
+        rules = (REPO / "deploy" / "prometheus" / "decode-indexer-rules.yml").read_text()
+        exprs = "\n".join(re.findall(r"expr:(.*?)(?=\n\s*(?:for|labels|record|- |$))", rules,
+                                      re.S))
+        named = set(re.findall(r"(?<![:\w])((?:decode_indexer|process)_[a-z0-9_]+)", exprs))
+        self.assertGreater(len(named), 8, f"no metrics found in the rules: {named}")
+        port = _free_port()
+        s = self.start(["--metrics-listen", f"127.0.0.1:{port}"])
+        with di.Client(s.target, timeout=30) as c:  # one step, so the step families have samples
+            seq = c.create_sequence()
+            info = c.server_info()
+            import numpy as np
+            rng = np.random.default_rng(2)
+            c.append_keys(seq, 0, rng.standard_normal((20, info.head_dim), dtype=np.float32))
+            q = rng.standard_normal((1, info.num_heads, info.head_dim), dtype=np.float32)
+            w = rng.standard_normal((1, info.num_heads), dtype=np.float32)
+            c.decode_step(0, [di.SequenceStep(seq)], q, w)
+        text = scrape(port)
+        families = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+        for name in sorted(named):
+            family = name if name in families else re.sub(r"_(bucket|sum|count)$", "", name)
+            with self.subTest(metric=name):
+                self.assertIn(family, families, f"the rules use {name}; the server exports no "
+                              f"{family}")
+                if name != family:
+                    self.assertEqual(families[family], "histogram", name)
+        # The labels the rules group and match on.
+        for metric, label in (("decode_indexer_step_latency_seconds_bucket", "kind"),
+                              ("decode_indexer_cache_pages_in_use", "cache_layer"),
+                              ("decode_indexer_cache_pages", "cache_layer"),
+                              ("decode_indexer_rpcs_total", "code"),
+                              ("decode_indexer_rpcs_total", "method")):
+            with self.subTest(metric=metric, label=label):
+                self.assertRegex(text, rf"(?m)^{metric}\{{[^}}]*\b{label}=\"")
+
     def test_flag_wins_over_environment(self):
         flag_port, env_port = _free_port(), _free_port()
         env = dict(os.environ, DI_METRICS_LISTEN=f"127.0.0.1:{env_port}")
