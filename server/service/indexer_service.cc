@@ -615,7 +615,7 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
   absl::StatusOr<DecodedStep> decoded = DecodeStepRequest(request, profile, external);
   if (!decoded.ok()) return decoded.status();
   exec::ValidatedStep& validated = *decoded->validated;
-  validated.set_q_ready_event(inputs_event);
+  validated.set_inputs_ready_event(inputs_event);
   const exec::StepInput& step = validated.input();
 
   // Where the answer goes, resolved once into the sink the executor writes it into: a CUDA IPC
