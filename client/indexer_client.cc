@@ -66,6 +66,7 @@ void BuildColumnarRequest(const ColumnarStep& step, v1::DecodeStepRequest& reque
   if (step.q_scales.present()) SetTensor(step.q_scales, *request.mutable_q_scales());
   if (step.weights.present()) SetTensor(step.weights, *request.mutable_weights());
   if (step.positions.present()) SetTensor(step.positions, *request.mutable_positions());
+  if (step.cuda_ipc != nullptr) *request.mutable_cuda_ipc() = *step.cuda_ipc;
 }
 
 v1::DecodeStepRequest BuildColumnarRequest(const ColumnarStep& step) {

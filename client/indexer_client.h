@@ -106,6 +106,12 @@ struct ColumnarStep {
   bool return_candidates = false;
   v1::AnswerEncoding answer_encoding = v1::ANSWER_ENCODING_RAW;
   int64_t timeout_us = 0;
+  // Not owned; null: none. The answer goes into a buffer registered with
+  // RegisterCudaIpcMemory (DecodeStepRequest.cuda_ipc), and the tensors whose offsets it sets
+  // are read there: q / q_scales / weights (q_offset ...) and the new keys and their scales
+  // (new_keys_offset / new_key_scales_offset, pre-quantized). Give those TensorViews dtype and
+  // shape with empty data: only dtype and shape go on the wire.
+  const v1::CudaIpcStep* cuda_ipc = nullptr;
 };
 
 // The DecodeStepRequest of `step`, built into `request` (cleared first; its buffers keep

@@ -87,10 +87,16 @@ enum DescriptorFlags : uint32_t {
   // device, checked on the device: CudaIpcStep.q_offset); needs kAnswerCudaIpc.
   kInputsCudaIpc = 1u << 5,
   // GPU-side ordering with the CUDA IPC events the buffer was registered with
-  // (CudaIpcStep.wait_inputs_event / record_answer_event); both need kAnswerCudaIpc.
+  // (CudaIpcStep.wait_inputs_event / record_answer_event): kWaitInputsEvent needs
+  // kInputsCudaIpc or kKeysCudaIpc, kRecordAnswerEvent needs kAnswerCudaIpc.
   kWaitInputsEvent = 1u << 6,
   kRecordAnswerEvent = 1u << 7,
-  kKnownFlags = (1u << 8) - 1,
+  // new_keys_offset / new_key_scales_offset are in cuda_ipc_region_id's buffer (read device
+  // to device, checked on the device: CudaIpcStep.new_keys_offset; pre-quantized keys only,
+  // both offsets multiples of 16); needs kAnswerCudaIpc, not kInputsCudaIpc. Without it they
+  // are offsets in the ring's region, as before this flag existed.
+  kKeysCudaIpc = 1u << 8,
+  kKnownFlags = (1u << 9) - 1,
 };
 
 // One step: the columnar DecodeStepRequest (the same fields, the same checks, the same

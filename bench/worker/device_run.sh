@@ -24,7 +24,7 @@ out=$(cd "$out" && pwd)
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 layers=${LAYERS:-61} requests=${REQUESTS:-64} context=${CONTEXT:-32768}
 tokens=${TOKENS:-50} warmup=${WARMUP:-5} py_tokens=${PY_TOKENS:-10}
-paths=${PATHS:-unary,stream,shm,ring,ring-spin,ring-ipc,ring-ipc-spin,ring-ipc-events,inproc}
+paths=${PATHS:-unary,stream,shm,ring,ring-spin,ring-ipc,ring-ipc-spin,ring-ipc-events,ring-ipc-keys,ring-ipc-keys-events,inproc}
 backend=${BACKEND:-cuda} py=${PYTHON:-python3}
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 # The bundle's libraries (libstdc++, Protobuf, ...) for the C++ binaries only: never for Python.

@@ -1,7 +1,9 @@
 #!/bin/bash
 # Issue 18, the Python fast path against the C++ worker's, in one device call (~3-4 min):
 # an MPS control daemon for the call, a CUDA server with the shm socket, the C++ worker
-# (ring-ipc, inproc: the reference figures, and it fills the sequences py_worker steps), then
+# (ring-ipc, ring-ipc-keys, inproc: the reference figures, and it fills the sequences
+# py_worker steps; the like-cpp loop's keys lie in the registered buffer, so since
+# kKeysCudaIpc the server reads them there, as ring-ipc-keys does), then
 # py_worker.py with its paths interleaved over rounds (--rounds) and the per-phase breakdown:
 #   new client (this tree's client/python): the old loop (fast_path_cuda, fast_path) beside the
 #     loop laid out as the C++ worker's ring-ipc layer (fast_path_cuda_like_cpp: a prepared
@@ -79,7 +81,7 @@ for _ in $(seq 1 900); do
 done
 grep -q "(port " "$out/server.log" || { say "server did not start:"; tail -n 30 "$out/server.log" | tee -a "$log"; exit 1; }
 
-cpp_paths=ring-ipc,inproc
+cpp_paths=ring-ipc,ring-ipc-keys,inproc
 host=()
 [[ $backend != cuda ]] && { cpp_paths=ring,inproc; host=(--host); }
 say "== C++ worker: --paths $cpp_paths, $cpp_tokens tokens after $cpp_warmup"

@@ -51,10 +51,11 @@ def pct(v, p):
 PHASES = ('produce', 'inputs', 'step', 'step_encode', 'step_sync', 'step_publish', 'step_wait',
           'step_result', 'answer', 'attention', 'server_us', 'untimed')
 _P = {name: i for i, name in enumerate(PHASES)}
-# The paths that lay a layer out as the C++ worker's ring-ipc does (bench/worker/worker_main.cc):
-# q, weights, keys and key scales made in place in the registered CUDA buffer, the keys and
-# scales (adjacent there) put into the page-locked ring by the step with one non-blocking
-# device-to-host copy and one stream wait that also covers q, the attention reading the int32
+# The paths that lay a layer out as the C++ worker's ring-ipc-keys does (bench/worker/
+# worker_main.cc): q, weights, keys and key scales made in place in the registered CUDA buffer,
+# all read there by the server (the keys through kKeysCudaIpc: before it, the step copied the
+# adjacent keys and scales into the page-locked ring, as ring-ipc does), one stream wait
+# before the step covering them (no device-to-host copy), the attention reading the int32
 # answer where the server wrote it; the answers checked at the token's end (as the C++ worker
 # checks its attention results), from a per-layer device copy whose launch is untimed. The step
 # is laid out once (FastPathRing.prepare, as the C++ worker fills its RingStep once) and run per

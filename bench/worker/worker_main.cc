@@ -19,6 +19,10 @@
 //             its stream waits on "answer ready" before the attention: no host wait in the
 //             layer loop but the completion (the new keys, made on the host, go through the
 //             ring's region)
+//   ring-ipc-keys  ring-ipc with the new keys and their scales read from the CUDA IPC buffer
+//             too (kKeysCudaIpc): nothing of the layer's inputs goes through the host; the
+//             worker waits for its stream before ringing (the kernels that make q and keys)
+//   ring-ipc-keys-events  both: no copy and no host wait in the layer loop but the completion
 //   inproc    the project's executor linked in, q and answer in device memory (QInput::on_device,
 //             a device AnswerSink), the same loop: what the service costs over its kernels
 //   (ring-spin, ring-ipc-spin: the ring with the server's poller and the worker spinning.)
@@ -103,7 +107,8 @@ struct Options {
   int64_t context = 32768;
   int fill_chunk = 0;  // keys a sequence per fill step; 0: the whole context in one
   uint64_t first_id = 7000000;
-  std::string paths = "unary,stream,shm,ring,ring-ipc,ring-ipc-events,inproc";
+  std::string paths =
+      "unary,stream,shm,ring,ring-ipc,ring-ipc-events,ring-ipc-keys,ring-ipc-keys-events,inproc";
   std::string json;
   bool host = false;
   // Tests: PATH:range (an index past the length) or PATH:differ (another valid index) in that
@@ -613,6 +618,8 @@ void ServerPaths(Run& run, const std::vector<std::string>& paths) {
         const bool ipc = path.rfind("ring-ipc", 0) == 0;
         // ring-ipc-events: no host wait in the layer loop (CUDA IPC events order the streams).
         const bool events = path.find("-events") != std::string::npos;
+        // ring-ipc-keys: the new keys read from the worker's buffer too (kKeysCudaIpc).
+        const bool device_keys = path.find("-keys") != std::string::npos;
         const bool spin = path.size() > 5 && path.substr(path.size() - 5) == "-spin";
         if (ipc && !w.gpu()) {
           PathResult r;
@@ -675,6 +682,11 @@ void ServerPaths(Run& run, const std::vector<std::string>& paths) {
         if (ipc) {
           d.flags = di::ring::kAnswerCudaIpc | di::ring::kInputsCudaIpc;
           if (events) d.flags |= di::ring::kWaitInputsEvent | di::ring::kRecordAnswerEvent;
+          if (device_keys) {
+            d.flags |= di::ring::kKeysCudaIpc;
+            d.new_keys_offset = L.keys;  // in the device buffer, 256-byte aligned
+            d.new_key_scales_offset = L.key_scales;
+          }
           d.cuda_ipc_region_id = ipc_region;
           d.q_offset = L.q;
           d.weights_offset = L.weights;
@@ -688,12 +700,19 @@ void ServerPaths(Run& run, const std::vector<std::string>& paths) {
         st.new_keys_positions = positions;
         PathResult r = RunPath(path, o, w, &run.check, [&](int32_t tok, int32_t l) {
           if (events) {
-            // q and weights made on the device, the keys on the host into the ring's region;
-            // "inputs ready" recorded on the worker's stream, and the step sent at once.
+            // q and weights (and with -keys the keys) made on the device, else the keys on the
+            // host into the ring's region; "inputs ready" recorded on the worker's stream, and
+            // the step sent at once.
             w.Produce(tok, l, dev);
-            bw::ProduceKeysHost(s, tok, l, region + base + L.keys,
-                                reinterpret_cast<float*>(region + base + L.key_scales));
+            if (!device_keys) {
+              bw::ProduceKeysHost(s, tok, l, region + base + L.keys,
+                                  reinterpret_cast<float*>(region + base + L.key_scales));
+            }
             CudaCheck(cudaEventRecord(inputs_event, w.stream()), "record inputs event");
+          } else if (ipc && device_keys) {
+            // Everything stays on the device; the server reads it once the stream is done.
+            w.Produce(tok, l, dev);
+            w.Sync();
           } else if (ipc) {
             // q and weights stay on the device; the new keys go through the ring's region.
             w.Produce(tok, l, dev);
@@ -741,8 +760,8 @@ void ServerPaths(Run& run, const std::vector<std::string>& paths) {
         }
       } else {
         Die("unknown path " + path +
-            " (unary, stream, shm, ring, ring-ipc, ring-ipc-events, ring-spin, "
-            "ring-ipc-spin, inproc)");
+            " (unary, stream, shm, ring, ring-ipc, ring-ipc-events, ring-ipc-keys, "
+            "ring-ipc-keys-events, ring-spin, ring-ipc-spin, inproc)");
       }
     } catch (const Failure& f) {
       run.Failed(path, f.what());
@@ -851,8 +870,8 @@ int Main(int argc, char** argv) {
   app.add_option("--first-id", o.first_id, "first sequence id")->capture_default_str();
   app.add_option(
          "--paths", o.paths,
-         "unary,stream,shm,ring,ring-ipc,ring-ipc-events,ring-spin,ring-ipc-spin,inproc (comma "
-         "list)")
+         "unary,stream,shm,ring,ring-ipc,ring-ipc-events,ring-ipc-keys,ring-ipc-keys-events,"
+         "ring-spin,ring-ipc-spin,inproc (comma list)")
       ->capture_default_str();
   app.add_option("--json", o.json, "write the figures here");
   app.add_option("--corrupt-for-testing", o.corrupt,

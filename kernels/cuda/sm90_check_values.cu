@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(kCheckThreads) CheckValuesKernel(const ValueCh
       } else {
         bits = __ldg(p + i);
       }
-      bad |= IsBadValue(v.type, bits);
+      bad |= IsBadValue(v.type, bits, v.positive);
     }
   }
   if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(a.flags, v.bit);
@@ -43,8 +43,10 @@ absl::Status LaunchCheckValues(const ValueCheckArgs& args, int32_t num_sms, cuda
       args.num_checks > ValueCheckArgs::kMaxChecks) {
     return absl::InvalidArgumentError("CheckValues: bad arguments");
   }
-  DI_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(args.flags, 0, sizeof(uint32_t), stream),
-                          "cudaMemsetAsync (value flags)");
+  if (!args.accumulate) {
+    DI_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(args.flags, 0, sizeof(uint32_t), stream),
+                            "cudaMemsetAsync (value flags)");
+  }
   int64_t most = 0;
   for (int32_t c = 0; c < args.num_checks; ++c) {
     if (CheckedElemBytes(args.checks[c].type) == 0 || args.checks[c].count <= 0) continue;

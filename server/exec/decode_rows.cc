@@ -25,7 +25,7 @@ int64_t NanosBetween(std::chrono::steady_clock::time_point a,
 // eagerly (their sizes vary, or they use the side stream); the kernel section replays a
 // captured graph when the step's shape was seen before (step_graphs.h).
 absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range,
-                       StepUploads& packed) {
+                       StepUploads& packed, DeviceChecks& checks) {
   kernels::IndexerOps& ops = rank.ops();
   Rank::StepRecord& record = rank.step_record();
   record.graph_captured = false;
@@ -43,9 +43,11 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   // sequence (or that a cut-back rewrites) are copied first.
   DI_RETURN_IF_ERROR(CopyPagesOnRank(rank, plan.pool, plan.page_copies));
   DI_RETURN_IF_ERROR(
-      InsertStepKeys(rank, staging, plan.pool, plan.key_writes, plan.hadamard, packed));
-  absl::StatusOr<QRows> q = UploadQ(rank, staging, plan, range, packed);
+      InsertStepKeys(rank, staging, plan.pool, plan.key_writes, plan.hadamard, packed, checks));
+  absl::StatusOr<QRows> q = UploadQ(rank, staging, plan, range, packed, checks);
   if (!q.ok()) return q.status();
+  // Device inputs' checks still queued (the last key run's, q's): one launch.
+  DI_RETURN_IF_ERROR(checks.Flush());
   DI_RETURN_IF_ERROR(DecodeSchedule(rank, staging, plan, packed));
   const ScoringCall scoring(rank, plan, range, *q, packed);
   auto kernel_section = [&]() -> absl::Status {
@@ -129,13 +131,14 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   Staging staging(rank);
   Readback readback(rank, plan);
   if (status.ok() && faults != nullptr) status = faults->BeforeScoring(rank.index());
-  // q in the client's device buffer, written on its stream: this rank's stream waits for the
-  // client's "inputs ready" record on the GPU before anything of the step reads it.
-  if (status.ok() && plan.q.on_device && plan.q.ready_event != nullptr) {
-    status = be.WaitEvent(plan.q.ready_event);
+  // q or keys in the client's device buffer, written on its stream: this rank's stream waits
+  // for the client's "inputs ready" record on the GPU before anything of the step reads them.
+  if (status.ok() && plan.device_inputs() && plan.inputs_ready_event != nullptr) {
+    status = be.WaitEvent(plan.inputs_ready_event);
   }
   StepUploads packed;
-  if (status.ok()) status = ScoreRows(rank, staging, plan, range, packed);
+  DeviceChecks checks(rank);
+  if (status.ok()) status = ScoreRows(rank, staging, plan, range, packed, checks);
   record.collective_ns = 0;
   record.collectives = 0;
   // Which sharded steps still need a collective. An answer bound for host memory does not:
@@ -201,7 +204,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     }
   }
   DI_RETURN_IF_ERROR(CopyAnswer(rank, plan, range, direct, readback));
-  if (plan.q.on_device) {
+  if (checks.issued()) {
     DI_RETURN_IF_ERROR(be.CopyToHost(rank.value_flags_host(), b.value_flags, sizeof(uint32_t)));
   }
   if (observer != nullptr) observer->OnRank(rank.index(), Mark::kWaitBegin);
@@ -209,7 +212,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   // The step's ring slot is read no more (the side stream's expansion aside: see StagingRing).
   if (done.ok()) rank.staging_ring().Settle();
   if (observer != nullptr) observer->OnRank(rank.index(), Mark::kWaitEnd);
-  if (done.ok() && plan.q.on_device) done = DeviceInputsStatus(*rank.value_flags_host());
+  if (done.ok() && checks.issued()) done = DeviceInputsStatus(*rank.value_flags_host());
   if (done.ok()) readback.Finish();
   if (observer != nullptr && (!plan.sharded || direct)) {
     observer->OnRank(rank.index(), Mark::kScored);

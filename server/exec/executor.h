@@ -89,6 +89,14 @@ struct KeysInput {
   // the cache's length the sequence is first cut back to it; above it is a hole (refused).
   // Absent: append at the length.
   std::optional<int64_t> position;
+  // keys and scales are device addresses (a client's CUDA IPC buffer, opened on the
+  // answering rank's device; DecodeStepRequest.cuda_ipc.new_keys_offset), pre-quantized in
+  // the cache's format (kFp8E4M3 / kFp4E2M1: the host cannot quantize what it cannot read).
+  // Every rank copies them device to device into its staging and checks the copies there
+  // (IndexerOps::CheckValues: FP8 NaN codes, NaN / Inf / non-positive fp32 scales, 0xFF
+  // UE8M0 scales); a bad value fails the step with INVALID_ARGUMENT naming new_keys /
+  // new_key_scales, committing nothing. Only in a decode step (not AppendKeys).
+  bool on_device = false;
 };
 
 // The caller's side of a call: asked right before a state-changing call commits (after the
@@ -119,10 +127,6 @@ struct QInput {
   // device (IndexerOps::CheckValues), and a NaN / Inf fails the step with INVALID_ARGUMENT
   // naming the field, committing nothing.
   bool on_device = false;
-  // With on_device: a device event (Device::OpenIpcEvent of the answering rank) every rank's
-  // stream waits on before it reads any of q (the client recorded it after writing q), so
-  // the client's host need not wait for its stream. Null: q is ready when the step arrives.
-  void* ready_event = nullptr;
 };
 
 struct StepInput {
@@ -143,6 +147,11 @@ struct StepInput {
   // memory is bounced by the driver in pieces that each wait for the stream. A wrong `true` is
   // still correct, only slower. (The answer's own flag is AnswerSink::page_locked.)
   bool host_memory_page_locked = false;
+  // With device-resident inputs (q.on_device, or a request's new_keys.on_device): a device
+  // event (Device::OpenIpcEvent of the answering rank) every rank's stream waits on before it
+  // reads any of them (the client recorded it after writing them), so the client's host need
+  // not wait for its stream. Null: they are ready when the step arrives.
+  void* inputs_ready_event = nullptr;
   // Whether the caller still wants the step, asked right before it commits (see CallCheck).
   CallCheck call_check;
 };

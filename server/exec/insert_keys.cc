@@ -40,9 +40,11 @@ absl::Status InsertStagedKeys(Rank& rank, int32_t pool, ElemType type, int32_t c
 // The step's new keys (a few per sequence), gathered into one staging chunk per run of writes
 // of one key type (KeyRuns): one InsertKeys call per run, reading the run in the step's ring
 // slot where PackStepUploads packed the keys, else after three copies into the key buffers.
+// A run in device memory (KeysInput::on_device) is copied device to device instead, its slots
+// alone from the host, and its staged copies are queued for the check on the device.
 absl::Status InsertStepKeys(Rank& rank, Staging& staging, int32_t pool,
                             const std::vector<KeyWrite>& writes, bool hadamard,
-                            const StepUploads& packed) {
+                            const StepUploads& packed, DeviceChecks& checks) {
   kernels::Device& be = rank.device();
   RankBuffers& b = rank.buffers();
   const int32_t D = rank.sizes().head_dim;
@@ -56,16 +58,34 @@ absl::Status InsertStepKeys(Rank& rank, Staging& staging, int32_t pool,
     return absl::OkStatus();
   }
   for (const KeyRun& run : KeyRuns(writes, D, rank.sizes().key_chunk)) {
-    // One reservation for the three, so they never straddle an arena reuse.
-    absl::StatusOr<uint8_t*> host = staging.Reserve(run.bytes);
+    // A previous run's checks read the key buffers this run overwrites: launched first.
+    DI_RETURN_IF_ERROR(checks.Flush());
+    // One reservation for the three (a device run: its slots only), so they never straddle
+    // an arena reuse.
+    absl::StatusOr<uint8_t*> host =
+        staging.Reserve(run.on_device ? size_t(run.count) * sizeof(int64_t) : run.bytes);
     if (!host.ok()) return host.status();
     GatherKeyRun(writes, run, D, *host);
     const int64_t vb = KeyValueBytes(run.type, D);
     const int64_t sb = KeyScaleBytes(run.type, D);
-    DI_RETURN_IF_ERROR(be.CopyToDevice(b.keys, *host + run.keys_offset, size_t(run.count) * vb));
-    if (sb > 0) {
-      DI_RETURN_IF_ERROR(
-          be.CopyToDevice(b.key_scales, *host + run.scales_offset, size_t(run.count) * sb));
+    if (run.on_device) {
+      DI_RETURN_IF_ERROR(CopyKeyRunOnDevice(staging, writes, run, D, b.keys, b.key_scales));
+      // FP8 codes (FP4 codes are all finite) and the scales: fp32 ones must also be > 0.
+      if (run.type == kernels::ElemType::kFp8E4M3) {
+        DI_RETURN_IF_ERROR(
+            checks.Add({b.keys, int64_t{run.count} * vb, run.type, DeviceChecks::kNewKeys}));
+        DI_RETURN_IF_ERROR(checks.Add({b.key_scales, run.count, kernels::ElemType::kF32,
+                                       DeviceChecks::kNewKeyScales, /*positive=*/true}));
+      } else {
+        DI_RETURN_IF_ERROR(checks.Add({b.key_scales, int64_t{run.count} * sb,
+                                       kernels::ElemType::kUE8M0, DeviceChecks::kNewKeyScales}));
+      }
+    } else {
+      DI_RETURN_IF_ERROR(be.CopyToDevice(b.keys, *host + run.keys_offset, size_t(run.count) * vb));
+      if (sb > 0) {
+        DI_RETURN_IF_ERROR(
+            be.CopyToDevice(b.key_scales, *host + run.scales_offset, size_t(run.count) * sb));
+      }
     }
     DI_RETURN_IF_ERROR(
         be.CopyToDevice(b.slots, *host + run.slots_offset, size_t(run.count) * sizeof(int64_t)));

@@ -38,9 +38,11 @@ int64_t KeyValueBytes(kernels::ElemType type, int32_t head_dim);
 int64_t KeyScaleBytes(kernels::ElemType type, int32_t head_dim);
 
 // The step's new keys (StepPlan::key_writes) into `pool`: from the step's ring slot where
-// `packed` holds them, else through the step's staging.
+// `packed` holds them, else through the step's staging; keys in device memory device to
+// device, their staged copies queued on `checks` (launched before the staging is reused, the
+// last run's left pending for the caller's Flush).
 absl::Status InsertStepKeys(Rank& rank, Staging& staging, int32_t pool,
                             const std::vector<KeyWrite>& writes, bool hadamard,
-                            const StepUploads& packed);
+                            const StepUploads& packed, DeviceChecks& checks);
 
 }  // namespace decode_indexer::exec

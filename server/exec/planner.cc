@@ -212,6 +212,7 @@ absl::Status StepPlanner::Plan(const ValidatedStep& validated, StepPlan& plan, P
   plan.pending_edits = &host_.mirror.Pending(pool);
   plan.hadamard = p.hadamard;
   plan.q = q;
+  plan.inputs_ready_event = step.inputs_ready_event;
   plan.rope.style = p.rope.style;
   plan.rope.dim_offset = p.rope.dim_offset;
   plan.rope.rope_dim = p.rope.rope_dim;
@@ -242,8 +243,9 @@ absl::Status StepPlanner::Plan(const ValidatedStep& validated, StepPlan& plan, P
     for (const state::PageCopy& c : w.copies) plan.page_copies.push_back({c.src, c.dst});
     if (in.new_keys.count > 0) {
       for (int32_t k = 0; k < in.new_keys.count; ++k) slots[k] = w.Slot(cp, w.position + k, P);
-      plan.key_writes.push_back(
-          {in.new_keys.type, in.new_keys.count, in.new_keys.keys, in.new_keys.scales, slots});
+      plan.key_writes.push_back({in.new_keys.type, in.new_keys.count, in.new_keys.keys,
+                                 in.new_keys.scales, slots, in.new_keys.on_device});
+      plan.keys_on_device = plan.keys_on_device || in.new_keys.on_device;
       slots += in.new_keys.count;
     }
     if (source) {

@@ -116,7 +116,7 @@ struct RankBuffers {
   int32_t* expansion_positions = nullptr;  // [max_rows, NB * block]
   int32_t* expansion_counts = nullptr;     // [max_rows]
   double* inv_freq = nullptr;              // RankSizes::inv_freq, copied once
-  // IndexerOps::CheckValues' flag word (device-resident q: QInput::on_device).
+  // IndexerOps::CheckValues' flag word (device-resident inputs: step_io.h DeviceChecks).
   uint32_t* value_flags = nullptr;
 };
 

@@ -49,31 +49,42 @@ absl::Status ApplyTableEdits(Rank& rank, Staging& staging, int32_t pool, const T
 
 size_t Align64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
-// Device-resident q (QInput::on_device): the rank's copies of its rows are checked on its
-// device; the flag word lands in the rank's host word with the step's last copies and is
-// read after its Synchronize (DeviceInputsStatus).
-constexpr uint32_t kQBit = 1, kQScalesBit = 2, kWeightsBit = 4;
-absl::Status CheckDeviceInputs(Rank& rank, kernels::ValueCheck q, kernels::ValueCheck q_scales,
-                               kernels::ValueCheck weights) {
-  kernels::ValueCheckArgs args;
-  for (const kernels::ValueCheck& c : {q, q_scales, weights}) {
-    if (c.data != nullptr && c.count > 0) args.checks[args.num_checks++] = c;
+}  // namespace
+
+absl::Status DeviceChecks::Add(const kernels::ValueCheck& check) {
+  if (check.data == nullptr || check.count <= 0 || kernels::CheckedElemBytes(check.type) == 0) {
+    return absl::OkStatus();
   }
-  args.flags = rank.buffers().value_flags;
-  return rank.ops().CheckValues(args);
+  if (args_.num_checks == kernels::ValueCheckArgs::kMaxChecks) DI_RETURN_IF_ERROR(Flush());
+  args_.checks[args_.num_checks++] = check;
+  return absl::OkStatus();
 }
 
-}  // namespace
+absl::Status DeviceChecks::Flush() {
+  if (args_.num_checks == 0) return absl::OkStatus();
+  args_.flags = rank_.buffers().value_flags;
+  args_.accumulate = launched_ > 0;
+  const absl::Status s = rank_.ops().CheckValues(args_);
+  args_.num_checks = 0;
+  ++launched_;
+  return s;
+}
 
 absl::Status DeviceInputsStatus(uint32_t flags) {
   if (flags == 0) return absl::OkStatus();
-  const char* field = (flags & kQBit)         ? "q.data"
-                      : (flags & kQScalesBit) ? "q_scales.data"
-                                              : "weights.data";
+  using C = DeviceChecks;
+  const char* field = (flags & C::kNewKeys)        ? "new_keys.data"
+                      : (flags & C::kNewKeyScales) ? "new_key_scales.data"
+                      : (flags & C::kQ)            ? "q.data"
+                      : (flags & C::kQScales)      ? "q_scales.data"
+                                                   : "weights.data";
+  const char* what = (flags & C::kNewKeys) ? "a NaN code (FP8 S.1111.111)"
+                     : (flags & C::kNewKeyScales)
+                         ? "a NaN, Inf or non-positive scale (fp32; UE8M0: the NaN scale 0xFF)"
+                         : "NaN or Inf (FP8: a NaN code; UE8M0: 0xFF)";
   return absl::InvalidArgumentError(absl::StrCat(
-      field,
-      ": NaN or Inf (FP8: a NaN code; UE8M0: 0xFF) in the device buffer, found by the check "
-      "on the device; the step committed nothing"));
+      field, ": ", what,
+      " in the device buffer, found by the check on the device; the step committed nothing"));
 }
 
 std::vector<KeyRun> KeyRuns(const std::vector<KeyWrite>& writes, int32_t head_dim,
@@ -83,11 +94,13 @@ std::vector<KeyRun> KeyRuns(const std::vector<KeyWrite>& writes, int32_t head_di
   int32_t offset = 0;  // its keys gathered so far
   while (wi < writes.size()) {
     const ElemType type = writes[wi].type;
+    const bool on_device = writes[wi].on_device;
     const int64_t vb = KeyValueBytes(type, head_dim);
     const int64_t sb = KeyScaleBytes(type, head_dim);
     int32_t total = 0;
-    for (size_t j = wi, o = offset;
-         j < writes.size() && writes[j].type == type && total < key_chunk; ++j, o = 0) {
+    for (size_t j = wi, o = offset; j < writes.size() && writes[j].type == type &&
+                                    writes[j].on_device == on_device && total < key_chunk;
+         ++j, o = 0) {
       total += std::min<int32_t>(writes[j].count - static_cast<int32_t>(o), key_chunk - total);
     }
     if (total == 0) {  // only empty writes left in this run
@@ -101,6 +114,7 @@ std::vector<KeyRun> KeyRuns(const std::vector<KeyWrite>& writes, int32_t head_di
     run.first_write = wi;
     run.first_key = offset;
     run.has_scales = sb > 0;
+    run.on_device = on_device;
     // Slots, then values, then scales, each 64-byte aligned (the kernels read them in place
     // in a ring slot): one reservation for the three.
     run.slots_offset = 0;
@@ -133,9 +147,12 @@ void GatherKeyRun(const std::vector<KeyWrite>& writes, const KeyRun& run, int32_
   for (int32_t filled = 0; filled < run.count;) {
     const KeyWrite& w = writes[wi];
     const int32_t c = std::min(w.count - offset, run.count - filled);
-    std::memcpy(keys + size_t(filled) * vb, static_cast<const uint8_t*>(w.keys) + offset * vb,
-                size_t(c) * vb);
-    if (sb > 0) {
+    // Device keys are never read on the host (CopyKeyRunOnDevice copies them).
+    if (!run.on_device) {
+      std::memcpy(keys + size_t(filled) * vb, static_cast<const uint8_t*>(w.keys) + offset * vb,
+                  size_t(c) * vb);
+    }
+    if (sb > 0 && !run.on_device) {
       std::memcpy(scales + size_t(filled) * sb, static_cast<const uint8_t*>(w.scales) + offset * sb,
                   size_t(c) * sb);
     }
@@ -148,6 +165,54 @@ void GatherKeyRun(const std::vector<KeyWrite>& writes, const KeyRun& run, int32_
       offset = 0;
     }
   }
+}
+
+absl::Status CopyKeyRunOnDevice(Staging& staging, const std::vector<KeyWrite>& writes,
+                                const KeyRun& run, int32_t head_dim, uint8_t* keys,
+                                uint8_t* scales) {
+  const int64_t vb = KeyValueBytes(run.type, head_dim);
+  const int64_t sb = KeyScaleBytes(run.type, head_dim);
+  // The pending copy: `count` keys from `src_keys` / `src_scales` to key `at` of the staging.
+  const uint8_t* src_keys = nullptr;
+  const uint8_t* src_scales = nullptr;
+  int32_t at = 0;
+  int32_t count = 0;
+  auto flush = [&]() -> absl::Status {
+    if (count == 0) return absl::OkStatus();
+    DI_RETURN_IF_ERROR(
+        staging.UploadFromDevice(keys + size_t(at) * vb, src_keys, size_t(count) * vb));
+    if (sb > 0) {
+      DI_RETURN_IF_ERROR(
+          staging.UploadFromDevice(scales + size_t(at) * sb, src_scales, size_t(count) * sb));
+    }
+    return absl::OkStatus();
+  };
+  size_t wi = run.first_write;
+  int32_t offset = run.first_key;
+  for (int32_t filled = 0; filled < run.count;) {
+    const KeyWrite& w = writes[wi];
+    const int32_t c = std::min(w.count - offset, run.count - filled);
+    const uint8_t* k = static_cast<const uint8_t*>(w.keys) + offset * vb;
+    const uint8_t* sc = sb > 0 ? static_cast<const uint8_t*>(w.scales) + offset * sb : nullptr;
+    const bool follows = count > 0 && k == src_keys + size_t(count) * vb &&
+                         (sb == 0 || sc == src_scales + size_t(count) * sb);
+    if (follows) {
+      count += c;
+    } else {
+      DI_RETURN_IF_ERROR(flush());
+      src_keys = k;
+      src_scales = sc;
+      at = filled;
+      count = c;
+    }
+    filled += c;
+    offset += c;
+    if (offset == w.count) {
+      ++wi;
+      offset = 0;
+    }
+  }
+  return flush();
 }
 
 absl::StatusOr<StepUploads> PackStepUploads(Rank& rank, Staging& staging, const StepPlan& plan,
@@ -223,11 +288,12 @@ absl::StatusOr<StepUploads> PackStepUploads(Rank& rank, Staging& staging, const 
     at_edits[2] = place(plan.table_edits.index.data(), own_bytes);
     at_edits[3] = place(plan.table_edits.page.data(), own_bytes);
   }
-  // The keys, all of their runs, if they fit.
+  // The keys, all of their runs, if they fit (and none lies in device memory: the host cannot
+  // pack those; InsertStepKeys copies them device to device).
   std::vector<KeyRun> runs = KeyRuns(plan.key_writes, s.head_dim, s.key_chunk);
   size_t key_bytes = 0;
   for (const KeyRun& r : runs) key_bytes += Align64(r.bytes);
-  const bool keys = !runs.empty() && used + key_bytes <= ring.slot_bytes;
+  const bool keys = !runs.empty() && !plan.keys_on_device && used + key_bytes <= ring.slot_bytes;
   const size_t at_keys = used;
   if (keys) used += key_bytes;
 
@@ -301,7 +367,7 @@ absl::Status UploadStepRows(Rank& rank, Staging& staging, const StepPlan& plan,
 }
 
 absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range,
-                              const StepUploads& packed) {
+                              const StepUploads& packed, DeviceChecks& checks) {
   RankBuffers& b = rank.buffers();
   const RankSizes& s = rank.sizes();
   const CacheFormat format = b.caches[plan.pool].geometry.format;
@@ -335,8 +401,9 @@ absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan
           upload(w_raw, q.weights + int64_t{range.start} * H, int64_t{n} * H * sizeof(float)));
     }
     if (q.on_device) {
-      DI_RETURN_IF_ERROR(CheckDeviceInputs(rank, {q_raw, int64_t{n} * hd, q.type, kQBit}, {},
-                                           {w_raw, int64_t{n} * H, ElemType::kF32, kWeightsBit}));
+      DI_RETURN_IF_ERROR(checks.Add({q_raw, int64_t{n} * hd, q.type, DeviceChecks::kQ}));
+      DI_RETURN_IF_ERROR(
+          checks.Add({w_raw, int64_t{n} * H, ElemType::kF32, DeviceChecks::kWeights}));
     }
     prep.num_rows = n;
     prep.num_heads = H;
@@ -380,11 +447,14 @@ absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan
     if (q.on_device) {
       const bool fp4 = format == CacheFormat::kFp4;
       // FP4 codes are all finite; their UE8M0 scales are not.
-      DI_RETURN_IF_ERROR(CheckDeviceInputs(
-          rank, {fp4 ? nullptr : q_codes, fp4 ? 0 : int64_t{n} * hd, q.type, kQBit},
-          {fp4 ? q_scales : nullptr, fp4 ? int64_t{n} * scale_bytes : 0, ElemType::kUE8M0,
-           kQScalesBit},
-          {weights, int64_t{n} * H, ElemType::kF32, kWeightsBit}));
+      if (fp4) {
+        DI_RETURN_IF_ERROR(checks.Add(
+            {q_scales, int64_t{n} * scale_bytes, ElemType::kUE8M0, DeviceChecks::kQScales}));
+      } else {
+        DI_RETURN_IF_ERROR(checks.Add({q_codes, int64_t{n} * hd, q.type, DeviceChecks::kQ}));
+      }
+      DI_RETURN_IF_ERROR(
+          checks.Add({weights, int64_t{n} * H, ElemType::kF32, DeviceChecks::kWeights}));
     }
   }
   QRows out;

@@ -1,7 +1,8 @@
 // A rank's step I/O: the host staging its uploads go through (Staging), the device-to-host
-// copies of its answer rows (Readback), and the uploads of a step's inputs: the row tables,
+// copies of its answer rows (Readback), the uploads of a step's inputs: the row tables,
 // the resident page tables' edits, the requests' slots (UploadStepRows) and q of the rank's
-// rows (UploadQ, with the device-side value check of a device-resident q).
+// rows (UploadQ), and the device-side value checks of device-resident inputs (DeviceChecks:
+// q, its scales and weights, new keys and their scales).
 #pragma once
 
 #include <cstddef>
@@ -52,7 +53,7 @@ class Staging {
     if (!arena_.pinned) return be_.CopyToDevice(dst, src, bytes);
     return UploadStaged(dst, src, bytes);
   }
-  // From device memory (QInput::on_device): a copy on the device.
+  // From device memory (QInput::on_device, KeysInput::on_device): a copy on the device.
   absl::Status UploadFromDevice(void* dst, const void* src, size_t bytes) {
     if (bytes == 0) return absl::OkStatus();
     return be_.CopyDeviceToDevice(dst, src, bytes);
@@ -156,14 +157,49 @@ struct KeyRun {
   size_t scales_offset = 0;
   size_t bytes = 0;
   bool has_scales = false;
+  // The run's keys and scales lie in device memory (KeyWrite::on_device): only its slots
+  // are gathered on the host; the values are copied device to device (CopyKeyRunOnDevice).
+  bool on_device = false;
 };
-// The step's key writes cut into runs (a change of key type or a full chunk ends one), as
-// InsertStepKeys inserts them.
+// The step's key writes cut into runs (a change of key type or of where the keys lie, or a
+// full chunk ends one), as InsertStepKeys inserts them.
 std::vector<KeyRun> KeyRuns(const std::vector<KeyWrite>& writes, int32_t head_dim,
                             int32_t key_chunk);
-// Copies run `run`'s keys, scales and slots into `base` at the run's offsets.
+// Copies run `run`'s keys, scales and slots into `base` at the run's offsets; of a run in
+// device memory, only its slots.
 void GatherKeyRun(const std::vector<KeyWrite>& writes, const KeyRun& run, int32_t head_dim,
                   uint8_t* base);
+// A device run's keys and scales, device to device into `keys` / `scales` (the rank's key
+// staging): one copy each for the writes whose sources follow one another (the columnar
+// form's one tensor), in stream order.
+absl::Status CopyKeyRunOnDevice(Staging& staging, const std::vector<KeyWrite>& writes,
+                                const KeyRun& run, int32_t head_dim, uint8_t* keys,
+                                uint8_t* scales);
+
+// The value checks of a step's device-resident inputs on one rank (IndexerOps::CheckValues on
+// the rank's staged copies, what the kernels read): queued with Add, launched with Flush, as
+// few launches as the staging allows (a key run's copies are checked before the next run
+// overwrites them; the last run's go with q's). The step's first launch clears the rank's
+// flag word, later ones add to it; DeviceInputsStatus reads it after the step's Synchronize.
+class DeviceChecks {
+ public:
+  // Flag bits, in the order the edge checks host bytes (the keys before q): the first set
+  // one names the field.
+  static constexpr uint32_t kNewKeys = 1, kNewKeyScales = 2, kQ = 4, kQScales = 8, kWeights = 16;
+
+  explicit DeviceChecks(Rank& rank) : rank_(rank) {}
+  // Queues a check (none for an empty tensor or a type with nothing to check).
+  absl::Status Add(const kernels::ValueCheck& check);
+  bool pending() const { return args_.num_checks > 0; }
+  absl::Status Flush();
+  // Whether any check was launched this step (the flag word then holds the step's result).
+  bool issued() const { return launched_ > 0; }
+
+ private:
+  Rank& rank_;
+  kernels::ValueCheckArgs args_;
+  int32_t launched_ = 0;
+};
 
 // Where a step's small arrays lie on the device for its kernels: in a slot of the rank's
 // staging ring, all uploaded with one copy by PackStepUploads, or (a null pointer, or a
@@ -218,18 +254,18 @@ absl::Status UploadStepRows(Rank& rank, Staging& staging, const StepPlan& plan,
 // q of the rank's rows [range), uploaded at the rows' own offsets in the rank's buffers (the
 // weights, positions and scales that `packed` holds read from the slot): what the kernel
 // section reads (view), and for unquantized q (f32 / bf16) the rope_quant_q call that RoPEs,
-// quantizes and folds it there (prep). Device-resident q (QInput::on_device) is checked on
-// the device; DeviceInputsStatus reads the flag word after the step's Synchronize.
+// quantizes and folds it there (prep). Device-resident q (QInput::on_device) is queued for
+// the check on the device (`checks`, flushed by the caller).
 struct QRows {
   bool unquantized = false;  // rope_quant_q runs first
   kernels::QPrepArgs prep;
   kernels::QView view;
 };
 absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range,
-                              const StepUploads& packed);
+                              const StepUploads& packed, DeviceChecks& checks);
 
-// The device check's flag word (QInput::on_device) as the step's status: INVALID_ARGUMENT
-// naming the field at fault, or OK.
+// The device checks' flag word (DeviceChecks) as the step's status: INVALID_ARGUMENT naming
+// the field at fault, or OK.
 absl::Status DeviceInputsStatus(uint32_t flags);
 
 }  // namespace decode_indexer::exec

@@ -23,6 +23,9 @@ struct KeyWrite {
   const void* keys = nullptr;
   const void* scales = nullptr;
   const int64_t* slots = nullptr;  // [count] page * page_size + slot
+  // keys / scales are device addresses (KeysInput::on_device): copied device to device, never
+  // read on the host.
+  bool on_device = false;
 };
 
 struct StepPlan {
@@ -46,6 +49,13 @@ struct StepPlan {
   std::vector<std::pair<int32_t, int32_t>> page_copies;
   bool hadamard = false;
   QInput q;
+  // Some key write reads device memory (KeyWrite::on_device): checked on the device.
+  bool keys_on_device = false;
+  // StepInput::inputs_ready_event: waited on by every rank before it reads device inputs.
+  void* inputs_ready_event = nullptr;
+  // Whether the step reads inputs from device memory (q or keys), whose values the ranks
+  // check on their devices (step_io.h DeviceChecks).
+  bool device_inputs() const { return q.on_device || keys_on_device; }
   kernels::RopeConfig rope;  // inv_freq filled in per rank
   // row_shard_bounds, evaluated once by the planner: whether the step is row-sharded, and
   // then the rows [start, end) each rank scores (by rank index). Unsharded, every rank scores

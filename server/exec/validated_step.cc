@@ -64,6 +64,13 @@ absl::Status CheckKeysForm(const KeysInput& keys, CacheFormat format, const KeyF
   if (keys.count < 0) return Invalid(fields.keys, absl::StrCat("negative key count ", keys.count));
   if (keys.count == 0) return absl::OkStatus();
   if (keys.keys == nullptr) return Invalid(fields.keys, "no data");
+  if (keys.on_device && !Quantized(keys.type)) {
+    return Invalid(absl::StrCat(fields.keys, ".dtype"),
+                   absl::StrCat("keys in device memory must be pre-quantized in the cache's "
+                                "format (",
+                                FormatName(format), "), got ", TypeName(keys.type),
+                                " keys (the server quantizes only keys it reads on the host)"));
+  }
   if (Unquantized(keys.type)) {
     if (keys.scales != nullptr) {
       return Invalid(fields.scales,
@@ -245,6 +252,9 @@ absl::StatusOr<ValidatedAppend> ValidateAppend(const config::Profile& profile, u
                                              : "",
                                          " reads layer ", (*spec)->cache_layer,
                                          "'s cache; append keys to layer ", (*spec)->cache_layer));
+  }
+  if (keys.on_device && keys.count > 0) {
+    return Invalid("keys", "keys in device memory are taken only by a decode step's new keys");
   }
   if (absl::Status s =
           CheckKeysForm(keys, (*spec)->cache_format, {"keys", "key_scales", "position"});

@@ -42,7 +42,7 @@ class StepValidator;
 // its StepInput (whose pointers still point into the caller's buffers, which must outlive
 // the call); what the checks read cannot change afterwards. The call's delivery, which the
 // checks do not read, may be set after validation: where the answer goes, the caller's
-// check, whether q's host memory is page-locked, q's ready event, the step id.
+// check, whether q's host memory is page-locked, the device inputs' ready event, the step id.
 class ValidatedStep {
  public:
   const StepInput& input() const { return input_; }
@@ -54,7 +54,7 @@ class ValidatedStep {
   void set_host_memory_page_locked(bool page_locked) {
     input_.host_memory_page_locked = page_locked;
   }
-  void set_q_ready_event(void* event) { input_.q.ready_event = event; }
+  void set_inputs_ready_event(void* event) { input_.inputs_ready_event = event; }
   void set_step_id(uint64_t step_id) { input_.step_id = step_id; }
 
  private:
@@ -138,14 +138,15 @@ struct KeyFields {
 };
 // A key input's form against the cache it goes to: count and position not negative, data
 // with a count, pre-quantized keys in the cache's format with their scales, scales only with
-// pre-quantized keys.
+// pre-quantized keys, keys in device memory pre-quantized.
 absl::Status CheckKeysForm(const KeysInput& keys, kernels::CacheFormat format,
                            const KeyFields& fields);
 
 // Every stage of a StepValidator over a StepInput built in process, in order.
 absl::StatusOr<ValidatedStep> ValidateStep(const config::Profile& profile, StepInput input);
 
-// A prefill's checks: the layer exists and owns its cache, the keys' form (CheckKeysForm).
+// A prefill's checks: the layer exists and owns its cache, the keys' form (CheckKeysForm),
+// host keys (KeysInput::on_device is a step's only).
 absl::StatusOr<ValidatedAppend> ValidateAppend(const config::Profile& profile, uint64_t sequence_id,
                                                int32_t layer, const KeysInput& keys);
 

@@ -481,7 +481,8 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
   std::shared_ptr<SharedMemoryRegion> region;
   ExternalStepBytes external;
   // A CUDA IPC buffer: the answer goes there, and (with cuda_ipc.q_offset) q, q_scales and
-  // weights are read from it on the device.
+  // weights, (with cuda_ipc.new_keys_offset) the new keys and their scales are read from it
+  // on the device.
   std::shared_ptr<CudaIpcRegion> ipc;
   if (request.has_cuda_ipc()) {
     absl::StatusOr<std::shared_ptr<CudaIpcRegion>> got =
@@ -490,16 +491,17 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
     ipc = *std::move(got);
   }
   const bool q_on_device = ipc != nullptr && request.cuda_ipc().has_q_offset();
+  const bool keys_on_device = ipc != nullptr && request.cuda_ipc().has_new_keys_offset();
   // GPU-side ordering asks for the events the buffer was registered with.
   void* inputs_event = nullptr;
   void* answer_event = nullptr;
   if (ipc != nullptr) {
     const v1::CudaIpcStep& ci = request.cuda_ipc();
     if (ci.wait_inputs_event()) {
-      if (!q_on_device) {
+      if (!q_on_device && !keys_on_device) {
         return absl::InvalidArgumentError(
-            "cuda_ipc.wait_inputs_event: needs cuda_ipc.q_offset (the event orders the inputs "
-            "read from the device buffer)");
+            "cuda_ipc.wait_inputs_event: needs cuda_ipc.q_offset or cuda_ipc.new_keys_offset "
+            "(the event orders the inputs read from the device buffer)");
       }
       if (ipc->inputs_event() == nullptr) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -517,26 +519,30 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
       answer_event = ipc->answer_event();
     }
   }
+  // A tensor's bytes in the CUDA IPC buffer (its Tensor carries dtype and shape only), where
+  // `group` ("q_offset", "new_keys_offset") was set: the offset's alignment and the span's
+  // room, checked here; the values, on the device.
+  auto device_view = [&](const v1::Tensor& t, const char* field, const char* offset_field,
+                         uint64_t offset, uint64_t align,
+                         const char* group) -> absl::StatusOr<std::string_view> {
+    if (!t.data().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".data: must be empty when cuda_ipc.", group, " is set"));
+    }
+    if (offset % align != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cuda_ipc.", offset_field, ": ", offset, " is not a multiple of ", align));
+    }
+    absl::StatusOr<uint64_t> bytes = ShapeBytes(t, field);
+    if (!bytes.ok()) return bytes.status();
+    absl::StatusOr<uint8_t*> at = ipc->Span(offset_field, offset, *bytes);
+    if (!at.ok()) return at.status();
+    return std::string_view(reinterpret_cast<const char*>(*at), *bytes);
+  };
   if (q_on_device) {
     const v1::CudaIpcStep& ci = request.cuda_ipc();
-    auto device_view = [&](const v1::Tensor& t, const char* field, const char* offset_field,
-                           uint64_t offset, uint64_t align) -> absl::StatusOr<std::string_view> {
-      if (!t.data().empty()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(field, ".data: must be empty when cuda_ipc.q_offset is set"));
-      }
-      if (offset % align != 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("cuda_ipc.", offset_field, ": ", offset, " is not a multiple of ", align));
-      }
-      absl::StatusOr<uint64_t> bytes = ShapeBytes(t, field);
-      if (!bytes.ok()) return bytes.status();
-      absl::StatusOr<uint8_t*> at = ipc->Span(offset_field, offset, *bytes);
-      if (!at.ok()) return at.status();
-      return std::string_view(reinterpret_cast<const char*>(*at), *bytes);
-    };
     absl::StatusOr<std::string_view> bytes =
-        device_view(request.q(), "q", "q_offset", ci.q_offset(), 16);
+        device_view(request.q(), "q", "q_offset", ci.q_offset(), 16, "q_offset");
     if (!bytes.ok()) return bytes.status();
     external.q = *bytes;
     if (request.q_scales().dtype() != v1::DTYPE_UNSPECIFIED) {
@@ -544,8 +550,8 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
         return absl::InvalidArgumentError(
             "cuda_ipc.q_scales_offset: required for q_scales when cuda_ipc.q_offset is set");
       }
-      bytes =
-          device_view(request.q_scales(), "q_scales", "q_scales_offset", ci.q_scales_offset(), 16);
+      bytes = device_view(request.q_scales(), "q_scales", "q_scales_offset", ci.q_scales_offset(),
+                          16, "q_offset");
       if (!bytes.ok()) return bytes.status();
       external.q_scales = *bytes;
     }
@@ -553,7 +559,8 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
       return absl::InvalidArgumentError(
           "cuda_ipc.weights_offset: required when cuda_ipc.q_offset is set");
     }
-    bytes = device_view(request.weights(), "weights", "weights_offset", ci.weights_offset(), 4);
+    bytes = device_view(request.weights(), "weights", "weights_offset", ci.weights_offset(), 4,
+                        "q_offset");
     if (!bytes.ok()) return bytes.status();
     external.weights = *bytes;
     external.q_on_device = true;
@@ -562,6 +569,60 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
     return absl::InvalidArgumentError(
         "cuda_ipc.q_offset: required with cuda_ipc.q_scales_offset / weights_offset (q, its "
         "scales and the weights are read from device memory together)");
+  }
+  // The new keys (columnar form) from the device buffer: pre-quantized codes at
+  // new_keys_offset and their scales at new_key_scales_offset, both 16-byte aligned.
+  if (keys_on_device) {
+    const v1::CudaIpcStep& ci = request.cuda_ipc();
+    if (request.sequences_size() > 0) {
+      return absl::InvalidArgumentError(
+          "cuda_ipc.new_keys_offset: only with the columnar form (sequence_ids and one "
+          "new_keys tensor), not with sequences");
+    }
+    if (request.has_shared_memory() && (request.shared_memory().has_new_keys_offset() ||
+                                        request.shared_memory().has_new_key_scales_offset())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          request.shared_memory().has_new_keys_offset() ? "shared_memory.new_keys_offset"
+                                                        : "shared_memory.new_key_scales_offset",
+          ": set together with cuda_ipc.new_keys_offset (a step's keys are read from one "
+          "place)"));
+    }
+    const v1::DType kd = request.new_keys().dtype();
+    if (kd != v1::DTYPE_FP8_E4M3 && kd != v1::DTYPE_FP4_E2M1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "new_keys.dtype: DTYPE_FP8_E4M3 or DTYPE_FP4_E2M1 (the cache's format, with "
+          "new_key_scales) expected for keys in device memory (cuda_ipc.new_keys_offset), got ",
+          v1::DType_Name(kd).empty() ? "DTYPE_<unknown>" : v1::DType_Name(kd),
+          ": the server quantizes only keys it reads on the host (send them inline or in "
+          "shared memory)"));
+    }
+    absl::StatusOr<std::string_view> bytes =
+        device_view(request.new_keys(), "new_keys", "new_keys_offset", ci.new_keys_offset(), 16,
+                    "new_keys_offset");
+    if (!bytes.ok()) return bytes.status();
+    external.new_keys = *bytes;
+    const v1::Tensor& ks = request.new_key_scales();
+    if (ks.dtype() != v1::DTYPE_UNSPECIFIED || ks.shape_size() > 0 || !ks.data().empty()) {
+      if (!ci.has_new_key_scales_offset()) {
+        return absl::InvalidArgumentError(
+            "cuda_ipc.new_key_scales_offset: required for new_key_scales when "
+            "cuda_ipc.new_keys_offset is set (the keys and their scales are read from device "
+            "memory together)");
+      }
+      bytes = device_view(ks, "new_key_scales", "new_key_scales_offset", ci.new_key_scales_offset(),
+                          16, "new_keys_offset");
+      if (!bytes.ok()) return bytes.status();
+      external.new_key_scales = *bytes;
+    } else if (ci.has_new_key_scales_offset()) {
+      return absl::InvalidArgumentError(
+          "new_key_scales.dtype: required with cuda_ipc.new_key_scales_offset (dtype and "
+          "shape; the bytes are read from the device buffer)");
+    }
+    external.keys_on_device = true;
+  } else if (request.has_cuda_ipc() && request.cuda_ipc().has_new_key_scales_offset()) {
+    return absl::InvalidArgumentError(
+        "cuda_ipc.new_keys_offset: required with cuda_ipc.new_key_scales_offset (the keys and "
+        "their scales are read from device memory together)");
   }
   if (request.has_shared_memory()) {
     const v1::SharedMemoryStep& sm = request.shared_memory();
@@ -615,7 +676,7 @@ absl::Status IndexerService::RunStep(CallContext* context, const v1::DecodeStepR
   absl::StatusOr<DecodedStep> decoded = DecodeStepRequest(request, profile, external);
   if (!decoded.ok()) return decoded.status();
   exec::ValidatedStep& validated = *decoded->validated;
-  validated.set_q_ready_event(inputs_event);
+  validated.set_inputs_ready_event(inputs_event);
   const exec::StepInput& step = validated.input();
 
   // Where the answer goes, resolved once into the sink the executor writes it into: a CUDA IPC

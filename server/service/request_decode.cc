@@ -263,7 +263,7 @@ absl::StatusOr<exec::KeysInput> DecodeKeys(
     absl::string_view scales_field, const config::Profile& profile,
     std::vector<float>& scale_storage, std::vector<std::vector<uint8_t>>& realigned,
     int64_t expected_n = kFree, std::optional<std::string_view> keys_at = {},
-    std::optional<std::string_view> scales_at = {}) {
+    std::optional<std::string_view> scales_at = {}, bool on_device = false) {
   const int32_t d = profile.head_dim;
   // The bytes: the Tensors' own, or where the caller found them (a shared-memory region).
   const std::string_view keys_data = keys_at.value_or(std::string_view(keys.data()));
@@ -271,17 +271,27 @@ absl::StatusOr<exec::KeysInput> DecodeKeys(
   const bool scales_absent = !scales_at.has_value() && IsAbsent(scales);
   const v1::DType allowed[] = {v1::DTYPE_FP32, v1::DTYPE_BF16, v1::DTYPE_FP8_E4M3,
                                v1::DTYPE_FP4_E2M1};
+  // Device bytes (cuda_ipc.new_keys_offset): pre-quantized only, since the host cannot read
+  // (so cannot quantize) them; their values are checked on the device.
+  const v1::DType device_allowed[] = {v1::DTYPE_FP8_E4M3, v1::DTYPE_FP4_E2M1};
   const Dim dims[] = {{expected_n, "n", profile.max_context}, {d}};
-  absl::StatusOr<std::vector<int64_t>> shape =
-      CheckTensor(keys, keys_data, keys_field, allowed, dims);
+  absl::StatusOr<std::vector<int64_t>> shape = CheckTensor(
+      keys, keys_data, keys_field,
+      on_device ? std::span<const v1::DType>(device_allowed) : std::span<const v1::DType>(allowed),
+      dims);
   if (!shape.ok()) return shape.status();
   const int64_t n = (*shape)[0];
   if (n == 0) return Invalid(absl::StrCat(keys_field, ".shape"), "no keys (n = 0)");
-  if (absl::Status s = CheckValues(keys, keys_data, keys_field, *shape, false); !s.ok()) return s;
+  if (!on_device) {
+    if (absl::Status s = CheckValues(keys, keys_data, keys_field, *shape, false); !s.ok()) {
+      return s;
+    }
+  }
 
   exec::KeysInput out;
   out.type = ToElemType(keys.dtype());
   out.count = static_cast<int32_t>(n);
+  out.on_device = on_device;
   const bool pre_quantized =
       keys.dtype() == v1::DTYPE_FP8_E4M3 || keys.dtype() == v1::DTYPE_FP4_E2M1;
   if (!pre_quantized) {
@@ -298,6 +308,10 @@ absl::StatusOr<exec::KeysInput> DecodeKeys(
     absl::StatusOr<std::vector<int64_t>> sshape =
         CheckTensor(scales, scales_data, scales_field, scale_types, scale_dims);
     if (!sshape.ok()) return sshape.status();
+    if (on_device) {  // values on the device; a device address is never realigned
+      out.scales = scales_data.data();
+      return out;
+    }
     if (absl::Status s = CheckValues(scales, scales_data, scales_field, *sshape, true); !s.ok()) {
       return s;
     }
@@ -308,8 +322,11 @@ absl::StatusOr<exec::KeysInput> DecodeKeys(
     absl::StatusOr<std::vector<int64_t>> sshape =
         CheckTensor(scales, scales_data, scales_field, scale_types, scale_dims);
     if (!sshape.ok()) return sshape.status();
-    if (absl::Status s = CheckValues(scales, scales_data, scales_field, *sshape, false); !s.ok()) {
-      return s;
+    if (!on_device) {
+      if (absl::Status s = CheckValues(scales, scales_data, scales_field, *sshape, false);
+          !s.ok()) {
+        return s;
+      }
     }
     out.scales = scales_data.data();
   }
@@ -524,9 +541,10 @@ absl::StatusOr<int64_t> DecodeColumnar(const v1::DecodeStepRequest& request,
                                   "), got ", ShapeString(keys)));
     }
     out.key_scales.resize(1);
-    absl::StatusOr<exec::KeysInput> all = DecodeKeys(
-        keys, request.new_key_scales(), "new_keys", "new_key_scales", profile, out.key_scales[0],
-        out.realigned, total_keys, external.new_keys, external.new_key_scales);
+    absl::StatusOr<exec::KeysInput> all =
+        DecodeKeys(keys, request.new_key_scales(), "new_keys", "new_key_scales", profile,
+                   out.key_scales[0], out.realigned, total_keys, external.new_keys,
+                   external.new_key_scales, external.keys_on_device);
     if (!all.ok()) return all.status();
     const char* base = static_cast<const char*>(all->keys);
     const char* scales = static_cast<const char*>(all->scales);
@@ -537,6 +555,7 @@ absl::StatusOr<int64_t> DecodeColumnar(const v1::DecodeStepRequest& request,
     for (exec::SequenceStepInput& in : step.sequences) {
       if (in.new_keys.count > 0) {
         in.new_keys.type = all->type;
+        in.new_keys.on_device = all->on_device;
         in.new_keys.keys = base + at * row_bytes;
         in.new_keys.scales = scales != nullptr ? scales + at * scale_bytes : nullptr;
       }
@@ -607,8 +626,9 @@ absl::Status DecodeStep(const v1::DecodeStepRequest& request, const config::Prof
   const bool columnar = HasColumnarFields(request) || external.new_keys.has_value() ||
                         external.new_key_scales.has_value();
   if ((external.new_keys || external.new_key_scales) && request.sequences_size() > 0) {
+    const char* from = external.keys_on_device ? "cuda_ipc." : "shared_memory.";
     return Invalid(
-        external.new_keys ? "shared_memory.new_keys_offset" : "shared_memory.new_key_scales_offset",
+        absl::StrCat(from, external.new_keys ? "new_keys_offset" : "new_key_scales_offset"),
         "only with the columnar form (sequence_ids), not with sequences");
   }
   if (columnar && request.sequences_size() > 0) {

@@ -60,7 +60,8 @@ absl::StatusOr<DecodedAppend> DecodeAppendKeys(const v1::AppendKeysRequest& requ
                                                const config::Profile& profile);
 
 // Bytes of q / q_scales / weights / positions (and, in the columnar form, new_keys /
-// new_key_scales) that live outside the request (a client's shared-memory region): those
+// new_key_scales) that live outside the request (a client's shared-memory region, or for q and
+// the keys a CUDA IPC buffer): those
 // Tensors then carry dtype and shape only, and are checked and read in place here, so the
 // decoded step points into the region (no staging copy). The fast path's descriptors
 // (server/service/step_ring.cc) decode through here too: one set of checks for both.
@@ -75,6 +76,11 @@ struct ExternalStepBytes {
   // checked here, their values on the device (exec::QInput::on_device); weights must be fp32
   // (nothing is converted on the host).
   bool q_on_device = false;
+  // new_keys / new_key_scales above are device addresses (cuda_ipc.new_keys_offset): their
+  // dtypes, shapes and sizes are checked here, their values on the device
+  // (exec::KeysInput::on_device); they must be pre-quantized (FP8 codes + fp32 scales, FP4
+  // codes + UE8M0 scales) and are never read, realigned or converted on the host.
+  bool keys_on_device = false;
 };
 
 absl::StatusOr<DecodedStep> DecodeStepRequest(const v1::DecodeStepRequest& request,

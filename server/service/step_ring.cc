@@ -86,11 +86,16 @@ absl::Status DescriptorToRequest(const StepDescriptor& d, const uint8_t* columns
   if (ipc_inputs && !ipc) {
     return Invalid("flags", "kInputsCudaIpc (q in the CUDA IPC buffer) needs kAnswerCudaIpc");
   }
+  const bool ipc_keys = (d.flags & ring::kKeysCudaIpc) != 0;
+  if (ipc_keys && !ipc) {
+    return Invalid("flags", "kKeysCudaIpc (new keys in the CUDA IPC buffer) needs kAnswerCudaIpc");
+  }
   const bool wait_inputs = (d.flags & ring::kWaitInputsEvent) != 0;
   const bool record_answer = (d.flags & ring::kRecordAnswerEvent) != 0;
-  if (wait_inputs && !ipc_inputs) {
+  if (wait_inputs && !ipc_inputs && !ipc_keys) {
     return Invalid("flags",
-                   "kWaitInputsEvent (wait for the inputs on the GPU) needs kInputsCudaIpc");
+                   "kWaitInputsEvent (wait for the inputs on the GPU) needs kInputsCudaIpc or "
+                   "kKeysCudaIpc");
   }
   if (record_answer && !ipc) {
     return Invalid("flags", "kRecordAnswerEvent (answer ready on the GPU) needs kAnswerCudaIpc");
@@ -106,8 +111,8 @@ absl::Status DescriptorToRequest(const StepDescriptor& d, const uint8_t* columns
       {"q_scales_offset", d.q_scales_offset, !ipc_inputs && d.q_scales_dtype != 0},
       {"weights_offset", d.weights_offset, !ipc_inputs},
       {"positions_offset", d.positions_offset, d.positions_dtype != 0},
-      {"new_keys_offset", d.new_keys_offset, d.new_keys_dtype != 0},
-      {"new_key_scales_offset", d.new_key_scales_offset, d.new_key_scales_dtype != 0},
+      {"new_keys_offset", d.new_keys_offset, !ipc_keys && d.new_keys_dtype != 0},
+      {"new_key_scales_offset", d.new_key_scales_offset, !ipc_keys && d.new_key_scales_dtype != 0},
       {"answer_offset", d.answer_offset, !ipc},
       {"candidates_offset", d.candidates_offset, !ipc && (d.flags & ring::kReturnCandidates)},
   };
@@ -168,9 +173,12 @@ absl::Status DescriptorToRequest(const StepDescriptor& d, const uint8_t* columns
     ShapeOnly(d.positions_dtype, {rows}, out.mutable_positions());
     sm->set_positions_offset(d.positions_offset);
   }
+  // The keys' offsets: in the CUDA IPC buffer with kKeysCudaIpc (the edge then names a
+  // missing tensor or a bad offset as cuda_ipc.new_keys_offset ...), else in the region.
+  if (ipc_keys) out.mutable_cuda_ipc()->set_new_keys_offset(d.new_keys_offset);
   if (d.new_keys_dtype != 0) {
     ShapeOnly(d.new_keys_dtype, {d.new_keys_rows, dim}, out.mutable_new_keys());
-    sm->set_new_keys_offset(d.new_keys_offset);
+    if (!ipc_keys) sm->set_new_keys_offset(d.new_keys_offset);
   }
   if (d.new_key_scales_dtype != 0) {
     if (d.new_key_scales_dtype == v1::DTYPE_UE8M0) {
@@ -178,7 +186,11 @@ absl::Status DescriptorToRequest(const StepDescriptor& d, const uint8_t* columns
     } else {
       ShapeOnly(d.new_key_scales_dtype, {d.new_keys_rows}, out.mutable_new_key_scales());
     }
-    sm->set_new_key_scales_offset(d.new_key_scales_offset);
+    if (ipc_keys) {
+      out.mutable_cuda_ipc()->set_new_key_scales_offset(d.new_key_scales_offset);
+    } else {
+      sm->set_new_key_scales_offset(d.new_key_scales_offset);
+    }
   }
   if (ipc) {
     v1::CudaIpcStep* ci = out.mutable_cuda_ipc();

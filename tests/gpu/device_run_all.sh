@@ -70,7 +70,7 @@ run gpu_test 120 "$bundle/gpu_test"
 [ -x "$bundle/gpu_variants_test" ] && run gpu_variants_test 120 "$bundle/gpu_variants_test"
 run gpu_executor_test 180 "$bundle/gpu_executor_test"
 run gpu_lifecycle_test 180 "$bundle/gpu_lifecycle_test"
-[ -x "$bundle/gpu_ipc_test" ] && run gpu_ipc_test 60 "$bundle/gpu_ipc_test"
+[ -x "$bundle/gpu_ipc_test" ] && run gpu_ipc_test 150 "$bundle/gpu_ipc_test"
 run multigpu_test 120 "$bundle/multigpu_test"
 run cuda_vs_cpu_test 60 "$bundle/cuda_vs_cpu_test"
 # The snapshot across a real SIGTERM and restart, on the CUDA backend (the CPU one is

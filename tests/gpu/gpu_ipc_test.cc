@@ -5,7 +5,9 @@
 // through plain gRPC (the CUDA backend is deterministic, so bit for bit), also through a
 // stream and with q read from a page-locked shared-memory region. Then the registration's
 // device-side rejections (foreign handle, size past the allocation, wrong device) and the
-// per-rank device-memory gauge. Skips visibly where no GPU is visible.
+// per-rank device-memory gauge; the CUDA IPC events' ordering; and a step's new keys read from
+// the buffer (cuda_ipc.new_keys_offset, the ring's kKeysCudaIpc; FP8 at v32, FP4 at v41).
+// Skips visibly where no GPU is visible.
 #include <cuda_runtime.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -16,14 +18,17 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <span>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "client/fast_path.h"
@@ -70,13 +75,13 @@ class ServerProcess {
     if (!log_.empty()) std::filesystem::remove(log_);
   }
   // Starts the server and answers its address, "" on failure (the log says why).
-  std::string Start() {
+  std::string Start(const std::string& profile = "v32") {
     log_ = (std::filesystem::temp_directory_path() /
             ("di-gpu-ipc-" + std::to_string(getpid()) + ".log"))
                .string();
     std::vector<std::string> args = {
         ServerBinary(), "--listen", "127.0.0.1:0",   "--backend", "cuda",        "--ranks", "1",
-        "--profile",    "v32",      "--cache-pages", "2048",      "--log-level", "info"};
+        "--profile",    profile,    "--cache-pages", "2048",      "--log-level", "info"};
     // Shared-memory regions are sealed memfds handed over this socket.
     args.push_back("--shm-socket");
     args.push_back((std::filesystem::temp_directory_path() /
@@ -542,6 +547,296 @@ TEST(GpuIpcTest, EventsOrderTheStepOnTheGpu) {
   ASSERT_CUDA(cudaEventDestroy(inputs));
   ASSERT_CUDA(cudaEventDestroy(answer));
   ASSERT_CUDA(cudaFree(buffer));
+}
+
+// A step's new keys read from the exported buffer (cuda_ipc.new_keys_offset /
+// new_key_scales_offset; the ring's kKeysCudaIpc), pre-quantized in the layer's format: FP8
+// codes and fp32 scales at v32's layer 0, FP4 codes and UE8M0 scales at v41's. Over unary, a
+// stream and the ring, each step answers (from the buffer) bit for bit what twin sequences
+// answer to the same step with everything inline, and both keep equal lengths. A NaN code or
+// a bad scale written into the buffer fails the step with INVALID_ARGUMENT naming
+// new_keys.data / new_key_scales.data, found on the device, and commits nothing. With
+// wait_inputs_event and the keys alone on the device, the server's stream waits for the
+// worker's record: the buffer holds poisoned keys until the worker's stream, held 300 ms,
+// copies the real ones there and records the event; the step must succeed and answer as the
+// inline step (the control, without the wait, must read the poison and fail).
+TEST(GpuIpcTest, KeysFromTheExportedBufferAnswerAsInline) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    GTEST_SKIP() << "no GPU visible: the CUDA IPC data plane needs one";
+  }
+  for (const std::string profile : {"v32", "v41"}) {
+    SCOPED_TRACE(profile);
+    ServerProcess server;
+    const std::string address = server.Start(profile);
+    ASSERT_FALSE(address.empty()) << server.log();
+    absl::StatusOr<std::unique_ptr<client::IndexerClient>> c =
+        client::IndexerClient::Connect(address);
+    ASSERT_TRUE(c.ok()) << c.status();
+    client::IndexerClient& cl = **c;
+    absl::StatusOr<v1::ServerInfo> info = cl.ServerInfo();
+    ASSERT_TRUE(info.ok()) << info.status();
+    ASSERT_EQ(info->backend(), "cuda");
+    const int H = info->num_heads(), D = info->head_dim(), K = info->topk();
+    ASSERT_GT(info->layers_size(), 0);
+    ASSERT_EQ(info->layers(0).role(), v1::LAYER_ROLE_DENSE);
+    const bool fp4 = info->layers(0).cache_format() == v1::CACHE_FORMAT_FP4;
+    ASSERT_EQ(fp4, profile == "v41");
+
+    std::mt19937_64 rng(::decode_indexer::testing::TestSeed() + 2);
+    std::normal_distribution<float> normal;
+    const int requests = 8;
+    std::vector<uint64_t> ids, twins;
+    std::vector<int64_t> lengths;
+    for (int i = 0; i < requests; ++i) {
+      ids.push_back(500 + i);
+      twins.push_back(600 + i);
+      lengths.push_back(1000 + int64_t(rng() % 4000));
+      std::vector<float> keys(size_t(lengths.back()) * D);
+      for (float& x : keys) x = normal(rng);
+      for (uint64_t id : {ids.back(), twins.back()}) {
+        ASSERT_TRUE(cl.CreateSequence(id).ok());
+        absl::StatusOr<int64_t> len = cl.AppendKeys(id, 0, keys, D);
+        ASSERT_TRUE(len.ok()) << len.status();
+      }
+    }
+    // One pre-quantized key a request: codes (no NaN) and scales (powers of two).
+    const size_t key_bytes = size_t(requests) * (fp4 ? D / 2 : D);
+    const size_t scale_bytes = size_t(requests) * (fp4 ? D / 32 : 4);
+    auto fresh_keys = [&] {
+      std::string keys(key_bytes, '\0'), scales(scale_bytes, '\0');
+      for (char& ch : keys) {
+        uint8_t b = uint8_t(rng());
+        if (!fp4 && (b & 0x7F) == 0x7F) b ^= 0x40;
+        ch = static_cast<char>(b);
+      }
+      for (int r = 0; r < requests; ++r) {
+        if (fp4) {
+          for (int g = 0; g < D / 32; ++g)
+            scales[size_t(r) * (D / 32) + g] = char(118 + rng() % 14);
+        } else {
+          const float s = std::ldexp(1.0f, -int(2 + rng() % 8));
+          std::memcpy(&scales[size_t(r) * 4], &s, 4);
+        }
+      }
+      return std::pair<std::string, std::string>(keys, scales);
+    };
+    int step = 0;
+    // The columnar step for `seqs` with these keys inline (fp32 q the server rotates).
+    auto columnar = [&](const std::vector<uint64_t>& seqs, const std::string& keys,
+                        const std::string& scales, const std::vector<float>& q,
+                        const std::vector<float>& w) {
+      v1::DecodeStepRequest req;
+      req.set_layer(0);
+      req.set_step_id(uint64_t(step));
+      for (uint64_t id : seqs) req.add_sequence_ids(id);
+      req.set_rows_per_sequence(1);
+      v1::Tensor* k = req.mutable_new_keys();
+      k->set_dtype(fp4 ? v1::DTYPE_FP4_E2M1 : v1::DTYPE_FP8_E4M3);
+      k->add_shape(requests);
+      k->add_shape(D);
+      k->set_data(keys);
+      v1::Tensor* ks = req.mutable_new_key_scales();
+      ks->set_dtype(fp4 ? v1::DTYPE_UE8M0 : v1::DTYPE_FP32);
+      ks->add_shape(requests);
+      if (fp4) ks->add_shape(D / 32);
+      ks->set_data(scales);
+      *req.mutable_q() = client::F32Tensor(q, {requests, H, D});
+      *req.mutable_weights() = client::F32Tensor(w, {requests, H});
+      std::vector<int64_t> positions;
+      for (int i = 0; i < requests; ++i) positions.push_back(lengths[i] + step);
+      *req.mutable_positions() = client::I64Tensor(positions, {requests});
+      return req;
+    };
+    auto fresh_q = [&] {
+      std::vector<float> q(size_t(requests) * H * D), w(size_t(requests) * H);
+      for (float& x : q) x = normal(rng);
+      for (float& x : w) x = normal(rng);
+      return std::pair<std::vector<float>, std::vector<float>>(q, w);
+    };
+
+    ASSERT_CUDA(cudaSetDevice(0));
+    const size_t bytes = size_t(4) << 20;
+    void* buffer = nullptr;
+    ASSERT_CUDA(cudaMalloc(&buffer, bytes));
+    ASSERT_CUDA(cudaMemset(buffer, 0x5A, bytes));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    cudaIpcMemHandle_t handle;
+    ASSERT_CUDA(cudaIpcGetMemHandle(&handle, buffer));
+    cudaEvent_t inputs = nullptr;
+    ASSERT_CUDA(cudaEventCreateWithFlags(&inputs, cudaEventInterprocess | cudaEventDisableTiming));
+    cudaIpcEventHandle_t inputs_handle;
+    ASSERT_CUDA(cudaIpcGetEventHandle(&inputs_handle, inputs));
+    absl::StatusOr<uint64_t> region = cl.RegisterCudaIpcMemory(
+        std::string(reinterpret_cast<const char*>(&handle), sizeof(handle)), bytes, 0,
+        std::string(reinterpret_cast<const char*>(&inputs_handle), sizeof(inputs_handle)));
+    ASSERT_TRUE(region.ok()) << region.status() << "\n" << server.log();
+    const uint64_t keys_at = 1 << 20;
+    const uint64_t scales_at = keys_at + (key_bytes + 255) / 256 * 256;
+    const uint64_t answer_at = 8192;
+    auto put = [&](uint64_t at, const std::string& data) {
+      ASSERT_CUDA(cudaMemcpy(static_cast<char*>(buffer) + at, data.data(), data.size(),
+                             cudaMemcpyHostToDevice));
+    };
+    auto read_back = [&](size_t count) {
+      std::vector<int32_t> out(count);
+      EXPECT_EQ(cudaMemcpy(out.data(), static_cast<char*>(buffer) + answer_at, count * 4,
+                           cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      return out;
+    };
+    // The twins' step with the keys at keys_at / scales_at in the buffer.
+    auto on_device = [&](v1::DecodeStepRequest req) {
+      req.mutable_new_keys()->clear_data();
+      req.mutable_new_key_scales()->clear_data();
+      v1::CudaIpcStep* ci = req.mutable_cuda_ipc();
+      ci->set_region_id(*region);
+      ci->set_new_keys_offset(keys_at);
+      ci->set_new_key_scales_offset(scales_at);
+      ci->set_answer_offset(answer_at);
+      return req;
+    };
+    auto twin_lengths = [&] {
+      std::vector<int64_t> out;
+      for (uint64_t id : twins) {
+        absl::StatusOr<v1::GetSequenceResponse> seq = cl.GetSequence(id);
+        EXPECT_TRUE(seq.ok()) << seq.status();
+        out.push_back(seq.ok() && seq->caches_size() > 0 ? seq->caches(0).length() : -1);
+      }
+      return out;
+    };
+    absl::StatusOr<std::unique_ptr<client::StepStream>> stream = cl.OpenStream();
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    absl::StatusOr<std::unique_ptr<client::FastPathRing>> ring = client::FastPathRing::Create(cl);
+    ASSERT_TRUE(ring.ok()) << ring.status();
+
+    // Unary, stream, ring, twice each.
+    for (int i = 0; i < 6; ++i, ++step) {
+      const auto [keys, scales] = fresh_keys();
+      const auto [q, w] = fresh_q();
+      absl::StatusOr<client::StepAnswer> want = cl.DecodeStep(columnar(ids, keys, scales, q, w));
+      ASSERT_TRUE(want.ok()) << want.status();
+      ASSERT_EQ(want->rows, requests);
+      ASSERT_EQ(want->k, K);
+      const v1::DecodeStepRequest twin_inline = columnar(twins, keys, scales, q, w);
+      put(keys_at, keys);
+      put(scales_at, scales);
+      ASSERT_CUDA(cudaMemset(static_cast<char*>(buffer) + answer_at, 0x5A, want->topk.size() * 4));
+      std::vector<int64_t> got_lengths;
+      if (i % 3 == 0) {
+        absl::StatusOr<client::StepAnswer> got = cl.DecodeStep(on_device(twin_inline));
+        ASSERT_TRUE(got.ok()) << got.status();
+        got_lengths = got->lengths;
+      } else if (i % 3 == 1) {
+        absl::StatusOr<client::StepAnswer> got = (*stream)->Step(on_device(twin_inline));
+        ASSERT_TRUE(got.ok()) << got.status();
+        got_lengths = got->lengths;
+      } else {
+        v1::DecodeStepRequest staged_req = twin_inline;  // q, weights, positions in the ring
+        staged_req.clear_new_keys();
+        staged_req.clear_new_key_scales();
+        absl::StatusOr<client::StagedStep> st = client::StageRequest(
+            staged_req, std::span<uint8_t>((*ring)->region(), (*ring)->region_bytes()),
+            (*ring)->data_offset(), K, info->num_candidate_blocks());
+        ASSERT_TRUE(st.ok()) << st.status();
+        ring::StepDescriptor& d = st->step.descriptor;
+        d.flags |= ring::kAnswerCudaIpc | ring::kKeysCudaIpc;
+        d.cuda_ipc_region_id = *region;
+        d.answer_offset = answer_at;
+        d.new_keys_dtype = fp4 ? v1::DTYPE_FP4_E2M1 : v1::DTYPE_FP8_E4M3;
+        d.new_key_scales_dtype = fp4 ? v1::DTYPE_UE8M0 : v1::DTYPE_FP32;
+        d.new_keys_rows = requests;
+        d.new_keys_offset = keys_at;
+        d.new_key_scales_offset = scales_at;
+        absl::StatusOr<client::RingCompletion> done = (*ring)->Step(st->step);
+        ASSERT_TRUE(done.ok()) << done.status();
+        ASSERT_TRUE(done->status.ok()) << done->status;
+        got_lengths = done->lengths;
+      }
+      EXPECT_EQ(got_lengths, want->lengths) << "step " << i;
+      EXPECT_EQ(read_back(want->topk.size()), want->topk) << "step " << i;
+    }
+
+    // Bad values written into the buffer: found on the device, nothing committed.
+    for (int bad = 0; bad < 3; ++bad, ++step) {
+      auto [keys, scales] = fresh_keys();
+      const auto [q, w] = fresh_q();
+      std::string field;
+      if (bad == 0 && !fp4) {
+        keys[rng() % keys.size()] = char(rng() % 2 ? 0x7F : 0xFF);
+        field = "new_keys.data";
+      } else if (fp4) {
+        scales[rng() % scales.size()] = char(0xFF);
+        field = "new_key_scales.data";
+      } else {
+        const float v = bad == 1 ? -0.5f : 0.0f;
+        std::memcpy(&scales[4 * (rng() % requests)], &v, 4);
+        field = "new_key_scales.data";
+      }
+      put(keys_at, keys);
+      put(scales_at, scales);
+      const std::vector<int64_t> before = twin_lengths();
+      absl::StatusOr<client::StepAnswer> r =
+          cl.DecodeStep(on_device(columnar(twins, keys, scales, q, w)));
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << field << r.status();
+      EXPECT_NE(r.status().message().find(field), std::string::npos) << r.status();
+      EXPECT_EQ(twin_lengths(), before) << field << ": a failed step committed its keys";
+    }
+
+    // GPU-side ordering of the keys alone: poison in the buffer until the held worker stream
+    // copies the real keys there and records the inputs event.
+    cudaStream_t worker = nullptr;
+    ASSERT_CUDA(cudaStreamCreateWithFlags(&worker, cudaStreamNonBlocking));
+    void* pinned = nullptr;
+    ASSERT_CUDA(cudaMallocHost(&pinned, key_bytes + scale_bytes));
+    static int hold_keys_ms = 300;
+    for (const bool wait : {true, false}) {  // the second: the control
+      const auto [keys, scales] = fresh_keys();
+      const auto [q, w] = fresh_q();
+      // FP8: a NaN code in every key; FP4 codes are all finite: a NaN scale.
+      std::string poison = keys, poison_scales = scales;
+      if (fp4) {
+        poison_scales[0] = char(0xFF);
+      } else {
+        for (size_t r = 0; r < size_t(requests); ++r) poison[r * D] = char(0x7F);
+      }
+      put(keys_at, poison);
+      put(scales_at, poison_scales);
+      std::memcpy(pinned, keys.data(), keys.size());
+      std::memcpy(static_cast<char*>(pinned) + keys.size(), scales.data(), scales.size());
+      ASSERT_CUDA(cudaLaunchHostFunc(worker, HoldStream, &hold_keys_ms));
+      ASSERT_CUDA(cudaMemcpyAsync(static_cast<char*>(buffer) + keys_at, pinned, keys.size(),
+                                  cudaMemcpyHostToDevice, worker));
+      ASSERT_CUDA(cudaMemcpyAsync(static_cast<char*>(buffer) + scales_at,
+                                  static_cast<char*>(pinned) + keys.size(), scales.size(),
+                                  cudaMemcpyHostToDevice, worker));
+      ASSERT_CUDA(cudaEventRecord(inputs, worker));
+      v1::DecodeStepRequest req = on_device(columnar(twins, keys, scales, q, w));
+      req.mutable_cuda_ipc()->set_wait_inputs_event(wait);
+      absl::StatusOr<client::StepAnswer> got = cl.DecodeStep(req);
+      if (wait) {
+        ASSERT_TRUE(got.ok()) << got.status() << ": the server read the keys before the event";
+        absl::StatusOr<client::StepAnswer> want = cl.DecodeStep(columnar(ids, keys, scales, q, w));
+        ASSERT_TRUE(want.ok()) << want.status();
+        EXPECT_EQ(read_back(want->topk.size()), want->topk);
+        EXPECT_EQ(got->lengths, want->lengths);
+      } else {
+        EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument)
+            << "without the wait the server still saw the real keys: the 300 ms hold did not "
+               "hold ("
+            << got.status() << ")";
+      }
+      ASSERT_CUDA(cudaStreamSynchronize(worker));
+      ++step;
+    }
+    ASSERT_TRUE((*stream)->Finish().ok());
+    ASSERT_TRUE((*ring)->Unregister().ok());
+    ASSERT_TRUE(cl.UnregisterCudaIpcMemory(*region).ok());
+    ASSERT_CUDA(cudaFreeHost(pinned));
+    ASSERT_CUDA(cudaStreamDestroy(worker));
+    ASSERT_CUDA(cudaEventDestroy(inputs));
+    ASSERT_CUDA(cudaFree(buffer));
+  }
 }
 
 }  // namespace

@@ -1756,8 +1756,9 @@ TEST_F(GpuTest, SparseLogitsMmaMatchesCpuAndGrid) {
 
 // CheckValues on the device sets exactly the bits the CPU twin sets: fresh random tensors of
 // every checked type (and FP4, never flagged), clean or with one bad element at a random place
-// (first, last or inside; every bad code of the type), at sizes below and past one block's
-// share; the flag word starts poisoned.
+// (first, last or inside; every bad code of the type; for fp32 checked as positive scales also
+// -1, +0 and -0), at sizes below and past one block's share; the flag word starts poisoned and
+// is cleared, or kept and added to (accumulate).
 TEST_F(GpuTest, CheckValuesMatchesCpu) {
   std::mt19937_64& rng = Rng();
   const ElemType types[] = {ElemType::kF32, ElemType::kBF16, ElemType::kFp8E4M3, ElemType::kUE8M0,
@@ -1765,10 +1766,12 @@ TEST_F(GpuTest, CheckValuesMatchesCpu) {
   for (int trial = 0; trial < 60; ++trial) {
     kernels::ValueCheckArgs args;
     args.num_checks = 1 + int32_t(rng() % kernels::ValueCheckArgs::kMaxChecks);
+    args.accumulate = rng() % 2 == 0;
     std::vector<DeviceBuffer> device;
     std::vector<std::vector<uint8_t>> host;
     for (int32_t c = 0; c < args.num_checks; ++c) {
       const ElemType type = types[rng() % 5];
+      const bool positive = type == ElemType::kF32 && rng() % 2 == 0;  // fp32 key scales
       const int64_t count = std::vector<int64_t>{1, 7, 2048, 100003, 1 << 20}[rng() % 5];
       const int32_t eb = std::max(1, kernels::CheckedElemBytes(type));
       std::vector<uint8_t> bytes(size_t(count) * eb);
@@ -1776,18 +1779,23 @@ TEST_F(GpuTest, CheckValuesMatchesCpu) {
       // Clean every element, then maybe poison one.
       for (int64_t i = 0; i < count; ++i) {
         uint32_t bits = 0;
+        if (positive) bytes[i * eb + eb - 1] &= 0x7F;  // no sign
         std::memcpy(&bits, &bytes[i * eb], eb);
-        if (kernels::IsBadValue(type, bits)) bytes[i * eb + eb - 1] ^= 0x40;  // an exponent bit
+        if (kernels::IsBadValue(type, bits, positive)) {
+          bytes[i * eb + eb - 1] ^= 0x40;  // an exponent bit (also makes a zero non-zero)
+        }
         std::memcpy(&bits, &bytes[i * eb], eb);
-        ASSERT_FALSE(kernels::IsBadValue(type, bits));
+        ASSERT_FALSE(kernels::IsBadValue(type, bits, positive));
       }
       if (rng() % 2 == 0) {
         const int64_t at = std::vector<int64_t>{0, count - 1, int64_t(rng() % count)}[rng() % 3];
         switch (type) {
           case ElemType::kF32: {
-            const float v = std::vector<float>{std::numeric_limits<float>::quiet_NaN(),
-                                               std::numeric_limits<float>::infinity(),
-                                               -std::numeric_limits<float>::infinity()}[rng() % 3];
+            std::vector<float> bad = {std::numeric_limits<float>::quiet_NaN(),
+                                      std::numeric_limits<float>::infinity(),
+                                      -std::numeric_limits<float>::infinity()};
+            if (positive) bad.insert(bad.end(), {-1.0f, 0.0f, -0.0f});
+            const float v = bad[rng() % bad.size()];
             std::memcpy(&bytes[at * 4], &v, 4);
             break;
           }
@@ -1808,14 +1816,17 @@ TEST_F(GpuTest, CheckValuesMatchesCpu) {
       }
       host.push_back(bytes);
       device.push_back(Upload(bytes));
-      args.checks[c] = {device.back().as<void>(), count, type, 1u << (3 * c + rng() % 3)};
+      args.checks[c] = {device.back().as<void>(), count, type, 1u << (3 * c + rng() % 3), positive};
     }
+    // Accumulating: an earlier finding (bit 31, no check's) stays; else the word is cleared.
+    const uint32_t before = args.accumulate ? 1u << 31 : 0xDEADBEEFu;
     kernels::ValueCheckArgs cpu = args;
-    uint32_t cpu_flags = 0xDEADBEEF;
+    uint32_t cpu_flags = before;
     cpu.flags = &cpu_flags;
     for (int32_t c = 0; c < args.num_checks; ++c) cpu.checks[c].data = host[c].data();
     ASSERT_TRUE(kernels::cpu::CheckValues(cpu).ok());
-    DeviceBuffer flags = Poisoned<uint32_t>(1, 0xDEADBEEFu);
+    EXPECT_EQ((cpu_flags >> 31) != 0, args.accumulate) << "trial " << trial;
+    DeviceBuffer flags = Poisoned<uint32_t>(1, before);
     args.flags = flags.as<uint32_t>();
     ASSERT_TRUE(backend_->CheckValues(args).ok());
     EXPECT_EQ(Download<uint32_t>(flags, 1)[0], cpu_flags) << "trial " << trial;

@@ -178,6 +178,42 @@ class AsyncClientTest(ServerTestCase):
         asyncio.run(run())
         self.assertEqual([e[0] for e in fake.log], ["record", "record"])
 
+    def test_device_new_keys_in_a_sync_clients_buffer(self):
+        """The columnar step's new keys as device tensors in the sync client's buffer (host q,
+        a device answer): the async step sends them as offsets (the CPU server then refuses
+        the fake region, naming cuda_ipc.region_id) after recording the inputs event, which
+        orders the keys alone; outside every buffer they are refused before sending."""
+        from test_cuda_ipc import FakeStreams, buffer, dev, device_keys
+
+        fake = FakeStreams(self)
+        inputs, answer = fake.events()
+        buf = buffer(region_id=999, inputs_event=inputs, answer_event=answer)
+        self.client._cuda_buffers.append(buf)
+        self.addCleanup(self.client._cuda_buffers.remove, buf)
+        h, d, k = self.info.num_heads, self.info.head_dim, self.info.topk
+        layer = self.dense()
+        fp4 = next(l.cache_format for l in self.info.layers if l.layer == layer) == "fp4"
+        q = np.ones((2, h, d), np.float32)
+        w = np.ones((2, h), np.float32)
+        a = dev(1 << 17, di.DType.INT32, (2, k))
+
+        async def run():
+            async with di.AsyncClient(self.server.target, timeout=30) as c:
+                c.use_cuda_buffers(self.client)
+                keys, scales = device_keys(fp4=fp4)
+                with self.assertRaisesRegex(di.IndexerError, "cuda_ipc.region_id: no such CUDA "
+                                                             "IPC region"):
+                    await c.decode_step_columnar(layer, [1, 2], q, w, answer=a, new_keys=keys,
+                                                 new_key_scales=scales)
+                self.assertEqual([e[0] for e in fake.log], ["record"])
+                far_keys, far_scales = device_keys(keys_at=4 << 20, fp4=fp4)
+                with self.assertRaisesRegex(ValueError, "^new_keys: .*lies in no buffer"):
+                    await c.decode_step_columnar(layer, [1, 2], q, w, answer=a,
+                                                 new_keys=far_keys, new_key_scales=far_scales)
+
+        asyncio.run(run())
+        self.assertEqual([e[0] for e in fake.log], ["record"])
+
 
 if __name__ == "__main__":
     import unittest

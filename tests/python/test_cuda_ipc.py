@@ -77,7 +77,7 @@ class FakeStreams:
         self.streams = {d: FakeStream(d, self.log) for d in range(4)}
         saved = cuda_ipc._STREAM[:], cuda_ipc.synchronize
         cuda_ipc._STREAM[:] = [lambda device: self.streams[device]]
-        cuda_ipc.synchronize = lambda plan: plan.inputs_on_device and self.log.append(
+        cuda_ipc.synchronize = lambda plan: plan.reads_device and self.log.append(
             ("synchronize", plan.region_id))  # (the real one returns at once otherwise)
         test.addCleanup(self.restore, saved)
 
@@ -96,9 +96,24 @@ class FakeStreams:
 
 def dev(offset, dtype, shape, device=0, base=BASE, contiguous=True):
     n = int(np.prod(shape))
-    size = {DType.FP32: 4, DType.INT32: 4, DType.BF16: 2, DType.FP8_E4M3: 1}[dtype]
-    return cuda_ipc.DeviceTensor(ptr=base + offset, nbytes=n * size, device=device,
+    if dtype == DType.FP4_E2M1:
+        nbytes = n // 2
+    else:
+        nbytes = n * {DType.FP32: 4, DType.INT32: 4, DType.BF16: 2, DType.FP8_E4M3: 1,
+                      DType.UE8M0: 1}[dtype]
+    return cuda_ipc.DeviceTensor(ptr=base + offset, nbytes=nbytes, device=device,
                                  dtype=dtype, shape=tuple(shape), contiguous=contiguous)
+
+
+def device_keys(keys_at=16384, scales_at=None, fp4=False, n=2, base=BASE):
+    """New keys [n, D] and their scales as device tensors (FP8 + fp32 [n], or FP4 + UE8M0
+    [n, D/32]), the scales right after the keys unless placed."""
+    keys = dev(keys_at, DType.FP4_E2M1 if fp4 else DType.FP8_E4M3, (n, D), base=base)
+    if scales_at is None:
+        scales_at = keys_at + keys.nbytes
+    scales = (dev(scales_at, DType.UE8M0, (n, D // 32), base=base) if fp4 else
+              dev(scales_at, DType.FP32, (n,), base=base))
+    return keys, scales
 
 
 class HandleTest(unittest.TestCase):
@@ -216,7 +231,123 @@ class PlanTest(unittest.TestCase):
             self.plan(q2, w, self.inputs()[2])
 
 
+class KeysPlanTest(unittest.TestCase):
+    """New keys (and their scales) as device tensors in the step's registered buffer: read
+    there by the server (CudaIpcStep.new_keys_offset), with or without q on the device."""
+
+    rows = 2
+
+    def plan(self, q, w, a, keys, scales, bufs=None, elsewhere=False):
+        return cuda_ipc.plan_step([buffer()] if bufs is None else bufs, self.rows, q, None, w, a,
+                                  None, False, keys, scales, elsewhere)
+
+    def host_q(self):
+        return np.ones((2, H, D), np.float32), np.ones((2, H), np.float32)
+
+    def test_keys_with_q_on_the_device_or_the_host(self):
+        q, w, a = PlanTest().inputs()
+        for fp4 in (False, True):
+            k, ks = device_keys(fp4=fp4)
+            p = self.plan(q, w, a, k, ks)
+            self.assertTrue(p.inputs_on_device and p.keys_on_device and p.reads_device)
+            self.assertEqual((p.offsets["new_keys"], p.offsets["new_key_scales"]),
+                             (16384, 16384 + k.nbytes))
+            p = self.plan(*self.host_q(), a, k, ks)
+            self.assertFalse(p.inputs_on_device)
+            self.assertTrue(p.keys_on_device and p.reads_device)
+            self.assertEqual(set(p.offsets), {"answer", "new_keys", "new_key_scales"})
+        _, _, a = PlanTest().inputs()
+        p = cuda_ipc.plan_step([buffer()], 2, *self.host_q()[:1], None, self.host_q()[1], a,
+                               None, False)
+        self.assertFalse(p.keys_on_device or p.reads_device)  # a device answer alone
+
+    def test_host_keys_stay_out_of_the_plan(self):
+        q, w, a = PlanTest().inputs()
+        codes = np.zeros((2, D), np.uint8)
+        p = self.plan(q, w, a, di.typed(codes, DType.FP8_E4M3), np.ones(2, np.float32))
+        self.assertFalse(p.keys_on_device)
+        self.assertNotIn("new_keys", p.offsets)
+
+    def test_refusals_name_the_field(self):
+        q, w, a = PlanTest().inputs()
+        k, ks = device_keys()
+        with self.assertRaisesRegex(di.IndexerError, r"INVALID_ARGUMENT: cuda_ipc."
+                                                     r"new_keys_offset: 16392 is not a multiple "
+                                                     r"of 16"):
+            self.plan(q, w, a, *device_keys(keys_at=16392))
+        with self.assertRaisesRegex(di.IndexerError, r"cuda_ipc.new_key_scales_offset: 20004 "
+                                                     r"is not a multiple of 16"):
+            self.plan(q, w, a, k, device_keys(scales_at=20004)[1])
+        with self.assertRaisesRegex(di.IndexerError, r"INVALID_ARGUMENT: new_keys.dtype: "
+                                                     r"DTYPE_FP8_E4M3 or DTYPE_FP4_E2M1 .* got "
+                                                     r"DTYPE_FP32"):
+            self.plan(q, w, a, dev(16384, DType.FP32, (2, D)), ks)
+        with self.assertRaisesRegex(ValueError, "^new_key_scales: on the host while new_keys is "
+                                                "on the device"):
+            self.plan(q, w, a, k, np.ones(2, np.float32))
+        with self.assertRaisesRegex(ValueError, "^new_keys: on the host while new_key_scales"):
+            self.plan(q, w, a, di.typed(np.zeros((2, D), np.uint8), DType.FP8_E4M3), ks)
+        with self.assertRaisesRegex(ValueError, "^answer: a step whose new keys are on the "
+                                                "device answers into the device buffer"):
+            self.plan(*self.host_q(), None, k, ks)
+        with self.assertRaisesRegex(ValueError, "^new_keys: .*lies in no buffer"):
+            self.plan(q, w, a, *device_keys(keys_at=2 << 20))
+        other = BASE + (16 << 20)
+        with self.assertRaisesRegex(ValueError, "^new_keys: lies in CUDA IPC region 8, answer "
+                                                "in region 7"):
+            self.plan(q, w, a, *device_keys(base=other),
+                      bufs=[buffer(), buffer(region_id=8, base=other)])
+        bad = cuda_ipc.DeviceTensor(k.ptr, k.nbytes, 0, k.dtype, k.shape, contiguous=False)
+        with self.assertRaisesRegex(ValueError, "^new_keys: .*C-contiguous"):
+            self.plan(q, w, a, bad, ks)
+
+    def test_the_ring_leaves_keys_it_cannot_read_there_to_its_copy(self):
+        q, w, a = PlanTest().inputs()
+        k, ks = device_keys()
+        other = BASE + (16 << 20)
+        bufs = [buffer(), buffer(region_id=8, base=other)]
+        for keys, scales in (device_keys(base=other), (k, np.ones(2, np.float32)),
+                             (dev(16384, DType.FP32, (2, D)), ks),
+                             (device_keys(keys_at=2 << 20))):
+            p = self.plan(q, w, a, keys, scales, bufs=bufs, elsewhere=True)
+            self.assertFalse(p.keys_on_device)
+            self.assertEqual(set(p.offsets), {"q", "weights", "answer"})
+        self.assertIsNone(self.plan(*self.host_q(), None, k, ks, elsewhere=True))
+        p = self.plan(q, w, a, k, ks, bufs=bufs, elsewhere=True)
+        self.assertTrue(p.keys_on_device)
+
+
 class EncodeTest(unittest.TestCase):
+    def test_columnar_keys_on_the_device_carry_offsets_not_bytes(self):
+        _, _, a = PlanTest().inputs()
+        q, w = np.ones((2, H, D), np.float32), np.ones((2, H), np.float32)
+        for fp4 in (False, True):
+            k, ks = device_keys(fp4=fp4)
+            raw = encode_columnar_step(0, [11, 12], q, w, answer=a, new_keys=k,
+                                       new_key_scales=ks, new_keys_positions=np.array([3, -1]),
+                                       cuda_buffers=[buffer()])
+            r = pb.DecodeStepRequest.FromString(raw)
+            ci = r.cuda_ipc
+            self.assertEqual((ci.region_id, ci.answer_offset, ci.new_keys_offset,
+                              ci.new_key_scales_offset), (7, 8192, 16384, 16384 + k.nbytes))
+            self.assertFalse(ci.HasField("q_offset"))
+            self.assertEqual(r.q.data, q.tobytes())  # a host q travels inline
+            self.assertEqual((r.new_keys.dtype, list(r.new_keys.shape), r.new_keys.data),
+                             (pb.DTYPE_FP4_E2M1 if fp4 else pb.DTYPE_FP8_E4M3, [2, D], b""))
+            self.assertEqual((r.new_key_scales.dtype, list(r.new_key_scales.shape),
+                              r.new_key_scales.data),
+                             (pb.DTYPE_UE8M0, [2, D // 32], b"") if fp4 else
+                             (pb.DTYPE_FP32, [2], b""))
+            self.assertEqual(list(r.new_keys_positions), [3, -1])
+        # q, weights and keys all on the device
+        q, w, a = PlanTest().inputs()
+        k, ks = device_keys()
+        r = pb.DecodeStepRequest.FromString(encode_columnar_step(
+            0, [11, 12], q, w, answer=a, new_keys=k, new_key_scales=ks,
+            cuda_buffers=[buffer()]))
+        self.assertEqual((r.cuda_ipc.q_offset, r.cuda_ipc.new_keys_offset), (256, 16384))
+        self.assertEqual((r.q.data, r.new_keys.data, r.new_key_scales.data), (b"", b"", b""))
+
     def test_columnar_request_carries_offsets_not_bytes(self):
         q, w, a = PlanTest().inputs()
         raw = encode_columnar_step(3, [11, 12], q, w, answer=a, step_id=5,
@@ -331,6 +462,22 @@ class EventStepTest(unittest.TestCase):
             placed.after()
             self.assertEqual(self.fake.log[1:], [("wait", self.answer.event,
                                                   self.fake.streams[0])])
+
+    def test_keys_alone_on_the_device_are_ordered_by_the_inputs_event(self):
+        _, _, a = PlanTest().inputs()
+        q, w = np.ones((2, H, D), np.float32), np.ones((2, H), np.float32)
+        k, ks = device_keys()
+        bufs = [buffer(inputs_event=self.inputs, answer_event=self.answer)]
+        raw, placed = self.encode(q, w, a, bufs, new_keys=k, new_key_scales=ks)
+        ci = pb.DecodeStepRequest.FromString(raw).cuda_ipc
+        self.assertTrue(ci.wait_inputs_event and ci.record_answer_event)
+        self.assertEqual(ci.new_keys_offset, 16384)
+        self.assertEqual(self.fake.log, [("record", self.inputs.event, self.fake.streams[0])])
+        del self.fake.log[:]
+        raw, _ = self.encode(q, w, a, bufs, new_keys=k, new_key_scales=ks,
+                             wait_inputs_event=False)
+        self.assertFalse(pb.DecodeStepRequest.FromString(raw).cuda_ipc.wait_inputs_event)
+        self.assertEqual(self.fake.log, [("synchronize", 7)])  # the host wait, for the keys
 
     def test_turned_off_by_the_step(self):
         q, w, a = PlanTest().inputs()
@@ -447,6 +594,22 @@ class RingDescriptorTest(unittest.TestCase):
                           d["answer_offset"]), (7, 256, 4096, 8192))
         self.assertEqual((d["q_dtype"], d["weights_dtype"]), (pb.DTYPE_FP8_E4M3, pb.DTYPE_FP32))
 
+    def test_keys_in_the_buffer(self):
+        _, _, a = PlanTest().inputs()
+        for fp4 in (False, True):
+            k, ks = device_keys(fp4=fp4, n=3)
+            plan = cuda_ipc.plan_step([buffer()], 2, np.ones((2, H, D), np.float32), None,
+                                      np.ones((2, H), np.float32), a, None, False, k, ks)
+            d = dict.fromkeys(fast_path._DESCRIPTOR_FIELDS, 0)
+            d["q_offset"] = 12345  # a host q staged in the ring: left alone
+            fast_path.apply_cuda_plan(d, plan)
+            self.assertEqual(d["flags"], 0x10 | 0x100)
+            self.assertEqual((d["q_offset"], d["new_keys_offset"], d["new_key_scales_offset"],
+                              d["new_keys_rows"]), (12345, 16384, 16384 + k.nbytes, 3))
+            self.assertEqual((d["new_keys_dtype"], d["new_key_scales_dtype"]),
+                             (pb.DTYPE_FP4_E2M1, pb.DTYPE_UE8M0) if fp4 else
+                             (pb.DTYPE_FP8_E4M3, pb.DTYPE_FP32))
+
     def test_a_device_answer_alone(self):
         _, _, a = PlanTest().inputs()
         plan = cuda_ipc.plan_step([buffer()], 2, np.ones((2, H, D), np.float32), None,
@@ -463,9 +626,11 @@ class RingDescriptorTest(unittest.TestCase):
         self.assertIn("kInputsCudaIpc = 1u << 5", header)
         self.assertIn("kWaitInputsEvent = 1u << 6", header)
         self.assertIn("kRecordAnswerEvent = 1u << 7", header)
+        self.assertIn("kKeysCudaIpc = 1u << 8", header)
         self.assertEqual((fast_path.F_ANSWER_CUDA_IPC, fast_path.F_INPUTS_CUDA_IPC,
-                          fast_path.F_WAIT_INPUTS_EVENT, fast_path.F_RECORD_ANSWER_EVENT),
-                         (1 << 4, 1 << 5, 1 << 6, 1 << 7))
+                          fast_path.F_WAIT_INPUTS_EVENT, fast_path.F_RECORD_ANSWER_EVENT,
+                          fast_path.F_KEYS_CUDA_IPC),
+                         (1 << 4, 1 << 5, 1 << 6, 1 << 7, 1 << 8))
 
 
 class RegistrationTest(unittest.TestCase):

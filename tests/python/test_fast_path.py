@@ -699,13 +699,12 @@ class _FakeTorchTensor:
         return ("view", shape)
 
 
-class EventsFastPathTest(ServerTestCase):
-    """The ring's CUDA IPC events, with a fake registered buffer holding fake torch events:
-    the descriptor's kWaitInputsEvent / kRecordAnswerEvent, the inputs event recorded on the
-    current stream before the descriptor is published (in place of the host wait), the answer
-    event waited on after a completed step only. The CPU server has no such region, so it
-    fails the step after its poller's own checks (the flags pass them: known bits, each with
-    the CUDA IPC flag it needs); what the client writes and does around the step is checked."""
+class _FakeRegion:
+    """A fake registered buffer (region 999, which the CPU server does not know) holding fake
+    torch events, device q / weights / answer in it, a ring whose publishes are logged: the
+    CPU server fails such a step after its poller's own checks (the flags pass them: known
+    bits, each with the CUDA IPC flag it needs); what the client writes and does around the
+    step is what is checked."""
 
     PROFILE = SMALL_PROFILE
     CACHE_PAGES = 256
@@ -761,6 +760,12 @@ class EventsFastPathTest(ServerTestCase):
 
     def events(self):
         return [(e[0], e[1]) if e[0] != "host wait" else e for e in self.fake.log]
+
+class EventsFastPathTest(_FakeRegion, ServerTestCase):
+    """The ring's CUDA IPC events, with a fake registered buffer holding fake torch events:
+    the descriptor's kWaitInputsEvent / kRecordAnswerEvent, the inputs event recorded on the
+    current stream before the descriptor is published (in place of the host wait), the answer
+    event waited on after a completed step only."""
 
     def test_the_descriptor_carries_the_flags_and_the_inputs_event_is_recorded_first(self):
         ring = self.ring()
@@ -835,6 +840,81 @@ class EventsFastPathTest(ServerTestCase):
                                                      "was registered without an inputs event"):
             ring.prepare(self.ids, self.q, self.w, answer=self.a, wait_inputs_event=True)
         self.assertEqual((ring._produced, self.fake.log), (0, []))
+
+
+class KeysInBufferFastPathTest(_FakeRegion, ServerTestCase):
+    """New keys (and their scales) as device tensors in the step's registered buffer: the
+    descriptor says kKeysCudaIpc and carries their offsets in that buffer, nothing of them is
+    copied into the ring, and the inputs event orders them (no host wait) where the buffer has
+    one; device keys anywhere else still take the ring's copy, as before the flag existed. (A
+    fake region, as EventsFastPathTest's: the step fails past the poller's flag checks.)"""
+
+    def setUp(self):
+        super().setUp()
+        from test_cuda_ipc import BASE
+
+        h, d, rows = self.info.num_heads, self.info.head_dim, 2
+        self.fp4 = next(l.cache_format for l in self.info.layers
+                        if l.layer == self.layer) == "fp4"
+        key_type = di.DType.FP4_E2M1 if self.fp4 else di.DType.FP8_E4M3
+
+        def dev(offset, dtype, shape, nbytes, base=BASE):
+            return cuda_ipc.DeviceTensor(base + offset, nbytes, 0, dtype, shape,
+                                         tensor=_FakeTorchTensor(base + offset, nbytes, shape))
+
+        kb = rows * (d // 2 if self.fp4 else d)
+        self.keys = dev(1 << 18, key_type, (rows, d), kb)
+        self.scales = (dev((1 << 18) + kb, di.DType.UE8M0, (rows, d // 32), rows * d // 32)
+                       if self.fp4 else dev((1 << 18) + kb, di.DType.FP32, (rows,), rows * 4))
+        # The same bytes outside every registered buffer.
+        far = BASE + (64 << 20)
+        self.far_keys = dev(0, key_type, (rows, d), kb, far)
+        self.far_scales = dev(kb, self.scales.dtype, self.scales.shape, self.scales.nbytes, far)
+        self.hq = di.typed(np.zeros((rows, h, d if not self.fp4 else d // 2), np.uint8),
+                           di.DType.FP4_E2M1 if self.fp4 else di.DType.FP8_E4M3)
+        self.hw = np.ones((rows, h), np.float32)
+        self.hqs = (di.typed(np.full((rows, h, d // 32), 127, np.uint8), di.DType.UE8M0)
+                    if self.fp4 else None)
+
+    def step(self, ring, keys, scales, **kw):
+        self.assert_fails_past_the_flags(lambda: ring.step(
+            self.layer, self.ids, self.hq, self.hw, q_scales=self.hqs, answer=self.a,
+            new_keys=keys, new_key_scales=scales, **kw))
+
+    def test_keys_in_the_buffer_go_as_offsets(self):
+        ring = self.ring()
+        for seq in (1, 2, 3):  # more steps than slots: the plan is kept, the flags stay
+            del self.fake.log[:]
+            self.step(ring, self.keys, self.scales)
+            d = self.descriptor(ring, seq)
+            self.assertEqual(int(d["flags"]), fast_path.F_ANSWER_CUDA_IPC
+                             | fast_path.F_KEYS_CUDA_IPC | fast_path.F_WAIT_INPUTS_EVENT
+                             | fast_path.F_RECORD_ANSWER_EVENT)
+            self.assertEqual((int(d["new_keys_offset"]), int(d["new_key_scales_offset"]),
+                              int(d["new_keys_rows"])),
+                             (1 << 18, (1 << 18) + self.keys.nbytes, 2))
+            self.assertEqual((int(d["new_keys_dtype"]), int(d["new_key_scales_dtype"])),
+                             (int(self.keys.dtype), int(self.scales.dtype)))
+            # the inputs event recorded in place of the host wait; no copy of the keys
+            self.assertEqual(self.events(), [("record", self.inputs.event), ("publish", seq)])
+            self.assertEqual(ring.staged_bytes, self.hq.array.nbytes + self.hw.nbytes
+                             + (self.hqs.array.nbytes if self.fp4 else 0))
+        del self.fake.log[:]
+        self.step(ring, self.keys, self.scales, wait_inputs_event=False)
+        self.assertEqual(self.events(), [("host wait", {0: []}), ("publish", 4)])
+
+    def test_keys_elsewhere_are_copied_into_the_ring(self):
+        ring = self.ring()
+        self.step(ring, self.far_keys, self.far_scales)
+        d = self.descriptor(ring, 1)
+        self.assertEqual(int(d["flags"]) & fast_path.F_KEYS_CUDA_IPC, 0)
+        self.assertGreaterEqual(int(d["new_keys_offset"]), ring.ring_bytes)
+        # one copy (the scales right after the keys), then the one host wait
+        (host_wait,) = [e for e in self.fake.log if e[0] == "host wait"]
+        ((_, src, nbytes),) = host_wait[1][0]
+        self.assertEqual((src, nbytes), (self.far_keys.ptr,
+                                         self.far_keys.nbytes + self.far_scales.nbytes))
+        self.assertEqual(int(d["flags"]) & fast_path.F_WAIT_INPUTS_EVENT, 0)
 
 
 class PlanKeptTest(unittest.TestCase):

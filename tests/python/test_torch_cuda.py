@@ -11,7 +11,11 @@ server when the client's check is bypassed). With CUDA IPC events (torch.cuda.Ev
 interprocess=True) registered with the buffer) every path answers as without them, and the
 events really order the step on the GPU: q written on the caller's stream after a long sleep
 kernel is what the server reads, with no host wait (tests/gpu/gpu_ipc_test.cc's
-EventsOrderTheStepOnTheGpu, from Python)."""
+EventsOrderTheStepOnTheGpu, from Python). New keys and their scales as torch CUDA tensors in
+the registered buffer are read there by the server (cuda_ipc.new_keys_offset, the ring's
+kKeysCudaIpc) through the columnar call, the stream and the ring, with q on the host or the
+device, with and without events: bit for bit the host keys' answers on twin sequences; a NaN
+key code or a negative scale there fails naming the field and commits nothing."""
 
 from __future__ import annotations
 
@@ -193,6 +197,94 @@ class TorchCudaTest(ServerTestCase):
                 got = ring.step(0, b, qd, w, new_keys=kd, new_key_scales=dks, answer=answer)
                 self.assert_device_answer(got, want, answer, "ring, device keys")
                 self.assertEqual(ring.staged_bytes, n * self.D + n * 4)
+
+    def test_device_new_keys_in_the_buffer_answer_as_host_keys(self):
+        """New keys (FP8 codes) and their fp32 scales as CUDA tensors in the registered buffer,
+        right after one another: read there by the server on every path, nothing staged in the
+        ring for them; the answers equal the host keys' on twin sequences (q on the host or in
+        the buffer; events on and off). Then a NaN code and a negative scale written there:
+        INVALID_ARGUMENT naming new_keys.data / new_key_scales.data, nothing committed."""
+        c, n = self.client, self.REQUESTS
+        a = [c.create_sequence(int(self.rng.integers(1, 2**62))) for _ in range(n)]
+        b = [c.create_sequence(int(self.rng.integers(1, 2**62))) for _ in range(n)]
+        for x, y in zip(a, b):
+            k = self.rng.standard_normal((int(self.rng.integers(1000, 3000)), self.D),
+                                         dtype=np.float32)
+            c.append_keys(x, 0, k)
+            c.append_keys(y, 0, k)
+
+        def lengths(ids):
+            return [{cc.cache_layer: cc.length for cc in c.get_sequence(i).caches}[0]
+                    for i in ids]
+
+        with self.event_buffer() as buf, c.fast_path() as ring:
+            dk = buf.alloc((n, self.D), torch.uint8)
+            dks = buf.alloc(n, torch.float32, align=16)
+            self.assertEqual(buf.offset_of(dks), buf.offset_of(dk) + n * self.D)
+            kd = di.typed(dk, FP8)
+            paths = [(path, on_device, events) for path in ("columnar", "stream", "ring")
+                     for on_device in (False, True) for events in (True, False)]
+            for path, q_on_device, events in paths:
+                what = f"{path} q_on_device={q_on_device} events={events}"
+                s = self.host_step(fp8=q_on_device)
+                kc, ks = di.quant.quantize_keys(
+                    self.rng.standard_normal((n, self.D), dtype=np.float32), "fp8")
+                want = c.decode_step_columnar(0, a, new_keys=kc, new_key_scales=ks,
+                                              **self.host_args(s))
+                dk.copy_(torch.from_numpy(kc.array).cuda(non_blocking=True))
+                dks.copy_(torch.from_numpy(ks).cuda(non_blocking=True))
+                if q_on_device:
+                    kw = self.device_args(buf, s)
+                else:
+                    kw = self.host_args(s)
+                    kw["answer"] = buf.alloc((n, self.K), torch.int32)
+                    kw["answer"].fill_(-7)
+                flags = {} if events else {"wait_inputs_event": False,
+                                           "record_answer_event": False}
+                keys = {"new_keys": kd, "new_key_scales": dks}
+                if path == "columnar":
+                    got = c.decode_step_columnar(0, b, **kw, **keys, **flags)
+                elif path == "stream":
+                    with c.stream() as stream:
+                        stream.send_columnar(0, b, **kw, **keys, **flags)
+                        got = stream.recv()
+                else:
+                    got = ring.step(0, b, **kw, **keys, **flags)
+                    self.assertEqual(ring.staged_bytes, 0 if q_on_device else
+                                     s["q"].nbytes + s["weights"].nbytes
+                                     + s["positions"].nbytes, what)
+                self.assert_device_answer(got, want, kw["answer"], what)
+                torch.cuda.current_stream().synchronize()
+            for bad, field in ((lambda: dk.view(-1).__setitem__(3 * self.D + 5, 0x7F),
+                                "new_keys.data"),
+                               (lambda: dks.__setitem__(n - 1, -0.25), "new_key_scales.data")):
+                s = self.host_step(fp8=False)
+                kc, ks = di.quant.quantize_keys(
+                    self.rng.standard_normal((n, self.D), dtype=np.float32), "fp8")
+                dk.copy_(torch.from_numpy(kc.array).cuda())
+                dks.copy_(torch.from_numpy(ks).cuda())
+                bad()
+                kw = self.host_args(s)
+                kw["answer"] = buf.alloc((n, self.K), torch.int32)
+                before = lengths(b)
+                for call in (lambda: c.decode_step_columnar(0, b, new_keys=kd, new_key_scales=dks,
+                                                            **kw),
+                             lambda: ring.step(0, b, new_keys=kd, new_key_scales=dks, **kw)):
+                    with self.assertRaises(di.IndexerError, msg=field) as e:
+                        call()
+                    self.assertEqual(e.exception.code.name, "INVALID_ARGUMENT", field)
+                    self.assertIn(field, str(e.exception))
+                    self.assertEqual(lengths(b), before, f"{field}: a failed step committed")
+            # The twins still answer alike.
+            s = self.host_step(fp8=False)
+            kc, ks = di.quant.quantize_keys(
+                self.rng.standard_normal((n, self.D), dtype=np.float32), "fp8")
+            want = c.decode_step_columnar(0, a, new_keys=kc, new_key_scales=ks,
+                                          **self.host_args(s))
+            got = c.decode_step_columnar(0, b, new_keys=kc, new_key_scales=ks,
+                                         **self.host_args(s))
+            np.testing.assert_array_equal(got.topk, want.topk)
+            np.testing.assert_array_equal(got.lengths, want.lengths)
 
     def test_a_storage_at_an_offset_in_its_allocation(self):
         # 4 MiB tensors share the caching allocator's 20 MiB blocks: some storages start inside

@@ -592,6 +592,138 @@ TEST(Executor, BatchCompositionIndependence) {
   }
 }
 
+// New keys in device memory (KeysInput::on_device; on the CPU backend device memory is host
+// memory): copied device to device, answering bit for bit what the same keys from the host
+// answer, in any mix of device and host requests in one step (a device run, a host run, a
+// device run: the key staging is reused between them), with q on the host or the device; a
+// bad value in any run's staged copy (an FP8 NaN code; a NaN, Inf, zero or negative fp32
+// scale; a 0xFF UE8M0 scale) fails the step naming new_keys.data / new_key_scales.data,
+// commits nothing (lengths and pages as before, the retry answers as the host twin), whichever
+// run it is in and whatever is checked after it.
+TEST(Executor, DeviceKeysAnswerAsHostKeysAndAreCheckedOnTheDevice) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  for (const config::Profile& profile : {SmallV32(), SmallV41()}) {
+    for (int32_t ranks : {1, 2}) {
+      SCOPED_TRACE(absl::StrCat(profile.name, " ranks ", ranks));
+      Harness h(profile, seed);
+      std::unique_ptr<Executor> host = MakeExecutor(profile, CpuOptions(ranks));
+      std::unique_ptr<Executor> device = MakeExecutor(profile, CpuOptions(ranks));
+      ASSERT_TRUE(host && device);
+      const std::vector<uint64_t> ids = {1, 2, 3};
+      for (uint64_t id : ids) {
+        ASSERT_TRUE(host->CreateSequence(id).ok());
+        ASSERT_TRUE(device->CreateSequence(id).ok());
+        for (int32_t layer : profile.CacheLayers()) {
+          std::vector<uint8_t> keys, scales;
+          KeysInput in;
+          in.count = 20 + int32_t(h.rng()() % 40);
+          h.RandomKeys(layer, in.count, KeyForm::kQuantized, &keys, &scales, &in.type);
+          in.keys = keys.data();
+          in.scales = scales.data();
+          ASSERT_TRUE(host->AppendKeys(id, layer, in).ok());
+          ASSERT_TRUE(device->AppendKeys(id, layer, in).ok());
+          h.RecordAppend(id, layer, in);
+        }
+      }
+      auto infos = [&](Executor& e) {
+        std::vector<std::string> out;
+        for (uint64_t id : ids) {
+          absl::StatusOr<exec::SequenceInfo> info = e.GetSequence(id);
+          EXPECT_TRUE(info.ok()) << info.status();
+          std::string text;
+          for (const exec::SequenceCacheInfo& c : info->caches) {
+            absl::StrAppend(&text, c.cache_layer, ":", c.length, "/", c.pages, "/", c.shared_pages,
+                            " ");
+          }
+          out.push_back(text);
+        }
+        return out;
+      };
+      // Which requests' keys are on the device: all, none of the middle one (three runs), one.
+      const std::vector<std::vector<bool>> mixes = {
+          {true, true, true}, {true, false, true}, {false, false, true}};
+      int pass = 0;
+      for (const std::vector<bool>& mix : mixes) {
+        for (const bool q_on_device : {false, true}) {
+          for (const config::LayerSpec& layer : profile.layers) {
+            if (layer.role == LayerRole::kCandidateConsumer) continue;
+            SCOPED_TRACE(absl::StrCat("pass ", pass, " layer ", layer.layer));
+            std::vector<SeqPlan> plans;
+            for (uint64_t id : ids) plans.push_back({id, 2, 1 + int32_t(h.rng()() % 3), {}});
+            std::unique_ptr<StepData> step =
+                h.MakeStep(layer.layer, plans, QForm::kQuantized, KeyForm::kQuantized, false);
+            step->input.return_candidates = layer.role == LayerRole::kCandidateSource;
+            exec::StepInput on = step->input;
+            for (size_t i = 0; i < ids.size(); ++i) on.sequences[i].new_keys.on_device = mix[i];
+            on.q.on_device = q_on_device;
+            // A bad value in one device run (the first or the last), which a later check must
+            // not clear.
+            const bool fp8 = layer.cache_format == kernels::CacheFormat::kFp8;
+            size_t bad = pass % 2 == 0 ? 0 : ids.size() - 1;
+            while (!mix[bad]) bad += pass % 2 == 0 ? 1 : -1;
+            struct Poison {
+              bool scales;
+              uint32_t bits;  // fp32 scale bits, or the code byte
+            };
+            std::vector<Poison> poisons;
+            if (fp8) {
+              poisons = {{false, 0x7F},       {false, 0xFF},       {true, 0x7FC00000u},
+                         {true, 0x7F800000u}, {true, 0xBF800000u}, {true, 0u},
+                         {true, 0x80000000u}};
+            } else {
+              poisons = {{true, 0xFF}};
+            }
+            const Poison p = poisons[size_t(h.rng()() % poisons.size())];
+            std::vector<uint8_t>& victim = p.scales ? step->scales[bad] : step->keys[bad];
+            const size_t width = p.scales && fp8 ? 4 : 1;
+            const size_t at = width * size_t(h.rng()() % (victim.size() / width));
+            const std::vector<uint8_t> clean = victim;
+            if (width == 4) {
+              std::memcpy(victim.data() + at, &p.bits, 4);
+            } else {
+              victim[at] = uint8_t(p.bits);
+            }
+            const std::vector<std::string> before = infos(*device);
+            absl::StatusOr<StepResult> r = device->DecodeStep(on);
+            EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+            EXPECT_THAT(std::string(r.status().message()),
+                        ::testing::HasSubstr(p.scales ? "new_key_scales.data" : "new_keys.data"));
+            EXPECT_THAT(std::string(r.status().message()),
+                        ::testing::HasSubstr("committed nothing"));
+            EXPECT_EQ(infos(*device), before);
+            victim = clean;
+
+            absl::StatusOr<StepResult> want = host->DecodeStep(step->input);
+            ASSERT_TRUE(want.ok()) << want.status();
+            absl::StatusOr<StepResult> got = device->DecodeStep(on);
+            ASSERT_TRUE(got.ok()) << got.status();
+            h.RecordStep(*step);
+            EXPECT_TRUE(h.Check(*step, *want));
+            EXPECT_EQ(got->topk_indices, want->topk_indices);
+            EXPECT_EQ(got->candidate_blocks, want->candidate_blocks);
+            EXPECT_EQ(got->lengths, want->lengths);
+            EXPECT_EQ(infos(*device), infos(*host));
+          }
+          ++pass;
+        }
+      }
+      // Unquantized keys cannot come from device memory; a prefill takes none from there.
+      std::unique_ptr<StepData> step =
+          h.MakeStep(0, {{1, 1, 1, {}}}, QForm::kQuantized, KeyForm::kF32, false);
+      step->input.sequences[0].new_keys.on_device = true;
+      absl::StatusOr<StepResult> r = device->DecodeStep(step->input);
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+      EXPECT_THAT(std::string(r.status().message()),
+                  ::testing::HasSubstr("sequences[0].new_keys.dtype"));
+      KeysInput in = step->input.sequences[0].new_keys;
+      absl::StatusOr<int64_t> appended = device->AppendKeys(1, 0, in);
+      EXPECT_EQ(appended.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_EQ(infos(*device), infos(*host));
+    }
+  }
+}
+
 // Concurrent callers are served one at a time; each thread's steps answer as the oracle says.
 TEST(Executor, ConcurrentCallersAreServedInOrder) {
   const uint64_t seed = FreshSeed();

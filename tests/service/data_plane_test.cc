@@ -1,9 +1,12 @@
 // The data plane's alternative paths answer exactly as the plain gRPC path: the delta-varint
 // answer encoding, the shared-memory path (q, q_scales, weights read from and the answer
 // written into a client's sealed memfd) and the CUDA IPC path's plumbing (on a CPU backend
-// that plays a device: its "IPC handle" names a host buffer), checked against the CPU
-// reference oracle; plus the rejections (bad region, out-of-bounds offsets, wrong device, the
-// CPU backend's refusal) and the per-step timeout, none of which changes anything.
+// that plays a device: its "IPC handle" names a host buffer; q, weights and new keys read
+// from it, the answer written there, over unary, stream and the step ring), checked against
+// the CPU reference oracle and bit for bit against the same steps with their tensors inline;
+// plus the rejections (bad region, out-of-bounds offsets, wrong device, the CPU backend's
+// refusal, bad values found on the device) and the per-step timeout, none of which changes
+// anything.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -11,15 +14,21 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <mutex>
 #include <random>
 #include <thread>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "client/fast_path.h"
+#include "common/step_ring.h"
 #include "decode_indexer/kernels/backend.h"
 #include "server/exec/executor_internal.h"
 #include "server/service/data_plane.h"
 #include "server/service/indexer_service.h"
+#include "tests/service/columnar.h"
 #include "tests/service/service_harness.h"
 
 namespace decode_indexer::testing {
@@ -259,10 +268,26 @@ struct FakeIpcLog {
   std::mutex mu;
   std::vector<std::pair<int, std::string>> entries;
   std::vector<std::pair<uintptr_t, uintptr_t>> buffers;  // opened [begin, end)
+  // Every read's (rank, source address, bytes), for which bytes a step read on the device.
+  struct Read {
+    int rank;
+    uintptr_t at;
+    size_t bytes;
+  };
+  std::vector<Read> reads;
   std::atomic<int> events{0};
   void Add(int rank, std::string what) {
     std::lock_guard lock(mu);
     entries.emplace_back(rank, std::move(what));
+  }
+  void AddRead(int rank, const void* at, size_t bytes) {
+    std::lock_guard lock(mu);
+    entries.emplace_back(rank, "read");
+    reads.push_back({rank, reinterpret_cast<uintptr_t>(at), bytes});
+  }
+  std::vector<Read> TakeReads() {
+    std::lock_guard lock(mu);
+    return std::exchange(reads, {});
   }
   bool InBuffer(const void* p) {
     std::lock_guard lock(mu);
@@ -288,7 +313,7 @@ class FakeIpcDevice final : public kernels::DeviceWrapper {
   std::string_view name() const override { return "fake-ipc"; }
   std::string description() const override { return "cpu playing a device for CUDA IPC"; }
   absl::Status CopyDeviceToDevice(void* d, const void* s, size_t n) override {
-    if (log_ != nullptr && log_->InBuffer(s)) log_->Add(rank_, "read");
+    if (log_ != nullptr && log_->InBuffer(s)) log_->AddRead(rank_, s, n);
     if (log_ != nullptr && log_->InBuffer(d)) log_->Add(rank_, "write");
     return target().CopyDeviceToDevice(d, s, n);
   }
@@ -356,6 +381,10 @@ class FakeIpcTest : public ::testing::TestWithParam<int> {
     ASSERT_TRUE(executor.ok()) << executor.status();
     executor_ = *std::move(executor);
     service_ = std::make_unique<service::IndexerService>(*executor_, "test");
+    // The shm socket, for the step ring (FastPathRing) over these fake devices.
+    socket_path_ =
+        absl::StrCat("/tmp/di-ipc-", getpid(), "-", TestSeed() % 1000000, "-", GetParam(), ".sock");
+    ASSERT_TRUE(service_->StartShmSocket(socket_path_).ok());
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -376,6 +405,7 @@ class FakeIpcTest : public ::testing::TestWithParam<int> {
   }
   void TearDown() override {
     if (server_) server_->Shutdown();
+    if (service_) service_->StopStepRings();
     if (executor_) executor_->Shutdown();
   }
   // Registers `device` (the test's "device buffer") and answers its region id; events
@@ -398,6 +428,7 @@ class FakeIpcTest : public ::testing::TestWithParam<int> {
   }
 
   config::Profile profile_;
+  std::string socket_path_;
   std::atomic<int> open_{0};
   FakeIpcLog log_;
   std::unique_ptr<exec::Executor> executor_;
@@ -746,6 +777,516 @@ TEST_P(CudaIpcPlumbingTest, EventsOrderTheBufferOnTheDevice) {
   ASSERT_TRUE(s_.client->UnregisterCudaIpcMemory(region).ok());
   EXPECT_EQ(log_.events.load(), 0);  // closed with the region
   EXPECT_EQ(open_.load(), 0);
+}
+
+// ---- New keys from the device buffer (cuda_ipc.new_keys_offset) ----------------------------
+
+// `ids` and their twins get the same prefill (every cache-owning layer, keys of every form);
+// the oracle follows `ids`. A twin then answers bit for bit what its original answers to the
+// same step, whichever way the step's tensors travel.
+void PrefillTwins(Session& s, ServiceOracle& oracle, Gen& gen, const std::vector<uint64_t>& ids,
+                  const std::vector<uint64_t>& twins, const std::vector<int64_t>& lengths) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    ASSERT_TRUE(s.client->CreateSequence(ids[i]).ok());
+    ASSERT_TRUE(s.client->CreateSequence(twins[i]).ok());
+    oracle.Create(ids[i]);
+  }
+  int form = 0;
+  for (const config::LayerSpec& spec : s.profile.layers) {
+    if (spec.role == config::LayerRole::kCandidateConsumer) continue;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      auto [k, ks] = gen.Keys(static_cast<KeyForm>(form++ % 3), static_cast<int>(lengths[i]),
+                              spec.cache_format, s.profile.head_dim);
+      ASSERT_TRUE(s.client->AppendKeys(ids[i], spec.layer, k, ks).ok());
+      ASSERT_TRUE(s.client->AppendKeys(twins[i], spec.layer, k, ks).ok());
+      ASSERT_TRUE(oracle.Append(ids[i], spec.layer, k, ks).ok());
+    }
+  }
+}
+
+// A columnar step for `ids` (the `sequences` form's `plain` with its ids replaced).
+v1::DecodeStepRequest ColumnarFor(const v1::DecodeStepRequest& plain,
+                                  const std::vector<uint64_t>& ids) {
+  v1::DecodeStepRequest out = ToColumnar(plain);
+  for (size_t i = 0; i < ids.size(); ++i) out.set_sequence_ids(int(i), ids[i]);
+  return out;
+}
+
+uint64_t Align16(uint64_t v) { return (v + 15) / 16 * 16; }
+
+// Moves a columnar step's new_keys (and new_key_scales) into `device` at 16-byte aligned
+// offsets from `at` and points cuda_ipc at them (the Tensors keep dtype and shape only);
+// answers the first free offset after them.
+uint64_t MoveKeysToDevice(v1::DecodeStepRequest& req, std::vector<int32_t>& device, uint64_t region,
+                          uint64_t at) {
+  auto* base = reinterpret_cast<uint8_t*>(device.data());
+  v1::CudaIpcStep* ci = req.mutable_cuda_ipc();
+  ci->set_region_id(region);
+  auto put = [&](v1::Tensor* t) {
+    const uint64_t offset = Align16(at);
+    std::memcpy(base + offset, t->data().data(), t->data().size());
+    at = offset + t->data().size();
+    t->clear_data();
+    return offset;
+  };
+  ci->set_new_keys_offset(put(req.mutable_new_keys()));
+  if (req.new_key_scales().dtype() != v1::DTYPE_UNSPECIFIED) {
+    ci->set_new_key_scales_offset(put(req.mutable_new_key_scales()));
+  }
+  return Align16(at);
+}
+
+// Points the answer (and candidate blocks) of `req` into the buffer at `at`.
+void AnswerToDevice(v1::DecodeStepRequest& req, uint64_t region, uint64_t at, int64_t rows,
+                    const config::Profile& p) {
+  v1::CudaIpcStep* ci = req.mutable_cuda_ipc();
+  ci->set_region_id(region);
+  ci->set_answer_offset(Align16(at));
+  ci->set_candidates_offset(Align16(at + uint64_t(rows) * p.topk * 4));
+}
+
+// The ring descriptor of device step `dev` (its inline twin `inline_req` staged into the
+// ring's region for what is not on the device): the CUDA IPC flags and offsets of `dev`.
+absl::StatusOr<client::StagedStep> RingStepFor(client::FastPathRing& ring,
+                                               const v1::DecodeStepRequest& inline_req,
+                                               const v1::DecodeStepRequest& dev,
+                                               const config::Profile& p, bool wait_inputs) {
+  absl::StatusOr<client::StagedStep> staged =
+      client::StageRequest(inline_req, std::span<uint8_t>(ring.region(), ring.region_bytes()),
+                           ring.data_offset(), p.topk, p.num_candidate_blocks);
+  if (!staged.ok()) return staged.status();
+  ring::StepDescriptor& d = staged->step.descriptor;
+  const v1::CudaIpcStep& ci = dev.cuda_ipc();
+  d.flags |= ring::kAnswerCudaIpc;
+  d.cuda_ipc_region_id = ci.region_id();
+  d.answer_offset = ci.answer_offset();
+  d.candidates_offset = ci.candidates_offset();
+  if (ci.has_new_keys_offset()) {
+    d.flags |= ring::kKeysCudaIpc;
+    d.new_keys_offset = ci.new_keys_offset();
+    d.new_key_scales_offset = ci.new_key_scales_offset();
+  }
+  if (ci.has_q_offset()) {
+    d.flags |= ring::kInputsCudaIpc;
+    d.q_offset = ci.q_offset();
+    d.q_scales_offset = ci.q_scales_offset();
+    d.weights_offset = ci.weights_offset();
+  }
+  if (wait_inputs) d.flags |= ring::kWaitInputsEvent;
+  return staged;
+}
+
+// The new keys read from the client's device buffer (cuda_ipc.new_keys_offset; the ring's
+// kKeysCudaIpc): every step, over unary, a stream and the step ring in turn, with q inline or
+// on the device as well, at every layer of the tiny v41 profile (FP8 keys and fp32 scales at
+// layer 0, FP4 keys and UE8M0 scales at layers 1 and 2, consumers after their source), answers
+// bit for bit what its twin sequences answer to the same step with everything inline (which
+// the oracle checks): the same top-k, candidate blocks and lengths. Every rank reads the keys
+// and their scales with one device-to-device copy each, exactly their bytes, after waiting on
+// the inputs event where the step asks for it.
+TEST_P(CudaIpcPlumbingTest, KeysFromTheRegisteredBufferAnswerAsInline) {
+  Gen gen(Seed());
+  ServiceOracle oracle(profile_, 64, Seed());
+  const std::vector<uint64_t> ids = {5, 6, 7, 8}, twins = {105, 106, 107, 108};
+  const std::vector<int64_t> lengths = {20 + int64_t(gen.rng()() % 30), 33, 51, 12};
+  PrefillTwins(s_, oracle, gen, ids, twins, lengths);
+  std::vector<int32_t> device(1 << 18, 0x5A5A5A5A);
+  const uint64_t region = Register(device, nullptr, /*inputs_event=*/7, /*answer_event=*/0);
+  ASSERT_NE(region, 0u);
+  client::FastPathOptions fo;
+  fo.socket_path = socket_path_;
+  fo.data_bytes = 1 << 20;
+  absl::StatusOr<std::unique_ptr<client::FastPathRing>> ring =
+      client::FastPathRing::Create(*s_.client, fo);
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  absl::StatusOr<std::unique_ptr<client::StepStream>> stream = s_.client->OpenStream();
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  const uintptr_t base = reinterpret_cast<uintptr_t>(device.data());
+  const int ranks = GetParam();
+
+  uint64_t step_id = 1;
+  int transport = 0;  // 0 unary, 1 stream, 2 ring
+  int pass = 0;
+  for (const bool q_on_device : {false, true, false}) {
+    const QForm form = q_on_device || pass == 2 ? QForm::kQuantized : QForm::kF32Rope;
+    const int next_n = 1 + pass++ % 2;
+    for (int layer = 0; layer < int(profile_.layers.size()); ++layer) {
+      const bool owns = profile_.layers[layer].role != config::LayerRole::kCandidateConsumer;
+      const std::string what =
+          absl::StrCat("layer ", layer, " q on device ", q_on_device, " transport ", transport % 3);
+      SCOPED_TRACE(what);
+      const v1::DecodeStepRequest plain = MakeStep(gen, profile_, layer, ids, lengths, next_n, form,
+                                                   KeyForm::kQuantized, step_id++);
+      absl::StatusOr<OracleAnswer> want = oracle.Step(plain);
+      ASSERT_TRUE(want.ok()) << want.status();
+      // The originals, everything inline.
+      absl::StatusOr<client::StepAnswer> inline_answer =
+          s_.client->DecodeStep(ColumnarFor(plain, ids));
+      ASSERT_TRUE(inline_answer.ok()) << inline_answer.status();
+      EXPECT_TRUE(want->Matches(inline_answer->topk, plain.return_candidates()
+                                                         ? inline_answer->candidates
+                                                         : std::vector<int32_t>{}));
+      if (plain.return_candidates()) oracle.AdoptCandidates(plain, inline_answer->candidates);
+      EXPECT_EQ(inline_answer->lengths, want->lengths);
+
+      // The twins: keys (and q) from the device buffer, the answer into it.
+      const v1::DecodeStepRequest twin_inline = ColumnarFor(plain, twins);
+      v1::DecodeStepRequest dev = twin_inline;
+      const uint64_t keys_at = 16 * (gen.rng()() % 64);
+      uint64_t at = owns ? MoveKeysToDevice(dev, device, region, keys_at) : keys_at;
+      if (q_on_device) {
+        MoveQToDevice(dev, device, region, at);
+      } else {
+        AnswerToDevice(dev, region, at, plain.q().shape(0), profile_);
+      }
+      // Without q on the device the inputs event orders the keys alone.
+      const bool wait = owns && !q_on_device && layer % 2 == 0;
+      dev.mutable_cuda_ipc()->set_wait_inputs_event(wait);
+      std::fill(device.begin() + dev.cuda_ipc().answer_offset() / 4, device.end(), 0x5A5A5A5A);
+      log_.Take();
+      log_.TakeReads();
+      std::vector<int64_t> got_lengths;
+      switch (transport++ % 3) {
+        case 0: {
+          absl::StatusOr<client::StepAnswer> got = s_.client->DecodeStep(dev);
+          ASSERT_TRUE(got.ok()) << got.status();
+          got_lengths = got->lengths;
+          break;
+        }
+        case 1: {
+          absl::StatusOr<client::StepAnswer> got = (*stream)->Step(dev);
+          ASSERT_TRUE(got.ok()) << got.status();
+          got_lengths = got->lengths;
+          break;
+        }
+        default: {
+          absl::StatusOr<client::StagedStep> st =
+              RingStepFor(**ring, twin_inline, dev, profile_, wait);
+          ASSERT_TRUE(st.ok()) << st.status();
+          absl::StatusOr<client::RingCompletion> done = (*ring)->Step(st->step);
+          ASSERT_TRUE(done.ok()) << done.status();
+          ASSERT_TRUE(done->status.ok()) << done->status;
+          got_lengths = done->lengths;
+          break;
+        }
+      }
+      EXPECT_EQ(got_lengths, inline_answer->lengths);
+      const int32_t* a = device.data() + dev.cuda_ipc().answer_offset() / 4;
+      EXPECT_EQ(std::vector<int32_t>(a, a + inline_answer->topk.size()), inline_answer->topk);
+      if (plain.return_candidates()) {
+        const int32_t* c = device.data() + dev.cuda_ipc().candidates_offset() / 4;
+        EXPECT_EQ(std::vector<int32_t>(c, c + inline_answer->candidates.size()),
+                  inline_answer->candidates);
+      }
+      // What each rank read of the buffer: the keys and their scales, one copy each, exactly
+      // their bytes; the inputs event waited on first where asked.
+      const std::vector<FakeIpcLog::Read> reads = log_.TakeReads();
+      const std::vector<std::pair<int, std::string>> entries = log_.Take();
+      if (!owns) continue;
+      const uint64_t kb = uint64_t(plain.sequences(0).new_keys().data().size()) * ids.size();
+      const uint64_t sb = uint64_t(plain.sequences(0).new_key_scales().data().size()) * ids.size();
+      for (int r = 0; r < ranks; ++r) {
+        int key_reads = 0, scale_reads = 0;
+        for (const FakeIpcLog::Read& read : reads) {
+          if (read.rank != r) continue;
+          const uint64_t off = read.at - base;
+          if (off >= dev.cuda_ipc().new_keys_offset() &&
+              off < dev.cuda_ipc().new_keys_offset() + kb) {
+            ++key_reads;
+            EXPECT_EQ(off, dev.cuda_ipc().new_keys_offset()) << "rank " << r;
+            EXPECT_EQ(read.bytes, kb) << "rank " << r;
+          } else if (off >= dev.cuda_ipc().new_key_scales_offset() &&
+                     off < dev.cuda_ipc().new_key_scales_offset() + sb) {
+            ++scale_reads;
+            EXPECT_EQ(off, dev.cuda_ipc().new_key_scales_offset()) << "rank " << r;
+            EXPECT_EQ(read.bytes, sb) << "rank " << r;
+          }
+        }
+        EXPECT_EQ(key_reads, 1) << "rank " << r;
+        EXPECT_EQ(scale_reads, 1) << "rank " << r;
+        int waits = 0, before_wait = 0;
+        for (const auto& [rank, entry] : entries) {
+          if (rank != r) continue;
+          if (entry == "wait:7") ++waits;
+          if (entry == "read" && waits == 0) ++before_wait;
+        }
+        EXPECT_EQ(waits, wait ? 1 : 0) << "rank " << r;
+        if (wait) {
+          EXPECT_EQ(before_wait, 0) << "rank " << r << " read before the inputs event";
+        }
+      }
+    }
+  }
+  ASSERT_TRUE((*stream)->Finish().ok());
+  ASSERT_TRUE((*ring)->Unregister().ok());
+  ASSERT_TRUE(s_.client->UnregisterCudaIpcMemory(region).ok());
+}
+
+// Every sequence's caches (length, pages, shared pages) and candidates, and the pages in use.
+std::string StateOf(Session& s, const std::vector<uint64_t>& ids) {
+  std::string out;
+  for (uint64_t id : ids) {
+    absl::StatusOr<v1::GetSequenceResponse> got = s.client->GetSequence(id);
+    EXPECT_TRUE(got.ok()) << got.status();
+    if (got.ok()) absl::StrAppend(&out, id, ": ", got->ShortDebugString(), "\n");
+  }
+  absl::StatusOr<v1::Statistics> stats = s.client->GetStatistics();
+  EXPECT_TRUE(stats.ok()) << stats.status();
+  if (stats.ok()) absl::StrAppend(&out, "pages in use ", stats->pages_in_use());
+  return out;
+}
+
+// Bad new keys from the device buffer, each named as the host edge names the field and
+// changing nothing (every sequence's caches and the pages in use as before; a later valid step
+// answers as the oracle, and as the twins that never saw the bad step, bit for bit): before
+// anything runs, a misaligned or out-of-region offset, a dtype the device path or the cache
+// does not take, a wrong shape, host bytes beside the offset, a missing or lone scales
+// offset, the `sequences` form, keys from two places, and the same through the ring; after the
+// step ran on the device, an FP8 NaN code, a NaN / Inf / negative / zero / -0 fp32 scale, a
+// 0xFF UE8M0 scale (FP4 dense and source layers), also where the keys roll a forked sequence
+// back into its shared page (the copy-on-write page and the rewritten page are released).
+TEST_P(CudaIpcPlumbingTest, BadDeviceKeysAreNamedAndChangeNothing) {
+  Gen gen(Seed());
+  ServiceOracle oracle(profile_, 64, Seed());
+  const std::vector<uint64_t> ids = {5, 6, 7, 8}, twins = {105, 106, 107, 108};
+  const std::vector<int64_t> lengths = {20 + int64_t(gen.rng()() % 30), 33, 51, 12};
+  PrefillTwins(s_, oracle, gen, ids, twins, lengths);
+  std::vector<uint64_t> all = ids;
+  all.insert(all.end(), twins.begin(), twins.end());
+  std::vector<int32_t> device(1 << 18, 0x5A5A5A5A);
+  const uint64_t region = Register(device);
+  ASSERT_NE(region, 0u);
+  uint64_t step_id = 1;
+  // A valid step for `ids` at `layer` (the oracle's and the twins' too: both must still answer
+  // alike, so nothing of a refused step stayed).
+  auto valid_step = [&](int layer, const std::string& what) {
+    const v1::DecodeStepRequest plain = MakeStep(gen, profile_, layer, ids, lengths, 1,
+                                                 QForm::kQuantized, KeyForm::kQuantized, step_id++);
+    const client::StepAnswer a = StepAndCompare(s_, oracle, plain, what);
+    v1::DecodeStepRequest dev = ColumnarFor(plain, twins);
+    const bool owns = profile_.layers[layer].role != config::LayerRole::kCandidateConsumer;
+    const uint64_t at = owns ? MoveKeysToDevice(dev, device, region, 0) : 0;
+    AnswerToDevice(dev, region, at, plain.q().shape(0), profile_);
+    absl::StatusOr<client::StepAnswer> b = s_.client->DecodeStep(dev);
+    ASSERT_TRUE(b.ok()) << what << ": " << b.status();
+    EXPECT_EQ(b->lengths, a.lengths) << what;
+    const int32_t* t = device.data() + dev.cuda_ipc().answer_offset() / 4;
+    EXPECT_EQ(std::vector<int32_t>(t, t + a.topk.size()), a.topk) << what;
+  };
+  // A step at `layer` with the keys (FP8 or FP4, the layer's format) on the device.
+  auto device_step = [&](int layer, const std::vector<uint64_t>& seqs, uint64_t at) {
+    v1::DecodeStepRequest plain = MakeStep(gen, profile_, layer, seqs, lengths, 1,
+                                           QForm::kQuantized, KeyForm::kQuantized, step_id++);
+    v1::DecodeStepRequest dev = ColumnarFor(plain, seqs);
+    at = MoveKeysToDevice(dev, device, region, at);
+    AnswerToDevice(dev, region, at, plain.q().shape(0), profile_);
+    return dev;
+  };
+  auto expect_named = [&](const v1::DecodeStepRequest& req, const std::string& field) {
+    const std::string before = StateOf(s_, all);
+    absl::StatusOr<client::StepAnswer> r = s_.client->DecodeStep(req);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << field << ": " << r.status();
+    EXPECT_TRUE(absl::StartsWith(r.status().message(), field)) << field << ": " << r.status();
+    EXPECT_EQ(StateOf(s_, all), before) << field;
+  };
+
+  // Refused before anything runs.
+  const v1::DecodeStepRequest good = device_step(0, ids, 64);
+  const v1::CudaIpcStep& ci = good.cuda_ipc();
+  v1::DecodeStepRequest bad = good;
+  bad.mutable_cuda_ipc()->set_new_keys_offset(ci.new_keys_offset() + 4);
+  expect_named(bad, "cuda_ipc.new_keys_offset");
+  bad = good;
+  bad.mutable_cuda_ipc()->set_new_key_scales_offset(ci.new_key_scales_offset() + 8);
+  expect_named(bad, "cuda_ipc.new_key_scales_offset");
+  bad = good;
+  bad.mutable_cuda_ipc()->set_new_keys_offset(device.size() * 4 - 16);
+  expect_named(bad, "cuda_ipc.new_keys_offset");
+  bad = good;
+  bad.mutable_cuda_ipc()->set_new_key_scales_offset(device.size() * 4);
+  expect_named(bad, "cuda_ipc.new_key_scales_offset");
+  bad = good;
+  bad.mutable_new_keys()->set_dtype(v1::DTYPE_FP32);  // unquantized: not from device memory
+  expect_named(bad, "new_keys.dtype");
+  bad = good;
+  bad.mutable_new_keys()->set_dtype(v1::DTYPE_BF16);
+  expect_named(bad, "new_keys.dtype");
+  bad = good;
+  bad.mutable_new_key_scales()->set_dtype(v1::DTYPE_UE8M0);
+  expect_named(bad, "new_key_scales.dtype");
+  bad = good;
+  bad.mutable_new_keys()->set_shape(0, good.new_keys().shape(0) + 1);
+  expect_named(bad, "new_keys.shape");
+  bad = good;
+  bad.mutable_new_keys()->set_shape(1, profile_.head_dim / 2);
+  expect_named(bad, "new_keys.shape");
+  bad = good;
+  bad.mutable_new_key_scales()->set_shape(0, good.new_key_scales().shape(0) - 1);
+  expect_named(bad, "new_key_scales.shape");
+  bad = good;
+  bad.mutable_new_keys()->set_data(std::string(good.new_keys().shape(0) * profile_.head_dim, 1));
+  expect_named(bad, "new_keys.data");
+  bad = good;
+  bad.mutable_new_key_scales()->set_data(std::string(good.new_key_scales().shape(0) * 4, 0));
+  expect_named(bad, "new_key_scales.data");
+  bad = good;
+  bad.mutable_cuda_ipc()->clear_new_key_scales_offset();
+  expect_named(bad, "cuda_ipc.new_key_scales_offset");
+  bad = good;
+  bad.mutable_cuda_ipc()->clear_new_keys_offset();
+  expect_named(bad, "cuda_ipc.new_keys_offset");
+  bad = good;
+  bad.clear_new_key_scales();
+  expect_named(bad, "new_key_scales.dtype");
+  bad = good;
+  bad.mutable_shared_memory()->set_region_id(1);
+  bad.mutable_shared_memory()->set_new_keys_offset(0);
+  expect_named(bad, "shared_memory.new_keys_offset");
+  bad = good;  // FP8 keys at the FP4 layer 1
+  bad.set_layer(1);
+  {
+    const v1::DecodeStepRequest fp4 = device_step(1, ids, 1 << 16);
+    *bad.mutable_q() = fp4.q();
+    *bad.mutable_q_scales() = fp4.q_scales();
+    *bad.mutable_weights() = fp4.weights();
+  }
+  expect_named(bad, "new_keys.dtype");
+  bad = MakeStep(gen, profile_, 0, ids, lengths, 1, QForm::kQuantized, KeyForm::kQuantized,
+                 step_id++);  // the `sequences` form
+  bad.mutable_cuda_ipc()->set_region_id(region);
+  bad.mutable_cuda_ipc()->set_new_keys_offset(0);
+  expect_named(bad, "cuda_ipc.new_keys_offset");
+  bad = good;  // the buffer has no inputs event
+  bad.mutable_cuda_ipc()->set_wait_inputs_event(true);
+  expect_named(bad, "cuda_ipc.wait_inputs_event");
+  valid_step(0, "after the refused device-key steps");
+
+  // The ring: the same field-naming errors in the completion, nothing changed.
+  client::FastPathOptions fo;
+  fo.socket_path = socket_path_;
+  fo.data_bytes = 1 << 20;
+  absl::StatusOr<std::unique_ptr<client::FastPathRing>> ring =
+      client::FastPathRing::Create(*s_.client, fo);
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  {
+    v1::DecodeStepRequest inline_req = good;
+    inline_req.clear_cuda_ipc();
+    struct RingCase {
+      std::string field;
+      std::function<void(ring::StepDescriptor&)> spoil;
+    };
+    const std::vector<RingCase> cases = {
+        {"flags", [](ring::StepDescriptor& d) { d.flags &= ~uint32_t{ring::kAnswerCudaIpc}; }},
+        {"cuda_ipc.new_keys_offset", [](ring::StepDescriptor& d) { d.new_keys_offset += 4; }},
+        {"cuda_ipc.new_key_scales_offset",
+         [&](ring::StepDescriptor& d) { d.new_key_scales_offset = device.size() * 4; }},
+        {"new_keys.dtype", [](ring::StepDescriptor& d) { d.new_keys_dtype = v1::DTYPE_FP32; }},
+        {"new_keys.dtype", [](ring::StepDescriptor& d) { d.new_keys_dtype = 0; }},
+        {"cuda_ipc.wait_inputs_event",
+         [](ring::StepDescriptor& d) { d.flags |= ring::kWaitInputsEvent; }},
+    };
+    for (const RingCase& c : cases) {
+      absl::StatusOr<client::StagedStep> st =
+          RingStepFor(**ring, inline_req, good, profile_, false);
+      ASSERT_TRUE(st.ok()) << st.status();
+      c.spoil(st->step.descriptor);
+      const std::string before = StateOf(s_, all);
+      absl::StatusOr<client::RingCompletion> done = (*ring)->Step(st->step);
+      ASSERT_TRUE(done.ok()) << done.status();
+      EXPECT_EQ(done->status.code(), absl::StatusCode::kInvalidArgument) << c.field;
+      EXPECT_TRUE(absl::StartsWith(done->status.message(), c.field))
+          << c.field << ": " << done->status;
+      EXPECT_EQ(StateOf(s_, all), before) << c.field;
+    }
+    // And a valid ring step still answers as the inline step does.
+    absl::StatusOr<client::StagedStep> st = RingStepFor(**ring, inline_req, good, profile_, false);
+    ASSERT_TRUE(st.ok()) << st.status();
+    st->step.descriptor.flags &= ~uint32_t{ring::kKeysCudaIpc};  // the keys in the region
+    st->step.descriptor.new_keys_offset = 0;                     // inside the ring: named
+    absl::StatusOr<client::RingCompletion> done = (*ring)->Step(st->step);
+    ASSERT_TRUE(done.ok()) << done.status();
+    EXPECT_TRUE(absl::StartsWith(done->status.message(), "shared_memory.new_keys_offset"))
+        << done->status;
+  }
+  ASSERT_TRUE((*ring)->Unregister().ok());
+  valid_step(0, "after the refused ring descriptors");
+
+  // Found on the device after the step ran: nothing committed.
+  struct Poison {
+    int layer;
+    bool scales;
+    uint32_t bits;  // an FP8 / UE8M0 code byte, or fp32 scale bits
+  };
+  const std::vector<Poison> poisons = {{0, false, 0x7F},       {0, false, 0xFF},
+                                       {0, true, 0x7FC00000u}, {0, true, 0x7F800000u},
+                                       {0, true, 0xFF800000u}, {0, true, 0xBF800000u},
+                                       {0, true, 0x00000000u}, {0, true, 0x80000000u},
+                                       {1, true, 0xFF},        {2, true, 0xFF}};
+  for (const Poison& p : poisons) {
+    const bool fp8 = profile_.layers[p.layer].cache_format == kernels::CacheFormat::kFp8;
+    const std::string field = p.scales ? "new_key_scales.data" : "new_keys.data";
+    const std::string what = absl::StrCat(field, " layer ", p.layer, " bits 0x", absl::Hex(p.bits));
+    SCOPED_TRACE(what);
+    bad = device_step(p.layer, ids, 64);
+    auto* bytes = reinterpret_cast<uint8_t*>(device.data());
+    const uint64_t off =
+        p.scales ? bad.cuda_ipc().new_key_scales_offset() : bad.cuda_ipc().new_keys_offset();
+    const uint64_t n = p.scales ? (fp8 ? bad.new_key_scales().shape(0)
+                                       : bad.new_key_scales().shape(0) * profile_.head_dim / 32)
+                                : bad.new_keys().shape(0) * profile_.head_dim;
+    const uint64_t elem = gen.rng()() % n;
+    if (p.scales && fp8) {
+      std::memcpy(bytes + off + 4 * elem, &p.bits, 4);
+    } else {
+      bytes[off + elem] = uint8_t(p.bits);
+    }
+    const std::string before = StateOf(s_, all);
+    absl::StatusOr<client::StepAnswer> r = s_.client->DecodeStep(bad);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    // A rank's error ("rank 0: new_keys.data: ..."), as for q checked on the device.
+    EXPECT_NE(r.status().message().find(field + ": "), std::string::npos) << r.status();
+    EXPECT_NE(r.status().message().find("committed nothing"), std::string::npos) << r.status();
+    EXPECT_EQ(StateOf(s_, all), before);
+    valid_step(p.layer, "after " + what);
+    if (p.layer == 2) valid_step(3, "a consumer after " + what);  // the source's candidates
+  }
+
+  // A fork sharing its parent's pages, its keys rolled back into the shared last page (a
+  // copy-on-write page and the pages after it written, then released), a bad scale found on
+  // the device: the fork, its parent and the pages in use are as before; the fork then answers
+  // bit for bit as a fork of the twin that never saw the bad step.
+  ASSERT_TRUE(s_.client->ForkSequence(ids[2], 50, lengths[2]).ok());
+  ASSERT_TRUE(s_.client->ForkSequence(twins[2], 150, lengths[2]).ok());
+  all.push_back(50);
+  all.push_back(150);
+  for (const int layer : {0, 1}) {
+    const bool fp8 = profile_.layers[layer].cache_format == kernels::CacheFormat::kFp8;
+    bad = device_step(layer, {50}, 64);
+    bad.add_new_keys_positions(lengths[2] - 1);
+    auto* bytes = reinterpret_cast<uint8_t*>(device.data());
+    const uint32_t nan = fp8 ? 0x7FC00000u : 0xFFu;
+    std::memcpy(bytes + bad.cuda_ipc().new_key_scales_offset(), &nan, fp8 ? 4 : 1);
+    const std::string before = StateOf(s_, all);
+    absl::StatusOr<client::StepAnswer> r = s_.client->DecodeStep(bad);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    EXPECT_NE(r.status().message().find("new_key_scales.data: "), std::string::npos) << r.status();
+    EXPECT_EQ(StateOf(s_, all), before) << "layer " << layer;
+    // The same rollback, valid, on the fork and on the twin's fork: the same answers.
+    std::memcpy(bytes + bad.cuda_ipc().new_key_scales_offset(),
+                fp8 ? static_cast<const void*>("\0\0\x80\x3F") : "\x7F", fp8 ? 4 : 1);
+    absl::StatusOr<client::StepAnswer> a = s_.client->DecodeStep(bad);
+    ASSERT_TRUE(a.ok()) << a.status();
+    const int32_t* t = device.data() + bad.cuda_ipc().answer_offset() / 4;
+    const std::vector<int32_t> fork_answer(t, t + a->rows * a->k);
+    v1::DecodeStepRequest twin = bad;
+    twin.set_sequence_ids(0, 150);
+    absl::StatusOr<client::StepAnswer> b = s_.client->DecodeStep(twin);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(std::vector<int32_t>(t, t + b->rows * b->k), fork_answer) << "layer " << layer;
+    EXPECT_EQ(a->lengths, b->lengths);
+    EXPECT_EQ(a->lengths[0], lengths[2]);
+  }
+  ASSERT_TRUE(s_.client->UnregisterCudaIpcMemory(region).ok());
 }
 
 }  // namespace

@@ -323,6 +323,18 @@ TEST_F(FastPathBadDescriptorTest, EachBadFieldIsNamedAndChangesNothing) {
        }},
       {"flags",
        [](Staged&, client::RingStep& s) { s.descriptor.flags |= ring::kRecordAnswerEvent; }},
+      // New keys in a CUDA IPC buffer need the answer there too (not q); with it, their offsets
+      // are the buffer's (one inside the ring is no error) and the buffer is looked up.
+      {"flags", [](Staged&, client::RingStep& s) { s.descriptor.flags |= ring::kKeysCudaIpc; }},
+      {"cuda_ipc.region_id",
+       [](Staged&, client::RingStep& s) {
+         s.descriptor.flags |= ring::kKeysCudaIpc | ring::kAnswerCudaIpc;
+         s.descriptor.new_keys_offset = 0;
+         s.descriptor.new_key_scales_offset = 16;
+       },
+       absl::StatusCode::kNotFound},
+      {"flags",  // the first bit past the known ones
+       [](Staged&, client::RingStep& s) { s.descriptor.flags |= ring::kKnownFlags + 1; }},
   };
   for (const Case& c : cases) {
     std::unique_ptr<Staged> good = Good();

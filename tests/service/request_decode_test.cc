@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/tensor.h"
 #include "server/config/profile.h"
@@ -755,6 +756,85 @@ TEST_F(ColumnarDecodeTest, KeysAreViewsOfTheOneTensor) {
   EXPECT_EQ(s[2].new_keys.position, 100);
   EXPECT_EQ(static_cast<const float*>(s[2].new_keys.scales)[0], 0.25f);
   for (const auto& x : s) EXPECT_EQ(x.num_rows, 2);
+}
+
+// Keys in device memory (ExternalStepBytes::keys_on_device, cuda_ipc.new_keys_offset): their
+// form is checked (dtype, shape, byte counts) but never their values, which the host cannot
+// read (NaN codes and negative scales pass here: the device check finds them), the views are
+// the device addresses themselves (never realigned, even at an odd address), each request's
+// keys are marked on_device, and unquantized keys are refused naming new_keys.dtype.
+TEST_F(ColumnarDecodeTest, DeviceKeysAreViewedNeverRead) {
+  for (const bool fp4 : {false, true}) {
+    const config::Profile& p = fp4 ? v41_ : v32_;
+    const int layer = fp4 ? Fp4Layer() : 3;
+    const int D = p.head_dim, H = p.num_heads;
+    v1::DecodeStepRequest col;
+    col.set_layer(layer);
+    for (uint64_t id : {11u, 12u, 13u}) col.add_sequence_ids(id);
+    col.set_rows_per_sequence(1);
+    for (int32_t c : {2, 0, 3}) col.add_new_key_counts(c);
+    const size_t kb = 5 * size_t(fp4 ? D / 2 : D), sb = 5 * size_t(fp4 ? D / 32 : 4);
+    // "Device memory": bytes the decoder must not judge (all NaN codes / negative scales), at
+    // an odd address.
+    std::vector<uint8_t> device(1 + kb + sb, 0xFF);
+    const char* keys_at = reinterpret_cast<const char*>(device.data()) + 1;
+    const char* scales_at = keys_at + kb;
+    for (v1::Tensor* t : {col.mutable_new_keys(), col.mutable_new_key_scales()}) t->Clear();
+    col.mutable_new_keys()->set_dtype(fp4 ? v1::DTYPE_FP4_E2M1 : v1::DTYPE_FP8_E4M3);
+    col.mutable_new_keys()->add_shape(5);
+    col.mutable_new_keys()->add_shape(D);
+    col.mutable_new_key_scales()->set_dtype(fp4 ? v1::DTYPE_UE8M0 : v1::DTYPE_FP32);
+    col.mutable_new_key_scales()->add_shape(5);
+    if (fp4) col.mutable_new_key_scales()->add_shape(D / 32);
+    if (fp4) {
+      *col.mutable_q() =
+          CodesTensor(v1::DTYPE_FP4_E2M1, RandomFp8(size_t(3) * H * D / 2), {3, H, D});
+      std::vector<uint8_t> qs(size_t(3) * H * D / 32, 127);
+      *col.mutable_q_scales() = CodesTensor(v1::DTYPE_UE8M0, qs, {3, H, D / 32});
+    } else {
+      *col.mutable_q() = CodesTensor(v1::DTYPE_FP8_E4M3, RandomFp8(size_t(3) * H * D), {3, H, D});
+    }
+    *col.mutable_weights() = F32Tensor(Random(size_t(3) * H), {3, H});
+    ExternalStepBytes ext;
+    ext.new_keys = std::string_view(keys_at, kb);
+    ext.new_key_scales = std::string_view(scales_at, sb);
+    ext.keys_on_device = true;
+    absl::StatusOr<DecodedStep> d = DecodeStepRequest(col, p, ext);
+    ASSERT_TRUE(d.ok()) << d.status();
+    const auto& s = d->step().sequences;
+    ASSERT_EQ(s.size(), 3u);
+    EXPECT_EQ(s[0].new_keys.keys, keys_at);
+    EXPECT_EQ(s[0].new_keys.scales, scales_at);
+    EXPECT_TRUE(s[0].new_keys.on_device);
+    EXPECT_EQ(s[1].new_keys.count, 0);
+    EXPECT_EQ(s[2].new_keys.keys, keys_at + 2 * (fp4 ? D / 2 : D));
+    EXPECT_EQ(s[2].new_keys.scales, scales_at + 2 * (fp4 ? D / 32 : 4));
+    EXPECT_TRUE(s[2].new_keys.on_device);
+    EXPECT_TRUE(d->realigned.empty());
+    // The same bytes from the host are judged (and refused).
+    ExternalStepBytes host = ext;
+    host.keys_on_device = false;
+    absl::StatusOr<DecodedStep> judged = DecodeStepRequest(col, p, host);
+    ASSERT_FALSE(judged.ok());
+    EXPECT_TRUE(absl::StartsWith(judged.status().message(), "new_key")) << judged.status();
+    // Sizes still count; unquantized keys are refused; the sequences form is not taken.
+    ExternalStepBytes short_ext = ext;
+    short_ext.new_keys = std::string_view(keys_at, kb - 1);
+    absl::StatusOr<DecodedStep> bad = DecodeStepRequest(col, p, short_ext);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_TRUE(absl::StartsWith(bad.status().message(), "new_keys.data:")) << bad.status();
+    v1::DecodeStepRequest f32 = col;
+    f32.mutable_new_keys()->set_dtype(v1::DTYPE_FP32);
+    f32.clear_new_key_scales();
+    ExternalStepBytes f32_ext = ext;
+    f32_ext.new_key_scales.reset();
+    std::vector<uint8_t> big(5 * size_t(D) * 4 + 1);
+    f32_ext.new_keys =
+        std::string_view(reinterpret_cast<const char*>(big.data()) + 1, 5 * size_t(D) * 4);
+    bad = DecodeStepRequest(f32, p, f32_ext);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_TRUE(absl::StartsWith(bad.status().message(), "new_keys.dtype:")) << bad.status();
+  }
 }
 
 TEST_F(ColumnarDecodeTest, RefusesMixedForms) {

@@ -124,13 +124,15 @@ def _torch_to_numpy(t: Any, what: str) -> tuple[np.ndarray, DType | None]:
 
     if t.device.type != "cpu":
         # A CUDA tensor reaches the server only through a registered CUDA IPC buffer, as q,
-        # q_scales, weights or an answer (decode_indexer.cuda_ipc); staging it through the host
-        # here would hide a device-to-host copy and a synchronisation.
+        # q_scales, weights, the columnar form's new keys or an answer (decode_indexer.
+        # cuda_ipc); staging it through the host here would hide a device-to-host copy and a
+        # synchronisation.
         raise TypeError(
-            f"{what}: a {t.device} tensor is accepted only as q, q_scales, weights, answer or "
-            "candidates lying in a buffer registered with Client.register_cuda_tensor (CUDA "
-            "IPC); move it to the host with .cpu() first, which is the device-to-host copy "
-            "(and its stream synchronisation), placed where you choose")
+            f"{what}: a {t.device} tensor is accepted only as q, q_scales, weights, answer, "
+            "candidates or (columnar, pre-quantized) new_keys / new_key_scales lying in a "
+            "buffer registered with Client.register_cuda_tensor (CUDA IPC); move it to the "
+            "host with .cpu() first, which is the device-to-host copy (and its stream "
+            "synchronisation), placed where you choose")
     t = t.detach()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16), DType.BF16

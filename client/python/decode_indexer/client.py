@@ -388,13 +388,16 @@ def _plan_cuda(buffers: Sequence[Any], rows: int, q: Any, q_scales: Any, weights
                answer: Any, candidates: Any, return_candidates: bool, shared_memory: Any,
                answer_encoding: str, wait_inputs_event: bool | None = None,
                record_answer_event: bool | None = None,
-               in_flight: Any = ()) -> tuple[Any, _InRegion | None, Any]:
+               in_flight: Any = (), new_keys: Any = None,
+               new_key_scales: Any = None) -> tuple[Any, _InRegion | None, Any]:
     """(CudaIpcStep, answer placement, plan) of a step with CUDA tensors (decode_indexer.
-    cuda_ipc), or (None, None, None). Waits for the current torch stream of q's device, or
-    with wait_inputs_event records the inputs event on it (no host wait). in_flight: the
-    inputs events steps still in flight wait on (a stream's): recording one again is refused."""
+    cuda_ipc), or (None, None, None). Waits for the current torch stream of q's (or the new
+    keys') device, or with wait_inputs_event records the inputs event on it (no host wait).
+    in_flight: the inputs events steps still in flight wait on (a stream's): recording one
+    again is refused. new_keys / new_key_scales: the columnar form's (CUDA tensors in the
+    buffer are read there: cuda_ipc.new_keys_offset)."""
     plan = _cuda_ipc.plan_step(buffers, rows, q, q_scales, weights, answer, candidates,
-                               return_candidates)
+                               return_candidates, new_keys, new_key_scales)
     if plan is None:
         if wait_inputs_event or record_answer_event:
             _cuda_ipc.step_events(None, wait_inputs_event, record_answer_event)  # raises
@@ -413,6 +416,10 @@ def _plan_cuda(buffers: Sequence[Any], rows: int, q: Any, q_scales: Any, weights
         ci.weights_offset = o["weights"]
         if "q_scales" in o:
             ci.q_scales_offset = o["q_scales"]
+    if plan.keys_on_device:
+        ci.new_keys_offset = o["new_keys"]
+        if "new_key_scales" in o:
+            ci.new_key_scales_offset = o["new_key_scales"]
     wait, record, inputs_event, answer_event = _cuda_ipc.step_events(
         plan, wait_inputs_event, record_answer_event)
     waited = None
@@ -440,15 +447,19 @@ def _plan_cuda(buffers: Sequence[Any], rows: int, q: Any, q_scales: Any, weights
     return ci, _InRegion(rows, flat("answer"), flat("candidates"), after, waited), plan
 
 
-def _device_heads(plan: Any) -> list:
-    """The q / q_scales / weights Tensor fields of a step reading them on the device: dtype
-    and shape only."""
+def _device_heads(plan: Any, fields: tuple = ((3, "q"), (4, "q_scales"), (5, "weights"))
+                  ) -> list:
+    """The q / q_scales / weights (or new_keys / new_key_scales) Tensor fields of a step
+    reading them on the device: dtype and shape only."""
     out = []
-    for field, name in ((3, "q"), (4, "q_scales"), (5, "weights")):
+    for field, name in fields:
         t = plan.tensors.get(name)
         if t is not None:
             out.append(_wire._tensor_head(field, int(t.dtype), t.shape, None))
     return out
+
+
+_KEY_FIELDS = ((17, "new_keys"), (18, "new_key_scales"))
 
 
 def _encode_step(layer: int, steps: Sequence[SequenceStep], q: Any, weights: Any,
@@ -616,7 +627,8 @@ def _encode_columnar(layer: int, sequence_ids: Any, q: Any, weights: Any, *, num
             head["row_lengths"] = _column(row_lengths, "row_lengths", "int32")
     ci, placed, plan = _plan_cuda(cuda_buffers, rows, q, q_scales, weights, answer, candidates,
                                   return_candidates, shared_memory, answer_encoding,
-                                  wait_inputs_event, record_answer_event, in_flight)
+                                  wait_inputs_event, record_answer_event, in_flight, new_keys,
+                                  new_key_scales)
     if ci is not None:
         head["cuda_ipc"] = ci
     if shared_memory is not None and answer_encoding != "raw":
@@ -643,10 +655,13 @@ def _encode_columnar(layer: int, sequence_ids: Any, q: Any, weights: Any, *, num
         parts += _wire.tensor_parts(5, weights, "weights", inline)
     if positions is not None:
         parts += _wire.tensor_parts(6, positions, "positions")
-    if new_keys is not None:
-        parts += _wire.tensor_parts(17, new_keys, "new_keys")
-    if new_key_scales is not None:
-        parts += _wire.tensor_parts(18, new_key_scales, "new_key_scales")
+    if plan is not None and plan.keys_on_device:  # dtype and shape only: read on the device
+        parts += _device_heads(plan, _KEY_FIELDS)
+    else:
+        if new_keys is not None:
+            parts += _wire.tensor_parts(17, new_keys, "new_keys")
+        if new_key_scales is not None:
+            parts += _wire.tensor_parts(18, new_key_scales, "new_key_scales")
     return b"".join(parts), placed
 
 
@@ -1017,6 +1032,14 @@ class Client:
         new_keys_positions: per request, where its keys start in the cache (-1: append);
           None: all append. row_lengths: one explicit length per row (0 on every row of a
           request that keeps the causal default); None: all causal.
+        new_keys / new_key_scales as CUDA tensors (C-contiguous, in the buffer registered with
+          register_cuda_tensor that holds the step's CUDA `answer`, 16-byte aligned there,
+          pre-quantized: typed FP8 e4m3 codes with float32 scales [n], or FP4 codes with UE8M0
+          scales [n, D/32]; both on the device): read there by the server device to device
+          (cuda_ipc.new_keys_offset), their values checked on the device (a NaN code or a bad
+          scale fails the step naming new_keys.data / new_key_scales.data and commits
+          nothing); the current torch stream of their device is synchronised before sending,
+          or with wait_inputs_event the inputs event recorded instead. q may stay on the host.
         q, weights, q_scales, positions and the other arguments: as decode_step.
         """
         request, placed = _encode_columnar(

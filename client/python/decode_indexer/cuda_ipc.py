@@ -75,10 +75,15 @@ CUDA_IPC_EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
 _SHAREABLE_CUDA_MALLOC = ord("c")
 _SHAREABLE_EXPANDABLE_SEGMENT = ord("e")
 
-# The server's alignment rules (CudaIpcStep): q and q_scales offsets multiples of 16, weights
-# and the answers multiples of 4.
-ALIGN = {"q": 16, "q_scales": 16, "weights": 4, "answer": 4, "candidates": 4}
+# The server's alignment rules (CudaIpcStep): q, q_scales, new_keys and new_key_scales offsets
+# multiples of 16, weights and the answers multiples of 4.
+ALIGN = {"q": 16, "q_scales": 16, "weights": 4, "answer": 4, "candidates": 4, "new_keys": 16,
+         "new_key_scales": 16}
 INPUTS = ("q", "q_scales", "weights")
+KEYS = ("new_keys", "new_key_scales")
+# The key dtypes the server reads from device memory: pre-quantized in the cache's format (it
+# quantizes only keys it reads on the host).
+DEVICE_KEY_DTYPES = (DType.FP8_E4M3, DType.FP4_E2M1)
 
 
 def parse_ipc_handle(handle: bytes) -> bytes:
@@ -251,11 +256,12 @@ def step_events(plan: StepPlan | None, wait_inputs_event: bool | None,
     inputs = getattr(buf, "inputs_event", None)
     answer = getattr(buf, "answer_event", None)
     if wait_inputs_event is None:
-        wait = inputs is not None and inputs.event is not None and plan.inputs_on_device
+        wait = inputs is not None and inputs.event is not None and plan.reads_device
     elif wait_inputs_event:
-        if plan is None or not plan.inputs_on_device:
+        if plan is None or not plan.reads_device:
             raise _invalid("cuda_ipc.wait_inputs_event", "needs q, q_scales and weights in a "
-                           "registered CUDA buffer (the event orders the inputs read from it)")
+                           "registered CUDA buffer, or new_keys and new_key_scales there (the "
+                           "event orders the inputs read from it)")
         if inputs is None:
             raise _invalid("cuda_ipc.wait_inputs_event", f"region {plan.region_id} was "
                            "registered without an inputs event (register_cuda_tensor(..., "
@@ -322,14 +328,25 @@ class StepPlan:
     """Where a step's device tensors lie in one registered buffer (offsets from its base)."""
 
     region_id: int
-    offsets: dict  # name -> byte offset: q / q_scales / weights (inputs on the device), answer...
+    offsets: dict  # name -> byte offset: q / q_scales / weights (inputs on the device), answer,
+    #                new_keys / new_key_scales (keys on the device)
     tensors: dict  # name -> DeviceTensor
     inputs_on_device: bool
     devices: set
     # The devices of the torch tensors among the inputs: their current streams are waited for
-    # before the server reads q / weights (none for a plan of bare DeviceTensors, in tests).
+    # before the server reads q / weights / keys (none for a plan of bare DeviceTensors, in
+    # tests).
     sync_devices: tuple = ()
     buffer: Any = None  # the registered buffer the tensors lie in
+    # new_keys (and new_key_scales) are read from the buffer too (CudaIpcStep.new_keys_offset,
+    # the ring's kKeysCudaIpc): the columnar form only, pre-quantized.
+    keys_on_device: bool = False
+
+    @property
+    def reads_device(self) -> bool:
+        """Whether the server reads inputs from the buffer (q's group or the keys): what the
+        inputs event orders, or the host wait covers."""
+        return self.inputs_on_device or self.keys_on_device
 
     def has(self, name: str) -> bool:
         return name in self.offsets
@@ -345,21 +362,31 @@ def _find(buffers: Sequence[Any], t: DeviceTensor, what: str) -> Any:
 
 
 def plan_step(buffers: Sequence[Any], rows: int, q: Any, q_scales: Any, weights: Any,
-              answer: Any, candidates: Any, return_candidates: bool) -> StepPlan | None:
+              answer: Any, candidates: Any, return_candidates: bool, new_keys: Any = None,
+              new_key_scales: Any = None, keys_elsewhere: bool = False) -> StepPlan | None:
     """The step's CUDA IPC placement, or None when no argument is on the device.
 
     buffers: the client's registered buffers (each with region_id, topk, num_candidate_blocks
     and contains(DeviceTensor) -> bool, offset(DeviceTensor) -> int). Every device tensor must
-    lie in one buffer, be C-contiguous and at the server's alignment (q / q_scales 16 bytes,
-    weights and answers 4); q, q_scales and weights are on the device together; a device q
-    needs a device answer; the answers are int32 with room for [rows, K] ([rows, blocks])."""
+    lie in one buffer, be C-contiguous and at the server's alignment (q / q_scales / new_keys /
+    new_key_scales 16 bytes, weights and answers 4); q, q_scales and weights are on the device
+    together, and so are new_keys and new_key_scales (pre-quantized: FP8 e4m3 or FP4 codes);
+    a device q or device keys need a device answer; the answers are int32 with room for
+    [rows, K] ([rows, blocks]). keys_elsewhere (the ring, which can copy device keys into its
+    region): device keys that cannot be read from the step's buffer (not both on the device,
+    not in that buffer, no device answer) are left out of the plan instead of refused."""
+    keys_dev = is_device(new_keys) or is_device(new_key_scales)
     if not (is_device(q) or is_device(weights) or is_device(answer) or is_device(q_scales)
-            or is_device(candidates)):
+            or is_device(candidates) or (keys_dev and not keys_elsewhere)):
         return None  # a host step: the common case, decided in a few type checks
     given = {"q": q, "q_scales": q_scales, "weights": weights, "answer": answer,
              "candidates": candidates if return_candidates else None}
     on = {k: is_device(v) for k, v in given.items() if v is not None}
     if not any(on.values()):
+        if keys_dev and not keys_elsewhere:
+            raise ValueError("answer: a step whose new keys are on the device answers into the "
+                             "device buffer: give answer=, an int32 CUDA tensor in it with room "
+                             "for [rows, K]")
         raise ValueError("candidates: given without return_candidates")
     tensors = {k: describe(given[k], k) for k, dev in on.items() if dev}
     found = {k: _find(buffers, t, k) for k, t in tensors.items()}
@@ -395,6 +422,8 @@ def plan_step(buffers: Sequence[Any], rows: int, q: Any, q_scales: Any, weights:
         if not t.contiguous:
             raise ValueError(f"{name}: the CUDA tensor must be C-contiguous (the server reads "
                              "its bytes at one offset)")
+    keys_on_device = keys_dev and _plan_keys(buffers, buffer, new_keys, new_key_scales,
+                                             keys_elsewhere, tensors)
     offsets = {}
     for name, t in tensors.items():
         off = buffer.offset(t)
@@ -413,12 +442,57 @@ def plan_step(buffers: Sequence[Any], rows: int, q: Any, q_scales: Any, weights:
             raise ValueError(f"{name}: {t.numel} elements cannot hold this step's "
                              f"{rows} x {per_row}")
     sync = tuple(sorted({t.device for t in tensors.values() if t.tensor is not None})) \
-        if inputs_on_device else ()
+        if inputs_on_device or keys_on_device else ()
     return StepPlan(buffer.region_id, offsets, tensors, inputs_on_device,
-                    {t.device for t in tensors.values()}, sync, buffer)
+                    {t.device for t in tensors.values()}, sync, buffer, keys_on_device)
 
 
-_PLAN_ARGS = ("q", "q_scales", "weights", "answer", "candidates")
+def _plan_keys(buffers: Sequence[Any], buffer: Any, new_keys: Any, new_key_scales: Any,
+               keys_elsewhere: bool, tensors: dict) -> bool:
+    """Adds new_keys / new_key_scales to `tensors` where the server reads them from `buffer`
+    (the step's, which holds its device answer); answers whether it does. Refuses (or, with
+    keys_elsewhere, leaves out) keys that cannot be read from there."""
+    given = {"new_keys": new_keys, "new_key_scales": new_key_scales}
+    on = {k: is_device(v) for k, v in given.items() if v is not None}
+    if new_keys is None:
+        if keys_elsewhere:
+            return False
+        raise ValueError("new_key_scales: on the device without new_keys: the keys and their "
+                         "scales are read from the registered device buffer together")
+    host = [k for k in KEYS if k in on and not on[k]]
+    if host:
+        if keys_elsewhere:
+            return False
+        other = next(k for k in KEYS if on.get(k))
+        raise ValueError(f"{host[0]}: on the host while {other} is on the device: the keys "
+                         "and their scales are read from the registered device buffer "
+                         "together (move both there)")
+    described = {k: describe(given[k], k) for k in on}
+    for name, t in described.items():
+        if keys_elsewhere and not buffer.contains(t):
+            return False
+        b = _find(buffers, t, name)
+        if b is not buffer:
+            raise ValueError(f"{name}: lies in CUDA IPC region {b.region_id}, answer in region "
+                             f"{buffer.region_id}: one step reads and writes one registered "
+                             "buffer")
+        if not t.contiguous:
+            if keys_elsewhere:
+                return False
+            raise ValueError(f"{name}: the CUDA tensor must be C-contiguous (the server reads "
+                             "its bytes at one offset)")
+    if described["new_keys"].dtype not in DEVICE_KEY_DTYPES:
+        if keys_elsewhere:
+            return False
+        raise _invalid("new_keys.dtype", "DTYPE_FP8_E4M3 or DTYPE_FP4_E2M1 (the cache's format, "
+                       "with new_key_scales) expected for keys in device memory, got "
+                       f"DTYPE_{described['new_keys'].dtype.name}: the server quantizes only "
+                       "keys it reads on the host (move them to the host first)")
+    tensors.update(described)
+    return True
+
+
+_PLAN_ARGS = ("q", "q_scales", "weights", "answer", "candidates", "new_keys", "new_key_scales")
 
 
 def tensor_valid(t: DeviceTensor, x: Any) -> bool:
@@ -434,7 +508,8 @@ def tensor_valid(t: DeviceTensor, x: Any) -> bool:
 
 def plan_valid(plan: StepPlan, args: Sequence[Any]) -> bool:
     """Whether a kept plan still holds for the same arguments (q, q_scales, weights, answer,
-    candidates): its buffer open and every device tensor unchanged (tensor_valid)."""
+    candidates, new_keys, new_key_scales): its buffer open and every device tensor unchanged
+    (tensor_valid)."""
     if plan.buffer is not None and plan.buffer.closed:
         return False
     tensors = plan.tensors
@@ -447,8 +522,8 @@ def plan_valid(plan: StepPlan, args: Sequence[Any]) -> bool:
 
 def synchronize(plan: StepPlan) -> None:
     """Waits for the current torch stream of every device the step reads: the kernels that
-    wrote q / weights there are complete before the server reads them."""
-    if not plan.inputs_on_device:
+    wrote q / weights / new keys there are complete before the server reads them."""
+    if not plan.reads_device:
         return
     devices = sorted({t.device for t in plan.tensors.values() if t.tensor is not None})
     if devices:  # (a plan of DeviceTensors without torch tensors, in tests, has none)

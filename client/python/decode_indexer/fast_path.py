@@ -68,10 +68,14 @@ F_NEW_KEYS_POSITIONS = 1 << 3
 F_ANSWER_CUDA_IPC = 1 << 4  # answer / candidates offsets are in cuda_ipc_region_id's buffer
 F_INPUTS_CUDA_IPC = 1 << 5  # q / q_scales / weights offsets too (read device to device)
 # GPU-side ordering with the CUDA IPC events the buffer was registered with: the server's
-# streams wait on the inputs event (needs F_INPUTS_CUDA_IPC); it records the answer event
+# streams wait on the inputs event (needs F_INPUTS_CUDA_IPC or F_KEYS_CUDA_IPC); it records the
+# answer event
 # after the answer's copy (needs F_ANSWER_CUDA_IPC).
 F_WAIT_INPUTS_EVENT = 1 << 6
 F_RECORD_ANSWER_EVENT = 1 << 7
+# new_keys / new_key_scales offsets are in the CUDA IPC buffer (read device to device; needs
+# F_ANSWER_CUDA_IPC). Without it they are offsets in the ring's region, as before.
+F_KEYS_CUDA_IPC = 1 << 8
 
 # RingHeader offsets.
 _H_MAGIC, _H_VERSION, _H_SLOTS, _H_SLOT_BYTES = 0, 8, 12, 16
@@ -218,7 +222,7 @@ _TENSORS = (("q", "q_dtype", "q_offset"), ("q_scales", "q_scales_dtype", "q_scal
 def apply_cuda_plan(d: dict, plan: Any) -> None:
     """Sets a descriptor's CUDA IPC fields (flags, region, offsets, input dtypes) from a
     cuda_ipc.StepPlan: the answer (and candidates) in the device buffer, and with the inputs
-    on the device their offsets there too. (A dict of the descriptor's fields; step() runs
+    (q's group, the new keys) on the device their offsets there too. (A dict of the descriptor's fields; step() runs
     _apply_cuda_plan_values, the one implementation, on its list.)"""
     v = [d[f] for f in _DESCRIPTOR_FIELDS]
     _apply_cuda_plan_values(v, plan)
@@ -239,6 +243,14 @@ def _apply_cuda_plan_values(v: list, plan: Any) -> None:
             if t is not None:
                 v[_INDEX[dtype_field]] = int(t.dtype)
                 v[_INDEX[offset_field]] = int(plan.offsets[name])
+    if plan.keys_on_device:
+        v[_D_FLAGS] |= F_KEYS_CUDA_IPC
+        for name, dtype_field, offset_field in _TENSORS[4:]:
+            t = plan.tensors.get(name)
+            if t is not None:
+                v[_INDEX[dtype_field]] = int(t.dtype)
+                v[_INDEX[offset_field]] = int(plan.offsets[name])
+        v[_D_NEW_KEYS_ROWS] = int(plan.tensors["new_keys"].shape[0])
 
 
 def _invalid(field: str, what: str) -> IndexerError:
@@ -412,14 +424,18 @@ class FastPathRing:
         answer / candidates (int32 CUDA) written there, as decode_step_columnar takes them;
         topk is then a torch view of `answer` (the current torch stream of q's device is
         synchronised before the descriptor is published). new_keys / new_key_scales may be
-        CUDA tensors (C-contiguous, anywhere on the device): their bytes are copied into the
-        step data on the current torch stream (one copy when the scales lie right after the
-        keys) before that same one wait; page_lock() the ring for the copies to be DMA.
+        CUDA tensors: lying in the registered buffer of the step's CUDA answer (pre-quantized,
+        C-contiguous, 16-byte aligned there, both on the device), the server reads them there
+        device to device (kKeysCudaIpc; no copy through the host); anywhere else on the device
+        (C-contiguous) their bytes are copied into the step data on the current torch stream
+        (one copy when the scales lie right after the keys) before that same one wait;
+        page_lock() the ring for the copies to be DMA.
         wait_inputs_event / record_answer_event (kWaitInputsEvent / kRecordAnswerEvent; as
         decode_step_columnar's, by default on where the buffer has a torch event for it):
         the inputs event is recorded on the current torch stream instead of the host wait
-        (device new keys still cost that wait: the server reads them from the ring), and
-        after the completion the current stream waits on the answer event.
+        (device new keys copied into the ring still cost that wait: the server reads them
+        from the ring), and after the completion the current stream waits on the answer
+        event.
         last_phases_ns: (start, encoded, synced, published, completed, returned) of the
         step, perf_counter_ns. Returns the DecodeResult
         decode_step_columnar returns, bit for bit; topk / candidate_blocks are views of the
@@ -541,8 +557,7 @@ class FastPathRing:
         # shape but these), placed (in place, or one copy after the allocated views).
         h, dim = self.num_heads, self.head_dim
         plan, answer_views = self._plan(rows, q, q_scales, weights, answer, candidates,
-                                        return_candidates)
-        on_device_inputs = plan is not None and plan.inputs_on_device
+                                        return_candidates, new_keys, new_key_scales)
         record_inputs = after = None
         wait = False
         if plan is not None or wait_inputs_event or record_answer_event:
@@ -569,7 +584,7 @@ class FastPathRing:
                 _D_NEW_KEY_SCALES_OFFSET)):
             if x is None:
                 continue
-            on_device = on_device_inputs and name in plan.offsets
+            on_device = plan is not None and name in plan.offsets  # (read in the buffer)
             src = None  # a device tensor of new keys / scales, copied into the ring
             if on_device:
                 dtype, shape = int(plan.tensors[name].dtype), plan.tensors[name].shape
@@ -633,7 +648,8 @@ class FastPathRing:
                 v[_D_CANDIDATES_OFFSET] = cand_at
                 cand_view = flat_candidates[:rows * self.num_candidate_blocks].reshape(
                     rows, self.num_candidate_blocks)
-        if on_device_inputs and not wait:  # (with the event the server's stream waits)
+        if plan is not None and plan.reads_device and not wait:
+            # (with the event the server's stream waits)
             for d in plan.sync_devices:  # the devices whose kernels wrote q / weights
                 device_copies.setdefault(d, [])
         return _Built(v, cols, c, staged, device_copies, topk_view, cand_view, plan,
@@ -684,14 +700,17 @@ class FastPathRing:
     # -- the CUDA tensors of a step, kept by identity ---------------------------------------------
 
     def _plan(self, rows: int, q: Any, q_scales: Any, weights: Any, answer: Any,
-              candidates: Any, return_candidates: bool) -> tuple:
+              candidates: Any, return_candidates: bool, new_keys: Any = None,
+              new_key_scales: Any = None) -> tuple:
         """(cuda_ipc.plan_step's plan, (topk view, candidates view)), or (None, None) for a
         host step. A worker passes the same tensors (views of its registered buffer) every
         layer: their plan and answer views are kept by the arguments' identity (the
         references keep the ids from being reused) and re-checked each step (each device
         tensor's address, bytes, contiguity and shape, its buffer still open), so only
-        new or changed tensors pay for plan_step and the views."""
-        args = (q, q_scales, weights, answer, candidates)
+        new or changed tensors pay for plan_step and the views. Device new keys lying in the
+        step's buffer (with a device answer) are read there (kKeysCudaIpc); others are left to
+        step(), which copies them into the ring."""
+        args = (q, q_scales, weights, answer, candidates, new_keys, new_key_scales)
         if not (_cuda_ipc.is_device(q) or _cuda_ipc.is_device(weights)
                 or _cuda_ipc.is_device(answer) or _cuda_ipc.is_device(q_scales)
                 or _cuda_ipc.is_device(candidates)):
@@ -705,11 +724,12 @@ class FastPathRing:
         if hit is not None:
             refs, plan, views = hit
             if (refs[0] is held[0] and refs[1] is held[1] and refs[2] is held[2]
-                    and refs[3] is held[3] and refs[4] is held[4]
-                    and _cuda_ipc.plan_valid(plan, args)):
+                    and refs[3] is held[3] and refs[4] is held[4] and refs[5] is held[5]
+                    and refs[6] is held[6] and _cuda_ipc.plan_valid(plan, args)):
                 return plan, views
         plan = _cuda_ipc.plan_step(self._client._cuda_buffers, rows, q, q_scales, weights,
-                                   answer, candidates, return_candidates)
+                                   answer, candidates, return_candidates, new_keys,
+                                   new_key_scales, True)
         if plan is None:
             return None, None
         views = (_cuda_ipc.answer_view(plan, "answer", rows, self.topk),

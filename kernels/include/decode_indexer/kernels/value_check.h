@@ -1,9 +1,10 @@
 // Value checks of step inputs that live in device memory, where the edge cannot read them
-// (q, q_scales and weights in a client's CUDA IPC buffer): the same rule the edge applies to
-// host bytes (server/service/request_decode.cc), as one predicate for the CPU twin and the
-// CUDA kernel. A bad element is a NaN or Inf in fp32 / bf16, a NaN code in FP8 e4m3
-// (S.1111.111; e4m3fn has no Inf) or a NaN scale in UE8M0 (0xFF); FP4 codes and integers
-// are always finite.
+// (q, q_scales, weights, new keys and their scales in a client's CUDA IPC buffer): the same
+// rule the edge applies to host bytes (server/service/request_decode.cc), as one predicate for
+// the CPU twin and the CUDA kernel. A bad element is a NaN or Inf in fp32 / bf16, a NaN code in
+// FP8 e4m3 (S.1111.111; e4m3fn has no Inf) or a NaN scale in UE8M0 (0xFF); FP4 codes and
+// integers are always finite. A check of fp32 scales (`positive`: FP8 keys' scales) also
+// flags a value that is not > 0 (-0, +0, negatives), as the edge refuses a non-positive scale.
 #pragma once
 
 #include <cstdint>
@@ -36,11 +37,14 @@ DI_HOST_DEVICE constexpr int32_t CheckedElemBytes(ElemType type) {
   }
 }
 
-// Whether the element with these bits (its CheckedElemBytes low bytes) is a NaN / Inf.
-DI_HOST_DEVICE constexpr bool IsBadValue(ElemType type, uint32_t bits) {
+// Whether the element with these bits (its CheckedElemBytes low bytes) is a NaN / Inf, or
+// with `positive` (fp32 only) not > 0: the sign bit set or zero (on the bits, so a device that
+// flushes denormals to zero judges them as the host does: positive).
+DI_HOST_DEVICE constexpr bool IsBadValue(ElemType type, uint32_t bits, bool positive = false) {
   switch (type) {
     case ElemType::kF32:
-      return (bits & 0x7F800000u) == 0x7F800000u;
+      return (bits & 0x7F800000u) == 0x7F800000u ||
+             (positive && ((bits & 0x80000000u) != 0 || bits == 0));
     case ElemType::kBF16:
       return (bits & 0x7F80u) == 0x7F80u;
     case ElemType::kFp8E4M3:
@@ -53,22 +57,26 @@ DI_HOST_DEVICE constexpr bool IsBadValue(ElemType type, uint32_t bits) {
 }
 
 // One tensor to check: `count` elements of `type` at `data` (the backend's memory). A bad
-// element sets `bit` in the flag word.
+// element sets `bit` in the flag word. `positive`: fp32 scales, whose values must be > 0.
 struct ValueCheck {
   const void* data = nullptr;
   int64_t count = 0;
   ElemType type = ElemType::kFp8E4M3;
   uint32_t bit = 0;
+  bool positive = false;
 };
 
-// Up to kMaxChecks tensors; `flags` is one uint32 in the backend's memory, cleared by the
-// call, then OR-ed with the bit of every tensor holding a bad element (ordered on the main
-// stream: read it after a Synchronize).
+// Up to kMaxChecks tensors (a step's device inputs: new keys and their scales, q, q_scales,
+// weights); `flags` is one uint32 in the backend's memory, cleared by the call (kept with
+// `accumulate`: a step's later checks add to its first one's), then OR-ed with the bit of
+// every tensor holding a bad element (ordered on the main stream: read it after a
+// Synchronize).
 struct ValueCheckArgs {
-  static constexpr int kMaxChecks = 4;
+  static constexpr int kMaxChecks = 8;
   ValueCheck checks[kMaxChecks];
   int32_t num_checks = 0;
   uint32_t* flags = nullptr;
+  bool accumulate = false;
 };
 
 // The check on host memory: the CPU twin (cpu::CheckValues) and Backend's default. Inline, so
@@ -88,13 +96,13 @@ inline absl::Status HostCheckValues(const ValueCheckArgs& args) {
     for (int64_t i = 0; i < v.count; ++i) {
       uint32_t bits = 0;
       std::memcpy(&bits, p + i * eb, static_cast<size_t>(eb));  // little-endian low bytes
-      if (IsBadValue(v.type, bits)) {
+      if (IsBadValue(v.type, bits, v.positive)) {
         flags |= v.bit;
         break;
       }
     }
   }
-  *args.flags = flags;
+  *args.flags = args.accumulate ? (*args.flags | flags) : flags;
   return absl::OkStatus();
 }
 
