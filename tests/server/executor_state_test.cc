@@ -516,7 +516,9 @@ TEST(ExecutorImport, ChecksEveryEntryBelowTheLengthAndNoneAbove) {
     const absl::Status s = e_->ImportSequence(100 + trial, bad);
     if (past) {
       EXPECT_TRUE(s.ok()) << s;
-      if (s.ok()) ASSERT_TRUE(e_->ReleaseSequence(100 + trial).ok());
+      if (s.ok()) {
+        ASSERT_TRUE(e_->ReleaseSequence(100 + trial).ok());
+      }
       continue;
     }
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
