@@ -70,7 +70,7 @@ PLANTS = [
     {
         "name": "row-length-off-by-one",
         "what": "executor: causal row j of a request scores L - n + j positions, not L - n + j + 1",
-        "file": "server/exec/executor.cc",
+        "file": "server/exec/planner.cc",
         "old": "plan.row_length.push_back(static_cast<int32_t>(L - in.num_rows + j + 1));",
         "new": "plan.row_length.push_back(static_cast<int32_t>(L - in.num_rows + j));",
         "tests": ["executor_test", "decode_test"],
@@ -104,13 +104,13 @@ PLANTS = [
     },
     {
         "name": "partial-append-on-error",
-        "what": "commit: a step refused at sequence i keeps the earlier sequences' new keys",
-        "file": "server/exec/executor.cc",
-        "old": '    if (absl::Status s = CheckKeys(in.new_keys, format, field + ".new_keys"); !s.ok()) return s;',
-        "new": """    if (absl::Status s = CheckKeys(in.new_keys, format, field + ".new_keys"); !s.ok()) {
+        "what": "plan: a step refused at sequence i (past max_context) keeps the earlier sequences' new lengths",
+        "file": "server/exec/planner.cc",
+        "old": """    if (L > p.max_context) {
+      return absl::OutOfRangeError(""",
+        "new": """    if (L > p.max_context) {
       for (int32_t j = 0; j < i; ++j) seqs[j]->caches[pool].length = lengths[j];
-      return s;
-    }""",
+      return absl::OutOfRangeError(""",
         "tests": ["executor_state_test"],
     },
     {
