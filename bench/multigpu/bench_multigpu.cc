@@ -11,7 +11,7 @@
 //   direct answer copies vs rank 0's all-gather (--direct; v41 uses the first value).
 //   v32 also prints where a step goes (executor planning, fan-out, commit; the slowest rank's
 //   uploads, kernel issue, answer copies and final wait), and v41 the overlap measured with
-//   the backend's own fork/join events (IndexerOps::LastOverlapTiming).
+//   the backend's own fork/join events (BenchClocks::LastOverlapTiming).
 //
 // Keys and q are pre-quantized random codes (FP8 e4m3 / FP4 e2m1, never NaN), appended once
 // per executor; the timed steps carry no new keys and score explicit causal row lengths, so
@@ -400,7 +400,7 @@ struct Timing {
   // commit; the slowest rank's phases (uploads issued, kernels issued, copies issued, wait).
   double plan_us = 0, ranks_us = 0, commit_us = 0;
   double uploads_us = 0, launch_us = 0, copies_us = 0, wait_us = 0;
-  // The slowest rank's scoring kernels (IndexerOps::LastScoringUs, eager steps only; -1: none).
+  // The slowest rank's scoring kernels (BenchClocks::LastScoringUs, eager steps only; -1: none).
   double kernels_us = -1;
   int kernel_samples = 0;
   // CandidateOverlap, read after each round that had a fork/join pair (means over rounds and

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "decode_indexer/kernels/backend.h"
+#include "decode_indexer/kernels/bench_clocks.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/sm90_heuristics.h"
 #include "kernels/cuda/sm90_launchers.h"
@@ -36,7 +37,7 @@ constexpr bool kCooperativeCandidatesByDefault = true;
 // Smallest candidate block the scores workspace is sized for (v41 uses 8).
 constexpr int32_t kMinCandidateBlock = 8;
 
-class CudaBackend final : public Backend {
+class CudaBackend final : public Backend, public BenchClocks {
  public:
   CudaBackend(const BackendLimits& limits, int device)
       : limits_(limits),

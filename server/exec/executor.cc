@@ -565,25 +565,33 @@ std::vector<double> LastScoringUs(const Executor& executor) {
   std::vector<double> out;
   // Written by the rank threads inside a step; read between steps.
   for (const auto& r : e.ranks_) {
-    const absl::StatusOr<double> scoring =
-        r->last_step().graph_replayed ? absl::StatusOr<double>(-1.0) : r->ops().LastScoringUs();
+    kernels::BenchClocks* clocks = kernels::ClocksOf(r->ops());
+    const absl::StatusOr<double> scoring = clocks == nullptr || r->last_step().graph_replayed
+                                               ? absl::StatusOr<double>(-1.0)
+                                               : clocks->LastScoringUs();
     out.push_back(scoring.ok() ? *scoring : -1.0);
   }
   return out;
 }
 
-std::vector<absl::StatusOr<kernels::IndexerOps::OverlapTiming>> LastOverlapTimings(
+std::vector<absl::StatusOr<kernels::BenchClocks::OverlapTiming>> LastOverlapTimings(
     const Executor& executor) {
   const auto& e = dynamic_cast<const ExecutorImpl&>(executor);
-  std::vector<absl::StatusOr<kernels::IndexerOps::OverlapTiming>> out;
+  std::vector<absl::StatusOr<kernels::BenchClocks::OverlapTiming>> out;
   // Between steps no rank thread touches its backend.
-  for (const auto& r : e.ranks_) out.push_back(r->ops().LastOverlapTiming());
+  for (const auto& r : e.ranks_) {
+    kernels::BenchClocks* clocks = kernels::ClocksOf(r->ops());
+    out.push_back(clocks != nullptr ? clocks->LastOverlapTiming()
+                                    : absl::UnimplementedError("this backend has no side stream"));
+  }
   return out;
 }
 
 void SetScoringTiming(Executor& executor, bool on) {
   auto& e = dynamic_cast<ExecutorImpl&>(executor);
-  for (const auto& r : e.ranks_) r->ops().SetScoringTiming(on);
+  for (const auto& r : e.ranks_) {
+    if (kernels::BenchClocks* clocks = kernels::ClocksOf(r->ops())) clocks->SetScoringTiming(on);
+  }
 }
 
 std::vector<absl::Status> LastRankStatuses(const Executor& executor) {

@@ -284,7 +284,7 @@ class ExecutorImpl final : public Executor {
   friend std::vector<absl::Status>(::decode_indexer::exec::LastRankStatuses)(
       const Executor& executor);
   friend void(::decode_indexer::exec::SetScoringTiming)(Executor& executor, bool on);
-  friend std::vector<absl::StatusOr<kernels::IndexerOps::OverlapTiming>>(
+  friend std::vector<absl::StatusOr<kernels::BenchClocks::OverlapTiming>>(
       ::decode_indexer::exec::LastOverlapTimings)(const Executor& executor);
 
   const config::Profile profile_;

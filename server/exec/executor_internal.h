@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "decode_indexer/kernels/backend.h"
+#include "decode_indexer/kernels/bench_clocks.h"
 #include "server/config/profile.h"
 #include "server/exec/executor.h"
 #include "server/exec/step_hooks.h"
@@ -35,15 +36,17 @@ void SetStepObserver(Executor& executor, std::shared_ptr<StepObserver> observer)
 // Every rank's status of the last job that ran on the ranks.
 std::vector<absl::Status> LastRankStatuses(const Executor& executor);
 
-// Per rank, IndexerOps::LastScoringUs of the last decode step's eager scoring call (its kernels'
-// device time); -1 where the backend does not time them or the step replayed a graph.
+// Per rank, BenchClocks::LastScoringUs (kernels/bench_clocks.h) of the last decode step's eager
+// scoring call (its kernels' device time); -1 where the backend does not time them or the step
+// replayed a graph.
 std::vector<double> LastScoringUs(const Executor& executor);
-// IndexerOps::SetScoringTiming on every rank (benchmarks; call between steps).
+// BenchClocks::SetScoringTiming on every rank that has clocks (benchmarks; call between
+// steps).
 void SetScoringTiming(Executor& executor, bool on);
 
 // Per rank, the backend's LastOverlapTiming (CandidateOverlap's fork/join spans), read between
 // steps (benchmarks).
-std::vector<absl::StatusOr<kernels::IndexerOps::OverlapTiming>> LastOverlapTimings(
+std::vector<absl::StatusOr<kernels::BenchClocks::OverlapTiming>> LastOverlapTimings(
     const Executor& executor);
 
 }  // namespace decode_indexer::exec

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "decode_indexer/kernels/backend.h"
+#include "decode_indexer/kernels/bench_clocks.h"
 #include "decode_indexer/kernels/cpu_reference.h"
 #include "decode_indexer/kernels/rope.h"
 #include "gtest/gtest.h"
@@ -768,13 +769,15 @@ TEST_F(GpuTest, PagedLogitsAndDenseTopKMatchCpu) {
     d.topk = c.k;
     DeviceBuffer dout = Poisoned<int32_t>(int64_t{rows} * c.k, kPoisonI32);
     d.topk_out = dout.as<int32_t>();
-    backend_->SetScoringTiming(true);
+    kernels::BenchClocks* clocks = kernels::ClocksOf(*backend_);
+    ASSERT_NE(clocks, nullptr) << "the CUDA backend has the benchmarks' clocks";
+    clocks->SetScoringTiming(true);
     ASSERT_TRUE(backend_->DenseTopK(d).ok());
-    backend_->SetScoringTiming(false);
+    clocks->SetScoringTiming(false);
     const std::vector<int32_t> topk = Download<int32_t>(dout, int64_t{rows} * c.k);
     // The benchmarks' kernel timing (events around the eager scoring call).
     ASSERT_TRUE(backend_->Synchronize().ok());
-    const absl::StatusOr<double> scoring_us = backend_->LastScoringUs();
+    const absl::StatusOr<double> scoring_us = clocks->LastScoringUs();
     ASSERT_TRUE(scoring_us.ok()) << scoring_us.status();
     EXPECT_GT(*scoring_us, 0.0);
 

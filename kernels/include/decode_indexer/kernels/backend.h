@@ -122,11 +122,6 @@ class ForwardingOps : public Base {
   }
   absl::Status ForkExpand(const ExpandArgs& args) override { return target_.ForkExpand(args); }
   absl::Status JoinExpand() override { return target_.JoinExpand(); }
-  absl::StatusOr<IndexerOps::OverlapTiming> LastOverlapTiming() override {
-    return target_.LastOverlapTiming();
-  }
-  void SetScoringTiming(bool on) override { target_.SetScoringTiming(on); }
-  absl::StatusOr<double> LastScoringUs() override { return target_.LastScoringUs(); }
 
  private:
   IndexerOps& target_;

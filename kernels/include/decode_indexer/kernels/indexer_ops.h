@@ -200,27 +200,7 @@ class IndexerOps {
   // the main stream wait for it. Devices without streams run it inline.
   virtual absl::Status ForkExpand(const ExpandArgs& args) = 0;
   virtual absl::Status JoinExpand() = 0;
-  // What the overlap hid, for benchmarks: of the last fork/join pair, the side stream's span
-  // from the fork to the expansion's end, and the main stream's span from the fork to the
-  // point where it reached the join (its own work and idle time in between). The join waits
-  // for max(0, side - main) of the side's span: hidden share = min(1, main_us / side_us).
-  // Valid once the main stream has passed that join (after a Synchronize). Devices without
-  // a side stream answer UNIMPLEMENTED.
-  struct OverlapTiming {
-    double side_us = 0;
-    double main_us = 0;
-  };
-  virtual absl::StatusOr<OverlapTiming> LastOverlapTiming() {
-    return absl::UnimplementedError("this backend has no side stream");
-  }
-  // Device time of the last scoring call's kernels (DenseTopK, SparseTopK or MaskedTopK run
-  // eagerly; not one replayed from a graph), from events around them on the stream: what a
-  // step's kernels cost apart from its copies. Benchmarks: off unless SetScoringTiming(true)
-  // (two event records a step otherwise spent for nobody); valid after a Synchronize.
-  virtual void SetScoringTiming(bool on) { (void)on; }
-  virtual absl::StatusOr<double> LastScoringUs() {
-    return absl::UnimplementedError("this backend does not time its kernels");
-  }
+  // (The benchmarks' clocks are not operations: kernels/bench_clocks.h.)
 };
 
 }  // namespace decode_indexer::kernels
