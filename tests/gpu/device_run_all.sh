@@ -1,5 +1,6 @@
 #!/bin/bash
 # Every GPU test and the CUDA benchmark report in one device call, from a bundle made here by
+# tests/gpu/make_bundle.sh (which also packs it for the device tool's carry), i.e.
 #   ../shared/tools/bundle-libs.sh BUNDLE build/tests/gpu/gpu_test build/tests/gpu/gpu_variants_test \
 #     build/tests/gpu/gpu_executor_test \
 #     build/tests/gpu/gpu_lifecycle_test \
