@@ -167,10 +167,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // buffer's, at the descriptor's offsets, and none of them is read from the region.
   const bool device_q = (d.flags & ring::kInputsCudaIpc) != 0;
   Check(!device_q || ipc, "flags");
-  // The events' flags ride on the CUDA IPC step only, the inputs' on device q only.
+  // kKeysCudaIpc (only with kAnswerCudaIpc): the new keys and their scales are the device
+  // buffer's (cuda_ipc.new_keys_offset / new_key_scales_offset), never read from the region.
+  const bool device_keys = (d.flags & ring::kKeysCudaIpc) != 0;
+  Check(!device_keys || ipc, "flags: kKeysCudaIpc");
+  Check(device_keys == (ipc && out.cuda_ipc().has_new_keys_offset()), "cuda_ipc.new_keys_offset");
+  if (device_keys) {
+    Check(out.cuda_ipc().new_keys_offset() == d.new_keys_offset && !sm.has_new_keys_offset() &&
+              !sm.has_new_key_scales_offset(),
+          "cuda_ipc keys offsets");
+    Check(!out.has_new_key_scales() ||
+              out.cuda_ipc().new_key_scales_offset() == d.new_key_scales_offset,
+          "cuda_ipc.new_key_scales_offset");
+  }
+  // The events' flags ride on the CUDA IPC step only, the inputs' on device inputs (q or the
+  // new keys) only.
   const bool wait_inputs = (d.flags & ring::kWaitInputsEvent) != 0;
   const bool record_answer = (d.flags & ring::kRecordAnswerEvent) != 0;
-  Check(!wait_inputs || device_q, "flags: kWaitInputsEvent");
+  Check(!wait_inputs || device_q || device_keys, "flags: kWaitInputsEvent");
   Check(!record_answer || ipc, "flags: kRecordAnswerEvent");
   Check(!ipc || (out.cuda_ipc().wait_inputs_event() == wait_inputs &&
                  out.cuda_ipc().record_answer_event() == record_answer),
@@ -203,9 +217,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
        Bytes(out.q_scales())},
       {"weights_offset", !device_q, sm.weights_offset(), Bytes(out.weights())},
       {"positions_offset", out.has_positions(), sm.positions_offset(), Bytes(out.positions())},
-      {"new_keys_offset", out.has_new_keys(), sm.new_keys_offset(), Bytes(out.new_keys())},
-      {"new_key_scales_offset", out.has_new_key_scales(), sm.new_key_scales_offset(),
-       Bytes(out.new_key_scales())},
+      {"new_keys_offset", out.has_new_keys() && !device_keys, sm.new_keys_offset(),
+       Bytes(out.new_keys())},
+      {"new_key_scales_offset", out.has_new_key_scales() && !device_keys,
+       sm.new_key_scales_offset(), Bytes(out.new_key_scales())},
       {"answer_offset", !ipc, sm.answer_offset(), rows * uint64_t(profile.topk) * 4},
       {"candidates_offset", !ipc && out.return_candidates(), sm.candidates_offset(),
        rows * uint64_t(profile.num_candidate_blocks) * 4},

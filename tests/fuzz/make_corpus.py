@@ -156,7 +156,7 @@ def sequence_image_corpus():
 
 # fuzz_step_ring: common/step_ring.h's StepDescriptor (256 bytes) and its columns.
 (RING_RETURN_CANDIDATES, RING_NUM_ROWS, RING_KEY_COUNTS, RING_KEY_POSITIONS, RING_CUDA_IPC,
- RING_INPUTS_CUDA_IPC) = (1, 2, 4, 8, 16, 32)
+ RING_INPUTS_CUDA_IPC, RING_WAIT_INPUTS_EVENT, RING_KEYS_CUDA_IPC) = (1, 2, 4, 8, 16, 32, 64, 256)
 
 
 def descriptor(n, flags, ids, rows_per_sequence=1, num_rows=None, key_counts=None,
@@ -201,6 +201,10 @@ def step_ring_corpus():
     write(t, "v32_cuda_ipc_answer", b"\x52\x00" + descriptor(1, RING_CUDA_IPC, [9]))
     write(t, "v32_cuda_ipc_inputs", b"\x52\x00" + descriptor(
         1, RING_CUDA_IPC | RING_INPUTS_CUDA_IPC, [9]))
+    # New keys in the device buffer, the step ordered by the inputs event (no q there).
+    write(t, "v32_cuda_ipc_keys_wait", b"\x52\x00" + descriptor(
+        1, RING_CUDA_IPC | RING_KEYS_CUDA_IPC | RING_WAIT_INPUTS_EVENT, [9],
+        new_keys=(pb.DTYPE_FP8_E4M3, pb.DTYPE_FP32, 0), new_keys_rows=1))
     # Past the region: accepted here, refused by the region's bounds check (1 B of data).
     write(t, "v32_offsets_past_region", b"\x12\x00" + descriptor(1, 0, [11]))
 
