@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/service/auth.h"
 #include "server/service/logging.h"
+#include "server/service/sequence_transfer.h"
 #include "server/service/status_mapping.h"
 
 namespace decode_indexer::service {
@@ -121,14 +122,6 @@ void Serialize(const google::protobuf::Message& message, grpc::ByteBuffer& out) 
   message.SerializeWithCachedSizesToArray(const_cast<uint8_t*>(slice.begin()));
   grpc::ByteBuffer buffer(&slice, 1);
   out.Swap(&buffer);
-}
-
-void PutVarint(std::string& out, uint64_t v) {
-  while (v >= 0x80) {
-    out.push_back(static_cast<char>(v | 0x80));
-    v >>= 7;
-  }
-  out.push_back(static_cast<char>(v));
 }
 
 }  // namespace

@@ -95,15 +95,11 @@ absl::Status ForEachDataChunk(const exec::SequenceImage& image, int64_t chunk_by
   return absl::OkStatus();
 }
 
-namespace {
 void PutVarint(std::string& out, uint64_t v) {
-  while (v >= 0x80) {
-    out.push_back(static_cast<char>(v | 0x80));
-    v >>= 7;
-  }
-  out.push_back(static_cast<char>(v));
+  uint8_t bytes[10];  // a 64-bit varint takes at most 10
+  const uint8_t* end = google::protobuf::io::CodedOutputStream::WriteVarint64ToArray(v, bytes);
+  out.append(reinterpret_cast<const char*>(bytes), static_cast<size_t>(end - bytes));
 }
-}  // namespace
 
 DataChunkFrame FrameDataChunk(const DataChunkView& chunk, uint32_t data_crc) {
   // SequenceChunk's fields 2 (int32 cache_index, varint: a negative one sign-extended to 64

@@ -37,6 +37,10 @@ struct DataChunkView {
 absl::Status ForEachDataChunk(const exec::SequenceImage& image, int64_t chunk_bytes,
                               const std::function<absl::Status(const DataChunkView&)>& fn);
 
+// Appends `v` as a protobuf varint (protobuf's own encoder), for messages framed by hand
+// around bytes they do not copy (FrameDataChunk, the callback edge's SerializeStepResponse).
+void PutVarint(std::string& out, uint64_t v);
+
 // The canonical serialization (what SerializeToString writes: fields in number order,
 // defaults left out) of ImportSequenceRequest{chunk: {cache_index, offset, data, crc32 =
 // data_crc, last}}, split around the data bytes, which it does not copy: a snapshot record
