@@ -4,13 +4,14 @@
 
 #include <string>
 
+#include "common/build_revision.h"
 #include "decode_indexer/version.h"
 
 namespace decode_indexer::cli {
 
 // "decode-indexer 0.1.0 (revision abc1234, Release, CUDA ON)".
 inline std::string VersionLine() {
-  return std::string("decode-indexer ") + DI_VERSION_STRING + " (revision " + DI_GIT_REVISION +
+  return std::string("decode-indexer ") + DI_VERSION_STRING + " (revision " + BuildRevision() +
          ", " + DI_BUILD_TYPE + ", CUDA " + DI_BUILT_WITH_CUDA + ")";
 }
 

@@ -9,6 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/build_revision.h"
 #include "decode_indexer/kernels/backend.h"
 #include "decode_indexer/version.h"
 #include "server/service/auth.h"
@@ -1144,7 +1145,7 @@ std::string IndexerService::RenderMetrics() const {
                 "1, labelled with the server's version, source revision, build type and "
                 "backend."),
          {{"version", version_},
-          {"revision", DI_GIT_REVISION},
+          {"revision", BuildRevision()},
           {"build_type", DI_BUILD_TYPE},
           {"cuda_built", DI_BUILT_WITH_CUDA},
           {"backend", st.backend}},

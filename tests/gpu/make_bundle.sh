@@ -19,6 +19,7 @@ binaries=(
   tests/service/cuda_vs_cpu_test server/decode-indexer-server
   bench/cuda/decode-indexer-bench-cuda bench/snapshot/decode-indexer-bench-snapshot
   bench/worker/decode-indexer-bench-worker bench/data_plane/decode-indexer-bench-data-plane
+  bench/multigpu/decode-indexer-bench-multigpu
 )
 paths=()
 for b in "${binaries[@]}"; do
