@@ -14,7 +14,6 @@ import atexit
 import collections
 import itertools
 import os
-import queue
 import random
 import threading
 import time
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import grpc
 import numpy as np
 
-from . import _wire
+from . import _stream, _wire
 from . import cuda_ipc as _cuda_ipc
 from ._gen import indexer_pb2 as pb
 from ._malloc import keep_freed_memory
@@ -1208,26 +1207,25 @@ class Client:
         return DecodeStream(self, timeout, route_sequence_id)
 
 
-_END = object()
-
-
 class DecodeStream:
     """A pipelined session over the DecodeStream RPC.
 
-    `send()` queues a step and returns at once (the request goes out on gRPC's own thread);
-    `recv()` returns the next answer, in the order the steps were sent. A frontend sends the
-    layer-l+1 step while layer l is still being scored, so the network and the server's queue
-    overlap with its own work. The server ends the stream at the first failing step: that
-    step's `recv()` raises IndexerError, and so does every later one. Use as a context manager;
-    one thread may send while another receives.
+    `send()` queues a step and returns at once (gRPC starts writing it right away, or once
+    the request before it is written, from its own thread); `recv()` returns the next answer,
+    in the order the steps were sent. A frontend sends the layer-l+1 step while layer l is
+    still being scored, so the network and the server's queue overlap with its own work. The
+    server ends the stream at the first failing step: that step's `recv()` raises
+    IndexerError, and so does every later one. Use as a context manager; one thread may send
+    while another receives.
     """
 
     def __init__(self, client: Client, timeout: float | None,
                  route_sequence_id: int | None = None):
-        self._requests: queue.Queue = queue.Queue()
         self._cuda_buffers = client._cuda_buffers
-        self._call = client._decode_stream(iter(self._requests.get, _END), timeout=timeout,
-                                           metadata=client._how.metadata_for(route_sequence_id))
+        # Requests go out from send() itself (see decode_indexer._stream), answers come back
+        # through grpcio's iterator.
+        self._call = _stream.open_stream(client._decode_stream, timeout,
+                                         client._how.metadata_for(route_sequence_id))
         # (step_id, send time, shared-memory placement, delta-encoded answer)
         self._pending: collections.deque = collections.deque()
         self._lock = threading.Lock()
@@ -1275,7 +1273,7 @@ class DecodeStream:
             self._pending.append((sid, time.perf_counter(), placed, delta))
             if placed is not None and placed.waited is not None:
                 self._waited.add(placed.waited)
-            self._requests.put(request)
+            self._call.send(request)
         return sid
 
     @property
@@ -1330,7 +1328,7 @@ class DecodeStream:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._requests.put(_END)
+                self._call.close()
 
     def cancel(self) -> None:
         """Abandons the session and every step in flight."""
@@ -1341,9 +1339,10 @@ class DecodeStream:
         return self
 
     def __del__(self) -> None:
-        # Unblock gRPC's request-reading thread if the session is dropped without close().
+        # Half-close the call if the session is dropped without close() (with the iterator
+        # form: unblocks gRPC's request-reading thread).
         if not getattr(self, "_closed", True):
-            self._requests.put(_END)
+            self._call.close()
 
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
         if exc_type is not None or self._error is not None:
