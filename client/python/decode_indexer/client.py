@@ -274,10 +274,10 @@ def _result_bytes(buf: bytes, client_us: float, placed: _InRegion | None = None,
     if placed is not None and placed.after is not None:
         placed.after()  # the answer's stream-side ordering (CUDA IPC answer event)
     try:
-        small, tensors, delta_at, lengths_at = _wire.split_step_response(buf)
+        step_id, queue_us, compute_us, sharded, tensors, delta_at, lengths_at = \
+            _wire.read_step_response(buf)
     except (ValueError, IndexError):
         return _result(pb.DecodeStepResponse.FromString(buf), client_us, placed, delta)
-    head = pb.DecodeStepResponse.FromString(small)
     topk_info = tensors.get(2, (0, (), 0, 0))
     cand_info = tensors.get(3)
     if placed is not None:
@@ -300,28 +300,32 @@ def _result_bytes(buf: bytes, client_us: float, placed: _InRegion | None = None,
             topk = _array_in(buf, topk_info, "topk")
         candidates = None if cand_info is None else _array_in(buf, cand_info, "candidate_blocks")
     return DecodeResult(
-        step_id=head.step_id,
+        step_id=step_id,
         topk=topk,
         candidate_blocks=candidates,
-        timing=Timing(head.timing.queue_us, head.timing.compute_us, client_us),
-        lengths=_lengths_of(buf, lengths_at, head),
-        sharded=head.sharded,
+        timing=Timing(queue_us, compute_us, client_us),
+        lengths=_lengths_of(buf, lengths_at),
+        sharded=sharded,
     )
 
 
 # Packed `lengths` bytes -> their int64 array. Every layer of a decode token answers the same
-# lengths (one cache length a sequence), so the generated class's per-element read (~10 us for
-# 64 sequences) is paid once a token; each result gets its own copy.
+# lengths (one cache length a sequence), so reading the varints (~10 us for 64 sequences) is
+# paid once a token; each result gets its own copy.
 _LENGTHS: dict = {}
 
 
-def _lengths_of(buf: bytes, at: tuple[int, int] | None, head: pb.DecodeStepResponse) -> np.ndarray:
-    if at is None or at[1] > 4096:
-        return np.fromiter(head.lengths, dtype=np.int64, count=len(head.lengths))
+def _lengths_of(buf: bytes, at: Any) -> np.ndarray:
+    """The int64 lengths of read_step_response's `lengths`: a packed run (offset, length) in
+    `buf`, or the values already read."""
+    if type(at) is not tuple:
+        return np.array(at, dtype=np.int64)
+    if at[1] > 4096:
+        return np.array(_wire.packed_int64s(buf, at), dtype=np.int64)
     key = bytes(buf[at[0]:at[0] + at[1]])
     hit = _LENGTHS.get(key)
     if hit is None:
-        hit = np.fromiter(head.lengths, dtype=np.int64, count=len(head.lengths))
+        hit = np.array(_wire.packed_int64s(buf, at), dtype=np.int64)
         if len(_LENGTHS) >= 256:
             _LENGTHS.clear()
         _LENGTHS[key] = hit
