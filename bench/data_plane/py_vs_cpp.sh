@@ -5,6 +5,9 @@
 # all three processes, for each of KEEPS. Prints one line per client and round; summarize with
 # the medians. Usage:
 #   bench/data_plane/py_vs_cpp.sh [BUILD_DIR]     (ROUNDS=3 KEEPS="0 64" CALLS=400)
+# BASE_CLIENT=DIR (another checkout's client/python, e.g. a copy of main's) also runs that
+# client each round ("python-base" lines), before this checkout's in odd rounds and after it
+# in even ones: a before/after of a client change against the same server in the same run.
 set -euo pipefail
 BUILD=${1:-build}
 ROUNDS=${ROUNDS:-3}
@@ -26,9 +29,18 @@ for keep in $KEEPS; do
     "$bench" --target "127.0.0.1:$port" --context 17 --iters "$CALLS" --warmup 30 \
         --malloc-keep-mb "$keep" --modes "unary columnar raw" "stream columnar raw" |
       awk -v k="$keep" -v r="$round" '/columnar raw/ {print "keep_mb=" k, "round=" r, "cpp", $1, "p50", $4, "handler", $7}'
-    "$PY" "$here/bench/worker/py_client_cpu.py" --target "127.0.0.1:$port" --socket "$sock" \
-        --paths unary,stream --calls "$CALLS" --malloc-keep-mb "$keep" |
-      awk -v k="$keep" -v r="$round" '$1 == "unary" || $1 == "stream" {print "keep_mb=" k, "round=" r, "python", $1, "p50", $2}'
+    clients="python"
+    if [ -n "${BASE_CLIENT:-}" ]; then
+      clients="python-base python"
+      [ $((round % 2)) = 0 ] && clients="python python-base"
+    fi
+    for client in $clients; do
+      path="$here/client/python"
+      [ "$client" = python-base ] && path=$BASE_CLIENT
+      "$PY" "$here/bench/worker/py_client_cpu.py" --target "127.0.0.1:$port" --socket "$sock" \
+          --paths unary,stream --calls "$CALLS" --malloc-keep-mb "$keep" --client-path "$path" |
+        awk -v k="$keep" -v r="$round" -v c="$client" '$1 == "unary" || $1 == "stream" {print "keep_mb=" k, "round=" r, c, $1, "p50", $2}'
+    done
   done
   kill "$server"
   wait "$server" 2>/dev/null || true

@@ -220,6 +220,45 @@ class ColumnarEncodingTest(unittest.TestCase):
             _client._result_bytes(resp.SerializeToString(), 0.0)
 
 
+    def test_the_hand_reader_reads_the_small_fields_as_the_generated_class(self):
+        """read_step_response replaces the generated class for step_id, timing, sharded and
+        lengths: negative int64s, merged timing messages, lengths packed and unpacked in
+        several runs, unknown fields and the reserved field 8 read as protobuf reads them;
+        a known field with another wire type goes to the generated class."""
+        topk = np.arange(8, dtype=np.int32).reshape(2, 4)
+        tensor = _tensor(6, (2, 4), topk.tobytes()).SerializeToString()
+        field = lambda key, body: bytes([key]) + _wire.varint(len(body)) + body  # noqa: E731
+        cases = [
+            pb.DecodeStepResponse(step_id=2**64 - 1, topk=_tensor(6, (2, 4), topk.tobytes()),
+                                  timing=pb.ServerTiming(queue_us=-5, compute_us=-(2**63)),
+                                  lengths=[-1, 0, 2**63 - 1, 300], sharded=True
+                                  ).SerializeToString(),
+            # timing twice (merged: compute_us from the first, queue_us from the second),
+            # lengths as a packed run, one unpacked value and another packed run, an unknown
+            # varint field 20, field 8, sharded set then cleared, step_id twice.
+            (field(0x12, tensor) + field(0x22, b"\x08\x03\x10\x09") + field(0x22, b"\x08\x04")
+             + field(0x32, b"\x05\x06") + b"\x30\x07" + field(0x32, _wire.varint(-2))
+             + _wire.varint(20 << 3) + b"\x2a" + field(0x42, b"xy") + b"\x28\x01\x28\x00"
+             + b"\x08\x01\x08\x09"),
+            # no lengths at all, timing with an unknown field inside
+            field(0x12, tensor) + field(0x22, b"\x18\x05\x10\x02"),
+            # step_id as a length-delimited field: not ours to read (the generated class's)
+            field(0x12, tensor) + field(0x0a, b"\x01"),
+        ]
+        for raw in cases:
+            with self.subTest(raw=raw[-24:]):
+                got = _client._result_bytes(raw, 2.0)
+                want = _client._result(pb.DecodeStepResponse.FromString(raw), 2.0)
+                np.testing.assert_array_equal(got.topk, want.topk)
+                self.assertEqual(got.lengths.dtype, np.int64)
+                self.assertEqual(got.lengths.tolist(), want.lengths.tolist())
+                self.assertEqual((got.step_id, got.sharded, got.timing),
+                                 (want.step_id, want.sharded, want.timing))
+        with self.assertRaises(ValueError):
+            _wire.read_step_response(cases[-1])
+        self.assertEqual(_wire.read_step_response(cases[1])[:4], (9, 4, 9, False))
+
+
 class ColumnarServerTests:
     """Mixed into a ServerTestCase: twin sequences (identical content), one driven in the
     SequenceStep form and one in the columnar form, through every layer of the profile."""

@@ -14,7 +14,6 @@ import atexit
 import collections
 import itertools
 import os
-import queue
 import random
 import threading
 import time
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import grpc
 import numpy as np
 
-from . import _wire
+from . import _stream, _wire
 from . import cuda_ipc as _cuda_ipc
 from ._gen import indexer_pb2 as pb
 from ._malloc import keep_freed_memory
@@ -275,10 +274,10 @@ def _result_bytes(buf: bytes, client_us: float, placed: _InRegion | None = None,
     if placed is not None and placed.after is not None:
         placed.after()  # the answer's stream-side ordering (CUDA IPC answer event)
     try:
-        small, tensors, delta_at, lengths_at = _wire.split_step_response(buf)
+        step_id, queue_us, compute_us, sharded, tensors, delta_at, lengths_at = \
+            _wire.read_step_response(buf)
     except (ValueError, IndexError):
         return _result(pb.DecodeStepResponse.FromString(buf), client_us, placed, delta)
-    head = pb.DecodeStepResponse.FromString(small)
     topk_info = tensors.get(2, (0, (), 0, 0))
     cand_info = tensors.get(3)
     if placed is not None:
@@ -301,28 +300,32 @@ def _result_bytes(buf: bytes, client_us: float, placed: _InRegion | None = None,
             topk = _array_in(buf, topk_info, "topk")
         candidates = None if cand_info is None else _array_in(buf, cand_info, "candidate_blocks")
     return DecodeResult(
-        step_id=head.step_id,
+        step_id=step_id,
         topk=topk,
         candidate_blocks=candidates,
-        timing=Timing(head.timing.queue_us, head.timing.compute_us, client_us),
-        lengths=_lengths_of(buf, lengths_at, head),
-        sharded=head.sharded,
+        timing=Timing(queue_us, compute_us, client_us),
+        lengths=_lengths_of(buf, lengths_at),
+        sharded=sharded,
     )
 
 
 # Packed `lengths` bytes -> their int64 array. Every layer of a decode token answers the same
-# lengths (one cache length a sequence), so the generated class's per-element read (~10 us for
-# 64 sequences) is paid once a token; each result gets its own copy.
+# lengths (one cache length a sequence), so reading the varints (~10 us for 64 sequences) is
+# paid once a token; each result gets its own copy.
 _LENGTHS: dict = {}
 
 
-def _lengths_of(buf: bytes, at: tuple[int, int] | None, head: pb.DecodeStepResponse) -> np.ndarray:
-    if at is None or at[1] > 4096:
-        return np.fromiter(head.lengths, dtype=np.int64, count=len(head.lengths))
+def _lengths_of(buf: bytes, at: Any) -> np.ndarray:
+    """The int64 lengths of read_step_response's `lengths`: a packed run (offset, length) in
+    `buf`, or the values already read."""
+    if type(at) is not tuple:
+        return np.array(at, dtype=np.int64)
+    if at[1] > 4096:
+        return np.array(_wire.packed_int64s(buf, at), dtype=np.int64)
     key = bytes(buf[at[0]:at[0] + at[1]])
     hit = _LENGTHS.get(key)
     if hit is None:
-        hit = np.fromiter(head.lengths, dtype=np.int64, count=len(head.lengths))
+        hit = np.array(_wire.packed_int64s(buf, at), dtype=np.int64)
         if len(_LENGTHS) >= 256:
             _LENGTHS.clear()
         _LENGTHS[key] = hit
@@ -1208,26 +1211,25 @@ class Client:
         return DecodeStream(self, timeout, route_sequence_id)
 
 
-_END = object()
-
-
 class DecodeStream:
     """A pipelined session over the DecodeStream RPC.
 
-    `send()` queues a step and returns at once (the request goes out on gRPC's own thread);
-    `recv()` returns the next answer, in the order the steps were sent. A frontend sends the
-    layer-l+1 step while layer l is still being scored, so the network and the server's queue
-    overlap with its own work. The server ends the stream at the first failing step: that
-    step's `recv()` raises IndexerError, and so does every later one. Use as a context manager;
-    one thread may send while another receives.
+    `send()` queues a step and returns at once (gRPC starts writing it right away, or once
+    the request before it is written, from its own thread); `recv()` returns the next answer,
+    in the order the steps were sent. A frontend sends the layer-l+1 step while layer l is
+    still being scored, so the network and the server's queue overlap with its own work. The
+    server ends the stream at the first failing step: that step's `recv()` raises
+    IndexerError, and so does every later one. Use as a context manager; one thread may send
+    while another receives.
     """
 
     def __init__(self, client: Client, timeout: float | None,
                  route_sequence_id: int | None = None):
-        self._requests: queue.Queue = queue.Queue()
         self._cuda_buffers = client._cuda_buffers
-        self._call = client._decode_stream(iter(self._requests.get, _END), timeout=timeout,
-                                           metadata=client._how.metadata_for(route_sequence_id))
+        # Requests go out from send() itself (see decode_indexer._stream), answers come back
+        # through grpcio's iterator.
+        self._call = _stream.open_stream(client._decode_stream, timeout,
+                                         client._how.metadata_for(route_sequence_id))
         # (step_id, send time, shared-memory placement, delta-encoded answer)
         self._pending: collections.deque = collections.deque()
         self._lock = threading.Lock()
@@ -1275,7 +1277,7 @@ class DecodeStream:
             self._pending.append((sid, time.perf_counter(), placed, delta))
             if placed is not None and placed.waited is not None:
                 self._waited.add(placed.waited)
-            self._requests.put(request)
+            self._call.send(request)
         return sid
 
     @property
@@ -1330,7 +1332,7 @@ class DecodeStream:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._requests.put(_END)
+                self._call.close()
 
     def cancel(self) -> None:
         """Abandons the session and every step in flight."""
@@ -1341,9 +1343,10 @@ class DecodeStream:
         return self
 
     def __del__(self) -> None:
-        # Unblock gRPC's request-reading thread if the session is dropped without close().
+        # Half-close the call if the session is dropped without close() (with the iterator
+        # form: unblocks gRPC's request-reading thread).
         if not getattr(self, "_closed", True):
-            self._requests.put(_END)
+            self._call.close()
 
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
         if exc_type is not None or self._error is not None:
