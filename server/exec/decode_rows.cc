@@ -20,7 +20,8 @@ int64_t NanosBetween(std::chrono::steady_clock::time_point a,
 }
 
 // Everything before the collectives: upload -> insert keys -> q of rows [range) ->
-// decode_schedule -> the kernel section (rope_quant_q and the scoring call) into the rank's
+// decode_schedule -> the kernel section (device q's check, rope_quant_q and the scoring call;
+// q read in place from a client's device buffer on the answering rank) into the rank's
 // topk (and candidates at a source). The uploads, key inserts and a consumer's schedule run
 // eagerly (their sizes vary, or they use the side stream); the kernel section replays a
 // captured graph when the step's shape was seen before (step_graphs.h).
@@ -44,13 +45,18 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   DI_RETURN_IF_ERROR(CopyPagesOnRank(rank, plan.pool, plan.page_copies));
   DI_RETURN_IF_ERROR(
       InsertStepKeys(rank, staging, plan.pool, plan.key_writes, plan.hadamard, packed, checks));
-  absl::StatusOr<QRows> q = UploadQ(rank, staging, plan, range, packed, checks);
+  absl::StatusOr<QRows> q = UploadQ(rank, staging, plan, range, packed);
   if (!q.ok()) return q.status();
-  // Device inputs' checks still queued (the last key run's, q's): one launch.
+  // The last key run's checks, still queued (their counts vary: eager); q's go with the
+  // kernel section, their arguments fixed for its shape (the flag word, whether they add to
+  // the keys', and q's addresses, in place or staged).
   DI_RETURN_IF_ERROR(checks.Flush());
+  DI_RETURN_IF_ERROR(checks.ForSection(q->checks));
   DI_RETURN_IF_ERROR(DecodeSchedule(rank, staging, plan, packed));
   const ScoringCall scoring(rank, plan, range, *q, packed);
   auto kernel_section = [&]() -> absl::Status {
+    // Device q's check, on what rope_quant_q and the scoring read (captured into the graph).
+    if (q->checks.num_checks > 0) DI_RETURN_IF_ERROR(ops.CheckValues(q->checks));
     if (q->unquantized) DI_RETURN_IF_ERROR(ops.RopeQuantQ(q->prep));  // rope_quant_q
     return scoring.Launch(ops);
   };

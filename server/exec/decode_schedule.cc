@@ -127,6 +127,12 @@ ScoringCall::ScoringCall(Rank& rank, const StepPlan& plan, RowRange range, const
   shape_.staging_slot = packed.slot;
   shape_.total_rows = plan.num_rows;
   shape_.staged_q = packed.staged_q();
+  if (q.in_place) {
+    shape_.q_codes = reinterpret_cast<uintptr_t>(q.view.codes);
+    shape_.q_scales = reinterpret_cast<uintptr_t>(q.view.scales);
+    shape_.q_weights = reinterpret_cast<uintptr_t>(q.view.weights);
+  }
+  shape_.q_check = q.checks.num_checks == 0 ? 0 : (q.checks.accumulate ? 2 : 1);
 }
 
 absl::Status ScoringCall::Launch(kernels::IndexerOps& ops) const {

@@ -122,10 +122,12 @@ struct QInput {
   const float* weights = nullptr;      // [rows, H] fp32
   const int64_t* positions = nullptr;  // [rows] or null (host memory in every case)
   // q, scales and weights are device addresses (a client's CUDA IPC buffer, opened on the
-  // answering rank's device) that every rank copies from device to device. The edge checked
-  // their sizes but could not read their values: each rank checks the rows it copied on its
-  // device (IndexerOps::CheckValues), and a NaN / Inf fails the step with INVALID_ARGUMENT
-  // naming the field, committing nothing.
+  // answering rank's device). The answering rank's kernels read quantized q (FP8, FP4 and its
+  // scales, with the weights) there in place, the other ranks (and unquantized q) copy it
+  // device to device (step_io.h UploadQ); the buffer must hold them until the step answers.
+  // The edge checked their sizes but could not read their values: each rank checks the rows
+  // its kernels read on its device (IndexerOps::CheckValues), and a NaN / Inf fails the step
+  // with INVALID_ARGUMENT naming the field, committing nothing.
   bool on_device = false;
 };
 

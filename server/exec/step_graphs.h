@@ -1,7 +1,8 @@
-// step_graphs: a rank's kernel section (rope_quant_q and the scoring call) replayed from a
-// captured graph per step shape (seed: warm, then capture). Two steps with equal shapes make
-// the same launches with the same pointers and sizes, since every staging buffer is fixed at
-// start-up: the first sighting of a shape runs eagerly (and creates every workspace), the
+// step_graphs: a rank's kernel section (device q's check, rope_quant_q and the scoring call)
+// replayed from a captured graph per step shape (seed: warm, then capture). Two steps with
+// equal shapes make the same launches with the same pointers and sizes, since every staging
+// buffer is fixed at start-up (q read in place in a client's buffer: its addresses are part
+// of the shape): the first sighting of a shape runs eagerly (and creates every workspace), the
 // second captures, later ones replay. Only where the backend has graphs (CUDA).
 #pragma once
 
@@ -16,11 +17,11 @@ namespace decode_indexer::exec {
 
 class Rank;
 
-// What changes the launches of a step's kernel section (rope_quant_q and the scoring call):
-// two steps with equal shapes make the same launches with the same pointers and sizes, so
-// the second may capture them and later ones replay the graph (seed: warm). Pointers are a
-// function of these fields, since every staging buffer, and the staging ring's slots, are
-// fixed at start-up.
+// What changes the launches of a step's kernel section (device q's check, rope_quant_q and the
+// scoring call): two steps with equal shapes make the same launches with the same pointers and
+// sizes, so the second may capture them and later ones replay the graph (seed: warm). Pointers
+// are a function of these fields, since every staging buffer, and the staging ring's slots,
+// are fixed at start-up; q read in place is keyed by its addresses.
 struct StepShape {
   int32_t pool = 0;
   int32_t role = 0;
@@ -40,9 +41,19 @@ struct StepShape {
   int32_t staging_slot = -1;
   int32_t total_rows = 0;
   bool staged_q = false;
+  // q read in place from a client's device buffer (step_io.h QRows::in_place): the addresses
+  // of the rank's rows' codes, FP4 scales and weights there, which no staging buffer fixes (0:
+  // staged). A step whose q moved in the buffer is another shape, never a stale replay.
+  uintptr_t q_codes = 0;
+  uintptr_t q_scales = 0;
+  uintptr_t q_weights = 0;
+  // Device q's value check in the section (QRows::checks): 0 none, 1 the step's first check
+  // (it clears the flag word), 2 after the keys' (it adds to it).
+  int32_t q_check = 0;
   auto Tie() const {
     return std::tie(pool, role, masked, candidates, range_start, rows, requests, q_type, positions,
-                    hadamard, max_row_length, rows_per_request, staging_slot, total_rows, staged_q);
+                    hadamard, max_row_length, rows_per_request, staging_slot, total_rows, staged_q,
+                    q_codes, q_scales, q_weights, q_check);
   }
   bool operator<(const StepShape& o) const { return Tie() < o.Tie(); }
 };

@@ -70,6 +70,15 @@ absl::Status DeviceChecks::Flush() {
   return s;
 }
 
+absl::Status DeviceChecks::ForSection(kernels::ValueCheckArgs& args) {
+  if (args.num_checks == 0) return absl::OkStatus();
+  if (pending()) return absl::InternalError("device checks still queued before the kernel section");
+  args.flags = rank_.buffers().value_flags;
+  args.accumulate = launched_ > 0;
+  ++launched_;
+  return absl::OkStatus();
+}
+
 absl::Status DeviceInputsStatus(uint32_t flags) {
   if (flags == 0) return absl::OkStatus();
   using C = DeviceChecks;
@@ -367,7 +376,7 @@ absl::Status UploadStepRows(Rank& rank, Staging& staging, const StepPlan& plan,
 }
 
 absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range,
-                              const StepUploads& packed, DeviceChecks& checks) {
+                              const StepUploads& packed) {
   RankBuffers& b = rank.buffers();
   const RankSizes& s = rank.sizes();
   const CacheFormat format = b.caches[plan.pool].geometry.format;
@@ -382,8 +391,19 @@ absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan
   uint8_t* q_scales =
       packed.q_scales != nullptr ? packed.q_scales : b.q_scales + range.start * scale_bytes;
   float* weights = b.weights + int64_t{range.start} * H;
+  // What the kernel section reads: the staging above, unless read elsewhere (a ring slot, or
+  // in place).
+  const uint8_t* view_codes = q_codes;
+  const uint8_t* view_scales = q_scales;
+  const float* view_weights = weights;
   const QInput& q = plan.q;
   const bool unquantized = q.type == ElemType::kF32 || q.type == ElemType::kBF16;
+  QRows out;
+  // q's checks on the device, launched in the kernel section (none unless q is on the device).
+  auto check = [&out](const kernels::ValueCheck& c) {
+    if (c.data == nullptr || c.count <= 0 || kernels::CheckedElemBytes(c.type) == 0) return;
+    out.checks.checks[out.checks.num_checks++] = c;
+  };
   kernels::QPrepArgs prep;
   if (unquantized) {
     const int64_t eb = InputElemBytes(q.type);
@@ -401,9 +421,8 @@ absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan
           upload(w_raw, q.weights + int64_t{range.start} * H, int64_t{n} * H * sizeof(float)));
     }
     if (q.on_device) {
-      DI_RETURN_IF_ERROR(checks.Add({q_raw, int64_t{n} * hd, q.type, DeviceChecks::kQ}));
-      DI_RETURN_IF_ERROR(
-          checks.Add({w_raw, int64_t{n} * H, ElemType::kF32, DeviceChecks::kWeights}));
+      check({q_raw, int64_t{n} * hd, q.type, DeviceChecks::kQ});
+      check({w_raw, int64_t{n} * H, ElemType::kF32, DeviceChecks::kWeights});
     }
     prep.num_rows = n;
     prep.num_heads = H;
@@ -426,43 +445,57 @@ absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan
     prep.q_scales = q_scales;
     prep.weights_out = weights;
   } else {
-    // From a page-locked client region, straight to the device; else through the staging.
-    // From the client's device buffer, device to device.
-    auto upload = [&](void* dst, const void* src, size_t bytes) {
-      if (q.on_device) return staging.UploadFromDevice(dst, src, bytes);
-      return plan.q_page_locked ? staging.UploadPageLocked(dst, src, bytes)
-                                : staging.Upload(dst, src, bytes);
+    const bool fp4 = format == CacheFormat::kFp4;
+    // The rank's rows in the client's buffer.
+    const uint8_t* src_codes = static_cast<const uint8_t*>(q.q) + range.start * code_bytes;
+    const uint8_t* src_scales = fp4 ? q.scales + range.start * scale_bytes : nullptr;
+    const float* src_weights = q.weights + int64_t{range.start} * H;
+    auto aligned = [](const void* p, uintptr_t to) {
+      return reinterpret_cast<uintptr_t>(p) % to == 0;
     };
-    DI_RETURN_IF_ERROR(upload(q_codes, static_cast<const uint8_t*>(q.q) + range.start * code_bytes,
-                              n * code_bytes));
-    if (format == CacheFormat::kFp4 && packed.q_scales == nullptr) {
-      DI_RETURN_IF_ERROR(upload(q_scales, q.scales + range.start * scale_bytes, n * scale_bytes));
-    }
-    if (packed.weights != nullptr) {
-      weights = packed.weights;
+    // Read in place where the client's buffer lies on this rank's device (the answering
+    // rank's, where the edge opened it) and every pointer is aligned for the kernels' loads.
+    out.in_place = q.on_device && rank.index() == plan.answer_rank && n > 0 &&
+                   aligned(src_codes, kInPlaceCodesAlign) &&
+                   aligned(src_weights, kInPlaceWordAlign) &&
+                   (!fp4 || aligned(src_scales, kInPlaceWordAlign));
+    if (out.in_place) {
+      view_codes = src_codes;
+      if (fp4) view_scales = src_scales;
+      view_weights = src_weights;
     } else {
-      DI_RETURN_IF_ERROR(
-          upload(weights, q.weights + int64_t{range.start} * H, int64_t{n} * H * sizeof(float)));
+      // From a page-locked client region, straight to the device; else through the staging.
+      // From the client's device buffer, device to device.
+      auto upload = [&](void* dst, const void* src, size_t bytes) {
+        if (q.on_device) return staging.UploadFromDevice(dst, src, bytes);
+        return plan.q_page_locked ? staging.UploadPageLocked(dst, src, bytes)
+                                  : staging.Upload(dst, src, bytes);
+      };
+      DI_RETURN_IF_ERROR(upload(q_codes, src_codes, n * code_bytes));
+      if (fp4 && packed.q_scales == nullptr) {
+        DI_RETURN_IF_ERROR(upload(q_scales, src_scales, n * scale_bytes));
+      }
+      if (packed.weights != nullptr) {
+        view_weights = packed.weights;
+      } else {
+        DI_RETURN_IF_ERROR(upload(weights, src_weights, int64_t{n} * H * sizeof(float)));
+      }
     }
     if (q.on_device) {
-      const bool fp4 = format == CacheFormat::kFp4;
-      // FP4 codes are all finite; their UE8M0 scales are not.
+      // What the kernels read. FP4 codes are all finite; their UE8M0 scales are not.
       if (fp4) {
-        DI_RETURN_IF_ERROR(checks.Add(
-            {q_scales, int64_t{n} * scale_bytes, ElemType::kUE8M0, DeviceChecks::kQScales}));
+        check({view_scales, int64_t{n} * scale_bytes, ElemType::kUE8M0, DeviceChecks::kQScales});
       } else {
-        DI_RETURN_IF_ERROR(checks.Add({q_codes, int64_t{n} * hd, q.type, DeviceChecks::kQ}));
+        check({view_codes, int64_t{n} * hd, q.type, DeviceChecks::kQ});
       }
-      DI_RETURN_IF_ERROR(
-          checks.Add({weights, int64_t{n} * H, ElemType::kF32, DeviceChecks::kWeights}));
+      check({view_weights, int64_t{n} * H, ElemType::kF32, DeviceChecks::kWeights});
     }
   }
-  QRows out;
   out.unquantized = unquantized;
   out.prep = prep;
-  out.view.codes = q_codes;
-  out.view.scales = format == CacheFormat::kFp4 ? q_scales : nullptr;
-  out.view.weights = weights;
+  out.view.codes = view_codes;
+  out.view.scales = format == CacheFormat::kFp4 ? view_scales : nullptr;
+  out.view.weights = view_weights;
   out.view.num_heads = H;
   return out;
 }

@@ -177,10 +177,13 @@ absl::Status CopyKeyRunOnDevice(Staging& staging, const std::vector<KeyWrite>& w
                                 uint8_t* scales);
 
 // The value checks of a step's device-resident inputs on one rank (IndexerOps::CheckValues on
-// the rank's staged copies, what the kernels read): queued with Add, launched with Flush, as
-// few launches as the staging allows (a key run's copies are checked before the next run
-// overwrites them; the last run's go with q's). The step's first launch clears the rank's
-// flag word, later ones add to it; DeviceInputsStatus reads it after the step's Synchronize.
+// what the kernels read: the rank's staged copies, or q read in place in the client's buffer):
+// the keys' queued with Add and launched with Flush, as few launches as the staging allows (a
+// key run's copies are checked before the next run overwrites them; the last run's are flushed
+// before the kernel section). q's own checks are launched in the kernel section (QRows::checks,
+// readied by ForSection), so that a replayed graph makes them with the scoring. The step's
+// first launch clears the rank's flag word, later ones add to it; DeviceInputsStatus reads it
+// after the step's Synchronize.
 class DeviceChecks {
  public:
   // Flag bits, in the order the edge checks host bytes (the keys before q): the first set
@@ -192,6 +195,11 @@ class DeviceChecks {
   absl::Status Add(const kernels::ValueCheck& check);
   bool pending() const { return args_.num_checks > 0; }
   absl::Status Flush();
+  // Readies `args` (checks the caller launches itself: q's, in the kernel section) as the
+  // step's next launch: the rank's flag word, and whether it adds to an earlier launch's
+  // (accumulate, a field of the kernel section's StepShape); counts it as launched. Nothing
+  // for no checks. Call with nothing queued (after Flush).
+  absl::Status ForSection(kernels::ValueCheckArgs& args);
   // Whether any check was launched this step (the flag word then holds the step's result).
   bool issued() const { return launched_ > 0; }
 
@@ -254,15 +262,30 @@ absl::Status UploadStepRows(Rank& rank, Staging& staging, const StepPlan& plan,
 // q of the rank's rows [range), uploaded at the rows' own offsets in the rank's buffers (the
 // weights, positions and scales that `packed` holds read from the slot): what the kernel
 // section reads (view), and for unquantized q (f32 / bf16) the rope_quant_q call that RoPEs,
-// quantizes and folds it there (prep). Device-resident q (QInput::on_device) is queued for
-// the check on the device (`checks`, flushed by the caller).
+// quantizes and folds it there (prep).
+//
+// Device-resident q (QInput::on_device): quantized q (FP8, or FP4 with its scales) on the
+// answering rank, whose device holds the client's buffer, is read in place: the view points
+// at the rank's rows in that buffer and nothing is copied (unless a pointer is less aligned
+// than the kernels' loads need: kInPlaceCodesAlign and kInPlaceWordAlign below; then it is
+// copied device to device as on the other ranks, and as unquantized q always is). Its checks
+// on the device (q or its FP4 scales, and the weights; of what the kernels read) are returned
+// in `checks`, for the kernel section to launch (DeviceChecks::ForSection readies them).
 struct QRows {
   bool unquantized = false;  // rope_quant_q runs first
   kernels::QPrepArgs prep;
   kernels::QView view;
+  // view's codes, scales and weights lie in the client's buffer (no copy): their addresses
+  // key the kernel section's graph (StepShape::q_codes, ...), a replay reading what it captured.
+  bool in_place = false;
+  kernels::ValueCheckArgs checks;  // num_checks 0: none (host q)
 };
+// The alignment q read in place needs: the codes' (16-byte vector loads) and the weights' and
+// FP4 scales' (loaded as words or bytes; one word asked, as the edge asks of the weights).
+inline constexpr uintptr_t kInPlaceCodesAlign = 16;
+inline constexpr uintptr_t kInPlaceWordAlign = 4;
 absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range,
-                              const StepUploads& packed, DeviceChecks& checks);
+                              const StepUploads& packed);
 
 // The device checks' flag word (DeviceChecks) as the step's status: INVALID_ARGUMENT naming
 // the field at fault, or OK.

@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -290,6 +291,12 @@ struct Recorder {
   bool capturing = false;
   std::vector<std::function<absl::Status()>> recording;
   std::map<uint64_t, std::vector<std::function<absl::Status()>>> graphs;
+  // A client's "device buffer" [client_begin, client_end) (device q): the device-to-device
+  // copies out of it, and the q codes every scoring call read as it ran (eager or replayed).
+  uintptr_t client_begin = 0, client_end = 0;
+  int64_t client_copies = 0;
+  std::vector<const uint8_t*> scored_q;
+  int64_t checks_run = 0;  // CheckValues calls that ran (eager or replayed)
 
   void Forbidden() {
     if (capturing) ++*violations;
@@ -322,6 +329,8 @@ class RecordingDevice final : public kernels::DeviceWrapper {
   }
   absl::Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes) override {
     recorder_.Forbidden();
+    const auto at = reinterpret_cast<uintptr_t>(src);
+    if (at >= recorder_.client_begin && at < recorder_.client_end) ++recorder_.client_copies;
     return target().CopyDeviceToDevice(dst, src, bytes);
   }
   absl::Status Synchronize() override {
@@ -374,13 +383,29 @@ class RecordingOps final : public kernels::IndexerOpsWrapper {
     return r_.Call([this, a] { return target().RopeQuantQ(a); });
   }
   absl::Status DenseTopK(const kernels::DenseArgs& a) override {
-    return r_.Call([this, a] { return target().DenseTopK(a); });
+    return r_.Call([this, a] {
+      r_.scored_q.push_back(a.q.codes);
+      return target().DenseTopK(a);
+    });
   }
   absl::Status SparseTopK(const kernels::SparseArgs& a) override {
-    return r_.Call([this, a] { return target().SparseTopK(a); });
+    return r_.Call([this, a] {
+      r_.scored_q.push_back(a.q.codes);
+      return target().SparseTopK(a);
+    });
   }
   absl::Status MaskedTopK(const kernels::MaskedArgs& a) override {
-    return r_.Call([this, a] { return target().MaskedTopK(a); });
+    return r_.Call([this, a] {
+      r_.scored_q.push_back(a.q.codes);
+      return target().MaskedTopK(a);
+    });
+  }
+  // A device input's value check: in the kernel section (device q's) it is captured too.
+  absl::Status CheckValues(const kernels::ValueCheckArgs& a) override {
+    return r_.Call([this, a] {
+      ++r_.checks_run;
+      return target().CheckValues(a);
+    });
   }
   absl::Status CopyRows(const kernels::CopyRowsArgs& a) override {
     return r_.Call([this, a] { return target().CopyRows(a); });
@@ -399,8 +424,10 @@ class RecordingOps final : public kernels::IndexerOpsWrapper {
 };
 
 std::unique_ptr<kernels::Backend> MakeRecordingBackend(std::unique_ptr<kernels::Backend> inner,
-                                                       std::atomic<int64_t>* violations) {
+                                                       std::atomic<int64_t>* violations,
+                                                       RecordingDevice** device_out = nullptr) {
   auto device = std::make_unique<RecordingDevice>(inner->device(), violations);
+  if (device_out != nullptr) *device_out = device.get();
   auto ops = std::make_unique<RecordingOps>(inner->ops(), device->recorder());
   return kernels::ComposeBackend(std::move(inner), std::move(device), std::move(ops));
 }
@@ -452,6 +479,331 @@ TEST(MultiRankCpu, RecordedGraphsAnswerAsEagerSteps) {
         EXPECT_EQ(r.graph_replays, uint64_t(ranks) * s.next_ns.size() * replays_per_n);
         EXPECT_EQ(violations.load(), 0);
       }
+    }
+  }
+}
+
+// ---- Device q read in place (QInput::on_device on the answering rank) ----------------------
+
+// A client's "device buffer" (the CPU backend's device memory is host memory, as a client's
+// CUDA IPC buffer is the answering rank's device memory): a step's q codes, FP4 q scales and
+// weights copied in from an offset, and the step's QInput pointed there.
+class ClientBuffer {
+ public:
+  static constexpr size_t kBytes = size_t{1} << 20;
+  ClientBuffer() : storage_(kBytes + 64, 0) {
+    const auto raw = reinterpret_cast<uintptr_t>(storage_.data());
+    base_ = storage_.data() + ((64 - raw % 64) % 64);  // a 64-byte aligned base
+  }
+  uintptr_t begin() const { return reinterpret_cast<uintptr_t>(base_); }
+  uintptr_t end() const { return begin() + kBytes; }
+  uint8_t* at(size_t offset) { return base_ + offset; }
+
+  struct Placed {
+    size_t q = 0, scales = 0, weights = 0, end = 0;
+  };
+  // q's codes at `at`, its scales and the weights after them at 16-byte aligned offsets (the
+  // weights `weights_skew` bytes further); `in.q` points there, on the device.
+  Placed Place(const StepData& step, size_t at, exec::StepInput& in, size_t weights_skew = 0) {
+    Placed p;
+    auto put = [&](const void* src, size_t bytes, size_t offset) {
+      EXPECT_LE(offset + bytes, kBytes);
+      std::memcpy(base_ + offset, src, bytes);
+      return offset + bytes;
+    };
+    auto align16 = [](size_t v) { return (v + 15) / 16 * 16; };
+    p.q = at;
+    size_t next = put(step.q.data(), step.q.size(), p.q);
+    if (!step.q_scales.empty()) {
+      p.scales = align16(next);
+      next = put(step.q_scales.data(), step.q_scales.size(), p.scales);
+    }
+    p.weights = align16(next) + weights_skew;
+    p.end = put(step.weights.data(), step.weights.size() * sizeof(float), p.weights);
+    in.q.q = base_ + p.q;
+    in.q.scales = step.q_scales.empty() ? nullptr : base_ + p.scales;
+    in.q.weights = reinterpret_cast<const float*>(base_ + p.weights);
+    in.q.on_device = true;
+    return p;
+  }
+
+ private:
+  std::vector<uint8_t> storage_;
+  uint8_t* base_ = nullptr;
+};
+
+// A recording executor (graphs captured and replayed on the CPU) for device-q steps, its
+// ranks' recorders watching `buffer`, and its host-q twin (the plain CPU backend), both with
+// the same sequences `ids` prefilled in every cache layer.
+struct DeviceQRig {
+  std::atomic<int64_t> violations{0};
+  std::vector<RecordingDevice*> devices;
+  std::unique_ptr<Executor> device;
+  std::unique_ptr<Executor> host;
+  ClientBuffer buffer;
+
+  DeviceQRig(Harness& h, const std::vector<uint64_t>& ids, int32_t ranks) : devices(ranks) {
+    const config::Profile& p = h.profile();
+    ExecutorOptions o = CpuOptions(ranks);
+    o.cuda_graphs = true;
+    auto factory = [this](int32_t rank, const kernels::BackendLimits& limits)
+        -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
+      return MakeRecordingBackend(kernels::MakeCpuBackend(limits, 1), &violations,
+                                  &devices[size_t(rank)]);
+    };
+    absl::StatusOr<std::unique_ptr<Executor>> made =
+        exec::CreateExecutorWithBackends(p, o, factory);
+    EXPECT_TRUE(made.ok()) << made.status();
+    if (made.ok()) device = *std::move(made);
+    made = Executor::Create(p, CpuOptions(ranks));
+    EXPECT_TRUE(made.ok()) << made.status();
+    if (made.ok()) host = *std::move(made);
+    if (device == nullptr || host == nullptr) return;
+    for (RecordingDevice* d : devices) {
+      d->recorder().client_begin = buffer.begin();
+      d->recorder().client_end = buffer.end();
+    }
+    for (uint64_t id : ids) {
+      EXPECT_TRUE(device->CreateSequence(id).ok());
+      EXPECT_TRUE(host->CreateSequence(id).ok());
+      for (int32_t layer : p.CacheLayers()) {
+        std::vector<uint8_t> keys, scales;
+        exec::KeysInput in;
+        in.count = 2 * p.topk + int32_t(h.rng()() % p.topk);
+        h.RandomKeys(layer, in.count, KeyForm::kF32, &keys, &scales, &in.type);
+        in.keys = keys.data();
+        in.scales = scales.empty() ? nullptr : scales.data();
+        EXPECT_TRUE(device->AppendKeys(id, layer, in).ok());
+        EXPECT_TRUE(host->AppendKeys(id, layer, in).ok());
+        h.RecordAppend(id, layer, in);
+      }
+    }
+  }
+  bool ok() const { return device != nullptr && host != nullptr; }
+  // Clears what the recorders saw.
+  void Reset() {
+    for (RecordingDevice* d : devices) {
+      d->recorder().client_copies = 0;
+      d->recorder().scored_q.clear();
+      d->recorder().checks_run = 0;
+    }
+  }
+  // The sequences' lengths and pages in `e`, as text.
+  static std::string Infos(Executor& e, const std::vector<uint64_t>& ids) {
+    std::string text;
+    for (uint64_t id : ids) {
+      absl::StatusOr<exec::SequenceInfo> info = e.GetSequence(id);
+      EXPECT_TRUE(info.ok()) << info.status();
+      if (!info.ok()) continue;
+      for (const exec::SequenceCacheInfo& c : info->caches) {
+        absl::StrAppend(&text, id, "@", c.cache_layer, ":", c.length, "/", c.pages, " ");
+      }
+    }
+    return text;
+  }
+};
+
+// The step of `layer` for every sequence of `ids` (n rows each, new keys but at a consumer),
+// quantized q in the layer's cache format; keys of `key_form`.
+std::unique_ptr<StepData> DeviceQStep(Harness& h, const config::LayerSpec& layer,
+                                      const std::vector<uint64_t>& ids, int32_t n,
+                                      KeyForm key_form) {
+  std::vector<SeqPlan> plans;
+  const bool consumer = layer.role == LayerRole::kCandidateConsumer;
+  for (uint64_t id : ids) plans.push_back({id, n, consumer ? 0 : n, {}});
+  std::unique_ptr<StepData> step =
+      h.MakeStep(layer.layer, plans, QForm::kQuantized, key_form, /*with_positions=*/false);
+  step->input.return_candidates = layer.role == LayerRole::kCandidateSource;
+  return step;
+}
+
+// Quantized q (FP8; FP4 and its scales) in a client's device buffer is read in place by the
+// answering rank: its kernels read q at the step's offset in the buffer, it makes no
+// device-to-device copy out of the buffer, its device q check runs (eager, captured and
+// replayed with the scoring); the other rank copies its rows as before. Every step answers
+// bit for bit what the same step answers with q on the host, at 1 and 2 ranks, over rounds
+// that repeat every layer's shape (eager, captured, replayed), when q moves to another offset
+// of the buffer (a new graph, never a stale replay: the old offset is zeroed), when its codes
+// or weights are not aligned for the kernels (then copied, as on the other ranks), and with
+// device keys in the step (q's check then adds to the keys').
+TEST(MultiRankCpu, DeviceQIsReadInPlaceOnTheAnsweringRank) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  struct Round {
+    size_t at;            // q's offset in the buffer
+    size_t weights_skew;  // bytes past the weights' 16-byte aligned offset
+    bool device_keys;
+    bool in_place;  // what rank 0 should do
+  };
+  const size_t A = 0, B = 256 * 1024;
+  const std::vector<Round> rounds = {
+      {A, 0, false, true},      {A, 0, false, true},      {A, 0, false, true},
+      {A, 0, false, true},      {B, 0, false, true},      {B, 0, false, true},
+      {B, 0, false, true},      {B + 4, 0, false, false}, {B + 4, 0, false, false},
+      {B + 4, 0, false, false}, {B, 2, false, false},     {B, 2, false, false},
+      {A, 0, true, true},       {A, 0, true, true},       {A, 0, true, true}};
+  for (const config::Profile& p : {SmallV32(), SmallV41()}) {
+    for (int32_t ranks : {1, 2}) {
+      SCOPED_TRACE(absl::StrCat(p.name, " ranks ", ranks));
+      Harness h(p, seed);
+      const std::vector<uint64_t> ids = {1, 2, 3, 4};
+      DeviceQRig rig(h, ids, ranks);
+      ASSERT_TRUE(rig.ok());
+      size_t last_at = A;
+      for (size_t ri = 0; ri < rounds.size(); ++ri) {
+        const Round& round = rounds[ri];
+        for (const config::LayerSpec& layer : p.layers) {
+          SCOPED_TRACE(absl::StrCat("round ", ri, " layer ", layer.layer));
+          std::unique_ptr<StepData> step = DeviceQStep(
+              h, layer, ids, 1, round.device_keys ? KeyForm::kQuantized : KeyForm::kF32);
+          exec::StepInput on = step->input;
+          if (round.at != last_at) {  // q moved: what a stale replay would read is zeros
+            std::memset(rig.buffer.at(last_at), 0, 64 * 1024);
+            last_at = round.at;
+          }
+          const ClientBuffer::Placed placed =
+              rig.buffer.Place(*step, round.at, on, round.weights_skew);
+          for (exec::SequenceStepInput& seq : on.sequences) {
+            seq.new_keys.on_device = round.device_keys && seq.new_keys.count > 0;
+          }
+          rig.Reset();
+          absl::StatusOr<StepResult> got = rig.device->DecodeStep(on);
+          ASSERT_TRUE(got.ok()) << got.status();
+          absl::StatusOr<StepResult> want = rig.host->DecodeStep(step->input);
+          ASSERT_TRUE(want.ok()) << want.status();
+          h.RecordStep(*step);
+          EXPECT_EQ(got->topk_indices, want->topk_indices);
+          EXPECT_EQ(got->candidate_blocks, want->candidate_blocks);
+          EXPECT_EQ(got->lengths, want->lengths);
+          for (int32_t r = 0; r < ranks; ++r) {
+            const Recorder& rec = rig.devices[size_t(r)]->recorder();
+            // The check of device q ran on every rank, replayed or not.
+            EXPECT_GT(rec.checks_run, 0) << "rank " << r;
+            ASSERT_FALSE(rec.scored_q.empty()) << "rank " << r;
+            if (r == 0 && round.in_place) {
+              EXPECT_EQ(rec.client_copies, 0) << "the answering rank copied device q";
+              // Rank 0's rows start at row 0: its kernels read q where this step put it.
+              for (const uint8_t* q : rec.scored_q) EXPECT_EQ(q, rig.buffer.at(placed.q));
+            } else {
+              EXPECT_GT(rec.client_copies, 0) << "rank " << r << " read device q in place";
+              for (const uint8_t* q : rec.scored_q) {
+                const auto a = reinterpret_cast<uintptr_t>(q);
+                EXPECT_FALSE(a >= rig.buffer.begin() && a < rig.buffer.end()) << "rank " << r;
+              }
+            }
+          }
+        }
+      }
+      const exec::ExecutorStatus status = rig.device->Status();
+      EXPECT_GT(status.graph_captures, 0u);
+      EXPECT_GT(status.graph_replays, 0u);
+      EXPECT_EQ(rig.violations.load(), 0);
+    }
+  }
+}
+
+// A NaN / Inf in device q read in place (an FP8 NaN code in q, a 0xFF UE8M0 FP4 q scale, a NaN
+// weight), in the answering rank's rows or another rank's, fails the step with
+// INVALID_ARGUMENT naming the field, commits nothing (lengths and pages as before), though the
+// step's kernel section replays a captured graph, with or without device keys checked before
+// it; a bad device key in such a step is still named (q's replayed check adds to the keys'
+// flags, never clears them); the clean retry answers as the host twin.
+TEST(MultiRankCpu, BadDeviceQReadInPlaceFailsNamingTheFieldAndCommitsNothing) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  for (const config::Profile& p : {SmallV32(), SmallV41()}) {
+    for (int32_t ranks : {1, 2}) {
+      SCOPED_TRACE(absl::StrCat(p.name, " ranks ", ranks));
+      Harness h(p, seed);
+      const std::vector<uint64_t> ids = {1, 2, 3, 4};
+      DeviceQRig rig(h, ids, ranks);
+      ASSERT_TRUE(rig.ok());
+      const int32_t H = p.num_heads;
+      // Runs `step` clean on both executors at offset 0 of the buffer.
+      auto run_clean = [&](StepData& step, bool device_keys) {
+        exec::StepInput on = step.input;
+        rig.buffer.Place(step, 0, on);
+        for (exec::SequenceStepInput& seq : on.sequences) {
+          seq.new_keys.on_device = device_keys && seq.new_keys.count > 0;
+        }
+        absl::StatusOr<StepResult> got = rig.device->DecodeStep(on);
+        ASSERT_TRUE(got.ok()) << got.status();
+        absl::StatusOr<StepResult> want = rig.host->DecodeStep(step.input);
+        ASSERT_TRUE(want.ok()) << want.status();
+        h.RecordStep(step);
+        EXPECT_EQ(got->topk_indices, want->topk_indices);
+        EXPECT_EQ(got->candidate_blocks, want->candidate_blocks);
+        EXPECT_EQ(got->lengths, want->lengths);
+      };
+      for (const bool device_keys : {false, true}) {
+        const KeyForm key_form = device_keys ? KeyForm::kQuantized : KeyForm::kF32;
+        // Every layer's shape seen twice: captured; the steps below replay it.
+        for (int warm = 0; warm < 2; ++warm) {
+          for (const config::LayerSpec& layer : p.layers) {
+            std::unique_ptr<StepData> step = DeviceQStep(h, layer, ids, 1, key_form);
+            run_clean(*step, device_keys);
+          }
+        }
+        for (const config::LayerSpec& layer : p.layers) {
+          const bool fp4 = layer.cache_format == kernels::CacheFormat::kFp4;
+          enum class Bad { kQ, kWeights, kKeys };
+          for (const Bad what : {Bad::kQ, Bad::kWeights, Bad::kKeys}) {
+            const bool weights = what == Bad::kWeights;
+            const bool consumer = layer.role == LayerRole::kCandidateConsumer;
+            if (what == Bad::kKeys && (!device_keys || consumer)) continue;
+            for (const bool last_row : {false, true}) {
+              SCOPED_TRACE(absl::StrCat("layer ", layer.layer, " device keys ", device_keys,
+                                        " bad ", int(what), last_row ? " last" : " first", " row"));
+              std::unique_ptr<StepData> step = DeviceQStep(h, layer, ids, 1, key_form);
+              exec::StepInput bad = step->input;
+              const ClientBuffer::Placed at = rig.buffer.Place(*step, 0, bad);
+              for (exec::SequenceStepInput& seq : bad.sequences) {
+                seq.new_keys.on_device = device_keys && seq.new_keys.count > 0;
+              }
+              const int32_t row = last_row ? step->input.num_rows - 1 : 0;
+              std::string field;
+              std::vector<uint8_t>* victim = nullptr;  // a sequence's keys, restored below
+              std::vector<uint8_t> clean;
+              if (what == Bad::kKeys) {
+                // A device key of the first or last sequence: checked eagerly before the
+                // section, whose replayed q check must add to the flag word, not clear it.
+                const size_t seq = last_row ? ids.size() - 1 : 0;
+                victim = fp4 ? &step->scales[seq] : &step->keys[seq];
+                clean = *victim;
+                field = fp4 ? "new_key_scales.data" : "new_keys.data";
+                (*victim)[fp4 ? 1 : 5] = fp4 ? 0xFF : 0x7F;
+              } else if (weights) {
+                field = "weights.data";
+                const float nan = std::numeric_limits<float>::quiet_NaN();
+                std::memcpy(rig.buffer.at(at.weights + (size_t(row) * H + 1) * sizeof(float)), &nan,
+                            sizeof(float));
+              } else if (fp4) {
+                field = "q_scales.data";
+                const size_t per_row = step->q_scales.size() / size_t(step->input.num_rows);
+                *rig.buffer.at(at.scales + size_t(row) * per_row + 3) = 0xFF;
+              } else {
+                field = "q.data";
+                const size_t per_row = step->q.size() / size_t(step->input.num_rows);
+                *rig.buffer.at(at.q + size_t(row) * per_row + 77) = 0x7F;
+              }
+              const std::string before = DeviceQRig::Infos(*rig.device, ids);
+              const uint64_t replays = rig.device->Status().graph_replays;
+              absl::StatusOr<StepResult> r = rig.device->DecodeStep(bad);
+              EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+              const std::string message(r.status().message());
+              EXPECT_NE(message.find(field), std::string::npos) << message;
+              EXPECT_NE(message.find("committed nothing"), std::string::npos) << message;
+              EXPECT_EQ(DeviceQRig::Infos(*rig.device, ids), before);
+              if (victim != nullptr) *victim = clean;
+              run_clean(*step, device_keys);
+              // The failed step and its retry replayed the captured section.
+              EXPECT_GT(rig.device->Status().graph_replays, replays);
+            }
+          }
+        }
+      }
+      EXPECT_EQ(DeviceQRig::Infos(*rig.device, ids), DeviceQRig::Infos(*rig.host, ids));
+      EXPECT_EQ(rig.violations.load(), 0);
     }
   }
 }

@@ -364,6 +364,45 @@ class FakeIpcDevice final : public kernels::DeviceWrapper {
   int rank_;
 };
 
+// The CPU's operations, logging (rank, "kernel read") when a kernel reads an opened buffer in
+// place: the answering rank's scoring and value check of device q (step_io.h UploadQ).
+class FakeIpcOps final : public kernels::IndexerOpsWrapper {
+ public:
+  FakeIpcOps(kernels::IndexerOps& cpu, FakeIpcLog* log, int rank)
+      : IndexerOpsWrapper(cpu), log_(log), rank_(rank) {}
+  absl::Status DenseTopK(const kernels::DenseArgs& a) override {
+    Note(a.q);
+    return target().DenseTopK(a);
+  }
+  absl::Status SparseTopK(const kernels::SparseArgs& a) override {
+    Note(a.q);
+    return target().SparseTopK(a);
+  }
+  absl::Status MaskedTopK(const kernels::MaskedArgs& a) override {
+    Note(a.q);
+    return target().MaskedTopK(a);
+  }
+  absl::Status CheckValues(const kernels::ValueCheckArgs& a) override {
+    for (int32_t c = 0; c < a.num_checks; ++c) {
+      if (log_->InBuffer(a.checks[c].data)) {
+        log_->Add(rank_, "kernel read");
+        break;
+      }
+    }
+    return target().CheckValues(a);
+  }
+
+ private:
+  void Note(const kernels::QView& q) {
+    if (log_->InBuffer(q.codes) || log_->InBuffer(q.weights) ||
+        (q.scales != nullptr && log_->InBuffer(q.scales))) {
+      log_->Add(rank_, "kernel read");
+    }
+  }
+  FakeIpcLog* log_;
+  int rank_;
+};
+
 // A server on FakeIpcDevice ranks (CPU underneath) with a client, for the CUDA IPC tests.
 class FakeIpcTest : public ::testing::TestWithParam<int> {
  protected:
@@ -376,7 +415,8 @@ class FakeIpcTest : public ::testing::TestWithParam<int> {
             -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
           std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(limits, 1);
           auto device = std::make_unique<FakeIpcDevice>(cpu->device(), &open_, &log_, rank);
-          return kernels::ComposeBackend(std::move(cpu), std::move(device), nullptr);
+          auto ops = std::make_unique<FakeIpcOps>(cpu->ops(), &log_, rank);
+          return kernels::ComposeBackend(std::move(cpu), std::move(device), std::move(ops));
         });
     ASSERT_TRUE(executor.ok()) << executor.status();
     executor_ = *std::move(executor);
@@ -664,7 +704,8 @@ TEST_P(CudaIpcPlumbingTest, QFromTheRegisteredBufferAnswersAsInline) {
 }
 
 // GPU-side ordering (cuda_ipc.wait_inputs_event / record_answer_event): every rank waits on the
-// inputs event before it reads anything of the buffer, the answering rank records the answer
+// inputs event before it reads anything of the buffer (a copy out of it, or, on the answering
+// rank, its kernels reading q in place: it copies none), the answering rank records the answer
 // event after it wrote the answer there, and neither happens unless asked; the answers stay
 // the oracle's. A step asking for an event the buffer was not registered with, or for the
 // inputs event without device q, is named and changes nothing; a bad event handle registers
@@ -698,16 +739,19 @@ TEST_P(CudaIpcPlumbingTest, EventsOrderTheBufferOnTheDevice) {
       ASSERT_TRUE(want.ok()) << want.status();
       ExpectBufferAnswer(device, req, plain, *want, oracle, absl::StrCat("layer ", layer));
       for (int r = 0; r < ranks; ++r) {
-        int waits = 0, records = 0, reads = 0, writes = 0;
+        int waits = 0, records = 0, reads = 0, kernel_reads = 0, writes = 0;
         for (const auto& [rank, what] : entries) {
           if (rank != r) continue;
           if (what == "wait:7") {
-            EXPECT_EQ(reads, 0) << "rank " << r << " read the buffer before the inputs event";
+            EXPECT_EQ(reads + kernel_reads, 0)
+                << "rank " << r << " read the buffer before the inputs event";
             ++waits;
           } else if (what == "record:9") {
             ++records;
           } else if (what == "read") {
             ++reads;
+          } else if (what == "kernel read") {
+            ++kernel_reads;
           } else if (what == "write") {
             EXPECT_EQ(records, 0) << "rank " << r << " recorded the answer event too early";
             ++writes;
@@ -715,7 +759,15 @@ TEST_P(CudaIpcPlumbingTest, EventsOrderTheBufferOnTheDevice) {
             ADD_FAILURE() << "rank " << r << ": " << what;
           }
         }
-        EXPECT_GT(reads, 0) << "rank " << r << " layer " << layer;
+        // The answering rank (0) reads the quantized q in place, with its kernels (the check
+        // and the scoring); the others copy their rows device to device.
+        if (r == 0) {
+          EXPECT_EQ(reads, 0) << "the answering rank copied q, layer " << layer;
+          EXPECT_GE(kernel_reads, 2) << "layer " << layer;
+        } else {
+          EXPECT_GT(reads, 0) << "rank " << r << " layer " << layer;
+          EXPECT_EQ(kernel_reads, 0) << "rank " << r << " layer " << layer;
+        }
         EXPECT_EQ(waits, ordered ? 1 : 0) << "rank " << r << " layer " << layer;
         // The answering rank (0) writes the answer and then records the event.
         EXPECT_EQ(writes > 0, r == 0) << "rank " << r << " layer " << layer;
