@@ -51,10 +51,12 @@ size_t Align64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
 }  // namespace
 
+bool DeviceChecks::Checkable(const kernels::ValueCheck& check) {
+  return check.data != nullptr && check.count > 0 && kernels::CheckedElemBytes(check.type) > 0;
+}
+
 absl::Status DeviceChecks::Add(const kernels::ValueCheck& check) {
-  if (check.data == nullptr || check.count <= 0 || kernels::CheckedElemBytes(check.type) == 0) {
-    return absl::OkStatus();
-  }
+  if (!Checkable(check)) return absl::OkStatus();
   if (args_.num_checks == kernels::ValueCheckArgs::kMaxChecks) DI_RETURN_IF_ERROR(Flush());
   args_.checks[args_.num_checks++] = check;
   return absl::OkStatus();
@@ -401,8 +403,7 @@ absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan
   QRows out;
   // q's checks on the device, launched in the kernel section (none unless q is on the device).
   auto check = [&out](const kernels::ValueCheck& c) {
-    if (c.data == nullptr || c.count <= 0 || kernels::CheckedElemBytes(c.type) == 0) return;
-    out.checks.checks[out.checks.num_checks++] = c;
+    if (DeviceChecks::Checkable(c)) out.checks.checks[out.checks.num_checks++] = c;
   };
   kernels::QPrepArgs prep;
   if (unquantized) {

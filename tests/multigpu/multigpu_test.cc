@@ -532,6 +532,13 @@ class ClientBuffer {
   uint8_t* base_ = nullptr;
 };
 
+// The step's new keys marked as lying in the client's device buffer (or not).
+void MarkKeysOnDevice(exec::StepInput& in, bool on_device) {
+  for (exec::SequenceStepInput& seq : in.sequences) {
+    seq.new_keys.on_device = on_device && seq.new_keys.count > 0;
+  }
+}
+
 // A recording executor (graphs captured and replayed on the CPU) for device-q steps, its
 // ranks' recorders watching `buffer`, and its host-q twin (the plain CPU backend), both with
 // the same sequences `ids` prefilled in every cache layer.
@@ -663,9 +670,7 @@ TEST(MultiRankCpu, DeviceQIsReadInPlaceOnTheAnsweringRank) {
           }
           const ClientBuffer::Placed placed =
               rig.buffer.Place(*step, round.at, on, round.weights_skew);
-          for (exec::SequenceStepInput& seq : on.sequences) {
-            seq.new_keys.on_device = round.device_keys && seq.new_keys.count > 0;
-          }
+          MarkKeysOnDevice(on, round.device_keys);
           rig.Reset();
           absl::StatusOr<StepResult> got = rig.device->DecodeStep(on);
           ASSERT_TRUE(got.ok()) << got.status();
@@ -723,9 +728,7 @@ TEST(MultiRankCpu, BadDeviceQReadInPlaceFailsNamingTheFieldAndCommitsNothing) {
       auto run_clean = [&](StepData& step, bool device_keys) {
         exec::StepInput on = step.input;
         rig.buffer.Place(step, 0, on);
-        for (exec::SequenceStepInput& seq : on.sequences) {
-          seq.new_keys.on_device = device_keys && seq.new_keys.count > 0;
-        }
+        MarkKeysOnDevice(on, device_keys);
         absl::StatusOr<StepResult> got = rig.device->DecodeStep(on);
         ASSERT_TRUE(got.ok()) << got.status();
         absl::StatusOr<StepResult> want = rig.host->DecodeStep(step.input);
@@ -757,9 +760,7 @@ TEST(MultiRankCpu, BadDeviceQReadInPlaceFailsNamingTheFieldAndCommitsNothing) {
               std::unique_ptr<StepData> step = DeviceQStep(h, layer, ids, 1, key_form);
               exec::StepInput bad = step->input;
               const ClientBuffer::Placed at = rig.buffer.Place(*step, 0, bad);
-              for (exec::SequenceStepInput& seq : bad.sequences) {
-                seq.new_keys.on_device = device_keys && seq.new_keys.count > 0;
-              }
+              MarkKeysOnDevice(bad, device_keys);
               const int32_t row = last_row ? step->input.num_rows - 1 : 0;
               std::string field;
               std::vector<uint8_t>* victim = nullptr;  // a sequence's keys, restored below

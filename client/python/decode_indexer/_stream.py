@@ -69,7 +69,22 @@ def available(multicallable: Any) -> bool:
             and multicallable._response_deserializer is None)
 
 
-class DirectStream:
+class _Answers:
+    """The answer side both forms share: grpcio's rendezvous in `_answers`."""
+
+    _answers: Any
+
+    def cancel(self) -> None:
+        self._answers.cancel()
+
+    def __iter__(self) -> "_Answers":
+        return self
+
+    def __next__(self) -> bytes:
+        return next(self._answers)
+
+
+class DirectStream(_Answers):
     """A DecodeStream call fed by send(): the sender starts each send, the spin thread the
     queued ones. Iterating it yields the serialized answers (grpcio's rendezvous: raises the
     call's grpc.RpcError when it fails, StopIteration when the server ends it)."""
@@ -101,15 +116,6 @@ class DirectStream:
         with self._state.condition:
             self._closing = True
             self._pump()
-
-    def cancel(self) -> None:
-        self._answers.cancel()
-
-    def __iter__(self) -> "DirectStream":
-        return self
-
-    def __next__(self) -> bytes:
-        return next(self._answers)
 
     def _pump(self) -> None:
         """Starts the next queued request (or the half-close) unless a send is in flight or
@@ -152,7 +158,7 @@ class DirectStream:
 _END = object()
 
 
-class IteratorStream:
+class IteratorStream(_Answers):
     """The same interface over grpcio's public stream_stream (a request iterator drained by
     grpcio's thread): the form used where the direct one is not available."""
 
@@ -166,15 +172,6 @@ class IteratorStream:
 
     def close(self) -> None:
         self._requests.put(_END)
-
-    def cancel(self) -> None:
-        self._answers.cancel()
-
-    def __iter__(self) -> "IteratorStream":
-        return self
-
-    def __next__(self) -> bytes:
-        return next(self._answers)
 
 
 def open_stream(multicallable: Any, timeout: float | None, metadata: Any) -> Any:
