@@ -217,6 +217,74 @@ TEST_F(GpuTest, Fp8WideVariantEqualsTheProductionKernel) {
   }
 }
 
+// The run-ordered fp8 kernel (kFp8Runs: one request's run of tiles at a time, a run scored once
+// per pass with its pages produced again, one logit stored per lane) against the production fp8
+// kernel, bit for bit, where its bookkeeping can go wrong: several passes (the host hint below
+// the rows of a request, or no hint with uneven rows: the run produced and scored again, q
+// reloaded per pass), requests without rows or with fewer rows than a pass (a lane whose row
+// is past the request's stores nothing), runs of one to three tiles and runs cut by the block's
+// range (grids of 1, 3 and all SMs), a long row, more requests than the in-block schedule
+// takes; NaN-poisoned outputs written at every position of every row and nowhere past it.
+TEST_F(GpuTest, Fp8RunsVariantEqualsTheProductionKernel) {
+  struct Case {
+    std::vector<int32_t> lengths;
+    int32_t next_n;
+    bool thin;     // request b keeps next_n - (b % next_n) rows, request 1 none
+    bool uneven;   // request 0 takes most rows (MakeUneven): several passes without a hint
+    int32_t hint;  // RowBatch::rows_per_request (0: none)
+  };
+  const std::vector<Case> cases = {
+      {Lengths(5, 20000), 1, false, false, 0},
+      {{7000, 64, 65, 2, 13000}, 2, false, false, 0},
+      {Lengths(3, 9000), 3, false, false, 0},
+      {Lengths(2, 7000), 4, false, false, 0},
+      {Lengths(9, 5000), 4, true, false, 0},
+      {Lengths(7, 3000), 2, true, false, 2},
+      {Lengths(4, 6000), 2, false, true, 0},
+      {Lengths(6, 4000), 3, false, false, 1},  // three passes of one row
+      {Lengths(5, 3000), 4, true, false, 2},   // two passes of two, some requests thin
+      {Lengths(3, 2500), 3, false, true, 2},   // uneven: up to four passes of two
+      {{100, 2047, 2048, 2049, 5000}, 1, false, false, 0},
+      {{131072 + 77}, 1, false, false, 0},
+      {Lengths(40, 64), 2, false, false, 0},
+      {Lengths(61, 150), 3, true, false, 0},
+      {Lengths(300, 150), 1, false, false, 0},
+      {Lengths(300, 150), 2, true, false, 1},  // the global schedule, two passes
+  };
+  for (const Case& c : cases) {
+    Scene s = MakeScene(Spec(CacheFormat::kFp8, 64, c.lengths, c.next_n));
+    if (c.thin) s = Thin(s, c.next_n);
+    if (c.uneven) MakeUneven(s);
+    auto ds = UploadScene(this, s);
+    const int32_t rows = s.num_rows();
+    const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
+    ds->rows.rows_per_request = c.hint;
+    const std::vector<float> one =
+        GpuLogits(this, *ds, stride, NumSms(), MqaMath::kWgmmaKeysMPipelinedFp8);
+    for (const int num_sms : {NumSms(), 1, 3}) {
+      SCOPED_TRACE(::testing::Message()
+                   << "requests " << s.num_requests() << " rows " << rows << " next_n " << c.next_n
+                   << " thin " << c.thin << " uneven " << c.uneven << " hint " << c.hint << " sms "
+                   << num_sms);
+      const std::vector<float> runs =
+          VariantLogits(this, *ds, stride, num_sms, MqaVariant::kFp8Runs);
+      int64_t diff = 0, unwritten = 0, past = 0;
+      for (int32_t r = 0; r < rows; ++r) {
+        for (int32_t t = 0; t < s.row_length[r]; ++t) {
+          const int64_t i = r * stride + t;
+          diff += std::memcmp(&runs[i], &one[i], sizeof(float)) != 0;
+          unwritten += std::isnan(runs[i]);
+        }
+        for (int64_t t = s.row_length[r]; t < stride; ++t)
+          past += !std::isnan(runs[r * stride + t]);
+      }
+      EXPECT_EQ(unwritten, 0) << "entries the run-ordered kernel did not write";
+      EXPECT_EQ(diff, 0) << "entries not bit-identical to the production fp8 kernel";
+      EXPECT_EQ(past, 0) << "entries written past the row's length";
+    }
+  }
+}
+
 // Every variant gives the exact kernel's logits bit for bit: next_n 1-4, uneven row counts
 // (several passes, empty second rows of a pair), a long row, more requests than the in-block
 // schedule takes, a rank slice with and without the rows-per-request hint.
