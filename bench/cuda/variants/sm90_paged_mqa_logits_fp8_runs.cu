@@ -29,6 +29,14 @@
 //   same address.
 // - ptxas -v (sm_90a): no spills at next_n 1-3 (96 / 127 / 128 registers), 44 bytes at next_n 4
 //   with the in-block schedule (the production kernel: none / none / 24 bytes).
+// - Static SASS (bench/cuda/sass_static.py on the cubin; not run): at next_n 2 the page loop is
+//   ~225 instructions a consumer warp (wait to closing branch, with its preamble) against the
+//   production kernel's ~309 on its common path; at next_n 1 ~145 against ~250. Whole kernels:
+//   1240 / 1344 / 1512 / 1616 instructions at next_n 1-4 against 1432 / 1720 / 1928 / 2080.
+// - Tried on the same listing and not kept: the loop bounds through a lane-0 shuffle (so that
+//   the compiler might keep the loop state and descriptors on the uniform datapath, as
+//   DeepGEMM's loop does): the same loop, instruction for instruction; a switch case per ring
+//   slot (constant descriptors): 60-380 bytes of spills at every next_n.
 
 #include <cuda.h>
 
