@@ -14,6 +14,7 @@ in it prints as ?xxx. Static counts only: a loop body's instructions, not how of
   bench/cuda/sass_static.py k.cubin [KERNEL_REGEX] [--histogram FROM_LINE TO_LINE]
 """
 import re
+import signal
 import struct
 import subprocess
 import sys
@@ -93,4 +94,5 @@ def main():
 
 
 if __name__ == '__main__':
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # quiet under head / sed
     sys.exit(main())

@@ -217,9 +217,10 @@ TEST_F(GpuTest, Fp8WideVariantEqualsTheProductionKernel) {
   }
 }
 
-// The run-ordered fp8 kernel (kFp8Runs: one request's run of tiles at a time, a run scored once
-// per pass with its pages produced again, one logit stored per lane) against the production fp8
-// kernel, bit for bit, where its bookkeeping can go wrong: several passes (the host hint below
+// The run-ordered fp8 kernel (kFp8Runs, and kFp8RunsN2FourBlocks: the same at 4 blocks per SM
+// with shared-memory weights at two rows a pass; one request's run of tiles at a time, a run scored
+// once per pass with its pages produced again, one logit stored per lane) against the production
+// fp8 kernel, bit for bit, where its bookkeeping can go wrong: several passes (the host hint below
 // the rows of a request, or no hint with uneven rows: the run produced and scored again, q
 // reloaded per pass), requests without rows or with fewer rows than a pass (a lane whose row
 // is past the request's stores nothing), runs of one to three tiles and runs cut by the block's
@@ -261,26 +262,27 @@ TEST_F(GpuTest, Fp8RunsVariantEqualsTheProductionKernel) {
     ds->rows.rows_per_request = c.hint;
     const std::vector<float> one =
         GpuLogits(this, *ds, stride, NumSms(), MqaMath::kWgmmaKeysMPipelinedFp8);
-    for (const int num_sms : {NumSms(), 1, 3}) {
-      SCOPED_TRACE(::testing::Message()
-                   << "requests " << s.num_requests() << " rows " << rows << " next_n " << c.next_n
-                   << " thin " << c.thin << " uneven " << c.uneven << " hint " << c.hint << " sms "
-                   << num_sms);
-      const std::vector<float> runs =
-          VariantLogits(this, *ds, stride, num_sms, MqaVariant::kFp8Runs);
-      int64_t diff = 0, unwritten = 0, past = 0;
-      for (int32_t r = 0; r < rows; ++r) {
-        for (int32_t t = 0; t < s.row_length[r]; ++t) {
-          const int64_t i = r * stride + t;
-          diff += std::memcmp(&runs[i], &one[i], sizeof(float)) != 0;
-          unwritten += std::isnan(runs[i]);
+    for (const MqaVariant v : {MqaVariant::kFp8Runs, MqaVariant::kFp8RunsN2FourBlocks}) {
+      for (const int num_sms : {NumSms(), 1, 3}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "requests " << s.num_requests() << " rows " << rows << " next_n "
+                     << c.next_n << " thin " << c.thin << " uneven " << c.uneven << " hint "
+                     << c.hint << " sms " << num_sms);
+        const std::vector<float> runs = VariantLogits(this, *ds, stride, num_sms, v);
+        int64_t diff = 0, unwritten = 0, past = 0;
+        for (int32_t r = 0; r < rows; ++r) {
+          for (int32_t t = 0; t < s.row_length[r]; ++t) {
+            const int64_t i = r * stride + t;
+            diff += std::memcmp(&runs[i], &one[i], sizeof(float)) != 0;
+            unwritten += std::isnan(runs[i]);
+          }
+          for (int64_t t = s.row_length[r]; t < stride; ++t)
+            past += !std::isnan(runs[r * stride + t]);
         }
-        for (int64_t t = s.row_length[r]; t < stride; ++t)
-          past += !std::isnan(runs[r * stride + t]);
+        EXPECT_EQ(unwritten, 0) << "entries the run-ordered kernel did not write";
+        EXPECT_EQ(diff, 0) << "entries not bit-identical to the production fp8 kernel";
+        EXPECT_EQ(past, 0) << "entries written past the row's length";
       }
-      EXPECT_EQ(unwritten, 0) << "entries the run-ordered kernel did not write";
-      EXPECT_EQ(diff, 0) << "entries not bit-identical to the production fp8 kernel";
-      EXPECT_EQ(past, 0) << "entries written past the row's length";
     }
   }
 }

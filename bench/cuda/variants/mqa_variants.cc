@@ -31,6 +31,8 @@ const char* MqaVariantName(MqaVariant v) {
       return "fp8 wide";
     case MqaVariant::kFp8Runs:
       return "fp8 runs";
+    case MqaVariant::kFp8RunsN2FourBlocks:
+      return "fp8 runs n2 4 blocks";
   }
   return "?";
 }
@@ -50,7 +52,9 @@ absl::Status LaunchMqaVariant(MqaVariant v, const PagedLogitsArgs& args, int num
   }
   if (v == MqaVariant::kFp8V1) return LaunchPagedMqaLogitsFp8V1(args, num_sms, stream);
   if (v == MqaVariant::kFp8Wide) return LaunchPagedMqaLogitsFp8Wide(args, num_sms, stream);
-  if (v == MqaVariant::kFp8Runs) return LaunchPagedMqaLogitsFp8Runs(args, num_sms, stream);
+  if (v == MqaVariant::kFp8Runs || v == MqaVariant::kFp8RunsN2FourBlocks) {
+    return LaunchPagedMqaLogitsFp8Runs(v, args, num_sms, stream);
+  }
   if (MqaVariantSameBitsAsFp8(v)) return LaunchPagedMqaLogitsFp8Config(v, args, num_sms, stream);
   return LaunchPagedMqaLogitsKeysM(v, args, num_sms, stream);
 }
@@ -70,7 +74,8 @@ bool MqaVariantFillsHistogram(MqaVariant v) {
 
 bool MqaVariantSameBitsAsFp8(MqaVariant v) {
   return v == MqaVariant::kFp8N2SmemWeights4 || v == MqaVariant::kFp8N34SmemWeights ||
-         v == MqaVariant::kFp8Wide || v == MqaVariant::kFp8Runs;
+         v == MqaVariant::kFp8Wide || v == MqaVariant::kFp8Runs ||
+         v == MqaVariant::kFp8RunsN2FourBlocks;
 }
 
 }  // namespace decode_indexer::kernels::cuda

@@ -22,7 +22,9 @@
 //   its logits.
 // - kFp8Runs: the production fp8 kernel with its per-page bookkeeping cut (a run-ordered loop,
 //   the epilogue's sums reduce-scattered so every lane stores one logit;
-//   sm90_paged_mqa_logits_fp8_runs.cu); bit for bit its logits. Not yet run on a GPU.
+//   sm90_paged_mqa_logits_fp8_runs.cu); bit for bit its logits. kFp8RunsN2FourBlocks: the same
+//   at two rows a pass at 4 blocks per SM (weights from shared memory). Neither has run on a
+//   GPU yet.
 // Removed, their measurements recorded in docs/results/cuda-bench.md and its raw/ logs:
 // the heads-as-M wgmma f16 / fp8 kernels, the exact kernel's page pairs, the fp8 kernel's
 // per-row m64n64 chains.
@@ -47,6 +49,7 @@ enum class MqaVariant {
   kFp8N34SmemWeights,
   kFp8Wide,
   kFp8Runs,
+  kFp8RunsN2FourBlocks,
 };
 inline constexpr MqaVariant kAllMqaVariants[] = {MqaVariant::kWgmmaKeysM,
                                                  MqaVariant::kWgmmaKeysMSplit,
@@ -56,9 +59,9 @@ inline constexpr MqaVariant kAllMqaVariants[] = {MqaVariant::kWgmmaKeysM,
                                                  MqaVariant::kWgmmaKeysMPipelinedWs4};
 const char* MqaVariantName(MqaVariant v);
 // The fp8 tensor-core variants (their logits are not the exact kernel's).
-inline constexpr MqaVariant kFp8MqaVariants[] = {MqaVariant::kFp8V1, MqaVariant::kFp8N2SmemWeights4,
-                                                 MqaVariant::kFp8N34SmemWeights,
-                                                 MqaVariant::kFp8Wide, MqaVariant::kFp8Runs};
+inline constexpr MqaVariant kFp8MqaVariants[] = {
+    MqaVariant::kFp8V1,   MqaVariant::kFp8N2SmemWeights4, MqaVariant::kFp8N34SmemWeights,
+    MqaVariant::kFp8Wide, MqaVariant::kFp8Runs,           MqaVariant::kFp8RunsN2FourBlocks};
 // True for the fp8 variants whose logits are the production fp8 kernel's bit for bit (its shape
 // choices moved); false for kFp8V1 (another summation order) and the exact-kernel variants.
 bool MqaVariantSameBitsAsFp8(MqaVariant v);
@@ -82,7 +85,7 @@ absl::Status LaunchPagedMqaLogitsFp8V1(const PagedLogitsArgs& args, int num_sms,
                                        cudaStream_t stream);
 absl::Status LaunchPagedMqaLogitsFp8Wide(const PagedLogitsArgs& args, int num_sms,
                                          cudaStream_t stream);
-absl::Status LaunchPagedMqaLogitsFp8Runs(const PagedLogitsArgs& args, int num_sms,
+absl::Status LaunchPagedMqaLogitsFp8Runs(MqaVariant v, const PagedLogitsArgs& args, int num_sms,
                                          cudaStream_t stream);
 // True where kFp8Wide runs its own kernel (the hint says 1-4 rows a request).
 bool Fp8WideTakes(const RowBatch& rows);

@@ -27,16 +27,23 @@
 //   (row c >> 1, key c & 1) to store: one unpredicated-by-lane store per lane and pair, the key
 //   scale read once per page. With one row a pass lanes c and c ^ 2 store the same value to the
 //   same address.
-// - ptxas -v (sm_90a): no spills at next_n 1-3 (96 / 127 / 128 registers), 44 bytes at next_n 4
-//   with the in-block schedule (the production kernel: none / none / 24 bytes).
-// - Static SASS (bench/cuda/sass_static.py on the cubin; not run): at next_n 2 the page loop is
-//   ~225 instructions a consumer warp (wait to closing branch, with its preamble) against the
-//   production kernel's ~309 on its common path; at next_n 1 ~145 against ~250. Whole kernels:
-//   1240 / 1344 / 1512 / 1616 instructions at next_n 1-4 against 1432 / 1720 / 1928 / 2080.
-// - Tried on the same listing and not kept: the loop bounds through a lane-0 shuffle (so that
-//   the compiler might keep the loop state and descriptors on the uniform datapath, as
-//   DeepGEMM's loop does): the same loop, instruction for instruction; a switch case per ring
-//   slot (constant descriptors): 60-380 bytes of spills at every next_n.
+// - The warp index goes through a lane-0 shuffle (CUTLASS's canonical_warp_idx_sync): the
+//   compiler then knows the consumer's branch is warp-uniform and keeps the loop's state and the
+//   wgmma descriptors on the uniform datapath (UIADD3 / ULEA / USEL, as DeepGEMM's loop), where
+//   the production kernel rebuilds them per page in vector registers and moves them over
+//   (R2UR x 12, IMAD, VIADD). It also frees registers: 94 / 124 / 126 / 128 at next_n 1-4, no
+//   spills (production: 96 / 128 / 128 / 128, 24 bytes spilled at next_n 4).
+// - kFp8RunsN2FourBlocks: two rows a pass at 4 blocks per SM (16 consumer warps, DeepGEMM's
+//   count) with the weights read from shared memory per page: 96 registers, no spills (the
+//   production loop spilled there: bench variant kFp8N2SmemWeights4 was slower).
+// - Static SASS (bench/cuda/sass_static.py on the cubin; not run): the page loop at next_n 2
+//   is ~200 instructions a consumer warp (wait to closing branch with its preamble; 206 + 8 at
+//   4 blocks) against the production kernel's ~309 on its common path, ~130 against ~250 at
+//   next_n 1. Whole kernels: 1184 / 1280 / 1432 / 1536 instructions at next_n 1-4 against
+//   1432 / 1720 / 1928 / 2080.
+// - Tried on the same listing and not kept: the loop's bounds (not the warp index) through a
+//   shuffle: the same loop instruction for instruction; a switch case per ring slot (constant
+//   descriptors): 60-380 bytes of spills at every next_n.
 
 #include <cuda.h>
 
@@ -194,7 +201,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   int32_t* own = reinterpret_cast<int32_t*>(full + 2 * kStages);
 
   const int tid = threadIdx.x;
-  const int warp = tid >> 5;
+  // The warp index through a lane-0 shuffle: the same in every lane, and now provably so to the
+  // compiler, which then treats the consumer's branch as warp-uniform and keeps the run loop's
+  // state (tile, ring slot, phase, position) and the wgmma descriptors in uniform registers:
+  // no R2UR / IMAD / VIADD for them per page (CUTLASS's canonical_warp_idx_sync does the same).
+  const int warp = __shfl_sync(kFullMask, tid >> 5, 0);
   const int lane = tid & 31;
 
   if (tid == 0) ring.InitBarriers(1, kConsumerThreads);
@@ -403,25 +414,32 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   }
 }
 
-template <int kRows, bool kOwnSchedule>
+template <int kRows, bool kOwnSchedule, int kMinBlocks = PipeFp8MinBlocks(kRows),
+          int kStages = kPipeFp8Stages, bool kWeightRegs = kPipeFp8WeightRegs>
 absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
-  constexpr int kMinBlocks = PipeFp8MinBlocks(kRows);
-  constexpr int kStages = kPipeFp8Stages;
   static KernelDeviceSetup per_device[kMaxDevices];
   const absl::StatusOr<CUtensorMap> map = PageValuesTensorMap(args.cache);
   if (!map.ok()) return map.status();
   return LaunchPersistentGrid(
       per_device, "paged mqa logits (fp8 runs)",
-      PagedMqaLogitsFp8RunsKernel<kRows, kOwnSchedule, kMinBlocks, kStages, kPipeFp8WeightRegs>,
-      kThreads, SmemBytes<kRows, kOwnSchedule, kStages>(), num_sms, stream, args, *map);
+      PagedMqaLogitsFp8RunsKernel<kRows, kOwnSchedule, kMinBlocks, kStages, kWeightRegs>, kThreads,
+      SmemBytes<kRows, kOwnSchedule, kStages>(), num_sms, stream, args, *map);
 }
 
+// kFp8RunsN2FourBlocks: two rows a pass at 4 blocks per SM (16 consumer warps, as DeepGEMM's
+// one block of four math warpgroups), every row's weights read from shared memory per page
+// (96 registers: no spills once the loop's state is on the uniform datapath; the production
+// kernel's loop spilled there, bench variant kFp8N2SmemWeights4); 4 ring slots.
 template <bool kOwnSchedule>
-absl::Status LaunchRows(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
+absl::Status LaunchRows(MqaVariant v, const PagedLogitsArgs& args, int num_sms,
+                        cudaStream_t stream) {
   switch (DenseRowsPerPass(args.rows)) {
     case 1:
       return LaunchTyped<1, kOwnSchedule>(args, num_sms, stream);
     case 2:
+      if (v == MqaVariant::kFp8RunsN2FourBlocks) {
+        return LaunchTyped<2, kOwnSchedule, 4, 4, false>(args, num_sms, stream);
+      }
       return LaunchTyped<2, kOwnSchedule>(args, num_sms, stream);
     case 3:
       return LaunchTyped<3, kOwnSchedule>(args, num_sms, stream);
@@ -432,10 +450,11 @@ absl::Status LaunchRows(const PagedLogitsArgs& args, int num_sms, cudaStream_t s
 
 }  // namespace fp8_runs
 
-absl::Status LaunchPagedMqaLogitsFp8Runs(const PagedLogitsArgs& args, int num_sms,
+absl::Status LaunchPagedMqaLogitsFp8Runs(MqaVariant v, const PagedLogitsArgs& args, int num_sms,
                                          cudaStream_t stream) {
-  return DenseComputesOwnSchedule(args.rows) ? fp8_runs::LaunchRows<true>(args, num_sms, stream)
-                                             : fp8_runs::LaunchRows<false>(args, num_sms, stream);
+  return DenseComputesOwnSchedule(args.rows)
+             ? fp8_runs::LaunchRows<true>(v, args, num_sms, stream)
+             : fp8_runs::LaunchRows<false>(v, args, num_sms, stream);
 }
 
 }  // namespace decode_indexer::kernels::cuda
