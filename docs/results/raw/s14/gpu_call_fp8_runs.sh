@@ -7,7 +7,7 @@
 #   cp build/kernels/cuda/CMakeFiles/di_kernels_cuda.dir/sm90_paged_mqa_logits_fp8.cu.o .peer/fp8.o
 #   git rev-parse --short HEAD > .peer/tree.txt; cp docs/results/raw/s14/gpu_call_fp8_runs.sh .peer/
 # Then the device tool, carry [".peer"]: bash .peer/gpu_call_fp8_runs.sh  (about 6-8 minutes)
-# What it answers: are the variant's logits the production kernel's bit for bit (gpu_variants_test,
+# What it answers: are the variants' logits (kFp8Runs, kFp8RunsN2FourBlocks) the production kernel's bit for bit (gpu_variants_test,
 # every fp8 variant and Fp8RunsVariantEqualsTheProductionKernel), and is it faster: the bench's
 # "fp8 variant fp8 runs" line beside the production fp8 kernel on all 32 shapes, DeepGEMM on the
 # same configs, ncu instruction counts of both kernels at 64 x 32K next_n 1 and 2, both SASS.
@@ -25,9 +25,12 @@ s=$(date +%s); timeout 150 bash .peer/deepgemm/dg_build.sh > $O/dg_build.log 2>&
 python3 .peer/deepgemm/compare.py $O/cuda_bench.json $O/dg.json > $O/compare.md 2>&1
 OP="--metrics smsp__inst_executed.sum,gpu__time_duration.sum,smsp__issue_active.avg.per_cycle_active,smsp__inst_executed_pipe_alu.sum,smsp__inst_executed_pipe_fma.sum,smsp__inst_executed_pipe_uniform.sum,smsp__warps_active.avg.per_cycle_active,launch__registers_per_thread"
 for n in 2 1; do
-  for k in PagedMqaLogitsFp8Kernel PagedMqaLogitsFp8RunsKernel; do
-    LD_LIBRARY_PATH=$L timeout 60 ncu --clock-control none --kernel-name regex:$k --launch-skip 3 --launch-count 1 $OP gpu-bundle/decode-indexer-bench-cuda --skip-variants --only 64 $n 32768 --out /tmp/x.json > $O/ncu_${k}_n$n.log 2>&1; echo "ncu $k n$n rc=$?"
-    LD_LIBRARY_PATH=$L timeout 90 ncu --clock-control none --kernel-name regex:$k --launch-skip 3 --launch-count 1 --section SourceCounters --page source --print-source sass --csv gpu-bundle/decode-indexer-bench-cuda --skip-variants --only 64 $n 32768 --out /tmp/x.json > $O/ncu_src_${k}_n$n.csv 2> $O/ncu_src_${k}_n$n.err; echo "ncu src $k n$n rc=$?"
+  ks="PagedMqaLogitsFp8KernelILi${n}ELb1E PagedMqaLogitsFp8RunsKernelILi${n}ELb1ELi[34]ELi4ELb1E"
+  [ $n = 2 ] && ks="$ks PagedMqaLogitsFp8RunsKernelILi2ELb1ELi4ELi4ELb0E"
+  for k in $ks; do
+    tag=$(echo "$k" | tr -c 'A-Za-z0-9\n' '_')
+    LD_LIBRARY_PATH=$L timeout 60 ncu --clock-control none --kernel-name-base mangled --kernel-name "regex:$k" --launch-skip 3 --launch-count 1 $OP gpu-bundle/decode-indexer-bench-cuda --skip-variants --only 64 $n 32768 --out /tmp/x.json > $O/ncu_${tag}_n$n.log 2>&1; echo "ncu $k rc=$?"
+    LD_LIBRARY_PATH=$L timeout 90 ncu --clock-control none --kernel-name-base mangled --kernel-name "regex:$k" --launch-skip 3 --launch-count 1 --section SourceCounters --page source --print-source sass --csv gpu-bundle/decode-indexer-bench-cuda --skip-variants --only 64 $n 32768 --out /tmp/x.json > $O/ncu_src_${tag}_n$n.csv 2> $O/ncu_src_${tag}_n$n.err; echo "ncu src $k rc=$?"
   done
 done
 grep -h "gpu__time_duration.sum\|smsp__inst_executed.sum \|issue_active\|pipe_alu\|pipe_fma\|pipe_uniform\|registers_per\|warps_active" $O/ncu_*.log
