@@ -5,8 +5,10 @@
 //     straight in the span, no host copy;
 //   kHost, pageable (the response's bytes, an unregistered region): the copy lands in the
 //     rank's page-locked readback space, then one BulkCopy moves it to the span;
-//   kDevice (a client's CUDA IPC buffer in the answering rank's backend memory): device to
-//     device;
+//   kDevice (a client's CUDA IPC buffer in the answering rank's backend memory): the top-k
+//     written there in place by the answering rank's top-k kernels where that rank scores
+//     every row (an unsharded step) and the span is int32-aligned, else device to device (a
+//     sharded step's gathered rows, a misaligned span); candidates device to device;
 //   kEncoder (DELTA_VARINT): the rows are handed to the encoder in row order, from the ranks'
 //     readback space, only after the step committed;
 //   kVector (no sink, and executors that ignore sinks: test doubles): StepResult's vectors.
@@ -45,8 +47,8 @@ class AnswerSink {
     return s;
   }
   // Memory of the answering rank's (rank 0's) backend. `done_event` (or null): a device event
-  // of that backend (Device::OpenIpcEvent) recorded on its stream after the answer's copies,
-  // so the client's stream can wait for the answer on the GPU.
+  // of that backend (Device::OpenIpcEvent) recorded on its stream after everything that writes
+  // the answer (kernels and copies), so the client's stream can wait for the answer on the GPU.
   static AnswerSink Device(int32_t* topk, int32_t* candidates, void* done_event = nullptr) {
     AnswerSink s;
     s.kind_ = Kind::kDevice;

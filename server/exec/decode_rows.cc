@@ -22,9 +22,10 @@ int64_t NanosBetween(std::chrono::steady_clock::time_point a,
 // Everything before the collectives: upload -> insert keys -> q of rows [range) ->
 // decode_schedule -> the kernel section (device q's check, rope_quant_q and the scoring call;
 // q read in place from a client's device buffer on the answering rank) into the rank's
-// topk (and candidates at a source). The uploads, key inserts and a consumer's schedule run
-// eagerly (their sizes vary, or they use the side stream); the kernel section replays a
-// captured graph when the step's shape was seen before (step_graphs.h).
+// topk (or, TopKInPlace, the answer's device span) and candidates at a source. The uploads, key
+// inserts and a consumer's schedule run eagerly (their sizes vary, or they use the side stream);
+// the kernel section replays a captured graph when the step's shape was seen before
+// (step_graphs.h).
 absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range,
                        StepUploads& packed, DeviceChecks& checks) {
   kernels::IndexerOps& ops = rank.ops();
@@ -69,7 +70,8 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
 
 // The answer: a direct (sharded, host-bound) step's rank copies its own rows to their place in
 // the host answer (see gather_topk in DecodeRowsOnRank); otherwise the answering rank copies
-// every row, to the host or device to device into the answer's device span.
+// every row, to the host or device to device into the answer's device span, unless its
+// scoring wrote the top-k there in place (TopKInPlace).
 absl::Status CopyAnswer(Rank& rank, const StepPlan& plan, RowRange range, bool direct,
                         Readback& readback) {
   kernels::Device& be = rank.device();
@@ -95,7 +97,10 @@ absl::Status CopyAnswer(Rank& rank, const StepPlan& plan, RowRange range, bool d
     const size_t topk_bytes = size_t(plan.num_rows) * s.topk * sizeof(int32_t);
     const size_t cand_bytes = size_t(plan.num_rows) * NB * sizeof(int32_t);
     if (plan.topk_device_out != nullptr) {
-      DI_RETURN_IF_ERROR(be.CopyDeviceToDevice(plan.topk_device_out, b.topk, topk_bytes));
+      // Already there where the scoring wrote it in place (ScoringCall, TopKInPlace).
+      if (!TopKInPlace(rank, plan)) {
+        DI_RETURN_IF_ERROR(be.CopyDeviceToDevice(plan.topk_device_out, b.topk, topk_bytes));
+      }
     } else {
       DI_RETURN_IF_ERROR(readback.Copy(Readback::Answer::kTopK, 0, b.topk, topk_bytes));
     }
@@ -105,7 +110,8 @@ absl::Status CopyAnswer(Rank& rank, const StepPlan& plan, RowRange range, bool d
     } else if (plan.candidates_out != nullptr || plan.defer_candidates) {
       DI_RETURN_IF_ERROR(readback.Copy(Readback::Answer::kCandidates, 0, b.candidates, cand_bytes));
     }
-    // "Answer ready" for the client's stream, after every copy into its buffer.
+    // "Answer ready" for the client's stream, after everything that writes its buffer: the
+    // kernel section (a top-k written in place) and the copies above, all on this stream.
     if (plan.answer_event != nullptr) DI_RETURN_IF_ERROR(be.RecordEvent(plan.answer_event));
   }
   return absl::OkStatus();

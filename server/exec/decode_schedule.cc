@@ -48,6 +48,11 @@ absl::Status DecodeSchedule(Rank& rank, Staging& staging, const StepPlan& plan,
   return absl::OkStatus();
 }
 
+bool TopKInPlace(const Rank& rank, const StepPlan& plan) {
+  return plan.topk_device_out != nullptr && rank.index() == plan.answer_rank && !plan.sharded &&
+         reinterpret_cast<uintptr_t>(plan.topk_device_out) % kAnswerInPlaceAlign == 0;
+}
+
 ScoringCall::ScoringCall(Rank& rank, const StepPlan& plan, RowRange range, const QRows& q,
                          const StepUploads& packed) {
   RankBuffers& b = rank.buffers();
@@ -75,7 +80,9 @@ ScoringCall::ScoringCall(Rank& rank, const StepPlan& plan, RowRange range, const
     run = r > range.start && plan.row_request[r] == plan.row_request[r - 1] ? run + 1 : 1;
     rows.rows_per_request = std::max(rows.rows_per_request, run);
   }
-  int32_t* topk_out = b.topk + int64_t{range.start} * s.topk;
+  const bool topk_in_place = TopKInPlace(rank, plan);
+  int32_t* topk_out =
+      (topk_in_place ? plan.topk_device_out : b.topk) + int64_t{range.start} * s.topk;
 
   if (!consumer) {  // dense logits + top-k (a source selects its candidate blocks too)
     kernel_ = Kernel::kDense;
@@ -133,6 +140,8 @@ ScoringCall::ScoringCall(Rank& rank, const StepPlan& plan, RowRange range, const
     shape_.q_weights = reinterpret_cast<uintptr_t>(q.view.weights);
   }
   shape_.q_check = q.checks.num_checks == 0 ? 0 : (q.checks.accumulate ? 2 : 1);
+  // The answer's span is the client's: no staging buffer fixes where it lies.
+  if (topk_in_place) shape_.topk_out = reinterpret_cast<uintptr_t>(topk_out);
 }
 
 absl::Status ScoringCall::Launch(kernels::IndexerOps& ops) const {

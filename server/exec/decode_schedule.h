@@ -32,8 +32,22 @@ absl::Status CopyStoreRows(Rank& rank, Staging& staging, const StepPlan& plan, b
 absl::Status DecodeSchedule(Rank& rank, Staging& staging, const StepPlan& plan,
                             const StepUploads& packed);
 
+// Whether the rank's scoring call writes the step's top-k straight into the answer's device
+// span (StepPlan::topk_device_out, a client's buffer in the answering rank's memory) instead
+// of the rank's own buffer, so that CopyAnswer has no device-to-device copy of it to make
+// (that copy cost the host ~6-9 us a step on the H200, docs/results/step-host.md). Only where
+// nothing else reads the rank's top-k: on the answering rank of an unsharded step (it scores
+// every row; a sharded step all-gathers the ranks' rows in their own buffers first), and only
+// where the span is aligned for the top-k kernels' stores (kAnswerInPlaceAlign; the edge asks
+// a CUDA IPC answer offset for as much, an in-process caller may not), else the copy as before.
+bool TopKInPlace(const Rank& rank, const StepPlan& plan);
+// Every top-k path (the CPU engine's, and CUDA's radix, cooperative and whole-row answers)
+// stores int32 scalars at out + row * K + i: one int32's alignment is all they need.
+inline constexpr uintptr_t kAnswerInPlaceAlign = alignof(int32_t);
+
 // The scoring call of the rank's rows [range): the kernel for the layer's role with its
-// arguments, and the shape that keys the kernel section's graph (step_graphs.h).
+// arguments, and the shape that keys the kernel section's graph (step_graphs.h). Its top-k
+// goes to the rank's own buffer, or in place into the answer's device span (TopKInPlace).
 class ScoringCall {
  public:
   ScoringCall(Rank& rank, const StepPlan& plan, RowRange range, const QRows& q,

@@ -1,9 +1,10 @@
 // step_graphs: a rank's kernel section (device q's check, rope_quant_q and the scoring call)
 // replayed from a captured graph per step shape (seed: warm, then capture). Two steps with
 // equal shapes make the same launches with the same pointers and sizes, since every staging
-// buffer is fixed at start-up (q read in place in a client's buffer: its addresses are part
-// of the shape): the first sighting of a shape runs eagerly (and creates every workspace), the
-// second captures, later ones replay. Only where the backend has graphs (CUDA).
+// buffer is fixed at start-up (q read in place in a client's buffer, and a top-k written in
+// place into a client's answer buffer: their addresses are part of the shape): the first sighting
+// of a shape runs eagerly (and creates every workspace), the second captures, later ones replay.
+// Only where the backend has graphs (CUDA).
 #pragma once
 
 #include <cstdint>
@@ -21,7 +22,8 @@ class Rank;
 // scoring call): two steps with equal shapes make the same launches with the same pointers and
 // sizes, so the second may capture them and later ones replay the graph (seed: warm). Pointers
 // are a function of these fields, since every staging buffer, and the staging ring's slots,
-// are fixed at start-up; q read in place is keyed by its addresses.
+// are fixed at start-up; q read in place and an answer written in place are keyed by their
+// addresses.
 struct StepShape {
   int32_t pool = 0;
   int32_t role = 0;
@@ -50,10 +52,14 @@ struct StepShape {
   // Device q's value check in the section (QRows::checks): 0 none, 1 the step's first check
   // (it clears the flag word), 2 after the keys' (it adds to it).
   int32_t q_check = 0;
+  // The top-k written in place into the answer's device span (decode_schedule.h TopKInPlace):
+  // the address of the rank's rows there (0: the rank's own buffer). A step whose answer
+  // buffer moved is another shape: a replay never writes where an earlier step's answer went.
+  uintptr_t topk_out = 0;
   auto Tie() const {
     return std::tie(pool, role, masked, candidates, range_start, rows, requests, q_type, positions,
                     hadamard, max_row_length, rows_per_request, staging_slot, total_rows, staged_q,
-                    q_codes, q_scales, q_weights, q_check);
+                    q_codes, q_scales, q_weights, q_check, topk_out);
   }
   bool operator<(const StepShape& o) const { return Tie() < o.Tie(); }
 };

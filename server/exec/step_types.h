@@ -92,10 +92,11 @@ struct StepPlan {
   bool defer_topk = false;
   bool defer_candidates = false;
   // Instead of topk_out / candidates_out: memory of the answering rank's backend (a client's
-  // CUDA IPC buffer), written device to device with no host copy.
+  // CUDA IPC buffer), with no host copy: the top-k written there by the scoring itself where
+  // decode_schedule.h TopKInPlace says so, else (and the candidates) device to device.
   int32_t* topk_device_out = nullptr;        // [rows, topk]
   int32_t* candidates_device_out = nullptr;  // [rows, NB] or null
-  // AnswerSink::done_event: recorded on the answering rank's stream after those copies.
+  // AnswerSink::done_event: recorded on the answering rank's stream after those writes.
   void* answer_event = nullptr;
 
   // Back to an empty plan, keeping the vectors' capacity: the executor reuses one plan for

@@ -11,7 +11,9 @@
 //
 // Skipped (visibly) where no GPU is visible, as in CI.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -31,6 +33,7 @@ namespace {
 using config::LayerRole;
 using exec::Executor;
 using exec::ExecutorOptions;
+using exec::StepResult;
 
 // The CUDA backend's near-tie tolerance in fp32 ulps of a row's largest logit.
 constexpr double kCudaUlps = 16.0;
@@ -292,6 +295,277 @@ TEST(GpuExecutorTest, GraphReplaysAnswerAsEagerStepsBitForBit) {
                       return be.UnregisterHostMemory(region_mem.data());
                     })
                     .ok());
+  }
+}
+
+// An allocation of an executor's answering backend (an attention worker's CUDA IPC buffer, in
+// process), filled and read back through Executor::WithAnswerDevice between steps.
+class AnswerDeviceMemory {
+ public:
+  AnswerDeviceMemory(Executor& e, size_t bytes) : e_(e), bytes_(bytes) {
+    const absl::Status s = e_.WithAnswerDevice([&](kernels::Device& be) {
+      absl::StatusOr<void*> p = be.Allocate(bytes_);
+      if (!p.ok()) return p.status();
+      base_ = static_cast<uint8_t*>(*p);
+      return absl::OkStatus();
+    });
+    EXPECT_TRUE(s.ok()) << s;
+  }
+  ~AnswerDeviceMemory() {
+    if (base_ == nullptr) return;
+    (void)e_.WithAnswerDevice([&](kernels::Device& be) {
+      be.Free(base_);
+      return absl::OkStatus();
+    });
+  }
+  bool ok() const { return base_ != nullptr; }
+  uint8_t* at(size_t offset) const { return base_ + offset; }
+  // `n` bytes of `src` at `offset`.
+  void Put(size_t offset, const void* src, size_t n) {
+    ASSERT_LE(offset + n, bytes_);
+    const absl::Status s = e_.WithAnswerDevice([&](kernels::Device& be) {
+      absl::Status st = be.CopyToDevice(base_ + offset, src, n);
+      return st.ok() ? be.Synchronize() : st;
+    });
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  void Fill(uint8_t byte) {
+    const std::vector<uint8_t> host(bytes_, byte);
+    Put(0, host.data(), bytes_);
+  }
+  std::vector<uint8_t> Read() {
+    std::vector<uint8_t> host(bytes_);
+    const absl::Status s = e_.WithAnswerDevice([&](kernels::Device& be) {
+      absl::Status st = be.CopyToHost(host.data(), base_, bytes_);
+      return st.ok() ? be.Synchronize() : st;
+    });
+    EXPECT_TRUE(s.ok()) << s;
+    return host;
+  }
+
+ private:
+  Executor& e_;
+  size_t bytes_;
+  uint8_t* base_ = nullptr;
+};
+
+// The answer's top-k written in place (server/exec/decode_schedule.h TopKInPlace): executors
+// answering into a device span of their answering backend, graphs on and off, answer bit for
+// bit as one answering into the result's vectors (its top-k kernels writing the rank's own
+// buffer, copied to the host), over steps that repeat their shapes (eager, captured,
+// replayed), on the dense top-k, the source (top-k and candidates, which are still copied) and
+// the sparse and masked consumers; an answer that moves to another offset is another graph
+// (the first step there does not replay; the old offset stays poisoned: a stale replay would
+// write it); a span 2 bytes off int32 alignment takes the device-to-device copy and answers
+// the same; no byte of the allocation outside the answer's spans is written. Then a NaN weight
+// in device q (in the same allocation) fails a step whose kernel section replays: INVALID_ARGUMENT
+// naming weights.data, lengths unchanged, nothing written outside the answer's span; the same
+// step clean answers as the reference.
+TEST(GpuExecutorTest, DeviceAnswerWrittenInPlaceAnswersAsTheVectors) {
+  if (!kernels::CudaBackendAvailable()) {
+    GTEST_SKIP() << "no CUDA GPU visible: the in-place device answer test is skipped here";
+  }
+  struct Variant {
+    const char* name;
+    config::Profile profile;
+    bool masked;
+  };
+  for (const Variant& v : {Variant{"v32", GraphV32(), false}, Variant{"v41", GraphV41(), false},
+                           Variant{"v41 masked", GraphV41(), true}}) {
+    SCOPED_TRACE(v.name);
+    const config::Profile& p = v.profile;
+    const uint64_t seed = FreshSeed();
+    SCOPED_TRACE(absl::StrCat("seed ", seed));
+    Harness h(p, seed);
+    ExecutorOptions o;
+    o.backend = "cuda";
+    o.ranks = 1;
+    o.cache_pages = 2048;
+    o.max_requests_per_step = 8;
+    o.max_sequences = 16;
+    o.masked_consumer = v.masked;
+    o.cuda_graphs = false;
+    auto ref = Executor::Create(p, o);  // the vectors
+    auto off = Executor::Create(p, o);
+    o.cuda_graphs = true;
+    auto on = Executor::Create(p, o);
+    ASSERT_TRUE(ref.ok() && off.ok() && on.ok())
+        << ref.status() << " / " << off.status() << " / " << on.status();
+    const std::vector<uint64_t> ids = {21, 22, 23, 24};
+    for (uint64_t id : ids) {
+      for (auto* e : {&*ref, &*off, &*on}) ASSERT_TRUE((*e)->CreateSequence(id).ok());
+      for (int32_t layer : p.CacheLayers()) {
+        const int32_t count = 2600 + static_cast<int32_t>(h.rng()() % 1400);
+        std::vector<uint8_t> keys, scales;
+        exec::KeysInput in;
+        h.RandomKeys(layer, count, KeyForm::kF32, &keys, &scales, &in.type);
+        in.count = count;
+        in.keys = keys.data();
+        in.scales = scales.empty() ? nullptr : scales.data();
+        for (auto* e : {&*ref, &*off, &*on}) ASSERT_TRUE((*e)->AppendKeys(id, layer, in).ok());
+        h.RecordAppend(id, layer, in);
+      }
+    }
+    auto lengths = [&](Executor& e) {
+      std::vector<int64_t> out;
+      for (uint64_t id : ids) {
+        absl::StatusOr<exec::SequenceInfo> info = e.GetSequence(id);
+        EXPECT_TRUE(info.ok()) << info.status();
+        if (!info.ok()) continue;
+        for (const exec::SequenceCacheInfo& c : info->caches) out.push_back(c.length);
+      }
+      return out;
+    };
+
+    // Each executor's allocation: answers in [0, kAnswers) (A, B and M = B + 2), candidates
+    // at kCandidates, device q from kQ; poisoned before every step.
+    const size_t max_rows = 2 * ids.size();
+    const size_t topk_bytes = max_rows * size_t(p.topk) * sizeof(int32_t);
+    const size_t cand_bytes = max_rows * size_t(p.num_candidate_blocks) * sizeof(int32_t);
+    const size_t A = 0, B = (topk_bytes + 4095) / 4096 * 4096 + 4096, M = B + 2;
+    const size_t kCandidates = (M + topk_bytes + 4095) / 4096 * 4096;
+    const size_t kQ = (kCandidates + cand_bytes + 4095) / 4096 * 4096;
+    const size_t kBytes = kQ + (size_t{1} << 20);
+    constexpr uint8_t kPoison = 0xA7;
+    struct Under {
+      const char* name;
+      Executor* e;
+      std::unique_ptr<AnswerDeviceMemory> mem;
+    };
+    std::vector<Under> unders;
+    unders.push_back(
+        {"graphs off", off->get(), std::make_unique<AnswerDeviceMemory>(**off, kBytes)});
+    unders.push_back({"graphs on", on->get(), std::make_unique<AnswerDeviceMemory>(**on, kBytes)});
+    for (const Under& u : unders) ASSERT_TRUE(u.mem->ok()) << u.name;
+
+    // Runs `in` on `u` answering at `at` of its allocation (q there too where `device_q`):
+    // the step's status; with `want`, the answer checked against it. Every byte of the
+    // allocation before kQ outside the answer's spans must still be poison.
+    auto run = [&](Under& u, const StepData& step, size_t at, bool device_q, bool nan,
+                   const StepResult* want) -> absl::Status {
+      const size_t rows = size_t(step.input.num_rows);
+      const size_t tk = rows * size_t(p.topk) * sizeof(int32_t);
+      const size_t cb = rows * size_t(p.num_candidate_blocks) * sizeof(int32_t);
+      u.mem->Fill(kPoison);
+      exec::StepInput in = step.input;
+      const exec::AnswerSink sink = exec::AnswerSink::Device(
+          reinterpret_cast<int32_t*>(u.mem->at(at)),
+          in.return_candidates ? reinterpret_cast<int32_t*>(u.mem->at(kCandidates)) : nullptr);
+      in.answer = &sink;
+      if (device_q) {
+        size_t next = kQ;
+        u.mem->Put(next, step.q.data(), step.q.size());
+        in.q.q = u.mem->at(next);
+        next = (next + step.q.size() + 15) / 16 * 16;
+        if (!step.q_scales.empty()) {
+          u.mem->Put(next, step.q_scales.data(), step.q_scales.size());
+          in.q.scales = u.mem->at(next);
+          next = (next + step.q_scales.size() + 15) / 16 * 16;
+        }
+        std::vector<float> weights = step.weights;
+        if (nan) weights[(rows - 1) * size_t(p.num_heads) + 1] = std::nanf("");
+        u.mem->Put(next, weights.data(), weights.size() * sizeof(float));
+        in.q.weights = reinterpret_cast<const float*>(u.mem->at(next));
+        in.q.on_device = true;
+      }
+      absl::StatusOr<StepResult> got = u.e->DecodeStep(in);
+      const std::vector<uint8_t> mem = u.mem->Read();
+      size_t outside = 0;
+      for (size_t i = 0; i < kQ; ++i) {
+        const bool in_answer = i >= at && i < at + tk;
+        const bool in_candidates = in.return_candidates && i >= kCandidates && i < kCandidates + cb;
+        outside += !in_answer && !in_candidates && mem[i] != kPoison;
+      }
+      EXPECT_EQ(outside, 0u) << u.name << ": bytes outside the answer written";
+      if (!got.ok()) return got.status();
+      EXPECT_TRUE(got->topk_indices.empty() && got->candidate_blocks.empty()) << u.name;
+      if (want != nullptr) {
+        std::vector<int32_t> topk(tk / sizeof(int32_t));
+        std::memcpy(topk.data(), mem.data() + at, tk);
+        EXPECT_TRUE(topk == want->topk_indices) << u.name << ": top-k differs from the vectors'";
+        if (in.return_candidates) {
+          std::vector<int32_t> cand(cb / sizeof(int32_t));
+          std::memcpy(cand.data(), mem.data() + kCandidates, cb);
+          EXPECT_TRUE(cand == want->candidate_blocks) << u.name << ": candidates differ";
+        }
+        EXPECT_EQ(got->lengths, want->lengths) << u.name;
+      }
+      return absl::OkStatus();
+    };
+    auto make_step = [&](const config::LayerSpec& l) {
+      const bool consumer = l.role == LayerRole::kCandidateConsumer;
+      std::vector<SeqPlan> plan;
+      for (uint64_t id : ids) plan.push_back({id, 2, consumer ? 0 : 2, {}});
+      std::unique_ptr<StepData> step =
+          h.MakeStep(l.layer, plan, QForm::kQuantized, KeyForm::kF32, /*with_positions=*/false);
+      step->input.return_candidates = l.role == LayerRole::kCandidateSource;
+      return step;
+    };
+
+    const std::vector<size_t> rounds = {A, A, A, B, B, B, M, M, A, A};
+    for (size_t ri = 0; ri < rounds.size(); ++ri) {
+      const size_t at = rounds[ri];
+      const bool same_as_two_before = ri >= 2 && rounds[ri - 1] == at && rounds[ri - 2] == at;
+      // The first step at an offset not answered at before (A: the first step of all).
+      const bool first_at =
+          std::find(rounds.begin(), rounds.begin() + ri, at) == rounds.begin() + ri;
+      for (size_t li = 0; li < p.layers.size(); ++li) {
+        const config::LayerSpec& l = p.layers[li];
+        SCOPED_TRACE(absl::StrCat("round ", ri, " layer ", l.layer, " offset ", at));
+        std::unique_ptr<StepData> step = make_step(l);
+        absl::StatusOr<StepResult> want = (*ref)->DecodeStep(step->input);
+        ASSERT_TRUE(want.ok()) << want.status();
+        for (Under& u : unders) {
+          const uint64_t replays = u.e->Status().graph_replays;
+          const absl::Status s = run(u, *step, at, false, false, &*want);
+          ASSERT_TRUE(s.ok()) << u.name << ": " << s;
+          const uint64_t replayed = u.e->Status().graph_replays - replays;
+          if (u.e == on->get() && at % sizeof(int32_t) == 0) {
+            if (same_as_two_before) {
+              EXPECT_EQ(replayed, 1u) << "no replay at a shape seen twice";
+            }
+            if (first_at && li == 0) {
+              EXPECT_EQ(replayed, 0u) << "a moved answer replayed an earlier graph";
+            }
+          }
+        }
+        h.RecordStep(*step);
+      }
+    }
+
+    // Device q with a NaN weight, the section replayed (two clean steps of the shape first).
+    for (const config::LayerSpec& l : p.layers) {
+      for (int attempt = 0; attempt < 3; ++attempt) {
+        SCOPED_TRACE(absl::StrCat("device q, layer ", l.layer, " attempt ", attempt));
+        std::unique_ptr<StepData> step = make_step(l);
+        if (attempt == 2) {
+          for (Under& u : unders) {
+            const std::vector<int64_t> before = lengths(*u.e);
+            const uint64_t replays = u.e->Status().graph_replays;
+            const absl::Status s = run(u, *step, A, true, /*nan=*/true, nullptr);
+            EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << u.name << ": " << s;
+            EXPECT_NE(s.message().find("weights.data"), std::string::npos) << s;
+            EXPECT_NE(s.message().find("committed nothing"), std::string::npos) << s;
+            EXPECT_EQ(lengths(*u.e), before) << u.name << ": the failed step moved a length";
+            if (u.e == on->get()) {
+              EXPECT_EQ(u.e->Status().graph_replays - replays, 1u) << "the section did not replay";
+            }
+          }
+        }
+        absl::StatusOr<StepResult> want = (*ref)->DecodeStep(step->input);
+        ASSERT_TRUE(want.ok()) << want.status();
+        for (Under& u : unders) {
+          const absl::Status s = run(u, *step, A, true, false, &*want);
+          ASSERT_TRUE(s.ok()) << u.name << ": " << s;
+        }
+        h.RecordStep(*step);
+      }
+    }
+    EXPECT_EQ(lengths(**on), lengths(**ref));
+    EXPECT_EQ(lengths(**off), lengths(**ref));
+    EXPECT_GT((*on)->Status().graph_replays, 0u);
+    EXPECT_EQ((*off)->Status().graph_replays, 0u);
+    for (const Under& u : unders) EXPECT_TRUE(u.e->Status().healthy) << u.name;
   }
 }
 

@@ -291,12 +291,21 @@ struct Recorder {
   bool capturing = false;
   std::vector<std::function<absl::Status()>> recording;
   std::map<uint64_t, std::vector<std::function<absl::Status()>>> graphs;
-  // A client's "device buffer" [client_begin, client_end) (device q): the device-to-device
-  // copies out of it, and the q codes every scoring call read as it ran (eager or replayed).
+  // A client's "device buffer" [client_begin, client_end) (device q, and an answer there):
+  // the device-to-device copies out of it and into it, and the q codes every scoring call read
+  // and the top-k it wrote as it ran (eager or replayed).
   uintptr_t client_begin = 0, client_end = 0;
   int64_t client_copies = 0;
+  int64_t client_writes = 0;
   std::vector<const uint8_t*> scored_q;
+  std::vector<const int32_t*> scored_topk;
   int64_t checks_run = 0;  // CheckValues calls that ran (eager or replayed)
+  int64_t replays = 0;     // graphs replayed
+
+  bool InClient(const void* p) const {
+    const auto at = reinterpret_cast<uintptr_t>(p);
+    return at >= client_begin && at < client_end;
+  }
 
   void Forbidden() {
     if (capturing) ++*violations;
@@ -329,8 +338,8 @@ class RecordingDevice final : public kernels::DeviceWrapper {
   }
   absl::Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes) override {
     recorder_.Forbidden();
-    const auto at = reinterpret_cast<uintptr_t>(src);
-    if (at >= recorder_.client_begin && at < recorder_.client_end) ++recorder_.client_copies;
+    if (recorder_.InClient(src)) ++recorder_.client_copies;
+    if (recorder_.InClient(dst)) ++recorder_.client_writes;
     return target().CopyDeviceToDevice(dst, src, bytes);
   }
   absl::Status Synchronize() override {
@@ -360,6 +369,7 @@ class RecordingDevice final : public kernels::DeviceWrapper {
     if (recorder_.capturing) ++*recorder_.violations;
     auto it = recorder_.graphs.find(key);
     if (it == recorder_.graphs.end()) return false;
+    ++recorder_.replays;
     for (const auto& call : it->second) {
       if (absl::Status s = call(); !s.ok()) return s;
     }
@@ -385,18 +395,21 @@ class RecordingOps final : public kernels::IndexerOpsWrapper {
   absl::Status DenseTopK(const kernels::DenseArgs& a) override {
     return r_.Call([this, a] {
       r_.scored_q.push_back(a.q.codes);
+      r_.scored_topk.push_back(a.topk_out);
       return target().DenseTopK(a);
     });
   }
   absl::Status SparseTopK(const kernels::SparseArgs& a) override {
     return r_.Call([this, a] {
       r_.scored_q.push_back(a.q.codes);
+      r_.scored_topk.push_back(a.topk_out);
       return target().SparseTopK(a);
     });
   }
   absl::Status MaskedTopK(const kernels::MaskedArgs& a) override {
     return r_.Call([this, a] {
       r_.scored_q.push_back(a.q.codes);
+      r_.scored_topk.push_back(a.topk_out);
       return target().MaskedTopK(a);
     });
   }
@@ -549,10 +562,11 @@ struct DeviceQRig {
   std::unique_ptr<Executor> host;
   ClientBuffer buffer;
 
-  DeviceQRig(Harness& h, const std::vector<uint64_t>& ids, int32_t ranks) : devices(ranks) {
+  DeviceQRig(Harness& h, const std::vector<uint64_t>& ids, int32_t ranks, bool graphs = true)
+      : devices(ranks) {
     const config::Profile& p = h.profile();
     ExecutorOptions o = CpuOptions(ranks);
-    o.cuda_graphs = true;
+    o.cuda_graphs = graphs;
     auto factory = [this](int32_t rank, const kernels::BackendLimits& limits)
         -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
       return MakeRecordingBackend(kernels::MakeCpuBackend(limits, 1), &violations,
@@ -591,8 +605,11 @@ struct DeviceQRig {
   void Reset() {
     for (RecordingDevice* d : devices) {
       d->recorder().client_copies = 0;
+      d->recorder().client_writes = 0;
       d->recorder().scored_q.clear();
+      d->recorder().scored_topk.clear();
       d->recorder().checks_run = 0;
+      d->recorder().replays = 0;
     }
   }
   // The sequences' lengths and pages in `e`, as text.
@@ -805,6 +822,186 @@ TEST(MultiRankCpu, BadDeviceQReadInPlaceFailsNamingTheFieldAndCommitsNothing) {
       }
       EXPECT_EQ(DeviceQRig::Infos(*rig.device, ids), DeviceQRig::Infos(*rig.host, ids));
       EXPECT_EQ(rig.violations.load(), 0);
+    }
+  }
+}
+
+// ---- The answer's top-k written in place into a client's device buffer --------------------
+
+// Where the answering rank scores every row (one rank, or an unsharded step: 3 requests do not
+// shard over 2 ranks) and the answer's device span is int32-aligned, its scoring writes the
+// top-k straight into the span (decode_schedule.h TopKInPlace): the scoring's top-k pointer is
+// the span and nothing copies into it; otherwise (a sharded step, whose rows are all-gathered
+// first; a misaligned span) the top-k is copied device to device as before. Either way the
+// span holds, bit for bit, what the same step answers in the result's vectors (the plain CPU
+// twin), with graphs off and on (eager, captured, replayed), and no other byte of the buffer
+// is written. An answer that moves to another offset makes another graph shape: the first step
+// there does not replay on the answering rank, and the old offset stays as it was poisoned (a
+// stale replay would write there).
+TEST(MultiRankCpu, DeviceAnswerIsWrittenInPlaceByTheAnsweringRank) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  struct Round {
+    size_t at;        // the answer's offset in the client's buffer
+    size_t requests;  // of the 4 sequences: 4 shard over 2 ranks, 3 do not
+  };
+  const size_t A = 0, B = 64 * 1024, M = B + 2;  // M: not int32-aligned (the copy, then)
+  const std::vector<Round> rounds = {{A, 4}, {A, 4}, {A, 4}, {B, 4}, {B, 4}, {B, 4},
+                                     {M, 4}, {M, 4}, {M, 4}, {A, 3}, {A, 3}, {A, 3},
+                                     {B, 3}, {B, 3}, {B, 3}, {M, 3}};
+  constexpr size_t kAnswerArea = 128 * 1024;  // poisoned before every step
+  constexpr uint8_t kPoison = 0xA7;
+  for (const config::Profile& p : {SmallV32(), SmallV41()}) {
+    for (int32_t ranks : {1, 2}) {
+      for (bool graphs : {false, true}) {
+        SCOPED_TRACE(absl::StrCat(p.name, " ranks ", ranks, " graphs ", graphs));
+        Harness h(p, seed);
+        const std::vector<uint64_t> all_ids = {1, 2, 3, 4};
+        DeviceQRig rig(h, all_ids, ranks, graphs);
+        ASSERT_TRUE(rig.ok());
+        const size_t K = size_t(p.topk);
+        int32_t same_place = 0;  // rounds in a row with this round's offset and requests
+        for (size_t ri = 0; ri < rounds.size(); ++ri) {
+          const Round& round = rounds[ri];
+          const bool repeated =
+              ri > 0 && rounds[ri - 1].at == round.at && rounds[ri - 1].requests == round.requests;
+          same_place = repeated ? same_place + 1 : 1;
+          const std::vector<uint64_t> ids(all_ids.begin(), all_ids.begin() + round.requests);
+          const bool sharded = ranks > 1 && round.requests % size_t(ranks) == 0;
+          const bool in_place = !sharded && round.at % sizeof(int32_t) == 0;
+          for (size_t li = 0; li < p.layers.size(); ++li) {
+            const config::LayerSpec& layer = p.layers[li];
+            SCOPED_TRACE(absl::StrCat("round ", ri, " layer ", layer.layer));
+            std::unique_ptr<StepData> step = DeviceQStep(h, layer, ids, 1, KeyForm::kF32);
+            const size_t rows = size_t(step->input.num_rows);
+            const size_t bytes = rows * K * sizeof(int32_t);
+            std::vector<int32_t> candidates;
+            if (step->input.return_candidates) {
+              candidates.assign(rows * size_t(p.num_candidate_blocks), -7);
+            }
+            std::memset(rig.buffer.at(0), kPoison, kAnswerArea);
+            const exec::AnswerSink sink =
+                exec::AnswerSink::Device(reinterpret_cast<int32_t*>(rig.buffer.at(round.at)),
+                                         candidates.empty() ? nullptr : candidates.data());
+            exec::StepInput on = step->input;
+            on.answer = &sink;
+            rig.Reset();
+            absl::StatusOr<StepResult> got = rig.device->DecodeStep(on);
+            ASSERT_TRUE(got.ok()) << got.status();
+            absl::StatusOr<StepResult> want = rig.host->DecodeStep(step->input);
+            ASSERT_TRUE(want.ok()) << want.status();
+            h.RecordStep(*step);
+            EXPECT_TRUE(got->topk_indices.empty() && got->candidate_blocks.empty());
+            std::vector<int32_t> answer(rows * K);
+            std::memcpy(answer.data(), rig.buffer.at(round.at), bytes);
+            EXPECT_EQ(answer, want->topk_indices);
+            EXPECT_EQ(candidates, want->candidate_blocks);
+            EXPECT_EQ(got->lengths, want->lengths);
+            size_t written_outside = 0;
+            for (size_t i = 0; i < kAnswerArea; ++i) {
+              if ((i < round.at || i >= round.at + bytes) && *rig.buffer.at(i) != kPoison) {
+                ++written_outside;
+              }
+            }
+            EXPECT_EQ(written_outside, 0u) << "bytes of the buffer outside the answer written";
+            for (int32_t r = 0; r < ranks; ++r) {
+              const Recorder& rec = rig.devices[size_t(r)]->recorder();
+              ASSERT_FALSE(rec.scored_topk.empty()) << "rank " << r;
+              for (const int32_t* t : rec.scored_topk) {
+                if (r == 0 && in_place) {
+                  EXPECT_EQ(static_cast<const void*>(t), rig.buffer.at(round.at))
+                      << "the answering rank's top-k went elsewhere";
+                } else {
+                  EXPECT_FALSE(rec.InClient(t)) << "rank " << r << " wrote its top-k in place";
+                }
+              }
+              // Into the client's buffer: the answering rank's one copy, unless in place.
+              EXPECT_EQ(rec.client_writes, r == 0 && !in_place ? 1 : 0) << "rank " << r;
+            }
+            const Recorder& answering = rig.devices[0]->recorder();
+            if (!graphs) {
+              EXPECT_EQ(answering.replays, 0);
+            } else if (in_place && same_place >= 3) {
+              EXPECT_EQ(answering.replays, 1) << "the in-place answer's graph did not replay";
+            } else if (in_place && same_place == 1 && li == 0) {
+              EXPECT_EQ(answering.replays, 0) << "a moved answer replayed an earlier graph";
+            }
+          }
+        }
+
+        // A NaN weight in device q (in the buffer past the answers) with the answer in place
+        // (or copied, sharded): INVALID_ARGUMENT naming the field, nothing committed, nothing
+        // written outside the answer's span (which may hold rows of the uncommitted answer:
+        // answer_sink.h), though the kernel section replays its graph; the same step clean then
+        // answers as the twin that never saw it.
+        const size_t Q = 512 * 1024;
+        for (const size_t requests : {size_t{4}, size_t{3}}) {
+          const std::vector<uint64_t> ids(all_ids.begin(), all_ids.begin() + requests);
+          for (size_t li = 0; li < p.layers.size(); ++li) {
+            const config::LayerSpec& layer = p.layers[li];
+            // Two clean steps (eager and captured with graphs on), then the bad one (replayed).
+            for (int attempt = 0; attempt < 3; ++attempt) {
+              SCOPED_TRACE(absl::StrCat("NaN steps: ", requests, " requests, layer ", layer.layer,
+                                        " attempt ", attempt));
+              const bool bad = attempt == 2;
+              std::unique_ptr<StepData> step = DeviceQStep(h, layer, ids, 1, KeyForm::kF32);
+              const size_t rows = size_t(step->input.num_rows);
+              const size_t bytes = rows * K * sizeof(int32_t);
+              std::vector<int32_t> candidates;
+              if (step->input.return_candidates) {
+                candidates.assign(rows * size_t(p.num_candidate_blocks), -7);
+              }
+              const exec::AnswerSink sink =
+                  exec::AnswerSink::Device(reinterpret_cast<int32_t*>(rig.buffer.at(A)),
+                                           candidates.empty() ? nullptr : candidates.data());
+              exec::StepInput on = step->input;
+              const ClientBuffer::Placed placed = rig.buffer.Place(*step, Q, on);
+              on.answer = &sink;
+              std::memset(rig.buffer.at(0), kPoison, kAnswerArea);
+              if (bad) {
+                const float nan = std::numeric_limits<float>::quiet_NaN();
+                std::memcpy(rig.buffer.at(placed.weights +
+                                          ((rows - 1) * size_t(p.num_heads) + 1) * sizeof(float)),
+                            &nan, sizeof(float));
+                const std::string before = DeviceQRig::Infos(*rig.device, all_ids);
+                rig.Reset();
+                absl::StatusOr<StepResult> r = rig.device->DecodeStep(on);
+                EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+                const std::string message(r.status().message());
+                EXPECT_NE(message.find("weights.data"), std::string::npos) << message;
+                EXPECT_NE(message.find("committed nothing"), std::string::npos) << message;
+                EXPECT_EQ(DeviceQRig::Infos(*rig.device, all_ids), before);
+                if (graphs) {
+                  EXPECT_EQ(rig.devices[0]->recorder().replays, 1);
+                }
+                for (size_t i = bytes; i < kAnswerArea; ++i) {
+                  ASSERT_EQ(*rig.buffer.at(i), kPoison) << "byte " << i << " past the answer";
+                }
+                // The same step, clean.
+                on = step->input;
+                rig.buffer.Place(*step, Q, on);
+                on.answer = &sink;
+              }
+              absl::StatusOr<StepResult> got = rig.device->DecodeStep(on);
+              ASSERT_TRUE(got.ok()) << got.status();
+              absl::StatusOr<StepResult> want = rig.host->DecodeStep(step->input);
+              ASSERT_TRUE(want.ok()) << want.status();
+              h.RecordStep(*step);
+              std::vector<int32_t> answer(rows * K);
+              std::memcpy(answer.data(), rig.buffer.at(A), bytes);
+              EXPECT_EQ(answer, want->topk_indices);
+              EXPECT_EQ(candidates, want->candidate_blocks);
+              EXPECT_EQ(got->lengths, want->lengths);
+            }
+          }
+        }
+        EXPECT_EQ(DeviceQRig::Infos(*rig.device, all_ids), DeviceQRig::Infos(*rig.host, all_ids));
+        EXPECT_EQ(rig.violations.load(), 0);
+        if (graphs) {
+          EXPECT_GT(rig.device->Status().graph_captures, 0u);
+          EXPECT_GT(rig.device->Status().graph_replays, 0u);
+        }
+      }
     }
   }
 }

@@ -262,8 +262,9 @@ TEST_F(DataPlaneTest, StepTimeoutExpiresBeforeTheStepRuns) {
 // answering that address; CopyDeviceToDevice is a memcpy. Everything else is the CPU backend.
 // What the fake ranks did with the "device buffer" and the "events", in order: (rank, what)
 // with what "read" (a device-to-device copy out of an opened buffer), "write" (into one),
-// "wait:<event>", "record:<event>". An event's "handle" carries its number in its first
-// byte; `events` counts the opened ones.
+// "kernel read" / "kernel write" (FakeIpcOps: a kernel reading q, or writing its top-k, in
+// place there), "wait:<event>", "record:<event>". An event's "handle" carries its number in its
+// first byte; `events` counts the opened ones.
 struct FakeIpcLog {
   std::mutex mu;
   std::vector<std::pair<int, std::string>> entries;
@@ -365,21 +366,23 @@ class FakeIpcDevice final : public kernels::DeviceWrapper {
 };
 
 // The CPU's operations, logging (rank, "kernel read") when a kernel reads an opened buffer in
-// place: the answering rank's scoring and value check of device q (step_io.h UploadQ).
+// place: the answering rank's scoring and value check of device q (step_io.h UploadQ); and
+// (rank, "kernel write") when its scoring writes the top-k in place there (decode_schedule.h
+// TopKInPlace).
 class FakeIpcOps final : public kernels::IndexerOpsWrapper {
  public:
   FakeIpcOps(kernels::IndexerOps& cpu, FakeIpcLog* log, int rank)
       : IndexerOpsWrapper(cpu), log_(log), rank_(rank) {}
   absl::Status DenseTopK(const kernels::DenseArgs& a) override {
-    Note(a.q);
+    Note(a.q, a.topk_out);
     return target().DenseTopK(a);
   }
   absl::Status SparseTopK(const kernels::SparseArgs& a) override {
-    Note(a.q);
+    Note(a.q, a.topk_out);
     return target().SparseTopK(a);
   }
   absl::Status MaskedTopK(const kernels::MaskedArgs& a) override {
-    Note(a.q);
+    Note(a.q, a.topk_out);
     return target().MaskedTopK(a);
   }
   absl::Status CheckValues(const kernels::ValueCheckArgs& a) override {
@@ -393,11 +396,12 @@ class FakeIpcOps final : public kernels::IndexerOpsWrapper {
   }
 
  private:
-  void Note(const kernels::QView& q) {
+  void Note(const kernels::QView& q, const int32_t* topk_out) {
     if (log_->InBuffer(q.codes) || log_->InBuffer(q.weights) ||
         (q.scales != nullptr && log_->InBuffer(q.scales))) {
       log_->Add(rank_, "kernel read");
     }
+    if (log_->InBuffer(topk_out)) log_->Add(rank_, "kernel write");
   }
   FakeIpcLog* log_;
   int rank_;
@@ -739,7 +743,7 @@ TEST_P(CudaIpcPlumbingTest, EventsOrderTheBufferOnTheDevice) {
       ASSERT_TRUE(want.ok()) << want.status();
       ExpectBufferAnswer(device, req, plain, *want, oracle, absl::StrCat("layer ", layer));
       for (int r = 0; r < ranks; ++r) {
-        int waits = 0, records = 0, reads = 0, kernel_reads = 0, writes = 0;
+        int waits = 0, records = 0, reads = 0, kernel_reads = 0, writes = 0, kernel_writes = 0;
         for (const auto& [rank, what] : entries) {
           if (rank != r) continue;
           if (what == "wait:7") {
@@ -752,9 +756,9 @@ TEST_P(CudaIpcPlumbingTest, EventsOrderTheBufferOnTheDevice) {
             ++reads;
           } else if (what == "kernel read") {
             ++kernel_reads;
-          } else if (what == "write") {
+          } else if (what == "write" || what == "kernel write") {
             EXPECT_EQ(records, 0) << "rank " << r << " recorded the answer event too early";
-            ++writes;
+            ++(what == "write" ? writes : kernel_writes);
           } else {
             ADD_FAILURE() << "rank " << r << ": " << what;
           }
@@ -769,8 +773,16 @@ TEST_P(CudaIpcPlumbingTest, EventsOrderTheBufferOnTheDevice) {
           EXPECT_EQ(kernel_reads, 0) << "rank " << r << " layer " << layer;
         }
         EXPECT_EQ(waits, ordered ? 1 : 0) << "rank " << r << " layer " << layer;
-        // The answering rank (0) writes the answer and then records the event.
-        EXPECT_EQ(writes > 0, r == 0) << "rank " << r << " layer " << layer;
+        // The answering rank (0) writes the answer and then records the event: at one rank
+        // (unsharded) its scoring writes the top-k in place, with no copy of it (a source's
+        // candidates are still copied); a sharded step's gathered rows are copied.
+        EXPECT_EQ(writes + kernel_writes > 0, r == 0) << "rank " << r << " layer " << layer;
+        if (r == 0) {
+          const bool source =
+              profile_.layers[size_t(layer)].role == config::LayerRole::kCandidateSource;
+          EXPECT_EQ(kernel_writes, ranks == 1 ? 1 : 0) << "layer " << layer;
+          EXPECT_EQ(writes, ranks == 1 ? int(source) : 1 + int(source)) << "layer " << layer;
+        }
         EXPECT_EQ(records, ordered && r == 0 ? 1 : 0) << "rank " << r << " layer " << layer;
       }
     }
