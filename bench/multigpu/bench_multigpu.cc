@@ -25,6 +25,7 @@
 //        [--contexts 32768,65536] [--next-n 1,2] [--steps 20] [--v41-requests 64]
 //        [--v41-context 32768] [--skip-v32] [--skip-v41] [--graphs on,off] [--pinned on]
 //        [--direct on,off] [--packed on|off] [--answer vector,host,pinned,pinned-q,device-q]
+//        [--answer-in-place on|off]
 //
 // --answer (v32; v41 uses the first value): where the timed steps' answers go. vector:
 // StepResult's vectors (the executor's fallback, the path before AnswerSink); host: a
@@ -36,6 +37,9 @@
 // AnswerSink): an attention worker's CUDA IPC buffer, in process.
 // --packed (default on): ExecutorOptions::packed_uploads, a step's small arrays in one upload
 // into the rank's device staging ring; off: one copy per array (the path before the ring).
+// --answer-in-place (default on): ExecutorOptions::answer_in_place, a device answer (device-q)
+// written by the answering rank's top-k itself; off: its device-to-device copy (the path
+// before), for a before / after in one run.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -122,7 +126,8 @@ struct Args {
   bool v41 = true;
   std::vector<bool> graphs = {true, false};
   std::vector<bool> pinned = {true};
-  bool packed = true;  // ExecutorOptions::packed_uploads (--packed on|off)
+  bool packed = true;           // ExecutorOptions::packed_uploads (--packed on|off)
+  bool answer_in_place = true;  // ExecutorOptions::answer_in_place (--answer-in-place on|off)
   std::vector<bool> direct = {true};
   std::vector<std::string> answers = {"pinned"};
 };
@@ -162,7 +167,7 @@ Args Parse(int argc, char** argv) {
           "[--requests 64,128]\n  [--contexts 32768,65536] [--next-n 1,2] [--steps 20] "
           "[--v41-requests 64] [--v41-context 32768]\n  [--skip-v32] [--skip-v41] "
           "[--graphs on,off] [--pinned on] [--direct on,off] [--packed on|off]\n  [--answer "
-          "vector,host,pinned,pinned-q,device-q] "
+          "vector,host,pinned,pinned-q,device-q] [--answer-in-place on|off] "
           "[--version]\n");
       std::exit(0);
     } else if (f == "--version") {
@@ -194,6 +199,8 @@ Args Parse(int argc, char** argv) {
       a.pinned = OnOffList(next());
     else if (f == "--packed")
       a.packed = std::string(next()) != "off";
+    else if (f == "--answer-in-place")
+      a.answer_in_place = std::string(next()) != "off";
     else if (f == "--direct")
       a.direct = OnOffList(next());
     else if (f == "--answer")
@@ -520,6 +527,7 @@ std::unique_ptr<Executor> MakeExecutor(const di::config::Profile& p, const Args&
   o.pinned_staging = pinned;
   o.direct_answers = direct;
   o.packed_uploads = a.packed;
+  o.answer_in_place = a.answer_in_place;
   absl::StatusOr<std::unique_ptr<Executor>> e;
   if (a.backend == "host") {
     o.backend = "cpu";  // the in-process collective; the backends are the factory's
@@ -828,8 +836,8 @@ int main(int argc, char** argv) {
   std::printf(
       "# decode-indexer-bench-multigpu\n\nmean over %d steps after %d warm-up steps; "
       "executor compute time per step (host planning, uploads, kernels on every rank, "
-      "all-gather, answer copy-back); packed uploads %s\n",
-      a.steps, a.warmup, a.packed ? "on" : "off");
+      "all-gather, answer copy-back); packed uploads %s, answer in place %s\n",
+      a.steps, a.warmup, a.packed ? "on" : "off", a.answer_in_place ? "on" : "off");
   if (a.v32) BenchV32(a);
   if (a.v41) BenchV41(a);
   return 0;

@@ -49,7 +49,8 @@ absl::Status DecodeSchedule(Rank& rank, Staging& staging, const StepPlan& plan,
 }
 
 bool TopKInPlace(const Rank& rank, const StepPlan& plan) {
-  return plan.topk_device_out != nullptr && rank.index() == plan.answer_rank && !plan.sharded &&
+  return plan.answer_in_place && plan.topk_device_out != nullptr &&
+         rank.index() == plan.answer_rank && !plan.sharded &&
          reinterpret_cast<uintptr_t>(plan.topk_device_out) % kAnswerInPlaceAlign == 0;
 }
 

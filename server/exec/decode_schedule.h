@@ -40,6 +40,7 @@ absl::Status DecodeSchedule(Rank& rank, Staging& staging, const StepPlan& plan,
 // every row; a sharded step all-gathers the ranks' rows in their own buffers first), and only
 // where the span is aligned for the top-k kernels' stores (kAnswerInPlaceAlign; the edge asks
 // a CUDA IPC answer offset for as much, an in-process caller may not), else the copy as before.
+// ExecutorOptions::answer_in_place off: always the copy (the benchmarks' same-run baseline).
 bool TopKInPlace(const Rank& rank, const StepPlan& plan);
 // Every top-k path (the CPU engine's, and CUDA's radix, cooperative and whole-row answers)
 // stores int32 scalars at out + row * K + i: one int32's alignment is all they need.

@@ -70,6 +70,11 @@ struct ExecutorOptions {
   // consumer step needs no all-gather and no host agreement (--direct-answers; off: rank 0
   // gathers every row and copies the whole answer, as before). Answers are the same.
   bool direct_answers = true;
+  // An unsharded step's answering rank writes its top-k straight into a device answer span
+  // (AnswerSink::Device, a client's CUDA IPC buffer) instead of its own buffer and a
+  // device-to-device copy (decode_schedule.h TopKInPlace). Answers are the same; off: the copy,
+  // as before (a same-run baseline for the benchmarks).
+  bool answer_in_place = true;
   // A sequence no call has named for this long is released (0: never). Later calls naming it
   // answer NOT_FOUND saying it was released as idle (--idle-sequence-timeout).
   int64_t idle_sequence_timeout_ms = 0;

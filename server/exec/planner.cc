@@ -217,6 +217,7 @@ absl::Status StepPlanner::Plan(const ValidatedStep& validated, StepPlan& plan, P
   plan.rope.dim_offset = p.rope.dim_offset;
   plan.rope.rope_dim = p.rope.rope_dim;
   plan.direct_answers = host_.options.direct_answers;
+  plan.answer_in_place = host_.options.answer_in_place;
   plan.masked_consumer = host_.options.masked_consumer;
   // Every request's key slots in one buffer, sized before any KeyWrite points into it.
   int64_t total_keys = 0;

@@ -66,6 +66,8 @@ struct StepPlan {
   // ExecutorOptions::direct_answers: a sharded step's ranks copy their own rows to the host
   // answer, with no all-gather of the top-k (DecodeRowsOnRank says when one still runs).
   bool direct_answers = false;
+  // ExecutorOptions::answer_in_place (decode_schedule.h TopKInPlace).
+  bool answer_in_place = false;
   // Candidate store rows of the step's rows: where a source writes, where a consumer reads.
   std::vector<int32_t> store_rows;
   bool masked_consumer = false;

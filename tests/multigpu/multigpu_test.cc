@@ -562,11 +562,13 @@ struct DeviceQRig {
   std::unique_ptr<Executor> host;
   ClientBuffer buffer;
 
-  DeviceQRig(Harness& h, const std::vector<uint64_t>& ids, int32_t ranks, bool graphs = true)
+  DeviceQRig(Harness& h, const std::vector<uint64_t>& ids, int32_t ranks, bool graphs = true,
+             bool answer_in_place = true)
       : devices(ranks) {
     const config::Profile& p = h.profile();
     ExecutorOptions o = CpuOptions(ranks);
     o.cuda_graphs = graphs;
+    o.answer_in_place = answer_in_place;
     auto factory = [this](int32_t rank, const kernels::BackendLimits& limits)
         -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
       return MakeRecordingBackend(kernels::MakeCpuBackend(limits, 1), &violations,
@@ -838,6 +840,50 @@ TEST(MultiRankCpu, BadDeviceQReadInPlaceFailsNamingTheFieldAndCommitsNothing) {
 // is written. An answer that moves to another offset makes another graph shape: the first step
 // there does not replay on the answering rank, and the old offset stays as it was poisoned (a
 // stale replay would write there).
+// ExecutorOptions::answer_in_place off (the benchmarks' same-run baseline): the answering rank
+// scores into its own buffer and copies the answer into the client's span once, device to
+// device, as before the in-place path; the answer is the same.
+TEST(MultiRankCpu, DeviceAnswerCopiedWhenInPlaceIsOff) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  for (bool graphs : {false, true}) {
+    SCOPED_TRACE(absl::StrCat("graphs ", graphs));
+    const config::Profile p = SmallV32();
+    Harness h(p, seed);
+    const std::vector<uint64_t> ids = {1, 2, 3};
+    DeviceQRig rig(h, ids, 1, graphs, /*answer_in_place=*/false);
+    ASSERT_TRUE(rig.ok());
+    const size_t K = size_t(p.topk);
+    for (int round = 0; round < 3; ++round) {
+      for (const config::LayerSpec& layer : p.layers) {
+        std::unique_ptr<StepData> step = DeviceQStep(h, layer, ids, 1, KeyForm::kF32);
+        const size_t rows = size_t(step->input.num_rows);
+        std::memset(rig.buffer.at(0), 0xA7, rows * K * sizeof(int32_t));
+        const exec::AnswerSink sink =
+            exec::AnswerSink::Device(reinterpret_cast<int32_t*>(rig.buffer.at(0)), nullptr);
+        exec::StepInput on = step->input;
+        on.answer = &sink;
+        rig.Reset();
+        absl::StatusOr<StepResult> got = rig.device->DecodeStep(on);
+        ASSERT_TRUE(got.ok()) << got.status();
+        absl::StatusOr<StepResult> want = rig.host->DecodeStep(step->input);
+        ASSERT_TRUE(want.ok()) << want.status();
+        h.RecordStep(*step);
+        std::vector<int32_t> answer(rows * K);
+        std::memcpy(answer.data(), rig.buffer.at(0), answer.size() * sizeof(int32_t));
+        EXPECT_EQ(answer, want->topk_indices);
+        const Recorder& rec = rig.devices[0]->recorder();
+        ASSERT_FALSE(rec.scored_topk.empty());
+        for (const int32_t* t : rec.scored_topk) {
+          EXPECT_FALSE(rec.InClient(t)) << "the top-k was written in place with the option off";
+        }
+        EXPECT_EQ(rec.client_writes, 1) << "the answer's one device-to-device copy";
+      }
+    }
+    EXPECT_EQ(rig.violations.load(), 0);
+  }
+}
+
 TEST(MultiRankCpu, DeviceAnswerIsWrittenInPlaceByTheAnsweringRank) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(absl::StrCat("seed ", seed));
