@@ -381,9 +381,12 @@ void TimePieces(const Request& req, const di::config::Profile& profile, int64_t 
 // --serve ADDR: the echo service alone, on the default (callback) edge with the server's
 // message limits and a shared-memory socket at --serve-socket, until SIGINT / SIGTERM; for
 // clients in other processes (bench/data_plane/py_vs_cpp.sh: the Python and the C++ client
-// against one echo server, so their difference is the clients' own transport cost).
-int ServeEcho(const di::config::Profile& profile, int64_t context, const std::string& listen,
-              const std::string& socket_path, int edge_workers) {
+// against one echo server, so their difference is the clients' own transport cost). --serve
+// may be repeated, e.g. a TCP address and a Unix socket: one server on both, so that the two
+// transports are compared against the same process.
+int ServeEcho(const di::config::Profile& profile, int64_t context,
+              const std::vector<std::string>& listen, const std::string& socket_path,
+              int edge_workers) {
   EchoExecutor echo(profile, context, 1234);
   di::service::IndexerService service(echo, "bench-echo");
   if (!socket_path.empty()) {
@@ -399,18 +402,28 @@ int ServeEcho(const di::config::Profile& profile, int64_t context, const std::st
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);  // before gRPC's threads start: they inherit it
   di::service::CallbackEdge edge(service, edge_workers);
   grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  std::vector<int> ports(listen.size(), 0);
+  for (size_t i = 0; i < listen.size(); ++i) {
+    builder.AddListeningPort(listen[i], grpc::InsecureServerCredentials(), &ports[i]);
+  }
   builder.SetMaxReceiveMessageSize(512 << 20);
   builder.SetMaxSendMessageSize(512 << 20);
   builder.RegisterService(edge.methods());
   builder.RegisterCallbackGenericService(&edge);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    std::fprintf(stderr, "cannot listen on %s\n", listen.c_str());
+  if (server == nullptr || std::count(ports.begin(), ports.end(), 0) > 0) {
+    std::fprintf(stderr, "cannot listen on every --serve address\n");
     return 1;
   }
-  std::printf("serving echo on port %d\n", port);
+  // One line an address; py_vs_cpp.sh reads the TCP port from the first form (gRPC reports a
+  // bound Unix socket as port 1).
+  for (size_t i = 0; i < listen.size(); ++i) {
+    if (listen[i].rfind("unix", 0) == 0) {
+      std::printf("serving echo on %s\n", listen[i].c_str());
+    } else {
+      std::printf("serving echo on port %d\n", ports[i]);
+    }
+  }
   std::fflush(stdout);
   int sig = 0;
   sigwait(&stop, &sig);
@@ -648,8 +661,8 @@ void RunWorkerModes(di::client::IndexerClient& control, const di::v1::DecodeStep
 
 // Server mode: a real server at `target`.
 int RunServer(const std::string& target, int requests, int64_t context, int warmup, int iters,
-              uint64_t first_id, std::mt19937_64& rng, int worker_copy_mb,
-              const std::vector<std::string>& modes) {
+              uint64_t first_id, std::mt19937_64& rng, [[maybe_unused]] int worker_copy_mb,
+              const std::vector<std::string>& modes, bool fixed_key_position) {
   // --modes: run only the modes named (every mode when empty).
   auto wanted = [&](const std::string& name) {
     return modes.empty() || std::find(modes.begin(), modes.end(), name) != modes.end();
@@ -748,6 +761,7 @@ int RunServer(const std::string& target, int requests, int64_t context, int warm
     *seq->mutable_new_keys() =
         di::client::CodesTensor(di::v1::DTYPE_FP8_E4M3, fp8_codes(D), {1, D});
     *seq->mutable_new_key_scales() = di::client::F32Tensor(scales(1), {1});
+    if (fixed_key_position) seq->set_new_keys_position(context);
   }
   std::printf(
       "# request %zu B; %d timed steps per mode after %d warm-up. p50/p99/mean: client round "
@@ -796,6 +810,9 @@ int RunServer(const std::string& target, int requests, int64_t context, int warm
     columnar.mutable_new_key_scales()->set_dtype(di::v1::DTYPE_FP32);
     columnar.mutable_new_key_scales()->add_shape(requests);
     columnar.mutable_new_key_scales()->set_data(key_scales);
+    for (int i = 0; fixed_key_position && i < requests; ++i) {
+      columnar.add_new_keys_positions(context);
+    }
   }
   Request delta = req;
   delta.set_answer_encoding(di::v1::ANSWER_ENCODING_DELTA_VARINT);
@@ -971,17 +988,20 @@ int main(int argc, char** argv) {
   int64_t context = 32768;
   uint64_t first_id = 1000000;
   bool pieces = true;
+  bool fixed_key_position = false;
   std::string edges = "both";
   int edge_workers = 0;
   int worker_copy_mb = 128;
-  std::string serve, serve_socket;
+  std::vector<std::string> serve;
+  std::string serve_socket;
   int64_t malloc_keep_mb = 64;
   std::vector<std::string> modes;
   CLI::App app{"decode-indexer-bench-data-plane: per-step transport cost"};
   app.add_option("--profile", profile_name, "built-in profile or file (echo mode)")
       ->capture_default_str();
   app.add_option("--target", target,
-                 "host:port of a running decode-indexer-server (server mode); empty: echo mode");
+                 "host:port or unix:PATH of a running decode-indexer-server (server mode); "
+                 "empty: echo mode");
   app.add_option("--requests", requests, "requests (rows) per step")->capture_default_str();
   app.add_option("--context", context,
                  "keys per sequence (server mode) / cache the echoed answers come from")
@@ -994,6 +1014,10 @@ int main(int argc, char** argv) {
                  "copy of this many MB; 0: no worker modes)")
       ->capture_default_str();
   app.add_flag("!--no-pieces", pieces, "skip timing the pieces (echo mode)");
+  app.add_flag("--fixed-key-position", fixed_key_position,
+               "server mode: every step writes its new keys at position --context (as "
+               "bench/worker/py_client_cpu.py does), so the caches and the compute stay the same "
+               "size however many steps run; default: appended, the caches grow a key a step");
   app.add_option("--grpc-edge", edges,
                  "echo mode: the service's gRPC edge, sync, callback or both (in one run)")
       ->check(CLI::IsMember({"sync", "callback", "both"}))
@@ -1006,7 +1030,8 @@ int main(int argc, char** argv) {
                  "\"stream columnar raw\" \"stream raw pipelined\" \"unary shm\" ring)");
   app.add_option("--serve", serve,
                  "echo mode: serve the echo service on this host:port (port 0: any; printed) "
-                 "until SIGINT / SIGTERM, for clients in other processes")
+                 "or Unix socket (unix:PATH), repeatable, until SIGINT / SIGTERM, for clients "
+                 "in other processes")
       ->excludes("--target");
   app.add_option("--serve-socket", serve_socket, "with --serve: the shared-memory socket's path");
   app.add_option("--malloc-keep-mb", malloc_keep_mb,
@@ -1020,8 +1045,8 @@ int main(int argc, char** argv) {
   }
   std::mt19937_64 rng(42);
   if (!target.empty()) {
-    return RunServer(target, requests, context, warmup, iters, first_id, rng, worker_copy_mb,
-                     modes);
+    return RunServer(target, requests, context, warmup, iters, first_id, rng, worker_copy_mb, modes,
+                     fixed_key_position);
   }
 
   absl::StatusOr<di::config::Profile> profile = di::config::LoadProfile(profile_name);
