@@ -30,7 +30,9 @@ absl::Status Invalid(absl::string_view address, absl::string_view why) {
 }
 
 // Whether a process accepts connections on the socket: a stream connect succeeds only then
-// (a stale socket file answers ECONNREFUSED). errno is left set when it fails.
+// (a stale socket file answers ECONNREFUSED). errno is left set when it fails. Non-blocking,
+// since a blocking connect to a live server whose backlog is full waits for it to accept:
+// that answers EAGAIN instead, which the caller treats as "cannot tell" and refuses.
 bool Accepting(const ListenAddress& address) {
   sockaddr_un addr = {};
   addr.sun_family = AF_UNIX;
@@ -42,7 +44,7 @@ bool Accepting(const ListenAddress& address) {
     std::memcpy(addr.sun_path, address.path.data(), address.path.size());
     len = sizeof(addr);
   }
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0) return false;
   const bool connected = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), len) == 0;
   const int saved = errno;

@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -265,6 +266,45 @@ TEST(UnixSocketTest, NeverTakesOverALiveServersSocket) {
       service::Server::Start(Options(profile, {abstract}));
   ASSERT_FALSE(fourth.ok());
   EXPECT_EQ(fourth.status().code(), absl::StatusCode::kAlreadyExists) << fourth.status();
+}
+
+// A live server that is slow to accept (its backlog full) is neither taken over nor waited
+// for: a blocking probe would hang the start until it accepts, so the probe does not block and
+// a socket it cannot judge is refused.
+TEST(UnixSocketTest, RefusesASocketWhoseBacklogIsFullWithoutWaiting) {
+  TempDir dir;
+  const std::string path = dir.path + "/grpc.sock";
+  sockaddr_un addr = {};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  const int listener = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 0), 0);  // never accepts
+  std::vector<int> queued;
+  bool full = false;
+  for (int i = 0; i < 64 && !full; ++i) {
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    ASSERT_GE(fd, 0);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+      queued.push_back(fd);
+    } else {
+      EXPECT_EQ(errno, EAGAIN) << std::strerror(errno);
+      full = true;
+      ::close(fd);
+    }
+  }
+  ASSERT_TRUE(full) << "the backlog never filled";
+  absl::StatusOr<std::unique_ptr<service::Server>> server =
+      service::Server::Start(Options(LoadOrDie(TinyProfilePath()), {"unix:" + path}));
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kFailedPrecondition) << server.status();
+  EXPECT_NE(server.status().message().find("cannot tell whether the socket there is in use"),
+            std::string::npos)
+      << server.status();
+  EXPECT_TRUE(IsSocket(path)) << "the live socket's file was removed";
+  for (int fd : queued) ::close(fd);
+  ::close(listener);
 }
 
 // A socket file left by a server that was killed (nobody accepting on it) is replaced.
