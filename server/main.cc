@@ -17,9 +17,12 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "common/cli.h"
 #include "common/malloc_tuning.h"
 #include "server/config/profile.h"
+#include "server/service/listen_address.h"
 #include "server/service/logging.h"
 #include "server/service/server.h"
 #include "spdlog/spdlog.h"
@@ -47,7 +50,15 @@ int main(int argc, char** argv) {
   double drain_grace_seconds = 0;
   service::ServerOptions options;
   CLI::App app{"decode-indexer-server: the sparse-attention lightning indexer over gRPC"};
-  app.add_option("--listen", options.listen, "host:port to serve on (port 0: pick one)")
+  app.add_option("--listen", options.listen,
+                 "address to serve on, repeatable: host:port (port 0: pick one), or for "
+                 "clients on this host a Unix socket, unix:PATH or unix-abstract:NAME")
+      ->check([](const std::string& address) {
+        absl::StatusOr<service::ListenAddress> parsed = service::ParseListenAddress(address);
+        // CLI11 names the flag already.
+        return parsed.ok() ? std::string()
+                           : std::string(absl::StripPrefix(parsed.status().message(), "listen: "));
+      })
       ->capture_default_str();
   app.add_option("--backend", options.executor.backend, "compute backend")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
@@ -277,12 +288,20 @@ int main(int argc, char** argv) {
   const decode_indexer::exec::ExecutorStatus st = (*server)->executor().Status();
   int64_t pages = 0;
   for (const auto& c : st.caches) pages += c.pages_total;
+  // Each address as given, a TCP one with the port it got (port 0 picks one).
+  std::string listening;
+  for (size_t i = 0; i < options.listen.size(); ++i) {
+    const std::string& dial = (*server)->addresses()[i];
+    absl::StrAppend(&listening, i == 0 ? "" : ", ", options.listen[i]);
+    if (dial != options.listen[i]) {
+      absl::StrAppend(&listening, " (port ", dial.substr(dial.rfind(':') + 1), ")");
+    }
+  }
   spdlog::info(
       "{} started: profile {} ({} layers, {} cache pools), backend {} ({}), "
-      "{} rank(s), {} pages ({} per pool), listening on {} (port {})",
+      "{} rank(s), {} pages ({} per pool), listening on {}",
       decode_indexer::cli::VersionLine(), profile->name, profile->layers.size(), st.caches.size(),
-      st.backend, st.backend_desc, st.num_ranks, pages, options.executor.cache_pages,
-      options.listen, (*server)->port());
+      st.backend, st.backend_desc, st.num_ranks, pages, options.executor.cache_pages, listening);
   if ((*server)->metrics_port() != 0) {
     spdlog::info("metrics on {} (port {})", options.metrics_listen, (*server)->metrics_port());
   }

@@ -29,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "server/service/auth.h"
+#include "server/service/listen_address.h"
 #include "server/service/snapshot.h"
 #include "server/service/status_mapping.h"
 #include "spdlog/spdlog.h"
@@ -37,14 +38,6 @@
 
 namespace decode_indexer::service {
 namespace {
-
-std::string ConnectAddress(const std::string& listen, int port) {
-  std::string host = listen.substr(0, listen.rfind(':'));
-  if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::" || host == "localhost") {
-    host = "127.0.0.1";
-  }
-  return absl::StrCat(host, ":", port);
-}
 
 absl::StatusOr<std::string> ReadFile(const std::string& what, const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -158,9 +151,17 @@ int DefaultMaxMessageBytes(const config::Profile& profile, int64_t max_sequences
 }
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
-  if (options.listen.rfind(':') == std::string::npos) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("listen: expected host:port, got \"", options.listen, "\""));
+  // Every address is checked before the executor allocates its caches, so a typo fails at
+  // once and names the address.
+  if (options.listen.empty()) {
+    return absl::InvalidArgumentError("listen: no address to serve on");
+  }
+  std::vector<ListenAddress> listen;
+  for (const std::string& address : options.listen) {
+    absl::StatusOr<ListenAddress> parsed = ParseListenAddress(address);
+    if (!parsed.ok()) return parsed.status();
+    if (absl::Status s = CheckCanListen(*parsed); !s.ok()) return s;
+    listen.push_back(*std::move(parsed));
   }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = MakeCredentials(options);
   if (!credentials.ok()) return credentials.status();
@@ -229,7 +230,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   grpc::EnableDefaultHealthCheckService(true);
   if (options.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, *credentials, &server->port_);
+  // One set of credentials for every address: TLS on a Unix socket works (gRPC allows it;
+  // clients must verify the certificate against a name it holds, e.g. with
+  // ssl_target_name_override), it only costs the handshake and the encryption on bytes that
+  // never leave the host.
+  std::vector<int> ports(listen.size(), 0);
+  for (size_t i = 0; i < listen.size(); ++i) {
+    builder.AddListeningPort(listen[i].address, *credentials, &ports[i]);
+  }
   builder.SetMaxReceiveMessageSize(receive_limit);
   builder.SetMaxSendMessageSize(send_limit);
   // Bounded streams and threads: one connection cannot open more than
@@ -267,12 +275,20 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     builder.RegisterService(server->service_.get());
   }
   server->server_ = builder.BuildAndStart();
-  if (server->server_ == nullptr || server->port_ == 0) {
+  // gRPC reports a bound socket as port 1 and a failed address as port 0.
+  const auto failed = std::find(ports.begin(), ports.end(), 0);
+  if (server->server_ == nullptr || failed != ports.end()) {
+    if (server->server_ != nullptr) server->server_->Shutdown();
     server->executor_->Shutdown();
+    const ListenAddress& at = listen[failed == ports.end() ? 0 : failed - ports.begin()];
     return absl::UnavailableError(absl::StrCat(
-        "listen: cannot serve on ", EchoInput(options.listen), " (address in use or not local?)"));
+        "listen: cannot serve on ", EchoInput(at.address),
+        at.is_unix() ? " (see gRPC's error above)" : " (address in use or not local?)"));
   }
-  server->address_ = ConnectAddress(options.listen, server->port_);
+  for (size_t i = 0; i < listen.size(); ++i) {
+    if (!listen[i].is_unix() && server->port_ == 0) server->port_ = ports[i];
+    server->addresses_.push_back(ConnectAddress(listen[i], ports[i]));
+  }
   server->drain_grace_ = options.drain_grace;
   if (options.metrics_auth && options.auth_token.empty()) {
     server->server_->Shutdown();

@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include <grpcpp/server.h>
 
@@ -20,8 +21,11 @@
 namespace decode_indexer::service {
 
 struct ServerOptions {
-  // host:port; port 0 picks a free port (reported by Server::port()).
-  std::string listen = "0.0.0.0:50051";
+  // Every address to serve on (listen_address.h): host:port (port 0 picks a free port,
+  // reported by Server::port()), or a Unix socket, unix:PATH / unix-abstract:NAME, for
+  // clients on this host (no TCP stack between them and the server). All of them share the
+  // same credentials, token and limits.
+  std::vector<std::string> listen = {"0.0.0.0:50051"};
   config::Profile profile;
   exec::ExecutorOptions executor;
   // The receive (and, unless max_send_message_bytes, send) limit; 0: sized from the profile
@@ -90,14 +94,18 @@ class Server {
   static absl::StatusOr<std::unique_ptr<Server>> Start(const ServerOptions& options);
   ~Server();  // Shutdown with a short deadline if not done yet.
 
+  // The port of the first TCP address (0 when every address is a Unix socket).
   int port() const { return port_; }
   // The /metrics port, 0 without --metrics-listen.
   int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
   IndexerService& service() { return *service_; }
   // The callback edge; null on the sync edge.
   CallbackEdge* callback_edge() const { return edge_.get(); }
-  // "127.0.0.1:<port>" when listening on a wildcard or loopback address, else the listen host.
-  std::string address() const { return address_; }
+  // What a client on this host dials, one per listen address in order: "127.0.0.1:<port>"
+  // for a wildcard or loopback host, else the host with the bound port; a socket as given.
+  const std::vector<std::string>& addresses() const { return addresses_; }
+  // The first of them.
+  std::string address() const { return addresses_.front(); }
   const exec::Executor& executor() const { return *executor_; }
   exec::Executor& executor() { return *executor_; }
 
@@ -127,7 +135,7 @@ class Server {
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsHttpServer> metrics_;
   int port_ = 0;
-  std::string address_;
+  std::vector<std::string> addresses_;
   std::chrono::milliseconds drain_grace_{0};
   mutable std::mutex shutdown_mu_;
   bool shut_down_ = false;

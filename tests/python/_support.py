@@ -43,16 +43,17 @@ class ServerProcess:
 
     def __init__(self, binary: str, profile: str, cache_pages: int, extra: list[str] = (),
                  env: dict | None = None, client_kwargs: dict | None = None,
-                 backend: str = "cpu"):
+                 backend: str = "cpu", listen: str | None = None):
         # client_kwargs: how a client reaches it (TLS, a token), for the readiness probe.
         # backend: "cpu", or "cuda" on a GPU machine (tests/python/test_torch_cuda.py).
+        # listen: serve there alone (e.g. "unix:PATH"), the target too, instead of a TCP port.
         self.log = tempfile.NamedTemporaryFile(prefix="di_server_", suffix=".log", delete=False)
         for _ in range(3):  # the free port can be taken between probe and bind: retry
-            self.port = _free_port()
-            self.target = f"127.0.0.1:{self.port}"
+            self.port = _free_port() if listen is None else 0
+            self.target = listen or f"127.0.0.1:{self.port}"
             # The shared-memory registration socket: private to this server.
-            self.shm_socket = os.path.join(tempfile.gettempdir(),
-                                           f"di-test-{os.getpid()}-{self.port}.sock")
+            self.shm_socket = os.path.join(
+                tempfile.gettempdir(), f"di-test-{os.getpid()}-{self.port or id(self)}.sock")
             cmd = [binary, "--listen", self.target, "--backend", backend, "--profile", profile,
                    "--cache-pages", str(cache_pages), "--shm-socket", self.shm_socket, *extra]
             self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)

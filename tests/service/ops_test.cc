@@ -44,7 +44,7 @@ struct OpsSession {
 
 std::unique_ptr<OpsSession> StartOps(service::ServerOptions so) {
   auto s = std::make_unique<OpsSession>();
-  so.listen = "127.0.0.1:0";
+  so.listen = {"127.0.0.1:0"};
   s->profile = so.profile;
   absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(so);
   EXPECT_TRUE(server.ok()) << server.status();
@@ -589,7 +589,7 @@ TEST(MetricsTest, BearerTokenOnMetrics) {
   EXPECT_EQ(body, "decode_indexer_up 1\n");
 
   service::ServerOptions so = BaseOptions();
-  so.listen = "127.0.0.1:0";
+  so.listen = {"127.0.0.1:0"};
   so.metrics_listen = "127.0.0.1:0";
   so.metrics_auth = true;
   absl::StatusOr<std::unique_ptr<service::Server>> refused = service::Server::Start(so);

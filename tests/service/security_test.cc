@@ -703,7 +703,7 @@ TEST(SecurityTlsTest, MismatchedKeyIsReportedClearly) {
       " > /dev/null 2>&1";
   ASSERT_EQ(std::system(cmd.c_str()), 0);
   service::ServerOptions so;
-  so.listen = "127.0.0.1:0";
+  so.listen = {"127.0.0.1:0"};
   so.profile = LoadOrDie(TinyProfilePath());
   so.executor = CpuOptions(1, 16);
   so.tls_cert = d + "/a.pem";

@@ -90,7 +90,7 @@ inline std::unique_ptr<Session> StartSession(
   auto s = std::make_unique<Session>();
   s->profile = profile;
   service::ServerOptions so;
-  so.listen = "127.0.0.1:0";
+  so.listen = {"127.0.0.1:0"};
   so.profile = profile;
   so.executor = options;
   so.grpc_edge = TestEdge();

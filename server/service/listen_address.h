@@ -1,0 +1,44 @@
+// The addresses the server listens on: TCP "host:port", or a Unix domain socket in gRPC's own
+// forms, "unix:PATH" (relative or absolute), "unix:///ABSOLUTE/PATH" and
+// "unix-abstract:NAME" (Linux's abstract namespace: no file, gone with the process). A client
+// on the server's host reaches it over the socket without the TCP stack (docs/results/
+// grpc-edge.md measures what that saves).
+#pragma once
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace decode_indexer::service {
+
+struct ListenAddress {
+  enum class Kind { kTcp, kUnixPath, kUnixAbstract };
+  Kind kind = Kind::kTcp;
+  // As given: what gRPC binds, and (for a socket) what a client dials.
+  std::string address;
+  // kUnixPath: the socket's file path; kUnixAbstract: the name (without the leading NUL).
+  std::string path;
+
+  bool is_unix() const { return kind != Kind::kTcp; }
+};
+
+// The address's form, without touching the system: "host:port" (any host gRPC resolves, the
+// port a number in 0..65535) or one of the socket forms above. INVALID_ARGUMENT names what is
+// wrong.
+absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& address);
+
+// Whether a socket address can be bound, before gRPC tries: gRPC reports only "No address
+// added", and it removes whatever socket file is at the path before it binds, so a second
+// server started on a live server's path would silently take the path over (the first
+// keeps running, unreachable). So: the directory must exist and be writable, the path must
+// fit a sockaddr_un, an existing file must be a socket, and no process may be accepting on
+// it (a stale socket left by a killed server is fine: gRPC replaces it). OK for TCP.
+absl::Status CheckCanListen(const ListenAddress& address);
+
+// What a client on this host dials to reach `address` once bound on `port` (gRPC's selected
+// port; unused for a socket): a wildcard or loopback host becomes 127.0.0.1, a socket
+// address is dialled as given.
+std::string ConnectAddress(const ListenAddress& address, int port);
+
+}  // namespace decode_indexer::service
