@@ -1,8 +1,9 @@
 // The addresses the server listens on: TCP "host:port", or a Unix domain socket in gRPC's own
 // forms, "unix:PATH" (relative or absolute), "unix:///ABSOLUTE/PATH" and
 // "unix-abstract:NAME" (Linux's abstract namespace: no file, gone with the process). A client
-// on the server's host reaches it over the socket without the TCP stack (docs/results/
-// grpc-edge.md measures what that saves).
+// on the server's host reaches it over the socket without the TCP stack, which measured no
+// faster than TCP loopback for this service's ~1 MB steps (docs/results/grpc-edge.md: the
+// socket's default send buffer makes a large message cross in several fills).
 #pragma once
 
 #include <string>
