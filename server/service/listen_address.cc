@@ -29,30 +29,6 @@ absl::Status Invalid(absl::string_view address, absl::string_view why) {
       "listen: ", EchoInput(std::string_view(address.data(), address.size())), ": ", why));
 }
 
-// Whether a process accepts connections on the socket: a stream connect succeeds only then
-// (a stale socket file answers ECONNREFUSED). errno is left set when it fails. Non-blocking,
-// since a blocking connect to a live server whose backlog is full waits for it to accept:
-// that answers EAGAIN instead, which the caller treats as "cannot tell" and refuses.
-bool Accepting(const ListenAddress& address) {
-  sockaddr_un addr = {};
-  addr.sun_family = AF_UNIX;
-  socklen_t len;
-  if (address.kind == ListenAddress::Kind::kUnixAbstract) {
-    std::memcpy(addr.sun_path + 1, address.path.data(), address.path.size());
-    len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + address.path.size());
-  } else {
-    std::memcpy(addr.sun_path, address.path.data(), address.path.size());
-    len = sizeof(addr);
-  }
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;
-  const bool connected = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), len) == 0;
-  const int saved = errno;
-  ::close(fd);
-  errno = saved;
-  return connected;
-}
-
 }  // namespace
 
 absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& given) {
@@ -104,10 +80,29 @@ absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& given) {
   return out;
 }
 
+int ProbeUnixSocket(const std::string& path, bool abstract, int type) {
+  sockaddr_un addr = {};
+  addr.sun_family = AF_UNIX;
+  if (path.size() + (abstract ? 1 : 0) > kMaxSocketPath) return ENAMETOOLONG;
+  socklen_t len;
+  if (abstract) {
+    std::memcpy(addr.sun_path + 1, path.data(), path.size());
+    len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + path.size());
+  } else {
+    std::memcpy(addr.sun_path, path.data(), path.size());
+    len = sizeof(addr);
+  }
+  const int fd = ::socket(AF_UNIX, type | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return errno;
+  const int result = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), len) == 0 ? 0 : errno;
+  ::close(fd);
+  return result;
+}
+
 absl::Status CheckCanListen(const ListenAddress& address) {
   if (!address.is_unix()) return absl::OkStatus();
   if (address.kind == ListenAddress::Kind::kUnixAbstract) {
-    if (Accepting(address)) {
+    if (ProbeUnixSocket(address.path, /*abstract=*/true, SOCK_STREAM) == 0) {
       return absl::AlreadyExistsError(absl::StrCat("listen: ", EchoInput(address.address),
                                                    ": another process is serving on it"));
     }
@@ -137,17 +132,18 @@ absl::Status CheckCanListen(const ListenAddress& address) {
       return absl::AlreadyExistsError(absl::StrCat("listen: ", EchoInput(address.address),
                                                    ": the path exists and is not a socket"));
     }
-    if (Accepting(address)) {
+    const int probe = ProbeUnixSocket(path, /*abstract=*/false, SOCK_STREAM);
+    if (probe == 0) {
       return absl::AlreadyExistsError(absl::StrCat("listen: ", EchoInput(address.address),
                                                    ": another process is serving on it"));
     }
-    if (errno != ECONNREFUSED) {
+    if (probe != ECONNREFUSED) {
       // Neither live nor plainly stale (e.g. EACCES): replacing it could take a live
       // server's path, so leave the decision to whoever owns it.
       return absl::FailedPreconditionError(absl::StrCat("listen: ", EchoInput(address.address),
                                                         ": cannot tell whether the "
                                                         "socket there is in use: ",
-                                                        std::strerror(errno)));
+                                                        std::strerror(probe)));
     }
   }
   return absl::OkStatus();

@@ -37,6 +37,15 @@ absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& address);
 // it (a stale socket left by a killed server is fine: gRPC replaces it). OK for TCP.
 absl::Status CheckCanListen(const ListenAddress& address);
 
+// What a connect of `type` (the listener's: SOCK_STREAM, SOCK_SEQPACKET) to the Unix socket at
+// `path` (`abstract`: the abstract name, without its leading NUL) answers, for a caller that
+// replaces a socket file only when nobody serves on it: 0 when a process accepts on it,
+// ECONNREFUSED when none does (a stale file left by a killed process), otherwise the errno that
+// leaves it open (EAGAIN: a live listener whose backlog is full; EPROTOTYPE: a live listener
+// of another type; EACCES). The connect does not block: a blocking one to a live listener
+// whose backlog is full waits until it accepts, which would hang the caller's start.
+int ProbeUnixSocket(const std::string& path, bool abstract, int type);
+
 // What a client on this host dials to reach `address` once bound on `port` (gRPC's selected
 // port; unused for a socket): a wildcard or loopback host becomes 127.0.0.1, a socket
 // address is dialled as given.
