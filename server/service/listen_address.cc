@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
+#include <filesystem>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -76,6 +77,45 @@ absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& given) {
       !absl::SimpleAtoi(digits, &port) || port > 65535) {
     return Invalid(address,
                    "expected host:port (port 0: pick one), unix:PATH or unix-abstract:NAME");
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<ListenAddress>> ParseListenAddresses(
+    const std::vector<std::string>& addresses) {
+  std::vector<ListenAddress> out;
+  // What makes two addresses one listener: the kind and the path made absolute and normal
+  // ("unix:x.sock", "unix:./x.sock" and "unix:///cwd/x.sock" are one file; a symlinked
+  // directory is not seen through, as that would touch the system), or the exact host:port.
+  std::vector<std::string> keys;
+  for (const std::string& address : addresses) {
+    absl::StatusOr<ListenAddress> parsed = ParseListenAddress(address);
+    if (!parsed.ok()) return parsed.status();
+    std::string key;
+    switch (parsed->kind) {
+      case ListenAddress::Kind::kUnixPath: {
+        std::error_code ec;
+        std::filesystem::path path = std::filesystem::absolute(parsed->path, ec);
+        key = absl::StrCat(
+            "p", (ec ? std::filesystem::path(parsed->path) : path).lexically_normal().string());
+        break;
+      }
+      case ListenAddress::Kind::kUnixAbstract:
+        key = absl::StrCat("a", parsed->path);
+        break;
+      case ListenAddress::Kind::kTcp:
+        if (!absl::EndsWith(address, ":0")) key = absl::StrCat("t", address);
+        break;
+    }
+    for (size_t i = 0; i < keys.size() && !key.empty(); ++i) {
+      if (keys[i] != key) continue;
+      return Invalid(address, out[i].address == address
+                                  ? "given twice"
+                                  : absl::StrCat("the same address as ", EchoInput(out[i].address),
+                                                 ", given twice"));
+    }
+    keys.push_back(std::move(key));
+    out.push_back(*std::move(parsed));
   }
   return out;
 }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -28,6 +29,14 @@ struct ListenAddress {
 // port a number in 0..65535) or one of the socket forms above. INVALID_ARGUMENT names what is
 // wrong.
 absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& address);
+
+// Each of a server's addresses parsed as above, in order, with the same socket (one path,
+// however spelled, or one abstract name) or the same host:port (port 0 aside: each picks its
+// own) refused when given twice: gRPC would bind the second over the first, and for a path it
+// unlinks the first's socket file first, leaving that listener unreachable. INVALID_ARGUMENT
+// names the address.
+absl::StatusOr<std::vector<ListenAddress>> ParseListenAddresses(
+    const std::vector<std::string>& addresses);
 
 // Whether a socket address can be bound, before gRPC tries: gRPC reports only "No address
 // added", and it removes whatever socket file is at the path before it binds, so a second
