@@ -14,6 +14,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/match.h"
@@ -213,6 +214,16 @@ int main(int argc, char** argv) {
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error, critical, off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
       ->capture_default_str();
+  // Each --listen value is checked alone above; one address given twice is a usage error too
+  // (exit 2, before anything starts), caught once all are parsed.
+  app.callback([&options] {
+    absl::StatusOr<std::vector<service::ListenAddress>> parsed =
+        service::ParseListenAddresses(options.listen);
+    if (!parsed.ok()) {
+      throw CLI::ValidationError(
+          "--listen", std::string(absl::StripPrefix(parsed.status().message(), "listen: ")));
+    }
+  });
   decode_indexer::cli::AddVersion(app);
   DI_CLI_PARSE(app, argc, argv);
   service::ConfigureLogging(log_format, log_level);

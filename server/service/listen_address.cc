@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
+#include <filesystem>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -27,30 +28,6 @@ constexpr size_t kMaxSocketPath = sizeof(sockaddr_un{}.sun_path) - 1;
 absl::Status Invalid(absl::string_view address, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat(
       "listen: ", EchoInput(std::string_view(address.data(), address.size())), ": ", why));
-}
-
-// Whether a process accepts connections on the socket: a stream connect succeeds only then
-// (a stale socket file answers ECONNREFUSED). errno is left set when it fails. Non-blocking,
-// since a blocking connect to a live server whose backlog is full waits for it to accept:
-// that answers EAGAIN instead, which the caller treats as "cannot tell" and refuses.
-bool Accepting(const ListenAddress& address) {
-  sockaddr_un addr = {};
-  addr.sun_family = AF_UNIX;
-  socklen_t len;
-  if (address.kind == ListenAddress::Kind::kUnixAbstract) {
-    std::memcpy(addr.sun_path + 1, address.path.data(), address.path.size());
-    len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + address.path.size());
-  } else {
-    std::memcpy(addr.sun_path, address.path.data(), address.path.size());
-    len = sizeof(addr);
-  }
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;
-  const bool connected = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), len) == 0;
-  const int saved = errno;
-  ::close(fd);
-  errno = saved;
-  return connected;
 }
 
 }  // namespace
@@ -104,10 +81,68 @@ absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& given) {
   return out;
 }
 
+absl::StatusOr<std::vector<ListenAddress>> ParseListenAddresses(
+    const std::vector<std::string>& addresses) {
+  std::vector<ListenAddress> out;
+  // What makes two addresses one listener: the kind and the path made absolute and normal
+  // ("unix:x.sock", "unix:./x.sock" and "unix:///cwd/x.sock" are one file; a symlinked
+  // directory is not seen through, as that would touch the system), or the exact host:port.
+  std::vector<std::string> keys;
+  for (const std::string& address : addresses) {
+    absl::StatusOr<ListenAddress> parsed = ParseListenAddress(address);
+    if (!parsed.ok()) return parsed.status();
+    std::string key;
+    switch (parsed->kind) {
+      case ListenAddress::Kind::kUnixPath: {
+        std::error_code ec;
+        std::filesystem::path path = std::filesystem::absolute(parsed->path, ec);
+        key = absl::StrCat(
+            "p", (ec ? std::filesystem::path(parsed->path) : path).lexically_normal().string());
+        break;
+      }
+      case ListenAddress::Kind::kUnixAbstract:
+        key = absl::StrCat("a", parsed->path);
+        break;
+      case ListenAddress::Kind::kTcp:
+        if (!absl::EndsWith(address, ":0")) key = absl::StrCat("t", address);
+        break;
+    }
+    for (size_t i = 0; i < keys.size() && !key.empty(); ++i) {
+      if (keys[i] != key) continue;
+      return Invalid(address, out[i].address == address
+                                  ? "given twice"
+                                  : absl::StrCat("the same address as ", EchoInput(out[i].address),
+                                                 ", given twice"));
+    }
+    keys.push_back(std::move(key));
+    out.push_back(*std::move(parsed));
+  }
+  return out;
+}
+
+int ProbeUnixSocket(const std::string& path, bool abstract, int type) {
+  sockaddr_un addr = {};
+  addr.sun_family = AF_UNIX;
+  if (path.size() + (abstract ? 1 : 0) > kMaxSocketPath) return ENAMETOOLONG;
+  socklen_t len;
+  if (abstract) {
+    std::memcpy(addr.sun_path + 1, path.data(), path.size());
+    len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + path.size());
+  } else {
+    std::memcpy(addr.sun_path, path.data(), path.size());
+    len = sizeof(addr);
+  }
+  const int fd = ::socket(AF_UNIX, type | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return errno;
+  const int result = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), len) == 0 ? 0 : errno;
+  ::close(fd);
+  return result;
+}
+
 absl::Status CheckCanListen(const ListenAddress& address) {
   if (!address.is_unix()) return absl::OkStatus();
   if (address.kind == ListenAddress::Kind::kUnixAbstract) {
-    if (Accepting(address)) {
+    if (ProbeUnixSocket(address.path, /*abstract=*/true, SOCK_STREAM) == 0) {
       return absl::AlreadyExistsError(absl::StrCat("listen: ", EchoInput(address.address),
                                                    ": another process is serving on it"));
     }
@@ -137,17 +172,18 @@ absl::Status CheckCanListen(const ListenAddress& address) {
       return absl::AlreadyExistsError(absl::StrCat("listen: ", EchoInput(address.address),
                                                    ": the path exists and is not a socket"));
     }
-    if (Accepting(address)) {
+    const int probe = ProbeUnixSocket(path, /*abstract=*/false, SOCK_STREAM);
+    if (probe == 0) {
       return absl::AlreadyExistsError(absl::StrCat("listen: ", EchoInput(address.address),
                                                    ": another process is serving on it"));
     }
-    if (errno != ECONNREFUSED) {
+    if (probe != ECONNREFUSED) {
       // Neither live nor plainly stale (e.g. EACCES): replacing it could take a live
       // server's path, so leave the decision to whoever owns it.
       return absl::FailedPreconditionError(absl::StrCat("listen: ", EchoInput(address.address),
                                                         ": cannot tell whether the "
                                                         "socket there is in use: ",
-                                                        std::strerror(errno)));
+                                                        std::strerror(probe)));
     }
   }
   return absl::OkStatus();

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -29,6 +30,14 @@ struct ListenAddress {
 // wrong.
 absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& address);
 
+// Each of a server's addresses parsed as above, in order, with the same socket (one path,
+// however spelled, or one abstract name) or the same host:port (port 0 aside: each picks its
+// own) refused when given twice: gRPC would bind the second over the first, and for a path it
+// unlinks the first's socket file first, leaving that listener unreachable. INVALID_ARGUMENT
+// names the address.
+absl::StatusOr<std::vector<ListenAddress>> ParseListenAddresses(
+    const std::vector<std::string>& addresses);
+
 // Whether a socket address can be bound, before gRPC tries: gRPC reports only "No address
 // added", and it removes whatever socket file is at the path before it binds, so a second
 // server started on a live server's path would silently take the path over (the first
@@ -36,6 +45,15 @@ absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& address);
 // fit a sockaddr_un, an existing file must be a socket, and no process may be accepting on
 // it (a stale socket left by a killed server is fine: gRPC replaces it). OK for TCP.
 absl::Status CheckCanListen(const ListenAddress& address);
+
+// What a connect of `type` (the listener's: SOCK_STREAM, SOCK_SEQPACKET) to the Unix socket at
+// `path` (`abstract`: the abstract name, without its leading NUL) answers, for a caller that
+// replaces a socket file only when nobody serves on it: 0 when a process accepts on it,
+// ECONNREFUSED when none does (a stale file left by a killed process), otherwise the errno that
+// leaves it open (EAGAIN: a live listener whose backlog is full; EPROTOTYPE: a live listener
+// of another type; EACCES). The connect does not block: a blocking one to a live listener
+// whose backlog is full waits until it accepts, which would hang the caller's start.
+int ProbeUnixSocket(const std::string& path, bool abstract, int type);
 
 // What a client on this host dials to reach `address` once bound on `port` (gRPC's selected
 // port; unused for a socket): a wildcard or loopback host becomes 127.0.0.1, a socket

@@ -156,12 +156,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   if (options.listen.empty()) {
     return absl::InvalidArgumentError("listen: no address to serve on");
   }
-  std::vector<ListenAddress> listen;
-  for (const std::string& address : options.listen) {
-    absl::StatusOr<ListenAddress> parsed = ParseListenAddress(address);
-    if (!parsed.ok()) return parsed.status();
-    if (absl::Status s = CheckCanListen(*parsed); !s.ok()) return s;
-    listen.push_back(*std::move(parsed));
+  absl::StatusOr<std::vector<ListenAddress>> parsed = ParseListenAddresses(options.listen);
+  if (!parsed.ok()) return parsed.status();
+  std::vector<ListenAddress> listen = *std::move(parsed);
+  for (const ListenAddress& address : listen) {
+    if (absl::Status s = CheckCanListen(address); !s.ok()) return s;
   }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = MakeCredentials(options);
   if (!credentials.ok()) return credentials.status();

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "server/service/listen_address.h"
 #include "spdlog/spdlog.h"
 
 namespace decode_indexer::service {
@@ -61,14 +62,18 @@ absl::StatusOr<std::unique_ptr<ShmSocketServer>> ShmSocketServer::Start(
       return absl::AlreadyExistsError(
           absl::StrCat("shm-socket: ", path, " exists and is not a socket"));
     }
-    // A stale socket of an earlier run is replaced; a live one (another server) is not.
-    const int probe = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    const bool live =
-        probe >= 0 && connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-    if (probe >= 0) close(probe);
-    if (live) {
+    // A stale socket of an earlier run is replaced; a live one (another server) is not, nor
+    // one whose state the probe cannot tell: a full backlog (the probe does not wait for it,
+    // see ProbeUnixSocket) or a listener of another type (a gRPC --listen socket).
+    const int probe = ProbeUnixSocket(path, /*abstract=*/false, SOCK_SEQPACKET);
+    if (probe == 0) {
       return absl::AlreadyExistsError(
           absl::StrCat("shm-socket: another server is listening on ", path));
+    }
+    if (probe != ECONNREFUSED) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("shm-socket: cannot tell whether the socket at ", path,
+                       " is in use: ", std::strerror(probe)));
     }
     unlink(path.c_str());
   }

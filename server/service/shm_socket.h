@@ -31,10 +31,9 @@ inline constexpr char kShmSocketMagic[8] = {'D', 'I', 'S', 'H', 'M', '0', '0', '
 
 class ShmSocketServer {
  public:
-  // Binds `path` (a stale socket file there is replaced; a live one or anything else is
-  // refused), mode
-  // 0600, and serves registrations into `registry` on one thread; `on_map` as for
-  // RegionRegistry::RegisterSharedMemoryFd.
+  // Binds `path` (a stale socket file there is replaced; a live one, one it cannot tell
+  // apart from a live one, or anything else is refused), mode 0600, and serves registrations into
+  // `registry` on one thread; `on_map` as for RegionRegistry::RegisterSharedMemoryFd.
   static absl::StatusOr<std::unique_ptr<ShmSocketServer>> Start(
       const std::string& path, RegionRegistry& registry,
       std::function<void(SharedMemoryRegion&)> on_map);

@@ -130,6 +130,18 @@ class UnixSocketRefusalTest(unittest.TestCase):
                 self.assertIn("--listen", done.stderr)
                 self.assertIn(why, done.stderr)
 
+    def test_an_address_given_twice_is_a_usage_error(self):
+        # gRPC's second bind of one path would unlink the first's socket file, orphaning it.
+        with tempfile.TemporaryDirectory(prefix="di-uds-") as d:
+            for first, second in [(f"unix:{d}/grpc.sock", f"unix://{d}/grpc.sock"),
+                                  ("127.0.0.1:50051", "127.0.0.1:50051")]:
+                with self.subTest(address=second):
+                    done = self.run_server(first, second)
+                    self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
+                    self.assertIn(f'--listen: "{second}": ', done.stderr)
+                    self.assertIn("given twice", done.stderr)
+                    self.assertFalse(os.path.exists(f"{d}/grpc.sock"))
+
 
 if __name__ == "__main__":
     unittest.main()

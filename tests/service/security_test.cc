@@ -10,6 +10,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <dirent.h>
@@ -21,6 +22,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -562,6 +564,61 @@ TEST_F(SecurityTest, ShrunkSharedMemoryDoesNotKillTheServer) {
   EXPECT_EQ(service::ShmSocketServer::Start(socket_path_, other_registry, nullptr).status().code(),
             absl::StatusCode::kAlreadyExists);
   EXPECT_TRUE(client::RegisterMemfd(socket_path_, (*shm)->fd(), 1 << 16).ok());
+}
+
+// The shm socket's live-server check, like --listen's (unix_socket_test): a live listener that
+// is slow to accept (its backlog full) is neither taken over nor waited for, and neither is a
+// live listener of another type (a stream socket, such as gRPC's); the old blocking SEQPACKET
+// probe waited on the first and took the second's path (EPROTOTYPE read as "stale").
+TEST(ShmSocketTest, RefusesASocketWhoseBacklogIsFullWithoutWaiting) {
+  const std::string path = "/tmp/di-shm-probe-" + std::to_string(getpid()) + "-" +
+                           std::to_string(Seed() % 1000000) + ".sock";
+  sockaddr_un addr = {};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  for (const int type : {SOCK_SEQPACKET, SOCK_STREAM}) {
+    SCOPED_TRACE(type == SOCK_SEQPACKET ? "a full SEQPACKET backlog" : "a live stream listener");
+    ::unlink(path.c_str());
+    const int listener = ::socket(AF_UNIX, type, 0);
+    ASSERT_GE(listener, 0);
+    ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    ASSERT_EQ(::listen(listener, 0), 0);  // never accepts
+    std::vector<int> queued;
+    for (bool full = type != SOCK_SEQPACKET; !full && queued.size() < 64;) {
+      const int fd = ::socket(AF_UNIX, type | SOCK_NONBLOCK, 0);
+      ASSERT_GE(fd, 0);
+      if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+        queued.push_back(fd);
+      } else {
+        EXPECT_EQ(errno, EAGAIN) << std::strerror(errno);
+        full = true;
+        ::close(fd);
+      }
+    }
+    struct stat before = {};
+    ASSERT_EQ(::lstat(path.c_str(), &before), 0);
+    service::RegionRegistry registry;
+    auto start = std::async(std::launch::async, [&] {
+      return service::ShmSocketServer::Start(path, registry, nullptr);
+    });
+    const bool waited = start.wait_for(std::chrono::seconds(5)) != std::future_status::ready;
+    // A probe stuck on the full backlog returns once a place frees up.
+    if (waited) ::close(::accept(listener, nullptr, nullptr));
+    EXPECT_FALSE(waited) << "the start waited for the live server to accept";
+    absl::StatusOr<std::unique_ptr<service::ShmSocketServer>> server = start.get();
+    ASSERT_FALSE(server.ok());
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kFailedPrecondition) << server.status();
+    EXPECT_NE(
+        server.status().message().find("cannot tell whether the socket at " + path + " is in use"),
+        std::string::npos)
+        << server.status();
+    struct stat after = {};
+    ASSERT_EQ(::lstat(path.c_str(), &after), 0) << "the live socket's file was removed";
+    EXPECT_EQ(after.st_ino, before.st_ino) << "the live socket's file was replaced";
+    for (int fd : queued) ::close(fd);
+    ::close(listener);
+  }
+  ::unlink(path.c_str());
 }
 
 // Region ids cannot be guessed: another client cannot unregister (or use) one (the old ids

@@ -97,6 +97,46 @@ TEST(ListenAddressTest, ParsesTcpAndSocketForms) {
   }
 }
 
+// One socket (however its path is spelled) or one host:port given twice is refused before
+// anything binds: gRPC would bind the second over the first, and for a path it unlinks the
+// first's file, leaving that listener unreachable. Port 0 twice is two ports.
+TEST(ListenAddressTest, RefusesTheSameAddressTwice) {
+  const std::string cwd = std::filesystem::current_path().string();
+  for (const auto& [first, second] : std::vector<std::pair<std::string, std::string>>{
+           {"unix:/run/di/grpc.sock", "unix:/run/di/grpc.sock"},
+           {"unix:/run/di/grpc.sock", "unix:///run/di/grpc.sock"},
+           {"unix:/run/di/grpc.sock", "unix:/run/di/../di/./grpc.sock"},
+           {"unix:grpc.sock", "unix:./grpc.sock"},
+           {"unix:grpc.sock", "unix:" + cwd + "/grpc.sock"},
+           {"unix-abstract:di-grpc", "unix-abstract:di-grpc"},
+           {"127.0.0.1:50051", "127.0.0.1:50051"},
+       }) {
+    absl::StatusOr<std::vector<ListenAddress>> got =
+        service::ParseListenAddresses({"127.0.0.1:0", first, second});
+    ASSERT_FALSE(got.ok()) << first << " and " << second;
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << got.status();
+    EXPECT_NE(got.status().message().find("listen: \"" + second + "\": "), std::string::npos)
+        << got.status();
+    EXPECT_NE(got.status().message().find("given twice"), std::string::npos) << got.status();
+    if (first != second) {
+      EXPECT_NE(got.status().message().find("the same address as \"" + first + "\""),
+                std::string::npos)
+          << got.status();
+    }
+  }
+  for (const auto& [first, second] : std::vector<std::pair<std::string, std::string>>{
+           {"127.0.0.1:0", "127.0.0.1:0"},
+           {"unix:/run/di/grpc.sock", "unix-abstract:/run/di/grpc.sock"},
+           {"unix:/run/di/a.sock", "unix:/run/di/b.sock"},
+           {"127.0.0.1:50051", "127.0.0.1:50052"},
+       }) {
+    absl::StatusOr<std::vector<ListenAddress>> got = service::ParseListenAddresses({first, second});
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->size(), 2u);
+    EXPECT_EQ((*got)[1].address, second);
+  }
+}
+
 TEST(ListenAddressTest, ConnectAddressDialsLoopbackOrTheSocket) {
   auto dial = [](const std::string& listen, int port) {
     absl::StatusOr<ListenAddress> a = ParseListenAddress(listen);
@@ -226,6 +266,19 @@ TEST(UnixSocketTest, RefusesAPathThatCannotBeBoundAndSaysWhy) {
   std::string contents;
   std::getline(std::ifstream(file), contents);
   EXPECT_EQ(contents, "x") << "a refused start touched the file in the way";
+}
+
+// The same path twice in one server's addresses: refused before anything is bound (gRPC's
+// second bind would unlink the first's file and orphan its listener).
+TEST(UnixSocketTest, RefusesTheSamePathTwice) {
+  TempDir dir;
+  const std::string path = dir.path + "/grpc.sock";
+  absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(
+      Options(LoadOrDie(TinyProfilePath()), {"unix:" + path, "unix://" + path}));
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument) << server.status();
+  EXPECT_NE(server.status().message().find("given twice"), std::string::npos) << server.status();
+  EXPECT_FALSE(std::filesystem::exists(path)) << "a refused start bound the socket";
 }
 
 // gRPC unlinks whatever socket is at the path before it binds: without the check a second
