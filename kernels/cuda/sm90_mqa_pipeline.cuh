@@ -239,6 +239,23 @@ __device__ __forceinline__ void ProducePages(const PagedLogitsArgs& p,
   CpAsyncWait<0>();
 }
 
+// The producer's i-th page (`page` of `cache`) into slot i % kStages through the TMA unit, once
+// the consumers have released the slot's previous page: one arrive.expect_tx on the slot's
+// `full` barrier (InitBarriers(1)), one tensor copy of the page's 64 x 128 codes through
+// `values_map` (PageValuesTensorMap: the 128B swizzle) and one bulk copy of its 64 scales.
+template <int kStages>
+__device__ __forceinline__ void FillSlotTma(const PageRing<kStages>& ring, int i,
+                                            const uint8_t* cache, int page,
+                                            const void* values_map) {
+  const int st = i % kStages;
+  if (i >= kStages) MbarWait(&ring.empty[st], ((i / kStages) + 1) & 1);
+  MbarArriveExpectTx(&ring.full[st], kPipePageBytes);
+  TmaLoadTile3d(ring.values + st * kPipeSlotValues, values_map, 0, 0, page, &ring.full[st]);
+  BulkLoad(ring.scales + st * kPipeSlotScales,
+           cache + int64_t{page} * kPipePageBytes + kPipeSlotValues, kPipeSlotScales,
+           &ring.full[st]);
+}
+
 // ProducePages through the TMA unit, by one thread (the producer warp's lane 0): per tile one
 // arrive.expect_tx on the slot's `full` barrier (InitBarriers(1)), one tensor copy of the
 // page's 64 x 128 codes through `values_map` (PageValuesTensorMap: the map writes the 128B
@@ -267,13 +284,7 @@ __device__ __forceinline__ void ProducePagesTma(const PagedLogitsArgs& p,
       load.Next(sched.prefix);
       next_page = locate();
     }
-    const int st = i % kStages;
-    if (i >= kStages) MbarWait(&ring.empty[st], ((i / kStages) + 1) & 1);
-    MbarArriveExpectTx(&ring.full[st], kPipePageBytes);
-    TmaLoadTile3d(ring.values + st * kPipeSlotValues, values_map, 0, 0, page, &ring.full[st]);
-    BulkLoad(ring.scales + st * kPipeSlotScales,
-             cache + int64_t{page} * kPipePageBytes + kPipeSlotValues, kPipeSlotScales,
-             &ring.full[st]);
+    FillSlotTma(ring, i, cache, page, values_map);
   }
 }
 

@@ -95,11 +95,11 @@ __device__ __forceinline__ int WeightSlot(int head) {
 
 // Keys g and g + 8 of an m64nN accumulator's 32 entries of one row (acc[4 j + e]: key g,
 // acc[4 j + 2 + e]: key g + 8, head 8 j + 2 c + e) through relu, times the head's weight w[2 j +
-// e], summed in four independent chains (key, e) so that the FFMAs do not wait on each other;
-// then the 4 lanes of the group complete the 64-head sum. A fixed order: the same bits on every
-// run and grid.
-__device__ __forceinline__ void Fp8HeadSums(const float* acc, const float (&w)[16], float& s0,
-                                            float& s1) {
+// e], summed over this thread's 16 heads in four independent chains (key, e) so that the FFMAs
+// do not wait on each other: this thread's partial sums of key g (s0) and g + 8 (s1). A fixed
+// order: the same bits on every run and grid.
+__device__ __forceinline__ void Fp8HeadPartials(const float* acc, const float (&w)[16], float& s0,
+                                                float& s1) {
   float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -110,6 +110,13 @@ __device__ __forceinline__ void Fp8HeadSums(const float* acc, const float (&w)[1
   }
   s0 = a0 + a1;
   s1 = b0 + b1;
+}
+
+// The partials, then the 4 lanes of the group complete both keys' 64-head sums (every lane
+// holds both; lane c's: (P_c + P_c^1) + (P_c^2 + P_c^3)).
+__device__ __forceinline__ void Fp8HeadSums(const float* acc, const float (&w)[16], float& s0,
+                                            float& s1) {
+  Fp8HeadPartials(acc, w, s0, s1);
   s0 += __shfl_xor_sync(kFullMask, s0, 1);
   s1 += __shfl_xor_sync(kFullMask, s1, 1);
   s0 += __shfl_xor_sync(kFullMask, s0, 2);

@@ -56,6 +56,7 @@
 namespace decode_indexer::kernels::cuda {
 namespace fp8_runs {
 
+using fp8_logits::Fp8HeadPartials;
 using fp8_logits::IssuePage;
 using fp8_logits::kConsumerThreads;
 using fp8_logits::kConsumerWarps;
@@ -70,25 +71,6 @@ using fp8_logits::QRows;
 using fp8_logits::SmemBytes;
 using fp8_logits::Sw128DescLo;
 using fp8_logits::WeightSlot;
-
-// Keys g and g + 8 of an m64nN accumulator's 32 entries of one row (acc[4 j + e]: key g,
-// acc[4 j + 2 + e]: key g + 8, head 8 j + 2 c + e) through relu, times the head's weight w[2 j +
-// e], summed over this thread's 16 heads in four independent chains (key, e) so that the FFMAs
-// do not wait on each other: this thread's partial sums of key g (s0) and g + 8 (s1). A fixed
-// order: the same bits on every run and grid.
-__device__ __forceinline__ void Fp8HeadPartials(const float* acc, const float (&w)[16], float& s0,
-                                                float& s1) {
-  float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    a0 = fmaf(w[2 * j], fmaxf(acc[4 * j], 0.f), a0);
-    a1 = fmaf(w[2 * j + 1], fmaxf(acc[4 * j + 1], 0.f), a1);
-    b0 = fmaf(w[2 * j], fmaxf(acc[4 * j + 2], 0.f), b0);
-    b1 = fmaf(w[2 * j + 1], fmaxf(acc[4 * j + 3], 0.f), b1);
-  }
-  s0 = a0 + a1;
-  s1 = b0 + b1;
-}
 
 // The production kernel's Fp8HeadSums' second half as a reduce-scatter: the 4 lanes of a group hold
 // partials p[r][k] (row r of the pair, key g + 8 k); lane c ends with the full sum of row c >> 1,
@@ -128,10 +110,8 @@ __device__ __forceinline__ int RunPasses(int nrows) {
 // The producer (the producer warp's lane 0): fills the ring through the TMA unit in the order
 // the consumers score: the block's tiles one request's run at a time, each run once per pass
 // (RunPasses; more than one only for a request with more rows than a pass holds, whose keys
-// are then read again per pass rather than held while q is reloaded). Per page one
-// arrive.expect_tx on the slot's `full` barrier (InitBarriers(1)), one tensor copy of its
-// 64 x 128 codes through `values_map` (PageValuesTensorMap: the 128B swizzle) and one bulk copy
-// of its 64 scales; the next page's page-table entry is read one page early so its latency
+// are then read again per pass rather than held while q is reloaded). Each page through
+// FillSlotTma; the next page's page-table entry is read one page early so its latency
 // overlaps the wait for a free slot. Keys at or past a tile's valid count are copied as they
 // are (stale cache bytes): every key's logit depends only on its own codes and scale, and no
 // logit at or past a row's length is stored.
@@ -175,13 +155,7 @@ __device__ __forceinline__ void ProduceRunPages(const PagedLogitsArgs& p,
     const int page = next_page;
     more = advance();
     if (more) next_page = __ldg(&p.rows.page_table[row_base + t - tile0]);
-    const int st = i % kStages;
-    if (i >= kStages) MbarWait(&ring.empty[st], ((i / kStages) + 1) & 1);
-    MbarArriveExpectTx(&ring.full[st], kPipePageBytes);
-    TmaLoadTile3d(ring.values + st * kPipeSlotValues, values_map, 0, 0, page, &ring.full[st]);
-    BulkLoad(ring.scales + st * kPipeSlotScales,
-             cache + int64_t{page} * kPipePageBytes + kPipeSlotValues, kPipeSlotScales,
-             &ring.full[st]);
+    FillSlotTma(ring, i, cache, page, values_map);
   }
 }
 
