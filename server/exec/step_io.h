@@ -191,9 +191,9 @@ class DeviceChecks {
   static constexpr uint32_t kNewKeys = 1, kNewKeyScales = 2, kQ = 4, kQScales = 8, kWeights = 16;
 
   explicit DeviceChecks(Rank& rank) : rank_(rank) {}
-  // Queues a check (none for an empty tensor or a type with nothing to check).
   // Whether a check has anything to check (data, a count, a type with NaN codes).
   static bool Checkable(const kernels::ValueCheck& check);
+  // Queues a check (none for an empty tensor or a type with nothing to check).
   absl::Status Add(const kernels::ValueCheck& check);
   bool pending() const { return args_.num_checks > 0; }
   absl::Status Flush();
