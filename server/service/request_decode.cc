@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "decode_indexer/kernels/value_check.h"
 
 namespace decode_indexer::service {
 namespace {
@@ -132,85 +133,6 @@ std::string IndexString(int64_t flat, const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(idx, ", "), "]");
 }
 
-// Whether any of n words of T matches (word & kMask) == kWant: NaN codes (FP8 S.1111.111,
-// UE8M0 0xFF) and NaN/Inf (fp32 / bf16 exponent all ones). Every q byte of every step is
-// scanned (0.5 MiB at 64 rows of v32), so this must run at memory speed: 256-byte chunks with
-// a fixed-count branch-free inner loop are what GCC -O2 vectorizes (a word-at-a-time loop
-// ran ~6x slower); the element is then located by the caller's exact loop, after a hit only.
-template <typename T, T kMask, T kWant>
-bool AnyWordMatches(const char* data, size_t n) {
-  constexpr size_t kChunk = 256 / sizeof(T);
-  uint32_t hit = 0;
-  size_t i = 0;
-  for (; i + kChunk <= n; i += kChunk) {
-    T buf[kChunk];
-    std::memcpy(buf, data + i * sizeof(T), sizeof(buf));
-    for (size_t j = 0; j < kChunk; ++j) hit |= static_cast<uint32_t>((buf[j] & kMask) == kWant);
-  }
-  for (; i < n; ++i) {
-    T word;
-    std::memcpy(&word, data + i * sizeof(T), sizeof(T));
-    hit |= static_cast<uint32_t>((word & kMask) == kWant);
-  }
-  return hit != 0;
-}
-
-// NaN/Inf (and, for scales, non-positive values) in a checked tensor.
-absl::Status CheckValues(const v1::Tensor& t, std::string_view data, absl::string_view field,
-                         const std::vector<int64_t>& shape, bool positive) {
-  const char* p = data.data();
-  auto bad = [&](int64_t i, absl::string_view what) {
-    return Invalid(absl::StrCat(field, ".data"),
-                   absl::StrCat(what, " at element ", i, " ", IndexString(i, shape)));
-  };
-  switch (t.dtype()) {
-    case v1::DTYPE_FP32: {
-      const int64_t n = static_cast<int64_t>(data.size() / 4);
-      if (!positive && !AnyWordMatches<uint32_t, 0x7F800000u, 0x7F800000u>(p, size_t(n))) {
-        return absl::OkStatus();
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        uint32_t bits;
-        std::memcpy(&bits, p + 4 * i, 4);
-        if ((bits & 0x7F800000u) == 0x7F800000u) return bad(i, "NaN or Inf");
-        if (positive) {
-          float v;
-          std::memcpy(&v, &bits, 4);
-          if (!(v > 0.0f)) return bad(i, "non-positive scale");
-        }
-      }
-      return absl::OkStatus();
-    }
-    case v1::DTYPE_BF16: {
-      const int64_t n = static_cast<int64_t>(data.size() / 2);
-      if (!AnyWordMatches<uint16_t, 0x7F80u, 0x7F80u>(p, size_t(n))) return absl::OkStatus();
-      for (int64_t i = 0; i < n; ++i) {
-        uint16_t bits;
-        std::memcpy(&bits, p + 2 * i, 2);
-        if ((bits & 0x7F80u) == 0x7F80u) return bad(i, "NaN or Inf");
-      }
-      return absl::OkStatus();
-    }
-    case v1::DTYPE_FP8_E4M3: {
-      // e4m3fn has no Inf; S.1111.111 is its NaN.
-      if (!AnyWordMatches<uint8_t, 0x7F, 0x7F>(p, data.size())) return absl::OkStatus();
-      for (int64_t i = 0; i < static_cast<int64_t>(data.size()); ++i) {
-        if ((static_cast<uint8_t>(p[i]) & 0x7F) == 0x7F) return bad(i, "NaN code");
-      }
-      return absl::OkStatus();
-    }
-    case v1::DTYPE_UE8M0: {
-      if (!AnyWordMatches<uint8_t, 0xFF, 0xFF>(p, data.size())) return absl::OkStatus();
-      for (int64_t i = 0; i < static_cast<int64_t>(data.size()); ++i) {
-        if (static_cast<uint8_t>(p[i]) == 0xFF) return bad(i, "NaN scale (0xFF)");
-      }
-      return absl::OkStatus();
-    }
-    default:  // FP4 codes are all finite; integers have no NaN.
-      return absl::OkStatus();
-  }
-}
-
 ElemType ToElemType(v1::DType dtype) {
   switch (dtype) {
     case v1::DTYPE_FP32:
@@ -228,6 +150,32 @@ ElemType ToElemType(v1::DType dtype) {
     default:
       return ElemType::kI64;
   }
+}
+
+// NaN/Inf (and, for scales, non-positive values) in a checked tensor: the one rule of
+// kernels::IsBadValue, scanned at memory speed (kernels::HostAnyBadValue); only a tensor with
+// a bad element is walked again to name the first one.
+absl::Status CheckValues(const v1::Tensor& t, std::string_view data, absl::string_view field,
+                         const std::vector<int64_t>& shape, bool positive) {
+  const ElemType type = ToElemType(t.dtype());
+  const int32_t eb = kernels::CheckedElemBytes(type);
+  if (eb == 0) return absl::OkStatus();  // FP4 codes are all finite; integers have no NaN.
+  const int64_t n = static_cast<int64_t>(data.size()) / eb;
+  const bool fp32_positive = positive && type == ElemType::kF32;
+  if (!kernels::HostAnyBadValue(type, data.data(), n, fp32_positive)) return absl::OkStatus();
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits = 0;
+    std::memcpy(&bits, data.data() + i * eb, static_cast<size_t>(eb));
+    if (!kernels::IsBadValue(type, bits, fp32_positive)) continue;
+    const bool nan_or_inf = kernels::IsBadValue(type, bits);
+    absl::string_view what = type == ElemType::kFp8E4M3 ? "NaN code"
+                             : type == ElemType::kUE8M0 ? "NaN scale (0xFF)"
+                             : nan_or_inf               ? "NaN or Inf"
+                                                        : "non-positive scale";
+    return Invalid(absl::StrCat(field, ".data"),
+                   absl::StrCat(what, " at element ", i, " ", IndexString(i, shape)));
+  }
+  return absl::OkStatus();
 }
 
 // The request's bytes when suitably aligned for `align`, else a copy kept in `storage`.

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "decode_indexer/kernels/backend.h"
 #include "decode_indexer/kernels/cpu_reference.h"
+#include "decode_indexer/kernels/value_check.h"
 #include "gtest/gtest.h"
 #include "tests/kernels/kernel_test_util.h"
 #include "tests/kernels/topk_check.h"
@@ -287,6 +288,80 @@ TEST(CpuBackend, AllocatesZeroedAlignedMemoryAndCopiesRows) {
   backend->Free(const_cast<int32_t*>(args.dst_index));
   backend->Free(const_cast<int32_t*>(args.src));
   backend->Free(const_cast<int32_t*>(args.src_index));
+}
+
+// The host check (the CPU backend's CheckValues, and the edge's scan) against the per-element
+// rule IsBadValue: every type, lengths around the scan's 256-byte chunks, one bad element
+// planted at the first, last, chunk-edge and random positions; a clean tensor sets nothing.
+TEST(CpuBackend, CheckValuesFlagsABadElementWhereverItIs) {
+  struct Case {
+    ElemType type;
+    bool positive;
+  };
+  const Case cases[] = {{ElemType::kF32, false},
+                        {ElemType::kF32, true},
+                        {ElemType::kBF16, false},
+                        {ElemType::kFp8E4M3, false},
+                        {ElemType::kUE8M0, false}};
+  BackendLimits limits;
+  std::unique_ptr<Backend> backend = MakeCpuBackend(limits, 0);
+  std::mt19937_64 rng(1961);
+  for (const Case& c : cases) {
+    const int32_t eb = CheckedElemBytes(c.type);
+    for (const int64_t n : {1, 2, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000, 4099}) {
+      SCOPED_TRACE(
+          absl::StrCat("type ", static_cast<int>(c.type), " positive ", c.positive, " n ", n));
+      std::vector<uint8_t> data(static_cast<size_t>(n * eb));
+      auto bits_at = [&](int64_t i) {
+        uint32_t bits = 0;
+        std::memcpy(&bits, data.data() + i * eb, static_cast<size_t>(eb));
+        return bits;
+      };
+      auto set_bits = [&](int64_t i, uint32_t bits) {
+        std::memcpy(data.data() + i * eb, &bits, static_cast<size_t>(eb));
+      };
+      const uint32_t mask = eb == 4 ? 0xFFFFFFFFu : (1u << (8 * eb)) - 1;
+      for (int64_t i = 0; i < n; ++i) {  // random good elements
+        uint32_t bits;
+        do bits = static_cast<uint32_t>(rng()) & mask;
+        while (IsBadValue(c.type, bits, c.positive));
+        set_bits(i, bits);
+      }
+      // Bad elements of this type: NaN / Inf codes, and for positive scales 0, -0, negatives.
+      std::vector<uint32_t> bads;
+      while (bads.size() < 64) {
+        const uint32_t bits = static_cast<uint32_t>(rng()) & mask;
+        if (IsBadValue(c.type, bits, c.positive)) bads.push_back(bits);
+      }
+      for (uint32_t forced : {0x7F800000u, 0x80000000u, 0u, 0xBF800000u}) {
+        if (eb == 4 && IsBadValue(c.type, forced, c.positive)) bads.push_back(forced);
+      }
+      auto check = [&](bool accumulate, uint32_t start) {
+        uint32_t flags = start;
+        ValueCheckArgs args;
+        args.checks[0] = {data.data(), n, c.type, 4u, c.positive};
+        args.num_checks = 1;
+        args.flags = &flags;
+        args.accumulate = accumulate;
+        EXPECT_TRUE(backend->CheckValues(args).ok());
+        return flags;
+      };
+      EXPECT_EQ(check(false, 0xFFu), 0u);
+      EXPECT_EQ(check(true, 1u), 1u);
+      std::vector<int64_t> where = {0, n - 1, std::min<int64_t>(n - 1, 256 / eb - 1),
+                                    std::min<int64_t>(n - 1, 256 / eb)};
+      for (int r = 0; r < 4; ++r) where.push_back(static_cast<int64_t>(rng() % n));
+      for (const int64_t i : where) {
+        const uint32_t good = bits_at(i);
+        for (size_t b = 0; b < bads.size(); b += 7) {
+          set_bits(i, bads[b]);
+          EXPECT_EQ(check(false, 0u), 4u) << "bad bits " << bads[b] << " at " << i;
+          EXPECT_EQ(check(true, 1u), 5u);
+        }
+        set_bits(i, good);
+      }
+    }
+  }
 }
 
 TEST(CpuBackend, RejectsPagesOutsideThePool) {
