@@ -163,7 +163,11 @@ __device__ __forceinline__ void IssuePage(float* acc, uint32_t desc_kv, uint32_t
 // production choices are PipeFp8MinBlocks, kPipeFp8Stages, kPipeFp8WeightRegs (sm90_heuristics.h).
 // kWeightRegs: this thread's weights of the pass's first one or two rows in registers (loaded
 // once per pass) instead of four 16-byte shared-memory loads per row and page.
-template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, bool kWeightRegs>
+// kShflWarp (false in production; bench variant kFp8ShflWarp): the warp index through a lane-0
+// shuffle, which ptxas sees as warp-uniform, so the loop's state and the wgmma descriptors can
+// live on the uniform datapath (fewer instructions a page when read statically; not yet timed).
+template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, bool kWeightRegs,
+          bool kShflWarp = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     PagedMqaLogitsFp8Kernel(const PagedLogitsArgs p,
                             const __grid_constant__ CUtensorMap values_map) {
@@ -179,7 +183,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   int32_t* own = reinterpret_cast<int32_t*>(full + 2 * kStages);
 
   const int tid = threadIdx.x;
-  const int warp = tid >> 5;
+  const int warp = kShflWarp ? __shfl_sync(kFullMask, tid >> 5, 0) : tid >> 5;
   const int lane = tid & 31;
 
   if (tid == 0) ring.InitBarriers(1, kConsumerThreads);
@@ -356,15 +360,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 }
 
 // One instantiation's launch on a persistent grid (its blocks per SM from the occupancy query).
-template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, bool kWeightRegs>
+template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, bool kWeightRegs,
+          bool kShflWarp = false>
 absl::Status Launch(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
   static KernelDeviceSetup per_device[kMaxDevices];
   const absl::StatusOr<CUtensorMap> map = PageValuesTensorMap(args.cache);
   if (!map.ok()) return map.status();
   return LaunchPersistentGrid(
       per_device, "paged mqa logits (fp8 pipelined)",
-      PagedMqaLogitsFp8Kernel<kRows, kOwnSchedule, kMinBlocks, kStages, kWeightRegs>, kThreads,
-      SmemBytes<kRows, kOwnSchedule, kStages>(), num_sms, stream, args, *map);
+      PagedMqaLogitsFp8Kernel<kRows, kOwnSchedule, kMinBlocks, kStages, kWeightRegs, kShflWarp>,
+      kThreads, SmemBytes<kRows, kOwnSchedule, kStages>(), num_sms, stream, args, *map);
 }
 
 }  // namespace fp8_logits

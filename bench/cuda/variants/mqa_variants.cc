@@ -33,6 +33,8 @@ const char* MqaVariantName(MqaVariant v) {
       return "fp8 runs";
     case MqaVariant::kFp8RunsN2FourBlocks:
       return "fp8 runs n2 4 blocks";
+    case MqaVariant::kFp8ShflWarp:
+      return "fp8 shfl warp";
   }
   return "?";
 }
@@ -75,7 +77,7 @@ bool MqaVariantFillsHistogram(MqaVariant v) {
 bool MqaVariantSameBitsAsFp8(MqaVariant v) {
   return v == MqaVariant::kFp8N2SmemWeights4 || v == MqaVariant::kFp8N34SmemWeights ||
          v == MqaVariant::kFp8Wide || v == MqaVariant::kFp8Runs ||
-         v == MqaVariant::kFp8RunsN2FourBlocks;
+         v == MqaVariant::kFp8RunsN2FourBlocks || v == MqaVariant::kFp8ShflWarp;
 }
 
 }  // namespace decode_indexer::kernels::cuda

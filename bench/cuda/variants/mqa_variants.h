@@ -25,6 +25,10 @@
 //   sm90_paged_mqa_logits_fp8_runs.cu); bit for bit its logits. kFp8RunsN2FourBlocks: the same
 //   at two rows a pass at 4 blocks per SM (weights from shared memory). Neither has run on a
 //   GPU yet.
+// - kFp8ShflWarp: the production fp8 kernel with only its warp index taken through a lane-0
+//   shuffle (kShflWarp), so that ptxas keeps the loop state on the uniform datapath (static
+//   reading: 1720 -> 1600 instructions at next_n 2, registers 128 -> 116); bit for bit its
+//   logits. Not run on a GPU yet.
 // Removed, their measurements recorded in docs/results/cuda-bench.md and its raw/ logs:
 // the heads-as-M wgmma f16 / fp8 kernels, the exact kernel's page pairs, the fp8 kernel's
 // per-row m64n64 chains.
@@ -50,6 +54,7 @@ enum class MqaVariant {
   kFp8Wide,
   kFp8Runs,
   kFp8RunsN2FourBlocks,
+  kFp8ShflWarp,
 };
 inline constexpr MqaVariant kAllMqaVariants[] = {MqaVariant::kWgmmaKeysM,
                                                  MqaVariant::kWgmmaKeysMSplit,
@@ -60,8 +65,9 @@ inline constexpr MqaVariant kAllMqaVariants[] = {MqaVariant::kWgmmaKeysM,
 const char* MqaVariantName(MqaVariant v);
 // The fp8 tensor-core variants (their logits are not the exact kernel's).
 inline constexpr MqaVariant kFp8MqaVariants[] = {
-    MqaVariant::kFp8V1,   MqaVariant::kFp8N2SmemWeights4, MqaVariant::kFp8N34SmemWeights,
-    MqaVariant::kFp8Wide, MqaVariant::kFp8Runs,           MqaVariant::kFp8RunsN2FourBlocks};
+    MqaVariant::kFp8V1,      MqaVariant::kFp8N2SmemWeights4, MqaVariant::kFp8N34SmemWeights,
+    MqaVariant::kFp8Wide,    MqaVariant::kFp8Runs,           MqaVariant::kFp8RunsN2FourBlocks,
+    MqaVariant::kFp8ShflWarp};
 // True for the fp8 variants whose logits are the production fp8 kernel's bit for bit (its shape
 // choices moved); false for kFp8V1 (another summation order) and the exact-kernel variants.
 bool MqaVariantSameBitsAsFp8(MqaVariant v);

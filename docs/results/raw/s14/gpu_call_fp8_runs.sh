@@ -7,7 +7,9 @@
 #   cp build/kernels/cuda/CMakeFiles/di_kernels_cuda.dir/sm90_paged_mqa_logits_fp8.cu.o .peer/fp8.o
 #   git rev-parse --short HEAD > .peer/tree.txt; cp docs/results/raw/s14/gpu_call_fp8_runs.sh .peer/
 # Then the device tool, carry [".peer"]: bash .peer/gpu_call_fp8_runs.sh  (about 6-8 minutes)
-# What it answers: are the variants' logits (kFp8Runs, kFp8RunsN2FourBlocks) the production kernel's bit for bit (gpu_variants_test,
+# Session 15 added kFp8ShflWarp (the production kernel with only its warp index shuffled) to the
+# same lines, the same test and the ncu loop.
+# What it answers: are the variants' logits (kFp8Runs, kFp8RunsN2FourBlocks, kFp8ShflWarp) the production kernel's bit for bit (gpu_variants_test,
 # every fp8 variant and Fp8RunsVariantEqualsTheProductionKernel), and is it faster: the bench's
 # "fp8 variant fp8 runs" line beside the production fp8 kernel on all 32 shapes, DeepGEMM on the
 # same configs, ncu instruction counts of both kernels at 64 x 32K next_n 1 and 2, both SASS.
@@ -20,12 +22,13 @@ export NCCL_NVLS_ENABLE=0 DI_TEST_DATA_DIR=$PWD/tests/service/profiles
 s=$(date +%s); LD_LIBRARY_PATH=$L timeout 200 gpu-bundle/gpu_variants_test --gtest_filter='*Fp8*' > $O/variants.log 2>&1; echo "variants rc=$? $(( $(date +%s) - s ))s"; grep -h "OK \]\|FAILED" $O/variants.log | head
 s=$(date +%s); LD_LIBRARY_PATH=$L timeout 150 gpu-bundle/gpu_test --gtest_filter='*Fp8*' > $O/gpu_test_fp8.log 2>&1; echo "gpu_test fp8 rc=$? $(( $(date +%s) - s ))s"; tail -2 $O/gpu_test_fp8.log
 s=$(date +%s); CUDA_VISIBLE_DEVICES=0 LD_LIBRARY_PATH=$L timeout 200 gpu-bundle/decode-indexer-bench-cuda --skip-variants --out $O/cuda_bench.json > $O/bench_cuda.log 2>&1; echo "bench rc=$? $(( $(date +%s) - s ))s"
-grep -h "req   n\|^ *[0-9]* *[0-9] *[0-9]*K |\|production logits\|fp8 runs" $O/bench_cuda.log | head -120 > $O/runs_vs_production.txt
+grep -h "req   n\|^ *[0-9]* *[0-9] *[0-9]*K |\|production logits\|fp8 runs\|fp8 shfl" $O/bench_cuda.log | head -120 > $O/runs_vs_production.txt
 s=$(date +%s); timeout 150 bash .peer/deepgemm/dg_build.sh > $O/dg_build.log 2>&1; DG_JIT_CACHE_DIR=/tmp/dgjit timeout 150 python3 .peer/deepgemm/dg_bench.py --configs $O/cuda_bench.json --out $O/dg.json > $O/dg.log 2>&1; echo "dg rc=$? $(( $(date +%s) - s ))s"
 python3 .peer/deepgemm/compare.py $O/cuda_bench.json $O/dg.json > $O/compare.md 2>&1
 OP="--metrics smsp__inst_executed.sum,gpu__time_duration.sum,smsp__issue_active.avg.per_cycle_active,smsp__inst_executed_pipe_alu.sum,smsp__inst_executed_pipe_fma.sum,smsp__inst_executed_pipe_uniform.sum,smsp__warps_active.avg.per_cycle_active,launch__registers_per_thread"
 for n in 2 1; do
-  ks="PagedMqaLogitsFp8KernelILi${n}ELb1E PagedMqaLogitsFp8RunsKernelILi${n}ELb1ELi[34]ELi4ELb1E"
+  # The production instantiation (weights in registers, kShflWarp false) and kFp8ShflWarp's.
+  ks="PagedMqaLogitsFp8KernelILi${n}ELb1ELi[0-9]ELi[0-9]ELb1ELb0E PagedMqaLogitsFp8KernelILi${n}ELb1ELi[0-9]ELi[0-9]ELb1ELb1E PagedMqaLogitsFp8RunsKernelILi${n}ELb1ELi[34]ELi4ELb1E"
   [ $n = 2 ] && ks="$ks PagedMqaLogitsFp8RunsKernelILi2ELb1ELi4ELi4ELb0E"
   for k in $ks; do
     tag=$(echo "$k" | tr -c 'A-Za-z0-9\n' '_')
