@@ -158,6 +158,46 @@ __device__ __forceinline__ void IssuePage(float* acc, uint32_t desc_kv, uint32_t
   }
 }
 
+// Fills the q tile and the weights in shared memory for pass `pass` of the request whose rows
+// are first_row .. first_row + nrows - 1, by the consumer threads (tid < kConsumerThreads): q
+// codes as they are (e4m3 is the MMA's type), in the SW128 layout the wgmmas read; rows past
+// the request's last are zero (their columns are computed, never stored). The caller orders it
+// between two kQBarrier syncs and fences it for the async proxy.
+template <int kRows>
+__device__ __forceinline__ void FillQTile(const PagedLogitsArgs& p, uint8_t* q_tile, float* w_smem,
+                                          int tid, int pass, int first_row, int nrows) {
+  constexpr int kQRows = QRows(kRows);
+  constexpr int kItems = kQRows * kHeads * 8;  // 16 codes each
+  static_assert(kItems % (4 * kConsumerThreads) == 0, "whole rounds of q loads");
+  // Not unrolled: with 3-4 rows, all rounds' loads hoisted together spilled (ptxas -v).
+#pragma unroll 1
+  for (int it0 = 0; it0 < kItems; it0 += 4 * kConsumerThreads) {
+    uint4 codes[4];
+    float wv[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int it = it0 + u * kConsumerThreads + tid;
+      const int rr = it / (kHeads * 8), head = (it / 8) % kHeads, oct = it % 8;
+      const int rin = pass * kRows + rr;
+      codes[u] = make_uint4(0u, 0u, 0u, 0u);
+      wv[u] = 0.f;
+      if (rin < nrows) {
+        const int64_t row = first_row + rin;
+        codes[u] = __ldg(
+            reinterpret_cast<const uint4*>(p.q.codes + (row * kHeads + head) * kMqaHeadDim) + oct);
+        if (oct == 0) wv[u] = __ldg(&p.q.weights[row * kHeads + head]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int it = it0 + u * kConsumerThreads + tid;
+      const int n = it / 8, oct = it % 8;  // B row n = 64 rr + head
+      *reinterpret_cast<uint4*>(q_tile + n * 128 + ((oct ^ (n & 7)) << 4)) = codes[u];
+      if (oct == 0) w_smem[(n >> 6) * kHeads + WeightSlot(n & 63)] = wv[u];
+    }
+  }
+}
+
 // kRows: rows of a request scored per pass over a page (RowsPerPass): one m64n128 instruction
 // per k-step for each two of them (m64n64 for one). kMinBlocks, kStages, kWeightRegs: the
 // production choices are PipeFp8MinBlocks, kPipeFp8Stages, kPipeFp8WeightRegs (sm90_heuristics.h).
@@ -225,36 +265,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     NamedBarrierSync(kQBarrier, kConsumerThreads);  // every warp's wgmmas on the old q are done
     loaded_request = b;
     loaded_pass = pass;
-    constexpr int kItems = kQRows * kHeads * 8;  // 16 codes each
-    static_assert(kItems % (4 * kConsumerThreads) == 0, "whole rounds of q loads");
-    // Not unrolled: with 3-4 rows, all rounds' loads hoisted together spilled (ptxas -v).
-#pragma unroll 1
-    for (int it0 = 0; it0 < kItems; it0 += 4 * kConsumerThreads) {
-      uint4 codes[4];
-      float wv[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int it = it0 + u * kConsumerThreads + tid;
-        const int rr = it / (kHeads * 8), head = (it / 8) % kHeads, oct = it % 8;
-        const int rin = pass * kRows + rr;
-        codes[u] = make_uint4(0u, 0u, 0u, 0u);
-        wv[u] = 0.f;
-        if (rin < nrows) {
-          const int64_t row = first_row + rin;
-          codes[u] = __ldg(
-              reinterpret_cast<const uint4*>(p.q.codes + (row * kHeads + head) * kMqaHeadDim) +
-              oct);
-          if (oct == 0) wv[u] = __ldg(&p.q.weights[row * kHeads + head]);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int it = it0 + u * kConsumerThreads + tid;
-        const int n = it / 8, oct = it % 8;  // B row n = 64 rr + head
-        *reinterpret_cast<uint4*>(q_tile + n * 128 + ((oct ^ (n & 7)) << 4)) = codes[u];
-        if (oct == 0) w_smem[(n >> 6) * kHeads + WeightSlot(n & 63)] = wv[u];
-      }
-    }
+    FillQTile<kRows>(p, q_tile, w_smem, tid, pass, first_row, nrows);
 #pragma unroll
     for (int rr = 0; rr < kRows; ++rr) {
       const int rin = pass * kRows + rr;

@@ -56,6 +56,7 @@
 namespace decode_indexer::kernels::cuda {
 namespace fp8_runs {
 
+using fp8_logits::FillQTile;
 using fp8_logits::Fp8HeadPartials;
 using fp8_logits::IssuePage;
 using fp8_logits::kConsumerThreads;
@@ -70,7 +71,6 @@ using fp8_logits::LoadWeights;
 using fp8_logits::QRows;
 using fp8_logits::SmemBytes;
 using fp8_logits::Sw128DescLo;
-using fp8_logits::WeightSlot;
 
 // The production kernel's Fp8HeadSums' second half as a reduce-scatter: the 4 lanes of a group hold
 // partials p[r][k] (row r of the pair, key g + 8 k); lane c ends with the full sum of row c >> 1,
@@ -230,36 +230,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     NamedBarrierSync(kQBarrier, kConsumerThreads);  // every warp's wgmmas on the old q are done
     const int first_row = Ld<kOwnSchedule>(&req_first_row[b]);
     const int nrows = Ld<kOwnSchedule>(&req_num_rows[b]);
-    constexpr int kItems = kQRows * kHeads * 8;  // 16 codes each
-    static_assert(kItems % (4 * kConsumerThreads) == 0, "whole rounds of q loads");
-    // Not unrolled: with 3-4 rows, all rounds' loads hoisted together spilled (ptxas -v).
-#pragma unroll 1
-    for (int it0 = 0; it0 < kItems; it0 += 4 * kConsumerThreads) {
-      uint4 codes[4];
-      float wv[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int it = it0 + u * kConsumerThreads + tid;
-        const int rr = it / (kHeads * 8), head = (it / 8) % kHeads, oct = it % 8;
-        const int rin = pass * kRows + rr;
-        codes[u] = make_uint4(0u, 0u, 0u, 0u);
-        wv[u] = 0.f;
-        if (rin < nrows) {
-          const int64_t row = first_row + rin;
-          codes[u] = __ldg(
-              reinterpret_cast<const uint4*>(p.q.codes + (row * kHeads + head) * kMqaHeadDim) +
-              oct);
-          if (oct == 0) wv[u] = __ldg(&p.q.weights[row * kHeads + head]);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int it = it0 + u * kConsumerThreads + tid;
-        const int n = it / 8, oct = it % 8;  // B row n = 64 rr + head
-        *reinterpret_cast<uint4*>(q_tile + n * 128 + ((oct ^ (n & 7)) << 4)) = codes[u];
-        if (oct == 0) w_smem[(n >> 6) * kHeads + WeightSlot(n & 63)] = wv[u];
-      }
-    }
+    FillQTile<kRows>(p, q_tile, w_smem, tid, pass, first_row, nrows);
 #pragma unroll
     for (int u = 0; u < kGroups; ++u) {
       const int rin = pass * kRows + 2 * u + krow;
