@@ -181,17 +181,21 @@ TEST(GpuExecutorTest, CudaAndCpuBackendsAnswerAsTheReference) {
 config::Profile GraphV32() { return FullWidthV32(16384); }
 config::Profile GraphV41() { return FullWidthV41(16384); }
 
+// The profiles a graph test steps: v32, v41, and v41 with a masked (consumer) layer's steps.
+struct ProfileVariant {
+  const char* name;
+  config::Profile profile;
+  bool masked;
+};
+std::vector<ProfileVariant> GraphVariants() {
+  return {{"v32", GraphV32(), false}, {"v41", GraphV41(), false}, {"v41 masked", GraphV41(), true}};
+}
+
 TEST(GpuExecutorTest, GraphReplaysAnswerAsEagerStepsBitForBit) {
   if (!kernels::CudaBackendAvailable()) {
     GTEST_SKIP() << "no CUDA GPU visible: the CUDA graph test is skipped here";
   }
-  struct Variant {
-    const char* name;
-    config::Profile profile;
-    bool masked;
-  };
-  for (const Variant& v : {Variant{"v32", GraphV32(), false}, Variant{"v41", GraphV41(), false},
-                           Variant{"v41 masked", GraphV41(), true}}) {
+  for (const ProfileVariant& v : GraphVariants()) {
     SCOPED_TRACE(v.name);
     const uint64_t seed = FreshSeed();
     SCOPED_TRACE(absl::StrCat("seed ", seed));
@@ -365,13 +369,7 @@ TEST(GpuExecutorTest, DeviceAnswerWrittenInPlaceAnswersAsTheVectors) {
   if (!kernels::CudaBackendAvailable()) {
     GTEST_SKIP() << "no CUDA GPU visible: the in-place device answer test is skipped here";
   }
-  struct Variant {
-    const char* name;
-    config::Profile profile;
-    bool masked;
-  };
-  for (const Variant& v : {Variant{"v32", GraphV32(), false}, Variant{"v41", GraphV41(), false},
-                           Variant{"v41 masked", GraphV41(), true}}) {
+  for (const ProfileVariant& v : GraphVariants()) {
     SCOPED_TRACE(v.name);
     const config::Profile& p = v.profile;
     const uint64_t seed = FreshSeed();
