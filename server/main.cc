@@ -100,6 +100,11 @@ int main(int argc, char** argv) {
                  "on|off: replay a step's kernels from a captured CUDA graph once its shape "
                  "was seen (CUDA backend)")
       ->capture_default_str();
+  app.add_option("--max-step-graphs", options.executor.max_step_graphs,
+                 "step shapes a rank keeps CUDA graphs for; a new shape past it evicts the "
+                 "least recently seen one (decode_indexer_step_graphs_total{event=\"evicted\"})")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
   app.add_option("--pinned-staging", options.executor.pinned_staging,
                  "on|off: stage each step's uploads in page-locked host memory (CUDA backend)")
       ->capture_default_str();

@@ -437,6 +437,14 @@ class CudaBackend final : public Backend, public BenchClocks {
     DI_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(it->second, main_), "launch a captured step graph");
     return true;
   }
+  // A graph still running (a replay queued before) is not stopped: the driver frees it when
+  // it completes (cuGraphExecDestroy's documented behaviour for an in-flight graph).
+  void DropGraph(uint64_t key) override {
+    auto it = graphs_.find(key);
+    if (it == graphs_.end()) return;
+    if (cudaSetDevice(device_) == cudaSuccess) cudaGraphExecDestroy(it->second);
+    graphs_.erase(it);
+  }
 
   // Data plane: a client's exported device buffer, opened once per registration.
   absl::StatusOr<void*> OpenIpcMemory(std::string_view handle, size_t bytes, int device) override {

@@ -32,6 +32,7 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   Rank::StepRecord& record = rank.step_record();
   record.graph_captured = false;
   record.graph_replayed = false;
+  record.graph_evicted = false;
   StepObserver* observer = plan.observer.get();  // the test seam: null in production
   using Mark = StepObserver::RankMark;
   if (observer != nullptr) observer->OnRank(rank.index(), Mark::kUploadsBegin);

@@ -54,6 +54,7 @@ absl::Status ExecutorImpl::Init(int32_t num_ranks, const BackendFactory& factory
   if (p.rope.style != kernels::RopeStyle::kNone) sizes.inv_freq = kernels::ComputeInvFreq(p.rope);
   sizes.max_context = p.max_context;
   sizes.step_graphs = options_.cuda_graphs;
+  sizes.max_step_graphs = options_.max_step_graphs;
   sizes.pinned_staging = options_.pinned_staging;
   // Two slots: the second serves a step that follows one which returned before its
   // Synchronize (StagingRing); otherwise every step uses the first.
@@ -286,6 +287,7 @@ absl::StatusOr<StepResult> ExecutorImpl::DecodeStepLocked(const ValidatedStep& v
   for (const auto& r : ranks_) {
     stats_.graph_captures += r->last_step().graph_captured;
     stats_.graph_replays += r->last_step().graph_replayed;
+    stats_.graph_evictions += r->last_step().graph_evicted;
   }
   if (status.ok()) status = CollectAnswer(plan);
   // A caller whose deadline passed (or who went away) while the ranks ran gets nothing

@@ -58,6 +58,9 @@ struct ExecutorOptions {
   // captured graph of its kernel section (rope_quant_q and scoring) instead of launching each
   // kernel; the answer is bit-identical. Only where the backend has graphs (CUDA).
   bool cuda_graphs = true;
+  // Step shapes a rank keeps graphs for; past it, a new shape evicts the least recently seen
+  // one (and its graph). Each kept graph holds a little device memory.
+  int32_t max_step_graphs = 1024;
   // Stage each step's uploads (row tables, page table, q, weights, keys) in page-locked host
   // memory on a GPU backend, so they are asynchronous DMAs (off: copy from the caller's memory).
   bool pinned_staging = true;
@@ -246,6 +249,9 @@ struct ExecutorStatus {
   // CUDA graphs, summed over the ranks: kernel sections captured, and replayed from a graph.
   uint64_t graph_captures = 0;
   uint64_t graph_replays = 0;
+  // Step shapes evicted from full graph tables (ExecutorOptions::max_step_graphs), summed over
+  // the ranks: a count that keeps climbing means the working set of shapes exceeds the table.
+  uint64_t graph_evictions = 0;
   // Per rank: device memory in use on its device (Device::DeviceMemoryBytes; 0 on host
   // backends), sampled at start-up and after steps (at most once a second).
   std::vector<int64_t> device_memory_bytes;

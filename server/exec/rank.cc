@@ -130,6 +130,7 @@ absl::Status Rank::Allocate() {
     ring_.busy.assign(static_cast<size_t>(s.staging_slots), false);
   }
   graphs_enabled_ = s.step_graphs && backend_->SupportsGraphs();
+  graphs_ = StepGraphs(static_cast<size_t>(std::max(1, s.max_step_graphs)));
   // Page-locked only where a device copies from it; a host backend gets plain memory (the
   // keys of a step are still gathered there, to insert them in one call).
   arena_.pinned = s.pinned_staging && backend_->name() != "cpu";

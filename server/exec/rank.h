@@ -42,6 +42,8 @@ struct RankSizes {
   // ExecutorOptions::cuda_graphs: replay the step's kernels from captured graphs where the
   // backend has them (SupportsGraphs).
   bool step_graphs = false;
+  // ExecutorOptions::max_step_graphs: step shapes (graphs) a rank keeps (StepGraphs).
+  int32_t max_step_graphs = static_cast<int32_t>(StepGraphs::kDefaultMaxShapes);
   // ExecutorOptions::pinned_staging: stage uploads in page-locked memory on a GPU backend.
   bool pinned_staging = false;
   // ExecutorOptions::packed_uploads: slots of the rank's device staging ring (StagingRing);
@@ -162,6 +164,7 @@ class Rank {
     // What its kernel section did: captured a graph, replayed one.
     bool graph_captured = false;
     bool graph_replayed = false;
+    bool graph_evicted = false;  // its shape evicted the least recently seen one (StepGraphs)
     std::vector<ReadbackPiece> readback;
   };
   const StepRecord& last_step() const { return last_step_; }

@@ -16,15 +16,26 @@ int32_t BucketRowLength(int32_t length, int64_t cap) {
   return static_cast<int32_t>(std::max<int64_t>(length, std::min<int64_t>(bucket, cap)));
 }
 
-StepGraphs::Use StepGraphs::Next(const StepShape& shape, Entry** entry) {
+StepGraphs::Use StepGraphs::Next(const StepShape& shape, Entry** entry, uint64_t* evicted) {
+  *evicted = 0;
   auto it = entries_.find(shape);
   if (it == entries_.end()) {
-    if (entries_.size() >= kMaxShapes) return Use::kEager;
+    if (entries_.size() >= max_shapes_) {
+      // The least recently seen shape: a scan, only when a new shape meets a full table.
+      auto lru = entries_.begin();
+      for (auto e = entries_.begin(); e != entries_.end(); ++e) {
+        if (e->second.last_use < lru->second.last_use) lru = e;
+      }
+      if (lru->second.captured) *evicted = lru->second.key;
+      entries_.erase(lru);
+      ++evictions_;
+    }
     it = entries_.emplace(shape, Entry{}).first;
     it->second.key = next_key_++;
   }
   Entry& e = it->second;
   *entry = &e;
+  e.last_use = ++clock_;
   ++e.sightings;
   if (e.captured) return Use::kReplay;
   if (e.failed || e.sightings < 2) return Use::kEager;
@@ -36,7 +47,12 @@ absl::Status RunKernelSection(Rank& rank, const StepShape& shape,
   kernels::Device& be = rank.device();
   if (!rank.graphs_enabled()) return launch();
   StepGraphs::Entry* entry = nullptr;
-  switch (rank.graphs().Next(shape, &entry)) {
+  uint64_t evicted = 0;
+  const uint64_t evictions_before = rank.graphs().evictions();
+  const StepGraphs::Use use = rank.graphs().Next(shape, &entry, &evicted);
+  if (evicted != 0) be.DropGraph(evicted);
+  if (rank.graphs().evictions() != evictions_before) rank.step_record().graph_evicted = true;
+  switch (use) {
     case StepGraphs::Use::kEager:
       return launch();
     case StepGraphs::Use::kReplay: {

@@ -72,24 +72,39 @@ struct StepShape {
 int32_t BucketRowLength(int32_t length, int64_t cap);
 
 // The rank's step graphs: per shape, how often it was seen and the graph's key once captured.
+// At most `max_shapes` shapes are kept (each captured one holds an instantiated graph on the
+// device); a new shape past that evicts the least recently seen one, so that a long-running
+// server whose batches drift (request counts, row-length buckets, clients' buffers) keeps
+// capturing its current shapes instead of running every new one eagerly.
 class StepGraphs {
  public:
+  static constexpr size_t kDefaultMaxShapes = 1024;
   enum class Use { kEager, kCapture, kReplay };
   struct Entry {
     uint64_t key = 0;
     int32_t sightings = 0;
     bool captured = false;
-    bool failed = false;  // capture failed once: this shape stays eager
+    bool failed = false;    // capture failed once: this shape stays eager
+    uint64_t last_use = 0;  // the table's clock at the latest sighting
   };
+  explicit StepGraphs(size_t max_shapes = kDefaultMaxShapes)
+      : max_shapes_(max_shapes > 0 ? max_shapes : 1) {}
   // Notes a sighting and says what to do: the first sighting runs eager (and creates every
-  // workspace and per-device kernel attribute), the second captures, later ones replay.
-  Use Next(const StepShape& shape, Entry** entry);
+  // workspace and per-device kernel attribute), the second captures, later ones replay. A new
+  // shape in a full table evicts the least recently seen one first: `*evicted` is then its
+  // graph's key if it had a captured graph (the caller drops it from the device), else 0.
+  Use Next(const StepShape& shape, Entry** entry, uint64_t* evicted);
+
+  size_t size() const { return entries_.size(); }
+  // Shapes evicted so far, and of them those that held a graph.
+  uint64_t evictions() const { return evictions_; }
 
  private:
-  // A bound on distinct shapes kept (each holds an instantiated graph on the device).
-  static constexpr size_t kMaxShapes = 1024;
+  size_t max_shapes_;
   std::map<StepShape, Entry> entries_;
   uint64_t next_key_ = 1;
+  uint64_t clock_ = 0;
+  uint64_t evictions_ = 0;
 };
 
 // Runs the step's kernel section `launch` through the rank's step graphs: eager at a shape's

@@ -1163,6 +1163,17 @@ std::string IndexerService::RenderMetrics() const {
          double(st.steps_unsharded));
   sample(family("rows_scored_total", MetricType::Counter, "Rows scored."), {},
          double(st.rows_scored));
+  {
+    MetricFamily& graphs =
+        family("step_graphs_total", MetricType::Counter,
+               "CUDA graphs of a step's kernel section, summed over the ranks: captured, "
+               "replayed, and evicted (a step shape dropped from a full table, "
+               "--max-step-graphs; one that keeps climbing means the batches' shapes outgrow "
+               "it).");
+    sample(graphs, {{"event", "captured"}}, double(st.graph_captures));
+    sample(graphs, {{"event", "replayed"}}, double(st.graph_replays));
+    sample(graphs, {{"event", "evicted"}}, double(st.graph_evictions));
+  }
   sample(family("compute_seconds_total", MetricType::Counter,
                 "Executor compute time summed over steps."),
          {}, st.compute_us_total * 1e-6);

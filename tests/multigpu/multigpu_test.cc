@@ -301,6 +301,7 @@ struct Recorder {
   std::vector<const int32_t*> scored_topk;
   int64_t checks_run = 0;  // CheckValues calls that ran (eager or replayed)
   int64_t replays = 0;     // graphs replayed
+  int64_t drops = 0;       // graphs dropped (DropGraph of a key that held one)
 
   bool InClient(const void* p) const {
     const auto at = reinterpret_cast<uintptr_t>(p);
@@ -374,6 +375,10 @@ class RecordingDevice final : public kernels::DeviceWrapper {
       if (absl::Status s = call(); !s.ok()) return s;
     }
     return true;
+  }
+  void DropGraph(uint64_t key) override {
+    if (recorder_.capturing) ++*recorder_.violations;
+    recorder_.drops += static_cast<int64_t>(recorder_.graphs.erase(key));
   }
 
  private:
@@ -492,6 +497,80 @@ TEST(MultiRankCpu, RecordedGraphsAnswerAsEagerSteps) {
         EXPECT_EQ(r.graph_replays, uint64_t(ranks) * s.next_ns.size() * replays_per_n);
         EXPECT_EQ(violations.load(), 0);
       }
+    }
+  }
+}
+
+// A full graph table (ExecutorOptions::max_step_graphs) evicts the least recently seen shape
+// and drops its graph: with room for exactly one next_n's shapes, next_n 2's steps evict every
+// next_n 1 shape (each had a captured graph) and still capture and replay their own as an
+// unbounded table does; the answers stay the eager run's, and no rank keeps more graphs than
+// the bound.
+TEST(MultiRankCpu, AFullGraphTableEvictsTheLeastRecentShape) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  const config::Profile p = SmallV32();
+  Script s{p, 16, {1, 2}, 1, 3 * p.topk};
+  s.rounds = 3;
+  const RunResult base = RunScript(s, CpuOptions(1), seed);
+  ASSERT_GT(base.steps, 0);
+  std::set<std::pair<int32_t, int32_t>> shapes;  // per next_n: (cache layer, role)
+  for (const config::LayerSpec& l : p.layers) {
+    shapes.insert({l.cache_layer, static_cast<int32_t>(l.role)});
+  }
+  const int32_t per_n = static_cast<int32_t>(shapes.size());
+  for (int32_t ranks : {1, 2}) {
+    SCOPED_TRACE(absl::StrCat(ranks, " ranks"));
+    struct Run {
+      RunResult result;
+      uint64_t evictions = 0;
+      std::vector<int64_t> drops;       // per rank
+      std::vector<size_t> graphs_kept;  // per rank, at the end
+    };
+    auto run = [&](int32_t max_graphs) {
+      Run out;
+      std::atomic<int64_t> violations{0};
+      ExecutorOptions o = CpuOptions(ranks);
+      o.cuda_graphs = true;
+      o.max_step_graphs = max_graphs;
+      std::mutex mu;
+      std::vector<RecordingDevice*> devices;  // owned by the executor's backends
+      auto factory = [&](int32_t, const kernels::BackendLimits& limits)
+          -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
+        RecordingDevice* device = nullptr;
+        auto backend =
+            MakeRecordingBackend(kernels::MakeCpuBackend(limits, 1), &violations, &device);
+        std::lock_guard<std::mutex> lock(mu);
+        devices.push_back(device);
+        return backend;
+      };
+      absl::StatusOr<std::unique_ptr<Executor>> made =
+          exec::CreateExecutorWithBackends(p, o, factory);
+      EXPECT_TRUE(made.ok()) << made.status();
+      if (!made.ok()) return out;
+      out.result = RunScript(s, **made, seed);
+      out.evictions = (*made)->Status().graph_evictions;
+      for (RecordingDevice* d : devices) {
+        out.drops.push_back(d->recorder().drops);
+        out.graphs_kept.push_back(d->recorder().graphs.size());
+      }
+      EXPECT_EQ(violations.load(), 0);
+      return out;
+    };
+    const Run unbounded = run(1024);
+    const Run bounded = run(per_n);
+    EXPECT_TRUE(unbounded.result.answers == base.answers);
+    EXPECT_TRUE(bounded.result.answers == base.answers) << "evicting graphs changes the answers";
+    EXPECT_EQ(unbounded.evictions, 0u);
+    EXPECT_EQ(bounded.evictions, uint64_t(ranks) * per_n);
+    EXPECT_EQ(bounded.result.graph_captures, unbounded.result.graph_captures);
+    EXPECT_EQ(bounded.result.graph_replays, unbounded.result.graph_replays);
+    EXPECT_GT(bounded.result.graph_replays, 0u);
+    ASSERT_EQ(bounded.drops.size(), size_t(ranks));
+    for (int32_t r = 0; r < ranks; ++r) {
+      EXPECT_EQ(bounded.drops[r], per_n);  // every next_n 1 shape had a graph
+      EXPECT_LE(bounded.graphs_kept[r], size_t(per_n));
+      EXPECT_EQ(unbounded.drops[r], 0);
     }
   }
 }

@@ -184,6 +184,9 @@ TEST(MetricsTest, ScrapeAgreesWithStatistics) {
   EXPECT_EQ(m.at("decode_indexer_steps_sharded_total"), st->steps_sharded());
   EXPECT_EQ(m.at("decode_indexer_steps_unsharded_total"), st->steps_unsharded());
   EXPECT_EQ(m.at("decode_indexer_rows_scored_total"), st->rows_scored());
+  for (const char* event : {"captured", "replayed", "evicted"}) {  // the CPU has no graphs
+    EXPECT_EQ(m.at(std::string("decode_indexer_step_graphs_total{event=\"") + event + "\"}"), 0);
+  }
   EXPECT_EQ(m.at("decode_indexer_sequences"), st->sequences());
   EXPECT_EQ(m.at("decode_indexer_healthy"), st->healthy() ? 1 : 0);
   EXPECT_TRUE(st->healthy());

@@ -78,6 +78,7 @@ class ForwardingDevice : public Base {
   absl::Status EndCapture(uint64_t key) override { return target_.EndCapture(key); }
   void AbortCapture() override { target_.AbortCapture(); }
   absl::StatusOr<bool> Replay(uint64_t key) override { return target_.Replay(key); }
+  void DropGraph(uint64_t key) override { target_.DropGraph(key); }
   absl::StatusOr<void*> OpenIpcMemory(std::string_view handle, size_t bytes, int device) override {
     return target_.OpenIpcMemory(handle, bytes, device);
   }

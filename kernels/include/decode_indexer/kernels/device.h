@@ -55,10 +55,11 @@ class Device {
   // instantiates the recording and keeps it under `key` without running it (so a failed
   // capture can still run eagerly); Replay(key) launches the graph kept under `key` and
   // answers whether there was one. AbortCapture ends a capture whose calls failed and drops
-  // it. While capturing, call no copy, Synchronize, Allocate, ForkExpand or JoinExpand. Every
-  // pointer and size a recorded call received is baked into the graph: the caller replays a
-  // key only for calls with the same arguments. The default device has no graphs
-  // (SupportsGraphs false; the others fail or answer false).
+  // it. DropGraph(key) frees the graph kept under `key` (none there: nothing happens); a replay
+  // of it already queued on the stream still runs. While capturing, call no copy, Synchronize,
+  // Allocate, ForkExpand or JoinExpand. Every pointer and size a recorded call received is baked
+  // into the graph: the caller replays a key only for calls with the same arguments. The default
+  // device has no graphs (SupportsGraphs false; the others fail or answer false).
   virtual bool SupportsGraphs() const { return false; }
   virtual absl::Status BeginCapture() {
     return absl::UnimplementedError("this backend has no graphs");
@@ -72,6 +73,7 @@ class Device {
     (void)key;
     return false;
   }
+  virtual void DropGraph(uint64_t key) { (void)key; }
 
   // Data plane (serving). A client's device buffer exported with cudaIpcGetMemHandle:
   // `handle` is the cudaIpcMemHandle_t's bytes, `bytes` the size the client declares and
