@@ -209,9 +209,13 @@ TEST(GpuExecutorTest, GraphReplaysAnswerAsEagerStepsBitForBit) {
     o.masked_consumer = v.masked;
     o.cuda_graphs = true;
     auto on = Executor::Create(v.profile, o);
+    o.max_step_graphs = 2;  // a two-shape table: most new shapes evict (and drop) one
+    auto tiny = Executor::Create(v.profile, o);
+    o.max_step_graphs = 1024;
     o.cuda_graphs = false;
     auto off = Executor::Create(v.profile, o);
     ASSERT_TRUE(on.ok() && off.ok()) << on.status() << " / " << off.status();
+    ASSERT_TRUE(tiny.ok()) << tiny.status();
 
     // Sequence 0 starts 7 below the 4096 bucket edge and grows 2 a round: its rows' longest
     // length is 4091, 4093, 4095 (one bucket), then 4097 and on (the next). The others stay
@@ -220,6 +224,7 @@ TEST(GpuExecutorTest, GraphReplaysAnswerAsEagerStepsBitForBit) {
     for (size_t i = 0; i < ids.size(); ++i) {
       ASSERT_TRUE((*on)->CreateSequence(ids[i]).ok());
       ASSERT_TRUE((*off)->CreateSequence(ids[i]).ok());
+      ASSERT_TRUE((*tiny)->CreateSequence(ids[i]).ok());
       for (int32_t layer : v.profile.CacheLayers()) {
         const int32_t count = i == 0 ? 4089 : 2600 + static_cast<int32_t>(h.rng()() % 1400);
         std::vector<uint8_t> keys, scales;
@@ -231,6 +236,7 @@ TEST(GpuExecutorTest, GraphReplaysAnswerAsEagerStepsBitForBit) {
         auto a = (*on)->AppendKeys(ids[i], layer, in);
         auto b = (*off)->AppendKeys(ids[i], layer, in);
         ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " / " << b.status();
+        ASSERT_TRUE((*tiny)->AppendKeys(ids[i], layer, in).ok());
       }
     }
     // From round 3 on (with the bucket change), the graphs-on executor answers into one reused
@@ -264,8 +270,12 @@ TEST(GpuExecutorTest, GraphReplaysAnswerAsEagerStepsBitForBit) {
         if (round >= 3) in_on.answer = &region;
         auto a = (*on)->DecodeStep(in_on);
         auto b = (*off)->DecodeStep(step->input);
+        auto t = (*tiny)->DecodeStep(step->input);
         ASSERT_TRUE(a.ok()) << a.status();
         ASSERT_TRUE(b.ok()) << b.status();
+        ASSERT_TRUE(t.ok()) << t.status();
+        EXPECT_TRUE(t->topk_indices == b->topk_indices) << "top-k differs with graphs evicted";
+        EXPECT_TRUE(t->candidate_blocks == b->candidate_blocks);
         if (round >= 3) {
           const size_t rows = size_t(a->num_rows);
           EXPECT_TRUE(a->topk_indices.empty());
@@ -293,6 +303,16 @@ TEST(GpuExecutorTest, GraphReplaysAnswerAsEagerStepsBitForBit) {
     EXPECT_GE(st_on.graph_replays, uint64_t{4} * v.profile.layers.size());
     EXPECT_EQ(st_off.graph_captures, 0u);
     EXPECT_EQ(st_off.graph_replays, 0u);
+    EXPECT_EQ(st_on.graph_evictions, 0u);
+    // The two-shape table: v41's four consumer layers alternate two shapes (fp32 and quantized
+    // q), held long enough to be captured; the next round's dense and source steps evict them,
+    // dropping real graphs (Device::DropGraph). The answers above stayed the eager ones.
+    const exec::ExecutorStatus st_tiny = (*tiny)->Status();
+    EXPECT_GT(st_tiny.graph_evictions, 0u);
+    if (std::string(v.name) != "v32") {
+      EXPECT_GT(st_tiny.graph_captures, 0u);
+    }
+    EXPECT_TRUE(st_tiny.healthy) << st_tiny.health_detail;
     EXPECT_TRUE(st_on.healthy) << st_on.health_detail;
     EXPECT_TRUE((*on)
                     ->WithAnswerDevice([&](kernels::Device& be) {
