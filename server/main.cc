@@ -161,6 +161,18 @@ int main(int argc, char** argv) {
   app.add_option("--shm-socket", options.shm_socket,
                  "Unix socket on which clients of this host register sealed memfds as "
                  "shared-memory regions (empty: no shared memory)");
+  std::string socket_mode;
+  app.add_option("--socket-mode", socket_mode,
+                 "octal file mode (at most 0777, e.g. 0660) given to every socket file the "
+                 "server creates (--listen unix:PATH, --shm-socket) right after its bind "
+                 "(default: as created: 0777 less the umask for --listen, 0600 for --shm-socket)")
+      ->check([&options](const std::string& text) {
+        absl::StatusOr<int> mode = service::ParseSocketMode(text);
+        if (mode.ok()) options.socket_mode = *mode;
+        // CLI11 names the flag already.
+        return mode.ok() ? std::string()
+                         : std::string(absl::StripPrefix(mode.status().message(), "socket-mode: "));
+      });
   std::string reflection = "auto";
   app.add_option("--reflection", reflection,
                  "serve grpc.reflection: on, off, or auto (on unless a token is set)")
@@ -219,14 +231,20 @@ int main(int argc, char** argv) {
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error, critical, off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
       ->capture_default_str();
-  // Each --listen value is checked alone above; one address given twice is a usage error too
-  // (exit 2, before anything starts), caught once all are parsed.
+  // Each --listen value is checked alone above; one address given twice (or two that overlap)
+  // is a usage error too (exit 2, before anything starts), caught once all are parsed, and so
+  // is a --shm-socket that is one of their socket paths.
   app.callback([&options] {
     absl::StatusOr<std::vector<service::ListenAddress>> parsed =
         service::ParseListenAddresses(options.listen);
     if (!parsed.ok()) {
       throw CLI::ValidationError(
           "--listen", std::string(absl::StripPrefix(parsed.status().message(), "listen: ")));
+    }
+    if (absl::Status s = service::CheckShmSocketIsNotListened(options.shm_socket, *parsed);
+        !s.ok()) {
+      throw CLI::ValidationError("--shm-socket",
+                                 std::string(absl::StripPrefix(s.message(), "shm-socket: ")));
     }
   });
   decode_indexer::cli::AddVersion(app);

@@ -990,9 +990,10 @@ void IndexerService::PinRegion(SharedMemoryRegion& region) {
   });
 }
 
-absl::Status IndexerService::StartShmSocket(const std::string& path) {
-  absl::StatusOr<std::unique_ptr<ShmSocketServer>> socket =
-      ShmSocketServer::Start(path, regions_, [this](SharedMemoryRegion& r) { PinRegion(r); });
+absl::Status IndexerService::StartShmSocket(const std::string& path, SocketPathLock lock,
+                                            int mode) {
+  absl::StatusOr<std::unique_ptr<ShmSocketServer>> socket = ShmSocketServer::Start(
+      path, regions_, [this](SharedMemoryRegion& r) { PinRegion(r); }, std::move(lock), mode);
   if (!socket.ok()) return socket.status();
   shm_socket_ = *std::move(socket);
   return absl::OkStatus();

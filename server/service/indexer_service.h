@@ -204,8 +204,10 @@ class IndexerService final : public v1::DecodeIndexer::Service {
   void SetRestoring(bool restoring) { restoring_ = restoring; }
 
   // Serves sealed-memfd registrations on the Unix socket `path` (see shm_socket.h); the path
-  // is then advertised in ServerInfo.shm_socket.
-  absl::Status StartShmSocket(const std::string& path);
+  // is then advertised in ServerInfo.shm_socket. `lock` and `mode` as for ShmSocketServer::Start
+  // (the lock ShmSocketServer::Reserve took before the server allocated anything).
+  absl::Status StartShmSocket(const std::string& path, SocketPathLock lock = SocketPathLock(),
+                              int mode = -1);
 
   void FillServerInfo(v1::ServerInfo& info) const;
   void FillStatistics(v1::Statistics& out) const;

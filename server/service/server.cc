@@ -30,6 +30,7 @@
 #include "absl/strings/str_format.h"
 #include "server/service/auth.h"
 #include "server/service/listen_address.h"
+#include "server/service/shm_socket.h"
 #include "server/service/snapshot.h"
 #include "server/service/status_mapping.h"
 #include "spdlog/spdlog.h"
@@ -159,8 +160,27 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   absl::StatusOr<std::vector<ListenAddress>> parsed = ParseListenAddresses(options.listen);
   if (!parsed.ok()) return parsed.status();
   std::vector<ListenAddress> listen = *std::move(parsed);
+  if (options.socket_mode < -1 || options.socket_mode > 0777) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("socket_mode: expected a file mode of 0..0777 (-1: as created), got ",
+                     options.socket_mode));
+  }
+  if (absl::Status s = CheckShmSocketIsNotListened(options.shm_socket, listen); !s.ok()) return s;
+  // Each socket path is locked, then checked, and stays locked for the server's life: a second
+  // server started on one of them, even at the same instant, is refused here.
+  std::vector<SocketPathLock> socket_locks;
   for (const ListenAddress& address : listen) {
-    if (absl::Status s = CheckCanListen(address); !s.ok()) return s;
+    absl::StatusOr<SocketPathLock> lock = ReserveListenAddress(address);
+    if (!lock.ok()) return lock.status();
+    if (lock->held()) socket_locks.push_back(*std::move(lock));
+  }
+  // The shared-memory socket too, before the caches are allocated (it binds once the service
+  // exists, under this lock).
+  SocketPathLock shm_lock;
+  if (!options.shm_socket.empty()) {
+    absl::StatusOr<SocketPathLock> lock = ShmSocketServer::Reserve(options.shm_socket);
+    if (!lock.ok()) return lock.status();
+    shm_lock = *std::move(lock);
   }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = MakeCredentials(options);
   if (!credentials.ok()) return credentials.status();
@@ -178,6 +198,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     }
   }
   std::unique_ptr<Server> server(new Server());
+  server->socket_locks_ = std::move(socket_locks);
   server->snapshot_dir_ = options.snapshot_dir;
   // One limit on a step's sequences: the edge refuses more than --max-sequences-per-step, and
   // the executor sizes its per-step buffers for exactly that many (it refused more than its
@@ -203,7 +224,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   server->service_ =
       std::make_unique<IndexerService>(*server->executor_, DI_VERSION_STRING, service_options);
   if (!options.shm_socket.empty()) {
-    if (absl::Status s = server->service_->StartShmSocket(options.shm_socket); !s.ok()) {
+    if (absl::Status s = server->service_->StartShmSocket(options.shm_socket, std::move(shm_lock),
+                                                          options.socket_mode);
+        !s.ok()) {
       server->executor_->Shutdown();
       return s;
     }
@@ -280,9 +303,31 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     if (server->server_ != nullptr) server->server_->Shutdown();
     server->executor_->Shutdown();
     const ListenAddress& at = listen[failed == ports.end() ? 0 : failed - ports.begin()];
+    // An abstract name takes no lock (no file to take over): a second bind of a name in use
+    // fails with EADDRINUSE, which gRPC only logs; a bind of our own says so.
+    if (at.kind == ListenAddress::Kind::kUnixAbstract && BindAbstractErrno(at.path) == EADDRINUSE) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "listen: ", EchoInput(at.address),
+          ": another process holds the abstract name (bind: ", std::strerror(EADDRINUSE), ")"));
+    }
     return absl::UnavailableError(absl::StrCat(
         "listen: cannot serve on ", EchoInput(at.address),
         at.is_unix() ? " (see gRPC's error above)" : " (address in use or not local?)"));
+  }
+  // --socket-mode on gRPC's socket files. gRPC binds and starts accepting inside BuildAndStart,
+  // so from its bind until this chmod a socket has the mode the process umask gives it (0777
+  // less the umask): a client the umask lets in can connect in that window, before the server
+  // is announced (logged, reported to the caller). A mode narrower than the umask's is only
+  // airtight with a matching umask or a directory only the intended users can enter.
+  for (const ListenAddress& address : listen) {
+    if (address.kind != ListenAddress::Kind::kUnixPath || options.socket_mode < 0) continue;
+    if (absl::Status s = ApplySocketMode(address.path, options.socket_mode,
+                                         absl::StrCat("listen: ", EchoInput(address.address)));
+        !s.ok()) {
+      server->server_->Shutdown();
+      server->executor_->Shutdown();
+      return s;
+    }
   }
   for (size_t i = 0; i < listen.size(); ++i) {
     if (!listen[i].is_unix() && server->port_ == 0) server->port_ = ports[i];

@@ -16,6 +16,7 @@
 #include "server/exec/executor.h"
 #include "server/service/callback_edge.h"
 #include "server/service/indexer_service.h"
+#include "server/service/listen_address.h"
 #include "server/service/metrics.h"
 
 namespace decode_indexer::service {
@@ -47,8 +48,13 @@ struct ServerOptions {
   enum class GrpcEdge { kCallback, kSync };
   GrpcEdge grpc_edge = GrpcEdge::kCallback;
   int edge_workers = 0;
-  // Unix socket for sealed-memfd shared-memory registration; empty: no shared memory.
+  // Unix socket for sealed-memfd shared-memory registration; empty: no shared memory. Its
+  // path is checked and locked before anything is allocated, as --listen's are.
   std::string shm_socket;
+  // --socket-mode: the file mode (0..0777) every socket file the server creates is given right
+  // after its bind (the unix: paths of `listen` and shm_socket); -1 leaves them as created (a
+  // unix: socket: 0777 less the process umask; shm_socket: 0600).
+  int socket_mode = -1;
   // Sequences one DecodeStep may carry (INVALID_ARGUMENT beyond): what bounds the largest
   // legal request, and so the default message limit; the executor's per-step capacity
   // (ExecutorOptions::max_requests_per_step) is set to it.
@@ -127,6 +133,9 @@ class Server {
  private:
   Server() = default;
 
+  // The locks of the unix: paths of `listen` (listen_address.h's SocketPathLock), declared first
+  // so they go last: a path stays the server's until gRPC has removed its socket file.
+  std::vector<SocketPathLock> socket_locks_;
   std::unique_ptr<exec::Executor> executor_;
   std::unique_ptr<IndexerService> service_;
   // Outlives server_ (declared before it): gRPC's threads run its reactors until the

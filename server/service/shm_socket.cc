@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/service/listen_address.h"
+#include "server/service/status_mapping.h"
 #include "spdlog/spdlog.h"
 
 namespace decode_indexer::service {
@@ -44,56 +45,96 @@ void Reply(int conn, const absl::StatusOr<uint64_t>& result) {
   [[maybe_unused]] ssize_t sent = send(conn, buf, 12 + n, MSG_DONTWAIT | MSG_NOSIGNAL);
 }
 
+// What is at `path` now: nothing, or a stale socket (*stale), is fine.
+absl::Status CheckShmSocketFile(const std::string& path, bool* stale) {
+  *stale = false;
+  struct stat st = {};
+  if (lstat(path.c_str(), &st) != 0) return absl::OkStatus();
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("shm-socket: ", path, " exists and is not a socket"));
+  }
+  // A stale socket of an earlier run is replaced; a live one (another server) is not, nor
+  // one whose state the probe cannot tell: a full backlog (the probe does not wait for it,
+  // see ProbeUnixSocket) or a listener of another type (a gRPC --listen socket).
+  const int probe = ProbeUnixSocket(path, /*abstract=*/false, SOCK_SEQPACKET);
+  if (probe == 0) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("shm-socket: another server is listening on ", path));
+  }
+  if (probe != ECONNREFUSED) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("shm-socket: cannot tell whether the socket at ", path,
+                     " is in use: ", std::strerror(probe)));
+  }
+  *stale = true;
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::StatusOr<SocketPathLock> ShmSocketServer::Reserve(const std::string& path) {
+  if (path.empty() || path.size() >= sizeof(sockaddr_un{}.sun_path) ||
+      path.find('\0') != path.npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm-socket: a path of 1..", sizeof(sockaddr_un{}.sun_path) - 1, " bytes"));
+  }
+  const std::string what = absl::StrCat("shm-socket: ", EchoInput(path));
+  if (absl::Status s = CheckSocketDirectory(path, what); !s.ok()) return s;
+  absl::StatusOr<SocketPathLock> lock = SocketPathLock::Acquire(path, what);
+  if (!lock.ok()) return lock.status();
+  bool stale;
+  if (absl::Status s = CheckShmSocketFile(path, &stale); !s.ok()) return s;
+  return lock;
+}
 
 absl::StatusOr<std::unique_ptr<ShmSocketServer>> ShmSocketServer::Start(
     const std::string& path, RegionRegistry& registry,
-    std::function<void(SharedMemoryRegion&)> on_map) {
+    std::function<void(SharedMemoryRegion&)> on_map, SocketPathLock lock, int mode) {
+  if (mode < -1 || mode > 0777) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm-socket: mode ", mode, ": expected 0..0777 (or -1: 0600)"));
+  }
+  if (!lock.held()) {
+    absl::StatusOr<SocketPathLock> reserved = Reserve(path);
+    if (!reserved.ok()) return reserved.status();
+    lock = *std::move(reserved);
+  }
+  // Once more under the lock, as the file may have changed since Reserve (a process that takes
+  // no lock); no server that locks can have come in between.
+  bool stale;
+  if (absl::Status s = CheckShmSocketFile(path, &stale); !s.ok()) return s;
+  if (stale) unlink(path.c_str());
   sockaddr_un addr = {};
   addr.sun_family = AF_UNIX;
-  if (path.empty() || path.size() >= sizeof(addr.sun_path) || path.find('\0') != path.npos) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shm-socket: a path of 1..", sizeof(addr.sun_path) - 1, " bytes"));
-  }
   std::memcpy(addr.sun_path, path.data(), path.size());
-  struct stat st = {};
-  if (lstat(path.c_str(), &st) == 0) {
-    if (!S_ISSOCK(st.st_mode)) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("shm-socket: ", path, " exists and is not a socket"));
-    }
-    // A stale socket of an earlier run is replaced; a live one (another server) is not, nor
-    // one whose state the probe cannot tell: a full backlog (the probe does not wait for it,
-    // see ProbeUnixSocket) or a listener of another type (a gRPC --listen socket).
-    const int probe = ProbeUnixSocket(path, /*abstract=*/false, SOCK_SEQPACKET);
-    if (probe == 0) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("shm-socket: another server is listening on ", path));
-    }
-    if (probe != ECONNREFUSED) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("shm-socket: cannot tell whether the socket at ", path,
-                       " is in use: ", std::strerror(probe)));
-    }
-    unlink(path.c_str());
-  }
   std::unique_ptr<ShmSocketServer> server(new ShmSocketServer());
   server->path_ = path;
+  server->lock_ = std::move(lock);
   server->registry_ = &registry;
   server->on_map_ = std::move(on_map);
   server->listen_fd_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   if (server->listen_fd_ < 0) {
     return absl::InternalError(absl::StrCat("shm-socket: socket: ", std::strerror(errno)));
   }
-  // Owner-only from the start: no window in which another user could connect.
-  const mode_t old_mask = umask(0077);
+  // Owner-only from the start (0600: a socket's bind gives it 0777 less the umask): no window in
+  // which another user could connect.
+  const mode_t old_mask = umask(0177);
   const int bound = bind(server->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   const int bind_errno = errno;
   umask(old_mask);
   server->bound_ = bound == 0;
-  if (bound != 0 || listen(server->listen_fd_, 16) != 0) {
-    return absl::UnavailableError(absl::StrCat("shm-socket: cannot listen on ", path, ": ",
-                                               std::strerror(bound != 0 ? bind_errno : errno)));
+  if (bound != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("shm-socket: cannot listen on ", path, ": ", std::strerror(bind_errno)));
+  }
+  // --socket-mode between the bind and the listen: nobody can connect before it is set.
+  if (mode >= 0) {
+    if (absl::Status s = ApplySocketMode(path, mode, "shm-socket"); !s.ok()) return s;
+  }
+  if (listen(server->listen_fd_, 16) != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("shm-socket: cannot listen on ", path, ": ", std::strerror(errno)));
   }
   if (pipe2(server->wake_, O_CLOEXEC) != 0) {
     return absl::InternalError(absl::StrCat("shm-socket: pipe: ", std::strerror(errno)));

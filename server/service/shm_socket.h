@@ -24,6 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "server/service/data_plane.h"
+#include "server/service/listen_address.h"
 
 namespace decode_indexer::service {
 
@@ -31,13 +32,23 @@ inline constexpr char kShmSocketMagic[8] = {'D', 'I', 'S', 'H', 'M', '0', '0', '
 
 class ShmSocketServer {
  public:
+  // What Start checks before it binds, without binding, so that a server can refuse a bad path
+  // before it allocates anything: the path's length, its directory, the path's lock
+  // (SocketPathLock: taken first, so that two servers started on it at once cannot both find
+  // it free) and the file there (none, or a stale socket nobody accepts on). The lock comes
+  // back, to be handed to Start.
+  static absl::StatusOr<SocketPathLock> Reserve(const std::string& path);
   // Binds `path` (a stale socket file there is replaced; a live one, one it cannot tell
-  // apart from a live one, or anything else is refused), mode 0600, and serves registrations into
-  // `registry` on one thread; `on_map` as for RegionRegistry::RegisterSharedMemoryFd.
+  // apart from a live one, or anything else is refused), mode 0600 or `mode` (0..0777, set
+  // right after the bind; -1: 0600), and serves registrations into `registry` on one thread;
+  // `on_map` as for RegionRegistry::RegisterSharedMemoryFd. `lock`: what Reserve(path)
+  // returned; without one Start reserves the path itself. The lock is held until the socket is
+  // unlinked.
   static absl::StatusOr<std::unique_ptr<ShmSocketServer>> Start(
       const std::string& path, RegionRegistry& registry,
-      std::function<void(SharedMemoryRegion&)> on_map);
-  ~ShmSocketServer();  // stops the thread, closes and unlinks the socket
+      std::function<void(SharedMemoryRegion&)> on_map, SocketPathLock lock = SocketPathLock(),
+      int mode = -1);
+  ~ShmSocketServer();  // stops the thread, closes and unlinks the socket, then drops the lock
   ShmSocketServer(const ShmSocketServer&) = delete;
   ShmSocketServer& operator=(const ShmSocketServer&) = delete;
   const std::string& path() const { return path_; }
@@ -48,6 +59,8 @@ class ShmSocketServer {
   void HandleConnection(int conn);
 
   std::string path_;
+  // Destroyed after the destructor's unlink: the path is ours until its file is gone.
+  SocketPathLock lock_;
   int listen_fd_ = -1;
   bool bound_ = false;  // the path is ours to unlink
   int wake_[2] = {-1, -1};

@@ -2,7 +2,9 @@
 `--listen unix:PATH` (a socket in a private temp directory, no TCP port), unary, columnar,
 streamed and asyncio steps through it answering the exact reference, the socket file gone
 when the server stops; and a socket address that cannot be served stops the server at once
-with a message that says why."""
+with a message that says why: a second server on a live server's socket (its lock held), a
+--shm-socket that is a --listen path, two TCP addresses that overlap, a bad --socket-mode.
+--socket-mode is applied to both socket files."""
 
 from __future__ import annotations
 
@@ -98,14 +100,16 @@ class UnixSocketTest(unittest.TestCase):
 class UnixSocketRefusalTest(unittest.TestCase):
     """What cannot be served stops the start, naming the address and the reason."""
 
-    def run_server(self, *listen: str) -> subprocess.CompletedProcess:
+    def run_server(self, *listen: str, extra: tuple = (), cwd: str | None = None
+                   ) -> subprocess.CompletedProcess:
         binary = find_server_binary()
         if binary is None:
             self.skipTest("no decode-indexer-server built (set DI_SERVER_BIN)")
         args = [binary, "--backend", "cpu", "--profile", PROFILE, "--cache-pages", "16"]
         for a in listen:
             args += ["--listen", a]
-        return subprocess.run(args, capture_output=True, text=True, timeout=60)
+        return subprocess.run(args + list(extra), capture_output=True, text=True, timeout=60,
+                              cwd=cwd)
 
     def test_a_path_that_cannot_be_bound(self):
         with tempfile.TemporaryDirectory(prefix="di-uds-") as d:
@@ -142,6 +146,65 @@ class UnixSocketRefusalTest(unittest.TestCase):
                     self.assertIn("given twice", done.stderr)
                     self.assertFalse(os.path.exists(f"{d}/grpc.sock"))
 
+    def test_overlapping_tcp_addresses_are_a_usage_error(self):
+        # gRPC's SO_REUSEPORT would let both bind: two listeners of one server on one port.
+        for first, second, why in [
+                ("localhost:50051", "127.0.0.1:50051", 'overlaps "localhost:50051"'),
+                ("0.0.0.0:50051", "[::1]:50051", 'overlaps "0.0.0.0:50051": a wildcard host'),
+                ("127.0.0.1:50051", "[::ffff:127.0.0.1]:50051", "the same address as")]:
+            with self.subTest(address=second):
+                done = self.run_server(first, second)
+                self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
+                self.assertIn(f'--listen: "{second}": {why}', done.stderr)
+
+    def test_an_shm_socket_on_a_listen_path_is_a_usage_error(self):
+        with tempfile.TemporaryDirectory(prefix="di-uds-") as d:
+            for listen, shm in [(f"unix:{d}/x.sock", f"{d}/x.sock"),
+                                (f"unix://{d}/x.sock", "x.sock"),
+                                (f"unix:x.sock", f"{d}/./x.sock")]:
+                with self.subTest(listen=listen, shm=shm):
+                    done = self.run_server("127.0.0.1:0", listen, extra=("--shm-socket", shm),
+                                           cwd=d)
+                    self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
+                    self.assertIn(f'--shm-socket: "{shm}" is the socket of --listen "{listen}"',
+                                  done.stderr)
+                    self.assertEqual(os.listdir(d), [])
+
+    def test_a_bad_socket_mode_is_a_usage_error(self):
+        for mode in ["0888", "01777", "rw", ""]:
+            with self.subTest(mode=mode):
+                done = self.run_server("127.0.0.1:0", extra=("--socket-mode", mode))
+                self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
+                self.assertIn(f'--socket-mode: "{mode}": expected an octal file mode of at most '
+                              "0777", done.stderr)
+
+    def test_a_second_server_on_a_live_servers_paths_is_refused(self):
+        binary = find_server_binary()
+        if binary is None:
+            self.skipTest("no decode-indexer-server built (set DI_SERVER_BIN)")
+        with tempfile.TemporaryDirectory(prefix="di-uds-") as d:
+            path = f"{d}/grpc.sock"
+            server = ServerProcess(binary, PROFILE, 16, listen=f"unix:{path}",
+                                   extra=["--socket-mode", "0660"])
+            shm = server.shm_socket
+            try:
+                self.assertEqual(stat.S_IMODE(os.lstat(path).st_mode), 0o660)
+                self.assertEqual(stat.S_IMODE(os.lstat(shm).st_mode), 0o660)
+                done = self.run_server(f"unix:{path}")
+                self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+                self.assertIn(f'listen: "unix:{path}": another server holds {path}',
+                              done.stdout + done.stderr)
+                done = self.run_server("127.0.0.1:0", extra=("--shm-socket", shm))
+                self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+                self.assertIn(f'shm-socket: "{shm}": another server holds {shm}',
+                              done.stdout + done.stderr)
+                self.assertTrue(stat.S_ISSOCK(os.lstat(path).st_mode))
+                self.assertTrue(stat.S_ISSOCK(os.lstat(shm).st_mode))
+            finally:
+                server.stop()
+            self.assertEqual(os.listdir(d), [], "the socket or its lock file outlived it")
+            for gone in (shm, shm + ".lock"):
+                self.assertFalse(os.path.exists(gone), f"{gone} outlived the server")
 
 if __name__ == "__main__":
     unittest.main()

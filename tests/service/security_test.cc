@@ -15,6 +15,7 @@
 
 #include <dirent.h>
 
+#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdio>
@@ -37,6 +38,7 @@
 #include "server/service/auth.h"
 #include "server/service/callback_edge.h"
 #include "server/service/indexer_service.h"
+#include "server/service/listen_address.h"
 #include "server/testing/fault_injection.h"
 #include "tests/service/service_harness.h"
 
@@ -619,6 +621,62 @@ TEST(ShmSocketTest, RefusesASocketWhoseBacklogIsFullWithoutWaiting) {
     ::close(listener);
   }
   ::unlink(path.c_str());
+}
+
+// The shm socket's path is locked (PATH.lock) before it is checked and while it is served:
+// a server whose path another one holds is refused at once, naming it, and binds nothing; and
+// of servers started on one path at the same instant exactly one serves there (without the lock
+// each could find the path free, and a later one's unlink and bind would take it from the
+// first).
+TEST(ShmSocketTest, OneServerAPathWhenStartedAtOnce) {
+  const std::string path = "/tmp/di-shm-lock-" + std::to_string(getpid()) + "-" +
+                           std::to_string(Seed() % 1000000) + ".sock";
+  {
+    absl::StatusOr<service::SocketPathLock> held = service::SocketPathLock::Acquire(path, "test");
+    ASSERT_TRUE(held.ok()) << held.status();
+    service::RegionRegistry registry;
+    absl::StatusOr<std::unique_ptr<service::ShmSocketServer>> refused =
+        service::ShmSocketServer::Start(path, registry, nullptr);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kAlreadyExists) << refused.status();
+    EXPECT_NE(refused.status().message().find("shm-socket: \"" + path +
+                                              "\": another server holds " + path),
+              std::string::npos)
+        << refused.status();
+    struct stat st = {};
+    EXPECT_NE(::lstat(path.c_str(), &st), 0) << "a refused start bound the socket";
+  }
+  constexpr int kServers = 16;
+  std::vector<service::RegionRegistry> registries(kServers);
+  std::vector<absl::StatusOr<std::unique_ptr<service::ShmSocketServer>>> started;
+  for (int i = 0; i < kServers; ++i) started.emplace_back(absl::UnknownError("not started"));
+  std::atomic<int> ready{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kServers; ++i) {
+    threads.emplace_back([&, i] {
+      ready.fetch_add(1);
+      while (ready.load() < kServers) std::this_thread::yield();
+      started[i] = service::ShmSocketServer::Start(path, registries[i], nullptr);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  int winners = 0;
+  for (const auto& s : started) {
+    if (s.ok()) {
+      ++winners;
+      continue;
+    }
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kAlreadyExists) << s.status();
+    EXPECT_NE(s.status().message().find("another server holds " + path), std::string::npos)
+        << s.status();
+  }
+  EXPECT_EQ(winners, 1);
+  EXPECT_EQ(service::ProbeUnixSocket(path, /*abstract=*/false, SOCK_SEQPACKET), 0)
+      << "nobody serves on the path";
+  started.clear();
+  struct stat st = {};
+  EXPECT_NE(::lstat(path.c_str(), &st), 0) << "the socket outlived its server";
+  EXPECT_NE(::lstat((path + ".lock").c_str(), &st), 0) << "the lock file outlived its server";
 }
 
 // Region ids cannot be guessed: another client cannot unregister (or use) one (the old ids

@@ -1,8 +1,10 @@
 // The server on a Unix domain socket (--listen unix:PATH, beside or instead of TCP): what the
-// listen addresses parse to, unary and streamed steps over the socket answering what the
-// reference answers, the socket file removed at shutdown, and the addresses that cannot be
-// served refused with a message naming why, before anything is allocated (a live server's
-// socket is never taken over).
+// listen addresses parse to (one address, or two TCP ones that overlap, refused), unary and
+// streamed steps over the socket answering what the reference answers, the socket file removed
+// at shutdown, and the addresses that cannot be served refused with a message naming why,
+// before anything is allocated (a live server's socket is never taken over, nor one another
+// server holds the lock of, even when both start at the same instant); --socket-mode on every
+// socket file; --shm-socket's path checked as early, and never one of --listen's.
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -10,11 +12,15 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cerrno>
+#include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "server/service/listen_address.h"
@@ -134,6 +140,109 @@ TEST(ListenAddressTest, RefusesTheSameAddressTwice) {
     ASSERT_TRUE(got.ok()) << got.status();
     ASSERT_EQ(got->size(), 2u);
     EXPECT_EQ((*got)[1].address, second);
+  }
+}
+
+// Two TCP addresses that bind one address on one port are refused too: gRPC sets SO_REUSEPORT,
+// so both binds succeed and two listeners of one server split the port's connections (without
+// it the second fails, unexplained). A wildcard host takes its port on every address, localhost
+// is 127.0.0.1 and [::1], an IP literal is itself however written; port 0 picks a port each.
+TEST(ListenAddressTest, RefusesTcpAddressesThatOverlap) {
+  struct Case {
+    std::string first, second, why;
+  };
+  const std::string wildcard = "a wildcard host (0.0.0.0, [::]) takes port 50051 on every address";
+  for (const Case& c : std::vector<Case>{
+           {"localhost:50051", "LOCALHOST:50051", "the same address as \"localhost:50051\""},
+           {"[::1]:50051", "[0:0::1]:50051", "the same address as \"[::1]:50051\""},
+           {"127.0.0.1:50051", "127.1:50051", "the same address as \"127.0.0.1:50051\""},
+           {"127.0.0.1:50051", "[::ffff:127.0.0.1]:50051", "the same address as"},
+           {"127.0.0.1:8080", "127.0.0.1:08080", "the same address as"},
+           {"0.0.0.0:50051", "[::]:50051", "the same address as \"0.0.0.0:50051\""},
+           {"0.0.0.0:50051", ":50051", "the same address as"},
+           {"localhost:50051", "127.0.0.1:50051",
+            "overlaps \"localhost:50051\": both bind 127.0.0.1 port 50051"},
+           {"[::1]:50051", "localhost:50051",
+            "overlaps \"[::1]:50051\": both bind [::1] port 50051"},
+           {"0.0.0.0:50051", "127.0.0.1:50051", "overlaps \"0.0.0.0:50051\": " + wildcard},
+           {"0.0.0.0:50051", "[::1]:50051", wildcard},
+           {"10.1.2.3:50051", "[::]:50051", "overlaps \"10.1.2.3:50051\": " + wildcard},
+           {"db.example:50051", "0.0.0.0:50051", wildcard},
+       }) {
+    absl::StatusOr<std::vector<ListenAddress>> got =
+        service::ParseListenAddresses({"unix:/run/di/grpc.sock", c.first, c.second});
+    ASSERT_FALSE(got.ok()) << c.first << " and " << c.second;
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << got.status();
+    EXPECT_NE(got.status().message().find("listen: \"" + c.second + "\": "), std::string::npos)
+        << got.status();
+    EXPECT_NE(got.status().message().find(c.why), std::string::npos) << got.status();
+  }
+  for (const auto& [first, second] : std::vector<std::pair<std::string, std::string>>{
+           {"0.0.0.0:0", "127.0.0.1:0"},
+           {"localhost:0", "localhost:0"},
+           {"127.0.0.1:50051", "127.0.0.2:50051"},
+           {"127.0.0.1:50051", "[::1]:50051"},
+           {"localhost:50051", "127.0.0.1:50052"},
+           {"0.0.0.0:50051", "127.0.0.1:50052"},
+           {"db.example:50051", "db2.example:50051"},
+           {"0.0.0.0:50051", "unix:/run/di/grpc.sock"},
+       }) {
+    absl::StatusOr<std::vector<ListenAddress>> got = service::ParseListenAddresses({first, second});
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->size(), 2u);
+    EXPECT_EQ((*got)[1].address, second);
+  }
+}
+
+// --shm-socket on one of --listen's socket paths, however either is spelled: refused naming
+// both flags (gRPC would unlink the shared-memory socket to bind its own).
+TEST(ListenAddressTest, RefusesAnShmSocketThatIsAListenPath) {
+  const std::string cwd = std::filesystem::current_path().string();
+  for (const auto& [listen, shm] : std::vector<std::pair<std::string, std::string>>{
+           {"unix:/run/di/x.sock", "/run/di/x.sock"},
+           {"unix:///run/di/x.sock", "/run/di/./x.sock"},
+           {"unix:x.sock", "./x.sock"},
+           {"unix:" + cwd + "/x.sock", "x.sock"},
+           {"unix:x.sock", cwd + "/sub/../x.sock"},
+       }) {
+    absl::StatusOr<std::vector<ListenAddress>> parsed =
+        service::ParseListenAddresses({"127.0.0.1:0", listen});
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    const absl::Status s = service::CheckShmSocketIsNotListened(shm, *parsed);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << listen << " and " << shm;
+    EXPECT_NE(s.message().find("shm-socket: \"" + shm + "\" is the socket of --listen \"" + listen +
+                               "\""),
+              std::string::npos)
+        << s;
+  }
+  absl::StatusOr<std::vector<ListenAddress>> parsed = service::ParseListenAddresses(
+      {"unix:/run/di/grpc.sock", "unix-abstract:/run/di/shm.sock", "127.0.0.1:0"});
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  for (const std::string shm : {"/run/di/shm.sock", "", "grpc.sock"}) {
+    EXPECT_TRUE(service::CheckShmSocketIsNotListened(shm, *parsed).ok()) << shm;
+  }
+}
+
+TEST(ListenAddressTest, ParsesSocketMode) {
+  for (const auto& [text, mode] : std::vector<std::pair<std::string, int>>{{"0660", 0660},
+                                                                           {"660", 0660},
+                                                                           {"0", 0},
+                                                                           {"0777", 0777},
+                                                                           {"600", 0600},
+                                                                           {"00660", 0660}}) {
+    absl::StatusOr<int> got = service::ParseSocketMode(text);
+    ASSERT_TRUE(got.ok()) << text << ": " << got.status();
+    EXPECT_EQ(*got, mode) << text;
+  }
+  for (const std::string text :
+       {"", "0888", "01000", "1777", "4755", "0x1ff", "-1", "66o", "07770"}) {
+    absl::StatusOr<int> got = service::ParseSocketMode(text);
+    ASSERT_FALSE(got.ok()) << text;
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(got.status().message().find("socket-mode: \"" + text +
+                                          "\": expected an octal file mode of at most 0777"),
+              std::string::npos)
+        << got.status();
   }
 }
 
@@ -297,7 +406,9 @@ TEST(UnixSocketTest, NeverTakesOverALiveServersSocket) {
       service::Server::Start(Options(profile, {address}));
   ASSERT_FALSE(second.ok());
   EXPECT_EQ(second.status().code(), absl::StatusCode::kAlreadyExists) << second.status();
-  EXPECT_NE(second.status().message().find("another process is serving on it"), std::string::npos)
+  // The first server's lock refuses it before the probe would.
+  EXPECT_NE(second.status().message().find("another server holds " + dir.path + "/grpc.sock"),
+            std::string::npos)
       << second.status();
 
   struct stat after = {};
@@ -308,6 +419,25 @@ TEST(UnixSocketTest, NeverTakesOverALiveServersSocket) {
   ASSERT_TRUE(c.ok()) << c.status();
   absl::StatusOr<v1::ServerInfo> info = (*c)->ServerInfo();
   ASSERT_TRUE(info.ok()) << info.status();
+
+  // A live listener that takes no lock (another program, a server of an older version) is
+  // found by the probe.
+  const std::string other_path = dir.path + "/other.sock";
+  const int other = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(other, 0);
+  sockaddr_un addr = {};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, other_path.data(), other_path.size());
+  ASSERT_EQ(::bind(other, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(other, 4), 0);
+  absl::StatusOr<std::unique_ptr<service::Server>> beside =
+      service::Server::Start(Options(profile, {"unix:" + other_path}));
+  ASSERT_FALSE(beside.ok());
+  EXPECT_EQ(beside.status().code(), absl::StatusCode::kAlreadyExists) << beside.status();
+  EXPECT_NE(beside.status().message().find("another process is serving on it"), std::string::npos)
+      << beside.status();
+  EXPECT_TRUE(IsSocket(other_path));
+  ::close(other);
 
   // The same for an abstract name (no file: the probe is the only guard there).
   const std::string abstract =
@@ -382,6 +512,255 @@ TEST(UnixSocketTest, ReplacesAStaleSocketOfAKilledServer) {
       client::IndexerClient::Connect((*server)->address());
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_TRUE((*c)->ServerInfo().ok());
+}
+
+// Checking a path and binding it are two steps: the path's lock (PATH.lock, flock) is taken
+// before the check and held while the server lives, so a server whose path another server holds
+// is refused at once, naming the path, and binds nothing; the shared-memory socket likewise. The
+// lock file goes with its server, and one a killed server left holds nothing.
+TEST(UnixSocketTest, RefusesAPathWhoseLockAnotherServerHolds) {
+  TempDir dir;
+  const config::Profile profile = LoadOrDie(TinyProfilePath());
+  const std::string path = dir.path + "/grpc.sock";
+  const std::string shm = dir.path + "/shm.sock";
+  {
+    // What a server starting on the path at this instant holds, before anything is bound.
+    absl::StatusOr<service::SocketPathLock> other = service::SocketPathLock::Acquire(path, "test");
+    ASSERT_TRUE(other.ok()) << other.status();
+    absl::StatusOr<service::SocketPathLock> other_shm =
+        service::SocketPathLock::Acquire(shm, "test");
+    ASSERT_TRUE(other_shm.ok()) << other_shm.status();
+
+    absl::StatusOr<std::unique_ptr<service::Server>> server =
+        service::Server::Start(Options(profile, {"127.0.0.1:0", "unix:" + path}));
+    ASSERT_FALSE(server.ok());
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kAlreadyExists) << server.status();
+    EXPECT_NE(server.status().message().find("listen: \"unix:" + path +
+                                             "\": another server holds " + path),
+              std::string::npos)
+        << server.status();
+    EXPECT_FALSE(std::filesystem::exists(path)) << "a refused start bound the socket";
+
+    service::ServerOptions with_shm = Options(profile, {"127.0.0.1:0"});
+    with_shm.shm_socket = shm;
+    server = service::Server::Start(with_shm);
+    ASSERT_FALSE(server.ok());
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kAlreadyExists) << server.status();
+    EXPECT_NE(
+        server.status().message().find("shm-socket: \"" + shm + "\": another server holds " + shm),
+        std::string::npos)
+        << server.status();
+    EXPECT_FALSE(std::filesystem::exists(shm)) << "a refused start bound the socket";
+  }
+  // Let go: both start, and hold the paths against a second server in this process.
+  service::ServerOptions both = Options(profile, {"unix:" + path});
+  both.shm_socket = shm;
+  absl::StatusOr<std::unique_ptr<service::Server>> first = service::Server::Start(both);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_FALSE(service::SocketPathLock::Acquire(path, "test").ok());
+  EXPECT_FALSE(service::SocketPathLock::Acquire(shm, "test").ok());
+  (*first)->Shutdown(std::chrono::seconds(2));
+  first->reset();
+  EXPECT_FALSE(std::filesystem::exists(path));
+  EXPECT_FALSE(std::filesystem::exists(shm));
+  EXPECT_FALSE(std::filesystem::exists(path + ".lock")) << "its holder removes it";
+  EXPECT_FALSE(std::filesystem::exists(shm + ".lock")) << "its holder removes it";
+  // A lock file a killed server left behind holds nothing.
+  std::ofstream(path + ".lock") << "";
+  absl::StatusOr<std::unique_ptr<service::Server>> again = service::Server::Start(both);
+  ASSERT_TRUE(again.ok()) << "a leftover lock file held the path: " << again.status();
+}
+
+// The lock file goes with its lock, yet the lock never has two holders: threads taking and
+// letting go of one path's lock as fast as they can are never in it together. (Without the
+// check that the path still names the file just locked, a thread that opened the file just
+// before its holder removed it would lock the removed file while another locked the new one.)
+TEST(SocketPathLockTest, NeverTwoHoldersWhileHoldersRemoveTheFile) {
+  TempDir dir;
+  const std::string path = dir.path + "/grpc.sock";
+  constexpr int kThreads = 4;
+  std::atomic<int> inside{0};
+  std::atomic<int> most{0};
+  std::atomic<int> taken{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 3000; ++i) {
+        absl::StatusOr<service::SocketPathLock> lock =
+            service::SocketPathLock::Acquire(path, "test");
+        if (!lock.ok()) {
+          EXPECT_EQ(lock.status().code(), absl::StatusCode::kAlreadyExists) << lock.status();
+          continue;
+        }
+        const int now = inside.fetch_add(1) + 1;
+        int seen = most.load();
+        while (now > seen && !most.compare_exchange_weak(seen, now)) {
+        }
+        taken.fetch_add(1);
+        std::this_thread::yield();
+        inside.fetch_sub(1);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(most.load(), 1) << "two holders of one lock at once";
+  EXPECT_GT(taken.load(), 0);
+  EXPECT_FALSE(std::filesystem::exists(path + ".lock"));
+}
+
+// Servers started on one path at the same instant: exactly one serves on it, the others are
+// refused. Without the lock each found the path free and the last to bind took it, so several
+// "started", all but one unreachable.
+TEST(UnixSocketTest, ServersStartingAtOnceOnOnePathExactlyOneWins) {
+  TempDir dir;
+  const config::Profile profile = LoadOrDie(TinyProfilePath());
+  const std::string address = "unix:" + dir.path + "/grpc.sock";
+  constexpr int kServers = 6;
+  std::vector<absl::StatusOr<std::unique_ptr<service::Server>>> started;
+  for (int i = 0; i < kServers; ++i) started.emplace_back(absl::UnknownError("not started"));
+  std::atomic<int> ready{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kServers; ++i) {
+    threads.emplace_back([&, i] {
+      const service::ServerOptions options = Options(profile, {address});
+      ready.fetch_add(1);
+      while (ready.load() < kServers) std::this_thread::yield();
+      started[i] = service::Server::Start(options);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  int winners = 0;
+  for (const auto& s : started) {
+    if (s.ok()) {
+      ++winners;
+      continue;
+    }
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kAlreadyExists) << s.status();
+    EXPECT_NE(s.status().message().find("another server holds " + dir.path + "/grpc.sock"),
+              std::string::npos)
+        << s.status();
+  }
+  EXPECT_EQ(winners, 1);
+  absl::StatusOr<std::unique_ptr<client::IndexerClient>> c =
+      client::IndexerClient::Connect(address);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE((*c)->ServerInfo().ok()) << "the winner is not reachable on its socket";
+}
+
+// A bad --shm-socket fails the start before the executor allocates its caches, as a bad
+// --listen does: with a cache the executor refuses (2^40 pages a pool), the answer says which
+// came first.
+TEST(UnixSocketTest, ChecksEverySocketPathBeforeAllocating) {
+  TempDir dir;
+  const std::string file = dir.path + "/not-a-socket";
+  std::ofstream(file) << "x";
+  const int live = ::socket(AF_UNIX, SOCK_SEQPACKET, 0);
+  ASSERT_GE(live, 0);
+  const std::string live_path = dir.path + "/live.sock";
+  sockaddr_un addr = {};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, live_path.data(), live_path.size());
+  ASSERT_EQ(::bind(live, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(live, 4), 0);
+  service::ServerOptions options = Options(LoadOrDie(TinyProfilePath()), {"127.0.0.1:0"});
+  options.executor.cache_pages = int64_t{1} << 40;
+  {
+    absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(options);
+    ASSERT_FALSE(server.ok());
+    ASSERT_NE(server.status().message().find("cache_pages"), std::string::npos)
+        << "the executor no longer refuses this cache: " << server.status();
+  }
+  struct Case {
+    std::vector<std::string> listen;
+    std::string shm_socket, why;
+  };
+  for (const Case& c : std::vector<Case>{
+           {{"127.0.0.1:0"},
+            dir.path + "/missing/shm.sock",
+            "shm-socket: \"" + dir.path + "/missing/shm.sock\": directory"},
+           {{"127.0.0.1:0"}, file, "shm-socket: " + file + " exists and is not a socket"},
+           {{"127.0.0.1:0"}, live_path, "shm-socket: another server is listening on " + live_path},
+           {{"127.0.0.1:0"}, dir.path + "/" + std::string(120, 's'), "shm-socket: a path of"},
+           {{"unix:" + dir.path + "/missing/grpc.sock"}, "", "listen: "},
+           {{"unix:" + file}, "", "listen: "},
+       }) {
+    options.listen = c.listen;
+    options.shm_socket = c.shm_socket;
+    absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(options);
+    ASSERT_FALSE(server.ok()) << c.why;
+    EXPECT_NE(server.status().message().find(c.why), std::string::npos)
+        << "not refused before the caches were allocated: " << server.status();
+  }
+  ::close(live);
+}
+
+// --socket-mode: every socket file the server creates gets the mode right after its bind
+// (gRPC's unix: paths and the shared-memory socket); without it the shm socket is 0600 and a
+// unix: path what the umask leaves. A mode over 0777 is refused.
+TEST(UnixSocketTest, SocketModeIsAppliedToEverySocketFile) {
+  TempDir dir;
+  const config::Profile profile = LoadOrDie(TinyProfilePath());
+  const std::string grpc_path = dir.path + "/grpc.sock";
+  const std::string shm_path = dir.path + "/shm.sock";
+  auto mode_of = [](const std::string& path) {
+    struct stat st = {};
+    EXPECT_EQ(::lstat(path.c_str(), &st), 0) << path;
+    return static_cast<int>(st.st_mode & 07777);
+  };
+  for (const int mode : {0640, 0606, 0700}) {
+    service::ServerOptions options = Options(profile, {"unix:" + grpc_path, "127.0.0.1:0"});
+    options.shm_socket = shm_path;
+    options.socket_mode = mode;
+    absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    EXPECT_EQ(mode_of(grpc_path), mode) << std::oct << mode;
+    EXPECT_EQ(mode_of(shm_path), mode) << std::oct << mode;
+    absl::StatusOr<std::unique_ptr<client::IndexerClient>> c =
+        client::IndexerClient::Connect("unix:" + grpc_path);
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_TRUE((*c)->ServerInfo().ok());
+  }
+  {
+    service::ServerOptions options = Options(profile, {"unix:" + grpc_path});
+    options.shm_socket = shm_path;
+    absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    EXPECT_EQ(mode_of(shm_path), 0600);
+  }
+  service::ServerOptions options = Options(profile, {"unix:" + grpc_path});
+  options.socket_mode = 01777;
+  absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(options);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument) << server.status();
+  EXPECT_NE(server.status().message().find("socket_mode: expected a file mode of 0..0777"),
+            std::string::npos)
+      << server.status();
+}
+
+// An abstract name has no file and takes no lock: a second bind of it fails with EADDRINUSE,
+// which gRPC reports as its error, and the start is refused naming the address. Here the name
+// is held by a socket that is bound but not listening, so the probe finds no server.
+TEST(UnixSocketTest, AnAbstractNameInUseIsRefused) {
+  const std::string name =
+      "di-uds-held-" + std::to_string(getpid()) + "-" + std::to_string(TestSeed());
+  const int holder = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(holder, 0);
+  sockaddr_un addr = {};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());
+  ASSERT_EQ(::bind(holder, reinterpret_cast<sockaddr*>(&addr),
+                   static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size())),
+            0);
+  absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(
+      Options(LoadOrDie(TinyProfilePath()), {"127.0.0.1:0", "unix-abstract:" + name}));
+  ::close(holder);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kAlreadyExists) << server.status();
+  EXPECT_NE(server.status().message().find(
+                "listen: \"unix-abstract:" + name +
+                "\": another process holds the abstract name (bind: Address already in use)"),
+            std::string::npos)
+      << server.status();
 }
 
 }  // namespace
