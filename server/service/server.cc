@@ -260,6 +260,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   for (size_t i = 0; i < listen.size(); ++i) {
     builder.AddListeningPort(listen[i].address, *credentials, &ports[i]);
   }
+  // gRPC sets SO_REUSEPORT on TCP listeners by default, so a second server started on a live
+  // server's host:port would start too and the kernel would split new connections between
+  // the two: a client's sequences would live in one process and its next call land in the
+  // other. This server holds state, so the port is its own: a second bind fails.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(receive_limit);
   builder.SetMaxSendMessageSize(send_limit);
   // Bounded streams and threads: one connection cannot open more than

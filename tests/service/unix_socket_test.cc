@@ -451,6 +451,20 @@ TEST(UnixSocketTest, NeverTakesOverALiveServersSocket) {
   EXPECT_EQ(fourth.status().code(), absl::StatusCode::kAlreadyExists) << fourth.status();
 }
 
+// TCP too: gRPC's default SO_REUSEPORT would let a second server bind a live server's
+// host:port and split the connections between two processes holding different sequences.
+TEST(UnixSocketTest, NeverSharesATcpPortWithALiveServer) {
+  const config::Profile profile = LoadOrDie(TinyProfilePath());
+  absl::StatusOr<std::unique_ptr<service::Server>> first =
+      service::Server::Start(Options(profile, {"127.0.0.1:0"}));
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string taken = (*first)->address();
+  absl::StatusOr<std::unique_ptr<service::Server>> second =
+      service::Server::Start(Options(profile, {taken}));
+  ASSERT_FALSE(second.ok()) << "a second server started on " << taken;
+  EXPECT_NE(second.status().message().find(taken), std::string::npos) << second.status();
+}
+
 // A live server that is slow to accept (its backlog full) is neither taken over nor waited
 // for: a blocking probe would hang the start until it accepts, so the probe does not block and
 // a socket it cannot judge is refused.
