@@ -36,9 +36,9 @@ absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& address);
 // Each of a server's addresses parsed as above, in order, with the same socket (one path,
 // however spelled, or one abstract name) refused when given twice: gRPC would unlink the first's
 // socket file and bind the second over it, leaving that listener unreachable. So are two TCP
-// addresses that bind one address and port (port 0 aside: each picks its own): gRPC sets
-// SO_REUSEPORT, so both binds succeed and the kernel splits the connections between two
-// listeners of one server, or it fails without saying why. Two hosts overlap when they share an
+// addresses that bind one address and port (port 0 aside: each picks its own): the second bind
+// would fail with only gRPC's "No address added" (the server turns gRPC's default SO_REUSEPORT
+// off, server.cc), so the overlap is named here instead. Two hosts overlap when they share an
 // address: a wildcard host ("", 0.0.0.0, [::]: gRPC binds any of them as the dual-stack
 // wildcard) takes the port on every address, localhost is 127.0.0.1 and [::1], an IP literal is
 // itself however written (127.1, [0::1], [::ffff:127.0.0.1] for 127.0.0.1), and any other name
