@@ -40,6 +40,7 @@
 #include "server/service/indexer_service.h"
 #include "server/service/listen_address.h"
 #include "server/testing/fault_injection.h"
+#include "tests/service/busy_listener.h"
 #include "tests/service/service_harness.h"
 
 namespace decode_indexer::testing {
@@ -575,27 +576,13 @@ TEST_F(SecurityTest, ShrunkSharedMemoryDoesNotKillTheServer) {
 TEST(ShmSocketTest, RefusesASocketWhoseBacklogIsFullWithoutWaiting) {
   const std::string path = "/tmp/di-shm-probe-" + std::to_string(getpid()) + "-" +
                            std::to_string(Seed() % 1000000) + ".sock";
-  sockaddr_un addr = {};
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.data(), path.size());
   for (const int type : {SOCK_SEQPACKET, SOCK_STREAM}) {
     SCOPED_TRACE(type == SOCK_SEQPACKET ? "a full SEQPACKET backlog" : "a live stream listener");
     ::unlink(path.c_str());
-    const int listener = ::socket(AF_UNIX, type, 0);
-    ASSERT_GE(listener, 0);
-    ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    ASSERT_EQ(::listen(listener, 0), 0);  // never accepts
-    std::vector<int> queued;
-    for (bool full = type != SOCK_SEQPACKET; !full && queued.size() < 64;) {
-      const int fd = ::socket(AF_UNIX, type | SOCK_NONBLOCK, 0);
-      ASSERT_GE(fd, 0);
-      if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-        queued.push_back(fd);
-      } else {
-        EXPECT_EQ(errno, EAGAIN) << std::strerror(errno);
-        full = true;
-        ::close(fd);
-      }
+    BusyUnixListener listener(path, type, /*fill=*/type == SOCK_SEQPACKET);
+    ASSERT_GE(listener.fd(), 0);
+    if (type == SOCK_SEQPACKET) {
+      ASSERT_TRUE(listener.full()) << "the backlog never filled";
     }
     struct stat before = {};
     ASSERT_EQ(::lstat(path.c_str(), &before), 0);
@@ -605,7 +592,7 @@ TEST(ShmSocketTest, RefusesASocketWhoseBacklogIsFullWithoutWaiting) {
     });
     const bool waited = start.wait_for(std::chrono::seconds(5)) != std::future_status::ready;
     // A probe stuck on the full backlog returns once a place frees up.
-    if (waited) ::close(::accept(listener, nullptr, nullptr));
+    if (waited) ::close(::accept(listener.fd(), nullptr, nullptr));
     EXPECT_FALSE(waited) << "the start waited for the live server to accept";
     absl::StatusOr<std::unique_ptr<service::ShmSocketServer>> server = start.get();
     ASSERT_FALSE(server.ok());
@@ -617,8 +604,6 @@ TEST(ShmSocketTest, RefusesASocketWhoseBacklogIsFullWithoutWaiting) {
     struct stat after = {};
     ASSERT_EQ(::lstat(path.c_str(), &after), 0) << "the live socket's file was removed";
     EXPECT_EQ(after.st_ino, before.st_ino) << "the live socket's file was replaced";
-    for (int fd : queued) ::close(fd);
-    ::close(listener);
   }
   ::unlink(path.c_str());
 }

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "server/service/listen_address.h"
+#include "tests/service/busy_listener.h"
 #include "tests/service/service_harness.h"
 #include "tests/test_seed.h"
 
@@ -471,27 +472,8 @@ TEST(UnixSocketTest, NeverSharesATcpPortWithALiveServer) {
 TEST(UnixSocketTest, RefusesASocketWhoseBacklogIsFullWithoutWaiting) {
   TempDir dir;
   const std::string path = dir.path + "/grpc.sock";
-  sockaddr_un addr = {};
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.data(), path.size());
-  const int listener = ::socket(AF_UNIX, SOCK_STREAM, 0);
-  ASSERT_GE(listener, 0);
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(::listen(listener, 0), 0);  // never accepts
-  std::vector<int> queued;
-  bool full = false;
-  for (int i = 0; i < 64 && !full; ++i) {
-    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0);
-    ASSERT_GE(fd, 0);
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-      queued.push_back(fd);
-    } else {
-      EXPECT_EQ(errno, EAGAIN) << std::strerror(errno);
-      full = true;
-      ::close(fd);
-    }
-  }
-  ASSERT_TRUE(full) << "the backlog never filled";
+  BusyUnixListener listener(path, SOCK_STREAM, /*fill=*/true);
+  ASSERT_TRUE(listener.full()) << "the backlog never filled";
   absl::StatusOr<std::unique_ptr<service::Server>> server =
       service::Server::Start(Options(LoadOrDie(TinyProfilePath()), {"unix:" + path}));
   ASSERT_FALSE(server.ok());
@@ -500,8 +482,6 @@ TEST(UnixSocketTest, RefusesASocketWhoseBacklogIsFullWithoutWaiting) {
             std::string::npos)
       << server.status();
   EXPECT_TRUE(IsSocket(path)) << "the live socket's file was removed";
-  for (int fd : queued) ::close(fd);
-  ::close(listener);
 }
 
 // A socket file left by a server that was killed (nobody accepting on it) is replaced.
