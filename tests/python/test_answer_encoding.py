@@ -70,6 +70,29 @@ class DeltaDecoderTest(unittest.TestCase):
             np.testing.assert_array_equal(got, topk)
         self.assertEqual(_wire.decode_topk_delta(b"", 0, 7).shape, (0, 7))
 
+    def test_full_rows_decode_alike(self):
+        # Every row holding K positions (rows longer than K: the usual answer) takes the
+        # decoder's one-cumulative-sum path; it must give what the general path gives, for
+        # one- to five-byte gaps, and refuse what the general path refuses.
+        for span in (3000, 1 << 20, (1 << 31) - 1):
+            k = int(self.rng.integers(1, 300))
+            rows = int(self.rng.integers(1, 9))
+            topk = np.stack([np.sort(self.rng.choice(span, size=k, replace=False))
+                             if span < 1 << 20 else np.sort(self.rng.permutation(
+                                 np.unique(self.rng.integers(0, span, size=2 * k)))[:k])
+                             for _ in range(rows)]).astype(np.int32)
+            got = _wire.decode_topk_delta(encode_delta_reference(topk), rows, k)
+            self.assertEqual(got.dtype, np.int32)
+            np.testing.assert_array_equal(got, topk)
+        # The last row's last position one past int32.
+        data = encode_delta_reference(np.array([[0, 1], [5, (1 << 31) - 1]], np.int32))
+        data = data[:-5] + _wire.varint((1 << 31) - 5)
+        with self.assertRaises(ValueError):
+            _wire.decode_topk_delta(data, 2, 2)
+        # As many values as full rows, but one row short and the next claiming K + 1.
+        with self.assertRaises(ValueError):
+            _wire.decode_topk_delta(bytes([1, 0, 3, 0, 0, 0]), 2, 2)
+
     def test_malformed_bytes_are_refused(self):
         # Three non-empty rows whose first positions take two-byte varints.
         topk = np.full((3, 40), -1, dtype=np.int32)

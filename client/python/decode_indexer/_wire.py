@@ -547,26 +547,46 @@ def decode_topk_delta(data: bytes, rows: int, k: int) -> np.ndarray:
     loop over ~K bytes a row would cost more than the bytes saved); only the row split loops.
     Raises ValueError on bytes that are not exactly `rows` well-formed rows."""
     b = np.frombuffer(data, dtype=np.uint8)
-    out = np.full((rows, k), -1, dtype=np.int32)
     if b.size == 0:
         if rows:
             raise ValueError(f"topk_delta: empty, expected {rows} rows")
-        return out
+        return np.full((rows, k), -1, dtype=np.int32)
     ends = np.flatnonzero(b < 0x80)  # the last byte of each varint has the high bit clear
     if ends.size == 0 or ends[-1] != b.size - 1:
         raise ValueError("topk_delta: ends inside a varint")
     if ends.size == b.size:  # every varint one byte (short gaps, K < 128): the bytes are values
         values = b.astype(np.int64)
     else:
-        sizes = np.diff(ends, prepend=-1)
-        if sizes.max() > 5:  # counts and gaps are uint32: 5 bytes at most
-            raise ValueError("topk_delta: a varint longer than 5 bytes")
-        # From each varint's last (most significant) byte down: a pass per extra byte, over
-        # only the varints that long (most gaps take one byte).
         values = b[ends].astype(np.int64)  # a last byte has the high bit clear already
-        for m in range(1, int(sizes.max())):
-            longer = np.flatnonzero(sizes > m)
-            values[longer] = (values[longer] << 7) | (b[ends[longer] - m] & 0x7F)
+        # The few longer varints (the counts when K >= 128, a rare long gap): their bytes
+        # before the last, from the most significant down, over only those varints.
+        sizes = np.empty_like(ends)
+        sizes[0] = ends[0] + 1
+        np.subtract(ends[1:], ends[:-1], out=sizes[1:])
+        longer = np.flatnonzero(sizes > 1)
+        lsizes, lends, lvalues = sizes[longer], ends[longer], values[longer]
+        if lsizes.max() > 5:  # counts and gaps are uint32: 5 bytes at most
+            raise ValueError("topk_delta: a varint longer than 5 bytes")
+        for m in range(1, int(lsizes.max())):
+            sel = np.flatnonzero(lsizes > m)
+            lvalues[sel] = (lvalues[sel] << 7) | (b[lends[sel] - m] & 0x7F)
+        values[longer] = lvalues
+    # The usual answer: every row holds K positions (rows longer than K). Its values are then
+    # exactly [K, K gaps] per row, and the positions are one cumulative sum along each row.
+    if rows > 0 and k > 0 and values.size == rows * (k + 1):
+        grid = values.reshape(rows, k + 1)
+        if np.all(grid[:, 0] == k):
+            gaps = grid[:, 1:]
+            # A row's last position is its gaps' sum + K - 1: checked in int64 first, so the
+            # running sums can be taken in int32.
+            if (gaps.sum(axis=1) + (k - 1)).max() > np.iinfo(np.int32).max:
+                raise ValueError("topk_delta: a position past int32")
+            steps = gaps.astype(np.int32)
+            steps += 1
+            positions = np.cumsum(steps, axis=1, dtype=np.int32)
+            positions -= 1
+            return positions
+    out = np.full((rows, k), -1, dtype=np.int32)
     # Only finding where each row starts is sequential (each count says where the next row
     # begins): scalar reads, a few per row. The rest is vectorised over all rows at once.
     heads = np.empty(rows, dtype=np.int64)
