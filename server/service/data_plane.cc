@@ -35,16 +35,40 @@ void EncodeTopkDelta(std::span<const int32_t> topk, int32_t rows, int32_t k, std
   std::vector<char> scratch(size_t(5) * (static_cast<size_t>(k) + 1));
   out.reserve(out.size() + static_cast<size_t>(rows) * (static_cast<size_t>(k) + 5));
   for (int32_t r = 0; r < rows; ++r) {
-    std::span<const int32_t> row = topk.subspan(static_cast<size_t>(r) * k, k);
+    const int32_t* row = topk.data() + static_cast<size_t>(r) * k;
+    // Positions, then -1 padding: a row whose last entry is a position is full (most rows).
     uint32_t valid = 0;
-    while (valid < static_cast<uint32_t>(k) && row[valid] >= 0) ++valid;
-    char* p = PutVarint(valid, scratch.data());
-    int64_t prev = -1;
-    for (uint32_t i = 0; i < valid; ++i) {
-      // Ascending and distinct, so every gap is >= 0.
-      p = PutVarint(static_cast<uint32_t>(row[i] - prev - 1), p);
-      prev = row[i];
+    if (k > 0 && row[k - 1] >= 0) {
+      valid = static_cast<uint32_t>(k);
+    } else {
+      while (valid < static_cast<uint32_t>(k) && row[valid] >= 0) ++valid;
     }
+    char* p = PutVarint(valid, scratch.data());
+    uint32_t i = 0;
+    if (valid > 0) p = PutVarint(static_cast<uint32_t>(row[i++]), p);  // the first position
+    // Then the gaps (position - previous - 1; ascending and distinct, so >= 0, and a difference
+    // of two non-negative int32 cannot overflow), sixteen at a time: with K of 2048 in 8K+
+    // keys nearly every gap is below 128, a one-byte varint, so a group of sixteen such is
+    // computed and stored without a branch per gap; a group holding a longer gap goes varint
+    // by varint. Twice as fast as varint by varint (docs/results/data-plane.md).
+    for (; i + 16 <= valid; i += 16) {
+      uint32_t any = 0;
+      uint8_t bytes[16];
+      for (int j = 0; j < 16; ++j) {
+        const auto gap = static_cast<uint32_t>(row[i + j] - row[i + j - 1] - 1);
+        any |= gap;
+        bytes[j] = static_cast<uint8_t>(gap);
+      }
+      if (any < 0x80) {
+        std::memcpy(p, bytes, 16);
+        p += 16;
+      } else {
+        for (int j = 0; j < 16; ++j) {
+          p = PutVarint(static_cast<uint32_t>(row[i + j] - row[i + j - 1] - 1), p);
+        }
+      }
+    }
+    for (; i < valid; ++i) p = PutVarint(static_cast<uint32_t>(row[i] - row[i - 1] - 1), p);
     out.append(scratch.data(), p);
   }
 }

@@ -17,6 +17,7 @@
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -59,6 +60,104 @@ TEST(DeltaEncodingTest, RoundTripsRandomRows) {
   // A cut or padded stream is refused, never silently misread.
   EXPECT_FALSE(client::DecodeTopkDelta(bytes.substr(0, bytes.size() - 1), rows, k).ok());
   EXPECT_FALSE(client::DecodeTopkDelta(bytes + '\x01', rows, k).ok());
+}
+
+// The delta codec written plainly, varint by varint (the proto's definition), to hold the
+// product's blocked encoder and decoder to.
+void PlainPutVarint(uint32_t v, std::string& out) {
+  for (; v >= 0x80; v >>= 7) out.push_back(static_cast<char>((v & 0x7F) | 0x80));
+  out.push_back(static_cast<char>(v));
+}
+std::string PlainEncode(const std::vector<int32_t>& topk, int rows, int k) {
+  std::string out;
+  for (int r = 0; r < rows; ++r) {
+    int valid = 0;
+    while (valid < k && topk[size_t(r) * k + valid] >= 0) ++valid;
+    PlainPutVarint(uint32_t(valid), out);
+    int64_t prev = -1;
+    for (int i = 0; i < valid; ++i) {
+      PlainPutVarint(uint32_t(topk[size_t(r) * k + i] - prev - 1), out);
+      prev = topk[size_t(r) * k + i];
+    }
+  }
+  return out;
+}
+std::optional<std::vector<int32_t>> PlainDecode(const std::string& bytes, int rows, int k) {
+  std::vector<int32_t> out(size_t(rows) * k, -1);
+  size_t at = 0;
+  auto next = [&](uint64_t& v) {
+    v = 0;
+    for (int shift = 0; shift < 35; shift += 7) {
+      if (at >= bytes.size()) return false;
+      const auto b = uint8_t(bytes[at++]);
+      v |= uint64_t(b & 0x7F) << shift;
+      if ((b & 0x80) == 0) return true;
+    }
+    return false;
+  };
+  for (int r = 0; r < rows; ++r) {
+    uint64_t valid = 0;
+    if (!next(valid) || valid > uint64_t(k)) return std::nullopt;
+    int64_t prev = -1;
+    for (uint64_t i = 0; i < valid; ++i) {
+      uint64_t gap = 0;
+      if (!next(gap)) return std::nullopt;
+      prev += int64_t(gap) + 1;
+      if (prev > INT32_MAX) return std::nullopt;
+      out[size_t(r) * k + i] = int32_t(prev);
+    }
+  }
+  if (at != bytes.size()) return std::nullopt;
+  return out;
+}
+
+// The blocked codec (16 gaps at a time out, 8 in) against the plain one: rows full, short and
+// empty, gaps of one to five bytes placed anywhere in a block (first, last, alone), positions
+// up to 2^31 - 1; then the decoder on damaged bytes (cut, extended, bytes flipped): accepted
+// and refused alike, and what it accepts equal.
+TEST(DeltaEncodingTest, BlockedCodecEqualsThePlainOne) {
+  Gen gen(Seed());
+  std::mt19937_64& rng = gen.rng();
+  for (int trial = 0; trial < 300; ++trial) {
+    const int k = trial % 3 == 0 ? 2048 : 1 + int(rng() % 80);
+    const int rows = 1 + int(rng() % 6);
+    const int long_gap_every = 1 + int(rng() % 64);  // 1: every gap may be long
+    std::vector<int32_t> topk(size_t(rows) * k, -1);
+    for (int r = 0; r < rows; ++r) {
+      const int valid = rng() % 3 == 0 ? int(rng() % (k + 1)) : k;
+      int64_t pos = -1;
+      for (int i = 0; i < valid; ++i) {
+        const bool long_gap = rng() % long_gap_every == 0;
+        const uint64_t width = long_gap ? uint64_t{1} << (7 * (1 + rng() % 4)) : 127;
+        pos += 1 + int64_t(rng() % width);
+        if (pos > INT32_MAX - (valid - i)) pos = INT32_MAX - (valid - i);  // room for the rest
+        topk[size_t(r) * k + i] = int32_t(pos);
+      }
+    }
+    SCOPED_TRACE(absl::StrCat("trial ", trial, " rows ", rows, " k ", k));
+    std::string bytes;
+    service::EncodeTopkDelta(topk, rows, k, bytes);
+    ASSERT_EQ(bytes, PlainEncode(topk, rows, k));
+    absl::StatusOr<std::vector<int32_t>> back = client::DecodeTopkDelta(bytes, rows, k);
+    ASSERT_TRUE(back.ok()) << back.status();
+    ASSERT_EQ(*back, topk);
+    for (int damage = 0; damage < 8; ++damage) {
+      std::string bad = bytes;
+      if (damage == 0) {
+        bad.resize(rng() % bad.size());
+      } else if (damage == 1) {
+        bad.push_back(char(rng()));
+      } else {
+        for (int f = 0; f < 1 + damage / 3; ++f) bad[rng() % bad.size()] ^= char(1 << (rng() % 8));
+      }
+      const std::optional<std::vector<int32_t>> want = PlainDecode(bad, rows, k);
+      absl::StatusOr<std::vector<int32_t>> got = client::DecodeTopkDelta(bad, rows, k);
+      ASSERT_EQ(got.ok(), want.has_value()) << "damage " << damage << ": " << got.status();
+      if (want) {
+        ASSERT_EQ(*got, *want) << "damage " << damage;
+      }
+    }
+  }
 }
 
 class DataPlaneTest : public ::testing::Test {
