@@ -5,6 +5,7 @@
 #   ninja -C build && tests/gpu/make_bundle.sh build gpu-bundle
 #   cp build/bench/cuda/CMakeFiles/di_bench_mqa_variants.dir/variants/sm90_paged_mqa_logits_fp8_runs.cu.o .peer/fp8_runs.o
 #   cp build/kernels/cuda/CMakeFiles/di_kernels_cuda.dir/sm90_paged_mqa_logits_fp8.cu.o .peer/fp8.o
+#   cp build/bench/cuda/CMakeFiles/di_bench_mqa_variants.dir/variants/sm90_paged_mqa_logits_fp8_configs.cu.o .peer/fp8_configs.o
 #   git rev-parse --short HEAD > .peer/tree.txt; cp docs/results/raw/s14/gpu_call_fp8_runs.sh .peer/
 # Then the device tool, carry [".peer"]: bash .peer/gpu_call_fp8_runs.sh  (about 6-8 minutes)
 # Session 15 added kFp8ShflWarp (the production kernel with only its warp index shuffled) to the
@@ -45,5 +46,7 @@ for n in 2 1; do
 done
 grep -h "gpu__time_duration.sum\|smsp__inst_executed.sum \|issue_active\|pipe_alu\|pipe_fma\|pipe_uniform\|registers_per\|warps_active" $O/ncu_*.log
 cuobjdump -sass .peer/fp8.o > $O/sass_production.txt 2>&1; cuobjdump -sass .peer/fp8_runs.o > $O/sass_runs.txt 2>&1
+# kFp8ShflWarp's instantiations live in the configs variants' object.
+[ -f .peer/fp8_configs.o ] && cuobjdump -sass .peer/fp8_configs.o > $O/sass_configs.txt 2>&1
 cd $OUT && tar czf r.tgz r && rm -rf r
 echo "total $(( $(date +%s) - t0 ))s"
