@@ -5,6 +5,7 @@
 #   ninja -C build && tests/gpu/make_bundle.sh build gpu-bundle
 #   cp build/bench/cuda/CMakeFiles/di_bench_mqa_variants.dir/variants/sm90_paged_mqa_logits_fp8_runs.cu.o .peer/fp8_runs.o
 #   cp build/kernels/cuda/CMakeFiles/di_kernels_cuda.dir/sm90_paged_mqa_logits_fp8.cu.o .peer/fp8.o
+#   cp build/bench/cuda/CMakeFiles/di_bench_mqa_variants.dir/variants/sm90_paged_mqa_logits_fp8_configs.cu.o .peer/fp8_configs.o
 #   git rev-parse --short HEAD > .peer/tree.txt; cp docs/results/raw/s14/gpu_call_fp8_runs.sh .peer/
 # Then the device tool, carry [".peer"]: bash .peer/gpu_call_fp8_runs.sh  (about 6-8 minutes)
 # Session 15 added kFp8ShflWarp (the production kernel with only its warp index shuffled) to the
@@ -19,8 +20,15 @@ tar xJf .peer/gpu-bundle.tar.xz
 O=$OUT/r; mkdir -p $O; L="gpu-bundle/lib:$(dirname "$(ldconfig -p | awk '/libnccl.so.2 /{print $NF; exit}')")"
 export NCCL_NVLS_ENABLE=0 DI_TEST_DATA_DIR=$PWD/tests/service/profiles
 { nvidia-smi --query-gpu=name,driver_version --format=csv; date -u; cat .peer/tree.txt; ncu --version | tail -1; } > $O/env.txt 2>&1
-s=$(date +%s); LD_LIBRARY_PATH=$L timeout 200 gpu-bundle/gpu_variants_test --gtest_filter='*Fp8*' > $O/variants.log 2>&1; echo "variants rc=$? $(( $(date +%s) - s ))s"; grep -h "OK \]\|FAILED" $O/variants.log | head
+s=$(date +%s); LD_LIBRARY_PATH=$L timeout 120 gpu-bundle/gpu_variants_test --gtest_filter='*Fp8*' > $O/variants.log 2>&1; vrc=$?; echo "variants rc=$vrc $(( $(date +%s) - s ))s"; grep -h "OK \]\|FAILED" $O/variants.log | head
 s=$(date +%s); LD_LIBRARY_PATH=$L timeout 150 gpu-bundle/gpu_test --gtest_filter='*Fp8*' > $O/gpu_test_fp8.log 2>&1; echo "gpu_test fp8 rc=$? $(( $(date +%s) - s ))s"; tail -2 $O/gpu_test_fp8.log
+# A new kernel that hung in the test (timeout's 124, or 137 when killed) would hang the bench and
+# each ncu run below as well (they launch the same kernels), spending the call's whole 600 s on
+# timeouts: stop here with the logs so far (variants.log names the test that hung).
+if [ $vrc = 124 ] || [ $vrc = 137 ]; then
+  echo "variants hung: the bench, DeepGEMM and ncu skipped"
+  cd $OUT && tar czf r.tgz r && rm -rf r; echo "total $(( $(date +%s) - t0 ))s"; exit 1
+fi
 s=$(date +%s); CUDA_VISIBLE_DEVICES=0 LD_LIBRARY_PATH=$L timeout 200 gpu-bundle/decode-indexer-bench-cuda --skip-variants --out $O/cuda_bench.json > $O/bench_cuda.log 2>&1; echo "bench rc=$? $(( $(date +%s) - s ))s"
 grep -h "req   n\|^ *[0-9]* *[0-9] *[0-9]*K |\|production logits\|fp8 runs\|fp8 shfl" $O/bench_cuda.log | head -120 > $O/runs_vs_production.txt
 s=$(date +%s); timeout 150 bash .peer/deepgemm/dg_build.sh > $O/dg_build.log 2>&1; DG_JIT_CACHE_DIR=/tmp/dgjit timeout 150 python3 .peer/deepgemm/dg_bench.py --configs $O/cuda_bench.json --out $O/dg.json > $O/dg.log 2>&1; echo "dg rc=$? $(( $(date +%s) - s ))s"
@@ -38,5 +46,7 @@ for n in 2 1; do
 done
 grep -h "gpu__time_duration.sum\|smsp__inst_executed.sum \|issue_active\|pipe_alu\|pipe_fma\|pipe_uniform\|registers_per\|warps_active" $O/ncu_*.log
 cuobjdump -sass .peer/fp8.o > $O/sass_production.txt 2>&1; cuobjdump -sass .peer/fp8_runs.o > $O/sass_runs.txt 2>&1
+# kFp8ShflWarp's instantiations live in the configs variants' object.
+[ -f .peer/fp8_configs.o ] && cuobjdump -sass .peer/fp8_configs.o > $O/sass_configs.txt 2>&1
 cd $OUT && tar czf r.tgz r && rm -rf r
 echo "total $(( $(date +%s) - t0 ))s"
