@@ -118,6 +118,10 @@ TEST_F(GpuTest, Fp8VariantsMatchTheProductionFp8Kernel) {
                      << "requests " << s.num_requests() << " rows " << rows << " next_n "
                      << c.next_n << " uneven " << c.uneven << " variant "
                      << kernels::cuda::MqaVariantName(v) << " sms " << num_sms);
+        // Printed before the launch: a variant that hangs is named in the log (a trace
+        // prints only on a failure, which a hang never reaches).
+        std::fprintf(stderr, "[ variant  ] %s, requests %d, next_n %d, sms %d\n",
+                     kernels::cuda::MqaVariantName(v), s.num_requests(), c.next_n, num_sms);
         const std::vector<float> got = VariantLogits(this, *ds, stride, num_sms, v);
         int64_t off = 0, past = 0, checked = 0;
         for (int32_t r = 0; r < rows; ++r) {
@@ -268,6 +272,8 @@ TEST_F(GpuTest, Fp8RunsVariantEqualsTheProductionKernel) {
                      << "requests " << s.num_requests() << " rows " << rows << " next_n "
                      << c.next_n << " thin " << c.thin << " uneven " << c.uneven << " hint "
                      << c.hint << " sms " << num_sms);
+        std::fprintf(stderr, "[ variant  ] %s, requests %d, next_n %d, hint %d, sms %d\n",
+                     kernels::cuda::MqaVariantName(v), s.num_requests(), c.next_n, c.hint, num_sms);
         const std::vector<float> runs = VariantLogits(this, *ds, stride, num_sms, v);
         int64_t diff = 0, unwritten = 0, past = 0;
         for (int32_t r = 0; r < rows; ++r) {
