@@ -122,7 +122,8 @@ class MetricsTest(BinaryTestCase):
                               ("decode_indexer_cache_pages_in_use", "cache_layer"),
                               ("decode_indexer_cache_pages", "cache_layer"),
                               ("decode_indexer_rpcs_total", "code"),
-                              ("decode_indexer_rpcs_total", "method")):
+                              ("decode_indexer_rpcs_total", "method"),
+                              ("decode_indexer_step_graphs_total", "event")):
             with self.subTest(metric=metric, label=label):
                 self.assertRegex(text, rf"(?m)^{metric}\{{[^}}]*\b{label}=\"")
 
