@@ -161,7 +161,8 @@ __device__ __forceinline__ void IssuePage(float* acc, uint32_t desc_kv, uint32_t
 // Fills the q tile and the weights in shared memory for pass `pass` of the request whose rows
 // are first_row .. first_row + nrows - 1, by the consumer threads (tid < kConsumerThreads): q
 // codes as they are (e4m3 is the MMA's type), in the SW128 layout the wgmmas read; rows past
-// the request's last are zero (their columns are computed, never stored). The caller orders it
+// the request's last are zero, and at three rows a pass the tile's fourth row holds the next
+// pass's first row, if any (the columns of both are computed, never stored). The caller orders it
 // between two kQBarrier syncs and fences it for the async proxy.
 template <int kRows>
 __device__ __forceinline__ void FillQTile(const PagedLogitsArgs& p, uint8_t* q_tile, float* w_smem,
@@ -353,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       if constexpr (kRows >= 2) epilogue(acc + 32, pass, 1);
       if constexpr (kRows > 2) {
         WgmmaFence();
-        // Rows 2-3 (row 3 zero when kRows == 3).
+        // Rows 2-3 (at kRows == 3, row 3's columns are never stored).
         IssuePage<128>(acc, desc_kv, desc_q + uint32_t(2 * kQRowBytes / 16));
         WgmmaCommit();
         WgmmaWait<0>();

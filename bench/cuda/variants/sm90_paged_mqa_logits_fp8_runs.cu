@@ -308,7 +308,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     store_group(acc, 0);
     if constexpr (kRows > 2) {
       WgmmaFence();
-      // Rows 2-3 (row 3 zero when kRows == 3).
+      // Rows 2-3 (at kRows == 3, row 3's columns are never stored).
       IssuePage<128>(acc, desc_kv, desc_q + uint32_t(2 * kQRowBytes / 16));
       WgmmaCommit();
       WgmmaWait<0>();

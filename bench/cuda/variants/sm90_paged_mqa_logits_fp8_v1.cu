@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       if constexpr (kRows >= 2) epilogue(acc + 32, pass, 1);
       if constexpr (kRows > 2) {
         WgmmaFence();
-        IssuePage<128>(acc, kv, q_tile + 2 * kQRowBytes);  // row 3 zero when kRows == 3
+        IssuePage<128>(acc, kv, q_tile + 2 * kQRowBytes);  // row 3 not stored at kRows == 3
         WgmmaCommit();
         WgmmaWait<0>();
         if (last_pass) release();
