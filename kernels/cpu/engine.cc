@@ -290,6 +290,15 @@ void ScorePositions(const CacheView& cache, const RowBatch& rows, int32_t reques
 
 // ---- Selection -----------------------------------------------------------------------------
 
+// A logit's rank in the selection: NaN ranks as -inf, below every number. A NaN logit is
+// reachable (finite q and weights whose scores overflow to inf - inf; q rewritten in a
+// client's shared memory after the edge checked it) and compares false both ways: left as it
+// is, nth_element's order is unspecified and the selection below fills fewer than k places,
+// leaving the rest of `out` as it was: the rank's top-k buffer, i.e. an earlier step's
+// answer, maybe another client's, sent as this step's; and candidate blocks that are not
+// ascending block ids (which a snapshot restore refuses).
+inline float SelectionRank(float v) { return v != v ? -std::numeric_limits<float>::infinity() : v; }
+
 void TopKAtWith(const float* logits, const int32_t* positions, int32_t count, int32_t k,
                 int32_t* out, std::vector<float>& work) {
   if (k <= 0) return;
@@ -300,23 +309,24 @@ void TopKAtWith(const float* logits, const int32_t* positions, int32_t count, in
   }
   // The K-th largest value; everything above it is in, and the first (by position) of the
   // entries equal to it fill the remaining places. Scanning in position order yields the
-  // answer already ascending.
+  // answer already ascending. Ranked by SelectionRank: a strict weak order, so exactly k.
   GrowTo(work, count);
-  std::copy(logits, logits + count, work.begin());
+  std::transform(logits, logits + count, work.begin(), SelectionRank);
   std::nth_element(work.begin(), work.begin() + (k - 1), work.begin() + count,
                    std::greater<float>());
   const float kth = work[k - 1];
   int32_t above = 0;
-  for (int32_t i = 0; i < count; ++i) above += logits[i] > kth ? 1 : 0;
+  for (int32_t i = 0; i < count; ++i) above += SelectionRank(logits[i]) > kth ? 1 : 0;
   int32_t ties_left = k - above;
   int32_t n = 0;
   for (int32_t i = 0; i < count && n < k; ++i) {
-    const float v = logits[i];
+    const float v = SelectionRank(logits[i]);
     if (v > kth || (v == kth && ties_left > 0)) {
       if (!(v > kth)) --ties_left;
       out[n++] = positions ? positions[i] : i;
     }
   }
+  for (; n < k; ++n) out[n] = -1;  // never reached with a strict weak order; never stale
 }
 
 void TopKWith(const float* logits, int32_t length, int32_t k, int32_t* out,

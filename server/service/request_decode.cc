@@ -202,10 +202,28 @@ float Bf16ToFloat(uint16_t bits) {
   return f;
 }
 
+// Bytes a client may rewrite at any moment (its shared-memory region), copied once into
+// storage the decoded step owns: the values checked are then the values used. Called only
+// once `data`'s size is checked against a bounded shape, so a client's claim cannot make the
+// server allocate more than a valid tensor of that kind takes.
+std::string_view PrivateCopy(std::string_view data, std::vector<std::vector<uint8_t>>& storage) {
+  const auto* p = reinterpret_cast<const uint8_t*>(data.data());
+  std::vector<uint8_t>& copy = storage.emplace_back(p, p + data.size());
+  return std::string_view(reinterpret_cast<const char*>(copy.data()), copy.size());
+}
+
 // Keys in any form a cache may take (AppendKeys.keys / new_keys): their tensors' dtype, shape,
 // bytes and values. Whether the form fits the layer's cache (pre-quantized in its format, with
 // scales; scales only then) is the validator's (exec::CheckKeysForm): scales the form does not
 // take are passed on unchecked for it to refuse, missing ones as null.
+//
+// keys_at / scales_at in host memory (not on_device) are a client's shared-memory region:
+// each is copied (PrivateCopy) once its size is checked and before its values are, since the
+// keys are stored in the sequence's cache. Checked in place and copied into the cache later,
+// a NaN code or a NaN, zero or negative scale written meanwhile would land there, past every
+// check: the sequence's answers spoiled, its export refused, and a snapshot holding it
+// refused whole at the next start (executor_lifecycle.cc CheckCacheImage), every client's
+// sequences with it.
 absl::StatusOr<exec::KeysInput> DecodeKeys(
     const v1::Tensor& keys, const v1::Tensor& scales, absl::string_view keys_field,
     absl::string_view scales_field, const config::Profile& profile,
@@ -214,8 +232,10 @@ absl::StatusOr<exec::KeysInput> DecodeKeys(
     std::optional<std::string_view> scales_at = {}, bool on_device = false) {
   const int32_t d = profile.head_dim;
   // The bytes: the Tensors' own, or where the caller found them (a shared-memory region).
-  const std::string_view keys_data = keys_at.value_or(std::string_view(keys.data()));
-  const std::string_view scales_data = scales_at.value_or(std::string_view(scales.data()));
+  std::string_view keys_data = keys_at.value_or(std::string_view(keys.data()));
+  std::string_view scales_data = scales_at.value_or(std::string_view(scales.data()));
+  const bool copy_keys = keys_at.has_value() && !on_device;
+  const bool copy_scales = scales_at.has_value() && !on_device;
   const bool scales_absent = !scales_at.has_value() && IsAbsent(scales);
   const v1::DType allowed[] = {v1::DTYPE_FP32, v1::DTYPE_BF16, v1::DTYPE_FP8_E4M3,
                                v1::DTYPE_FP4_E2M1};
@@ -230,6 +250,7 @@ absl::StatusOr<exec::KeysInput> DecodeKeys(
   if (!shape.ok()) return shape.status();
   const int64_t n = (*shape)[0];
   if (n == 0) return Invalid(absl::StrCat(keys_field, ".shape"), "no keys (n = 0)");
+  if (copy_keys) keys_data = PrivateCopy(keys_data, realigned);
   if (!on_device) {
     if (absl::Status s = CheckValues(keys, keys_data, keys_field, *shape, false); !s.ok()) {
       return s;
@@ -256,6 +277,7 @@ absl::StatusOr<exec::KeysInput> DecodeKeys(
     absl::StatusOr<std::vector<int64_t>> sshape =
         CheckTensor(scales, scales_data, scales_field, scale_types, scale_dims);
     if (!sshape.ok()) return sshape.status();
+    if (copy_scales) scales_data = PrivateCopy(scales_data, realigned);
     if (on_device) {  // values on the device; a device address is never realigned
       out.scales = scales_data.data();
       return out;
@@ -270,6 +292,7 @@ absl::StatusOr<exec::KeysInput> DecodeKeys(
     absl::StatusOr<std::vector<int64_t>> sshape =
         CheckTensor(scales, scales_data, scales_field, scale_types, scale_dims);
     if (!sshape.ok()) return sshape.status();
+    if (copy_scales) scales_data = PrivateCopy(scales_data, realigned);
     if (!on_device) {
       if (absl::Status s = CheckValues(scales, scales_data, scales_field, *sshape, false);
           !s.ok()) {

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstring>
 #include <ctime>
@@ -210,7 +211,12 @@ absl::Status ReadDescriptor(const uint8_t* slot, uint64_t n, const StepRingConfi
                             uint64_t ring_bytes, const config::Profile& profile, StepDescriptor& d,
                             std::vector<uint8_t>& columns, v1::DecodeStepRequest& out) {
   // A snapshot: the client may scribble over the slot meanwhile, the checks hold for the copy.
+  // Every later read is of the copy (d, then `columns`), never of the slot: what is checked is
+  // what is used. The compiler fence keeps it so: the slot is plain memory to the compiler,
+  // which could otherwise fold a read of the copy back into a second read of the slot; past
+  // the fence it must assume the slot changed.
   std::memcpy(&d, slot, sizeof(d));
+  std::atomic_signal_fence(std::memory_order_seq_cst);
   absl::Status status;
   if (d.sequence != n) {
     status = Invalid("sequence",
@@ -234,6 +240,7 @@ absl::Status ReadDescriptor(const uint8_t* slot, uint64_t n, const StepRingConfi
                        " row lengths take ", c.end, " bytes, past the slot's ", config.slot_bytes));
     } else {
       std::memcpy(columns.data(), slot + sizeof(d), c.end - sizeof(d));
+      std::atomic_signal_fence(std::memory_order_seq_cst);
       status = DescriptorToRequest(d, columns.data(), config.region_id, ring_bytes, profile, out);
     }
   }

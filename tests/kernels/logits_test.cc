@@ -2,6 +2,7 @@
 // consumers (sparse and masked) against each other and the oracle.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -153,6 +154,59 @@ TEST(TopK, SubsetSelectsAmongListedPositions) {
       cpu::TopKAt(logits.data(), positions.data(), n, k, got.data());
       ASSERT_EQ(got, NaiveTopK(logits, positions, k));
     }
+  }
+}
+
+// NaN logits rank below every number (a NaN is reachable: scores that overflow to inf - inf,
+// or q a client rewrote in its shared memory after the edge checked it). A row is still
+// exactly k positions, ascending, each below the length, chosen as if every NaN were -inf,
+// and nothing of what `out` held before survives: out is the rank's reused top-k buffer,
+// where an earlier step's answer (another client's, maybe) would be sent as this one's.
+TEST(TopK, NanLogitsRankLowestAndNeverLeaveStaleEntries) {
+  std::mt19937_64 rng(35);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int32_t k : {7, 512}) {
+    for (int32_t n : {k + 1, 3 * k, 5000}) {
+      for (int nan_percent : {100, 90, 50, 1}) {
+        std::vector<float> logits = TieHeavyLogits(rng, n, 1000);
+        std::vector<float> ranked = logits;
+        for (int32_t i = 0; i < n; ++i) {
+          if (static_cast<int>(rng() % 100) < nan_percent) {
+            logits[i] = nan;
+            ranked[i] = -INFINITY;
+          }
+        }
+        std::vector<int32_t> got(k, 12345);
+        cpu::TopK(logits.data(), n, k, got.data());
+        ASSERT_EQ(got, NaiveTopK(ranked, Iota(n), k))
+            << "k " << k << " n " << n << " NaN " << nan_percent << "%";
+        std::vector<int32_t> positions(n);
+        for (int32_t i = 0; i < n; ++i) positions[i] = 2 * i + 1;
+        std::fill(got.begin(), got.end(), 12345);
+        cpu::TopKAt(logits.data(), positions.data(), n, k, got.data());
+        ASSERT_EQ(got, NaiveTopK(ranked, positions, k))
+            << "subset, k " << k << " n " << n << " NaN " << nan_percent << "%";
+      }
+    }
+  }
+  // Candidate blocks from NaN logits: ascending block ids below the length's blocks, the
+  // newest last, never what the buffer held.
+  for (int32_t length : {9, 1000, 17000}) {
+    std::vector<float> logits(length, nan);
+    std::vector<int32_t> got(16, 999);
+    cpu::SelectCandidateBlocks(logits.data(), length, 16, 8, got.data());
+    const int32_t blocks = (length + 7) / 8;
+    const int32_t count = std::min(16, blocks);
+    for (int32_t i = 0; i < 16; ++i) {
+      if (i < count) {
+        ASSERT_GE(got[i], 0) << "length " << length;
+        ASSERT_LT(got[i], blocks) << "length " << length;
+        if (i > 0) ASSERT_GT(got[i], got[i - 1]) << "length " << length;
+      } else {
+        ASSERT_EQ(got[i], -1) << "length " << length;
+      }
+    }
+    EXPECT_EQ(got[count - 1], blocks - 1);
   }
 }
 

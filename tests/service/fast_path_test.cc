@@ -12,11 +12,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <map>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -531,6 +533,98 @@ TEST(FastPathWorkerDeathTest, KilledMidStepCommitsExactlyTheTakenStep) {
       ToColumnar(MakeStep(gen, p, 0, ids, lengths, 1, QForm::kQuantized, KeyForm::kQuantized, 9)));
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ(b->lengths(0), lengths[0] + 1);
+}
+
+// The client owns the slot and may rewrite it while the poller reads it: ReadDescriptor must
+// read every field it checks and uses once, from its own copy. A thread rewrites the slot
+// without pause (descriptors whose counts alternate between fitting and overrunning the slot,
+// random flags and offsets) while descriptor after descriptor is read; every accepted one
+// must be self-consistent (its columns as long as the counts that were checked say, its
+// offsets past the ring), and under ASan no read may leave the slot (a heap buffer of exactly
+// slot_bytes) or the column buffer. A poller that re-read a count from the slot after checking
+// it would copy or parse a column of the new count: out of bounds, or a request whose column
+// lengths disagree with the descriptor it was checked as. The race is not deterministic: a
+// regression guard (a second of reads, millions, against a writer on another core).
+TEST(StepRingReadOnceTest, RewritingTheSlotMidReadNeverLeavesItOrMixesDescriptors) {
+  const absl::StatusOr<config::Profile> profile = config::BuiltinProfile("v32");
+  ASSERT_TRUE(profile.ok()) << profile.status();
+  service::StepRingConfig config;
+  config.region_id = 0x5eed;
+  config.slots = 4;
+  config.slot_bytes = 4096;
+  const uint64_t ring_bytes = ring::RingBytes(config.slots, config.slot_bytes);
+  std::vector<uint8_t> slot(config.slot_bytes, 0);
+  std::vector<uint8_t> columns(config.slot_bytes);
+  constexpr uint64_t kN = 5;
+  std::atomic<bool> stop{false}, started{false};
+  std::thread writer([&] {
+    std::mt19937_64 rng(TestSeed());
+    uint8_t* base = slot.data();
+    for (uint64_t i = 0; !stop.load(std::memory_order_relaxed); ++i) {
+      ring::StepDescriptor d{};
+      d.sequence = kN;
+      d.step_id = i;
+      d.layer = 1;
+      d.flags =
+          static_cast<uint32_t>(rng()) & (ring::kNumRowsColumn | ring::kNewKeyCountsColumn |
+                                          ring::kNewKeysPositionsColumn | ring::kReturnCandidates);
+      // Fits, then overruns the slot (each alone or with the other count).
+      d.sequence_count = i % 2 == 0 ? 1 + rng() % 8 : 100 + rng() % 100000;
+      d.row_lengths_count = i % 3 == 0 ? rng() % 16 : static_cast<uint32_t>(rng());
+      d.rows_per_sequence = 1;
+      d.q_dtype = v1::DTYPE_FP8_E4M3;
+      d.weights_dtype = v1::DTYPE_FP32;
+      d.q_offset = i % 5 == 0 ? rng() % ring_bytes : ring_bytes + rng() % 4096;
+      d.weights_offset = ring_bytes + rng() % 4096;
+      d.answer_offset = i % 7 == 0 ? rng() % ring_bytes : ring_bytes + rng() % 4096;
+      d.candidates_offset = ring_bytes;
+      // Field by field, so that a reader sees every mixture of two descriptors.
+      std::memcpy(base + offsetof(ring::StepDescriptor, flags), &d.flags, 4);
+      std::memcpy(base + offsetof(ring::StepDescriptor, sequence_count), &d.sequence_count, 4);
+      std::memcpy(base + offsetof(ring::StepDescriptor, row_lengths_count), &d.row_lengths_count,
+                  4);
+      std::memcpy(base, &d, sizeof(d));
+      for (size_t at = sizeof(d); at + 8 <= slot.size(); at += 8) {
+        const uint64_t v = rng();
+        std::memcpy(base + at, &v, 8);
+      }
+      started.store(true, std::memory_order_release);
+    }
+  });
+  while (!started.load(std::memory_order_acquire)) std::this_thread::yield();
+  int accepted = 0, refused = 0;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  for (int i = 0; (i & 1023) != 0 || std::chrono::steady_clock::now() < until; ++i) {
+    ring::StepDescriptor d;
+    v1::DecodeStepRequest out;
+    const absl::Status s =
+        service::ReadDescriptor(slot.data(), kN, config, ring_bytes, *profile, d, columns, out);
+    if (!s.ok()) {
+      ASSERT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+      ++refused;
+      continue;
+    }
+    ++accepted;
+    const ring::ColumnOffsets c = ring::ColumnsOf(d.flags, d.sequence_count, d.row_lengths_count);
+    ASSERT_LE(c.end, config.slot_bytes);
+    ASSERT_EQ(out.sequence_ids_size(), static_cast<int>(d.sequence_count));
+    ASSERT_EQ(out.row_lengths_size(), static_cast<int>(d.row_lengths_count));
+    ASSERT_EQ(out.num_rows_size(),
+              (d.flags & ring::kNumRowsColumn) ? static_cast<int>(d.sequence_count) : 0);
+    ASSERT_EQ(out.new_key_counts_size(),
+              (d.flags & ring::kNewKeyCountsColumn) ? static_cast<int>(d.sequence_count) : 0);
+    ASSERT_EQ(out.new_keys_positions_size(),
+              (d.flags & ring::kNewKeysPositionsColumn) ? static_cast<int>(d.sequence_count) : 0);
+    ASSERT_EQ(out.step_id(), d.step_id);
+    ASSERT_GE(out.shared_memory().q_offset(), ring_bytes);
+    ASSERT_GE(out.shared_memory().answer_offset(), ring_bytes);
+    ASSERT_EQ(out.shared_memory().answer_offset(), d.answer_offset);
+  }
+  stop.store(true);
+  writer.join();
+  // Both outcomes were exercised (a run where one never happened proves little).
+  EXPECT_GT(accepted, 0);
+  EXPECT_GT(refused, 0);
 }
 
 }  // namespace

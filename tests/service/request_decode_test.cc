@@ -837,6 +837,96 @@ TEST_F(ColumnarDecodeTest, DeviceKeysAreViewedNeverRead) {
   }
 }
 
+// Keys in a client's shared-memory region (ExternalStepBytes in host memory): the client may
+// rewrite them at any moment, so the decoder copies them into storage the decoded step owns
+// before it checks their values, and the step's keys point at the copy. Rewriting the region
+// after the decode (here: all 0xFF, FP8 NaN codes and NaN scales, UE8M0 NaN scales) changes
+// nothing the executor would store. Checked in place and read later, those bytes would reach
+// the sequence's cache past every check (and a snapshot holding it is refused whole).
+TEST_F(ColumnarDecodeTest, SharedMemoryKeysAreCopiedBeforeTheyAreChecked) {
+  for (const int form : {0, 1, 2}) {  // FP8 codes + fp32 scales, FP4 codes + UE8M0, fp32
+    const bool fp4 = form == 1;
+    const bool f32 = form == 2;
+    const config::Profile& p = fp4 ? v41_ : v32_;
+    const int layer = fp4 ? Fp4Layer() : 3;
+    const int D = p.head_dim, H = p.num_heads;
+    v1::DecodeStepRequest col;
+    col.set_layer(layer);
+    for (uint64_t id : {11u, 12u, 13u}) col.add_sequence_ids(id);
+    col.set_rows_per_sequence(1);
+    for (int32_t c : {2, 0, 3}) col.add_new_key_counts(c);
+    std::vector<uint8_t> keys, scales;
+    if (f32) {
+      const std::vector<float> k = Random(size_t(5) * D);
+      keys.resize(k.size() * 4);
+      std::memcpy(keys.data(), k.data(), keys.size());
+    } else if (fp4) {
+      keys = RandomBytes(size_t(5) * D / 2);
+      scales = RandomUe8m0(size_t(5) * D / 32);
+    } else {
+      keys = RandomFp8(size_t(5) * D);
+      std::vector<float> sc(5);
+      for (float& x : sc) x = std::ldexp(1.0f, -static_cast<int>(rng_() % 9));
+      scales.resize(sc.size() * 4);
+      std::memcpy(scales.data(), sc.data(), scales.size());
+    }
+    // "The region": keys then scales, 8-byte aligned (no realigning copy would hide a view).
+    std::vector<uint64_t> region((keys.size() + scales.size()) / 8 + 2);
+    auto* base = reinterpret_cast<uint8_t*>(region.data());
+    std::memcpy(base, keys.data(), keys.size());
+    if (!scales.empty()) std::memcpy(base + keys.size(), scales.data(), scales.size());
+    col.mutable_new_keys()->set_dtype(f32   ? v1::DTYPE_FP32
+                                      : fp4 ? v1::DTYPE_FP4_E2M1
+                                            : v1::DTYPE_FP8_E4M3);
+    col.mutable_new_keys()->add_shape(5);
+    col.mutable_new_keys()->add_shape(D);
+    ExternalStepBytes ext;
+    ext.new_keys = std::string_view(reinterpret_cast<const char*>(base), keys.size());
+    if (!f32) {
+      col.mutable_new_key_scales()->set_dtype(fp4 ? v1::DTYPE_UE8M0 : v1::DTYPE_FP32);
+      col.mutable_new_key_scales()->add_shape(5);
+      if (fp4) col.mutable_new_key_scales()->add_shape(D / 32);
+      ext.new_key_scales =
+          std::string_view(reinterpret_cast<const char*>(base) + keys.size(), scales.size());
+    }
+    if (fp4) {
+      *col.mutable_q() =
+          CodesTensor(v1::DTYPE_FP4_E2M1, RandomFp8(size_t(3) * H * D / 2), {3, H, D});
+      std::vector<uint8_t> qs(size_t(3) * H * D / 32, 127);
+      *col.mutable_q_scales() = CodesTensor(v1::DTYPE_UE8M0, qs, {3, H, D / 32});
+    } else {
+      *col.mutable_q() = CodesTensor(v1::DTYPE_FP8_E4M3, RandomFp8(size_t(3) * H * D), {3, H, D});
+    }
+    *col.mutable_weights() = F32Tensor(Random(size_t(3) * H), {3, H});
+    absl::StatusOr<DecodedStep> d = DecodeStepRequest(col, p, ext);
+    ASSERT_TRUE(d.ok()) << "form " << form << ": " << d.status();
+    // The client rewrites its region once the checks passed.
+    std::memset(base, 0xFF, region.size() * 8);
+    const auto& s = d->step().sequences;
+    ASSERT_EQ(s.size(), 3u);
+    const size_t row = f32 ? size_t(D) * 4 : fp4 ? size_t(D) / 2 : size_t(D);
+    const size_t srow = fp4 ? size_t(D) / 32 : 4;
+    int64_t at = 0;
+    for (const exec::SequenceStepInput& in : s) {
+      const int32_t c = in.new_keys.count;
+      if (c == 0) continue;
+      const auto* k = static_cast<const uint8_t*>(in.new_keys.keys);
+      EXPECT_TRUE(k < base || k >= base + region.size() * 8)
+          << "form " << form << ": the keys are a view of the client's region";
+      EXPECT_EQ(std::memcmp(k, keys.data() + at * row, c * row), 0)
+          << "form " << form << ": the keys changed after they were checked";
+      if (!f32) {
+        const auto* sc = static_cast<const uint8_t*>(in.new_keys.scales);
+        EXPECT_TRUE(sc < base || sc >= base + region.size() * 8)
+            << "form " << form << ": the scales are a view of the client's region";
+        EXPECT_EQ(std::memcmp(sc, scales.data() + at * srow, c * srow), 0)
+            << "form " << form << ": the scales changed after they were checked";
+      }
+      at += c;
+    }
+  }
+}
+
 TEST_F(ColumnarDecodeTest, RefusesMixedForms) {
   const v1::DecodeStepRequest seq = ValidStep(v32_, 0, {1, 1});
   v1::DecodeStepRequest req = seq;
