@@ -201,7 +201,9 @@ TEST(TopK, NanLogitsRankLowestAndNeverLeaveStaleEntries) {
       if (i < count) {
         ASSERT_GE(got[i], 0) << "length " << length;
         ASSERT_LT(got[i], blocks) << "length " << length;
-        if (i > 0) ASSERT_GT(got[i], got[i - 1]) << "length " << length;
+        if (i > 0) {
+          ASSERT_GT(got[i], got[i - 1]) << "length " << length;
+        }
       } else {
         ASSERT_EQ(got[i], -1) << "length " << length;
       }
