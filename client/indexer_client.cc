@@ -541,11 +541,18 @@ absl::StatusOr<std::unique_ptr<SharedMemory>> SharedMemory::Create(const std::st
   if (fd < 0) {
     return absl::UnavailableError(absl::StrCat("memfd_create: ", std::strerror(errno)));
   }
-  // Sized, then sealed: neither this process nor anyone it passes the descriptor to can
-  // change the size again, which is what lets the server map it safely.
-  if (ftruncate(fd, static_cast<off_t>(size)) != 0 ||
-      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-    const int err = errno;
+  // Sized, its pages allocated (by this process, charged to it: the server refuses a region
+  // whose pages it would have to allocate itself), then sealed: neither this process nor anyone
+  // it passes the descriptor to can change the size again, which lets the server map it safely.
+  int err = 0;
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    err = errno;
+  } else if (const int e = posix_fallocate(fd, 0, static_cast<off_t>(size)); e != 0) {
+    err = e;
+  } else if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    err = errno;
+  }
+  if (err != 0) {
     close(fd);
     return absl::ResourceExhaustedError(
         absl::StrCat("memfd of ", size, " bytes: ", std::strerror(err)));

@@ -144,10 +144,11 @@ struct ClientOptions {
   int64_t malloc_keep_mb = 64;
 };
 
-// A sealed memfd the client creates (memfd_create + ftruncate + F_SEAL_SHRINK | F_SEAL_GROW |
-// F_SEAL_SEAL + mmap) and hands to the server over its shm socket (RegisterSharedMemory
-// below): its size can never change again, so the server can map it safely. Unmapped and
-// closed on destruction (the server keeps its own mapping until the region is unregistered).
+// A sealed memfd the client creates (memfd_create + ftruncate + posix_fallocate + F_SEAL_SHRINK |
+// F_SEAL_GROW | F_SEAL_SEAL + mmap) and hands to the server over its shm socket
+// (RegisterSharedMemory below): its size can never change again, so the server can map it safely.
+// Unmapped and closed on destruction (the server keeps its own mapping until the region is
+// unregistered).
 class SharedMemory {
  public:
   // `name` only labels the memfd (/proc/PID/fd); size in bytes.

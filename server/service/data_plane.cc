@@ -140,6 +140,15 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterSharedMemoryFd(
     return absl::InvalidArgumentError(
         absl::StrCat("size: ", size, " exceeds the memfd's ", st.st_size, " bytes"));
   }
+  // Every page allocated by the client: the server maps the region populated and page-locks
+  // it, so pages the client only sized would be allocated here, charged to the server (a
+  // client could then make the server take up to 2^40 bytes, the whole host's memory, by one
+  // ftruncate). st_blocks counts 512-byte units of allocated pages.
+  if (static_cast<uint64_t>(st.st_blocks) * 512 < size) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "descriptor: ", static_cast<uint64_t>(st.st_blocks) * 512, " of its ", size,
+        " bytes allocated; allocate every page (posix_fallocate) before registering it"));
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (CountLocked(/*shm=*/true) >= kMaxSharedMemoryRegions) {

@@ -749,6 +749,7 @@ TEST(SharedMemoryTest, PermissionDeniedIsNotNotFound) {
   const int fd = memfd_create("di-perm", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   ASSERT_GE(fd, 0) << std::strerror(errno);
   ASSERT_EQ(ftruncate(fd, 4096), 0);
+  ASSERT_EQ(posix_fallocate(fd, 0, 4096), 0);
   ASSERT_EQ(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), 0);
   const std::string self = "/proc/self/fd/" + std::to_string(fd);
   const int ro = open(self.c_str(), O_RDONLY | O_CLOEXEC);
@@ -762,6 +763,32 @@ TEST(SharedMemoryTest, PermissionDeniedIsNotNotFound) {
   close(fd);
 }
 
+// A region whose pages the client only sized (ftruncate) is refused: mapped populated and
+// page-locked, its pages would be allocated by the server, charged to it, up to 2^40 bytes a
+// region for one ftruncate. Half allocated is refused too; fully allocated is mapped.
+TEST(SharedMemoryTest, PagesTheClientDidNotAllocateAreRefused) {
+  constexpr off_t kSize = off_t{1} << 20;
+  const int fd = memfd_create("di-sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  ASSERT_EQ(ftruncate(fd, kSize), 0);
+  ASSERT_EQ(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), 0);
+  service::RegionRegistry registry;
+  for (const off_t allocated : {off_t{0}, kSize / 2}) {
+    if (allocated > 0) {
+      ASSERT_EQ(posix_fallocate(fd, 0, allocated), 0);
+    }
+    absl::StatusOr<uint64_t> id = registry.RegisterSharedMemoryFd(fd, kSize, geteuid());
+    EXPECT_EQ(id.status().code(), absl::StatusCode::kFailedPrecondition) << id.status();
+    EXPECT_NE(id.status().message().find("posix_fallocate"), absl::string_view::npos)
+        << id.status();
+    EXPECT_EQ(registry.shared_memory_count(), 0u);
+  }
+  ASSERT_EQ(posix_fallocate(fd, 0, kSize), 0);
+  absl::StatusOr<uint64_t> id = registry.RegisterSharedMemoryFd(fd, kSize, geteuid());
+  EXPECT_TRUE(id.ok()) << id.status();
+  close(fd);
+}
+
 // Shared-memory and CUDA IPC regions share one registry and one id space: an id finds only a
 // region of its own kind (the other kind's lookups and unregistrations answer NOT_FOUND naming
 // the field and change nothing), each kind has its own quota, and a CUDA IPC buffer closes once
@@ -770,6 +797,7 @@ TEST(SharedMemoryTest, OneRegistryForBothKinds) {
   const int fd = memfd_create("di-kinds", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   ASSERT_GE(fd, 0) << std::strerror(errno);
   ASSERT_EQ(ftruncate(fd, 4096), 0);
+  ASSERT_EQ(posix_fallocate(fd, 0, 4096), 0);
   ASSERT_EQ(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), 0);
   service::RegionRegistry registry;
   absl::StatusOr<uint64_t> shm = registry.RegisterSharedMemoryFd(fd, 4096, geteuid());

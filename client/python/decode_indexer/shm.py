@@ -86,6 +86,9 @@ class SharedMemoryRegion:
         fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, self.size)
+            # Its pages allocated here, charged to this process: the server refuses a region
+            # whose pages it would have to allocate itself.
+            os.posix_fallocate(fd, 0, self.size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
             self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED,
                                   mmap.PROT_READ | mmap.PROT_WRITE)
