@@ -158,8 +158,15 @@ TEST(TopK, SubsetSelectsAmongListedPositions) {
 // The checker itself must reject wrong answers.
 TEST(TopKCheck, RejectsMalformedAndWrongRows) {
   std::mt19937_64& rng = PerTestRng();
+  // Exact logits that fp32 holds exactly, so that `good` (the CPU's top-k of the fp32 values)
+  // is the exact top-k. Doubles rounded to fp32 can swap two values closer than an fp32
+  // rounding (~6e-8 here, far above the 1e-9 tolerance below) across the K-th: a correct
+  // fp32 answer that the checker rightly rejects at 1e-9 (spec section 6 allows such swaps
+  // only within the tolerance; seed 1921266 drew one).
   std::vector<double> exact(100);
-  for (double& v : exact) v = std::uniform_real_distribution<double>(-1, 1)(rng);
+  for (double& v : exact) {
+    v = static_cast<float>(std::uniform_real_distribution<double>(-1, 1)(rng));
+  }
   std::vector<float> f(exact.begin(), exact.end());
   std::vector<int32_t> good(10);
   cpu::TopK(f.data(), 100, 10, good.data());
@@ -173,7 +180,9 @@ TEST(TopKCheck, RejectsMalformedAndWrongRows) {
   // Replace the returned position with the smallest logit by the best left-out one... and by
   // the worst left-out one: only the latter is wrong.
   std::vector<int32_t> order = Iota(100);
-  std::sort(order.begin(), order.end(), [&](int a, int b) { return exact[a] > exact[b]; });
+  std::sort(order.begin(), order.end(), [&](int a, int b) {  // canonical: ties to lower
+    return exact[a] != exact[b] ? exact[a] > exact[b] : a < b;
+  });
   bad = good;
   std::replace(bad.begin(), bad.end(), order[9], order[99]);
   std::sort(bad.begin(), bad.end());
