@@ -13,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "tests/kernels/kernel_test_util.h"
 #include "tests/kernels/topk_check.h"
+#include "tests/test_seed.h"
 
 namespace decode_indexer::testing {
 namespace {
@@ -161,7 +162,6 @@ class CpuBackendTest : public ::testing::TestWithParam<BackendCase> {
     spec.heads = 6;
     spec.next_n = c.next_n;
     spec.lengths = c.lengths;
-    spec.seed = 500 + c.next_n + c.lengths.size();
     return MakeScene(spec);
   }
 };
@@ -186,7 +186,7 @@ TEST_P(CpuBackendTest, ResidentTablesAnswerAsThePerCallTable) {
   Scene s = MakeCaseScene();
   constexpr int32_t kTopK = 100;
   std::unique_ptr<Backend> backend = MakeCpuBackend(LimitsFor(s, kTopK), 2);
-  std::mt19937_64 rng(s.spec.seed);
+  std::mt19937_64& rng = PerTestRng();
   const SlottedTable slotted = MakeSlottedTable(s, rng);
   const StepOutputs want = RunOnBackend(*backend, s, kTopK, 0, s.num_rows());
   const StepOutputs got = RunOnBackend(*backend, s, kTopK, 0, s.num_rows(), &slotted);
@@ -229,7 +229,7 @@ TEST(CpuBackend, PreparationMatchesTheFreeFunctions) {
   spec.lengths = {10};
   Scene s = MakeScene(spec);
   std::unique_ptr<Backend> backend = MakeCpuBackend(LimitsFor(s, 16), 2);
-  std::mt19937_64 rng(61);
+  std::mt19937_64& rng = PerTestRng();
   for (CacheFormat format : {CacheFormat::kFp8, CacheFormat::kFp4}) {
     const CacheGeometry g{format, 128, 64};
     std::vector<uint8_t> host_pool(4 * g.page_bytes(), 0);
@@ -268,7 +268,7 @@ TEST(CpuBackend, AllocatesZeroedAlignedMemoryAndCopiesRows) {
   for (int i = 0; i < 1000; ++i) ASSERT_EQ(bytes[i], 0);
   backend->Free(*mem);
 
-  std::mt19937_64 rng(62);
+  std::mt19937_64& rng = PerTestRng();
   std::vector<int32_t> src(6 * 5);
   for (int32_t& v : src) v = static_cast<int32_t>(rng() % 1000);
   std::vector<int32_t> dst(4 * 5, -7), src_index = {5, 0, 3}, dst_index = {2, 0, 3};
@@ -305,7 +305,7 @@ TEST(CpuBackend, CheckValuesFlagsABadElementWhereverItIs) {
                         {ElemType::kUE8M0, false}};
   BackendLimits limits;
   std::unique_ptr<Backend> backend = MakeCpuBackend(limits, 0);
-  std::mt19937_64 rng(1961);
+  std::mt19937_64& rng = PerTestRng();
   for (const Case& c : cases) {
     const int32_t eb = CheckedElemBytes(c.type);
     for (const int64_t n : {1, 2, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000, 4099}) {

@@ -1,6 +1,7 @@
 // Test fixtures for the kernel tests: random decode steps over a shuffled paged cache, and a
 // naive double-precision oracle written from the spec, independent of kernels/cpu (the
-// decoders of di_reference, its own page addressing).
+// decoders of di_reference, its own page addressing). The randomness comes from the test's
+// seed (tests/test_seed.h: PerTestRng()): fresh every run, replayed by DI_TEST_SEED.
 #pragma once
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include "decode_indexer/kernels/types.h"
 #include "gtest/gtest.h"
 #include "reference/reference.h"
+#include "tests/test_seed.h"
 
 namespace decode_indexer::testing {
 
@@ -37,9 +39,9 @@ struct SceneSpec {
   int32_t heads = 16;
   int32_t head_dim = 128;
   int32_t page_size = 64;
-  std::vector<int32_t> lengths;  // L_b per request (after this step's keys)
-  int32_t next_n = 1;            // rows per request; row j scores L_b - n + j + 1
-  uint64_t seed = 1;
+  std::vector<int32_t> lengths;    // L_b per request (after this step's keys)
+  int32_t next_n = 1;              // rows per request; row j scores L_b - n + j + 1
+  uint64_t seed = PerTestRng()();  // the scene's randomness: drawn from the test's seed
 };
 
 // Host buffers of one step; the views point into them.

@@ -12,6 +12,7 @@
 #include "decode_indexer/kernels/rope.h"
 #include "gtest/gtest.h"
 #include "tests/kernels/kernel_test_util.h"
+#include "tests/test_seed.h"
 
 namespace decode_indexer::testing {
 namespace {
@@ -92,7 +93,7 @@ void ContractRotate(float& x1, float& x2, double angle) {
 }
 
 TEST(Rope, NeoxAndInterleavedPairs) {
-  std::mt19937_64 rng(21);
+  std::mt19937_64& rng = PerTestRng();
   std::uniform_real_distribution<double> freq(1e-4, 1.0);
   std::uniform_int_distribution<int64_t> position(0, 200000);
   for (RopeStyle style : {RopeStyle::kNeox, RopeStyle::kInterleaved}) {
@@ -141,7 +142,7 @@ TEST(Hadamard, MatchesTheNormalisedMatrixAndIsAnInvolution) {
       ASSERT_EQ(dot, i == j ? kD : 0.0);
     }
   }
-  std::mt19937_64 rng(22);
+  std::mt19937_64& rng = PerTestRng();
   for (int trial = 0; trial < 20; ++trial) {
     std::vector<float> x(kD);
     FillVectors(rng, 1, kD, x.data());
@@ -174,7 +175,7 @@ TEST_P(InsertKeysTest, WritesValuesThenScalesOnAShuffledPageTable) {
   const int32_t value_bytes = format == CacheFormat::kFp8 ? 128 : 64;
   const int32_t scale_bytes = format == CacheFormat::kFp8 ? 4 : 4;
   ASSERT_EQ(g.page_bytes(), 64 * (value_bytes + scale_bytes));
-  std::mt19937_64 rng(23);
+  std::mt19937_64& rng = PerTestRng();
   for (ElemType type : {ElemType::kF32, ElemType::kBF16}) {
     for (bool hadamard : {false, true}) {
       std::vector<uint8_t> pool(kPages * g.page_bytes(), 0);
@@ -246,7 +247,7 @@ TEST_P(InsertKeysTest, PreQuantizedKeysAreCopied) {
   const CacheFormat format = GetParam();
   const CacheGeometry g{format, 128, 64};
   std::vector<uint8_t> pool(3 * g.page_bytes(), 0);
-  std::mt19937_64 rng(24);
+  std::mt19937_64& rng = PerTestRng();
   const int n = 40;
   std::vector<int64_t> slots(n);
   for (int i = 0; i < n; ++i) slots[i] = (i * 37 + 5) % (3 * 64);
@@ -294,7 +295,7 @@ INSTANTIATE_TEST_SUITE_P(Formats, InsertKeysTest,
                          });
 
 TEST(RopeQuantQ, RotatesQuantizesAndFoldsWeights) {
-  std::mt19937_64 rng(25);
+  std::mt19937_64& rng = PerTestRng();
   constexpr int kRows = 3, kHeads = 8, kD = 128;
   RopeParams params;
   params.style = RopeStyle::kNeox;

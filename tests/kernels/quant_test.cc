@@ -9,6 +9,7 @@
 #include "decode_indexer/kernels/quant.h"
 #include "gtest/gtest.h"
 #include "tests/kernels/kernel_test_util.h"
+#include "tests/test_seed.h"
 
 namespace decode_indexer::testing {
 namespace {
@@ -61,7 +62,7 @@ std::vector<float> RandomFloats(std::mt19937_64& rng, int n, int lo, int hi) {
 }
 
 TEST(E4M3, EncodeMatchesNearestCodeOnRandomValues) {
-  std::mt19937_64 rng(11);
+  std::mt19937_64& rng = PerTestRng();
   for (float x : RandomFloats(rng, 20000, -14, 10)) {
     ASSERT_EQ(EncodeE4M3(x), BruteE4M3(x)) << x;
   }
@@ -88,7 +89,7 @@ TEST(E4M3, TiesRoundToEvenAndNeighboursRoundToNearest) {
 }
 
 TEST(E4M3, SaturatesAt448) {
-  std::mt19937_64 rng(12);
+  std::mt19937_64& rng = PerTestRng();
   for (float x : RandomFloats(rng, 1000, 9, 30)) {
     const uint8_t code = EncodeE4M3(x);
     EXPECT_EQ(code & 0x7F, 0x7E) << x;
@@ -113,7 +114,7 @@ TEST(E4M3, SubnormalsAndTinyValues) {
   EXPECT_EQ(EncodeE4M3(std::ldexp(1.0f, -11)), 0);
   EXPECT_EQ(EncodeE4M3(std::numeric_limits<float>::denorm_min()), 0);
   EXPECT_EQ(EncodeE4M3(-std::numeric_limits<float>::denorm_min()), 0x80);
-  std::mt19937_64 rng(13);
+  std::mt19937_64& rng = PerTestRng();
   for (float x : RandomFloats(rng, 5000, -13, -5)) ASSERT_EQ(EncodeE4M3(x), BruteE4M3(x)) << x;
 }
 
@@ -130,7 +131,7 @@ TEST(E4M3, DecodeMatchesOracleAndRoundTrips) {
 }
 
 TEST(E2M1, EncodeMatchesNearestCode) {
-  std::mt19937_64 rng(14);
+  std::mt19937_64& rng = PerTestRng();
   for (float x : RandomFloats(rng, 20000, -4, 4)) ASSERT_EQ(EncodeE2M1(x), BruteE2M1(x)) << x;
   // Midpoints tie to the even code; saturation above 6.
   const float mags[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
@@ -170,7 +171,7 @@ void ExpectMinimalScale(float amax, float s, double limit) {
 }
 
 TEST(Scales, Fp8AndFp4ScalesAreMinimalPowersOfTwo) {
-  std::mt19937_64 rng(15);
+  std::mt19937_64& rng = PerTestRng();
   for (float x : RandomFloats(rng, 5000, -20, 40)) {
     ExpectMinimalScale(std::fabs(x), Fp8Scale(std::fabs(x)), 448.0);
     ExpectMinimalScale(std::fabs(x), Fp4Scale(std::fabs(x)), 6.0);
@@ -187,7 +188,7 @@ TEST(Scales, Fp8AndFp4ScalesAreMinimalPowersOfTwo) {
 }
 
 TEST(Scales, AmaxFlooredAt1e4) {
-  std::mt19937_64 rng(16);
+  std::mt19937_64& rng = PerTestRng();
   for (float x : RandomFloats(rng, 100, -40, -14)) {
     EXPECT_EQ(Fp8Scale(std::fabs(x)), Fp8Scale(1e-4f));
     EXPECT_EQ(Fp4Scale(std::fabs(x)), Fp4Scale(1e-4f));
@@ -198,7 +199,7 @@ TEST(Scales, AmaxFlooredAt1e4) {
 }
 
 TEST(BF16, WidensByShifting) {
-  std::mt19937_64 rng(17);
+  std::mt19937_64& rng = PerTestRng();
   for (int i = 0; i < 1000; ++i) {
     const uint16_t bits = static_cast<uint16_t>(rng());
     if (((bits >> 7) & 0xFF) == 0xFF) continue;  // inf / NaN
@@ -210,7 +211,7 @@ TEST(BF16, WidensByShifting) {
 }
 
 TEST(QuantizeVector, Fp8CodesAndScale) {
-  std::mt19937_64 rng(18);
+  std::mt19937_64& rng = PerTestRng();
   for (int trial = 0; trial < 50; ++trial) {
     std::vector<float> v(128);
     FillVectors(rng, 1, 128, v.data());
@@ -224,7 +225,7 @@ TEST(QuantizeVector, Fp8CodesAndScale) {
 }
 
 TEST(QuantizeVector, Fp4NibbleOrderAndGroupScales) {
-  std::mt19937_64 rng(19);
+  std::mt19937_64& rng = PerTestRng();
   for (int trial = 0; trial < 50; ++trial) {
     std::vector<float> v(128);
     FillVectors(rng, 4, 32, v.data());  // each group its own magnitude

@@ -14,6 +14,7 @@
 #include "decode_indexer/kernels/quant.h"
 #include "gtest/gtest.h"
 #include "reference/reference.h"
+#include "tests/test_seed.h"
 
 namespace decode_indexer::testing {
 namespace {
@@ -75,7 +76,7 @@ TEST(Reference, EncodersAgreeWithTheKernelsQuantizers) {
     EXPECT_EQ(ref::EncodeE4M3(mid) % 2, 0) << mid;
   }
   // Whole vectors: codes and scales.
-  std::mt19937_64 rng(5);
+  std::mt19937_64& rng = PerTestRng();
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_int_distribution<int> binade(-12, 12);
   for (int v = 0; v < 200; ++v) {
@@ -164,7 +165,7 @@ TEST(Reference, LogitIsTheWeightedReluSum) {
 // (dequantized, key scales of any size) the emulated logit stays within the bound, and the bound
 // is not vacuous: it stays well below the logit's scale sum_h |w_h| sum_d |q_hd k_d|.
 TEST(Reference, Fp8AccumulationBoundCoversTheTruncationModel) {
-  std::mt19937_64 rng(17);
+  std::mt19937_64& rng = PerTestRng();
   std::uniform_int_distribution<int> code(0, 255);
   std::uniform_real_distribution<double> uw(-1.0, 1.0);
   const int32_t heads = 8, dim = 128;
