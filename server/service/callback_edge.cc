@@ -128,6 +128,22 @@ void Serialize(const google::protobuf::Message& message, grpc::ByteBuffer& out) 
 
 void SerializeStepResponse(v1::DecodeStepResponse& response, grpc::ByteBuffer& out) {
   constexpr size_t kZeroCopyMin = 64 << 10;
+  if (response.topk_delta().size() >= kZeroCopyMin) {
+    // A delta answer likewise: [the response without topk_delta][its tag and length] + [its
+    // bytes] (a field's place in the message is free on the wire).
+    auto* delta = new std::string(std::move(*response.mutable_topk_delta()));
+    response.clear_topk_delta();
+    std::string head = response.SerializeAsString();
+    head.push_back(0x3a);  // DecodeStepResponse.topk_delta: field 7, length-delimited
+    PutVarint(head, delta->size());
+    grpc::Slice slices[2] = {grpc::Slice(head),
+                             grpc::Slice(
+                                 delta->data(), delta->size(),
+                                 [](void* p) { delete static_cast<std::string*>(p); }, delta)};
+    grpc::ByteBuffer buffer(slices, 2);
+    out.Swap(&buffer);
+    return;
+  }
   if (!response.has_topk() || response.topk().data().size() < kZeroCopyMin) {
     Serialize(response, out);
     return;

@@ -1,5 +1,6 @@
 // SerializeStepResponse (the callback edge's DecodeStep / DecodeStream answers): the raw
-// answer handed to gRPC as its own slice, uncopied, the other fields before it. Whatever the
+// answer (or the delta answer's bytes) handed to gRPC as its own slice, uncopied, the other
+// fields before it. Whatever the
 // response holds, the bytes must parse into the same message, and a large answer must not be
 // copied into the first slice.
 #include <google/protobuf/util/message_differencer.h>
@@ -16,11 +17,19 @@
 namespace decode_indexer::testing {
 namespace {
 
-v1::DecodeStepResponse RandomResponse(std::mt19937_64& rng, size_t topk_bytes) {
+// `delta`: the answer as topk_delta bytes (topk then holds dtype and shape only).
+v1::DecodeStepResponse RandomResponse(std::mt19937_64& rng, size_t topk_bytes, bool delta) {
   v1::DecodeStepResponse r;
   if (rng() % 2) r.set_step_id(rng());
   const int32_t rows = 1 + int32_t(rng() % 8);
-  if (topk_bytes > 0) {
+  if (delta) {
+    r.mutable_topk()->set_dtype(v1::DTYPE_INT32);
+    r.mutable_topk()->add_shape(rows);
+    r.mutable_topk()->add_shape(2048);
+    std::string* d = r.mutable_topk_delta();
+    d->resize(topk_bytes);
+    for (char& c : *d) c = static_cast<char>(rng());
+  } else if (topk_bytes > 0) {
     v1::Tensor* t = r.mutable_topk();
     t->set_dtype(v1::DTYPE_INT32);
     t->add_shape(rows);
@@ -60,11 +69,13 @@ TEST(StepResponseWireTest, ParsesIntoTheSameMessageWithTheAnswerUncopied) {
   std::mt19937_64 rng(TestSeed());
   const size_t sizes[] = {0, 4, 64 << 10, (64 << 10) - 4, 524288, 2 * 4 * 2048 * 3, 1 << 21};
   int zero_copy = 0;
-  for (int trial = 0; trial < 60; ++trial) {
+  for (int trial = 0; trial < 120; ++trial) {
     const size_t topk_bytes = sizes[trial % std::size(sizes)];
-    const v1::DecodeStepResponse want = RandomResponse(rng, topk_bytes);
+    const bool delta = trial >= 60;
+    SCOPED_TRACE(::testing::Message() << (delta ? "topk_delta" : "topk") << " " << topk_bytes);
+    const v1::DecodeStepResponse want = RandomResponse(rng, topk_bytes, delta);
     v1::DecodeStepResponse given = want;
-    const char* answer_at = given.topk().data().data();
+    const char* answer_at = delta ? given.topk_delta().data() : given.topk().data().data();
     grpc::ByteBuffer out;
     service::SerializeStepResponse(given, out);
     size_t slices = 0;
