@@ -16,8 +16,8 @@ int32_t BucketRowLength(int32_t length, int64_t cap) {
   return static_cast<int32_t>(std::max<int64_t>(length, std::min<int64_t>(bucket, cap)));
 }
 
-StepGraphs::Use StepGraphs::Next(const StepShape& shape, Entry** entry, uint64_t* evicted) {
-  *evicted = 0;
+StepGraphs::Use StepGraphs::Next(const StepShape& shape, Entry** entry, Eviction* eviction) {
+  *eviction = Eviction{};
   auto it = entries_.find(shape);
   if (it == entries_.end()) {
     if (entries_.size() >= max_shapes_) {
@@ -26,9 +26,9 @@ StepGraphs::Use StepGraphs::Next(const StepShape& shape, Entry** entry, uint64_t
       for (auto e = entries_.begin(); e != entries_.end(); ++e) {
         if (e->second.last_use < lru->second.last_use) lru = e;
       }
-      if (lru->second.captured) *evicted = lru->second.key;
+      eviction->happened = true;
+      if (lru->second.captured) eviction->graph_key = lru->second.key;
       entries_.erase(lru);
-      ++evictions_;
     }
     it = entries_.emplace(shape, Entry{}).first;
     it->second.key = next_key_++;
@@ -47,11 +47,10 @@ absl::Status RunKernelSection(Rank& rank, const StepShape& shape,
   kernels::Device& be = rank.device();
   if (!rank.graphs_enabled()) return launch();
   StepGraphs::Entry* entry = nullptr;
-  uint64_t evicted = 0;
-  const uint64_t evictions_before = rank.graphs().evictions();
-  const StepGraphs::Use use = rank.graphs().Next(shape, &entry, &evicted);
-  if (evicted != 0) be.DropGraph(evicted);
-  if (rank.graphs().evictions() != evictions_before) rank.step_record().graph_evicted = true;
+  StepGraphs::Eviction eviction;
+  const StepGraphs::Use use = rank.graphs().Next(shape, &entry, &eviction);
+  if (eviction.graph_key != 0) be.DropGraph(eviction.graph_key);
+  if (eviction.happened) rank.step_record().graph_evicted = true;
   switch (use) {
     case StepGraphs::Use::kEager:
       return launch();

@@ -87,24 +87,24 @@ class StepGraphs {
     bool failed = false;    // capture failed once: this shape stays eager
     uint64_t last_use = 0;  // the table's clock at the latest sighting
   };
+  // A shape a sighting evicted from the full table: `graph_key` is its graph's key if it had
+  // a captured graph (the caller drops it from the device), else 0.
+  struct Eviction {
+    bool happened = false;
+    uint64_t graph_key = 0;
+  };
   explicit StepGraphs(size_t max_shapes = kDefaultMaxShapes)
       : max_shapes_(max_shapes > 0 ? max_shapes : 1) {}
   // Notes a sighting and says what to do: the first sighting runs eager (and creates every
   // workspace and per-device kernel attribute), the second captures, later ones replay. A new
-  // shape in a full table evicts the least recently seen one first: `*evicted` is then its
-  // graph's key if it had a captured graph (the caller drops it from the device), else 0.
-  Use Next(const StepShape& shape, Entry** entry, uint64_t* evicted);
-
-  size_t size() const { return entries_.size(); }
-  // Shapes evicted so far, and of them those that held a graph.
-  uint64_t evictions() const { return evictions_; }
+  // shape in a full table evicts the least recently seen one first (*eviction says which).
+  Use Next(const StepShape& shape, Entry** entry, Eviction* eviction);
 
  private:
   size_t max_shapes_;
   std::map<StepShape, Entry> entries_;
   uint64_t next_key_ = 1;
   uint64_t clock_ = 0;
-  uint64_t evictions_ = 0;
 };
 
 // Runs the step's kernel section `launch` through the rank's step graphs: eager at a shape's
