@@ -126,29 +126,40 @@ void Serialize(const google::protobuf::Message& message, grpc::ByteBuffer& out) 
 
 }  // namespace
 
+namespace {
+
+// `head` then `bytes` (taken over, freed when gRPC lets go of the slice) as a two-slice
+// buffer: the bytes are never copied.
+void HeadAndOwnedBytes(const std::string& head, std::string bytes, grpc::ByteBuffer& out) {
+  auto* owned = new std::string(std::move(bytes));
+  grpc::Slice slices[2] = {grpc::Slice(head),
+                           grpc::Slice(
+                               owned->data(), owned->size(),
+                               [](void* p) { delete static_cast<std::string*>(p); }, owned)};
+  grpc::ByteBuffer buffer(slices, 2);
+  out.Swap(&buffer);
+}
+
+}  // namespace
+
 void SerializeStepResponse(v1::DecodeStepResponse& response, grpc::ByteBuffer& out) {
   constexpr size_t kZeroCopyMin = 64 << 10;
   if (response.topk_delta().size() >= kZeroCopyMin) {
     // A delta answer likewise: [the response without topk_delta][its tag and length] + [its
     // bytes] (a field's place in the message is free on the wire).
-    auto* delta = new std::string(std::move(*response.mutable_topk_delta()));
+    std::string delta = std::move(*response.mutable_topk_delta());
     response.clear_topk_delta();
     std::string head = response.SerializeAsString();
     head.push_back(0x3a);  // DecodeStepResponse.topk_delta: field 7, length-delimited
-    PutVarint(head, delta->size());
-    grpc::Slice slices[2] = {grpc::Slice(head),
-                             grpc::Slice(
-                                 delta->data(), delta->size(),
-                                 [](void* p) { delete static_cast<std::string*>(p); }, delta)};
-    grpc::ByteBuffer buffer(slices, 2);
-    out.Swap(&buffer);
+    PutVarint(head, delta.size());
+    HeadAndOwnedBytes(head, std::move(delta), out);
     return;
   }
   if (!response.has_topk() || response.topk().data().size() < kZeroCopyMin) {
     Serialize(response, out);
     return;
   }
-  auto* answer = new std::string(std::move(*response.mutable_topk()->mutable_data()));
+  std::string answer = std::move(*response.mutable_topk()->mutable_data());
   response.mutable_topk()->clear_data();
   v1::Tensor topk;
   topk.Swap(response.mutable_topk());
@@ -157,7 +168,7 @@ void SerializeStepResponse(v1::DecodeStepResponse& response, grpc::ByteBuffer& o
   // length] + [the answer's bytes].
   std::string head = response.SerializeAsString();
   const std::string fields = topk.SerializeAsString();
-  const uint64_t n = answer->size();
+  const uint64_t n = answer.size();
   std::string data_head;
   data_head.push_back(0x1a);  // Tensor.data: field 3, length-delimited
   PutVarint(data_head, n);
@@ -165,12 +176,7 @@ void SerializeStepResponse(v1::DecodeStepResponse& response, grpc::ByteBuffer& o
   PutVarint(head, fields.size() + data_head.size() + n);
   head += fields;
   head += data_head;
-  grpc::Slice slices[2] = {grpc::Slice(head),
-                           grpc::Slice(
-                               answer->data(), answer->size(),
-                               [](void* p) { delete static_cast<std::string*>(p); }, answer)};
-  grpc::ByteBuffer buffer(slices, 2);
-  out.Swap(&buffer);
+  HeadAndOwnedBytes(head, std::move(answer), out);
 }
 
 namespace {
