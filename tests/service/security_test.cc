@@ -40,8 +40,8 @@
 #include "server/service/indexer_service.h"
 #include "server/service/listen_address.h"
 #include "server/testing/fault_injection.h"
-#include "tests/service/busy_listener.h"
 #include "tests/service/service_harness.h"
+#include "tests/service/socket_test_util.h"
 
 namespace decode_indexer::testing {
 namespace {
@@ -633,28 +633,11 @@ TEST(ShmSocketTest, OneServerAPathWhenStartedAtOnce) {
   }
   constexpr int kServers = 16;
   std::vector<service::RegionRegistry> registries(kServers);
-  std::vector<absl::StatusOr<std::unique_ptr<service::ShmSocketServer>>> started;
-  for (int i = 0; i < kServers; ++i) started.emplace_back(absl::UnknownError("not started"));
-  std::atomic<int> ready{0};
-  std::vector<std::thread> threads;
-  for (int i = 0; i < kServers; ++i) {
-    threads.emplace_back([&, i] {
-      ready.fetch_add(1);
-      while (ready.load() < kServers) std::this_thread::yield();
-      started[i] = service::ShmSocketServer::Start(path, registries[i], nullptr);
-    });
-  }
-  for (std::thread& t : threads) t.join();
   int winners = 0;
-  for (const auto& s : started) {
-    if (s.ok()) {
-      ++winners;
-      continue;
-    }
-    EXPECT_EQ(s.status().code(), absl::StatusCode::kAlreadyExists) << s.status();
-    EXPECT_NE(s.status().message().find("another server holds " + path), std::string::npos)
-        << s.status();
-  }
+  auto started = StartAllAtOnce<std::unique_ptr<service::ShmSocketServer>>(
+      kServers,
+      [&](int i) { return service::ShmSocketServer::Start(path, registries[i], nullptr); }, path,
+      &winners);
   EXPECT_EQ(winners, 1);
   EXPECT_EQ(service::ProbeUnixSocket(path, /*abstract=*/false, SOCK_SEQPACKET), 0)
       << "nobody serves on the path";

@@ -24,8 +24,8 @@
 #include <vector>
 
 #include "server/service/listen_address.h"
-#include "tests/service/busy_listener.h"
 #include "tests/service/service_harness.h"
+#include "tests/service/socket_test_util.h"
 #include "tests/test_seed.h"
 
 namespace decode_indexer::testing {
@@ -610,30 +610,11 @@ TEST(UnixSocketTest, ServersStartingAtOnceOnOnePathExactlyOneWins) {
   const config::Profile profile = LoadOrDie(TinyProfilePath());
   const std::string address = "unix:" + dir.path + "/grpc.sock";
   constexpr int kServers = 6;
-  std::vector<absl::StatusOr<std::unique_ptr<service::Server>>> started;
-  for (int i = 0; i < kServers; ++i) started.emplace_back(absl::UnknownError("not started"));
-  std::atomic<int> ready{0};
-  std::vector<std::thread> threads;
-  for (int i = 0; i < kServers; ++i) {
-    threads.emplace_back([&, i] {
-      const service::ServerOptions options = Options(profile, {address});
-      ready.fetch_add(1);
-      while (ready.load() < kServers) std::this_thread::yield();
-      started[i] = service::Server::Start(options);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  std::vector<service::ServerOptions> options(kServers, Options(profile, {address}));
   int winners = 0;
-  for (const auto& s : started) {
-    if (s.ok()) {
-      ++winners;
-      continue;
-    }
-    EXPECT_EQ(s.status().code(), absl::StatusCode::kAlreadyExists) << s.status();
-    EXPECT_NE(s.status().message().find("another server holds " + dir.path + "/grpc.sock"),
-              std::string::npos)
-        << s.status();
-  }
+  auto started = StartAllAtOnce<std::unique_ptr<service::Server>>(
+      kServers, [&](int i) { return service::Server::Start(options[i]); }, dir.path + "/grpc.sock",
+      &winners);
   EXPECT_EQ(winners, 1);
   absl::StatusOr<std::unique_ptr<client::IndexerClient>> c =
       client::IndexerClient::Connect(address);
