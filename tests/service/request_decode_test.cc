@@ -564,6 +564,17 @@ class ColumnarDecodeTest : public RequestDecodeTest {
  protected:
   enum class Keys { kF32, kBF16, kCodes };
 
+  // A columnar step's skeleton: sequences 11, 12, 13, one row each, with 2, 0 and 3 new keys
+  // (five in all; their tensors and q are the caller's).
+  static v1::DecodeStepRequest ThreeSequencesFiveKeys(int layer) {
+    v1::DecodeStepRequest col;
+    col.set_layer(layer);
+    for (uint64_t id : {11u, 12u, 13u}) col.add_sequence_ids(id);
+    col.set_rows_per_sequence(1);
+    for (int32_t c : {2, 0, 3}) col.add_new_key_counts(c);
+    return col;
+  }
+
   // A random step in the `sequences` form: `rows` rows per request (0: 1..3 at random), keys
   // in one form for all requests where the layer owns a cache (some requests without), and
   // optionally positions and explicit row lengths on some requests; fp32 q with positions.
@@ -768,11 +779,7 @@ TEST_F(ColumnarDecodeTest, DeviceKeysAreViewedNeverRead) {
     const config::Profile& p = fp4 ? v41_ : v32_;
     const int layer = fp4 ? Fp4Layer() : 3;
     const int D = p.head_dim, H = p.num_heads;
-    v1::DecodeStepRequest col;
-    col.set_layer(layer);
-    for (uint64_t id : {11u, 12u, 13u}) col.add_sequence_ids(id);
-    col.set_rows_per_sequence(1);
-    for (int32_t c : {2, 0, 3}) col.add_new_key_counts(c);
+    v1::DecodeStepRequest col = ThreeSequencesFiveKeys(layer);
     const size_t kb = 5 * size_t(fp4 ? D / 2 : D), sb = 5 * size_t(fp4 ? D / 32 : 4);
     // "Device memory": bytes the decoder must not judge (all NaN codes / negative scales), at
     // an odd address.
@@ -850,11 +857,7 @@ TEST_F(ColumnarDecodeTest, SharedMemoryKeysAreCopiedBeforeTheyAreChecked) {
     const config::Profile& p = fp4 ? v41_ : v32_;
     const int layer = fp4 ? Fp4Layer() : 3;
     const int D = p.head_dim, H = p.num_heads;
-    v1::DecodeStepRequest col;
-    col.set_layer(layer);
-    for (uint64_t id : {11u, 12u, 13u}) col.add_sequence_ids(id);
-    col.set_rows_per_sequence(1);
-    for (int32_t c : {2, 0, 3}) col.add_new_key_counts(c);
+    v1::DecodeStepRequest col = ThreeSequencesFiveKeys(layer);
     std::vector<uint8_t> keys, scales;
     if (f32) {
       const std::vector<float> k = Random(size_t(5) * D);
