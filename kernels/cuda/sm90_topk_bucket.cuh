@@ -56,10 +56,13 @@ DI_TOPK_HD constexpr uint32_t TopKInteriorBucketPrefix(uint32_t bucket) {
 }
 
 #if defined(__CUDACC__)
-// Larger float -> larger key; -0 and +0 are the same value (and the same key).
+// Larger float -> larger key; -0 and +0 are the same value (and the same key). A NaN of either
+// sign takes -inf's key, as the CPU twin ranks it (kernels/cpu/engine.cc, SelectionRank): left
+// as its bits, a +NaN would outrank +inf and the backends would answer differently.
 __device__ __forceinline__ uint32_t TopKOrderedKey(float x) {
   uint32_t u = __float_as_uint(x);
   if ((u << 1) == 0u) u = 0u;
+  if ((u << 1) > 0xFF000000u) u = 0xFF800000u;  // NaN -> -inf
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 #endif

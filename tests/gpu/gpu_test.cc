@@ -501,6 +501,7 @@ TEST(CooperativeTopKGate, RowsSharedMemoryAndRefusals) {
   }
 }
 
+constexpr int kTopKRowKinds = 8;
 std::vector<float> TopKTestRow(int kind, int32_t n);  // below: rows for every top-k path
 
 // Index map rows: strictly increasing random positions (as a candidate expansion lists them).
@@ -541,8 +542,9 @@ TEST_F(GpuTest, CooperativeTopKMatchesCpuAndRadixExactly) {
         std::vector<int32_t> map(mapped ? rows * stride : 0, kPoisonI32);
         std::vector<int32_t> expect(int64_t{rows} * k);
         for (int32_t r = 0; r < rows; ++r) {
-          const std::vector<float> row =
-              lengths[r] > 0 ? TopKTestRow((r + k) % 7, lengths[r]) : std::vector<float>();
+          const std::vector<float> row = lengths[r] > 0
+                                             ? TopKTestRow((r + k) % kTopKRowKinds, lengths[r])
+                                             : std::vector<float>();
           std::copy(row.begin(), row.end(), values.begin() + r * stride);
           int32_t* e = expect.data() + int64_t{r} * k;
           kernels::cpu::TopK(row.data(), lengths[r], k, e);
@@ -1325,6 +1327,23 @@ std::vector<float> TopKTestRow(int kind, int32_t n) {
     case 6:  // the sample far below the rest: too many candidates
       for (int32_t i = 0; i < n; ++i) x[i] = (i % 16 == 0 ? -100.f : 0.f) + normal(Rng());
       break;
+    case 7: {  // NaNs of both signs and payloads and infinities, sparse or most of the row:
+      // the CPU twin ranks a NaN as -inf (ties broken by position), the kernels must agree
+      const uint32_t nan_share = Rng()() % 2 ? 5 : 90;  // percent
+      for (auto& v : x) {
+        const uint32_t roll = Rng()() % 100;
+        if (roll < nan_share) {
+          const uint32_t bits =
+              (Rng()() % 2 ? 0xFF800000u : 0x7F800000u) | (1u + Rng()() % 0x7FFFFFu);
+          std::memcpy(&v, &bits, sizeof v);
+        } else if (roll < nan_share + 3) {
+          v = Rng()() % 2 ? INFINITY : -INFINITY;
+        } else {
+          v = normal(Rng());
+        }
+      }
+      break;
+    }
     default: {  // 3000 levels spread out: ties at the threshold, candidates still fit
       std::vector<float> pool(3000);
       for (auto& p : pool) p = -2.0f + 0.25f * normal(Rng());
@@ -1340,7 +1359,7 @@ TEST_F(GpuTest, RadixTopKCompactMatchesCpuOnEveryPath) {
   const std::vector<int32_t> lengths = {2049, 5000, 16384 + 3, 70001, 262144 + 8};
   const int32_t rows = static_cast<int32_t>(lengths.size());
   const int64_t stride = 262144 + 8;
-  for (int kind = 0; kind < 7; ++kind) {
+  for (int kind = 0; kind < kTopKRowKinds; ++kind) {
     SCOPED_TRACE(::testing::Message() << "row kind " << kind);
     std::vector<float> logits(rows * stride, NAN);
     std::vector<int32_t> expect(int64_t{rows} * k);
