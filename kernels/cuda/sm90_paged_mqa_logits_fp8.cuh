@@ -32,6 +32,19 @@
 //   two rows' loaded into registers once per request (kWeightRegs), rows 2-3's read with four
 //   16-byte loads a row and page. The slot goes back to the producer once the last pass's
 //   wgmmas have completed (every consumer thread arrives on its empty barrier).
+// - The loop walks the block's tiles one request's run at a time: q, the lane's row lengths and
+//   logit addresses once per run; per page only the wait, the wgmmas, the epilogue and a store
+//   at a running position. A request with more rows than a pass holds is scored one pass per
+//   run, the producer filling the run's pages once per pass (ProduceRunPages), instead of q
+//   reloaded between passes on every page (rare: the host sizes the pass to the
+//   rows-per-request hint, at most 4). The 64-head sums of a row pair are reduce-scattered
+//   over the group's 4 lanes (Fp8ReduceScatter2: 3 shuffles and 3 adds instead of 8 and 8), so
+//   every lane stores one logit, unpredicated by lane. The warp index goes through a lane-0
+//   shuffle, so ptxas sees the consumer's branch as warp-uniform and keeps the loop's state and
+//   the wgmma descriptors on the uniform datapath. Against the per-page loop it replaced (bench
+//   variant kFp8PerPage, the same bits): ~30% fewer instructions issued at 64 x 32K and 3-14%
+//   less time at every one of the 24 shapes measured (docs/results/cuda-bench.md, 2026-12-05
+//   12:10 UTC, H100).
 // - What this layout cost before (measured, docs/results/cuda-bench.md): every shared-memory
 //   access compiled to a generic load while the aligned base went through an integer
 //   (AlignSmem1024 keeps the address space), the descriptors were rebuilt per k-step, and at two
@@ -199,16 +212,99 @@ __device__ __forceinline__ void FillQTile(const PagedLogitsArgs& p, uint8_t* q_t
   }
 }
 
+// Fp8HeadSums' second half as a reduce-scatter: the 4 lanes of a group hold partials p[r][k] (row
+// r of the pair, key g + 8 k); lane c ends with the full sum of row c >> 1, key c & 1, in the bits
+// Fp8HeadSums gives (its lane c: (P_c + P_c^1) + (P_c^2 + P_c^3), the same two additions here up
+// to the order of their operands, which IEEE addition ignores). 3 shuffles for the pair's 4 sums
+// instead of 8, and every lane stores one.
+__device__ __forceinline__ float Fp8ReduceScatter2(const float (&p)[2][2], int c) {
+  const bool k1 = c & 1, r1 = c & 2;
+  // Step 1 (lanes c, c ^ 1): keep key c & 1 of both rows, hand over the other key.
+  float t[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float keep = k1 ? p[r][1] : p[r][0];
+    const float give = k1 ? p[r][0] : p[r][1];
+    t[r] = keep + __shfl_xor_sync(kFullMask, give, 1);
+  }
+  // Step 2 (lanes c, c ^ 2): keep row c >> 1, hand over the other row.
+  const float keep = r1 ? t[1] : t[0];
+  const float give = r1 ? t[0] : t[1];
+  return keep + __shfl_xor_sync(kFullMask, give, 2);
+}
+// One row: lane c ends with key c & 1's sum (lanes c and c ^ 2 alike).
+__device__ __forceinline__ float Fp8ReduceScatter1(const float (&p)[2], int c) {
+  const bool k1 = c & 1;
+  const float keep = k1 ? p[1] : p[0];
+  const float give = k1 ? p[0] : p[1];
+  const float t = keep + __shfl_xor_sync(kFullMask, give, 1);
+  return t + __shfl_xor_sync(kFullMask, t, 2);
+}
+
+// Passes over a request's tiles: its rows kRows at a time (one for a request without rows).
+template <int kRows>
+__device__ __forceinline__ int RunPasses(int nrows) {
+  return nrows > kRows ? (nrows + kRows - 1) / kRows : 1;
+}
+
+// The producer (the producer warp's lane 0): fills the ring through the TMA unit in the order
+// the consumers score: the block's tiles one request's run at a time, each run once per pass
+// (RunPasses; more than one only for a request with more rows than a pass holds, whose keys
+// are then read again per pass rather than held while q is reloaded). Each page through
+// FillSlotTma; the next page's page-table entry is read one page early so its latency
+// overlaps the wait for a free slot. Keys at or past a tile's valid count are copied as they
+// are (stale cache bytes): every key's logit depends only on its own codes and scale, and no
+// logit at or past a row's length is stored.
+template <int kRows, int kStages, bool kOwnSchedule>
+__device__ __forceinline__ void ProduceRunPages(const PagedLogitsArgs& p,
+                                                const BlockSchedule<kOwnSchedule>& sched,
+                                                const PageRing<kStages>& ring,
+                                                const void* values_map) {
+  const uint8_t* __restrict__ cache = p.cache.base;
+  PrefetchTensorMap(values_map);
+  const int end = sched.begin + sched.num_tiles;
+  ScheduleCursor<kOwnSchedule> seek;
+  seek.Seek(sched.prefix, sched.num_requests, sched.begin);
+  int b = seek.request, tile0 = 0, run_begin = 0, run_end = 0, passes = 1, pass = 0, t = 0;
+  int64_t row_base = 0;
+  // Request b's run from tile `from` (b the first request with a tile at or past it).
+  auto enter = [&](int from) {
+    while ((run_end = min(end, Ld<kOwnSchedule>(&sched.prefix[b + 1]))) <= from) ++b;
+    tile0 = Ld<kOwnSchedule>(&sched.prefix[b]);
+    run_begin = t = from;
+    pass = 0;
+    passes = RunPasses<kRows>(Ld<kOwnSchedule>(&sched.num_rows[b]));
+    row_base = PageRowBase(p.rows, b);
+  };
+  // The next (run, pass, tile); false after the block's last.
+  auto advance = [&]() {
+    if (++t < run_end) return true;
+    if (++pass < passes) {
+      t = run_begin;
+      return true;
+    }
+    if (run_end >= end) return false;
+    ++b;
+    enter(run_end);
+    return true;
+  };
+  enter(sched.begin);
+  int next_page = __ldg(&p.rows.page_table[row_base + t - tile0]);
+  bool more = true;
+  for (int i = 0; more; ++i) {
+    const int page = next_page;
+    more = advance();
+    if (more) next_page = __ldg(&p.rows.page_table[row_base + t - tile0]);
+    FillSlotTma(ring, i, cache, page, values_map);
+  }
+}
+
 // kRows: rows of a request scored per pass over a page (RowsPerPass): one m64n128 instruction
 // per k-step for each two of them (m64n64 for one). kMinBlocks, kStages, kWeightRegs: the
 // production choices are PipeFp8MinBlocks, kPipeFp8Stages, kPipeFp8WeightRegs (sm90_heuristics.h).
 // kWeightRegs: this thread's weights of the pass's first one or two rows in registers (loaded
 // once per pass) instead of four 16-byte shared-memory loads per row and page.
-// kShflWarp (false in production; bench variant kFp8ShflWarp): the warp index through a lane-0
-// shuffle, which ptxas sees as warp-uniform, so the loop's state and the wgmma descriptors can
-// live on the uniform datapath (fewer instructions a page when read statically; not yet timed).
-template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, bool kWeightRegs,
-          bool kShflWarp = false>
+template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, bool kWeightRegs>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     PagedMqaLogitsFp8Kernel(const PagedLogitsArgs p,
                             const __grid_constant__ CUtensorMap values_map) {
@@ -224,7 +320,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   int32_t* own = reinterpret_cast<int32_t*>(full + 2 * kStages);
 
   const int tid = threadIdx.x;
-  const int warp = kShflWarp ? __shfl_sync(kFullMask, tid >> 5, 0) : tid >> 5;
+  // The warp index through a lane-0 shuffle: the same in every lane, and now provably so to the
+  // compiler, which then treats the consumer's branch as warp-uniform and keeps the run loop's
+  // state (tile, ring slot, phase, position) and the wgmma descriptors in uniform registers:
+  // no R2UR / IMAD / VIADD for them per page (CUTLASS's canonical_warp_idx_sync does the same).
+  const int warp = __shfl_sync(kFullMask, tid >> 5, 0);
   const int lane = tid & 31;
 
   if (tid == 0) ring.InitBarriers(1, kConsumerThreads);
@@ -238,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   uint64_t* empty = ring.empty;
 
   if (warp == kConsumerWarps) {
-    if (lane == 0) ProducePagesTma(p, sched, ring, &values_map);
+    if (lane == 0) ProduceRunPages<kRows>(p, sched, ring, &values_map);
     return;
   }
 
@@ -246,33 +346,43 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const int g = lane >> 2;
   const int c = lane & 3;
   const int key0 = warp * 16 + g;  // this thread's keys key0 and key0 + 8 of the page
+  // The one logit this lane stores per row group and page (Fp8ReduceScatter): key kkey of the
+  // page, row 2 u + (c >> 1) of a pass's group u (rows 0-1, then 2-3); with one row a pass,
+  // lanes c and c ^ 2 store the same value to the same place.
+  const int kkey = key0 + 8 * (c & 1);
+  const int krow = kRows == 1 ? 0 : c >> 1;
   const int64_t stride = p.logits_stride;
-  // Per request pass (load_q): this thread's weights at one row per pass (LoadWeights; more rows
-  // read theirs from shared memory per page), each row's length, and where the pass's first
-  // row's logits of this thread's key (key0 + 8 c; lanes c >= 2 store nothing) go.
-  // With kWeightRegs the first one or two rows of a pass (rows 2-3 read shared memory).
+  // Per request pass (load_q): this thread's weights at one or two rows (LoadWeights; rows 2-3
+  // read theirs from shared memory per page), and for each row group where this lane's logit of
+  // the pass's tile 0 goes and the lane's row's length (0 past the request's last row: nothing
+  // stored). Positions are then base_pos + kkey, the address out_u + base_pos.
   constexpr int kRegRows = kWeightRegs ? (kRows < 2 ? kRows : 2) : 0;
+  constexpr int kGroups = kRows > 2 ? 2 : 1;
   float w_reg[kRegRows > 0 ? 16 * kRegRows : 1];
 #pragma unroll
   for (float& w : w_reg) w = 0.f;
-  int len_r[kRows];
+  int len_u[kGroups];
+  float* out_u[kGroups];
 #pragma unroll
-  for (int rr = 0; rr < kRows; ++rr) len_r[rr] = 0;
-  float* out_pass = p.logits;
-  int loaded_request = -1, loaded_pass = -1;
-  // q codes (as they are: e4m3 is the MMA's type), weights and row lengths of pass `pass` of
-  // request b. Rows past the request's last are zero (their columns are computed, never stored).
-  auto load_q = [&](int b, int pass, int first_row, int nrows) {
+  for (int u = 0; u < kGroups; ++u) {
+    len_u[u] = 0;
+    out_u[u] = p.logits;
+  }
+  // q codes (as they are: e4m3 is the MMA's type), weights and this lane's rows' lengths and
+  // logit addresses for pass `pass` of request b. Rows past the request's last are zero (their
+  // columns are computed, never stored).
+  auto load_q = [&](int b, int pass) {
     NamedBarrierSync(kQBarrier, kConsumerThreads);  // every warp's wgmmas on the old q are done
-    loaded_request = b;
-    loaded_pass = pass;
+    const int first_row = Ld<kOwnSchedule>(&req_first_row[b]);
+    const int nrows = Ld<kOwnSchedule>(&req_num_rows[b]);
     FillQTile<kRows>(p, q_tile, w_smem, tid, pass, first_row, nrows);
 #pragma unroll
-    for (int rr = 0; rr < kRows; ++rr) {
-      const int rin = pass * kRows + rr;
-      len_r[rr] = rin < nrows ? __ldg(&p.rows.row_length[first_row + rin]) : 0;
+    for (int u = 0; u < kGroups; ++u) {
+      const int rin = pass * kRows + 2 * u + krow;
+      const bool valid = 2 * u + krow < kRows && rin < nrows;
+      len_u[u] = valid ? __ldg(&p.rows.row_length[first_row + rin]) : 0;
+      out_u[u] = p.logits + (valid ? int64_t{first_row + rin} * stride : 0) + kkey;
     }
-    out_pass = p.logits + int64_t{first_row + pass * kRows} * stride + key0 + 8 * c;
     FenceProxyAsyncShared();  // st.shared before the wgmmas' (async proxy) reads of q
     NamedBarrierSync(kQBarrier, kConsumerThreads);
     if constexpr (kRegRows > 0) {
@@ -290,47 +400,40 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // instead of being rebuilt from the shared-memory base every page.)
   const uint32_t desc_slot0 = __shfl_sync(kFullMask, Sw128DescLo(stage_values), 0);
   const uint32_t desc_q = __shfl_sync(kFullMask, Sw128DescLo(q_tile), 0);
-  ScheduleCursor<kOwnSchedule> cur;
-  cur.Seek(prefix, sched.num_requests, sched.begin);
-  // The current request's schedule entries, read when the cursor enters it.
-  int b = -1, tile0 = 0, first_row = 0, nrows = 0, passes = 0;
   int st = 0;
   uint32_t phase = 0;
-  for (int i = 0; i < num_tiles; ++i) {
-    if (cur.request != b) {  // block-uniform
-      b = cur.request;
-      tile0 = Ld<kOwnSchedule>(&prefix[b]);
-      first_row = Ld<kOwnSchedule>(&req_first_row[b]);
-      nrows = Ld<kOwnSchedule>(&req_num_rows[b]);
-      passes = (nrows + kRows - 1) / kRows;
-    }
-    const int base_pos = (cur.tile - tile0) * kMqaTileKeys;
-    if (b != loaded_request || loaded_pass != 0) load_q(b, 0, first_row, nrows);
 
-    // The TMA unit wrote the slot through the async proxy, which the wgmmas read it through:
-    // the barrier's phase is all the ordering they need (no proxy fence).
-    MbarWait(&full[st], phase);
+  // One page (ring slot st, the request's tile at base_pos) against the loaded pass's rows, its
+  // logits stored; the slot released once the wgmmas have read it.
+  auto score_page = [&](int base_pos) {
     const uint32_t desc_kv = desc_slot0 + uint32_t(st * (kValues / 16));
-    const float* ksc = reinterpret_cast<const float*>(stage_scales + st * kScales);
-    const float ks0 = ksc[key0];
-    const float ks1 = ksc[key0 + 8];
-    const float ks = c == 0 ? ks0 : ks1;  // the scale of the key this lane stores (c < 2)
-
-    // Row rr of the pass: keys key0, key0 + 8 against heads 8 j + 2 c + e (acc[32 rr ...], the
-    // m64nN accumulator layout), relu * w, the group's 4 lanes complete the 64-head sum; lane
-    // c < 2 stores key key0 + 8 c.
-    auto epilogue = [&](const float* acc, int pass, int rr) {
-      if (pass * kRows + rr >= nrows) return;
-      float s0, s1;
-      if (rr < kRegRows) {  // rr is a constant at every call
-        Fp8HeadSums(acc, *reinterpret_cast<const float(*)[16]>(w_reg + 16 * rr), s0, s1);
-      } else {
-        float w[16];
-        LoadWeights(w_smem + rr * kHeads, c, w);
-        Fp8HeadSums(acc, w, s0, s1);
+    const float ks = reinterpret_cast<const float*>(stage_scales + st * kScales)[kkey];
+    const int pos = base_pos + kkey;
+    // Row group u's accumulators (rows 2u, 2u + 1; m64n64 for a one-row pass): relu * w summed
+    // over this thread's 16 heads, then Fp8ReduceScatter leaves this lane's one logit.
+    auto store_group = [&](const float* acc, int u) {
+      float part[2][2];
+#pragma unroll
+      for (int h = 0; h < (kRows == 1 ? 1 : 2); ++h) {
+        const int rr = 2 * u + h;
+        if (rr >= kRows) {  // the zero fourth row of a three-row pass: no lane stores it
+          part[h][0] = part[h][1] = 0.f;
+        } else if (rr < kRegRows) {  // a constant at every call
+          Fp8HeadPartials(acc + 32 * h, *reinterpret_cast<const float(*)[16]>(w_reg + 16 * rr),
+                          part[h][0], part[h][1]);
+        } else {
+          float w[16];
+          LoadWeights(w_smem + rr * kHeads, c, w);
+          Fp8HeadPartials(acc + 32 * h, w, part[h][0], part[h][1]);
+        }
       }
-      const int pos = base_pos + key0 + 8 * c;
-      if (c < 2 && pos < len_r[rr]) out_pass[rr * stride + base_pos] = (c == 0 ? s0 : s1) * ks;
+      float sum;
+      if constexpr (kRows == 1) {
+        sum = Fp8ReduceScatter1(part[0], c);
+      } else {
+        sum = Fp8ReduceScatter2(part, c);
+      }
+      if (pos < len_u[u]) out_u[u][base_pos] = sum * ks;
     };
     // The slot's codes and scales are no longer read: every consumer thread arrives (the empty
     // barrier counts kConsumerThreads).
@@ -339,49 +442,78 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     // Rows two at a time (at most 64 accumulators live: 3-4 rows' 96-128 spilled at 2 blocks
     // per SM). Every group is issued even past the request's last row (nothing is stored then):
     // a branch around a wgmma makes ptxas serialize every wgmma in the kernel (C7520).
-    for (int pass = 0; pass < passes; ++pass) {
-      if (pass != loaded_pass) load_q(b, pass, first_row, nrows);  // warpgroup-uniform
-      const bool last_pass = pass + 1 == passes;
-      // Rows 0-1 in one m64n128k32 per k-step (m64n64 for one row per pass), then rows 2-3.
-      float acc[64];
-      constexpr int kFirst = kRows < 2 ? kRows : 2;
+    // Rows 0-1 in one m64n128k32 per k-step (m64n64 for one row per pass), then rows 2-3.
+    float acc[64];
+    constexpr int kFirst = kRows < 2 ? kRows : 2;
+    WgmmaFence();
+    IssuePage<64 * kFirst>(acc, desc_kv, desc_q);
+    WgmmaCommit();
+    WgmmaWait<0>();
+    if (kRows <= 2) release();
+    store_group(acc, 0);
+    if constexpr (kRows > 2) {
       WgmmaFence();
-      IssuePage<64 * kFirst>(acc, desc_kv, desc_q);
+      // Rows 2-3 (at kRows == 3, row 3's columns are never stored).
+      IssuePage<128>(acc, desc_kv, desc_q + uint32_t(2 * kQRowBytes / 16));
       WgmmaCommit();
       WgmmaWait<0>();
-      if (kRows <= 2 && last_pass) release();
-      epilogue(acc, pass, 0);
-      if constexpr (kRows >= 2) epilogue(acc + 32, pass, 1);
-      if constexpr (kRows > 2) {
-        WgmmaFence();
-        // Rows 2-3 (at kRows == 3, row 3's columns are never stored).
-        IssuePage<128>(acc, desc_kv, desc_q + uint32_t(2 * kQRowBytes / 16));
-        WgmmaCommit();
-        WgmmaWait<0>();
-        if (last_pass) release();
-        epilogue(acc, pass, 2);
-        if constexpr (kRows == 4) epilogue(acc + 32, pass, 3);
-      }
+      release();
+      store_group(acc, 1);
     }
+  };
+  auto next_slot = [&]() {
     if (++st == kStages) {
       st = 0;
       phase ^= 1;
     }
-    if (i + 1 < num_tiles) cur.Next(prefix);
+  };
+
+  // The block's tiles, one request's run at a time, the run once per pass (ProduceRunPages
+  // fills the ring in this order): the request's schedule entries and q once per run and
+  // pass, then its pages with nothing but the page's work.
+  int tile = sched.begin;
+  const int end_tile = sched.begin + num_tiles;
+  ScheduleCursor<kOwnSchedule> seek;
+  seek.Seek(prefix, sched.num_requests, tile);
+  int b = seek.request;
+  int pass = 0;
+  while (tile < end_tile) {
+    const int tile0 = Ld<kOwnSchedule>(&prefix[b]);
+    const int run_end = min(end_tile, Ld<kOwnSchedule>(&prefix[b + 1]));
+    if (tile >= run_end) {  // no tiles of request b here
+      ++b;
+      continue;
+    }
+    // Every run and pass has its own q (consecutive runs are different requests).
+    load_q(b, pass);
+    const int run_begin = tile;
+    for (int base_pos = (tile - tile0) * kMqaTileKeys; tile < run_end;
+         ++tile, base_pos += kMqaTileKeys) {
+      // The TMA unit wrote the slot through the async proxy, which the wgmmas read it through:
+      // the barrier's phase is all the ordering they need (no proxy fence).
+      MbarWait(&full[st], phase);
+      score_page(base_pos);
+      next_slot();
+    }
+    if (++pass < RunPasses<kRows>(Ld<kOwnSchedule>(&req_num_rows[b]))) {
+      tile = run_begin;  // the run again, for the request's next rows
+    } else {
+      pass = 0;
+      ++b;
+    }
   }
 }
 
 // One instantiation's launch on a persistent grid (its blocks per SM from the occupancy query).
-template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, bool kWeightRegs,
-          bool kShflWarp = false>
+template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, bool kWeightRegs>
 absl::Status Launch(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
   static KernelDeviceSetup per_device[kMaxDevices];
   const absl::StatusOr<CUtensorMap> map = PageValuesTensorMap(args.cache);
   if (!map.ok()) return map.status();
   return LaunchPersistentGrid(
       per_device, "paged mqa logits (fp8 pipelined)",
-      PagedMqaLogitsFp8Kernel<kRows, kOwnSchedule, kMinBlocks, kStages, kWeightRegs, kShflWarp>,
-      kThreads, SmemBytes<kRows, kOwnSchedule, kStages>(), num_sms, stream, args, *map);
+      PagedMqaLogitsFp8Kernel<kRows, kOwnSchedule, kMinBlocks, kStages, kWeightRegs>, kThreads,
+      SmemBytes<kRows, kOwnSchedule, kStages>(), num_sms, stream, args, *map);
 }
 
 }  // namespace fp8_logits

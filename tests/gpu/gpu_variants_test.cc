@@ -221,16 +221,16 @@ TEST_F(GpuTest, Fp8WideVariantEqualsTheProductionKernel) {
   }
 }
 
-// The run-ordered fp8 kernel (kFp8Runs, and kFp8RunsN2FourBlocks: the same at 4 blocks per SM
-// with shared-memory weights at two rows a pass; one request's run of tiles at a time, a run scored
-// once per pass with its pages produced again, one logit stored per lane) against the production
-// fp8 kernel, bit for bit, where its bookkeeping can go wrong: several passes (the host hint below
+// The production fp8 kernel's run-ordered loop (one request's run of tiles at a time, a run scored
+// once per pass with its pages produced again, one logit stored per lane) against the kernel it
+// replaced (kFp8PerPage: per-page bookkeeping, every row's epilogue behind its own checks), bit
+// for bit, where the run-ordered bookkeeping can go wrong: several passes (the host hint below
 // the rows of a request, or no hint with uneven rows: the run produced and scored again, q
 // reloaded per pass), requests without rows or with fewer rows than a pass (a lane whose row
 // is past the request's stores nothing), runs of one to three tiles and runs cut by the block's
 // range (grids of 1, 3 and all SMs), a long row, more requests than the in-block schedule
 // takes; NaN-poisoned outputs written at every position of every row and nowhere past it.
-TEST_F(GpuTest, Fp8RunsVariantEqualsTheProductionKernel) {
+TEST_F(GpuTest, Fp8PerPageVariantEqualsTheProductionKernel) {
   struct Case {
     std::vector<int32_t> lengths;
     int32_t next_n;
@@ -266,7 +266,7 @@ TEST_F(GpuTest, Fp8RunsVariantEqualsTheProductionKernel) {
     ds->rows.rows_per_request = c.hint;
     const std::vector<float> one =
         GpuLogits(this, *ds, stride, NumSms(), MqaMath::kWgmmaKeysMPipelinedFp8);
-    for (const MqaVariant v : {MqaVariant::kFp8Runs, MqaVariant::kFp8RunsN2FourBlocks}) {
+    for (const MqaVariant v : {MqaVariant::kFp8PerPage}) {
       for (const int num_sms : {NumSms(), 1, 3}) {
         SCOPED_TRACE(::testing::Message()
                      << "requests " << s.num_requests() << " rows " << rows << " next_n "
@@ -274,18 +274,18 @@ TEST_F(GpuTest, Fp8RunsVariantEqualsTheProductionKernel) {
                      << c.hint << " sms " << num_sms);
         std::fprintf(stderr, "[ variant  ] %s, requests %d, next_n %d, hint %d, sms %d\n",
                      kernels::cuda::MqaVariantName(v), s.num_requests(), c.next_n, c.hint, num_sms);
-        const std::vector<float> runs = VariantLogits(this, *ds, stride, num_sms, v);
+        const std::vector<float> per_page = VariantLogits(this, *ds, stride, num_sms, v);
         int64_t diff = 0, unwritten = 0, past = 0;
         for (int32_t r = 0; r < rows; ++r) {
           for (int32_t t = 0; t < s.row_length[r]; ++t) {
             const int64_t i = r * stride + t;
-            diff += std::memcmp(&runs[i], &one[i], sizeof(float)) != 0;
-            unwritten += std::isnan(runs[i]);
+            diff += std::memcmp(&per_page[i], &one[i], sizeof(float)) != 0;
+            unwritten += std::isnan(per_page[i]);
           }
           for (int64_t t = s.row_length[r]; t < stride; ++t)
-            past += !std::isnan(runs[r * stride + t]);
+            past += !std::isnan(per_page[r * stride + t]);
         }
-        EXPECT_EQ(unwritten, 0) << "entries the run-ordered kernel did not write";
+        EXPECT_EQ(unwritten, 0) << "entries the per-page kernel did not write";
         EXPECT_EQ(diff, 0) << "entries not bit-identical to the production fp8 kernel";
         EXPECT_EQ(past, 0) << "entries written past the row's length";
       }

@@ -29,12 +29,8 @@ const char* MqaVariantName(MqaVariant v) {
       return "fp8 n3-4 smem weights";
     case MqaVariant::kFp8Wide:
       return "fp8 wide";
-    case MqaVariant::kFp8Runs:
-      return "fp8 runs";
-    case MqaVariant::kFp8RunsN2FourBlocks:
-      return "fp8 runs n2 4 blocks";
-    case MqaVariant::kFp8ShflWarp:
-      return "fp8 shfl warp";
+    case MqaVariant::kFp8PerPage:
+      return "fp8 per page";
   }
   return "?";
 }
@@ -54,9 +50,7 @@ absl::Status LaunchMqaVariant(MqaVariant v, const PagedLogitsArgs& args, int num
   }
   if (v == MqaVariant::kFp8V1) return LaunchPagedMqaLogitsFp8V1(args, num_sms, stream);
   if (v == MqaVariant::kFp8Wide) return LaunchPagedMqaLogitsFp8Wide(args, num_sms, stream);
-  if (v == MqaVariant::kFp8Runs || v == MqaVariant::kFp8RunsN2FourBlocks) {
-    return LaunchPagedMqaLogitsFp8Runs(v, args, num_sms, stream);
-  }
+  if (v == MqaVariant::kFp8PerPage) return LaunchPagedMqaLogitsFp8PerPage(args, num_sms, stream);
   if (MqaVariantSameBitsAsFp8(v)) return LaunchPagedMqaLogitsFp8Config(v, args, num_sms, stream);
   return LaunchPagedMqaLogitsKeysM(v, args, num_sms, stream);
 }
@@ -76,8 +70,7 @@ bool MqaVariantFillsHistogram(MqaVariant v) {
 
 bool MqaVariantSameBitsAsFp8(MqaVariant v) {
   return v == MqaVariant::kFp8N2SmemWeights4 || v == MqaVariant::kFp8N34SmemWeights ||
-         v == MqaVariant::kFp8Wide || v == MqaVariant::kFp8Runs ||
-         v == MqaVariant::kFp8RunsN2FourBlocks || v == MqaVariant::kFp8ShflWarp;
+         v == MqaVariant::kFp8Wide || v == MqaVariant::kFp8PerPage;
 }
 
 }  // namespace decode_indexer::kernels::cuda

@@ -20,18 +20,13 @@
 //   sharing q, a producer warp per ring; sm90_paged_mqa_logits_fp8_wide.cu) where the
 //   rows-per-request hint is 1-4 (Fp8WideTakes), the production kernel otherwise; bit for bit
 //   its logits.
-// - kFp8Runs: the production fp8 kernel with its per-page bookkeeping cut (a run-ordered loop,
-//   the epilogue's sums reduce-scattered so every lane stores one logit;
-//   sm90_paged_mqa_logits_fp8_runs.cu); bit for bit its logits. kFp8RunsN2FourBlocks: the same
-//   at two rows a pass at 4 blocks per SM (weights from shared memory). Neither has run on a
-//   GPU yet.
-// - kFp8ShflWarp: the production fp8 kernel with only its warp index taken through a lane-0
-//   shuffle (kShflWarp), so that ptxas keeps the loop state on the uniform datapath (static
-//   reading: 1720 -> 1600 instructions at next_n 2, registers 128 -> 116); bit for bit its
-//   logits. Not run on a GPU yet.
+// - kFp8PerPage: the fp8 kernel before its run-ordered loop (per-page bookkeeping;
+//   sm90_paged_mqa_logits_fp8_per_page.cu); bit for bit the production kernel's logits, and its
+//   differential check.
 // Removed, their measurements recorded in docs/results/cuda-bench.md and its raw/ logs:
 // the heads-as-M wgmma f16 / fp8 kernels, the exact kernel's page pairs, the fp8 kernel's
-// per-row m64n64 chains.
+// per-row m64n64 chains, the run-ordered loop's 4-blocks form at two rows a pass and the per-page
+// kernel with only its warp index shuffled (kFp8RunsN2FourBlocks, kFp8ShflWarp).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -52,9 +47,7 @@ enum class MqaVariant {
   kFp8N2SmemWeights4,
   kFp8N34SmemWeights,
   kFp8Wide,
-  kFp8Runs,
-  kFp8RunsN2FourBlocks,
-  kFp8ShflWarp,
+  kFp8PerPage,
 };
 inline constexpr MqaVariant kAllMqaVariants[] = {MqaVariant::kWgmmaKeysM,
                                                  MqaVariant::kWgmmaKeysMSplit,
@@ -64,10 +57,9 @@ inline constexpr MqaVariant kAllMqaVariants[] = {MqaVariant::kWgmmaKeysM,
                                                  MqaVariant::kWgmmaKeysMPipelinedWs4};
 const char* MqaVariantName(MqaVariant v);
 // The fp8 tensor-core variants (their logits are not the exact kernel's).
-inline constexpr MqaVariant kFp8MqaVariants[] = {
-    MqaVariant::kFp8V1,      MqaVariant::kFp8N2SmemWeights4, MqaVariant::kFp8N34SmemWeights,
-    MqaVariant::kFp8Wide,    MqaVariant::kFp8Runs,           MqaVariant::kFp8RunsN2FourBlocks,
-    MqaVariant::kFp8ShflWarp};
+inline constexpr MqaVariant kFp8MqaVariants[] = {MqaVariant::kFp8V1, MqaVariant::kFp8N2SmemWeights4,
+                                                 MqaVariant::kFp8N34SmemWeights,
+                                                 MqaVariant::kFp8Wide, MqaVariant::kFp8PerPage};
 // True for the fp8 variants whose logits are the production fp8 kernel's bit for bit (its shape
 // choices moved); false for kFp8V1 (another summation order) and the exact-kernel variants.
 bool MqaVariantSameBitsAsFp8(MqaVariant v);
@@ -91,8 +83,8 @@ absl::Status LaunchPagedMqaLogitsFp8V1(const PagedLogitsArgs& args, int num_sms,
                                        cudaStream_t stream);
 absl::Status LaunchPagedMqaLogitsFp8Wide(const PagedLogitsArgs& args, int num_sms,
                                          cudaStream_t stream);
-absl::Status LaunchPagedMqaLogitsFp8Runs(MqaVariant v, const PagedLogitsArgs& args, int num_sms,
-                                         cudaStream_t stream);
+absl::Status LaunchPagedMqaLogitsFp8PerPage(const PagedLogitsArgs& args, int num_sms,
+                                            cudaStream_t stream);
 // True where kFp8Wide runs its own kernel (the hint says 1-4 rows a request).
 bool Fp8WideTakes(const RowBatch& rows);
 absl::Status LaunchPagedMqaLogitsFp8Config(MqaVariant v, const PagedLogitsArgs& args, int num_sms,

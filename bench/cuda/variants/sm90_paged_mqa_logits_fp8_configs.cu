@@ -1,23 +1,16 @@
 // Comparison variants of the production fp8 logits kernel's shape choices (mqa_variants.h:
-// kFp8N2SmemWeights4, kFp8N34SmemWeights, kFp8ShflWarp): the same kernel template
+// kFp8N2SmemWeights4, kFp8N34SmemWeights): the same kernel template
 // (kernels/cuda/sm90_paged_mqa_logits_fp8.cuh) at other blocks per SM, ring slots or weight
 // placement than sm90_heuristics.h picks, so the bench can time a heuristic's alternatives
 // beside it. The choices move no arithmetic: their logits equal the production kernel's bit for
-// bit (gpu_variants_test). kFp8ShflWarp keeps every production choice and only takes the
-// warp index through a shuffle (the kernel's kShflWarp). Shapes whose rows per pass a variant does
-// not cover run the production choice.
+// bit (gpu_variants_test). Shapes whose rows per pass a variant does not cover run the production
+// choice.
 #include "bench/cuda/variants/mqa_variants.h"
 #include "kernels/cuda/sm90_heuristics.h"
 #include "kernels/cuda/sm90_paged_mqa_logits_fp8.cuh"
 
 namespace decode_indexer::kernels::cuda {
 namespace {
-
-template <int kRows, bool kOwnSchedule>
-absl::Status ShflWarp(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
-  return fp8_logits::Launch<kRows, kOwnSchedule, PipeFp8MinBlocks(kRows), kPipeFp8Stages,
-                            kPipeFp8WeightRegs, /*kShflWarp=*/true>(args, num_sms, stream);
-}
 
 template <bool kOwnSchedule>
 absl::Status Dispatch(MqaVariant v, const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
@@ -30,18 +23,6 @@ absl::Status Dispatch(MqaVariant v, const PagedLogitsArgs& args, int num_sms, cu
   }
   if (v == MqaVariant::kFp8N34SmemWeights && rows == 4) {
     return fp8_logits::Launch<4, kOwnSchedule, 3, 4, false>(args, num_sms, stream);
-  }
-  if (v == MqaVariant::kFp8ShflWarp) {
-    switch (rows) {
-      case 1:
-        return ShflWarp<1, kOwnSchedule>(args, num_sms, stream);
-      case 2:
-        return ShflWarp<2, kOwnSchedule>(args, num_sms, stream);
-      case 3:
-        return ShflWarp<3, kOwnSchedule>(args, num_sms, stream);
-      case 4:
-        return ShflWarp<4, kOwnSchedule>(args, num_sms, stream);
-    }
   }
   return LaunchPagedMqaLogitsFp8(args, num_sms, stream);
 }
