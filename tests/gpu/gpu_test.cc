@@ -1347,6 +1347,7 @@ TEST_F(GpuTest, Fp8DenseTopKStagesAnswerAsTheCpuOnTheirLogits) {
     d.q = ds->q;
     d.topk = k;
     DeviceBuffer dout = Poisoned<int32_t>(expect.size(), kPoisonI32);
+    ASSERT_TRUE(backend_->Synchronize().ok());  // the poison is in place (another stream)
     d.topk_out = dout.as<int32_t>();
     ASSERT_TRUE((*fp8_backend)->DenseTopK(d).ok());
     ASSERT_TRUE((*fp8_backend)->Synchronize().ok());
