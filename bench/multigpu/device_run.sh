@@ -50,7 +50,9 @@ run multigpu_after_exact_no_copy_helpers 150 env DI_LOGITS_PRECISION=exact DI_BU
   "$bundle/decode-indexer-bench-multigpu" "${args[@]}"
 run multigpu_after 150 "$bundle/decode-indexer-bench-multigpu" "${args[@]}"
 if [ "$mode" = dg ]; then
-  run bench_cuda 240 "$bundle/decode-indexer-bench-cuda" --out "$out/cuda_bench.json"
+  # The main logits column is the fp8 kernel's (DeepGEMM's counterpart), whatever the default.
+  run bench_cuda 240 env DI_LOGITS_PRECISION=fp8 "$bundle/decode-indexer-bench-cuda" \
+    --out "$out/cuda_bench.json"
   py dg_build 120 bash .peer/deepgemm/dg_build.sh
   py dg_bench 240 python3 .peer/deepgemm/dg_bench.py --configs "$out/cuda_bench.json" \
     --out "$out/dg.json"

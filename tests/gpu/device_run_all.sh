@@ -85,8 +85,10 @@ snap_work=$(mktemp -d)
 run snapshot_cuda_check 300 python3 tests/gpu/snapshot_cuda_check.py \
   "$bundle/decode-indexer-server" "$snap_work"
 if [ "$mode" = bench ]; then
-  run bench_cuda 300 env CUDA_VISIBLE_DEVICES=0 "$bundle/decode-indexer-bench-cuda" \
-    --out "$out/cuda_bench.json"
+  # The bench's main logits column is the fp8 kernel's (what DeepGEMM is compared with; the
+  # exact one has its own column).
+  run bench_cuda 300 env CUDA_VISIBLE_DEVICES=0 DI_LOGITS_PRECISION=fp8 \
+    "$bundle/decode-indexer-bench-cuda" --out "$out/cuda_bench.json"
   echo "== torch baseline" | tee "$out/torch.log"
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/cuda/torch_baseline.py \
     --configs "$out/cuda_bench.json" --out "$out/torch_bench.json" >>"$out/torch.log" 2>&1
