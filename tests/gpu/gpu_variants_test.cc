@@ -293,6 +293,40 @@ TEST_F(GpuTest, Fp8PerPageVariantEqualsTheProductionKernel) {
   }
 }
 
+// At the shape where the fp8 logits + top-k answered differently between runs on an H100
+// (gpu_test's DenseTopKBitIdenticalAcrossRuns, session 16: 8 requests x ~20000, next_n 2), the
+// production fp8 kernel and the per-page kernel it replaced, five launches each on fresh
+// NaN-poisoned outputs: every launch writes every position of every row, the same bits each
+// time and the same bits as the other kernel. Says whether the run-ordered loop brought the
+// difference (gpu_test's Fp8DenseTopKStagesAnswerAsTheCpuOnTheirLogits separates the stages).
+TEST_F(GpuTest, Fp8KernelsRepeatAtTheDenseTopKShape) {
+  Scene s = MakeScene(Spec(CacheFormat::kFp8, 64, Lengths(8, 20000), 2));
+  auto ds = UploadScene(this, s);
+  const int32_t rows = s.num_rows();
+  const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
+  const std::vector<float> first =
+      GpuLogits(this, *ds, stride, NumSms(), MqaMath::kWgmmaKeysMPipelinedFp8);
+  for (int run = 0; run < 5; ++run) {
+    for (const bool per_page : {false, true}) {
+      SCOPED_TRACE(::testing::Message()
+                   << (per_page ? "per-page kernel" : "production kernel") << ", run " << run);
+      const std::vector<float> got =
+          per_page ? VariantLogits(this, *ds, stride, NumSms(), MqaVariant::kFp8PerPage)
+                   : GpuLogits(this, *ds, stride, NumSms(), MqaMath::kWgmmaKeysMPipelinedFp8);
+      int64_t diff = 0, unwritten = 0;
+      for (int32_t r = 0; r < rows; ++r) {
+        for (int32_t t = 0; t < s.row_length[r]; ++t) {
+          const int64_t i = r * stride + t;
+          diff += std::memcmp(&got[i], &first[i], sizeof(float)) != 0;
+          unwritten += std::isnan(got[i]);
+        }
+      }
+      EXPECT_EQ(unwritten, 0) << "entries not written";
+      EXPECT_EQ(diff, 0) << "entries that differ from the production kernel's first launch";
+    }
+  }
+}
+
 // Every variant gives the exact kernel's logits bit for bit: next_n 1-4, uneven row counts
 // (several passes, empty second rows of a pair), a long row, more requests than the in-block
 // schedule takes, a rank slice with and without the rows-per-request hint.
