@@ -35,7 +35,7 @@ inline constexpr MqaMath kFp8DenseMqaMath = MqaMath::kWgmmaKeysMPipelinedFp8;
 // next_n 1 and 1.6x at next_n 2 on the H200 (docs/results/cuda-bench.md, issue 17's first run)
 // and was the default until session 16 found its dense logits + top-k answering differently
 // between runs (GpuTest.DenseTopKBitIdenticalAcrossRuns: 9 of 15 repeats on an H100, never with
-// the exact kernel; docs/results/gpu-test-runs.md, 2026-12-05 12:5x). Until that is explained
+// the exact kernel; docs/results/gpu-test-runs.md, session 16). Until that is explained
 // and fixed the product answers with the kernel every service-level GPU suite has run; the fp8
 // one stays a flag away (--logits-precision fp8).
 inline constexpr bool kDenseLogitsFp8ByDefault = false;

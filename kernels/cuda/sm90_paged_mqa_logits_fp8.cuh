@@ -43,8 +43,8 @@
 //   shuffle, so ptxas sees the consumer's branch as warp-uniform and keeps the loop's state and
 //   the wgmma descriptors on the uniform datapath. Against the per-page loop it replaced (bench
 //   variant kFp8PerPage, the same bits): 30-35% fewer instructions issued at 64 x 32K and 1-25%
-//   less time at every one of the 32 shapes measured (docs/results/cuda-bench.md, 2026-12-05
-//   12:10 UTC, H100).
+//   less time at every one of the 32 shapes measured (docs/results/cuda-bench.md, session 16's
+//   run-ordered loop section).
 // - What this layout cost before (measured, docs/results/cuda-bench.md): every shared-memory
 //   access compiled to a generic load while the aligned base went through an integer
 //   (AlignSmem1024 keeps the address space), the descriptors were rebuilt per k-step, and at two

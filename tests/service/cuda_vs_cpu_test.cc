@@ -94,7 +94,7 @@ TEST(CudaVsCpuTest, CudaServerMatchesReference) {
   exec::ExecutorOptions cuda = CpuOptions(1, kPages);
   cuda.backend = "cuda";
   // Held to the exact mode's tolerance: asked for by name, whatever DI_LOGITS_PRECISION says
-  // (the fp8 default is CudaFp8ServerMatchesReference's).
+  // (the fp8 kernel is CudaFp8ServerMatchesReference's).
   cuda.logits_precision = "exact";
   int64_t rows = 0, cuda_differs_from_cpu = 0;
   RunSteps({CpuOptions(1, kPages), cuda}, seed,

@@ -7,7 +7,7 @@
 // production kernel's differential check in gpu_variants_test
 // (Fp8PerPageVariantEqualsTheProductionKernel: several passes, runs cut by the block's range,
 // thin and uneven requests) and its "before" in the bench. Measured beside it and DeepGEMM in
-// docs/results/cuda-bench.md (2026-12-05 12:10 UTC, H100).
+// docs/results/cuda-bench.md (session 16's run-ordered loop section).
 
 #include <cuda.h>
 
