@@ -16,6 +16,8 @@
 // (LaunchPersistentGrid, sm90_launch_setup.cuh).
 #pragma once
 
+#include <type_traits>
+
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -79,6 +81,22 @@ inline constexpr int RowsPerPass(int32_t num_rows, int32_t num_requests,
 }
 inline int DenseRowsPerPass(const RowBatch& rows) {
   return RowsPerPass(rows.num_rows, rows.num_requests, rows.rows_per_request);
+}
+// A dense kernel template's launch at the step's rows per pass: calls launch(rows) with rows a
+// std::integral_constant<int, 1..4> (DenseRowsPerPass), so that each kernel file names its
+// instantiation once instead of a case per row count.
+template <typename Launch>
+auto WithDenseRowsPerPass(const RowBatch& rows, Launch&& launch) {
+  switch (DenseRowsPerPass(rows)) {
+    case 1:
+      return launch(std::integral_constant<int, 1>{});
+    case 2:
+      return launch(std::integral_constant<int, 2>{});
+    case 3:
+      return launch(std::integral_constant<int, 3>{});
+    default:
+      return launch(std::integral_constant<int, 4>{});
+  }
 }
 
 // The warp-specialized kernels derive the step's schedule in each block's shared memory (no

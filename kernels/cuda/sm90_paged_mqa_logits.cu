@@ -297,16 +297,9 @@ absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t 
 
 template <int kHeads, bool kFp4>
 absl::Status LaunchRows(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
-  switch (DenseRowsPerPass(args.rows)) {
-    case 1:
-      return LaunchTyped<kHeads, kFp4, 1>(args, num_sms, stream);
-    case 2:
-      return LaunchTyped<kHeads, kFp4, 2>(args, num_sms, stream);
-    case 3:
-      return LaunchTyped<kHeads, kFp4, 3>(args, num_sms, stream);
-    default:
-      return LaunchTyped<kHeads, kFp4, 4>(args, num_sms, stream);
-  }
+  return WithDenseRowsPerPass(args.rows, [&](auto rows) {
+    return LaunchTyped<kHeads, kFp4, decltype(rows)::value>(args, num_sms, stream);
+  });
 }
 
 // FP8 with 64 heads, page size 64, head dim 128: the keys-as-M kernels' shape.

@@ -82,16 +82,9 @@ absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t 
 
 template <bool kOwnSchedule>
 absl::Status LaunchRows(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
-  switch (DenseRowsPerPass(args.rows)) {
-    case 1:
-      return LaunchTyped<1, kOwnSchedule>(args, num_sms, stream);
-    case 2:
-      return LaunchTyped<2, kOwnSchedule>(args, num_sms, stream);
-    case 3:
-      return LaunchTyped<3, kOwnSchedule>(args, num_sms, stream);
-    default:
-      return LaunchTyped<4, kOwnSchedule>(args, num_sms, stream);
-  }
+  return WithDenseRowsPerPass(args.rows, [&](auto rows) {
+    return LaunchTyped<decltype(rows)::value, kOwnSchedule>(args, num_sms, stream);
+  });
 }
 
 }  // namespace

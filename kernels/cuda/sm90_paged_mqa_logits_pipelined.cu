@@ -269,22 +269,12 @@ absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t 
 // sm90_heuristics.h; the logits do not depend on any of it).
 template <bool kOwnSchedule>
 absl::Status LaunchRows(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
-  constexpr PipelinedShape k1 = PipelinedShapeFor(1), k2 = PipelinedShapeFor(2),
-                           k3 = PipelinedShapeFor(3), k4 = PipelinedShapeFor(4);
-  switch (DenseRowsPerPass(args.rows)) {
-    case 1:
-      return LaunchTyped<1, k1.widen, kOwnSchedule, k1.min_blocks, k1.pair_rows>(args, num_sms,
-                                                                                 stream);
-    case 2:
-      return LaunchTyped<2, k2.widen, kOwnSchedule, k2.min_blocks, k2.pair_rows>(args, num_sms,
-                                                                                 stream);
-    case 3:
-      return LaunchTyped<3, k3.widen, kOwnSchedule, k3.min_blocks, k3.pair_rows>(args, num_sms,
-                                                                                 stream);
-    default:
-      return LaunchTyped<4, k4.widen, kOwnSchedule, k4.min_blocks, k4.pair_rows>(args, num_sms,
-                                                                                 stream);
-  }
+  return WithDenseRowsPerPass(args.rows, [&](auto rows) {
+    constexpr int kRows = decltype(rows)::value;
+    constexpr PipelinedShape shape = PipelinedShapeFor(kRows);
+    return LaunchTyped<kRows, shape.widen, kOwnSchedule, shape.min_blocks, shape.pair_rows>(
+        args, num_sms, stream);
+  });
 }
 
 }  // namespace

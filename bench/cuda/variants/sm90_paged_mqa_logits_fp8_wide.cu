@@ -386,16 +386,9 @@ constexpr int kStages = 4;
 
 template <bool kOwnSchedule>
 absl::Status LaunchRows(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
-  switch (DenseRowsPerPass(args.rows)) {
-    case 1:
-      return Launch<1, kOwnSchedule, kStages>(args, num_sms, stream);
-    case 2:
-      return Launch<2, kOwnSchedule, kStages>(args, num_sms, stream);
-    case 3:
-      return Launch<3, kOwnSchedule, kStages>(args, num_sms, stream);
-    default:
-      return Launch<4, kOwnSchedule, kStages>(args, num_sms, stream);
-  }
+  return WithDenseRowsPerPass(args.rows, [&](auto rows) {
+    return Launch<decltype(rows)::value, kOwnSchedule, kStages>(args, num_sms, stream);
+  });
 }
 
 }  // namespace fp8_wide

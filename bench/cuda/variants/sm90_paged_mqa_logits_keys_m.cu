@@ -321,16 +321,9 @@ absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t 
 
 template <int kWiden, bool kOwnSchedule>
 absl::Status LaunchVariant(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
-  switch (DenseRowsPerPass(args.rows)) {
-    case 1:
-      return LaunchTyped<1, kWiden, kOwnSchedule>(args, num_sms, stream);
-    case 2:
-      return LaunchTyped<2, kWiden, kOwnSchedule>(args, num_sms, stream);
-    case 3:
-      return LaunchTyped<3, kWiden, kOwnSchedule>(args, num_sms, stream);
-    default:
-      return LaunchTyped<4, kWiden, kOwnSchedule>(args, num_sms, stream);
-  }
+  return WithDenseRowsPerPass(args.rows, [&](auto rows) {
+    return LaunchTyped<decltype(rows)::value, kWiden, kOwnSchedule>(args, num_sms, stream);
+  });
 }
 
 }  // namespace
