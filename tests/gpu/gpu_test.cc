@@ -218,6 +218,27 @@ std::vector<float> TieHeavyLogits(int32_t n) {
   return v;
 }
 
+// LaunchRadixTopK over `rows` rows of device `values` (row r at r * stride, its length in
+// `lengths`) into a fresh poisoned answer, downloaded. `a` carries the caller's choices
+// (algorithm, cluster size, max_length); the rest is set here.
+std::vector<int32_t> RadixTopKOf(GpuTest* t, kernels::cuda::TopKArgs a, const DeviceBuffer& values,
+                                 int64_t stride, const DeviceBuffer& lengths, int32_t rows,
+                                 int32_t k) {
+  const size_t n = size_t(rows) * k;
+  DeviceBuffer out = t->Poisoned<int32_t>(n, kPoisonI32);
+  EXPECT_TRUE(t->backend_->Synchronize().ok());
+  a.num_rows = rows;
+  a.values = values.as<float>();
+  a.stride = stride;
+  a.lengths = lengths.as<int32_t>();
+  a.k = k;
+  a.out = out.as<int32_t>();
+  const absl::Status s = kernels::cuda::LaunchRadixTopK(a, NumSms(), nullptr);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return t->Download<int32_t>(out, n);  // the poison where the launch failed
+}
+
 TEST_F(GpuTest, RadixTopKMatchesCpuExactly) {
   struct Case {
     int32_t k;
@@ -245,19 +266,9 @@ TEST_F(GpuTest, RadixTopKMatchesCpuExactly) {
       DeviceBuffer dl = Upload(logits), dlen = Upload(c.lengths);
       // max_length 0: one block per row; the real bound: clusters of up to 8 blocks a row.
       for (int32_t hint : {0, maxlen}) {
-        DeviceBuffer dout = Poisoned<int32_t>(expect.size(), kPoisonI32);
-        ASSERT_TRUE(backend_->Synchronize().ok());
         kernels::cuda::TopKArgs a;
-        a.num_rows = rows;
-        a.values = dl.as<float>();
-        a.stride = stride;
-        a.lengths = dlen.as<int32_t>();
-        a.k = c.k;
-        a.out = dout.as<int32_t>();
         a.max_length = hint;
-        ASSERT_TRUE(kernels::cuda::LaunchRadixTopK(a, NumSms(), nullptr).ok());
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        const std::vector<int32_t> got = Download<int32_t>(dout, expect.size());
+        const std::vector<int32_t> got = RadixTopKOf(this, a, dl, stride, dlen, rows, c.k);
         for (int32_t r = 0; r < rows; ++r) {
           EXPECT_TRUE(std::equal(got.begin() + int64_t{r} * c.k, got.begin() + int64_t{r + 1} * c.k,
                                  expect.begin() + int64_t{r} * c.k))
@@ -1314,19 +1325,9 @@ TEST_F(GpuTest, Fp8DenseTopKStagesAnswerAsTheCpuOnTheirLogits) {
   };
   DeviceBuffer dl = Upload(first), dlen = Upload(s.row_length);
   for (int run = 0; run < 5; ++run) {
-    DeviceBuffer dout = Poisoned<int32_t>(expect.size(), kPoisonI32);
-    ASSERT_TRUE(backend_->Synchronize().ok());
     kernels::cuda::TopKArgs a;
-    a.num_rows = rows;
-    a.values = dl.as<float>();
-    a.stride = stride;
-    a.lengths = dlen.as<int32_t>();
-    a.k = k;
-    a.out = dout.as<int32_t>();
     a.max_length = ds->rows.max_row_length;
-    ASSERT_TRUE(kernels::cuda::LaunchRadixTopK(a, NumSms(), nullptr).ok());
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_EQ(rows_differing(Download<int32_t>(dout, expect.size())), 0)
+    EXPECT_EQ(rows_differing(RadixTopKOf(this, a, dl, stride, dlen, rows, k)), 0)
         << "radix top-k on fixed logits against the CPU's, run " << run;
   }
   kernels::BackendLimits limits;
@@ -1453,20 +1454,10 @@ TEST_F(GpuTest, RadixTopKCompactMatchesCpuOnEveryPath) {
     using Algo = kernels::cuda::TopKArgs::Algo;
     for (Algo algo : {Algo::kCompact, Algo::kMultiPass}) {
       for (int32_t cluster : {1, 2, 4, 8}) {
-        DeviceBuffer dout = Poisoned<int32_t>(expect.size(), kPoisonI32);
-        ASSERT_TRUE(backend_->Synchronize().ok());
         kernels::cuda::TopKArgs a;
-        a.num_rows = rows;
-        a.values = dl.as<float>();
-        a.stride = stride;
-        a.lengths = dlen.as<int32_t>();
-        a.k = k;
-        a.out = dout.as<int32_t>();
         a.algo = algo;
         a.cluster_size = cluster;
-        ASSERT_TRUE(kernels::cuda::LaunchRadixTopK(a, NumSms(), nullptr).ok());
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        const std::vector<int32_t> got = Download<int32_t>(dout, expect.size());
+        const std::vector<int32_t> got = RadixTopKOf(this, a, dl, stride, dlen, rows, k);
         for (int32_t r = 0; r < rows; ++r) {
           EXPECT_TRUE(std::equal(got.begin() + int64_t{r} * k, got.begin() + int64_t{r + 1} * k,
                                  expect.begin() + int64_t{r} * k))
