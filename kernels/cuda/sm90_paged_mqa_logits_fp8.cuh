@@ -30,8 +30,9 @@
 //   Fp8HeadSums; the 4 lanes of a group complete the 64-head sum) times the key scale. Weights
 //   sit in shared memory permuted so that a thread's 16 are contiguous: a pass's first one or
 //   two rows' loaded into registers once per request (kWeightRegs), rows 2-3's read with four
-//   16-byte loads a row and page. The slot goes back to the producer once the last pass's
-//   wgmmas have completed (every consumer thread arrives on its empty barrier).
+//   16-byte loads a row and page. The slot goes back to the producer once the page's logits
+//   are stored (every consumer thread arrives on its empty barrier after its store: see
+//   score_page for why not as soon as the wgmmas have read it).
 // - The loop walks the block's tiles one request's run at a time: q, the lane's row lengths and
 //   logit addresses once per run; per page only the wait, the wgmmas, the epilogue and a store
 //   at a running position. A request with more rows than a pass holds is scored one pass per
@@ -404,7 +405,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   uint32_t phase = 0;
 
   // One page (ring slot st, the request's tile at base_pos) against the loaded pass's rows, its
-  // logits stored; the slot released once the wgmmas have read it.
+  // logits stored; the slot released once this thread's logits of it are stored.
   auto score_page = [&](int base_pos) {
     const uint32_t desc_kv = desc_slot0 + uint32_t(st * (kValues / 16));
     const float ks = reinterpret_cast<const float*>(stage_scales + st * kScales)[kkey];
@@ -436,7 +437,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       if (pos < len_u[u]) out_u[u][base_pos] = sum * ks;
     };
     // The slot's codes and scales are no longer read: every consumer thread arrives (the empty
-    // barrier counts kConsumerThreads).
+    // barrier counts kConsumerThreads). Only after store_group has multiplied by ks: the arrive
+    // must not overtake the shared-memory load of ks, or the producer's next fill of the slot
+    // can land first and the tile is scaled by the next page's scales. Released as soon as the
+    // wgmmas had completed (the load issued before them), that happened at 8 requests x 20000
+    // keys, next_n 2 in 31 of 100 launches on an H100 (one tile, every key off by its two
+    // pages' scale ratio; docs/results/gpu-test-runs.md, session 17): ptxas issued the arrive
+    // without waiting on the load's scoreboard, the load not yet served behind the wgmmas'
+    // shared-memory traffic. The multiply consumes ks, so in-order issue now puts the load's
+    // completion before the arrive.
     auto release = [&]() { MbarArrive(&empty[st]); };
 
     // Rows two at a time (at most 64 accumulators live: 3-4 rows' 96-128 spilled at 2 blocks
@@ -449,16 +458,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     IssuePage<64 * kFirst>(acc, desc_kv, desc_q);
     WgmmaCommit();
     WgmmaWait<0>();
-    if (kRows <= 2) release();
     store_group(acc, 0);
+    if (kRows <= 2) release();
     if constexpr (kRows > 2) {
       WgmmaFence();
       // Rows 2-3 (at kRows == 3, row 3's columns are never stored).
       IssuePage<128>(acc, desc_kv, desc_q + uint32_t(2 * kQRowBytes / 16));
       WgmmaCommit();
       WgmmaWait<0>();
-      release();
       store_group(acc, 1);
+      release();
     }
   };
   auto next_slot = [&]() {

@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "decode_indexer/kernels/backend.h"
 #include "decode_indexer/kernels/bench_clocks.h"
 #include "decode_indexer/kernels/cpu_reference.h"
@@ -1304,11 +1305,18 @@ TEST_F(GpuTest, Fp8DenseTopKStagesAnswerAsTheCpuOnTheirLogits) {
     const std::vector<float> again =
         GpuLogits(this, *ds, stride, NumSms(), MqaMath::kWgmmaKeysMPipelinedFp8);
     int64_t diff = 0;
+    std::string where;  // the first few differing entries: row, position, tile, both values
     for (int32_t r = 0; r < rows; ++r) {
-      diff += std::memcmp(first.data() + r * stride, again.data() + r * stride,
-                          4 * size_t(s.row_length[r])) != 0;
+      for (int32_t t = 0; t < s.row_length[r]; ++t) {
+        const float a = first[r * stride + t], b = again[r * stride + t];
+        if (std::memcmp(&a, &b, 4) == 0) continue;
+        if (++diff <= 8) {
+          where += absl::StrCat(" [row ", r, " pos ", t, " tile ", t / 64, ": ", a, " vs ", b, "]");
+        }
+      }
     }
-    EXPECT_EQ(diff, 0) << "fp8 logits: rows that differ from the first run, run " << run;
+    EXPECT_EQ(diff, 0) << "fp8 logits: entries that differ from the first run, run " << run << ":"
+                       << where;
   }
   std::vector<int32_t> expect(int64_t{rows} * k);
   for (int32_t r = 0; r < rows; ++r) {

@@ -182,18 +182,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       IssuePage<64 * kFirst>(acc, desc_kv, desc_q);
       WgmmaCommit();
       WgmmaWait<0>();
-      if (kRows <= 2 && last_pass) release();
       epilogue(acc, pass, 0);
       if constexpr (kRows >= 2) epilogue(acc + 32, pass, 1);
+      if (kRows <= 2 && last_pass) release();  // after the stores: the production kernel's why
       if constexpr (kRows > 2) {
         WgmmaFence();
         // Rows 2-3 (at kRows == 3, row 3's columns are never stored).
         IssuePage<128>(acc, desc_kv, desc_q + uint32_t(2 * kQRowBytes / 16));
         WgmmaCommit();
         WgmmaWait<0>();
-        if (last_pass) release();
         epilogue(acc, pass, 2);
         if constexpr (kRows == 4) epilogue(acc + 32, pass, 3);
+        if (last_pass) release();
       }
     }
     if (++st == kStages) {

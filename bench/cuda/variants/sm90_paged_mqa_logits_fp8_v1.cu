@@ -232,17 +232,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       IssuePage<64 * kFirst>(acc, kv, q_tile);
       WgmmaCommit();
       WgmmaWait<0>();
-      if (kRows <= 2 && last_pass) release();
       epilogue(acc, pass, 0);
       if constexpr (kRows >= 2) epilogue(acc + 32, pass, 1);
+      if (kRows <= 2 && last_pass) release();  // after the stores: the production kernel's why
       if constexpr (kRows > 2) {
         WgmmaFence();
         IssuePage<128>(acc, kv, q_tile + 2 * kQRowBytes);  // row 3 not stored at kRows == 3
         WgmmaCommit();
         WgmmaWait<0>();
-        if (last_pass) release();
         epilogue(acc, pass, 2);
         if constexpr (kRows == 4) epilogue(acc + 32, pass, 3);
+        if (last_pass) release();
       }
     }
     if (i + 1 < num_tiles) cur.Next(prefix);

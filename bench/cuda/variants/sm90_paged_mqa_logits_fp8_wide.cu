@@ -352,17 +352,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     fp8_logits::IssuePage<64 * kFirst>(acc, desc_kv, desc_q);
     WgmmaCommit();
     WgmmaWait<0>();
-    if constexpr (kRows <= 2) MbarArrive(&empty[slot]);
     epilogue(acc, 0);
     if constexpr (kRows >= 2) epilogue(acc + 32, 1);
+    // After the stores: the production kernel's why (sm90_paged_mqa_logits_fp8.cuh, score_page).
+    if constexpr (kRows <= 2) MbarArrive(&empty[slot]);
     if constexpr (kRows > 2) {
       WgmmaFence();
       fp8_logits::IssuePage<128>(acc, desc_kv, desc_q + uint32_t(2 * kQRowBytes / 16));
       WgmmaCommit();
       WgmmaWait<0>();
-      MbarArrive(&empty[slot]);
       epilogue(acc, 2);
       if constexpr (kRows == 4) epilogue(acc + 32, 3);
+      MbarArrive(&empty[slot]);
     }
   }
   // Release every ordinal up to the block's last, so that the producer can fill the later ones.
