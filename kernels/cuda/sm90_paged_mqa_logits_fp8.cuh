@@ -442,10 +442,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     // can land first and the tile is scaled by the next page's scales. Released as soon as the
     // wgmmas had completed (the load issued before them), that happened at 8 requests x 20000
     // keys, next_n 2 in 31 of 100 launches on an H100 (one tile, every key off by its two
-    // pages' scale ratio; docs/results/gpu-test-runs.md, session 17): ptxas issued the arrive
-    // without waiting on the load's scoreboard, the load not yet served behind the wgmmas'
-    // shared-memory traffic. The multiply consumes ks, so in-order issue now puts the load's
-    // completion before the arrive.
+    // pages' scale ratio; docs/results/gpu-test-runs.md, session 17): in the SASS the arrive
+    // came before the load's first use, so nothing made it wait for the load, which could still
+    // be queued behind the wgmmas' shared-memory traffic. The multiply consumes ks, so in-order
+    // issue now puts the load's completion before the arrive.
     auto release = [&]() { MbarArrive(&empty[st]); };
 
     // Rows two at a time (at most 64 accumulators live: 3-4 rows' 96-128 spilled at 2 blocks
