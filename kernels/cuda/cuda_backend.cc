@@ -375,6 +375,31 @@ class CudaBackend final : public Backend, public BenchClocks {
     cudaSetDevice(device_);
     cudaFreeHost(ptr);
   }
+  // Page-locked and mapped: kernels on this device read and write it over the bus through the
+  // device pointer (the same address under unified addressing).
+  absl::StatusOr<Mapped> AllocateMapped(size_t bytes) override {
+    DI_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    const size_t n = std::max<size_t>(bytes, 16);
+    void* host = nullptr;
+    if (const cudaError_t err =
+            cudaHostAlloc(&host, n, cudaHostAllocPortable | cudaHostAllocMapped);
+        err != cudaSuccess) {
+      cudaGetLastError();  // not sticky
+      return absl::ResourceExhaustedError(absl::StrCat("cuda:", device_, ": cannot map ", bytes,
+                                                       " host bytes: ", cudaGetErrorString(err)));
+    }
+    std::memset(host, 0, n);
+    void* device = nullptr;
+    if (const cudaError_t err = cudaHostGetDevicePointer(&device, host, 0); err != cudaSuccess) {
+      cudaGetLastError();
+      cudaFreeHost(host);
+      return absl::FailedPreconditionError(
+          absl::StrCat("cuda:", device_,
+                       ": no device address for mapped host memory: ", cudaGetErrorString(err)));
+    }
+    return Mapped{host, device};
+  }
+  void FreeMapped(void* host) override { FreeHost(host); }
 
   // Graphs: the main stream's launches between BeginCapture and EndCapture. Thread-local
   // capture mode: another rank's thread (another device) may allocate or synchronize at the

@@ -13,7 +13,7 @@ namespace {
 constexpr int kCheckThreads = 256;
 
 // blockIdx.y picks the tensor; the blocks of a row stride over its elements (consecutive
-// threads read consecutive elements). A block that saw a bad element sets the tensor's bit.
+// threads read consecutive elements). A block that saw a bad element sets the tensor's word.
 __global__ void __launch_bounds__(kCheckThreads) CheckValuesKernel(const ValueCheckArgs a) {
   const ValueCheck v = a.checks[blockIdx.y];
   const int32_t eb = CheckedElemBytes(v.type);
@@ -33,7 +33,11 @@ __global__ void __launch_bounds__(kCheckThreads) CheckValuesKernel(const ValueCh
       bad |= IsBadValue(v.type, bits, v.positive);
     }
   }
-  if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(a.flags, v.bit);
+  // A plain store of 1 to the tensor's own word (ValueFlagWord): every writer stores the same
+  // value, so no atomic, and the words may be mapped host memory.
+  if (__syncthreads_or(bad) && threadIdx.x == 0 && v.bit != 0) {
+    *reinterpret_cast<volatile uint32_t*>(a.flags + ValueFlagWord(v.bit)) = 1u;
+  }
 }
 
 }  // namespace
@@ -44,8 +48,9 @@ absl::Status LaunchCheckValues(const ValueCheckArgs& args, int32_t num_sms, cuda
     return absl::InvalidArgumentError("CheckValues: bad arguments");
   }
   if (!args.accumulate) {
-    DI_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(args.flags, 0, sizeof(uint32_t), stream),
-                            "cudaMemsetAsync (value flags)");
+    DI_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(args.flags, 0, kValueFlagWords * sizeof(uint32_t), stream),
+        "cudaMemsetAsync (value flags)");
   }
   int64_t most = 0;
   for (int32_t c = 0; c < args.num_checks; ++c) {

@@ -203,7 +203,10 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   }
   if (!status.ok()) {
     // Copies queued before the failure may still read the host staging the next step reuses.
-    if (be.Synchronize().ok()) rank.staging_ring().Settle();
+    if (be.Synchronize().ok()) {
+      rank.staging_ring().Settle();
+      rank.SettleValueFlags();
+    }
     return status;
   }
 
@@ -217,15 +220,18 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
     }
   }
   DI_RETURN_IF_ERROR(CopyAnswer(rank, plan, range, direct, readback));
-  if (checks.issued()) {
-    DI_RETURN_IF_ERROR(be.CopyToHost(rank.value_flags_host(), b.value_flags, sizeof(uint32_t)));
-  }
   if (observer != nullptr) observer->OnRank(rank.index(), Mark::kWaitBegin);
   absl::Status done = be.Synchronize();
-  // The step's ring slot is read no more (the side stream's expansion aside: see StagingRing).
-  if (done.ok()) rank.staging_ring().Settle();
+  // The step's ring slot is read no more (the side stream's expansion aside: see StagingRing);
+  // its checks have written their flag words, read here in place (mapped host memory).
+  if (done.ok()) {
+    rank.staging_ring().Settle();
+    rank.SettleValueFlags();
+  }
   if (observer != nullptr) observer->OnRank(rank.index(), Mark::kWaitEnd);
-  if (done.ok() && checks.issued()) done = DeviceInputsStatus(*rank.value_flags_host());
+  if (done.ok() && checks.issued()) {
+    done = DeviceInputsStatus(kernels::ValueFlagsMask(rank.value_flags_host()));
+  }
   if (done.ok()) readback.Finish();
   if (observer != nullptr && (!plan.sharded || direct)) {
     observer->OnRank(rank.index(), Mark::kScored);

@@ -43,6 +43,18 @@ Rank::~Rank() {
     }
   }
   if (readback_.base != nullptr) backend_->FreeHost(readback_.base);
+  if (value_flags_host_ != nullptr) {
+    backend_->FreeMapped(const_cast<uint32_t*>(value_flags_host_));
+  }
+}
+
+absl::Status Rank::ClearValueFlags() {
+  if (!value_flags_settled_) {
+    if (absl::Status s = backend_->Synchronize(); !s.ok()) return s;
+    value_flags_settled_ = true;
+  }
+  for (int w = 0; w < kernels::kValueFlagWords; ++w) value_flags_host_[w] = 0;
+  return absl::OkStatus();
 }
 
 template <typename T>
@@ -100,7 +112,6 @@ absl::Status Rank::Allocate() {
            Alloc(&b.expansion_positions, rows * cand_positions),
            Alloc(&b.expansion_counts, rows),
            Alloc(&b.inv_freq, static_cast<int64_t>(s.inv_freq.size())),
-           Alloc(&b.value_flags, 1),
        }) {
     if (!st.ok()) return st;
   }
@@ -143,20 +154,18 @@ absl::Status Rank::Allocate() {
   arena_.capacity = static_cast<size_t>(arena_bytes);
   if (ring_bytes > 0) ring_.host = arena_.base + a64(arena_bytes);
   if (arena_.pinned) {
-    const int64_t readback_bytes = rows * (int64_t{s.topk} + s.num_candidate_blocks) * 4 + 3 * 64;
+    const int64_t readback_bytes = rows * (int64_t{s.topk} + s.num_candidate_blocks) * 4 + 2 * 64;
     absl::StatusOr<void*> rb = backend_->AllocateHost(static_cast<size_t>(readback_bytes));
     if (!rb.ok()) return rb.status();
     readback_.base = static_cast<uint8_t*>(*rb);
     readback_.capacity = static_cast<size_t>(readback_bytes);
     readback_.pinned = true;
   }
-  // The flag word's landing place: the readback space's last 64 bytes where it is
-  // page-locked (a DMA target), else a word of the rank's own.
-  value_flags_host_ = &value_flags_plain_;
-  if (readback_.pinned) {
-    readback_.capacity -= 64;
-    value_flags_host_ = reinterpret_cast<uint32_t*>(readback_.base + readback_.capacity);
-  }
+  absl::StatusOr<kernels::Device::Mapped> flags =
+      backend_->AllocateMapped(kernels::kValueFlagWords * sizeof(uint32_t));
+  if (!flags.ok()) return flags.status();
+  value_flags_host_ = static_cast<uint32_t*>(flags->host);
+  b.value_flags = static_cast<uint32_t*>(flags->device);
   if (!s.inv_freq.empty()) {
     absl::Status st =
         backend_->CopyToDevice(b.inv_freq, s.inv_freq.data(), s.inv_freq.size() * sizeof(double));

@@ -118,7 +118,9 @@ struct RankBuffers {
   int32_t* expansion_positions = nullptr;  // [max_rows, NB * block]
   int32_t* expansion_counts = nullptr;     // [max_rows]
   double* inv_freq = nullptr;              // RankSizes::inv_freq, copied once
-  // IndexerOps::CheckValues' flag word (device-resident inputs: step_io.h DeviceChecks).
+  // IndexerOps::CheckValues' flag words (kernels::kValueFlagWords; device-resident inputs:
+  // step_io.h DeviceChecks), in mapped host memory (Device::AllocateMapped): the device's
+  // address of Rank::value_flags_host().
   uint32_t* value_flags = nullptr;
 };
 
@@ -179,9 +181,14 @@ class Rank {
   // candidates of every row), so the device-to-host copy is one DMA; the host copies them on
   // to their destination after the step's Synchronize. Empty where staging is not pinned.
   HostArena& readback() { return readback_; }
-  // Host landing word of RankBuffers::value_flags (in the readback space where it is
-  // page-locked).
-  uint32_t* value_flags_host() { return value_flags_host_; }
+  // RankBuffers::value_flags as the host sees them: read after the step's Synchronize, no
+  // copy. ClearValueFlags zeroes them for a step's first check, first waiting for the device
+  // when an earlier step's checks may still be running (SettleValueFlags after a
+  // Synchronize says they are not), so no late write lands in a later step's words.
+  const volatile uint32_t* value_flags_host() const { return value_flags_host_; }
+  absl::Status ClearValueFlags();
+  void ChecksLaunched() { value_flags_settled_ = false; }
+  void SettleValueFlags() { value_flags_settled_ = true; }
   // Job handoff: Start hands the job to the rank's thread (rank 0, which has none, runs it
   // before returning); Wait returns its status.
   void Start(const Job* job);
@@ -205,8 +212,8 @@ class Rank {
   HostArena arena_;
   HostArena readback_;
   StagingRing ring_;
-  uint32_t* value_flags_host_ = nullptr;
-  uint32_t value_flags_plain_ = 0;
+  volatile uint32_t* value_flags_host_ = nullptr;
+  bool value_flags_settled_ = true;
   StepRecord last_step_;
 
   // The hand-off: job_, done_ and stop_ change under mu_ (with a notify), so a waiter that

@@ -62,23 +62,29 @@ absl::Status DeviceChecks::Add(const kernels::ValueCheck& check) {
   return absl::OkStatus();
 }
 
+absl::Status DeviceChecks::BeginLaunch(kernels::ValueCheckArgs& args) {
+  // The host clears the words before the step's first check (no memset on the stream): every
+  // launch then adds to them.
+  if (launched_ == 0) DI_RETURN_IF_ERROR(rank_.ClearValueFlags());
+  args.flags = rank_.buffers().value_flags;
+  args.accumulate = true;
+  ++launched_;
+  rank_.ChecksLaunched();
+  return absl::OkStatus();
+}
+
 absl::Status DeviceChecks::Flush() {
   if (args_.num_checks == 0) return absl::OkStatus();
-  args_.flags = rank_.buffers().value_flags;
-  args_.accumulate = launched_ > 0;
-  const absl::Status s = rank_.ops().CheckValues(args_);
+  absl::Status s = BeginLaunch(args_);
+  if (s.ok()) s = rank_.ops().CheckValues(args_);
   args_.num_checks = 0;
-  ++launched_;
   return s;
 }
 
 absl::Status DeviceChecks::ForSection(kernels::ValueCheckArgs& args) {
   if (args.num_checks == 0) return absl::OkStatus();
   if (pending()) return absl::InternalError("device checks still queued before the kernel section");
-  args.flags = rank_.buffers().value_flags;
-  args.accumulate = launched_ > 0;
-  ++launched_;
-  return absl::OkStatus();
+  return BeginLaunch(args);
 }
 
 absl::Status DeviceInputsStatus(uint32_t flags) {

@@ -181,9 +181,10 @@ absl::Status CopyKeyRunOnDevice(Staging& staging, const std::vector<KeyWrite>& w
 // the keys' queued with Add and launched with Flush, as few launches as the staging allows (a
 // key run's copies are checked before the next run overwrites them; the last run's are flushed
 // before the kernel section). q's own checks are launched in the kernel section (QRows::checks,
-// readied by ForSection), so that a replayed graph makes them with the scoring. The step's
-// first launch clears the rank's flag word, later ones add to it; DeviceInputsStatus reads it
-// after the step's Synchronize.
+// readied by ForSection), so that a replayed graph makes them with the scoring. The rank's
+// flag words are mapped host memory: the host clears them before the step's first launch
+// (Rank::ClearValueFlags), every launch adds to them, and DeviceInputsStatus reads their mask
+// after the step's Synchronize, with no copy.
 class DeviceChecks {
  public:
   // Flag bits, in the order the edge checks host bytes (the keys before q): the first set
@@ -198,14 +199,15 @@ class DeviceChecks {
   bool pending() const { return args_.num_checks > 0; }
   absl::Status Flush();
   // Readies `args` (checks the caller launches itself: q's, in the kernel section) as the
-  // step's next launch: the rank's flag word, and whether it adds to an earlier launch's
-  // (accumulate, a field of the kernel section's StepShape); counts it as launched. Nothing
-  // for no checks. Call with nothing queued (after Flush).
+  // step's next launch: the rank's flag words (accumulate, a field of the kernel section's
+  // StepShape, is always true: the host cleared them); counts it as launched. Nothing for no
+  // checks. Call with nothing queued (after Flush).
   absl::Status ForSection(kernels::ValueCheckArgs& args);
-  // Whether any check was launched this step (the flag word then holds the step's result).
+  // Whether any check was launched this step (the flag words then hold the step's result).
   bool issued() const { return launched_ > 0; }
 
  private:
+  absl::Status BeginLaunch(kernels::ValueCheckArgs& args);
   Rank& rank_;
   kernels::ValueCheckArgs args_;
   int32_t launched_ = 0;

@@ -1920,18 +1920,36 @@ TEST_F(GpuTest, CheckValuesMatchesCpu) {
       device.push_back(Upload(bytes));
       args.checks[c] = {device.back().as<void>(), count, type, 1u << (3 * c + rng() % 3), positive};
     }
-    // Accumulating: an earlier finding (bit 31, no check's) stays; else the word is cleared.
+    // Accumulating: an earlier finding (word 31, no check's) stays; else every word is
+    // cleared (they start poisoned).
     const uint32_t before = args.accumulate ? 1u << 31 : 0xDEADBEEFu;
+    std::vector<uint32_t> words_before(kernels::kValueFlagWords);
+    for (int w = 0; w < kernels::kValueFlagWords; ++w) {
+      words_before[w] = (before >> w) & 1u ? 0xA5A5A5A5u : 0u;
+    }
     kernels::ValueCheckArgs cpu = args;
-    uint32_t cpu_flags = before;
-    cpu.flags = &cpu_flags;
+    std::vector<uint32_t> cpu_words = words_before;
+    cpu.flags = cpu_words.data();
     for (int32_t c = 0; c < args.num_checks; ++c) cpu.checks[c].data = host[c].data();
     ASSERT_TRUE(kernels::cpu::CheckValues(cpu).ok());
+    const uint32_t cpu_flags = kernels::ValueFlagsMask(cpu_words.data());
     EXPECT_EQ((cpu_flags >> 31) != 0, args.accumulate) << "trial " << trial;
-    DeviceBuffer flags = Poisoned<uint32_t>(1, before);
+    DeviceBuffer flags = Upload(words_before);
     args.flags = flags.as<uint32_t>();
     ASSERT_TRUE(backend_->CheckValues(args).ok());
-    EXPECT_EQ(Download<uint32_t>(flags, 1)[0], cpu_flags) << "trial " << trial;
+    const std::vector<uint32_t> got = Download<uint32_t>(flags, kernels::kValueFlagWords);
+    EXPECT_EQ(kernels::ValueFlagsMask(got.data()), cpu_flags) << "trial " << trial;
+    // Mapped host memory, as a rank keeps its words: the kernel writes them in place.
+    absl::StatusOr<kernels::Device::Mapped> mapped =
+        backend_->AllocateMapped(kernels::kValueFlagWords * sizeof(uint32_t));
+    ASSERT_TRUE(mapped.ok()) << mapped.status();
+    auto* host_words = static_cast<uint32_t*>(mapped->host);
+    std::copy(words_before.begin(), words_before.end(), host_words);
+    args.flags = static_cast<uint32_t*>(mapped->device);
+    ASSERT_TRUE(backend_->CheckValues(args).ok());
+    ASSERT_TRUE(backend_->Synchronize().ok());
+    EXPECT_EQ(kernels::ValueFlagsMask(host_words), cpu_flags) << "mapped, trial " << trial;
+    backend_->FreeMapped(mapped->host);
   }
 }
 

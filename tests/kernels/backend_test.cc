@@ -336,15 +336,17 @@ TEST(CpuBackend, CheckValuesFlagsABadElementWhereverItIs) {
       for (uint32_t forced : {0x7F800000u, 0x80000000u, 0u, 0xBF800000u}) {
         if (eb == 4 && IsBadValue(c.type, forced, c.positive)) bads.push_back(forced);
       }
+      // The flag words as their mask (bit w: word w set), from words holding `start`'s mask.
       auto check = [&](bool accumulate, uint32_t start) {
-        uint32_t flags = start;
+        uint32_t words[kValueFlagWords];
+        for (int w = 0; w < kValueFlagWords; ++w) words[w] = (start >> w) & 1u ? 7u : 0u;
         ValueCheckArgs args;
         args.checks[0] = {data.data(), n, c.type, 4u, c.positive};
         args.num_checks = 1;
-        args.flags = &flags;
+        args.flags = words;
         args.accumulate = accumulate;
         EXPECT_TRUE(backend->CheckValues(args).ok());
-        return flags;
+        return ValueFlagsMask(words);
       };
       EXPECT_EQ(check(false, 0xFFu), 0u);
       EXPECT_EQ(check(true, 1u), 1u);

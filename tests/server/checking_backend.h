@@ -42,6 +42,27 @@ class CheckingDevice final : public kernels::DeviceWrapper {
     }
     target().Free(ptr);
   }
+  // Mapped host memory is the device's too (its kernels write it in place): its device
+  // address is owned as an allocation.
+  absl::StatusOr<Mapped> AllocateMapped(size_t bytes) override {
+    absl::StatusOr<Mapped> m = target().AllocateMapped(bytes);
+    if (m.ok()) {
+      std::lock_guard lock(mu_);
+      owned_[reinterpret_cast<uintptr_t>(m->device)] = bytes;
+      mapped_[m->host] = m->device;
+    }
+    return m;
+  }
+  void FreeMapped(void* host) override {
+    {
+      std::lock_guard lock(mu_);
+      if (auto it = mapped_.find(host); it != mapped_.end()) {
+        owned_.erase(reinterpret_cast<uintptr_t>(it->second));
+        mapped_.erase(it);
+      }
+    }
+    target().FreeMapped(host);
+  }
   // Counts every CopyToDevice / CopyToHost call into `*counter` from now on (null: stop
   // counting).
   void CountCopiesToDevice(std::atomic<int64_t>* counter) { copies_to_device_ = counter; }
@@ -94,6 +115,7 @@ class CheckingDevice final : public kernels::DeviceWrapper {
   std::atomic<int64_t>* copies_to_host_ = nullptr;
   std::mutex mu_;
   std::map<uintptr_t, size_t> owned_;
+  std::map<void*, void*> mapped_;  // AllocateMapped's host address -> its device address
 };
 
 class CheckingOps final : public kernels::IndexerOpsWrapper {

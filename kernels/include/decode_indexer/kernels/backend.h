@@ -73,6 +73,10 @@ class ForwardingDevice : public Base {
   absl::Status Synchronize() override { return target_.Synchronize(); }
   absl::StatusOr<void*> AllocateHost(size_t bytes) override { return target_.AllocateHost(bytes); }
   void FreeHost(void* ptr) override { target_.FreeHost(ptr); }
+  absl::StatusOr<Device::Mapped> AllocateMapped(size_t bytes) override {
+    return target_.AllocateMapped(bytes);
+  }
+  void FreeMapped(void* host) override { target_.FreeMapped(host); }
   bool SupportsGraphs() const override { return target_.SupportsGraphs(); }
   absl::Status BeginCapture() override { return target_.BeginCapture(); }
   absl::Status EndCapture(uint64_t key) override { return target_.EndCapture(key); }

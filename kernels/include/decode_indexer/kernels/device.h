@@ -50,6 +50,21 @@ class Device {
   }
   virtual void FreeHost(void* ptr) { std::free(ptr); }
 
+  // Host memory the device's kernels read and write in place, through `device` (a GPU maps
+  // page-locked memory into its address space; a host device hands the same pointer twice):
+  // words a kernel sets and the host reads after a Synchronize, or clears before a launch,
+  // with no copy. Zero-filled. Free with FreeMapped(host).
+  struct Mapped {
+    void* host = nullptr;
+    void* device = nullptr;
+  };
+  virtual absl::StatusOr<Mapped> AllocateMapped(size_t bytes) {
+    void* p = std::calloc(1, bytes > 0 ? bytes : 1);
+    if (p == nullptr) return absl::ResourceExhaustedError("cannot allocate mapped host memory");
+    return Mapped{p, p};
+  }
+  virtual void FreeMapped(void* host) { std::free(host); }
+
   // CUDA graphs (seed: warm). Between BeginCapture and EndCapture the operations called on
   // the main stream (IndexerOps' included) are recorded, not run; EndCapture(key)
   // instantiates the recording and keeps it under `key` without running it (so a failed

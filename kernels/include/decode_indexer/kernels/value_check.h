@@ -58,7 +58,8 @@ DI_HOST_DEVICE constexpr bool IsBadValue(ElemType type, uint32_t bits, bool posi
 }
 
 // One tensor to check: `count` elements of `type` at `data` (the backend's memory). A bad
-// element sets `bit` in the flag word. `positive`: fp32 scales, whose values must be > 0.
+// element sets flag `bit` (one bit of a mask, naming the tensor: word ValueFlagWord(bit) of
+// the flag words). `positive`: fp32 scales, whose values must be > 0.
 struct ValueCheck {
   const void* data = nullptr;
   int64_t count = 0;
@@ -67,10 +68,28 @@ struct ValueCheck {
   bool positive = false;
 };
 
+// The flags as words, one per bit of the mask: a check that finds a bad element writes 1 to
+// its word with a plain store, so no atomic is needed and the words may lie in page-locked
+// host memory the device writes through its mapping (Device::AllocateMapped), which the host
+// then reads after the stream's Synchronize with no copy (and clears itself, with no launch).
+inline constexpr int kValueFlagWords = 32;
+DI_HOST_DEVICE constexpr int ValueFlagWord(uint32_t bit) {
+  int w = 0;
+  while (w < kValueFlagWords - 1 && ((bit >> w) & 1u) == 0) ++w;
+  return w;
+}
+// The mask the words hold: bit w set where word w is not zero.
+inline uint32_t ValueFlagsMask(const volatile uint32_t* words) {
+  uint32_t mask = 0;
+  for (int w = 0; w < kValueFlagWords; ++w) mask |= words[w] != 0 ? 1u << w : 0u;
+  return mask;
+}
+
 // Up to kMaxChecks tensors (a step's device inputs: new keys and their scales, q, q_scales,
-// weights); `flags` is one uint32 in the backend's memory, cleared by the call (kept with
-// `accumulate`: a step's later checks add to its first one's), then OR-ed with the bit of
-// every tensor holding a bad element (ordered on the main stream: read it after a
+// weights); `flags` is kValueFlagWords uint32 words the backend's kernels can write (its
+// memory, or mapped host memory), cleared by the call (kept with `accumulate`: a step's later
+// checks add to earlier ones, or the caller cleared them), then word ValueFlagWord(bit) set
+// to 1 for every tensor holding a bad element (ordered on the main stream: read them after a
 // Synchronize).
 struct ValueCheckArgs {
   static constexpr int kMaxChecks = 8;
@@ -135,14 +154,17 @@ inline absl::Status HostCheckValues(const ValueCheckArgs& args) {
       args.num_checks > ValueCheckArgs::kMaxChecks) {
     return absl::InvalidArgumentError("CheckValues: bad arguments");
   }
-  uint32_t flags = 0;
   for (int32_t c = 0; c < args.num_checks; ++c) {
     const ValueCheck& v = args.checks[c];
     if (CheckedElemBytes(v.type) == 0 || v.count <= 0) continue;
     if (v.data == nullptr) return absl::InvalidArgumentError("CheckValues: null tensor");
-    if (HostAnyBadValue(v.type, v.data, v.count, v.positive)) flags |= v.bit;
   }
-  *args.flags = args.accumulate ? (*args.flags | flags) : flags;
+  if (!args.accumulate) std::memset(args.flags, 0, kValueFlagWords * sizeof(uint32_t));
+  for (int32_t c = 0; c < args.num_checks; ++c) {
+    const ValueCheck& v = args.checks[c];
+    if (CheckedElemBytes(v.type) == 0 || v.count <= 0 || v.bit == 0) continue;
+    if (HostAnyBadValue(v.type, v.data, v.count, v.positive)) args.flags[ValueFlagWord(v.bit)] = 1;
+  }
   return absl::OkStatus();
 }
 
