@@ -41,6 +41,17 @@ __device__ __forceinline__ uint64_t MbarArrive(uint64_t* bar) {
   return state;
 }
 
+// Waits until this thread's earlier shared-memory loads have been served, for a release of
+// a ring slot before those loads' values are used: the arrive alone does not wait for them
+// (in the SASS, SYNCS.ARRIVE follows an LDS / LDSM with nothing between that needs its
+// result), so the producer's next fill could land first. Measured in session 17: an fp8
+// kernel built to release with its key-scale load just issued read the next page's scales in
+// 99 of 100 launches, 0 of 100 with this fence (MEMBAR.*.CTA) before the arrive
+// (docs/results/gpu-test-runs.md). A release after the loaded values are used needs none.
+__device__ __forceinline__ void FenceSlotReads() {
+  asm volatile("fence.acq_rel.cta;\n" ::: "memory");
+}
+
 // Blocks until the phase of parity `parity` has completed (acquire semantics, the default).
 // try_wait suspends the thread for a while in hardware, so the loop does not spin hot.
 __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {

@@ -181,7 +181,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     // Bit moves: the sums are 2^-8 times the true ones (exactly); 256 * ks is exact too.
     const float ks0 = kSplit ? 256.f * ksc[key0] : ksc[key0];
     const float ks1 = kSplit ? 256.f * ksc[key0 + 8] : ksc[key0 + 8];
-    // The slot is no longer read: hand it back to the producer before the MMA.
+    // The slot is no longer read: hand it back to the producer before the MMA, once this
+    // lane's loads from it (the codes, the two scales) have been served (FenceSlotReads: the
+    // arrive comes before their values' first use).
+    FenceSlotReads();
     __syncwarp();
     if (lane == 0) MbarArrive(&empty[st]);
 
