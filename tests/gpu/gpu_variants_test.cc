@@ -297,8 +297,9 @@ TEST_F(GpuTest, Fp8PerPageVariantEqualsTheProductionKernel) {
 // (gpu_test's DenseTopKBitIdenticalAcrossRuns, session 16: 8 requests x ~20000, next_n 2), the
 // production fp8 kernel and the per-page kernel it replaced, five launches each on fresh
 // NaN-poisoned outputs: every launch writes every position of every row, the same bits each
-// time and the same bits as the other kernel. Says whether the run-ordered loop brought the
-// difference (gpu_test's Fp8DenseTopKStagesAnswerAsTheCpuOnTheirLogits separates the stages).
+// time and the same bits as the other kernel. Session 17: the run-ordered kernel differed in 11
+// of 50 launches, the per-page one in none, until both released a ring slot only after its
+// logits were stored (sm90_paged_mqa_logits_fp8.cuh, score_page); it stays as the guard.
 TEST_F(GpuTest, Fp8KernelsRepeatAtTheDenseTopKShape) {
   Scene s = MakeScene(Spec(CacheFormat::kFp8, 64, Lengths(8, 20000), 2));
   auto ds = UploadScene(this, s);
