@@ -50,8 +50,8 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   absl::StatusOr<QRows> q = UploadQ(rank, staging, plan, range, packed);
   if (!q.ok()) return q.status();
   // The last key run's checks, still queued (their counts vary: eager); q's go with the
-  // kernel section, their arguments fixed for its shape (the flag word, whether they add to
-  // the keys', and q's addresses, in place or staged).
+  // kernel section, their arguments fixed for its shape (the flag words, and q's addresses,
+  // in place or staged).
   DI_RETURN_IF_ERROR(checks.Flush());
   DI_RETURN_IF_ERROR(checks.ForSection(q->checks));
   DI_RETURN_IF_ERROR(DecodeSchedule(rank, staging, plan, packed));

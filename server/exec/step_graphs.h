@@ -49,8 +49,8 @@ struct StepShape {
   uintptr_t q_codes = 0;
   uintptr_t q_scales = 0;
   uintptr_t q_weights = 0;
-  // Device q's value check in the section (QRows::checks): 0 none, 1 the step's first check
-  // (it clears the flag word), 2 after the keys' (it adds to it).
+  // Device q's value check in the section (QRows::checks): 0 none, 1 a check that clears the
+  // flag words first, 2 one that adds to them (the executor's: the host cleared them).
   int32_t q_check = 0;
   // The top-k written in place into the answer's device span (decode_schedule.h TopKInPlace):
   // the address of the rank's rows there (0: the rank's own buffer). A step whose answer

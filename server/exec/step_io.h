@@ -291,8 +291,8 @@ inline constexpr uintptr_t kInPlaceWordAlign = 4;
 absl::StatusOr<QRows> UploadQ(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range,
                               const StepUploads& packed);
 
-// The device checks' flag word (DeviceChecks) as the step's status: INVALID_ARGUMENT naming
-// the field at fault, or OK.
+// The device checks' flags (DeviceChecks; the mask of their words, kernels::ValueFlagsMask) as
+// the step's status: INVALID_ARGUMENT naming the field at fault, or OK.
 absl::Status DeviceInputsStatus(uint32_t flags);
 
 }  // namespace decode_indexer::exec
