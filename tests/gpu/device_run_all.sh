@@ -101,6 +101,9 @@ if [ "$mode" = bench ]; then
         --configs "$out/cuda_bench.json" --out "$out/dg.json" >>"$out/dg.log" 2>&1
     echo "deepgemm rc=$?" | tee -a "$out/rc.txt"
     python3 .peer/deepgemm/compare.py "$out/cuda_bench.json" "$out/dg.json" >"$out/compare.md" 2>&1
+    # Graph against graph, and issue 17's goals (compare.md divides our eager time).
+    python3 bench/cuda/compare_deepgemm.py "$out/cuda_bench.json" "$out/dg.json" \
+      --json "$out/compare_graph.json" >"$out/compare_graph.md" 2>&1
   fi
   # Snapshot write / restore time (docs/results/snapshot.md) where the bundle has the bench:
   # 16 x 32K x 61 caches (4.2 GB) on each backend, the file on this machine's disk.
