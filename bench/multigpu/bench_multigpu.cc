@@ -14,8 +14,13 @@
 //   the backend's own fork/join events (BenchClocks::LastOverlapTiming).
 //
 // Keys and q are pre-quantized random codes (FP8 e4m3 / FP4 e2m1, never NaN), appended once
-// per executor; the timed steps carry no new keys and score explicit causal row lengths, so
-// one prefill at the longest context serves every shorter one. Prints markdown tables.
+// per executor; the timed steps score explicit causal row lengths, so one prefill at the
+// longest context serves every shorter one. By default they carry no new keys; with
+// --new-keys N (v32) each step also appends N keys to every sequence, as a decode step that
+// carries its token's index key does (the append's planning, staging and insert kernel in the
+// step's time; the rows still score the first `context` keys, so the kernels' work does not
+// grow, and max_context and the pool leave room for every step's keys). Prints markdown
+// tables.
 //
 // --backend host: the executor's host side alone (planning, staging, hand-offs, commit) on
 // a backend whose kernels do nothing and whose "device" memory is host memory (copies are
@@ -25,7 +30,7 @@
 //        [--contexts 32768,65536] [--next-n 1,2] [--steps 20] [--v41-requests 64]
 //        [--v41-context 32768] [--skip-v32] [--skip-v41] [--graphs on,off] [--pinned on]
 //        [--direct on,off] [--packed on|off] [--answer vector,host,pinned,pinned-q,device-q]
-//        [--answer-in-place on|off]
+//        [--answer-in-place on|off] [--new-keys N]
 //
 // --answer (v32; v41 uses the first value): where the timed steps' answers go. vector:
 // StepResult's vectors (the executor's fallback, the path before AnswerSink); host: a
@@ -128,6 +133,7 @@ struct Args {
   std::vector<bool> pinned = {true};
   bool packed = true;           // ExecutorOptions::packed_uploads (--packed on|off)
   bool answer_in_place = true;  // ExecutorOptions::answer_in_place (--answer-in-place on|off)
+  int new_keys = 0;             // v32: keys appended to every sequence by each step
   std::vector<bool> direct = {true};
   std::vector<std::string> answers = {"pinned"};
 };
@@ -168,7 +174,7 @@ Args Parse(int argc, char** argv) {
           "[--v41-requests 64] [--v41-context 32768]\n  [--skip-v32] [--skip-v41] "
           "[--graphs on,off] [--pinned on] [--direct on,off] [--packed on|off]\n  [--answer "
           "vector,host,pinned,pinned-q,device-q] [--answer-in-place on|off] "
-          "[--version]\n");
+          "[--new-keys N] [--version]\n");
       std::exit(0);
     } else if (f == "--version") {
       std::printf("%s\n", decode_indexer::cli::VersionLine().c_str());
@@ -205,6 +211,8 @@ Args Parse(int argc, char** argv) {
       a.direct = OnOffList(next());
     else if (f == "--answer")
       a.answers = absl::StrSplit(next(), ',');
+    else if (f == "--new-keys")
+      a.new_keys = std::max(0, std::atoi(next()));
     else {
       std::fprintf(stderr, "unknown flag %s (see the source's header)\n", f.c_str());
       std::exit(2);
@@ -292,9 +300,9 @@ Data MakeData(const di::config::Profile& p, CacheFormat format, int64_t keys, in
 }
 
 // A step of `requests` sequences x next_n rows over context `context` (explicit causal row
-// lengths, no new keys).
+// lengths), each sequence appending `new_keys` keys at its end (FP8 caches; 0: none).
 di::exec::StepInput MakeStep(int32_t layer, int requests, int next_n, int context, const Data& d,
-                             bool fp4, uint64_t step_id) {
+                             bool fp4, uint64_t step_id, int new_keys = 0) {
   di::exec::StepInput in;
   in.layer = layer;
   in.step_id = step_id;
@@ -303,6 +311,12 @@ di::exec::StepInput MakeStep(int32_t layer, int requests, int next_n, int contex
     s.sequence_id = i + 1;
     s.num_rows = next_n;
     for (int j = 0; j < next_n; ++j) s.row_lengths.push_back(context - next_n + 1 + j);
+    if (new_keys > 0) {
+      s.new_keys.type = ElemType::kFp8E4M3;
+      s.new_keys.count = new_keys;
+      s.new_keys.keys = d.keys.data();
+      s.new_keys.scales = d.key_scales.data();
+    }
     in.sequences.push_back(std::move(s));
   }
   in.num_rows = requests * next_n;
@@ -555,12 +569,19 @@ void BenchV32(const Args& a) {
   const int max_req = *std::max_element(a.requests.begin(), a.requests.end());
   const int max_n = *std::max_element(a.next_n.begin(), a.next_n.end());
   p.layers.resize(1);
-  p.max_context = max_ctx;
+  // Room for every timed step's new keys: one executor runs every (requests, context, next_n,
+  // answer) point, warm-up steps included.
+  const int64_t points =
+      int64_t(a.requests.size()) * a.contexts.size() * a.next_n.size() * a.answers.size();
+  const int64_t grown = int64_t(a.new_keys) * (a.warmup + a.steps) * points;
+  p.max_context = static_cast<int32_t>(max_ctx + grown);
   p.max_rows_per_sequence = max_n;
-  const int64_t pages = int64_t(max_req) * ((max_ctx + p.page_size - 1) / p.page_size) + 16;
+  const int64_t pages = int64_t(max_req) * ((max_ctx + grown + p.page_size - 1) / p.page_size) + 16;
   const Data d = MakeData(p, CacheFormat::kFp8, 65536, max_req * max_n, 7);
-  std::printf("\n## v32 dense layer (H %d, D %d, K %d, FP8), %s backend\n\n", p.num_heads,
-              p.head_dim, p.topk, a.backend.c_str());
+  std::printf(
+      "\n## v32 dense layer (H %d, D %d, K %d, FP8), %s backend, %d new keys a sequence "
+      "a step\n\n",
+      p.num_heads, p.head_dim, p.topk, a.backend.c_str(), a.new_keys);
   std::printf(
       "| ranks | graphs | pinned | direct | answer | requests | context | next_n | rows | sharded "
       "| step us | steps/s | collective us | collective share | slowest rank's scoring us | "
@@ -587,7 +608,7 @@ void BenchV32(const Args& a) {
                   const size_t w_bytes = size_t(req) * n * p.num_heads * sizeof(float);
                   CallerRegion region(*e, answer, size_t(req) * n * p.topk * sizeof(int32_t),
                                       q_bytes + w_bytes);
-                  di::exec::StepInput step = MakeStep(0, req, n, ctx, d, false, 1);
+                  di::exec::StepInput step = MakeStep(0, req, n, ctx, d, false, 1, a.new_keys);
                   region.Use(step, q_bytes, w_bytes);
                   const Timing t = TimeSteps(*e, {step}, a.warmup, a.steps);
                   if (!t.ok) continue;

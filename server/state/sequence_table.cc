@@ -32,7 +32,7 @@ absl::StatusOr<CacheWrite> PlanCacheWrite(const CachePages& cp, int64_t position
   for (int64_t k = first; k < need; ++k) fresh += k >= held || replaced(k);
   absl::StatusOr<std::vector<int32_t>> got = pool.Reserve(fresh);
   if (!got.ok()) return got.status();
-  w.fresh = *std::move(got);
+  w.fresh.assign(got->begin(), got->end());
   size_t next = 0;
   for (int64_t k = first; k < need; ++k) {
     if (k < held && !replaced(k)) {
@@ -51,17 +51,30 @@ absl::StatusOr<CacheWrite> PlanCacheWrite(const CachePages& cp, int64_t position
   return w;
 }
 
+namespace {
+// Back to an empty write, fields cleared in place (its lists keep their storage).
+void ResetWrite(CacheWrite& w) {
+  w.position = 0;
+  w.new_length = 0;
+  w.keep = 0;
+  w.tail.clear();
+  w.fresh.clear();
+  w.copies.clear();
+  w.dropped.clear();
+}
+}  // namespace
+
 void CommitCacheWrite(CachePages& cp, CacheWrite& write, PageAllocator& pool) {
   pool.Release(write.dropped);
   cp.pages.resize(write.keep);
   cp.pages.insert(cp.pages.end(), write.tail.begin(), write.tail.end());
   cp.length = write.new_length;
-  write = CacheWrite{};
+  ResetWrite(write);
 }
 
 void AbortCacheWrite(CacheWrite& write, PageAllocator& pool) {
   pool.Release(write.fresh);
-  write = CacheWrite{};
+  ResetWrite(write);
 }
 
 int64_t TruncateCache(CachePages& cp, int64_t length, int32_t page_size, PageAllocator& pool) {

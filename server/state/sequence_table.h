@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "server/state/page_allocator.h"
@@ -57,14 +58,19 @@ struct PageCopy {
   int32_t src = 0;
   int32_t dst = 0;
 };
+// A decode step plans one per sequence (its token's key: a page or two of tail), so the lists
+// keep a few entries inline: no heap allocation per sequence and step (64 of them a step at 64
+// requests cost ~1.8 us of planning on the development machine).
 struct CacheWrite {
+  template <typename T>
+  using Pages = absl::InlinedVector<T, 4>;
   int64_t position = 0;
   int64_t new_length = 0;
-  size_t keep = 0;               // pages[0, keep) stay as they are
-  std::vector<int32_t> tail;     // the pages [keep, ceil(new_length / P)) after the write
-  std::vector<int32_t> fresh;    // those of tail reserved for it
-  std::vector<PageCopy> copies;  // whole pages to copy before the entries are written
-  std::vector<int32_t> dropped;  // pages the sequence lets go of on commit
+  size_t keep = 0;         // pages[0, keep) stay as they are
+  Pages<int32_t> tail;     // the pages [keep, ceil(new_length / P)) after the write
+  Pages<int32_t> fresh;    // those of tail reserved for it
+  Pages<PageCopy> copies;  // whole pages to copy before the entries are written
+  Pages<int32_t> dropped;  // pages the sequence lets go of on commit
 
   int32_t PageAt(const CachePages& cp, int64_t index) const {
     return index < static_cast<int64_t>(keep) ? cp.pages[index] : tail[index - keep];
