@@ -958,16 +958,7 @@ TEST_F(GpuTest, Fp8LogitsWithinTheFp8BoundOfTheExactOnes) {
       {Lengths(3, 2500), 3, true, 512},
       {Lengths(300, 150), 1, false, 64},
   };
-  kernels::BackendLimits limits;
-  limits.max_rows = 320;
-  limits.max_requests = 320;
-  limits.max_context = 1 << 20;
-  limits.num_heads = 64;
-  limits.head_dim = 128;
-  limits.max_topk = 2048;
-  limits.max_candidate_positions = 2048 * 8;
-  limits.logits_precision = kernels::LogitsPrecision::kFp8;
-  auto fp8_backend = kernels::MakeCudaBackend(limits, 0);
+  auto fp8_backend = MakeBackend(kernels::LogitsPrecision::kFp8);
   ASSERT_TRUE(fp8_backend.ok()) << fp8_backend.status();
   double worst_of_bound = 0.0, worst_of_max = 0.0, bound_of_max = 0.0;
   for (const Case& c : cases) {
@@ -1300,24 +1291,17 @@ TEST_F(GpuTest, DenseKernelsRepeatWithTheirRingsFull) {
   for (const Load load : {Load{8, 20000, 2}, Load{64, 8192, 1}}) {
     Scene s = MakeScene(Spec(CacheFormat::kFp8, 64, Lengths(load.requests, load.avg), load.next_n));
     auto ds = UploadScene(this, s);
-    const int32_t rows = s.num_rows();
     const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
     for (const MqaMath math : {MqaMath::kWgmmaKeysMPipelined, MqaMath::kWgmmaKeysMPipelinedFp8}) {
       SCOPED_TRACE(::testing::Message() << load.requests << " x " << load.avg << " next_n "
                                         << load.next_n << ", math " << static_cast<int>(math));
       const std::vector<float> first = GpuLogits(this, *ds, stride, NumSms(), math);
       for (int run = 1; run < 8; ++run) {
-        const std::vector<float> again = GpuLogits(this, *ds, stride, NumSms(), math);
-        int64_t diff = 0, unwritten = 0;
-        for (int32_t r = 0; r < rows; ++r) {
-          for (int32_t t = 0; t < s.row_length[r]; ++t) {
-            const int64_t i = r * stride + t;
-            diff += std::memcmp(&again[i], &first[i], sizeof(float)) != 0;
-            unwritten += std::isnan(again[i]);
-          }
-        }
-        EXPECT_EQ(unwritten, 0) << "entries not written, launch " << run;
-        EXPECT_EQ(diff, 0) << "entries that differ from the first launch, launch " << run;
+        const LogitsDiff d =
+            CompareLogits(s, stride, first, GpuLogits(this, *ds, stride, NumSms(), math));
+        EXPECT_EQ(d.unwritten, 0) << "entries not written, launch " << run;
+        EXPECT_EQ(d.differ, 0) << "entries that differ from the first launch, launch " << run << ":"
+                               << d.first;
       }
     }
   }
@@ -1345,19 +1329,9 @@ TEST_F(GpuTest, Fp8DenseTopKStagesAnswerAsTheCpuOnTheirLogits) {
   for (int run = 1; run < 5; ++run) {
     const std::vector<float> again =
         GpuLogits(this, *ds, stride, NumSms(), MqaMath::kWgmmaKeysMPipelinedFp8);
-    int64_t diff = 0;
-    std::string where;  // the first few differing entries: row, position, tile, both values
-    for (int32_t r = 0; r < rows; ++r) {
-      for (int32_t t = 0; t < s.row_length[r]; ++t) {
-        const float a = first[r * stride + t], b = again[r * stride + t];
-        if (std::memcmp(&a, &b, 4) == 0) continue;
-        if (++diff <= 8) {
-          where += absl::StrCat(" [row ", r, " pos ", t, " tile ", t / 64, ": ", a, " vs ", b, "]");
-        }
-      }
-    }
-    EXPECT_EQ(diff, 0) << "fp8 logits: entries that differ from the first run, run " << run << ":"
-                       << where;
+    const LogitsDiff d = CompareLogits(s, stride, first, again);
+    EXPECT_EQ(d.differ, 0) << "fp8 logits: entries that differ from the first run, run " << run
+                           << ":" << d.first;
   }
   std::vector<int32_t> expect(int64_t{rows} * k);
   for (int32_t r = 0; r < rows; ++r) {
@@ -1379,16 +1353,7 @@ TEST_F(GpuTest, Fp8DenseTopKStagesAnswerAsTheCpuOnTheirLogits) {
     EXPECT_EQ(rows_differing(RadixTopKOf(this, a, dl, stride, dlen, rows, k)), 0)
         << "radix top-k on fixed logits against the CPU's, run " << run;
   }
-  kernels::BackendLimits limits;
-  limits.max_rows = 64;
-  limits.max_requests = 64;
-  limits.max_context = 1 << 20;
-  limits.num_heads = 64;
-  limits.head_dim = 128;
-  limits.max_topk = k;
-  limits.max_candidate_positions = 2048 * 8;
-  limits.logits_precision = kernels::LogitsPrecision::kFp8;
-  auto fp8_backend = kernels::MakeCudaBackend(limits, 0);
+  auto fp8_backend = MakeBackend(kernels::LogitsPrecision::kFp8);
   ASSERT_TRUE(fp8_backend.ok()) << fp8_backend.status();
   for (int run = 0; run < 5; ++run) {
     kernels::DenseArgs d;

@@ -84,17 +84,25 @@ class GpuTest : public ::testing::Test {
     if (!kernels::CudaBackendAvailable()) {
       GTEST_SKIP() << "no CUDA GPU visible: the CUDA backend tests are skipped here";
     }
+    auto b = MakeBackend();
+    ASSERT_TRUE(b.ok()) << b.status();
+    backend_ = std::move(*b);
+  }
+
+  // A CUDA backend of the suite's limits (room for the > 256-request dense case), its dense
+  // logits at `precision` (backend_ is at the default).
+  static absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(
+      kernels::LogitsPrecision precision = kernels::LogitsPrecision::kDefault) {
     kernels::BackendLimits limits;
-    limits.max_rows = 320;  // room for the > 256-request dense case below
+    limits.max_rows = 320;
     limits.max_requests = 320;
     limits.max_context = 1 << 20;
     limits.num_heads = 64;
     limits.head_dim = 128;
     limits.max_topk = 2048;
     limits.max_candidate_positions = 2048 * 8;
-    auto b = kernels::MakeCudaBackend(limits, 0);
-    ASSERT_TRUE(b.ok()) << b.status();
-    backend_ = std::move(*b);
+    limits.logits_precision = precision;
+    return kernels::MakeCudaBackend(limits, 0);
   }
 
   template <typename T>
@@ -185,6 +193,32 @@ inline std::vector<int32_t> Lengths(int n, int32_t avg) {
   std::vector<int32_t> v(n);
   for (auto& l : v) l = std::max(1, static_cast<int32_t>(avg * u(Rng())));
   return v;
+}
+
+// `got` against `want` ([rows, stride] logits of scene `s`) over each row's positions below its
+// length: the entries whose bits differ, those left NaN in `got` (not written), and the first
+// few differing ones as text (row, position, key tile, both values).
+struct LogitsDiff {
+  int64_t differ = 0;
+  int64_t unwritten = 0;
+  std::string first;
+};
+inline LogitsDiff CompareLogits(const Scene& s, int64_t stride, const std::vector<float>& want,
+                                const std::vector<float>& got) {
+  LogitsDiff d;
+  for (int32_t r = 0; r < s.num_rows(); ++r) {
+    for (int32_t t = 0; t < s.row_length[r]; ++t) {
+      const float a = want[r * stride + t], b = got[r * stride + t];
+      d.unwritten += std::isnan(b);
+      if (std::memcmp(&a, &b, sizeof(float)) == 0) continue;
+      if (++d.differ <= 8) {
+        d.first += " [row " + std::to_string(r) + " pos " + std::to_string(t) + " tile " +
+                   std::to_string(t / 64) + ": " + std::to_string(a) + " vs " + std::to_string(b) +
+                   "]";
+      }
+    }
+  }
+  return d;
 }
 
 inline SceneSpec Spec(CacheFormat f, int32_t heads, std::vector<int32_t> lengths, int32_t next_n) {

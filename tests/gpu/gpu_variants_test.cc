@@ -303,7 +303,6 @@ TEST_F(GpuTest, Fp8PerPageVariantEqualsTheProductionKernel) {
 TEST_F(GpuTest, Fp8KernelsRepeatAtTheDenseTopKShape) {
   Scene s = MakeScene(Spec(CacheFormat::kFp8, 64, Lengths(8, 20000), 2));
   auto ds = UploadScene(this, s);
-  const int32_t rows = s.num_rows();
   const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
   const std::vector<float> first =
       GpuLogits(this, *ds, stride, NumSms(), MqaMath::kWgmmaKeysMPipelinedFp8);
@@ -314,16 +313,10 @@ TEST_F(GpuTest, Fp8KernelsRepeatAtTheDenseTopKShape) {
       const std::vector<float> got =
           per_page ? VariantLogits(this, *ds, stride, NumSms(), MqaVariant::kFp8PerPage)
                    : GpuLogits(this, *ds, stride, NumSms(), MqaMath::kWgmmaKeysMPipelinedFp8);
-      int64_t diff = 0, unwritten = 0;
-      for (int32_t r = 0; r < rows; ++r) {
-        for (int32_t t = 0; t < s.row_length[r]; ++t) {
-          const int64_t i = r * stride + t;
-          diff += std::memcmp(&got[i], &first[i], sizeof(float)) != 0;
-          unwritten += std::isnan(got[i]);
-        }
-      }
-      EXPECT_EQ(unwritten, 0) << "entries not written";
-      EXPECT_EQ(diff, 0) << "entries that differ from the production kernel's first launch";
+      const LogitsDiff d = CompareLogits(s, stride, first, got);
+      EXPECT_EQ(d.unwritten, 0) << "entries not written";
+      EXPECT_EQ(d.differ, 0) << "entries that differ from the production kernel's first launch:"
+                             << d.first;
     }
   }
 }
