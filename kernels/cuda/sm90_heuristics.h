@@ -36,11 +36,8 @@ inline constexpr MqaMath kFp8DenseMqaMath = MqaMath::kWgmmaKeysMPipelinedFp8;
 // What kDefault means: the fp8 kernel, measured 1.36x faster than the exact one at 64 x 32K
 // next_n 1 and 1.6x at next_n 2 on the H200 (docs/results/cuda-bench.md, issue 17's first run),
 // within spec section 6's fp8 bound of the reference (cuda_vs_cpu_test's
-// CudaFp8ServerMatchesReference). Session 16 made the exact kernel the default for a while: the
-// fp8 kernel's dense logits + top-k answered differently between runs, a ring slot released
-// before its key-scale load was served; fixed in session 17 (sm90_paged_mqa_logits_fp8.cuh,
-// score_page; docs/results/gpu-test-runs.md). The exact kernel stays a flag away
-// (--logits-precision exact).
+// CudaFp8ServerMatchesReference). The exact kernel stays a flag away (--logits-precision
+// exact). (Why the default once moved to the exact kernel and back: docs/status.md, issue 17.)
 inline constexpr bool kDenseLogitsFp8ByDefault = true;
 
 // kDefault resolved: DI_LOGITS_PRECISION (exact / fp8) if set, else kDenseLogitsFp8ByDefault.

@@ -203,10 +203,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   }
   if (!status.ok()) {
     // Copies queued before the failure may still read the host staging the next step reuses.
-    if (be.Synchronize().ok()) {
-      rank.staging_ring().Settle();
-      rank.SettleValueFlags();
-    }
+    if (be.Synchronize().ok()) rank.Settled();
     return status;
   }
 
@@ -224,10 +221,7 @@ absl::Status DecodeRowsOnRank(Rank& rank, const StepPlan& plan, Collective& coll
   absl::Status done = be.Synchronize();
   // The step's ring slot is read no more (the side stream's expansion aside: see StagingRing);
   // its checks have written their flag words, read here in place (mapped host memory).
-  if (done.ok()) {
-    rank.staging_ring().Settle();
-    rank.SettleValueFlags();
-  }
+  if (done.ok()) rank.Settled();
   if (observer != nullptr) observer->OnRank(rank.index(), Mark::kWaitEnd);
   if (done.ok() && checks.issued()) {
     done = DeviceInputsStatus(kernels::ValueFlagsMask(rank.value_flags_host()));

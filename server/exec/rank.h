@@ -183,12 +183,17 @@ class Rank {
   HostArena& readback() { return readback_; }
   // RankBuffers::value_flags as the host sees them: read after the step's Synchronize, no
   // copy. ClearValueFlags zeroes them for a step's first check, first waiting for the device
-  // when an earlier step's checks may still be running (SettleValueFlags after a
-  // Synchronize says they are not), so no late write lands in a later step's words.
+  // when an earlier step's checks may still be running (Settled says they are not), so no late
+  // write lands in a later step's words.
   const volatile uint32_t* value_flags_host() const { return value_flags_host_; }
   absl::Status ClearValueFlags();
   void ChecksLaunched() { value_flags_settled_ = false; }
-  void SettleValueFlags() { value_flags_settled_ = true; }
+  // After a Synchronize with nothing queued since: the step's staging slot is read no more
+  // and its checks have written their flag words.
+  void Settled() {
+    ring_.Settle();
+    value_flags_settled_ = true;
+  }
   // Job handoff: Start hands the job to the rank's thread (rank 0, which has none, runs it
   // before returning); Wait returns its status.
   void Start(const Job* job);

@@ -9,6 +9,16 @@ namespace decode_indexer::state {
 
 namespace {
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// Back to an empty write, fields cleared in place (its lists keep their storage).
+void ResetWrite(CacheWrite& w) {
+  w.position = 0;
+  w.new_length = 0;
+  w.keep = 0;
+  w.tail.clear();
+  w.fresh.clear();
+  w.copies.clear();
+  w.dropped.clear();
+}
 }  // namespace
 
 absl::StatusOr<CacheWrite> PlanCacheWrite(const CachePages& cp, int64_t position, int64_t count,
@@ -50,19 +60,6 @@ absl::StatusOr<CacheWrite> PlanCacheWrite(const CachePages& cp, int64_t position
   for (int64_t k = std::max(need, first); k < held; ++k) w.dropped.push_back(cp.pages[k]);
   return w;
 }
-
-namespace {
-// Back to an empty write, fields cleared in place (its lists keep their storage).
-void ResetWrite(CacheWrite& w) {
-  w.position = 0;
-  w.new_length = 0;
-  w.keep = 0;
-  w.tail.clear();
-  w.fresh.clear();
-  w.copies.clear();
-  w.dropped.clear();
-}
-}  // namespace
 
 void CommitCacheWrite(CachePages& cp, CacheWrite& write, PageAllocator& pool) {
   pool.Release(write.dropped);
