@@ -106,6 +106,14 @@ int64_t PositionSlot(const RowBatch& rows, const CacheGeometry& geometry, int32_
 absl::Status InsertKeys(const KeyInsertArgs& args) {
   const CacheGeometry& g = args.cache.geometry;
   const int32_t d_dim = g.head_dim;
+  if (args.num_edits < 0 ||
+      (args.num_edits > 0 &&
+       (args.page_table == nullptr || args.edit_index == nullptr || args.edit_pages == nullptr))) {
+    return absl::InvalidArgumentError("InsertKeys: bad page-table edits");
+  }
+  for (int32_t i = 0; i < args.num_edits; ++i) {
+    if (args.edit_index[i] >= 0) args.page_table[args.edit_index[i]] = args.edit_pages[i];
+  }
   if (args.num_keys == 0) return absl::OkStatus();
   if (args.num_keys < 0 || args.keys == nullptr || args.slots == nullptr ||
       args.cache.base == nullptr) {

@@ -1,5 +1,7 @@
 // Key insert (spec sections 2 and 4): quantize-and-cache of unquantized keys (optional
 // Hadamard) or a copy of pre-quantized ones, into the paged layout. One warp per key.
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/sm90_launchers.h"
@@ -10,6 +12,13 @@ namespace decode_indexer::kernels::cuda {
 namespace {
 
 __global__ void __launch_bounds__(kWarpKernelThreads) InsertKeysKernel(const KeyInsertArgs a) {
+  // The page-table edits (no two name one index): block 0's threads.
+  if (blockIdx.x == 0) {
+    for (int i = threadIdx.x; i < a.num_edits; i += blockDim.x) {
+      const int32_t at = a.edit_index[i];
+      if (at >= 0) a.page_table[at] = a.edit_pages[i];
+    }
+  }
   const int key = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (key >= a.num_keys) return;
@@ -46,7 +55,12 @@ __global__ void __launch_bounds__(kWarpKernelThreads) InsertKeysKernel(const Key
 }  // namespace
 
 absl::Status LaunchInsertKeys(const KeyInsertArgs& args, cudaStream_t stream) {
-  if (args.num_keys == 0) return absl::OkStatus();
+  if (args.num_edits < 0 ||
+      (args.num_edits > 0 &&
+       (args.page_table == nullptr || args.edit_index == nullptr || args.edit_pages == nullptr))) {
+    return absl::InvalidArgumentError("InsertKeys: bad page-table edits");
+  }
+  if (args.num_keys == 0 && args.num_edits == 0) return absl::OkStatus();
   const CacheGeometry& geo = args.cache.geometry;
   if (geo.head_dim != kWarpVectorDim) {
     return absl::UnimplementedError(
@@ -55,13 +69,14 @@ absl::Status LaunchInsertKeys(const KeyInsertArgs& args, cudaStream_t stream) {
   const bool unquantized = args.key_type == ElemType::kF32 || args.key_type == ElemType::kBF16;
   const bool matches = (args.key_type == ElemType::kFp8E4M3 && geo.format == CacheFormat::kFp8) ||
                        (args.key_type == ElemType::kFp4E2M1 && geo.format == CacheFormat::kFp4);
-  if (args.num_keys < 0 || args.keys == nullptr || args.slots == nullptr ||
-      args.cache.base == nullptr || (!unquantized && !matches) ||
-      (!unquantized && args.key_scales == nullptr)) {
+  if (args.num_keys < 0 ||
+      (args.num_keys > 0 &&
+       (args.keys == nullptr || args.slots == nullptr || args.cache.base == nullptr ||
+        (!unquantized && !matches) || (!unquantized && args.key_scales == nullptr)))) {
     return absl::InvalidArgumentError("InsertKeys: bad keys, slots, cache or key type");
   }
   const int warps_per_block = kWarpKernelThreads / 32;
-  const int grid = (args.num_keys + warps_per_block - 1) / warps_per_block;
+  const int grid = std::max(1, (args.num_keys + warps_per_block - 1) / warps_per_block);
   InsertKeysKernel<<<grid, kWarpKernelThreads, 0, stream>>>(args);
   DI_CUDA_RETURN_IF_LAUNCH_ERROR("launch InsertKeysKernel");
   return absl::OkStatus();

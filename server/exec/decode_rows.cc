@@ -20,12 +20,14 @@ int64_t NanosBetween(std::chrono::steady_clock::time_point a,
 }
 
 // Everything before the collectives: upload -> insert keys -> q of rows [range) ->
-// decode_schedule -> the kernel section (device q's check, rope_quant_q and the scoring call;
-// q read in place from a client's device buffer on the answering rank) into the rank's
-// topk (or, TopKInPlace, the answer's device span) and candidates at a source. The uploads, key
-// inserts and a consumer's schedule run eagerly (their sizes vary, or they use the side stream);
-// the kernel section replays a captured graph when the step's shape was seen before
-// (step_graphs.h).
+// decode_schedule -> the kernel section (the packed keys' insert with the step's page-table
+// edits, device q's check, rope_quant_q and the scoring call; q read in place from a client's
+// device buffer on the answering rank) into the rank's topk (or, TopKInPlace, the answer's
+// device span) and candidates at a source. The uploads, keys that are not packed, edits that
+// the section does not make and a consumer's schedule run eagerly (their sizes vary, or they
+// use the side stream); the kernel section replays a captured graph when the step's shape was
+// seen before (step_graphs.h). (A consumer carries no keys, so its schedule never reads a
+// table the section has yet to edit.)
 absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRange range,
                        StepUploads& packed, DeviceChecks& checks) {
   kernels::IndexerOps& ops = rank.ops();
@@ -56,7 +58,20 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   DI_RETURN_IF_ERROR(checks.ForSection(q->checks));
   DI_RETURN_IF_ERROR(DecodeSchedule(rank, staging, plan, packed));
   const ScoringCall scoring(rank, plan, range, *q, packed);
+  StepShape shape = scoring.shape();
+  if (packed.keys) {
+    const size_t base = size_t(packed.key_base - rank.staging_ring().slot(packed.slot));
+    for (const KeyRun& run : packed.key_runs) {
+      shape.key_runs.push_back({static_cast<int32_t>(run.type), run.count, run.has_scales,
+                                static_cast<uint32_t>(base + run.keys_offset),
+                                static_cast<uint32_t>(base + run.scales_offset),
+                                static_cast<uint32_t>(base + run.slots_offset)});
+    }
+    shape.key_hadamard = plan.hadamard;
+  }
   auto kernel_section = [&]() -> absl::Status {
+    // The packed keys and the step's page-table edits, before anything reads the cache.
+    if (packed.keys) DI_RETURN_IF_ERROR(InsertPackedKeys(rank, plan.pool, plan.hadamard, packed));
     // Device q's check, on what rope_quant_q and the scoring read (captured into the graph).
     if (q->checks.num_checks > 0) DI_RETURN_IF_ERROR(ops.CheckValues(q->checks));
     if (q->unquantized) DI_RETURN_IF_ERROR(ops.RopeQuantQ(q->prep));  // rope_quant_q
@@ -64,7 +79,7 @@ absl::Status ScoreRows(Rank& rank, Staging& staging, const StepPlan& plan, RowRa
   };
 
   if (observer != nullptr) observer->OnRank(rank.index(), Mark::kLaunchBegin);
-  absl::Status status = RunKernelSection(rank, scoring.shape(), kernel_section);
+  absl::Status status = RunKernelSection(rank, shape, kernel_section);
   if (observer != nullptr) observer->OnRank(rank.index(), Mark::kLaunchEnd);
   return status;
 }

@@ -13,9 +13,9 @@ namespace {
 
 // The insert of `count` keys of `type` staged at `keys` / `scales` / `slots` (the rank's key
 // buffers, or a run in a ring slot).
-absl::Status InsertStagedKeys(Rank& rank, int32_t pool, ElemType type, int32_t count,
-                              bool has_scales, bool hadamard, const void* keys, const void* scales,
-                              const int64_t* slots) {
+kernels::KeyInsertArgs StagedKeysArgs(Rank& rank, int32_t pool, ElemType type, int32_t count,
+                                      bool has_scales, bool hadamard, const void* keys,
+                                      const void* scales, const int64_t* slots) {
   RankBuffers& b = rank.buffers();
   kernels::KeyInsertArgs args;
   args.cache = b.caches[pool];
@@ -25,38 +25,54 @@ absl::Status InsertStagedKeys(Rank& rank, int32_t pool, ElemType type, int32_t c
   args.key_scales = has_scales ? scales : nullptr;
   args.slots = slots;
   args.hadamard = hadamard;
-  return rank.ops().InsertKeys(args);
+  return args;
 }
 
 absl::Status InsertStagedKeys(Rank& rank, int32_t pool, ElemType type, int32_t count,
                               bool has_scales, bool hadamard) {
   RankBuffers& b = rank.buffers();
-  return InsertStagedKeys(rank, pool, type, count, has_scales, hadamard, b.keys, b.key_scales,
-                          b.slots);
+  return rank.ops().InsertKeys(
+      StagedKeysArgs(rank, pool, type, count, has_scales, hadamard, b.keys, b.key_scales, b.slots));
 }
 
 }  // namespace
 
+// The keys PackStepUploads packed into the step's ring slot: one InsertKeys call per run
+// (KeyRuns), the first making the section's page-table edits (all padding unless
+// packed.section_edits). Pointers and counts are a function of the step's shape (StepShape's
+// key runs), so the kernel section captures and replays them.
+absl::Status InsertPackedKeys(Rank& rank, int32_t pool, bool hadamard, const StepUploads& packed) {
+  bool first = true;
+  for (const KeyRun& run : packed.key_runs) {
+    kernels::KeyInsertArgs args =
+        StagedKeysArgs(rank, pool, run.type, run.count, run.has_scales, hadamard,
+                       packed.key_base + run.keys_offset, packed.key_base + run.scales_offset,
+                       reinterpret_cast<const int64_t*>(packed.key_base + run.slots_offset));
+    if (first) {
+      args.page_table = rank.buffers().page_tables[pool];
+      args.edit_index = packed.section_edit_index;
+      args.edit_pages = packed.section_edit_pages;
+      args.num_edits = kSectionEdits;
+      first = false;
+    }
+    DI_RETURN_IF_ERROR(rank.ops().InsertKeys(args));
+  }
+  return absl::OkStatus();
+}
+
 // The step's new keys (a few per sequence), gathered into one staging chunk per run of writes
-// of one key type (KeyRuns): one InsertKeys call per run, reading the run in the step's ring
-// slot where PackStepUploads packed the keys, else after three copies into the key buffers.
-// A run in device memory (KeysInput::on_device) is copied device to device instead, its slots
-// alone from the host, and its staged copies are queued for the check on the device.
+// of one key type (KeyRuns): where PackStepUploads packed them into the step's ring slot,
+// nothing here (the kernel section inserts them: InsertPackedKeys); else one InsertKeys call
+// per run after three copies into the key buffers. A run in device memory
+// (KeysInput::on_device) is copied device to device instead, its slots alone from the host,
+// and its staged copies are queued for the check on the device.
 absl::Status InsertStepKeys(Rank& rank, Staging& staging, int32_t pool,
                             const std::vector<KeyWrite>& writes, bool hadamard,
                             const StepUploads& packed, DeviceChecks& checks) {
   kernels::Device& be = rank.device();
   RankBuffers& b = rank.buffers();
   const int32_t D = rank.sizes().head_dim;
-  if (packed.keys) {
-    for (const KeyRun& run : packed.key_runs) {
-      DI_RETURN_IF_ERROR(
-          InsertStagedKeys(rank, pool, run.type, run.count, run.has_scales, hadamard,
-                           packed.key_base + run.keys_offset, packed.key_base + run.scales_offset,
-                           reinterpret_cast<const int64_t*>(packed.key_base + run.slots_offset)));
-    }
-    return absl::OkStatus();
-  }
+  if (packed.keys) return absl::OkStatus();
   for (const KeyRun& run : KeyRuns(writes, D, rank.sizes().key_chunk)) {
     // A previous run's checks read the key buffers this run overwrites: launched first.
     DI_RETURN_IF_ERROR(checks.Flush());

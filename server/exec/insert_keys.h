@@ -37,12 +37,18 @@ absl::Status CopyPagesOnRank(Rank& rank, int32_t pool,
 int64_t KeyValueBytes(kernels::ElemType type, int32_t head_dim);
 int64_t KeyScaleBytes(kernels::ElemType type, int32_t head_dim);
 
-// The step's new keys (StepPlan::key_writes) into `pool`: from the step's ring slot where
-// `packed` holds them, else through the step's staging; keys in device memory device to
-// device, their staged copies queued on `checks` (launched before the staging is reused, the
-// last run's left pending for the caller's Flush).
+// The step's new keys (StepPlan::key_writes) into `pool` through the step's staging, unless
+// `packed` holds them in the step's ring slot (then nothing: the kernel section inserts them,
+// InsertPackedKeys); keys in device memory device to device, their staged copies queued on
+// `checks` (launched before the staging is reused, the last run's left pending for the
+// caller's Flush).
 absl::Status InsertStepKeys(Rank& rank, Staging& staging, int32_t pool,
                             const std::vector<KeyWrite>& writes, bool hadamard,
                             const StepUploads& packed, DeviceChecks& checks);
+
+// The keys `packed` holds in the step's ring slot (packed.keys) into `pool`, with the
+// section's page-table edits (step_io.h kSectionEdits): launches only, their arguments fixed
+// by the step's shape, for the kernel section (captured into its graph).
+absl::Status InsertPackedKeys(Rank& rank, int32_t pool, bool hadamard, const StepUploads& packed);
 
 }  // namespace decode_indexer::exec

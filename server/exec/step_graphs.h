@@ -1,5 +1,6 @@
-// step_graphs: a rank's kernel section (device q's check, rope_quant_q and the scoring call)
-// replayed from a captured graph per step shape (seed: warm, then capture). Two steps with
+// step_graphs: a rank's kernel section (the packed keys' insert with the step's page-table
+// edits, device q's check, rope_quant_q and the scoring call) replayed from a captured graph
+// per step shape (seed: warm, then capture). Two steps with
 // equal shapes make the same launches with the same pointers and sizes, since every staging
 // buffer is fixed at start-up (q read in place in a client's buffer, and a top-k written in
 // place into a client's answer buffer: their addresses are part of the shape): the first sighting
@@ -12,18 +13,19 @@
 #include <map>
 #include <tuple>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 
 namespace decode_indexer::exec {
 
 class Rank;
 
-// What changes the launches of a step's kernel section (device q's check, rope_quant_q and the
-// scoring call): two steps with equal shapes make the same launches with the same pointers and
-// sizes, so the second may capture them and later ones replay the graph (seed: warm). Pointers
-// are a function of these fields, since every staging buffer, and the staging ring's slots,
-// are fixed at start-up; q read in place and an answer written in place are keyed by their
-// addresses.
+// What changes the launches of a step's kernel section (the packed keys' insert, device q's
+// check, rope_quant_q and the scoring call): two steps with equal shapes make the same launches
+// with the same pointers and sizes, so the second may capture them and later ones replay the graph
+// (seed: warm). Pointers are a function of these fields, since every staging buffer, and the
+// staging ring's slots, are fixed at start-up; q read in place and an answer written in place are
+// keyed by their addresses.
 struct StepShape {
   int32_t pool = 0;
   int32_t role = 0;
@@ -56,10 +58,29 @@ struct StepShape {
   // the address of the rank's rows there (0: the rank's own buffer). A step whose answer
   // buffer moved is another shape: a replay never writes where an earlier step's answer went.
   uintptr_t topk_out = 0;
+  // The step's new keys packed into the ring slot, inserted in the section with its page-table
+  // edits (insert_keys.h InsertPackedKeys): per run its type, count and offsets in the slot,
+  // and whether unquantized keys are rotated. Empty: no keys in the section (none, or inserted
+  // before it). The edits' count is not part of the shape (a fixed, padded area).
+  struct KeyRunShape {
+    int32_t type = 0;
+    int32_t count = 0;
+    bool scales = false;
+    uint32_t keys_offset = 0;
+    uint32_t scales_offset = 0;
+    uint32_t slots_offset = 0;
+    auto Tie() const {
+      return std::tie(type, count, scales, keys_offset, scales_offset, slots_offset);
+    }
+    bool operator<(const KeyRunShape& o) const { return Tie() < o.Tie(); }
+    bool operator==(const KeyRunShape& o) const { return Tie() == o.Tie(); }
+  };
+  absl::InlinedVector<KeyRunShape, 2> key_runs;
+  bool key_hadamard = false;
   auto Tie() const {
     return std::tie(pool, role, masked, candidates, range_start, rows, requests, q_type, positions,
                     hadamard, max_row_length, rows_per_request, staging_slot, total_rows, staged_q,
-                    q_codes, q_scales, q_weights, q_check, topk_out);
+                    q_codes, q_scales, q_weights, q_check, topk_out, key_runs, key_hadamard);
   }
   bool operator<(const StepShape& o) const { return Tie() < o.Tie(); }
 };

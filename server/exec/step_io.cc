@@ -47,7 +47,27 @@ absl::Status ApplyTableEdits(Rank& rank, Staging& staging, int32_t pool, const T
   return absl::OkStatus();
 }
 
-size_t Align64(size_t bytes) { return (bytes + 63) / 64 * 64; }
+constexpr size_t Align64(size_t bytes) { return (bytes + 63) / 64 * 64; }
+
+// The section's edit area (kSectionEdits entries): the pending edits, then the step's own,
+// one entry per index (a later edit of an index overwrites the earlier's page), the rest
+// "no edit" (-1); all padding when `fill` is false.
+void FillSectionEdits(const TableEdits& pending, const TableEdits& own, bool fill, int32_t* index,
+                      int32_t* pages) {
+  std::fill(index, index + kSectionEdits, -1);
+  std::fill(pages, pages + kSectionEdits, 0);
+  if (!fill) return;
+  int32_t n = 0;
+  for (const TableEdits* edits : {&pending, &own}) {
+    for (size_t i = 0; i < edits->size(); ++i) {
+      const int32_t at = edits->index[i];
+      int32_t k = 0;
+      while (k < n && index[k] != at) ++k;
+      if (k == n) index[n++] = at;
+      pages[k] = edits->page[i];
+    }
+  }
+}
 
 }  // namespace
 
@@ -104,9 +124,8 @@ absl::Status DeviceInputsStatus(uint32_t flags) {
       " in the device buffer, found by the check on the device; the step committed nothing"));
 }
 
-std::vector<KeyRun> KeyRuns(const std::vector<KeyWrite>& writes, int32_t head_dim,
-                            int32_t key_chunk) {
-  std::vector<KeyRun> runs;
+KeyRunList KeyRuns(const std::vector<KeyWrite>& writes, int32_t head_dim, int32_t key_chunk) {
+  KeyRunList runs;
   size_t wi = 0;       // the write being gathered
   int32_t offset = 0;  // its keys gathered so far
   while (wi < writes.size()) {
@@ -292,27 +311,35 @@ absl::StatusOr<StepUploads> PackStepUploads(Rank& rank, Staging& staging, const 
       plan.role != config::LayerRole::kDense && plan.store_rows.size() >= size_t(plan.num_rows);
   if (store) at_store = place(plan.store_rows.data(), rows_bytes);
   if (used > ring.slot_bytes) return up;  // not within the limits the slot was sized for
-  // The edits, if they fit.
+  // The keys, all of their runs, behind the section's edit area, if they fit (and none lies
+  // in device memory: the host cannot pack those; InsertStepKeys copies them device to
+  // device).
+  KeyRunList runs = KeyRuns(plan.key_writes, s.head_dim, s.key_chunk);
+  size_t key_bytes = 0;
+  for (const KeyRun& r : runs) key_bytes += Align64(r.bytes);
+  constexpr size_t kEditArea = Align64(kSectionEdits * sizeof(int32_t));
+  const bool keys =
+      !runs.empty() && !plan.keys_on_device && used + 2 * kEditArea + key_bytes <= ring.slot_bytes;
+  const size_t at_section_edits = used;
+  if (keys) used += 2 * kEditArea;
+  const size_t at_keys = used;
+  if (keys) used += key_bytes;
+  // The edits: in the section's area if they fit it, else packed here if they fit the slot.
   static const TableEdits kNoEdits;
   const TableEdits& pending = plan.pending_edits != nullptr ? *plan.pending_edits : kNoEdits;
+  const bool section_edits =
+      keys && pending.size() + plan.table_edits.size() <= size_t{kSectionEdits};
   const size_t pending_bytes = pending.size() * sizeof(int32_t);
   const size_t own_bytes = plan.table_edits.size() * sizeof(int32_t);
   size_t at_edits[4] = {0, 0, 0, 0};
-  const bool edits = used + 2 * Align64(pending_bytes) + 2 * Align64(own_bytes) <= ring.slot_bytes;
+  const bool edits = !section_edits &&
+                     used + 2 * Align64(pending_bytes) + 2 * Align64(own_bytes) <= ring.slot_bytes;
   if (edits) {
     at_edits[0] = place(pending.index.data(), pending_bytes);
     at_edits[1] = place(pending.page.data(), pending_bytes);
     at_edits[2] = place(plan.table_edits.index.data(), own_bytes);
     at_edits[3] = place(plan.table_edits.page.data(), own_bytes);
   }
-  // The keys, all of their runs, if they fit (and none lies in device memory: the host cannot
-  // pack those; InsertStepKeys copies them device to device).
-  std::vector<KeyRun> runs = KeyRuns(plan.key_writes, s.head_dim, s.key_chunk);
-  size_t key_bytes = 0;
-  for (const KeyRun& r : runs) key_bytes += Align64(r.bytes);
-  const bool keys = !runs.empty() && !plan.keys_on_device && used + key_bytes <= ring.slot_bytes;
-  const size_t at_keys = used;
-  if (keys) used += key_bytes;
 
   // Pack on the host side of the slot and upload it with one copy.
   uint8_t* const host = ring.host_slot(slot);
@@ -321,6 +348,9 @@ absl::StatusOr<StepUploads> PackStepUploads(Rank& rank, Staging& staging, const 
     if (pieces[i].bytes > 0) std::memcpy(host + pieces[i].offset, pieces[i].src, pieces[i].bytes);
   }
   if (keys) {
+    FillSectionEdits(pending, plan.table_edits, section_edits,
+                     reinterpret_cast<int32_t*>(host + at_section_edits),
+                     reinterpret_cast<int32_t*>(host + at_section_edits + kEditArea));
     size_t at = at_keys;
     for (KeyRun& r : runs) {
       GatherKeyRun(plan.key_writes, r, s.head_dim, host + at);
@@ -357,6 +387,9 @@ absl::StatusOr<StepUploads> PackStepUploads(Rank& rank, Staging& staging, const 
     up.keys = true;
     up.key_base = device + at_keys;
     up.key_runs = std::move(runs);
+    up.section_edit_index = reinterpret_cast<int32_t*>(device + at_section_edits);
+    up.section_edit_pages = reinterpret_cast<int32_t*>(device + at_section_edits + kEditArea);
+    up.section_edits = section_edits;
   }
   return up;
 }
@@ -370,14 +403,18 @@ absl::Status UploadStepRows(Rank& rank, Staging& staging, const StepPlan& plan,
     DI_RETURN_IF_ERROR(
         staging.Upload(b.row_length, plan.row_length.data(), plan.num_rows * sizeof(int32_t)));
   }
-  if (plan.pending_edits != nullptr) {
+  if (packed.section_edits) {
+    // Made by the section's InsertKeys (InsertPackedKeys).
+  } else if (plan.pending_edits != nullptr) {
     DI_RETURN_IF_ERROR(ApplyTableEdits(rank, staging, plan.pool, *plan.pending_edits,
                                        packed.edits ? packed.pending_index : nullptr,
                                        packed.pending_pages));
   }
-  DI_RETURN_IF_ERROR(ApplyTableEdits(rank, staging, plan.pool, plan.table_edits,
-                                     packed.edits ? packed.edit_index : nullptr,
-                                     packed.edit_pages));
+  if (!packed.section_edits) {
+    DI_RETURN_IF_ERROR(ApplyTableEdits(rank, staging, plan.pool, plan.table_edits,
+                                       packed.edits ? packed.edit_index : nullptr,
+                                       packed.edit_pages));
+  }
   if (packed.slot >= 0) return absl::OkStatus();
   return staging.Upload(b.request_slot, plan.request_slot.data(),
                         plan.num_requests * sizeof(int32_t));

@@ -163,8 +163,8 @@ struct KeyRun {
 };
 // The step's key writes cut into runs (a change of key type or of where the keys lie, or a
 // full chunk ends one), as InsertStepKeys inserts them.
-std::vector<KeyRun> KeyRuns(const std::vector<KeyWrite>& writes, int32_t head_dim,
-                            int32_t key_chunk);
+using KeyRunList = std::vector<KeyRun>;
+KeyRunList KeyRuns(const std::vector<KeyWrite>& writes, int32_t head_dim, int32_t key_chunk);
 // Copies run `run`'s keys, scales and slots into `base` at the run's offsets; of a run in
 // device memory, only its slots.
 void GatherKeyRun(const std::vector<KeyWrite>& writes, const KeyRun& run, int32_t head_dim,
@@ -222,11 +222,19 @@ class DeviceChecks {
 // and an FP4 q's scales, where they go through the host staging anyway (not a device-resident
 // q, and for quantized q not a page-locked one: that is a direct DMA already, and packing it
 // would add a host copy); the candidate store rows (a source or consumer); then, if they fit
-// the slot, the page-table edits (pending, then the step's own) and the step's new keys (all
-// of their runs). Not packed: q itself (large, and often device-resident or page-locked), and
-// an unquantized q's weights from the device. The fields the kernel section reads come first,
+// the slot, the step's new keys (all of their runs) behind a fixed area of kSectionEdits
+// page-table edits, and the edits (pending, then the step's own) where that area does not
+// hold them. Not packed: q itself (large, and often device-resident or page-locked), and an
+// unquantized q's weights from the device. The fields the kernel section reads come first,
 // so their offsets depend only on the step's shape (StepShape: rows, requests, range, q form,
-// staged_q) and the slot.
+// staged_q, the key runs) and the slot.
+//
+// A step whose keys are packed inserts them in its kernel section (InsertPackedKeys): one
+// InsertKeys launch that also makes the step's page-table edits when, merged (pending, then
+// the step's own; the last edit of an index wins), they fit the fixed area, padded with
+// "no edit" entries so that the launch is the same whatever the count (a graph replays it).
+// Other edits are made before the section, as a step without packed keys makes them.
+inline constexpr int32_t kSectionEdits = 64;
 struct StepUploads {
   int32_t slot = -1;  // the ring slot, -1: nothing packed
   // Always set: in the slot, or the rank's own buffers (slot -1).
@@ -245,7 +253,12 @@ struct StepUploads {
   int32_t* edit_pages = nullptr;
   bool keys = false;  // every run of the step's keys lies at slot + its offsets
   uint8_t* key_base = nullptr;
-  std::vector<KeyRun> key_runs;
+  KeyRunList key_runs;
+  // With packed keys: the fixed area of kSectionEdits edits (index -1: none), and whether it
+  // holds the step's edits (else they are made before the section and the area is padding).
+  int32_t* section_edit_index = nullptr;
+  int32_t* section_edit_pages = nullptr;
+  bool section_edits = false;
   // Whether the rank's rows' weights (and FP4 q scales) are packed (StepShape::staged_q).
   bool staged_q() const { return weights != nullptr; }
 };

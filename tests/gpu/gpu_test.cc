@@ -95,6 +95,18 @@ TEST_F(GpuTest, InsertKeysMatchesCpuBitForBit) {
             }
           }
         }
+        // The page-table edits made with the keys (the executor's section): distinct indices
+        // into a poisoned table, a third of the entries padding (-1).
+        std::vector<int32_t> table(4096);
+        for (auto& e : table) e = static_cast<int32_t>(Rng()());
+        std::vector<int32_t> edit_index(table.size()), edit_pages(64);
+        std::iota(edit_index.begin(), edit_index.end(), 0);
+        std::shuffle(edit_index.begin(), edit_index.end(), Rng());
+        edit_index.resize(64);
+        for (int i = 0; i < 64; ++i) {
+          if (Rng()() % 3 == 0) edit_index[i] = -1;
+          edit_pages[i] = static_cast<int32_t>(Rng()() % pages);
+        }
         kernels::KeyInsertArgs a;
         a.cache = {pool.data(), pages, geo};
         a.num_keys = n;
@@ -103,21 +115,63 @@ TEST_F(GpuTest, InsertKeysMatchesCpuBitForBit) {
         a.key_scales = scales.empty() ? nullptr : scales.data();
         a.slots = slots.data();
         a.hadamard = hadamard;
+        a.page_table = table.data();
+        a.edit_index = edit_index.data();
+        a.edit_pages = edit_pages.data();
+        a.num_edits = 64;
         DeviceBuffer dpool = Upload(pool), draw = Upload(raw), dscales = Upload(scales),
-                     dslots = Upload(slots);
+                     dslots = Upload(slots), dtable = Upload(table), dindex = Upload(edit_index),
+                     dpages = Upload(edit_pages);
         ASSERT_TRUE(kernels::cpu::InsertKeys(a).ok());
         a.cache.base = dpool.as<uint8_t>();
         a.keys = draw.as<void>();
         a.key_scales = scales.empty() ? nullptr : dscales.as<void>();
         a.slots = dslots.as<int64_t>();
+        a.page_table = dtable.as<int32_t>();
+        a.edit_index = dindex.as<int32_t>();
+        a.edit_pages = dpages.as<int32_t>();
         ASSERT_TRUE(backend_->InsertKeys(a).ok());
         const std::vector<uint8_t> gpu = Download<uint8_t>(dpool, pool.size());
         int64_t diff = 0;
         for (size_t i = 0; i < pool.size(); ++i) diff += gpu[i] != pool[i];
         EXPECT_EQ(diff, 0) << "bytes differing from the CPU's cache";
+        EXPECT_EQ(Download<int32_t>(dtable, table.size()), table)
+            << "page table differing from the CPU's";
       }
     }
   }
+}
+
+// Edits alone (a step whose keys went before its section): the table as the CPU edits it,
+// the cache untouched.
+TEST_F(GpuTest, InsertKeysWithoutKeysMakesItsEdits) {
+  const kernels::CacheGeometry geo{CacheFormat::kFp8, 128, 64};
+  std::vector<uint8_t> pool(2 * geo.page_bytes());
+  for (auto& b : pool) b = static_cast<uint8_t>(Rng()());
+  std::vector<int32_t> table(300);
+  for (auto& e : table) e = static_cast<int32_t>(Rng()());
+  std::vector<int32_t> edit_index = {7, -1, 299, 0, -1}, edit_pages = {1, 5, 2, 3, 4};
+  kernels::KeyInsertArgs a;
+  a.num_keys = 0;
+  a.key_type = ElemType::kFp8E4M3;
+  a.num_edits = static_cast<int32_t>(edit_index.size());
+  DeviceBuffer dpool = Upload(pool), dtable = Upload(table), dindex = Upload(edit_index),
+               dpages = Upload(edit_pages);
+  a.cache = {dpool.as<uint8_t>(), 2, geo};
+  a.page_table = dtable.as<int32_t>();
+  a.edit_index = dindex.as<int32_t>();
+  a.edit_pages = dpages.as<int32_t>();
+  ASSERT_TRUE(backend_->InsertKeys(a).ok());
+  a.cache.base = pool.data();
+  a.page_table = table.data();
+  a.edit_index = edit_index.data();
+  a.edit_pages = edit_pages.data();
+  ASSERT_TRUE(kernels::cpu::InsertKeys(a).ok());
+  EXPECT_EQ(table[7], 1);
+  EXPECT_EQ(table[299], 2);
+  EXPECT_EQ(table[0], 3);
+  EXPECT_EQ(Download<int32_t>(dtable, table.size()), table);
+  EXPECT_EQ(Download<uint8_t>(dpool, pool.size()), pool) << "the cache changed";
 }
 
 TEST_F(GpuTest, RopeQuantQMatchesCpuBitForBit) {

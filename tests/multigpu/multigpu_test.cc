@@ -301,7 +301,10 @@ struct Recorder {
   std::vector<const int32_t*> scored_topk;
   int64_t checks_run = 0;  // CheckValues calls that ran (eager or replayed)
   int64_t replays = 0;     // graphs replayed
-  int64_t drops = 0;       // graphs dropped (DropGraph of a key that held one)
+  bool replaying = false;
+  int64_t replayed_inserts = 0;      // InsertKeys calls that ran in a replay
+  int64_t replays_with_inserts = 0;  // replays that ran at least one
+  int64_t drops = 0;                 // graphs dropped (DropGraph of a key that held one)
 
   bool InClient(const void* p) const {
     const auto at = reinterpret_cast<uintptr_t>(p);
@@ -371,9 +374,16 @@ class RecordingDevice final : public kernels::DeviceWrapper {
     auto it = recorder_.graphs.find(key);
     if (it == recorder_.graphs.end()) return false;
     ++recorder_.replays;
+    const int64_t inserts_before = recorder_.replayed_inserts;
+    recorder_.replaying = true;
     for (const auto& call : it->second) {
-      if (absl::Status s = call(); !s.ok()) return s;
+      if (absl::Status s = call(); !s.ok()) {
+        recorder_.replaying = false;
+        return s;
+      }
     }
+    recorder_.replaying = false;
+    if (recorder_.replayed_inserts > inserts_before) ++recorder_.replays_with_inserts;
     return true;
   }
   void DropGraph(uint64_t key) override {
@@ -390,9 +400,13 @@ class RecordingOps final : public kernels::IndexerOpsWrapper {
   RecordingOps(kernels::IndexerOps& inner, Recorder& recorder)
       : IndexerOpsWrapper(inner), r_(recorder) {}
 
+  // A step's packed keys are inserted in the kernel section (captured too); other inserts
+  // never run while capturing.
   absl::Status InsertKeys(const kernels::KeyInsertArgs& a) override {
-    r_.Forbidden();
-    return target().InsertKeys(a);
+    return r_.Call([this, a] {
+      if (r_.replaying) ++r_.replayed_inserts;
+      return target().InsertKeys(a);
+    });
   }
   absl::Status RopeQuantQ(const kernels::QPrepArgs& a) override {
     return r_.Call([this, a] { return target().RopeQuantQ(a); });
@@ -451,8 +465,10 @@ std::unique_ptr<kernels::Backend> MakeRecordingBackend(std::unique_ptr<kernels::
 }
 
 // Graph plumbing on the CPU (runs in CI): recorded "graphs" at 1 and 2 ranks answer bit for
-// bit as the plain CPU backend, over rounds that repeat every layer's shape; replays happen
-// and nothing but scoring calls is ever recorded.
+// bit as the plain CPU backend, over rounds that repeat every layer's shape; replays happen,
+// nothing but the kernel section's calls is ever recorded, and a key-carrying step's replay
+// inserts its keys (with the step's page-table edits: a step that crosses into a new page
+// answers from it).
 TEST(MultiRankCpu, RecordedGraphsAnswerAsEagerSteps) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(absl::StrCat("seed ", seed));
@@ -474,9 +490,14 @@ TEST(MultiRankCpu, RecordedGraphsAnswerAsEagerSteps) {
         ExecutorOptions o = CpuOptions(ranks);
         o.masked_consumer = masked;
         o.cuda_graphs = true;
-        auto factory = [&violations](int32_t, const kernels::BackendLimits& limits)
+        std::vector<RecordingDevice*> devices;  // owned by the executor's backends
+        auto factory = [&violations, &devices](int32_t, const kernels::BackendLimits& limits)
             -> absl::StatusOr<std::unique_ptr<kernels::Backend>> {
-          return MakeRecordingBackend(kernels::MakeCpuBackend(limits, 1), &violations);
+          RecordingDevice* device = nullptr;
+          auto backend =
+              MakeRecordingBackend(kernels::MakeCpuBackend(limits, 1), &violations, &device);
+          devices.push_back(device);
+          return backend;
         };
         absl::StatusOr<std::unique_ptr<Executor>> made =
             exec::CreateExecutorWithBackends(p, o, factory);
@@ -493,8 +514,22 @@ TEST(MultiRankCpu, RecordedGraphsAnswerAsEagerSteps) {
           ++sharing[{l.cache_layer, static_cast<int32_t>(l.role)}];
         }
         uint64_t replays_per_n = 0;
-        for (const auto& [shape, layers] : sharing) replays_per_n += s.rounds * layers - 2;
+        // The device replays each graph also right after capturing it.
+        int64_t key_device_replays_per_n = 0;  // of the shapes whose steps carry keys
+        for (const auto& [shape, layers] : sharing) {
+          replays_per_n += s.rounds * layers - 2;
+          if (shape.second != static_cast<int32_t>(LayerRole::kCandidateConsumer)) {
+            key_device_replays_per_n += s.rounds * layers - 1;
+          }
+        }
         EXPECT_EQ(r.graph_replays, uint64_t(ranks) * s.next_ns.size() * replays_per_n);
+        // Every key-carrying step's keys are inserted inside its section, so every replay of
+        // such a shape inserts them (one call a run of keys), on every rank, and no other
+        // replay does.
+        int64_t with_inserts = 0;
+        for (RecordingDevice* d : devices) with_inserts += d->recorder().replays_with_inserts;
+        EXPECT_EQ(with_inserts,
+                  int64_t{ranks} * int64_t(s.next_ns.size()) * key_device_replays_per_n);
         EXPECT_EQ(violations.load(), 0);
       }
     }

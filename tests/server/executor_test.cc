@@ -3,6 +3,7 @@
 // batch composition, and the candidate paths (overlap on/off, sparse/masked).
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <numeric>
 #include <thread>
 
@@ -446,9 +447,12 @@ TEST(StagingRing, PacksTheStepAndReusesASlotOnlyOnceSettled) {
     EXPECT_EQ(std::vector<int64_t>(first.positions, first.positions + 3), positions);
     ASSERT_NE(first.weights, nullptr);
     EXPECT_EQ(std::vector<float>(first.weights, first.weights + 12), weights);
-    ASSERT_TRUE(first.edits);
-    EXPECT_EQ(first.edit_index[0], 9);
-    EXPECT_EQ(first.edit_pages[0], 4);
+    // With the keys packed, the edit goes in the section's fixed area (the rest padding).
+    EXPECT_FALSE(first.edits);
+    ASSERT_TRUE(first.section_edits);
+    EXPECT_EQ(first.section_edit_index[0], 9);
+    EXPECT_EQ(first.section_edit_pages[0], 4);
+    for (int32_t i = 1; i < exec::kSectionEdits; ++i) EXPECT_EQ(first.section_edit_index[i], -1);
     ASSERT_TRUE(first.keys);
     ASSERT_EQ(first.key_runs.size(), 1u);  // one type, within a chunk: one run
     const exec::KeyRun& run = first.key_runs[0];
@@ -462,8 +466,8 @@ TEST(StagingRing, PacksTheStepAndReusesASlotOnlyOnceSettled) {
                                              first.request_slot,
                                              first.positions,
                                              first.weights,
-                                             first.edit_index,
-                                             first.edit_pages,
+                                             first.section_edit_index,
+                                             first.section_edit_pages,
                                              first.key_base + run.keys_offset,
                                              first.key_base + run.slots_offset};
     for (const void* p : arrays) EXPECT_TRUE(aligned(p));
@@ -476,6 +480,57 @@ TEST(StagingRing, PacksTheStepAndReusesASlotOnlyOnceSettled) {
     rank.staging_ring().Settle();
     EXPECT_EQ(pack().slot, 0);
     EXPECT_EQ(copies.load(), 1);
+    rank.staging_ring().Settle();
+
+    // Pending edits and the step's own merge into the area, one entry an index, the later
+    // edit's page winning.
+    exec::TableEdits pending;
+    pending.push_back(9, 1);
+    pending.push_back(5, 2);
+    plan.pending_edits = &pending;
+    {
+      const exec::StepUploads merged = pack();
+      ASSERT_TRUE(merged.section_edits);
+      std::map<int32_t, int32_t> area;
+      for (int32_t i = 0; i < exec::kSectionEdits; ++i) {
+        if (merged.section_edit_index[i] >= 0) {
+          EXPECT_TRUE(
+              area.emplace(merged.section_edit_index[i], merged.section_edit_pages[i]).second)
+              << "index " << merged.section_edit_index[i] << " twice";
+        }
+      }
+      EXPECT_EQ(area, (std::map<int32_t, int32_t>{{5, 2}, {9, 4}}));
+      rank.staging_ring().Settle();
+    }
+    // More edits than the area holds: the area is all padding and the edits are packed
+    // after the keys, for UploadStepRows to make before the section.
+    for (int32_t i = 0; i < exec::kSectionEdits; ++i) pending.push_back(100 + i, i);
+    {
+      const exec::StepUploads many = pack();
+      ASSERT_TRUE(many.keys);
+      EXPECT_FALSE(many.section_edits);
+      for (int32_t i = 0; i < exec::kSectionEdits; ++i) {
+        EXPECT_EQ(many.section_edit_index[i], -1);
+      }
+      ASSERT_TRUE(many.edits);
+      EXPECT_EQ(many.pending_index[2], 100);
+      EXPECT_GT(many.pending_index, reinterpret_cast<const int32_t*>(many.key_base));
+      rank.staging_ring().Settle();
+    }
+    // No keys: no area, the edits packed as arrays.
+    const std::vector<exec::KeyWrite> key_writes = std::move(plan.key_writes);
+    plan.key_writes.clear();
+    {
+      const exec::StepUploads keyless = pack();
+      EXPECT_FALSE(keyless.keys);
+      EXPECT_FALSE(keyless.section_edits);
+      EXPECT_EQ(keyless.section_edit_index, nullptr);
+      ASSERT_TRUE(keyless.edits);
+      EXPECT_EQ(keyless.edit_index[0], 9);
+      rank.staging_ring().Settle();
+    }
+    plan.key_writes = key_writes;
+    plan.pending_edits = nullptr;
   }
   EXPECT_EQ(violations.load(), 0);
 }

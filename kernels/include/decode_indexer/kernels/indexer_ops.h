@@ -35,6 +35,14 @@ struct KeyInsertArgs {
   const int64_t* slots = nullptr;
   // Rotate unquantized keys by the normalised Hadamard matrix before quantizing.
   bool hadamard = false;
+  // Page-table edits made with the keys (the executor's kernel section: one launch for a
+  // step's new pages and its keys; step_io.h): entry i sets page_table[edit_index[i]] =
+  // edit_pages[i], and a negative index is no edit (padding). No two entries name one index,
+  // so their order does not matter. num_edits 0: none.
+  int32_t* page_table = nullptr;
+  const int32_t* edit_index = nullptr;
+  const int32_t* edit_pages = nullptr;
+  int32_t num_edits = 0;
 };
 
 // rope_quant_q: RoPE (when positions is given), optional Hadamard, quantize q to the cache's
