@@ -31,8 +31,11 @@ echo "== server: --cache-pages $pages" | tee "$out/server.log"
   --profile v32 --cache-pages "$pages" --log-level info \
   --shm-socket "${TMPDIR:-/tmp}/di-bench-dp-$$.sock" >>"$out/server.log" 2>&1 &
 server=$!
+# Whatever ends the script, the server goes too (under MPS a server left running keeps the
+# daemon from quitting).
+trap 'kill -TERM "$server" 2>/dev/null' EXIT
 for _ in $(seq 1 600); do
-  grep -q "(port " "$out/server.log" && break
+  grep -q "listening on " "$out/server.log" && break
   kill -0 "$server" 2>/dev/null || break
   sleep 0.1
 done

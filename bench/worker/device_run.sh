@@ -12,7 +12,7 @@
 #     build/bench/worker/decode-indexer-bench-worker
 #   cp -r ../shared/tools/deepgemm .peer/deepgemm      # /.peer/ in .git/info/exclude
 # Run (GPU machine, repo root, .peer/ carried):  bash bench/worker/device_run.sh gpu-bundle $OUT
-# Knobs (environment): LAYERS=61 REQUESTS=64 CONTEXT=32768 TOKENS=50 WARMUP=5 PY_TOKENS=10
+# Knobs (environment): PORT=50079 (0: any free port), LAYERS=61 REQUESTS=64 CONTEXT=32768 TOKENS=50 WARMUP=5 PY_TOKENS=10
 # PATHS (the C++ worker's --paths), SKIP_DG=1, SKIP_PY=1, PY_EXTRA=1 (+ PY_BEFORE_CLIENT=DIR),
 # PYTHON=python3, BACKEND=cuda (cpu: the
 # same flow on a machine without a GPU, small shapes, e.g. LAYERS=3 REQUESTS=4 CONTEXT=2048).
@@ -50,12 +50,19 @@ say "== server: --backend $backend --profile v32 --cache-pages $pages (per pool)
 LD_LIBRARY_PATH="$lib" "$bundle/decode-indexer-server" --listen 127.0.0.1:$port --backend "$backend" --ranks 1 --profile v32 \
   --cache-pages "$pages" --shm-socket "$sock" --log-level info >"$out/server.log" 2>&1 &
 server=$!
+# Whatever ends the script, the server goes too (under MPS a server left running keeps the
+# daemon from quitting).
+trap 'kill -TERM "$server" 2>/dev/null' EXIT
 for _ in $(seq 1 900); do
-  grep -q "(port " "$out/server.log" && break
+  grep -q "listening on " "$out/server.log" && break
   kill -0 "$server" 2>/dev/null || break
   sleep 0.1
 done
-grep -q "(port " "$out/server.log" || { say "server did not start:"; tail -n 30 "$out/server.log" | tee -a "$log"; exit 1; }
+grep -q "listening on " "$out/server.log" || { say "server did not start:"; tail -n 30 "$out/server.log" | tee -a "$log"; exit 1; }
+# PORT=0: the port the server picked, which its start line names.
+if [[ "$port" == 0 ]]; then
+  port=$(sed -n 's/.*listening on .*(port \([0-9]*\)).*/\1/p' "$out/server.log" | head -n1)
+fi
 
 say "== C++ worker: --paths $paths"
 LD_LIBRARY_PATH="$lib" timeout 330 "$bundle/decode-indexer-bench-worker" --target 127.0.0.1:$port --layers "$layers" \

@@ -75,11 +75,11 @@ LD_LIBRARY_PATH="$lib" "$bundle/decode-indexer-server" --listen 127.0.0.1:$port 
   >"$out/server.log" 2>&1 &
 server=$!
 for _ in $(seq 1 900); do
-  grep -q "(port " "$out/server.log" && break
+  grep -q "listening on " "$out/server.log" && break
   kill -0 "$server" 2>/dev/null || break
   sleep 0.1
 done
-grep -q "(port " "$out/server.log" || { say "server did not start:"; tail -n 30 "$out/server.log" | tee -a "$log"; exit 1; }
+grep -q "listening on " "$out/server.log" || { say "server did not start:"; tail -n 30 "$out/server.log" | tee -a "$log"; exit 1; }
 
 cpp_paths=ring-ipc,ring-ipc-keys,inproc
 host=()
