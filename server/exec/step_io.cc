@@ -124,8 +124,9 @@ absl::Status DeviceInputsStatus(uint32_t flags) {
       " in the device buffer, found by the check on the device; the step committed nothing"));
 }
 
-KeyRunList KeyRuns(const std::vector<KeyWrite>& writes, int32_t head_dim, int32_t key_chunk) {
-  KeyRunList runs;
+std::vector<KeyRun> KeyRuns(const std::vector<KeyWrite>& writes, int32_t head_dim,
+                            int32_t key_chunk) {
+  std::vector<KeyRun> runs;
   size_t wi = 0;       // the write being gathered
   int32_t offset = 0;  // its keys gathered so far
   while (wi < writes.size()) {
@@ -314,7 +315,7 @@ absl::StatusOr<StepUploads> PackStepUploads(Rank& rank, Staging& staging, const 
   // The keys, all of their runs, behind the section's edit area, if they fit (and none lies
   // in device memory: the host cannot pack those; InsertStepKeys copies them device to
   // device).
-  KeyRunList runs = KeyRuns(plan.key_writes, s.head_dim, s.key_chunk);
+  std::vector<KeyRun> runs = KeyRuns(plan.key_writes, s.head_dim, s.key_chunk);
   size_t key_bytes = 0;
   for (const KeyRun& r : runs) key_bytes += Align64(r.bytes);
   constexpr size_t kEditArea = Align64(kSectionEdits * sizeof(int32_t));
@@ -403,14 +404,13 @@ absl::Status UploadStepRows(Rank& rank, Staging& staging, const StepPlan& plan,
     DI_RETURN_IF_ERROR(
         staging.Upload(b.row_length, plan.row_length.data(), plan.num_rows * sizeof(int32_t)));
   }
-  if (packed.section_edits) {
-    // Made by the section's InsertKeys (InsertPackedKeys).
-  } else if (plan.pending_edits != nullptr) {
-    DI_RETURN_IF_ERROR(ApplyTableEdits(rank, staging, plan.pool, *plan.pending_edits,
-                                       packed.edits ? packed.pending_index : nullptr,
-                                       packed.pending_pages));
-  }
+  // The edits, unless the kernel section's InsertKeys makes them (InsertPackedKeys).
   if (!packed.section_edits) {
+    if (plan.pending_edits != nullptr) {
+      DI_RETURN_IF_ERROR(ApplyTableEdits(rank, staging, plan.pool, *plan.pending_edits,
+                                         packed.edits ? packed.pending_index : nullptr,
+                                         packed.pending_pages));
+    }
     DI_RETURN_IF_ERROR(ApplyTableEdits(rank, staging, plan.pool, plan.table_edits,
                                        packed.edits ? packed.edit_index : nullptr,
                                        packed.edit_pages));

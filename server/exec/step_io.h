@@ -163,8 +163,8 @@ struct KeyRun {
 };
 // The step's key writes cut into runs (a change of key type or of where the keys lie, or a
 // full chunk ends one), as InsertStepKeys inserts them.
-using KeyRunList = std::vector<KeyRun>;
-KeyRunList KeyRuns(const std::vector<KeyWrite>& writes, int32_t head_dim, int32_t key_chunk);
+std::vector<KeyRun> KeyRuns(const std::vector<KeyWrite>& writes, int32_t head_dim,
+                            int32_t key_chunk);
 // Copies run `run`'s keys, scales and slots into `base` at the run's offsets; of a run in
 // device memory, only its slots.
 void GatherKeyRun(const std::vector<KeyWrite>& writes, const KeyRun& run, int32_t head_dim,
@@ -253,7 +253,7 @@ struct StepUploads {
   int32_t* edit_pages = nullptr;
   bool keys = false;  // every run of the step's keys lies at slot + its offsets
   uint8_t* key_base = nullptr;
-  KeyRunList key_runs;
+  std::vector<KeyRun> key_runs;
   // With packed keys: the fixed area of kSectionEdits edits (index -1: none), and whether it
   // holds the step's edits (else they are made before the section and the area is padding).
   int32_t* section_edit_index = nullptr;
@@ -270,9 +270,10 @@ absl::StatusOr<StepUploads> PackStepUploads(Rank& rank, Staging& staging, const 
                                             RowRange range);
 
 // The step's row tables (row_request, row_length), the pool's resident page-table edits (those
-// recorded since a job last applied them, then the step's own) and the requests' sequence
-// slots: from the ring slot where packed, else uploaded into the rank's buffers. Every rank
-// keeps every pool's resident table in step, whatever rows it scores.
+// recorded since a job last applied them, then the step's own; unless packed.section_edits: the
+// kernel section makes them) and the requests' sequence slots: from the ring slot where
+// packed, else uploaded into the rank's buffers. Every rank keeps every pool's resident table
+// in step, whatever rows it scores.
 absl::Status UploadStepRows(Rank& rank, Staging& staging, const StepPlan& plan,
                             const StepUploads& packed);
 
