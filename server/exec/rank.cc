@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "server/exec/step_io.h"
 
 namespace decode_indexer::exec {
 
@@ -121,15 +122,16 @@ absl::Status Rank::Allocate() {
       int64_t{s.key_chunk} * (int64_t{s.head_dim} * 4 + std::max(4, s.head_dim / 32) + 8);
   // The staging ring's slot (PackStepUploads lays it out; a step whose edits or keys do not
   // fit uploads those as before): the row tables, request slots, positions, staged weights
-  // and q scales, store rows, a chunk of edits of each kind (pending, the step's own) and a
-  // chunk of keys with a run's alignment slack, each 64-byte aligned.
+  // and q scales, store rows, a chunk of edits of each kind (pending, the step's own), the
+  // kernel section's fixed edit area (kSectionEdits indices and pages) and a chunk of keys
+  // with a run's alignment slack, each 64-byte aligned.
   const auto a64 = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
   const int64_t slot_bytes =
-      s.staging_slots <= 0
-          ? 0
-          : 3 * a64(rows * 4) + a64(int64_t{s.max_requests} * 4) + a64(rows * 8) +
-                a64(rows * s.num_heads * 4) + a64(rows * hd / 32) +
-                4 * a64(int64_t{s.table_edit_chunk} * 4) + a64(key_bytes) + 16 * 64;
+      s.staging_slots <= 0 ? 0
+                           : 3 * a64(rows * 4) + a64(int64_t{s.max_requests} * 4) + a64(rows * 8) +
+                                 a64(rows * s.num_heads * 4) + a64(rows * hd / 32) +
+                                 4 * a64(int64_t{s.table_edit_chunk} * 4) +
+                                 2 * a64(int64_t{kSectionEdits} * 4) + a64(key_bytes) + 16 * 64;
   const int64_t arena_bytes =
       3 * rows * 4 + int64_t{s.max_requests} * 4 + int64_t{s.table_edit_chunk} * 8 + rows * hd * 4 +
       rows * s.num_heads * 4 + rows * hd / 32 + rows * 8 + key_bytes + 24 * 64;

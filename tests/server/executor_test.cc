@@ -535,6 +535,84 @@ TEST(StagingRing, PacksTheStepAndReusesASlotOnlyOnceSettled) {
   EXPECT_EQ(violations.load(), 0);
 }
 
+// A step at the limits the slot was sized for packs whole: max rows with staged f32 q, weights
+// and positions, a full chunk of keys of the widest form (f32), and either edits that the
+// kernel section's area holds or a full chunk of each kind (pending, own) that it does not.
+TEST(StagingRing, AStepAtTheLimitsPacksWhole) {
+  exec::RankSizes sizes;
+  sizes.max_rows = 8;
+  sizes.max_requests = 4;
+  sizes.max_pages_per_sequence = 64;
+  sizes.max_sequences = 4;
+  sizes.table_edit_chunk = 2 * exec::kSectionEdits;
+  sizes.num_heads = 4;
+  sizes.head_dim = 128;
+  sizes.topk = 8;
+  sizes.key_chunk = 16;
+  sizes.staging_slots = 2;
+  sizes.pools = {kernels::CacheGeometry{kernels::CacheFormat::kFp8, 128, 16}};
+  sizes.pages_per_pool = 8;
+  kernels::BackendLimits limits;
+  limits.max_rows = sizes.max_rows;
+  limits.max_requests = sizes.max_requests;
+  limits.max_context = 64;
+  limits.num_heads = sizes.num_heads;
+  limits.head_dim = sizes.head_dim;
+  limits.max_topk = sizes.topk;
+  std::atomic<int64_t> violations{0};
+  absl::StatusOr<std::unique_ptr<exec::Rank>> made = exec::Rank::Create(
+      0, MakeCheckingBackend(kernels::MakeCpuBackend(limits, 1), &violations), sizes);
+  ASSERT_TRUE(made.ok()) << made.status();
+  exec::Rank& rank = **made;
+  exec::Staging staging(rank);
+
+  exec::StepPlan plan;
+  plan.num_rows = 8;
+  plan.num_requests = 4;
+  plan.row_request = {0, 0, 1, 1, 2, 2, 3, 3};
+  plan.row_length = {5, 6, 7, 8, 5, 6, 7, 8};
+  plan.request_slot = {0, 1, 2, 3};
+  const std::vector<float> weights(8 * 4, 1.0f);
+  const std::vector<int64_t> positions = {4, 5, 6, 7, 4, 5, 6, 7};
+  plan.q.type = kernels::ElemType::kF32;
+  plan.q.weights = weights.data();
+  plan.q.positions = positions.data();
+  std::vector<float> keys(16 * 128, 0.5f);
+  std::vector<int64_t> slots(16);
+  std::iota(slots.begin(), slots.end(), 0);
+  for (int32_t w = 0; w < 4; ++w) {
+    plan.key_writes.push_back(
+        {kernels::ElemType::kF32, 4, keys.data() + w * 4 * 128, nullptr, slots.data() + w * 4});
+  }
+  exec::TableEdits pending;
+  for (int32_t n : {exec::kSectionEdits / 2, sizes.table_edit_chunk}) {
+    SCOPED_TRACE(absl::StrCat(n, " edits of each kind"));
+    pending.clear();
+    plan.table_edits.clear();
+    for (int32_t i = 0; i < n; ++i) {
+      pending.push_back(i, i);
+      plan.table_edits.push_back(1000 + i, i);
+    }
+    plan.pending_edits = &pending;
+    absl::StatusOr<exec::StepUploads> up =
+        exec::PackStepUploads(rank, staging, plan, exec::RowRange{0, 8});
+    ASSERT_TRUE(up.ok()) << up.status();
+    EXPECT_GE(up->slot, 0);
+    EXPECT_TRUE(up->staged_q());
+    ASSERT_TRUE(up->keys) << "a full chunk of f32 keys did not fit the slot";
+    ASSERT_EQ(up->key_runs.size(), 1u);
+    if (2 * n <= exec::kSectionEdits) {
+      EXPECT_TRUE(up->section_edits);
+      EXPECT_FALSE(up->edits);
+    } else {
+      EXPECT_FALSE(up->section_edits);
+      EXPECT_TRUE(up->edits) << "a full chunk of edits of each kind did not fit beside the keys";
+    }
+    rank.staging_ring().Settle();
+  }
+  EXPECT_EQ(violations.load(), 0);
+}
+
 // The sub-step of `full` holding its sequences `order` (in that order), with the very same
 // keys, q, weights and positions.
 std::unique_ptr<StepData> SubStep(const StepData& full, const std::vector<size_t>& order,
