@@ -1,9 +1,11 @@
 // The CPU backend through the Backend interface: equal to the free functions, bit-identical
 // whatever the thread count or batch composition.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -291,8 +293,10 @@ TEST(CpuBackend, AllocatesZeroedAlignedMemoryAndCopiesRows) {
 }
 
 // The host check (the CPU backend's CheckValues, and the edge's scan) against the per-element
-// rule IsBadValue: every type, lengths around the scan's 256-byte chunks, one bad element
-// planted at the first, last, chunk-edge and random positions; a clean tensor sets nothing.
+// rule IsBadValue: every type, lengths around the scan's 16- and 64-byte steps and 256-byte
+// chunks, tensors starting 0-3 bytes past an aligned address (the request's bytes are where
+// protobuf put them), one bad element planted at the first, last, step-edge and random
+// positions; a clean tensor sets nothing.
 TEST(CpuBackend, CheckValuesFlagsABadElementWhereverItIs) {
   struct Case {
     ElemType type;
@@ -308,59 +312,71 @@ TEST(CpuBackend, CheckValuesFlagsABadElementWhereverItIs) {
   std::mt19937_64& rng = PerTestRng();
   for (const Case& c : cases) {
     const int32_t eb = CheckedElemBytes(c.type);
-    for (const int64_t n : {1, 2, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000, 4099}) {
-      SCOPED_TRACE(
-          absl::StrCat("type ", static_cast<int>(c.type), " positive ", c.positive, " n ", n));
-      std::vector<uint8_t> data(static_cast<size_t>(n * eb));
-      auto bits_at = [&](int64_t i) {
-        uint32_t bits = 0;
-        std::memcpy(&bits, data.data() + i * eb, static_cast<size_t>(eb));
-        return bits;
-      };
-      auto set_bits = [&](int64_t i, uint32_t bits) {
-        std::memcpy(data.data() + i * eb, &bits, static_cast<size_t>(eb));
-      };
-      const uint32_t mask = eb == 4 ? 0xFFFFFFFFu : (1u << (8 * eb)) - 1;
-      for (int64_t i = 0; i < n; ++i) {  // random good elements
-        uint32_t bits;
-        do bits = static_cast<uint32_t>(rng()) & mask;
-        while (IsBadValue(c.type, bits, c.positive));
-        set_bits(i, bits);
-      }
-      // Bad elements of this type: NaN / Inf codes, and for positive scales 0, -0, negatives.
-      std::vector<uint32_t> bads;
-      while (bads.size() < 64) {
-        const uint32_t bits = static_cast<uint32_t>(rng()) & mask;
-        if (IsBadValue(c.type, bits, c.positive)) bads.push_back(bits);
-      }
-      for (uint32_t forced : {0x7F800000u, 0x80000000u, 0u, 0xBF800000u}) {
-        if (eb == 4 && IsBadValue(c.type, forced, c.positive)) bads.push_back(forced);
-      }
-      // The flag words as their mask (bit w: word w set), from words holding `start`'s mask.
-      auto check = [&](bool accumulate, uint32_t start) {
-        uint32_t words[kValueFlagWords];
-        for (int w = 0; w < kValueFlagWords; ++w) words[w] = (start >> w) & 1u ? 7u : 0u;
-        ValueCheckArgs args;
-        args.checks[0] = {data.data(), n, c.type, 4u, c.positive};
-        args.num_checks = 1;
-        args.flags = words;
-        args.accumulate = accumulate;
-        EXPECT_TRUE(backend->CheckValues(args).ok());
-        return ValueFlagsMask(words);
-      };
-      EXPECT_EQ(check(false, 0xFFu), 0u);
-      EXPECT_EQ(check(true, 1u), 1u);
-      std::vector<int64_t> where = {0, n - 1, std::min<int64_t>(n - 1, 256 / eb - 1),
-                                    std::min<int64_t>(n - 1, 256 / eb)};
-      for (int r = 0; r < 4; ++r) where.push_back(static_cast<int64_t>(rng() % n));
-      for (const int64_t i : where) {
-        const uint32_t good = bits_at(i);
-        for (size_t b = 0; b < bads.size(); b += 7) {
-          set_bits(i, bads[b]);
-          EXPECT_EQ(check(false, 0u), 4u) << "bad bits " << bads[b] << " at " << i;
-          EXPECT_EQ(check(true, 1u), 5u);
+    for (const int64_t n : {1,  2,  3,  4,   5,   7,   8,   15,  16,  17,   31,  33,
+                            63, 64, 65, 127, 128, 129, 255, 256, 257, 1000, 4099}) {
+      for (const size_t skew : {size_t{0}, size_t{1}, size_t{3}}) {
+        SCOPED_TRACE(absl::StrCat("type ", static_cast<int>(c.type), " positive ", c.positive,
+                                  " n ", n, " skew ", skew));
+        std::vector<uint8_t> storage(static_cast<size_t>(n * eb) + 16);
+        // Starts `skew` bytes past a 16-byte boundary.
+        uint8_t* const base =
+            storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) % 16) % 16;
+        std::span<uint8_t> data(base + skew, static_cast<size_t>(n * eb));
+        auto bits_at = [&](int64_t i) {
+          uint32_t bits = 0;
+          std::memcpy(&bits, data.data() + i * eb, static_cast<size_t>(eb));
+          return bits;
+        };
+        auto set_bits = [&](int64_t i, uint32_t bits) {
+          std::memcpy(data.data() + i * eb, &bits, static_cast<size_t>(eb));
+        };
+        const uint32_t mask = eb == 4 ? 0xFFFFFFFFu : (1u << (8 * eb)) - 1;
+        for (int64_t i = 0; i < n; ++i) {  // random good elements
+          uint32_t bits;
+          do bits = static_cast<uint32_t>(rng()) & mask;
+          while (IsBadValue(c.type, bits, c.positive));
+          set_bits(i, bits);
         }
-        set_bits(i, good);
+        // Bad elements of this type: NaN / Inf codes, and for positive scales 0, -0, negatives.
+        std::vector<uint32_t> bads;
+        while (bads.size() < 64) {
+          const uint32_t bits = static_cast<uint32_t>(rng()) & mask;
+          if (IsBadValue(c.type, bits, c.positive)) bads.push_back(bits);
+        }
+        for (uint32_t forced : {0x7F800000u, 0x80000000u, 0u, 0xBF800000u}) {
+          if (eb == 4 && IsBadValue(c.type, forced, c.positive)) bads.push_back(forced);
+        }
+        // The flag words as their mask (bit w: word w set), from words holding `start`'s mask.
+        auto check = [&](bool accumulate, uint32_t start) {
+          uint32_t words[kValueFlagWords];
+          for (int w = 0; w < kValueFlagWords; ++w) words[w] = (start >> w) & 1u ? 7u : 0u;
+          ValueCheckArgs args;
+          args.checks[0] = {data.data(), n, c.type, 4u, c.positive};
+          args.num_checks = 1;
+          args.flags = words;
+          args.accumulate = accumulate;
+          EXPECT_TRUE(backend->CheckValues(args).ok());
+          return ValueFlagsMask(words);
+        };
+        EXPECT_EQ(check(false, 0xFFu), 0u);
+        EXPECT_EQ(check(true, 1u), 1u);
+        std::vector<int64_t> where = {0, n - 1};
+        for (int64_t edge : {16 / eb, 64 / eb, 256 / eb}) {
+          where.push_back(std::min<int64_t>(n - 1, edge - 1));
+          where.push_back(std::min<int64_t>(n - 1, edge));
+        }
+        for (int r = 0; r < 4; ++r) where.push_back(static_cast<int64_t>(rng() % n));
+        for (const int64_t i : where) {
+          const uint32_t good = bits_at(i);
+          // Every 7th random bad one, and every forced one (the last few).
+          for (size_t b = 0; b < bads.size();
+               b = b + 7 < 64 ? b + 7 : std::max<size_t>(b + 1, 64)) {
+            set_bits(i, bads[b]);
+            EXPECT_EQ(check(false, 0u), 4u) << "bad bits " << bads[b] << " at " << i;
+            EXPECT_EQ(check(true, 1u), 5u);
+          }
+          set_bits(i, good);
+        }
       }
     }
   }
