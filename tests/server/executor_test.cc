@@ -357,13 +357,9 @@ TEST(Executor, OnePackedUploadPerStep) {
   }
 }
 
-// The staging ring (rank.h StagingRing, step_io.h PackStepUploads) on one rank: a step's
-// arrays land in its slot at 64-byte aligned offsets with the very bytes of the plan; a slot
-// is handed out again only once the step that filled it settled (its closing Synchronize): a
-// step after an unsettled one takes the next slot, and with every slot busy the pack waits
-// for the stream and starts over at slot 0. One copy per pack. Without a ring nothing is
-// packed and the kernels read the rank's own buffers.
-TEST(StagingRing, PacksTheStepAndReusesASlotOnlyOnceSettled) {
+// The small rank (8 rows, 4 requests, 4 heads of 128, one FP8 pool of 16-entry pages) the
+// staging ring tests pack for, and the CPU backend's limits for it.
+exec::RankSizes StagingTestSizes() {
   exec::RankSizes sizes;
   sizes.max_rows = 8;
   sizes.max_requests = 4;
@@ -376,6 +372,9 @@ TEST(StagingRing, PacksTheStepAndReusesASlotOnlyOnceSettled) {
   sizes.key_chunk = 16;
   sizes.pools = {kernels::CacheGeometry{kernels::CacheFormat::kFp8, 128, 16}};
   sizes.pages_per_pool = 8;
+  return sizes;
+}
+kernels::BackendLimits StagingTestLimits(const exec::RankSizes& sizes) {
   kernels::BackendLimits limits;
   limits.max_rows = sizes.max_rows;
   limits.max_requests = sizes.max_requests;
@@ -383,6 +382,18 @@ TEST(StagingRing, PacksTheStepAndReusesASlotOnlyOnceSettled) {
   limits.num_heads = sizes.num_heads;
   limits.head_dim = sizes.head_dim;
   limits.max_topk = sizes.topk;
+  return limits;
+}
+
+// The staging ring (rank.h StagingRing, step_io.h PackStepUploads) on one rank: a step's
+// arrays land in its slot at 64-byte aligned offsets with the very bytes of the plan; a slot
+// is handed out again only once the step that filled it settled (its closing Synchronize): a
+// step after an unsettled one takes the next slot, and with every slot busy the pack waits
+// for the stream and starts over at slot 0. One copy per pack. Without a ring nothing is
+// packed and the kernels read the rank's own buffers.
+TEST(StagingRing, PacksTheStepAndReusesASlotOnlyOnceSettled) {
+  exec::RankSizes sizes = StagingTestSizes();
+  const kernels::BackendLimits limits = StagingTestLimits(sizes);
   // A dense step of 3 rows (2 requests), an edit, f32 q with positions, 5 F32 keys in 2 writes.
   exec::StepPlan plan;
   plan.num_rows = 3;
@@ -539,26 +550,11 @@ TEST(StagingRing, PacksTheStepAndReusesASlotOnlyOnceSettled) {
 // and positions, a full chunk of keys of the widest form (f32), and either edits that the
 // kernel section's area holds or a full chunk of each kind (pending, own) that it does not.
 TEST(StagingRing, AStepAtTheLimitsPacksWhole) {
-  exec::RankSizes sizes;
-  sizes.max_rows = 8;
-  sizes.max_requests = 4;
+  exec::RankSizes sizes = StagingTestSizes();
   sizes.max_pages_per_sequence = 64;
-  sizes.max_sequences = 4;
   sizes.table_edit_chunk = 2 * exec::kSectionEdits;
-  sizes.num_heads = 4;
-  sizes.head_dim = 128;
-  sizes.topk = 8;
-  sizes.key_chunk = 16;
   sizes.staging_slots = 2;
-  sizes.pools = {kernels::CacheGeometry{kernels::CacheFormat::kFp8, 128, 16}};
-  sizes.pages_per_pool = 8;
-  kernels::BackendLimits limits;
-  limits.max_rows = sizes.max_rows;
-  limits.max_requests = sizes.max_requests;
-  limits.max_context = 64;
-  limits.num_heads = sizes.num_heads;
-  limits.head_dim = sizes.head_dim;
-  limits.max_topk = sizes.topk;
+  const kernels::BackendLimits limits = StagingTestLimits(sizes);
   std::atomic<int64_t> violations{0};
   absl::StatusOr<std::unique_ptr<exec::Rank>> made = exec::Rank::Create(
       0, MakeCheckingBackend(kernels::MakeCpuBackend(limits, 1), &violations), sizes);
