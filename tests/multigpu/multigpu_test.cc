@@ -302,7 +302,7 @@ struct Recorder {
   int64_t checks_run = 0;  // CheckValues calls that ran (eager or replayed)
   int64_t replays = 0;     // graphs replayed
   bool replaying = false;
-  int64_t replayed_inserts = 0;      // InsertKeys calls that ran in a replay
+  bool replay_inserted = false;      // the replay running now ran an InsertKeys
   int64_t replays_with_inserts = 0;  // replays that ran at least one
   int64_t drops = 0;                 // graphs dropped (DropGraph of a key that held one)
 
@@ -374,8 +374,8 @@ class RecordingDevice final : public kernels::DeviceWrapper {
     auto it = recorder_.graphs.find(key);
     if (it == recorder_.graphs.end()) return false;
     ++recorder_.replays;
-    const int64_t inserts_before = recorder_.replayed_inserts;
     recorder_.replaying = true;
+    recorder_.replay_inserted = false;
     for (const auto& call : it->second) {
       if (absl::Status s = call(); !s.ok()) {
         recorder_.replaying = false;
@@ -383,7 +383,7 @@ class RecordingDevice final : public kernels::DeviceWrapper {
       }
     }
     recorder_.replaying = false;
-    if (recorder_.replayed_inserts > inserts_before) ++recorder_.replays_with_inserts;
+    recorder_.replays_with_inserts += recorder_.replay_inserted;
     return true;
   }
   void DropGraph(uint64_t key) override {
@@ -404,7 +404,7 @@ class RecordingOps final : public kernels::IndexerOpsWrapper {
   // never run while capturing.
   absl::Status InsertKeys(const kernels::KeyInsertArgs& a) override {
     return r_.Call([this, a] {
-      if (r_.replaying) ++r_.replayed_inserts;
+      if (r_.replaying) r_.replay_inserted = true;
       return target().InsertKeys(a);
     });
   }
