@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/cuda/variants/fp4_variants.h"
 #include "bench/cuda/variants/mqa_variants.h"
 #include "bench/cuda/variants/sparse_logits_variants.h"
 #include "common/version_line.h"
@@ -709,6 +710,284 @@ int RunCoopTopK(float* logits, int64_t logits_stride, int sms, cudaStream_t st, 
   return total_mismatch == 0 ? 0 : 1;
 }
 
+// Random e2m1 codes (any byte is two valid codes) over a whole FP4 pool, then realistic group
+// scales (FillFp4KeyScales) over its scale bytes.
+__global__ void FillFp4Codes(uint8_t* pool, int64_t bytes, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < bytes / 8;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint64_t h = (i + seed) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 31;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 29;
+    reinterpret_cast<uint64_t*>(pool)[i] = h;
+  }
+}
+
+// FP4 q of `rows` x 32 heads: random codes, each head's 4 group scales within 3 binades of its
+// largest (2^-4 .. 2^3), as quantizing one vector gives them, and weights.
+__global__ void FillFp4Q(uint8_t* codes, uint8_t* scales, float* w, int rows, uint64_t seed) {
+  const int64_t n = int64_t{rows} * 32;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint64_t h = (i + seed) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 31;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 29;
+    for (int k = 0; k < 64; k += 8) {
+      uint64_t x = (h + k) * 0xD6E8FEB86659FD93ull;
+      x ^= x >> 32;
+      *reinterpret_cast<uint64_t*>(codes + i * 64 + k) = x * 0x9E3779B97F4A7C15ull;
+    }
+    const uint32_t top = 123 + static_cast<uint32_t>(h % 8);
+    for (int g = 0; g < 4; ++g) {
+      scales[i * 4 + g] =
+          static_cast<uint8_t>(g == static_cast<int>((h >> 8) % 4)
+                                   ? top
+                                   : top - static_cast<uint32_t>((h >> (16 + 2 * g)) % 4));
+    }
+    w[i] = (static_cast<int>((h >> 40) & 1023) - 512) / 4096.0f;
+  }
+}
+
+// --fp4: the v41 dense / source layers' logits (MXFP4 cache, 32 heads, top 512) on the FP4
+// kernel (the default) and on the sparse tensor-core kernel it replaced (kSparseMmaDense), eager
+// and as graph replay, with % of copy for their 68-byte entries; beside them, in the same run and
+// at the same drawn lengths, the v32 logits (fp8 kernel, 132-byte entries) and both steps
+// (logits + top-k as DenseTopK runs it: top 512 / top 2048), for issue 17's "FP4 step <= 0.6x the
+// v32 step". The FP4 kernel's logits are checked against the sparse kernel's bit for bit on the
+// first set of each shape.
+int RunFp4Dense(uint8_t* pool8, int64_t pool8_pages, float* logits, int sms, cudaStream_t st,
+                cudaEvent_t e0, cudaEvent_t e1, std::mt19937_64& rng, FILE* out, double copy_gbs,
+                int batches, int per_batch, int only_requests, int only_next_n, int only_avg) {
+  constexpr int kHeads4 = 32, kTopK4 = 512;
+  const di::CacheGeometry geo4{di::CacheFormat::kFp4, 128, kPage};
+  const int64_t page4 = geo4.page_bytes();
+  const int64_t pool4_pages = (int64_t{3} << 30) / 2 / page4;
+  uint8_t* pool4;
+  CHECK_CUDA(cudaMalloc(&pool4, pool4_pages * page4), "fp4 pool");
+  FillFp4Codes<<<4 * sms, 256, 0, st>>>(pool4, pool4_pages * page4, 777);
+  FillFp4KeyScales<<<4 * sms, 256, 0, st>>>(pool4, pool4_pages, page4, kPage, 64, 778);
+  CHECK_CUDA(cudaGetLastError(), "fill fp4 pool");
+  const int max_rows = 256;
+  const int64_t max_ctx = 131072 * 13 / 10 + 64;
+  const int64_t lstride_max = (max_ctx + 3) / 4 * 4;
+  float* logits_ref;
+  CHECK_CUDA(cudaMalloc(&logits_ref, sizeof(float) * max_rows * lstride_max), "logits ref");
+  int32_t *topk, *sched_ws, *row_request, *row_length;
+  CHECK_CUDA(cudaMalloc(&topk, sizeof(int32_t) * max_rows * kTopK), "topk");
+  CHECK_CUDA(cudaMalloc(&sched_ws, sizeof(int32_t) * dc::MqaScheduleInts(128)), "ws");
+  CHECK_CUDA(cudaMalloc(&row_request, sizeof(int32_t) * max_rows), "rows");
+  CHECK_CUDA(cudaMalloc(&row_length, sizeof(int32_t) * max_rows), "lengths");
+  const dc::MqaSchedule sched = dc::CarveMqaSchedule(sched_ws, 128);
+  std::printf(
+      "fp4 dense (v41: 32 heads, 68 B entries) beside v32 (64 heads, 132 B), us, graph "
+      "(eager)\n%5s %3s %7s | %15s %15s %7s | %15s | %13s %13s %6s\n",
+      "req", "n", "avg", "fp4 kernel", "sparse kernel", "%copy", "v32 fp8 logits", "fp4 step",
+      "v32 step", "ratio");
+  struct Shape {
+    int requests, next_n, avg;
+  };
+  std::vector<Shape> shapes;
+  for (int requests : {1, 8, 64, 128}) {
+    for (int next_n : {1, 2}) {
+      for (int avg : {8192, 32768, 65536, 131072}) shapes.push_back({requests, next_n, avg});
+    }
+  }
+  shapes.push_back({64, 3, 32768});
+  shapes.push_back({64, 4, 32768});
+  int64_t differ_total = 0;
+  for (const Shape& sh : shapes) {
+    if (only_requests != 0 &&
+        (sh.requests != only_requests || sh.next_n != only_next_n || sh.avg != only_avg)) {
+      continue;
+    }
+    const int requests = sh.requests, next_n = sh.next_n, rows = requests * next_n;
+    std::uniform_real_distribution<double> u(0.7, 1.3);
+    std::vector<int32_t> lengths(requests);
+    for (auto& l : lengths) l = std::max(next_n, static_cast<int32_t>(sh.avg * u(rng)));
+    const int32_t max_len = *std::max_element(lengths.begin(), lengths.end());
+    const int32_t stride = (max_len + kPage - 1) / kPage;
+    int64_t step_pages = 0;
+    for (int32_t l : lengths) step_pages += (l + kPage - 1) / kPage;
+    const double bytes4 = static_cast<double>(step_pages) * page4;
+    const double bytes8 = static_cast<double>(step_pages) * kPageBytes;
+    const int sets = static_cast<int>(
+        std::max<int64_t>(1, std::min<int64_t>({32, pool4_pages / std::max<int64_t>(1, step_pages),
+                                                pool8_pages / std::max<int64_t>(1, step_pages),
+                                                (int64_t{400} << 20) / int64_t(bytes4) + 1})));
+    std::vector<int32_t> rr, rl;
+    for (int b = 0; b < requests; ++b) {
+      for (int j = 0; j < next_n; ++j) {
+        rr.push_back(b);
+        rl.push_back(lengths[b] - next_n + j + 1);
+      }
+    }
+    CHECK_CUDA(cudaMemcpyAsync(row_request, rr.data(), 4 * rows, cudaMemcpyHostToDevice, st), "rr");
+    CHECK_CUDA(cudaMemcpyAsync(row_length, rl.data(), 4 * rows, cudaMemcpyHostToDevice, st), "rl");
+    struct Set {
+      int32_t *pt4, *pt8;
+      uint8_t *q4, *qs4, *q8;
+      float *w4, *w8;
+    };
+    std::vector<Set> in(sets);
+    auto table = [&](int64_t pool_pages) {
+      std::vector<int32_t> perm(pool_pages);
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      return perm;
+    };
+    const std::vector<int32_t> perm4 = table(pool4_pages), perm8 = table(pool8_pages);
+    int64_t next4 = 0, next8 = 0;
+    for (Set& s : in) {
+      std::vector<int32_t> pt4(int64_t{requests} * stride, 0), pt8 = pt4;
+      for (int b = 0; b < requests; ++b) {
+        for (int j = 0; j < (lengths[b] + kPage - 1) / kPage; ++j) {
+          pt4[int64_t{b} * stride + j] = perm4[next4++];
+          pt8[int64_t{b} * stride + j] = perm8[next8++];
+        }
+      }
+      for (auto [dst, src] : {std::pair{&s.pt4, &pt4}, std::pair{&s.pt8, &pt8}}) {
+        CHECK_CUDA(cudaMalloc(dst, 4 * src->size()), "page table");
+        CHECK_CUDA(cudaMemcpyAsync(*dst, src->data(), 4 * src->size(), cudaMemcpyHostToDevice, st),
+                   "page table");
+      }
+      CHECK_CUDA(cudaMalloc(&s.q4, int64_t{rows} * kHeads4 * 64), "q4");
+      CHECK_CUDA(cudaMalloc(&s.qs4, int64_t{rows} * kHeads4 * 4), "qs4");
+      CHECK_CUDA(cudaMalloc(&s.w4, int64_t{rows} * kHeads4 * 4), "w4");
+      FillFp4Q<<<64, 256, 0, st>>>(s.q4, s.qs4, s.w4, rows, rng());
+      const int64_t qn = int64_t{rows} * kHeads * 128;
+      CHECK_CUDA(cudaMalloc(&s.q8, qn), "q8");
+      CHECK_CUDA(cudaMalloc(&s.w8, 4 * int64_t{rows} * kHeads), "w8");
+      FillQ<<<256, 256, 0, st>>>(s.q8, qn, s.w8, int64_t{rows} * kHeads, rng());
+      CHECK_CUDA(cudaGetLastError(), "fill q");
+    }
+    CHECK_CUDA(cudaStreamSynchronize(st), "setup");
+    const int64_t lstride = (max_len + 3) / 4 * 4;
+    auto rows_of = [&](int32_t* pt) {
+      di::RowBatch b;
+      b.num_rows = rows;
+      b.row_request = row_request;
+      b.row_length = row_length;
+      b.page_table = pt;
+      b.page_table_stride = stride;
+      b.num_requests = requests;
+      b.max_row_length = max_len;
+      b.rows_per_request = next_n;
+      return b;
+    };
+    // kind 0: the FP4 kernel, 1: the sparse kernel over the dense rows, 2: v32 fp8, 3: the FP4
+    // kernel's variant (fp4_variants.h).
+    auto run_logits = [&](int kind, int i, float* dst) {
+      const Set& s = in[i % sets];
+      dc::PagedLogitsArgs a;
+      if (kind == 2) {
+        a.cache = {pool8, pool8_pages, {di::CacheFormat::kFp8, 128, kPage}};
+        a.rows = rows_of(s.pt8);
+        a.q = {s.q8, nullptr, s.w8, kHeads};
+        a.math = dc::DenseMqaMath(di::LogitsPrecision::kDefault);
+      } else {
+        a.cache = {pool4, pool4_pages, geo4};
+        a.rows = rows_of(s.pt4);
+        a.q = {s.q4, s.qs4, s.w4, kHeads4};
+        a.math = kind == 0 ? dc::DenseMqaMath(di::LogitsPrecision::kDefault)
+                           : dc::MqaMath::kSparseMmaDense;
+      }
+      a.schedule = sched;
+      a.logits = dst;
+      a.logits_stride = lstride;
+      if (dc::PagedLogitsNeedsSchedule(a)) {
+        CHECK_OK(dc::LaunchMqaSchedule(a.rows, sched, st), "schedule");
+      }
+      if (kind == 3) {
+        CHECK_OK(dc::LaunchFp4Variant(dc::Fp4Variant::kTwoRounds4Blocks, a, sms, st), "variant");
+        return;
+      }
+      CHECK_OK(dc::LaunchPagedMqaLogits(a, sms, st), "logits");
+    };
+    auto run_topk = [&](int k) {
+      dc::TopKArgs t;
+      t.num_rows = rows;
+      t.values = logits;
+      t.stride = lstride;
+      t.lengths = row_length;
+      t.k = k;
+      t.out = topk;
+      t.max_length = max_len;
+      CHECK_OK(dc::LaunchRadixTopK(t, sms, st), "topk");
+    };
+    // The FP4 kernel's logits against the sparse kernel's, first set, bit for bit.
+    int64_t differ = 0;
+    {
+      const int64_t n = int64_t{rows} * lstride;
+      CHECK_CUDA(cudaMemsetAsync(logits, 0xFF, 4 * n, st), "poison");
+      CHECK_CUDA(cudaMemsetAsync(logits_ref, 0xFF, 4 * n, st), "poison");
+      run_logits(0, 0, logits);
+      run_logits(1, 0, logits_ref);
+      std::vector<uint32_t> a(n), b(n);
+      CHECK_CUDA(cudaMemcpyAsync(a.data(), logits, 4 * n, cudaMemcpyDeviceToHost, st), "d2h");
+      CHECK_CUDA(cudaMemcpyAsync(b.data(), logits_ref, 4 * n, cudaMemcpyDeviceToHost, st), "d2h");
+      CHECK_CUDA(cudaStreamSynchronize(st), "sync");
+      for (int r = 0; r < rows; ++r) {
+        for (int32_t t = 0; t < rl[r]; ++t) {
+          differ += a[int64_t{r} * lstride + t] != b[int64_t{r} * lstride + t];
+        }
+      }
+      differ_total += differ;
+    }
+    auto eager = [&](auto&& step) {
+      int i = 0;
+      return TimeBatches(st, e0, e1, batches, per_batch, [&] { step(i++); });
+    };
+    auto graph = [&](auto&& step) {
+      int i = 0;
+      return TimeGraph(st, e0, e1, batches, per_batch, [&] { step(i++); });
+    };
+    float t[4][2];  // [kind][graph, eager]
+    for (int kind = 0; kind < 4; ++kind) {
+      t[kind][1] = eager([&](int i) { run_logits(kind, i, logits); });
+      t[kind][0] = graph([&](int i) { run_logits(kind, i, logits); });
+    }
+    const float step4 = eager([&](int i) {
+      run_logits(0, i, logits);
+      run_topk(kTopK4);
+    });
+    const float step8 = eager([&](int i) {
+      run_logits(2, i, logits);
+      run_topk(kTopK);
+    });
+    CHECK_CUDA(cudaGetLastError(), "after timing");
+    auto pct = [&](double bytes, float us) { return 100.0 * bytes / (us * 1e-6) / 1e9 / copy_gbs; };
+    std::printf(
+        "%5d %3d %6dK | %6.1f (%6.1f) %6.1f (%6.1f) %6.1f%% | %6.1f (%6.1f) | %13.1f "
+        "%13.1f %6.2f | differ %lld | %s %.1f (%.1f)\n",
+        requests, next_n, sh.avg / 1024, t[0][0], t[0][1], t[1][0], t[1][1], pct(bytes4, t[0][0]),
+        t[2][0], t[2][1], step4, step8, step4 / step8, static_cast<long long>(differ),
+        dc::Fp4VariantName(dc::Fp4Variant::kTwoRounds4Blocks), t[3][0], t[3][1]);
+    std::fprintf(out,
+                 "{\"fp4\": true, \"requests\": %d, \"next_n\": %d, \"avg\": %d, "
+                 "\"fp4_graph_us\": %.2f, \"fp4_us\": %.2f, \"sparse_graph_us\": %.2f, "
+                 "\"sparse_us\": %.2f, \"v32_fp8_graph_us\": %.2f, \"v32_fp8_us\": %.2f, "
+                 "\"fp4_step_us\": %.2f, \"v32_step_us\": %.2f, \"fp4_key_bytes\": %.0f, "
+                 "\"v32_key_bytes\": %.0f, \"copy_gbs\": %.1f, \"fp4_pct_copy_graph\": %.1f, "
+                 "\"v32_pct_copy_graph\": %.1f, \"differ\": %lld, \"sets\": %d, "
+                 "\"variant_two_rounds_graph_us\": %.2f, \"variant_two_rounds_us\": %.2f}\n",
+                 requests, next_n, sh.avg, t[0][0], t[0][1], t[1][0], t[1][1], t[2][0], t[2][1],
+                 step4, step8, bytes4, bytes8, copy_gbs, pct(bytes4, t[0][0]), pct(bytes8, t[2][0]),
+                 static_cast<long long>(differ), sets, t[3][0], t[3][1]);
+    std::fflush(out);
+    for (Set& s : in) {
+      for (void* p : {static_cast<void*>(s.pt4), static_cast<void*>(s.pt8),
+                      static_cast<void*>(s.q4), static_cast<void*>(s.qs4), static_cast<void*>(s.q8),
+                      static_cast<void*>(s.w4), static_cast<void*>(s.w8)}) {
+        CHECK_CUDA(cudaFree(p), "free");
+      }
+    }
+  }
+  std::printf("fp4 kernel vs sparse kernel: %lld logits differ\n",
+              static_cast<long long>(differ_total));
+  return differ_total == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -723,6 +1002,7 @@ int main(int argc, char** argv) {
   // paths): multi-pass vs compact, cluster sizes, the fused threshold-filter histogram.
   bool topk_only = false;
   bool coop_topk = false;  // --coop-topk: the cooperative top-k vs the general kernels
+  bool fp4 = false;        // --fp4: the v41 FP4 dense logits beside v32's (RunFp4Dense)
   // --skip-variants: not the exact kernel's comparison variants (their columns read 0): the
   // production kernels, the fp8 v1 variant and the top-k only (shorter device calls).
   bool skip_variants = false;
@@ -731,7 +1011,7 @@ int main(int argc, char** argv) {
     if (a == "--help" || a == "-h") {
       std::printf(
           "decode-indexer-bench-cuda [--out PATH] [--batches N] [--subset] [--consumer] "
-          "[--candidates] [--topk] [--coop-topk] [--skip-variants] "
+          "[--candidates] [--topk] [--coop-topk] [--fp4] [--skip-variants] "
           "[--only REQUESTS NEXT_N AVG_CONTEXT]\n");
       return 0;
     }
@@ -739,9 +1019,9 @@ int main(int argc, char** argv) {
       std::printf("%s\n", decode_indexer::cli::VersionLine().c_str());
       return 0;
     }
-    static const char* const kKnown[] = {"--out",       "--batches",    "--subset",
-                                         "--consumer",  "--candidates", "--topk",
-                                         "--coop-topk", "--only",       "--skip-variants"};
+    static const char* const kKnown[] = {
+        "--out",  "--batches",   "--subset", "--consumer",      "--candidates",
+        "--topk", "--coop-topk", "--only",   "--skip-variants", "--fp4"};
     bool known = false;
     for (const char* k : kKnown) known = known || a == k;
     if (!known) {
@@ -755,6 +1035,7 @@ int main(int argc, char** argv) {
     if (a == "--candidates") candidates = true;
     if (a == "--topk") topk_only = true;
     if (a == "--coop-topk") coop_topk = true;
+    if (a == "--fp4") fp4 = true;
     if (a == "--skip-variants") skip_variants = true;
     if (a == "--only" && i + 3 < argc) {
       only_requests = std::atoi(argv[++i]);
@@ -825,6 +1106,12 @@ int main(int argc, char** argv) {
   }
   if (consumer) {
     const int rc = RunConsumer(pool, pool_pages * kPageBytes, sms, st, e0, e1, rng, out, copy_gbs);
+    std::fclose(out);
+    return rc;
+  }
+  if (fp4) {
+    const int rc = RunFp4Dense(pool, pool_pages, logits, sms, st, e0, e1, rng, out, copy_gbs,
+                               batches, per_batch, only_requests, only_next_n, only_avg);
     std::fclose(out);
     return rc;
   }

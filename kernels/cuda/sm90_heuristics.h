@@ -65,6 +65,12 @@ inline MqaMath DenseMqaMath(LogitsPrecision asked) {
 // 64 x 32K was mostly the mma.sync kernel: docs/results/multigpu.md, 13:27).
 inline constexpr SparseLogitsMath kSparseLogitsMathDefault = SparseLogitsMath::kMmaPairLeanOcc;
 
+// FP4 caches with 32 heads (v41): the FP4 tensor-core kernel (sm90_paged_mqa_logits_fp4.cu: the
+// fp8 kernel's ring and schedule, pages widened to e4m3 in shared memory, fp8 wgmma per 32-dim
+// scale group) instead of the sparse kernel above over the dense rows; the same logits bit for
+// bit (gpu_test), so this is a speed choice only.
+inline constexpr bool kFp4DenseWgmma = true;
+
 // ---- Rows per pass, the in-block schedule ---------------------------------------------------
 
 // Rows of one request scored together from each key tile (next_n 1-4 share every key read).
@@ -143,6 +149,15 @@ inline constexpr PipelinedShape PipelinedShapeFor(int rows_per_pass) {
 inline constexpr int kPipeFp8Stages = 4;
 inline constexpr int PipeFp8MinBlocks(int rows_per_pass) { return rows_per_pass == 1 ? 4 : 3; }
 inline constexpr bool kPipeFp8WeightRegs = true;
+
+// ---- The FP4 kernel (sm90_paged_mqa_logits_fp4.cu) ------------------------------------------
+
+// Page slots in its ring (4352 bytes each) and blocks per SM: 4 group accumulators of 16 floats
+// per row live at once need more than the 96 registers of 4 blocks.
+inline constexpr int kPipeFp4Stages = 4;
+inline constexpr int PipeFp4MinBlocks(int /*rows_per_pass*/) { return 3; }
+// The 4 group wgmmas of a row in one round (all 64 accumulators live).
+inline constexpr int PipeFp4GroupRounds(int /*rows_per_pass*/) { return 1; }
 
 // Top-k (LaunchRadixTopK, kAuto / kGeneral): plain rows (no index map, length divisor 1) whose
 // bound is at most kMultiPassTopKMaxLength entries take the multi-pass kernel, whatever the

@@ -60,6 +60,11 @@ enum class MqaMath {
   // per request for next_n 1-4 (sm90_paged_mqa_logits_fp8.cuh / .cu). Bit-identical across runs,
   // grids and batch compositions.
   kWgmmaKeysMPipelinedFp8,
+  // The sparse consumer's tensor-core kernel over the dense rows (position = index), wherever
+  // it takes the shape: the path FP4 / 32-head layers took before the FP4 kernel below, asked
+  // for by name to time and check against. FP8 with other than 64 heads takes it whatever is
+  // asked, except kMmaSync.
+  kSparseMmaDense,
 };
 struct PagedLogitsArgs {
   CacheView cache;
@@ -87,6 +92,12 @@ bool PagedLogitsNeedsSchedule(const PagedLogitsArgs& args);
 absl::Status LaunchPagedMqaLogitsPipelined(const PagedLogitsArgs& args, int num_sms,
                                            cudaStream_t stream);
 absl::Status LaunchPagedMqaLogitsFp8(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream);
+// The FP4 tensor-core kernel (sm90_paged_mqa_logits_fp4.cu): MXFP4 caches of 64-entry pages,
+// 128 dims, 32 heads (the v41 profile), where PagedMqaLogitsFp4Takes; the logits are the sparse
+// tensor-core kernel's bit for bit. LaunchPagedMqaLogits takes it for those shapes unless
+// kMmaSync or kSparseMmaDense is asked for (sm90_heuristics.h, kFp4DenseWgmma).
+bool PagedMqaLogitsFp4Takes(const PagedLogitsArgs& args);
+absl::Status LaunchPagedMqaLogitsFp4(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream);
 
 // ---- Radix top-k (sm90_radix_topk.cu) ------------------------------------------------------
 // Per row r: the top k of values[r * stride + i], i < lengths[r] (or `fixed_length` when

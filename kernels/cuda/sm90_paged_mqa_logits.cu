@@ -311,10 +311,16 @@ bool KeysMShape(const PagedLogitsArgs& args) {
 
 }  // namespace
 
+// FP4 / 32 heads on the FP4 kernel (kFp4DenseWgmma) unless another path is asked for by name.
+bool TakesFp4Kernel(const PagedLogitsArgs& args) {
+  return kFp4DenseWgmma && args.math != MqaMath::kMmaSync &&
+         args.math != MqaMath::kSparseMmaDense && PagedMqaLogitsFp4Takes(args);
+}
+
 bool PagedLogitsNeedsSchedule(const PagedLogitsArgs& args) {
   const bool keys_m = KeysMShape(args) && (args.math == MqaMath::kWgmmaKeysMPipelined ||
                                            args.math == MqaMath::kWgmmaKeysMPipelinedFp8);
-  return !(keys_m && DenseComputesOwnSchedule(args.rows));
+  return !((keys_m || TakesFp4Kernel(args)) && DenseComputesOwnSchedule(args.rows));
 }
 
 absl::Status LaunchPagedMqaLogits(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
@@ -326,11 +332,13 @@ absl::Status LaunchPagedMqaLogits(const PagedLogitsArgs& args, int num_sms, cuda
   }
   if (args.rows.num_rows <= 0 || args.rows.num_requests <= 0) return absl::OkStatus();
   const bool fp4 = geo.format == CacheFormat::kFp4;
+  if (TakesFp4Kernel(args)) return LaunchPagedMqaLogitsFp4(args, num_sms, stream);
   // FP4 caches, and FP8 with other than 64 heads, have no keys-M kernel: the sparse consumer's
   // tensor-core kernel scores the dense rows (no position list: position = index), in place of
   // the mma.sync kernel below, which stays reachable as MqaMath::kMmaSync (sm90_heuristics.h).
-  if ((fp4 || args.q.num_heads != 64) && args.math != MqaMath::kMmaSync &&
-      args.logits_stride <= INT32_MAX && SparseLogitsMmaTakes(args.cache, args.q)) {
+  if ((fp4 || args.q.num_heads != 64 || args.math == MqaMath::kSparseMmaDense) &&
+      args.math != MqaMath::kMmaSync && args.logits_stride <= INT32_MAX &&
+      SparseLogitsMmaTakes(args.cache, args.q)) {
     return LaunchSparseLogitsMma(args.cache, args.rows, args.q, /*positions=*/nullptr,
                                  args.rows.row_length, static_cast<int32_t>(args.logits_stride),
                                  args.logits, stream, kSparseLogitsMathDefault);
@@ -347,6 +355,7 @@ absl::Status LaunchPagedMqaLogits(const PagedLogitsArgs& args, int num_sms, cuda
         case MqaMath::kWgmmaKeysMPipelinedFp8:
           return LaunchPagedMqaLogitsFp8(args, num_sms, stream);
         case MqaMath::kMmaSync:
+        case MqaMath::kSparseMmaDense:  // where the sparse kernel does not take the shape
           break;
       }
       return LaunchRows<64, false>(args, num_sms, stream);

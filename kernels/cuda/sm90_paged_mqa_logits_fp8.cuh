@@ -248,21 +248,19 @@ __device__ __forceinline__ int RunPasses(int nrows) {
   return nrows > kRows ? (nrows + kRows - 1) / kRows : 1;
 }
 
-// The producer (the producer warp's lane 0): fills the ring through the TMA unit in the order
-// the consumers score: the block's tiles one request's run at a time, each run once per pass
+// The producer's walk (the producer warp's lane 0), for any page ring: the block's tiles in the
+// order the consumers score them, one request's run at a time, each run once per pass
 // (RunPasses; more than one only for a request with more rows than a pass holds, whose keys
-// are then read again per pass rather than held while q is reloaded). Each page through
-// FillSlotTma; the next page's page-table entry is read one page early so its latency
-// overlaps the wait for a free slot. Keys at or past a tile's valid count are copied as they
-// are (stale cache bytes): every key's logit depends only on its own codes and scale, and no
-// logit at or past a row's length is stored.
-template <int kRows, int kStages, bool kOwnSchedule>
-__device__ __forceinline__ void ProduceRunPages(const PagedLogitsArgs& p,
-                                                const BlockSchedule<kOwnSchedule>& sched,
-                                                const PageRing<kStages>& ring,
-                                                const void* values_map) {
-  const uint8_t* __restrict__ cache = p.cache.base;
-  PrefetchTensorMap(values_map);
+// are then read again per pass rather than held while q is reloaded), `fill(i, page)` for the
+// i-th page. The next page's page-table entry is read one page early so its latency overlaps
+// the wait for a free slot. Keys at or past a tile's valid count are copied as they are (stale
+// cache bytes): every key's logit depends only on its own codes and scale, and no logit at or
+// past a row's length is stored. (The FP4 kernel, sm90_paged_mqa_logits_fp4.cu, walks its own
+// ring the same way.)
+template <int kRows, bool kOwnSchedule, typename Fill>
+__device__ __forceinline__ void WalkRunPages(const PagedLogitsArgs& p,
+                                             const BlockSchedule<kOwnSchedule>& sched,
+                                             Fill&& fill) {
   const int end = sched.begin + sched.num_tiles;
   ScheduleCursor<kOwnSchedule> seek;
   seek.Seek(sched.prefix, sched.num_requests, sched.begin);
@@ -296,8 +294,20 @@ __device__ __forceinline__ void ProduceRunPages(const PagedLogitsArgs& p,
     const int page = next_page;
     more = advance();
     if (more) next_page = __ldg(&p.rows.page_table[row_base + t - tile0]);
-    FillSlotTma(ring, i, cache, page, values_map);
+    fill(i, page);
   }
+}
+
+// The fp8 kernel's producer: WalkRunPages, each page into the ring through FillSlotTma.
+template <int kRows, int kStages, bool kOwnSchedule>
+__device__ __forceinline__ void ProduceRunPages(const PagedLogitsArgs& p,
+                                                const BlockSchedule<kOwnSchedule>& sched,
+                                                const PageRing<kStages>& ring,
+                                                const void* values_map) {
+  const uint8_t* __restrict__ cache = p.cache.base;
+  PrefetchTensorMap(values_map);
+  WalkRunPages<kRows>(p, sched,
+                      [&](int i, int page) { FillSlotTma(ring, i, cache, page, values_map); });
 }
 
 // kRows: rows of a request scored per pass over a page (RowsPerPass): one m64n128 instruction

@@ -874,6 +874,77 @@ TEST_F(GpuTest, PagedLogitsAndDenseTopKMatchCpu) {
   }
 }
 
+// The FP4 kernel (the dense path of FP4 / 32-head layers, sm90_paged_mqa_logits_fp4.cu) against
+// the sparse tensor-core kernel these layers ran before it, whose logits it must give bit for
+// bit (kMma's arithmetic in kMma's order), and against the CPU at the exact tolerance. Fresh
+// random scenes with shuffled pages (MakeScene): next_n 1-4 and 5 (a request with more rows than
+// a pass), rows shorter and longer than K, more requests than the kernel schedules itself; row
+// 0 with one head's group scales 12 binades apart (past what the FP4 kernel folds into q, 2^8,
+// within kMma's 2^20: the two kernels take different paths there and must still agree), row 1
+// 24 apart (neither folds); keys whose group scales lie 10 binades apart. Nothing past a row's
+// length is written, and the logits are the same bits on a grid of 7 blocks.
+TEST_F(GpuTest, Fp4KernelEqualsTheSparseKernelBitForBit) {
+  using kernels::cuda::MqaMath;
+  struct Case {
+    std::vector<int32_t> lengths;
+    int32_t next_n;
+  };
+  const std::vector<Case> cases = {
+      {{9000, 300, 513, 70000}, 1}, {{5000, 20000, 64}, 2}, {{4000, 3000}, 3},
+      {{3000, 129, 2049}, 4},       {Lengths(300, 150), 1}, {{6000, 700}, 5}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "next_n " << c.next_n << " requests " << c.lengths.size()
+                                      << " first length " << c.lengths[0]);
+    Scene s = MakeScene(Spec(CacheFormat::kFp4, 32, c.lengths, c.next_n));
+    auto spread = [&](int32_t row, int32_t head, int by) {
+      uint8_t& b = s.q_scales[(int64_t{row} * 32 + head) * 4 + 3];
+      b = static_cast<uint8_t>(b > 127 ? b - by : b + by);
+    };
+    spread(0, 7, 12);
+    spread(1, 20, 24);
+    const int64_t page_bytes = s.geometry.page_bytes();
+    for (int64_t p = 0; p < s.num_pages; p += 3) {  // entry 5's group 1 of every third page
+      uint8_t& b = s.pool[p * page_bytes + 64 * 64 + 5 * 4 + 1];
+      b = static_cast<uint8_t>(b > 127 ? b - 10 : b + 10);
+    }
+    auto ds = UploadScene(this, s);
+    kernels::cuda::PagedLogitsArgs probe;
+    probe.cache = ds->cache;
+    probe.q = ds->q;
+    ASSERT_TRUE(kernels::cuda::PagedMqaLogitsFp4Takes(probe)) << "the scene takes the FP4 kernel";
+    const int32_t rows = s.num_rows();
+    const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
+    const std::vector<float> fp4 = GpuLogits(this, *ds, stride, 132);
+    const std::vector<float> fp4_small = GpuLogits(this, *ds, stride, 7);
+    const std::vector<float> sparse = GpuLogits(this, *ds, stride, 132, MqaMath::kSparseMmaDense);
+    EXPECT_EQ(0, std::memcmp(fp4.data(), fp4_small.data(), fp4.size() * sizeof(float)))
+        << "the grid size changed the logits";
+    double worst = 0.0;
+    for (int32_t r = 0; r < rows; ++r) {
+      const float* a = fp4.data() + int64_t{r} * stride;
+      const float* b = sparse.data() + int64_t{r} * stride;
+      int64_t differ = 0, bad = 0, past = 0;
+      const std::vector<float> cpu = CpuRowLogits(s, r);
+      const double tol = RowTol(cpu);
+      for (int32_t t = 0; t < s.row_length[r]; ++t) {
+        differ += std::memcmp(a + t, b + t, sizeof(float)) != 0;
+        const double err = std::fabs(double{a[t]} - cpu[t]);
+        bad += !(err <= tol);  // NaN (unwritten) counts
+        worst = std::max(worst, err / (tol / kLogitRelTol));
+      }
+      for (int64_t t = s.row_length[r]; t < stride; ++t) past += !std::isnan(a[t]);
+      EXPECT_EQ(differ, 0) << "row " << r << " length " << s.row_length[r]
+                           << ": logits not the sparse kernel's bits";
+      EXPECT_EQ(bad, 0) << "row " << r << ": off the CPU's by more than the tolerance";
+      EXPECT_EQ(past, 0) << "row " << r << ": written past its length";
+    }
+    std::printf(
+        "  [fp4 kernel] next_n %d rows %d: bit-identical to the sparse kernel, max "
+        "|gpu-cpu| / row max = %.3g\n",
+        c.next_n, rows, worst);
+  }
+}
+
 // The exact kernel (producer warp, mbarrier ring): on small grids each block's ring wraps
 // hundreds of times; requests with uneven row counts take several passes and leave the
 // second row of a row pair empty. Every entry must be the same bits on every grid and the

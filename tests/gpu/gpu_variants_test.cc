@@ -17,6 +17,7 @@
 #include <random>
 #include <vector>
 
+#include "bench/cuda/variants/fp4_variants.h"
 #include "bench/cuda/variants/mqa_variants.h"
 #include "bench/cuda/variants/sparse_logits_variants.h"
 #include "gtest/gtest.h"
@@ -300,6 +301,55 @@ TEST_F(GpuTest, Fp8PerPageVariantEqualsTheProductionKernel) {
 // time and the same bits as the other kernel. Session 17: the run-ordered kernel differed in 11
 // of 50 launches, the per-page one in none, until both released a ring slot only after its
 // logits were stored (sm90_paged_mqa_logits_fp8.cuh, score_page); it stays as the guard.
+// The FP4 kernel's variants (fp4_variants.h: other blocks per SM, the group wgmmas in two
+// rounds) give the production FP4 kernel's logits bit for bit: next_n 1-4 and 5 (two passes),
+// rows shorter and longer than K, more requests than the kernel schedules itself, a row whose q
+// scales do not fold, grids of every SM, 1 and 3 blocks' worth.
+TEST_F(GpuTest, Fp4VariantsEqualTheProductionKernel) {
+  struct Case {
+    std::vector<int32_t> lengths;
+    int32_t next_n;
+  };
+  const std::vector<Case> cases = {
+      {{9000, 300, 513, 70000}, 1}, {{5000, 20000, 64}, 2}, {{4000, 3000}, 3},
+      {{3000, 129, 2049}, 4},       {Lengths(300, 150), 1}, {{6000, 700}, 5}};
+  for (const Case& c : cases) {
+    Scene s = MakeScene(Spec(CacheFormat::kFp4, 32, c.lengths, c.next_n));
+    uint8_t& b = s.q_scales[(int64_t{0} * 32 + 5) * 4 + 2];  // row 0 does not fold
+    b = static_cast<uint8_t>(b > 127 ? b - 12 : b + 12);
+    auto ds = UploadScene(this, s);
+    const int32_t rows = s.num_rows();
+    const int64_t stride = (ds->rows.max_row_length + 3) / 4 * 4;
+    const std::vector<float> production = GpuLogits(this, *ds, stride, NumSms());
+    for (const kernels::cuda::Fp4Variant v : kernels::cuda::kAllFp4Variants) {
+      for (const int num_sms : {NumSms(), 1, 3}) {
+        SCOPED_TRACE(::testing::Message()
+                     << kernels::cuda::Fp4VariantName(v) << " next_n " << c.next_n << " requests "
+                     << s.num_requests() << " sms " << num_sms);
+        const std::vector<float> got = GpuLogitsWith(
+            this, *ds, stride, num_sms,
+            [](kernels::cuda::PagedLogitsArgs& a) {
+              return kernels::cuda::PagedLogitsNeedsSchedule(a);
+            },
+            [&](const kernels::cuda::PagedLogitsArgs& a, int sms) {
+              return kernels::cuda::LaunchFp4Variant(v, a, sms, nullptr);
+            });
+        int64_t diff = 0, past = 0;
+        for (int32_t r = 0; r < rows; ++r) {
+          for (int32_t t = 0; t < s.row_length[r]; ++t) {
+            const int64_t i = r * stride + t;
+            diff += std::memcmp(&got[i], &production[i], sizeof(float)) != 0;
+          }
+          for (int64_t t = s.row_length[r]; t < stride; ++t)
+            past += !std::isnan(got[r * stride + t]);
+        }
+        EXPECT_EQ(diff, 0) << "logits not the production FP4 kernel's bits";
+        EXPECT_EQ(past, 0) << "written past a row's length";
+      }
+    }
+  }
+}
+
 TEST_F(GpuTest, Fp8KernelsRepeatAtTheDenseTopKShape) {
   Scene s = MakeScene(Spec(CacheFormat::kFp8, 64, Lengths(8, 20000), 2));
   auto ds = UploadScene(this, s);
