@@ -7,9 +7,10 @@
 //   --logits-precision); kDefault takes kDenseLogitsFp8ByDefault unless the environment says
 //   otherwise (DI_LOGITS_PRECISION=exact or fp8: a switch for measurements, read once per
 //   process);
-// - the dense path of the other shapes (FP4 caches, FP8 with other than 64 heads): the sparse
-//   tensor-core kernel over the dense rows, or the mma.sync kernel where that one does not take
-//   the shape;
+// - FP4 caches with 32 heads: the FP4 tensor-core kernel (kFp4DenseWgmma);
+// - the dense path of the other shapes (FP8 with other than 64 heads, FP4 shapes the FP4 kernel
+//   refuses): the sparse tensor-core kernel over the dense rows, or the mma.sync kernel where
+//   that one does not take the shape;
 // - rows of a request per pass over a key tile, whether a block derives the schedule itself,
 //   and per rows-per-pass the widening, the blocks per SM and the row pairs of the kernels.
 // The launchers size the persistent grid as num_sms x the occupancy of that register cap
@@ -57,7 +58,8 @@ inline MqaMath DenseMqaMath(LogitsPrecision asked) {
                                                                 : kExactDenseMqaMath;
 }
 
-// FP4 caches and FP8 with other than 64 heads: the sparse consumer's tensor-core kernel scores
+// FP8 with other than 64 heads (and FP4 where the FP4 kernel below does not take the shape or
+// kSparseMmaDense is asked for): the sparse consumer's tensor-core kernel scores
 // the dense rows (position = index) wherever it takes the shape (SparseLogitsMmaTakes) and the
 // caller did not ask for kMmaSync by name; the mma.sync kernel otherwise. That variant of the
 // sparse kernel measured fastest and gives kMma's logits bit for bit; it is also what the

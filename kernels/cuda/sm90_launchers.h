@@ -44,10 +44,10 @@ absl::Status LaunchMqaSchedule(const RowBatch& rows, const MqaSchedule& schedule
 // variants (keys-M and its split / fused / bit-move widenings, the 2 / 4 consumer-warpgroup Ws2 /
 // Ws4) live under bench/cuda/variants/, built only with the benchmarks (DI_BUILD_BENCH).
 enum class MqaMath {
-  // mma.sync m16n8k32 (every format and head count). FP4 caches and FP8 with other than 64
-  // heads run the sparse tensor-core kernel over the dense rows instead unless this is asked
-  // for explicitly (LaunchPagedMqaLogits); it is their fallback where that kernel does not take
-  // the shape.
+  // mma.sync m16n8k32 (every format and head count). FP4 / 32-head caches run the FP4 kernel,
+  // other FP4 shapes and FP8 with other than 64 heads the sparse tensor-core kernel over the
+  // dense rows, unless this is asked for explicitly (LaunchPagedMqaLogits); it is their
+  // fallback where neither takes the shape.
   kMmaSync,
   // FP8 / 64 heads, exact (f16 products, fp32 sums: spec section 6's 4 fp32 ulps): keys as M,
   // warp-specialized: a producer warp fills an mbarrier ring of page slots, the consumer

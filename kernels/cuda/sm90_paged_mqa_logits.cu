@@ -12,8 +12,9 @@
 //   registers for as long as the block stays on that request.
 // - Tensor cores: FP8 with 64 heads (v32) goes to one of the two keys-as-M wgmma kernels
 //   (sm90_paged_mqa_logits_pipelined.cu exact, sm90_paged_mqa_logits_fp8.cu fp8; which one:
-//   sm90_heuristics.h), FP4 and other head counts to the sparse tensor-core kernel over the dense
-//   rows; this file holds the dispatch and the mma.sync m16n8k32 e4m3 kernel, their fallback for
+//   sm90_heuristics.h), FP4 with 32 heads to the FP4 kernel (sm90_paged_mqa_logits_fp4.cuh),
+//   other FP4 shapes and head counts to the sparse tensor-core kernel over the dense rows; this
+//   file holds the dispatch and the mma.sync m16n8k32 e4m3 kernel, their fallback for
 //   every shape. FP4 codes are widened to e4m3 (exact) and each 32-wide group is its own MMA
 //   step scaled by q_scale * k_scale. (Heads-as-M wgmma variants, f16 and fp8, were measured
 //   slower than keys-M and removed: docs/results/cuda-bench.md, 07:44 to 11:27.)
@@ -333,8 +334,9 @@ absl::Status LaunchPagedMqaLogits(const PagedLogitsArgs& args, int num_sms, cuda
   if (args.rows.num_rows <= 0 || args.rows.num_requests <= 0) return absl::OkStatus();
   const bool fp4 = geo.format == CacheFormat::kFp4;
   if (TakesFp4Kernel(args)) return LaunchPagedMqaLogitsFp4(args, num_sms, stream);
-  // FP4 caches, and FP8 with other than 64 heads, have no keys-M kernel: the sparse consumer's
-  // tensor-core kernel scores the dense rows (no position list: position = index), in place of
+  // Other FP4 shapes, and FP8 with other than 64 heads, have no keys-M kernel: the sparse
+  // consumer's tensor-core kernel scores the dense rows (no position list: position = index),
+  // in place of
   // the mma.sync kernel below, which stays reachable as MqaMath::kMmaSync (sm90_heuristics.h).
   if ((fp4 || args.q.num_heads != 64 || args.math == MqaMath::kSparseMmaDense) &&
       args.math != MqaMath::kMmaSync && args.logits_stride <= INT32_MAX &&
