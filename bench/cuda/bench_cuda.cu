@@ -710,6 +710,66 @@ int RunCoopTopK(float* logits, int64_t logits_stride, int sms, cudaStream_t st, 
   return total_mismatch == 0 ? 0 : 1;
 }
 
+// One configuration's drawn step: each request's length (avg x U(0.7, 1.3), at least next_n),
+// its rows (request b's row j scores lengths[b] - next_n + j + 1 keys), the longest length,
+// the page-table stride and the pages the step reads.
+struct StepDraw {
+  std::vector<int32_t> lengths, row_request, row_length;
+  int32_t max_len = 0, stride = 0;
+  int64_t pages = 0;
+};
+StepDraw DrawStep(int requests, int next_n, int avg, std::mt19937_64& rng) {
+  StepDraw d;
+  std::uniform_real_distribution<double> u(0.7, 1.3);
+  d.lengths.resize(requests);
+  for (auto& l : d.lengths) l = std::max(next_n, static_cast<int32_t>(avg * u(rng)));
+  d.max_len = *std::max_element(d.lengths.begin(), d.lengths.end());
+  d.stride = (d.max_len + kPage - 1) / kPage;
+  for (int32_t l : d.lengths) d.pages += (l + kPage - 1) / kPage;
+  for (int b = 0; b < requests; ++b) {
+    for (int j = 0; j < next_n; ++j) {
+      d.row_request.push_back(b);
+      d.row_length.push_back(d.lengths[b] - next_n + j + 1);
+    }
+  }
+  return d;
+}
+
+// A page table for the drawn step: each request's pages taken in order from `perm` at `next`.
+std::vector<int32_t> PageTableOf(const StepDraw& d, const std::vector<int32_t>& perm,
+                                 int64_t& next) {
+  std::vector<int32_t> pt(d.lengths.size() * size_t(d.stride), 0);
+  for (size_t b = 0; b < d.lengths.size(); ++b) {
+    for (int j = 0; j < (d.lengths[b] + kPage - 1) / kPage; ++j)
+      pt[b * d.stride + j] = perm[next++];
+  }
+  return pt;
+}
+
+// The step's rows as the kernels see them (rows_per_request = next_n, as the server sets it:
+// decode_schedule.cc).
+di::RowBatch StepRows(const StepDraw& d, int next_n, int32_t* row_request, int32_t* row_length,
+                      int32_t* page_table) {
+  di::RowBatch b;
+  b.num_rows = static_cast<int32_t>(d.row_length.size());
+  b.row_request = row_request;
+  b.row_length = row_length;
+  b.page_table = page_table;
+  b.page_table_stride = d.stride;
+  b.num_requests = static_cast<int32_t>(d.lengths.size());
+  b.max_row_length = d.max_len;
+  b.rows_per_request = next_n;
+  return b;
+}
+
+// A shuffled list of a pool's pages.
+std::vector<int32_t> ShuffledPages(int64_t pages, std::mt19937_64& rng) {
+  std::vector<int32_t> perm(pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  return perm;
+}
+
 // Random e2m1 codes (any byte is two valid codes) over a whole FP4 pool, then realistic group
 // scales (FillFp4KeyScales) over its scale bytes.
 __global__ void FillFp4Codes(uint8_t* pool, int64_t bytes, uint64_t seed) {
@@ -802,27 +862,19 @@ int RunFp4Dense(uint8_t* pool8, int64_t pool8_pages, float* logits, int sms, cud
       continue;
     }
     const int requests = sh.requests, next_n = sh.next_n, rows = requests * next_n;
-    std::uniform_real_distribution<double> u(0.7, 1.3);
-    std::vector<int32_t> lengths(requests);
-    for (auto& l : lengths) l = std::max(next_n, static_cast<int32_t>(sh.avg * u(rng)));
-    const int32_t max_len = *std::max_element(lengths.begin(), lengths.end());
-    const int32_t stride = (max_len + kPage - 1) / kPage;
-    int64_t step_pages = 0;
-    for (int32_t l : lengths) step_pages += (l + kPage - 1) / kPage;
+    const StepDraw d = DrawStep(requests, next_n, sh.avg, rng);
+    const int32_t max_len = d.max_len;
+    const int64_t step_pages = d.pages;
     const double bytes4 = static_cast<double>(step_pages) * page4;
     const double bytes8 = static_cast<double>(step_pages) * kPageBytes;
     const int sets = static_cast<int>(
         std::max<int64_t>(1, std::min<int64_t>({32, pool4_pages / std::max<int64_t>(1, step_pages),
                                                 pool8_pages / std::max<int64_t>(1, step_pages),
                                                 (int64_t{400} << 20) / int64_t(bytes4) + 1})));
-    std::vector<int32_t> rr, rl;
-    for (int b = 0; b < requests; ++b) {
-      for (int j = 0; j < next_n; ++j) {
-        rr.push_back(b);
-        rl.push_back(lengths[b] - next_n + j + 1);
-      }
-    }
-    CHECK_CUDA(cudaMemcpyAsync(row_request, rr.data(), 4 * rows, cudaMemcpyHostToDevice, st), "rr");
+    const std::vector<int32_t>& rl = d.row_length;
+    CHECK_CUDA(
+        cudaMemcpyAsync(row_request, d.row_request.data(), 4 * rows, cudaMemcpyHostToDevice, st),
+        "rr");
     CHECK_CUDA(cudaMemcpyAsync(row_length, rl.data(), 4 * rows, cudaMemcpyHostToDevice, st), "rl");
     struct Set {
       int32_t *pt4, *pt8;
@@ -830,22 +882,12 @@ int RunFp4Dense(uint8_t* pool8, int64_t pool8_pages, float* logits, int sms, cud
       float *w4, *w8;
     };
     std::vector<Set> in(sets);
-    auto table = [&](int64_t pool_pages) {
-      std::vector<int32_t> perm(pool_pages);
-      std::iota(perm.begin(), perm.end(), 0);
-      std::shuffle(perm.begin(), perm.end(), rng);
-      return perm;
-    };
-    const std::vector<int32_t> perm4 = table(pool4_pages), perm8 = table(pool8_pages);
+    const std::vector<int32_t> perm4 = ShuffledPages(pool4_pages, rng),
+                               perm8 = ShuffledPages(pool8_pages, rng);
     int64_t next4 = 0, next8 = 0;
     for (Set& s : in) {
-      std::vector<int32_t> pt4(int64_t{requests} * stride, 0), pt8 = pt4;
-      for (int b = 0; b < requests; ++b) {
-        for (int j = 0; j < (lengths[b] + kPage - 1) / kPage; ++j) {
-          pt4[int64_t{b} * stride + j] = perm4[next4++];
-          pt8[int64_t{b} * stride + j] = perm8[next8++];
-        }
-      }
+      const std::vector<int32_t> pt4 = PageTableOf(d, perm4, next4),
+                                 pt8 = PageTableOf(d, perm8, next8);
       for (auto [dst, src] : {std::pair{&s.pt4, &pt4}, std::pair{&s.pt8, &pt8}}) {
         CHECK_CUDA(cudaMalloc(dst, 4 * src->size()), "page table");
         CHECK_CUDA(cudaMemcpyAsync(*dst, src->data(), 4 * src->size(), cudaMemcpyHostToDevice, st),
@@ -863,20 +905,9 @@ int RunFp4Dense(uint8_t* pool8, int64_t pool8_pages, float* logits, int sms, cud
     }
     CHECK_CUDA(cudaStreamSynchronize(st), "setup");
     const int64_t lstride = (max_len + 3) / 4 * 4;
-    auto rows_of = [&](int32_t* pt) {
-      di::RowBatch b;
-      b.num_rows = rows;
-      b.row_request = row_request;
-      b.row_length = row_length;
-      b.page_table = pt;
-      b.page_table_stride = stride;
-      b.num_requests = requests;
-      b.max_row_length = max_len;
-      b.rows_per_request = next_n;
-      return b;
-    };
-    // kind 0: the FP4 kernel, 1: the sparse kernel over the dense rows, 2: v32 fp8, 3: the FP4
-    // kernel's variant (fp4_variants.h).
+    auto rows_of = [&](int32_t* pt) { return StepRows(d, next_n, row_request, row_length, pt); };
+    // kind 0: the FP4 kernel, 1: the sparse kernel over the dense rows, 2: v32 fp8, 3 + v: the
+    // FP4 kernel's variant kAllFp4Variants[v] (fp4_variants.h).
     auto run_logits = [&](int kind, int i, float* dst) {
       const Set& s = in[i % sets];
       dc::PagedLogitsArgs a;
@@ -898,8 +929,8 @@ int RunFp4Dense(uint8_t* pool8, int64_t pool8_pages, float* logits, int sms, cud
       if (dc::PagedLogitsNeedsSchedule(a)) {
         CHECK_OK(dc::LaunchMqaSchedule(a.rows, sched, st), "schedule");
       }
-      if (kind == 3) {
-        CHECK_OK(dc::LaunchFp4Variant(dc::Fp4Variant::kTwoRounds4Blocks, a, sms, st), "variant");
+      if (kind >= 3) {
+        CHECK_OK(dc::LaunchFp4Variant(dc::kAllFp4Variants[kind - 3], a, sms, st), "variant");
         return;
       }
       CHECK_OK(dc::LaunchPagedMqaLogits(a, sms, st), "logits");
@@ -942,8 +973,9 @@ int RunFp4Dense(uint8_t* pool8, int64_t pool8_pages, float* logits, int sms, cud
       int i = 0;
       return TimeGraph(st, e0, e1, batches, per_batch, [&] { step(i++); });
     };
-    float t[4][2];  // [kind][graph, eager]
-    for (int kind = 0; kind < 4; ++kind) {
+    constexpr int kKinds = 3 + std::size(dc::kAllFp4Variants);
+    float t[kKinds][2];  // [kind][graph, eager]
+    for (int kind = 0; kind < kKinds; ++kind) {
       t[kind][1] = eager([&](int i) { run_logits(kind, i, logits); });
       t[kind][0] = graph([&](int i) { run_logits(kind, i, logits); });
     }
@@ -959,10 +991,13 @@ int RunFp4Dense(uint8_t* pool8, int64_t pool8_pages, float* logits, int sms, cud
     auto pct = [&](double bytes, float us) { return 100.0 * bytes / (us * 1e-6) / 1e9 / copy_gbs; };
     std::printf(
         "%5d %3d %6dK | %6.1f (%6.1f) %6.1f (%6.1f) %6.1f%% | %6.1f (%6.1f) | %13.1f "
-        "%13.1f %6.2f | differ %lld | %s %.1f (%.1f)\n",
+        "%13.1f %6.2f | differ %lld\n",
         requests, next_n, sh.avg / 1024, t[0][0], t[0][1], t[1][0], t[1][1], pct(bytes4, t[0][0]),
-        t[2][0], t[2][1], step4, step8, step4 / step8, static_cast<long long>(differ),
-        dc::Fp4VariantName(dc::Fp4Variant::kTwoRounds4Blocks), t[3][0], t[3][1]);
+        t[2][0], t[2][1], step4, step8, step4 / step8, static_cast<long long>(differ));
+    for (int v = 0; v < kKinds - 3; ++v) {
+      std::printf("      variant %s: %.1f (%.1f)\n", dc::Fp4VariantName(dc::kAllFp4Variants[v]),
+                  t[3 + v][0], t[3 + v][1]);
+    }
     std::fprintf(out,
                  "{\"fp4\": true, \"requests\": %d, \"next_n\": %d, \"avg\": %d, "
                  "\"fp4_graph_us\": %.2f, \"fp4_us\": %.2f, \"sparse_graph_us\": %.2f, "
@@ -970,10 +1005,15 @@ int RunFp4Dense(uint8_t* pool8, int64_t pool8_pages, float* logits, int sms, cud
                  "\"fp4_step_us\": %.2f, \"v32_step_us\": %.2f, \"fp4_key_bytes\": %.0f, "
                  "\"v32_key_bytes\": %.0f, \"copy_gbs\": %.1f, \"fp4_pct_copy_graph\": %.1f, "
                  "\"v32_pct_copy_graph\": %.1f, \"differ\": %lld, \"sets\": %d, "
-                 "\"variant_two_rounds_graph_us\": %.2f, \"variant_two_rounds_us\": %.2f}\n",
+                 "\"variants\": {",
                  requests, next_n, sh.avg, t[0][0], t[0][1], t[1][0], t[1][1], t[2][0], t[2][1],
                  step4, step8, bytes4, bytes8, copy_gbs, pct(bytes4, t[0][0]), pct(bytes8, t[2][0]),
-                 static_cast<long long>(differ), sets, t[3][0], t[3][1]);
+                 static_cast<long long>(differ), sets);
+    for (int v = 0; v < kKinds - 3; ++v) {
+      std::fprintf(out, "%s\"%s\": [%.2f, %.2f]", v > 0 ? ", " : "",
+                   dc::Fp4VariantName(dc::kAllFp4Variants[v]), t[3 + v][0], t[3 + v][1]);
+    }
+    std::fprintf(out, "}}\n");
     std::fflush(out);
     for (Set& s : in) {
       for (void* p : {static_cast<void*>(s.pt4), static_cast<void*>(s.pt8),
@@ -1151,45 +1191,28 @@ int main(int argc, char** argv) {
                (requests == 64 && avg >= 32768) || (requests == 128 && avg == 131072));
           if (!pick) continue;
         }
-        std::uniform_real_distribution<double> u(0.7, 1.3);
-        std::vector<int32_t> lengths(requests);
-        for (auto& l : lengths) l = std::max(next_n, static_cast<int32_t>(avg * u(rng)));
-        const int32_t max_len = *std::max_element(lengths.begin(), lengths.end());
-        const int32_t stride = (max_len + kPage - 1) / kPage;
-        int64_t step_pages = 0;
+        const StepDraw d = DrawStep(requests, next_n, avg, rng);
+        const std::vector<int32_t>& lengths = d.lengths;
+        const int32_t max_len = d.max_len;
+        const int64_t step_pages = d.pages;
         double key_bytes = 0;
-        for (int32_t l : lengths) {
-          step_pages += (l + kPage - 1) / kPage;
-          key_bytes += static_cast<double>(l) * 132;
-        }
+        for (int32_t l : lengths) key_bytes += static_cast<double>(l) * 132;
         // Enough sets that their keys together are several times the 60 MB L2.
         const int sets = static_cast<int>(
             std::min<int64_t>(std::min<int64_t>(32, pool_pages / std::max<int64_t>(1, step_pages)),
                               std::max<int64_t>(1, (int64_t{400} << 20) / int64_t(key_bytes) + 1)));
-        std::vector<int32_t> perm(pool_pages);
-        std::iota(perm.begin(), perm.end(), 0);
-        std::shuffle(perm.begin(), perm.end(), rng);
+        const std::vector<int32_t> perm = ShuffledPages(pool_pages, rng);
         const int rows = requests * next_n;
-        std::vector<int32_t> rr, rl;
-        for (int b = 0; b < requests; ++b) {
-          for (int j = 0; j < next_n; ++j) {
-            rr.push_back(b);
-            rl.push_back(lengths[b] - next_n + j + 1);
-          }
-        }
-        CHECK_CUDA(cudaMemcpyAsync(row_request, rr.data(), 4 * rows, cudaMemcpyHostToDevice, st),
+        CHECK_CUDA(cudaMemcpyAsync(row_request, d.row_request.data(), 4 * rows,
+                                   cudaMemcpyHostToDevice, st),
                    "copy rows");
-        CHECK_CUDA(cudaMemcpyAsync(row_length, rl.data(), 4 * rows, cudaMemcpyHostToDevice, st),
-                   "copy lengths");
+        CHECK_CUDA(
+            cudaMemcpyAsync(row_length, d.row_length.data(), 4 * rows, cudaMemcpyHostToDevice, st),
+            "copy lengths");
         std::vector<InputSet> in(sets);
         int64_t next_page = 0;
         for (auto& s : in) {
-          std::vector<int32_t> pt(int64_t{requests} * stride, 0);
-          for (int b = 0; b < requests; ++b) {
-            for (int j = 0; j < (lengths[b] + kPage - 1) / kPage; ++j) {
-              pt[int64_t{b} * stride + j] = perm[next_page++];
-            }
-          }
+          const std::vector<int32_t> pt = PageTableOf(d, perm, next_page);
           CHECK_CUDA(cudaMalloc(&s.page_table, 4 * pt.size()), "page table");
           CHECK_CUDA(
               cudaMemcpyAsync(s.page_table, pt.data(), 4 * pt.size(), cudaMemcpyHostToDevice, st),
@@ -1204,16 +1227,7 @@ int main(int argc, char** argv) {
 
         const int64_t lstride = (max_len + 3) / 4 * 4;
         auto rows_of = [&](const InputSet& s) {
-          di::RowBatch b;
-          b.num_rows = rows;
-          b.row_request = row_request;
-          b.row_length = row_length;
-          b.page_table = s.page_table;
-          b.page_table_stride = stride;
-          b.num_requests = requests;
-          b.max_row_length = max_len;
-          b.rows_per_request = next_n;  // as the server sets it (decode_schedule.cc)
-          return b;
+          return StepRows(d, next_n, row_request, row_length, s.page_table);
         };
         dc::MqaMath math = dc::PagedLogitsArgs{}.math;
         // A comparison variant (bench/cuda/variants/) instead of `math` when set.

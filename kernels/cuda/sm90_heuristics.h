@@ -160,6 +160,12 @@ inline constexpr int kPipeFp4Stages = 4;
 inline constexpr int PipeFp4MinBlocks(int /*rows_per_pass*/) { return 3; }
 // The 4 group wgmmas of a row in one round (all 64 accumulators live).
 inline constexpr int PipeFp4GroupRounds(int /*rows_per_pass*/) { return 1; }
+// Each group's A widened with its signs (five instructions per 4 codes, one wgmma a group), not
+// split by sign into two fragments (a prmt lookup per 4 codes each, a second wgmma subtracting):
+// the split needs 16 more registers, spills at 3 blocks from two rows a pass, and measured
+// 0.98-1.0x at next_n 1 and 6-9% slower at next_n 2-4 from 64 requests up (bench variant
+// "fp4 A split by sign", docs/results/cuda-bench.md, session 19's 22:34 run).
+inline constexpr bool kPipeFp4SignSplit = false;
 
 // Top-k (LaunchRadixTopK, kAuto / kGeneral): plain rows (no index map, length divisor 1) whose
 // bound is at most kMultiPassTopKMaxLength entries take the multi-pass kernel, whatever the

@@ -13,7 +13,7 @@ absl::Status LaunchRows(const PagedLogitsArgs& args, int num_sms, cudaStream_t s
   return WithDenseRowsPerPass(args.rows, [&](auto rows) {
     constexpr int kRows = decltype(rows)::value;
     return fp4_logits::Launch<kRows, kOwnSchedule, PipeFp4MinBlocks(kRows), kPipeFp4Stages,
-                              PipeFp4GroupRounds(kRows)>(args, num_sms, stream);
+                              PipeFp4GroupRounds(kRows), kPipeFp4SignSplit>(args, num_sms, stream);
   });
 }
 

@@ -94,8 +94,12 @@ __device__ __forceinline__ uint32_t Prmt(uint32_t a, uint32_t b, uint32_t s) {
 // 4, 6 are e4m3 0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C); the sign through prmt's sign
 // mode on bytes 0x80: 0x80 where the code is positive, 0xFF (0x80's sign replicated) where
 // negative, so bit 6 of each byte, moved to bit 7, is the code's sign.
+// (kSignSplit below needs only the lookup: a code with its sign bit set selects in sign mode,
+// and every table byte is positive, so it reads 0x00.)
+constexpr uint32_t kE2M1MagLo = 0x3C383000u;  // e4m3 of 0, .5, 1, 1.5
+constexpr uint32_t kE2M1MagHi = 0x4C484440u;  // 2, 3, 4, 6
 __device__ __forceinline__ uint32_t E2M1x4ToE4M3(uint32_t h) {
-  const uint32_t mag = Prmt(0x3C383000u, 0x4C484440u, h & 0x7777u);
+  const uint32_t mag = Prmt(kE2M1MagLo, kE2M1MagHi, h & 0x7777u);
   const uint32_t sgn = Prmt(0x80808080u, 0x80808080u, h);
   return mag | ((sgn << 1) & 0x80808080u);
 }
@@ -200,10 +204,16 @@ __device__ __forceinline__ void FillPass(const PagedLogitsArgs& p, uint8_t* q_ti
 
 // kRows: rows of a request per pass (RowsPerPass); kMinBlocks, kStages: blocks per SM the
 // register cap is sized for, ring slots; kGroupRounds: the 4 group wgmmas of a row in 1 round
-// (64 accumulators live) or 2 (32: fewer registers, a second wait). The production choices are
-// sm90_heuristics.h's PipeFp4MinBlocks, kPipeFp4Stages, PipeFp4GroupRounds; every choice gives
-// the same logits bit for bit (the same operations per logit in the same order).
-template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, int kGroupRounds>
+// (64 accumulators live) or 2 (32: fewer registers, a second wait); kSignSplit: each group's
+// A as two fragments, the positive codes' magnitudes and the negative codes' (one prmt lookup
+// per 4 codes each), the second wgmma subtracting its products (scale-a -1), instead of one
+// fragment with the signs (E2M1x4ToE4M3: five instructions per 4 codes). The group dot stays
+// exact: the first wgmma's exact partial (a multiple of 2^-2 below 2^11) and the second's
+// products align within the tensor core's ~13 fraction bits. The production choices are
+// sm90_heuristics.h's PipeFp4MinBlocks, kPipeFp4Stages, PipeFp4GroupRounds, kPipeFp4SignSplit;
+// every choice gives the same logits bit for bit (gpu_variants_test).
+template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, int kGroupRounds,
+          bool kSignSplit>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     PagedMqaLogitsFp4Kernel(const PagedLogitsArgs p) {
   static_assert(kGroupRounds == 1 || kGroupRounds == 2);
@@ -277,18 +287,32 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // logits stored, the slot released.
   auto score_page = [&](int base_pos) {
     const uint8_t* slot = slots + st * kPageBytes;
-    // This thread's A fragments of the 4 groups: keys key0 and key0 + 8, each group's word c.
-    uint32_t a[kGroups][4];
+    // This thread's A fragments of the 4 groups: keys key0 and key0 + 8, each group's word c
+    // (kSignSplit: [grp][0] the positive codes' magnitudes, [grp][1] the negative codes').
+    constexpr int kParts = kSignSplit ? 2 : 1;
+    uint32_t a[kGroups][kParts][4];
     {
       const uint8_t* k0 = slot + key0 * kKeyCodeBytes + 4 * c;
 #pragma unroll
       for (int grp = 0; grp < kGroups; ++grp) {
         const uint32_t x0 = *reinterpret_cast<const uint32_t*>(k0 + 16 * grp);
         const uint32_t x1 = *reinterpret_cast<const uint32_t*>(k0 + 8 * kKeyCodeBytes + 16 * grp);
-        a[grp][0] = E2M1x4ToE4M3(x0);
-        a[grp][1] = E2M1x4ToE4M3(x1);
-        a[grp][2] = E2M1x4ToE4M3(x0 >> 16);
-        a[grp][3] = E2M1x4ToE4M3(x1 >> 16);
+        if constexpr (kSignSplit) {
+          const uint32_t n0 = x0 ^ 0x88888888u, n1 = x1 ^ 0x88888888u;  // signs flipped
+          a[grp][0][0] = Prmt(kE2M1MagLo, kE2M1MagHi, x0);
+          a[grp][0][1] = Prmt(kE2M1MagLo, kE2M1MagHi, x1);
+          a[grp][0][2] = Prmt(kE2M1MagLo, kE2M1MagHi, x0 >> 16);
+          a[grp][0][3] = Prmt(kE2M1MagLo, kE2M1MagHi, x1 >> 16);
+          a[grp][1][0] = Prmt(kE2M1MagLo, kE2M1MagHi, n0);
+          a[grp][1][1] = Prmt(kE2M1MagLo, kE2M1MagHi, n1);
+          a[grp][1][2] = Prmt(kE2M1MagLo, kE2M1MagHi, n0 >> 16);
+          a[grp][1][3] = Prmt(kE2M1MagLo, kE2M1MagHi, n1 >> 16);
+        } else {
+          a[grp][0][0] = E2M1x4ToE4M3(x0);
+          a[grp][0][1] = E2M1x4ToE4M3(x1);
+          a[grp][0][2] = E2M1x4ToE4M3(x0 >> 16);
+          a[grp][0][3] = E2M1x4ToE4M3(x1 >> 16);
+        }
       }
     }
     // The keys' group scales (the slot's scale words of key0 and key0 + 8).
@@ -318,8 +342,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 #pragma unroll
         for (int gi = 0; gi < kPerRound; ++gi) {
           const int grp = round * kPerRound + gi;
-          WgmmaM64N32K32E4M3RS(acc[gi], a[grp],
-                               fp8_logits::Sw128Desc(desc_q + rr * (kQRowBytes / 16) + 2 * grp), 0);
+          const uint64_t desc_b = fp8_logits::Sw128Desc(desc_q + rr * (kQRowBytes / 16) + 2 * grp);
+          WgmmaM64N32K32E4M3RS(acc[gi], a[grp][0], desc_b, 0);
+          if constexpr (kSignSplit) WgmmaM64N32K32E4M3RS<-1>(acc[gi], a[grp][1], desc_b, 1);
         }
         WgmmaCommit();
         WgmmaWait<0>();
@@ -409,13 +434,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 }
 
 // One instantiation's launch on a persistent grid (its blocks per SM from the occupancy query).
-template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, int kGroupRounds>
+template <int kRows, bool kOwnSchedule, int kMinBlocks, int kStages, int kGroupRounds,
+          bool kSignSplit>
 absl::Status Launch(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
   static KernelDeviceSetup per_device[kMaxDevices];
   return LaunchPersistentGrid(
       per_device, "paged mqa logits (fp4)",
-      PagedMqaLogitsFp4Kernel<kRows, kOwnSchedule, kMinBlocks, kStages, kGroupRounds>, kThreads,
-      SmemBytes<kRows, kOwnSchedule, kStages>(), num_sms, stream, args);
+      PagedMqaLogitsFp4Kernel<kRows, kOwnSchedule, kMinBlocks, kStages, kGroupRounds, kSignSplit>,
+      kThreads, SmemBytes<kRows, kOwnSchedule, kStages>(), num_sms, stream, args);
 }
 
 // Whether `args` is a shape the kernel takes (PagedMqaLogitsFp4Takes).

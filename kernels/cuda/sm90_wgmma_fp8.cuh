@@ -68,15 +68,17 @@ __device__ __forceinline__ void WgmmaM64NK32E4M3SS(float* d, uint64_t desc_a, ui
 // memory)^T: the FP4 kernel's m64n32k32 with its widened keys as A. a: this thread's fragment of
 // its warp's 16 rows of A, as for mma.m16n8k32 (rows g = lane / 4 and g + 8, columns 4 (lane %
 // 4) .. + 3 and 16 + 4 (lane % 4) .. + 3: a[0] (g, low), a[1] (g + 8, low), a[2] (g, high),
-// a[3] (g + 8, high), the first column in the lowest byte).
+// a[3] (g + 8, high), the first column in the lowest byte). kScaleA = -1 subtracts the product.
+template <int kScaleA = 1>
 __device__ __forceinline__ void WgmmaM64N32K32E4M3RS(float* d, const uint32_t (&a)[4],
                                                      uint64_t desc_b, int accumulate) {
+  static_assert(kScaleA == 1 || kScaleA == -1);
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, "
-      "%8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
+      "%8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, %22, 1;\n}\n"
       : DI_WGMMA_D16
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kScaleA));
 }
 
 #undef DI_WGMMA_E4M3_SS

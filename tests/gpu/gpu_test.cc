@@ -885,14 +885,7 @@ TEST_F(GpuTest, PagedLogitsAndDenseTopKMatchCpu) {
 // length is written, and the logits are the same bits on a grid of 7 blocks.
 TEST_F(GpuTest, Fp4KernelEqualsTheSparseKernelBitForBit) {
   using kernels::cuda::MqaMath;
-  struct Case {
-    std::vector<int32_t> lengths;
-    int32_t next_n;
-  };
-  const std::vector<Case> cases = {
-      {{9000, 300, 513, 70000}, 1}, {{5000, 20000, 64}, 2}, {{4000, 3000}, 3},
-      {{3000, 129, 2049}, 4},       {Lengths(300, 150), 1}, {{6000, 700}, 5}};
-  for (const Case& c : cases) {
+  for (const Fp4Case& c : Fp4KernelCases()) {
     SCOPED_TRACE(::testing::Message() << "next_n " << c.next_n << " requests " << c.lengths.size()
                                       << " first length " << c.lengths[0]);
     Scene s = MakeScene(Spec(CacheFormat::kFp4, 32, c.lengths, c.next_n));

@@ -195,6 +195,18 @@ inline std::vector<int32_t> Lengths(int n, int32_t avg) {
   return v;
 }
 
+// The FP4 kernel's shapes (gpu_test, gpu_variants_test): next_n 1-4 and 5 (a request with more
+// rows than a pass), rows shorter and longer than K, and more requests than the kernel
+// schedules itself.
+struct Fp4Case {
+  std::vector<int32_t> lengths;
+  int32_t next_n;
+};
+inline std::vector<Fp4Case> Fp4KernelCases() {
+  return {{{9000, 300, 513, 70000}, 1}, {{5000, 20000, 64}, 2}, {{4000, 3000}, 3},
+          {{3000, 129, 2049}, 4},       {Lengths(300, 150), 1}, {{6000, 700}, 5}};
+}
+
 // `got` against `want` ([rows, stride] logits of scene `s`) over each row's positions below its
 // length: the entries whose bits differ, those left NaN in `got` (not written), and the first
 // few differing ones as text (row, position, key tile, both values).

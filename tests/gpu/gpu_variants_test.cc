@@ -306,14 +306,7 @@ TEST_F(GpuTest, Fp8PerPageVariantEqualsTheProductionKernel) {
 // rows shorter and longer than K, more requests than the kernel schedules itself, a row whose q
 // scales do not fold, grids of every SM, 1 and 3 blocks' worth.
 TEST_F(GpuTest, Fp4VariantsEqualTheProductionKernel) {
-  struct Case {
-    std::vector<int32_t> lengths;
-    int32_t next_n;
-  };
-  const std::vector<Case> cases = {
-      {{9000, 300, 513, 70000}, 1}, {{5000, 20000, 64}, 2}, {{4000, 3000}, 3},
-      {{3000, 129, 2049}, 4},       {Lengths(300, 150), 1}, {{6000, 700}, 5}};
-  for (const Case& c : cases) {
+  for (const Fp4Case& c : Fp4KernelCases()) {
     Scene s = MakeScene(Spec(CacheFormat::kFp4, 32, c.lengths, c.next_n));
     uint8_t& b = s.q_scales[(int64_t{0} * 32 + 5) * 4 + 2];  // row 0 does not fold
     b = static_cast<uint8_t>(b > 127 ? b - 12 : b + 12);

@@ -5,6 +5,11 @@
 // - kTwoRounds4Blocks: one row a pass at 4 blocks per SM (96 registers), the 4 group wgmmas of
 //   a row in two rounds of two (32 accumulators live instead of 64); more rows a pass keep 3
 //   blocks, also in two rounds.
+// - kOtherSignHandling: the other sign handling than the production one (kPipeFp4SignSplit, false:
+// A
+//   widened with its signs, five instructions per 4 codes, one wgmma a group): A split by sign
+//   into two fragments, one prmt lookup per 4 codes each, a second wgmma subtracting.
+// - kTwoRounds3Blocks: the group wgmmas in two rounds at the production 3 blocks per SM.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,8 +19,9 @@
 
 namespace decode_indexer::kernels::cuda {
 
-enum class Fp4Variant { kTwoRounds4Blocks };
-inline constexpr Fp4Variant kAllFp4Variants[] = {Fp4Variant::kTwoRounds4Blocks};
+enum class Fp4Variant { kTwoRounds4Blocks, kOtherSignHandling, kTwoRounds3Blocks };
+inline constexpr Fp4Variant kAllFp4Variants[] = {
+    Fp4Variant::kTwoRounds4Blocks, Fp4Variant::kOtherSignHandling, Fp4Variant::kTwoRounds3Blocks};
 const char* Fp4VariantName(Fp4Variant v);
 
 // As LaunchPagedMqaLogitsFp4 (InvalidArgument where PagedMqaLogitsFp4Takes does not hold).

@@ -7,12 +7,26 @@
 namespace decode_indexer::kernels::cuda {
 namespace {
 
-template <bool kOwnSchedule>
-absl::Status LaunchTwoRounds(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
+// kFourBlocks: one row a pass at 4 blocks per SM (more rows at 3).
+template <bool kFourBlocks>
+constexpr int TwoRoundsMinBlocks(int rows) {
+  return kFourBlocks && rows == 1 ? 4 : 3;
+}
+
+// kRounds 2: the group wgmmas in two rounds (kFourBlocks as above); 1: the production shape
+// with the other sign handling.
+template <bool kOwnSchedule, int kRounds, bool kFourBlocks>
+absl::Status LaunchTyped(const PagedLogitsArgs& args, int num_sms, cudaStream_t stream) {
   return WithDenseRowsPerPass(args.rows, [&](auto rows) {
     constexpr int kRows = decltype(rows)::value;
-    return fp4_logits::Launch < kRows, kOwnSchedule, kRows == 1 ? 4 : 3, kPipeFp4Stages,
-           2 > (args, num_sms, stream);
+    if constexpr (kRounds == 2) {
+      return fp4_logits::Launch<kRows, kOwnSchedule, TwoRoundsMinBlocks<kFourBlocks>(kRows),
+                                kPipeFp4Stages, 2, kPipeFp4SignSplit>(args, num_sms, stream);
+    } else {
+      return fp4_logits::Launch<kRows, kOwnSchedule, PipeFp4MinBlocks(kRows), kPipeFp4Stages,
+                                PipeFp4GroupRounds(kRows), !kPipeFp4SignSplit>(args, num_sms,
+                                                                               stream);
+    }
   });
 }
 
@@ -22,6 +36,11 @@ const char* Fp4VariantName(Fp4Variant v) {
   switch (v) {
     case Fp4Variant::kTwoRounds4Blocks:
       return "fp4 two rounds, 4 blocks at one row";
+    case Fp4Variant::kTwoRounds3Blocks:
+      return "fp4 two rounds, 3 blocks";
+    case Fp4Variant::kOtherSignHandling:
+      return kPipeFp4SignSplit ? "fp4 signs in A (one wgmma a group)"
+                               : "fp4 A split by sign (two wgmmas a group)";
   }
   return "?";
 }
@@ -33,8 +52,17 @@ absl::Status LaunchFp4Variant(Fp4Variant v, const PagedLogitsArgs& args, int num
   }
   switch (v) {
     case Fp4Variant::kTwoRounds4Blocks:
-      return DenseComputesOwnSchedule(args.rows) ? LaunchTwoRounds<true>(args, num_sms, stream)
-                                                 : LaunchTwoRounds<false>(args, num_sms, stream);
+      return DenseComputesOwnSchedule(args.rows)
+                 ? LaunchTyped<true, 2, true>(args, num_sms, stream)
+                 : LaunchTyped<false, 2, true>(args, num_sms, stream);
+    case Fp4Variant::kTwoRounds3Blocks:
+      return DenseComputesOwnSchedule(args.rows)
+                 ? LaunchTyped<true, 2, false>(args, num_sms, stream)
+                 : LaunchTyped<false, 2, false>(args, num_sms, stream);
+    case Fp4Variant::kOtherSignHandling:
+      return DenseComputesOwnSchedule(args.rows)
+                 ? LaunchTyped<true, 1, false>(args, num_sms, stream)
+                 : LaunchTyped<false, 1, false>(args, num_sms, stream);
   }
   return absl::InvalidArgumentError("fp4 variant: unknown");
 }
