@@ -783,21 +783,34 @@ void BenchV41(const Args& a) {
           auto consumer = [&](double round_mean, double source) {
             return (5 * round_mean - source) / 4;
           };
-          char line[512];
+          // The scoring kernels (eager steps only), and the whole round's time beyond them.
+          std::string src_k = "-", con_k = "-", over_k = "-";
+          if (src.kernel_samples > 0 && all.kernel_samples > 0) {
+            src_k = absl::StrFormat("%.1f", src.kernels_us);
+            con_k = absl::StrFormat("%.1f", consumer(all.kernels_us, src.kernels_us));
+            over_k = absl::StrFormat("%.1f", 5 * (all.step_us - all.kernels_us));
+          }
+          char line[640];
           std::snprintf(
               line, sizeof line,
-              "| %d | %s | %d | %s | source | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n"
-              "| %d | %s | %d | %s | consumer | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n",
+              "| %d | %s | %d | %s | source | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %s "
+              "| "
+              "%s |\n"
+              "| %d | %s | %d | %s | consumer | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | "
+              "%s "
+              "| %s |\n",
               ranks, graphs ? "on" : "off", n, overlap ? "on" : "off", src.step_us, src.plan_us,
               src.uploads_us, src.launch_us, src.copies_us, src.wait_us,
-              src.ranks_us - (src.uploads_us + src.launch_us + src.copies_us + src.wait_us), ranks,
-              graphs ? "on" : "off", n, overlap ? "on" : "off", (all.step_us - src.step_us) / 4,
+              src.ranks_us - (src.uploads_us + src.launch_us + src.copies_us + src.wait_us),
+              src_k.c_str(), over_k.c_str(), ranks, graphs ? "on" : "off", n,
+              overlap ? "on" : "off", (all.step_us - src.step_us) / 4,
               consumer(all.plan_us, src.plan_us), consumer(all.uploads_us, src.uploads_us),
               consumer(all.launch_us, src.launch_us), consumer(all.copies_us, src.copies_us),
               consumer(all.wait_us, src.wait_us),
               consumer(
                   all.ranks_us - (all.uploads_us + all.launch_us + all.copies_us + all.wait_us),
-                  src.ranks_us - (src.uploads_us + src.launch_us + src.copies_us + src.wait_us)));
+                  src.ranks_us - (src.uploads_us + src.launch_us + src.copies_us + src.wait_us)),
+              con_k.c_str(), over_k.c_str());
           phase_rows.push_back(line);
           if (candidates.count(n) == 0) {
             di::exec::StepInput s = round[0];
@@ -810,9 +823,11 @@ void BenchV41(const Args& a) {
     }
   }
   std::printf(
-      "\n### Where a v41 step goes (means, us; columns as in the v32 table)\n\n| ranks | "
-      "graphs | next_n | overlap | layer | step | plan | uploads | launch | copies | wait | "
-      "rest |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "\n### Where a v41 step goes (means, us; columns as in the v32 table)\n\nround - kernels: "
+      "the whole round (source + 4 consumers) less its layers' scoring kernels (eager steps "
+      "only, `-` with graphs on)\n\n| ranks | graphs | next_n | overlap | layer | step | plan | "
+      "uploads | launch | copies | wait | rest | kernels | round - kernels |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const std::string& row : phase_rows) std::fputs(row.c_str(), stdout);
   std::fflush(stdout);
 #ifdef DI_BENCH_CUDA
