@@ -816,9 +816,20 @@ __global__ void FillFp4Q(uint8_t* codes, uint8_t* scales, float* w, int rows, ui
 // (logits + top-k as DenseTopK runs it: top 512 / top 2048), for issue 17's "FP4 step <= 0.6x the
 // v32 step". The FP4 kernel's logits are checked against the sparse kernel's bit for bit on the
 // first set of each shape.
-int RunFp4Dense(uint8_t* pool8, int64_t pool8_pages, float* logits, int sms, cudaStream_t st,
-                cudaEvent_t e0, cudaEvent_t e1, std::mt19937_64& rng, FILE* out, double copy_gbs,
-                int batches, int per_batch, int only_requests, int only_next_n, int only_avg) {
+// Main's step buffers, shared by the modes that time whole steps (RunFp4Dense): logits, top-k,
+// row tables of up to 256 rows and a schedule of up to 128 requests.
+struct StepBuffers {
+  float* logits;
+  int32_t* topk;
+  int32_t* row_request;
+  int32_t* row_length;
+  dc::MqaSchedule sched;
+};
+
+int RunFp4Dense(uint8_t* pool8, int64_t pool8_pages, const StepBuffers& buf, int sms,
+                cudaStream_t st, cudaEvent_t e0, cudaEvent_t e1, std::mt19937_64& rng, FILE* out,
+                double copy_gbs, int batches, int per_batch, int only_requests, int only_next_n,
+                int only_avg) {
   constexpr int kHeads4 = 32, kTopK4 = 512;
   const di::CacheGeometry geo4{di::CacheFormat::kFp4, 128, kPage};
   const int64_t page4 = geo4.page_bytes();
@@ -831,14 +842,13 @@ int RunFp4Dense(uint8_t* pool8, int64_t pool8_pages, float* logits, int sms, cud
   const int max_rows = 256;
   const int64_t max_ctx = 131072 * 13 / 10 + 64;
   const int64_t lstride_max = (max_ctx + 3) / 4 * 4;
-  float* logits_ref;
+  float* logits_ref;  // the sparse kernel's logits, beside main's
   CHECK_CUDA(cudaMalloc(&logits_ref, sizeof(float) * max_rows * lstride_max), "logits ref");
-  int32_t *topk, *sched_ws, *row_request, *row_length;
-  CHECK_CUDA(cudaMalloc(&topk, sizeof(int32_t) * max_rows * kTopK), "topk");
-  CHECK_CUDA(cudaMalloc(&sched_ws, sizeof(int32_t) * dc::MqaScheduleInts(128)), "ws");
-  CHECK_CUDA(cudaMalloc(&row_request, sizeof(int32_t) * max_rows), "rows");
-  CHECK_CUDA(cudaMalloc(&row_length, sizeof(int32_t) * max_rows), "lengths");
-  const dc::MqaSchedule sched = dc::CarveMqaSchedule(sched_ws, 128);
+  float* const logits = buf.logits;
+  int32_t* const topk = buf.topk;
+  int32_t* const row_request = buf.row_request;
+  int32_t* const row_length = buf.row_length;
+  const dc::MqaSchedule& sched = buf.sched;
   std::printf(
       "fp4 dense (v41: 32 heads, 68 B entries) beside v32 (64 heads, 132 B), us, graph "
       "(eager)\n%5s %3s %7s | %15s %15s %7s | %15s | %13s %13s %6s\n",
@@ -1025,6 +1035,8 @@ int RunFp4Dense(uint8_t* pool8, int64_t pool8_pages, float* logits, int sms, cud
   }
   std::printf("fp4 kernel vs sparse kernel: %lld logits differ\n",
               static_cast<long long>(differ_total));
+  CHECK_CUDA(cudaFree(logits_ref), "free");
+  CHECK_CUDA(cudaFree(pool4), "free");
   return differ_total == 0 ? 0 : 1;
 }
 
@@ -1150,8 +1162,9 @@ int main(int argc, char** argv) {
     return rc;
   }
   if (fp4) {
-    const int rc = RunFp4Dense(pool, pool_pages, logits, sms, st, e0, e1, rng, out, copy_gbs,
-                               batches, per_batch, only_requests, only_next_n, only_avg);
+    const int rc = RunFp4Dense(pool, pool_pages, {logits, topk, row_request, row_length, sched},
+                               sms, st, e0, e1, rng, out, copy_gbs, batches, per_batch,
+                               only_requests, only_next_n, only_avg);
     std::fclose(out);
     return rc;
   }

@@ -6,7 +6,8 @@
 // persistent grid over the step's key tiles, one request's run at a time; a producer lane that
 // fills a ring of page slots with one bulk copy a page (the whole 4352-byte page: 64 keys x 64
 // bytes of e2m1 codes, then their 4 ue8m0 group scales each); one consumer warpgroup that scores
-// each page against the pass's rows with fp8 wgmma from shared memory.
+// each page against the pass's rows with fp8 wgmma, the keys widened into A in registers and q
+// in shared memory.
 //
 // Why: before it, these layers ran the sparse consumer's mma.sync kernel over the dense rows
 // (f16 widening, cp.async a lane; sm90_sparse_logits_mma.cuh), ~3x their key-byte floor.
